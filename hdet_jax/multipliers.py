@@ -1,0 +1,71 @@
+"""The fan-out spread (paper eq. 1) and the shared-key permutations that assign it to replicas."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def spread_multipliers(num_replicas: int, spread: float) -> np.ndarray:
+  """Returns the symmetric multipliers of paper eq. 1, as float64 numpy.
+
+  .. math::
+
+    \\rho_r = 1 + \\alpha \\frac{r - (N-1)/2}{\\max((N-1)/2, 0.5)}, \\quad r = 0..N-1
+
+  The multipliers are symmetric around 1, so their mean is exactly 1 (the
+  ensemble's mean learning rate equals the base schedule), and they span
+  ``[1 - spread, 1 + spread]`` (for N = 1 the single multiplier is 1).
+
+  Args:
+    num_replicas: N, the size of the replica axis (>= 1).
+    spread: alpha, in ``[0, 1)`` so that every multiplier stays positive.
+
+  Returns:
+    A float64 array of shape ``[N]``, increasing in r.
+
+  Example:
+    >>> spread_multipliers(4, 0.25)
+    array([0.75      , 0.91666667, 1.08333333, 1.25      ])
+  """
+  if int(num_replicas) != num_replicas or num_replicas < 1:
+    raise ValueError(f'num_replicas must be a positive integer, got {num_replicas!r}.')
+  if not 0.0 <= spread < 1.0:
+    raise ValueError(
+        f'spread must be in [0, 1) so every multiplier 1 +- spread stays positive, got {spread!r}.')
+  n = int(num_replicas)
+  half = (n - 1) / 2.0
+  r = np.arange(n, dtype=np.float64)
+  rho = 1.0 + spread * (r - half) / max(half, 0.5)
+  # Set the lower half to 2 - (upper half), which is exact (Sterbenz), so each
+  # pair r, N-1-r sums to exactly 2 and the mean is 1 to the last bit.
+  upper = r > half
+  rho[::-1][upper] = 2.0 - rho[upper]
+  return rho
+
+
+def draw_permutations(key: jax.Array, num_hyperparams: int, num_replicas: int) -> jax.Array:
+  """Draws one independent permutation of ``range(N)`` per explored hyperparameter.
+
+  Replica r takes multiplier ``rho[g, perm[g, r]]`` for hyperparameter g. Every replica
+  calls this with the same key (it lives in the replicated controller state), so every
+  replica draws the same permutations without communicating and without global RNG state
+  (the reference reseeds torch's global RNG instead; one extra draw on one rank
+  desynchronises it).
+
+  Args:
+    key: a PRNG key that is identical on all replicas.
+    num_hyperparams: G.
+    num_replicas: N.
+
+  Returns:
+    int32 array ``[G, N]``; each row is a permutation.
+  """
+  keys = jax.random.split(key, num_hyperparams)
+  return jax.vmap(lambda k: jax.random.permutation(k, num_replicas))(keys).astype(jnp.int32)
+
+
+def identity_permutations(num_hyperparams: int, num_replicas: int) -> jax.Array:
+  """Replica r takes ``rho[r]`` for every hyperparameter (the assignment before any sync)."""
+  return jnp.broadcast_to(jnp.arange(num_replicas, dtype=jnp.int32), (num_hyperparams, num_replicas))

@@ -1,0 +1,113 @@
+"""Replica-axis helpers: the leading-axis layout, varying-type casts, and shard_map glue.
+
+HDET's replicas differ between syncs, so nothing per-replica may be declared replicated.
+The layout that works everywhere: every leaf of the parameters and of the optimizer state
+carries a leading replica axis of size N. Under ``shard_map`` that axis is sharded over the
+mesh's replica axis and the body sees a slice of size 1; under ``pmap`` and
+``vmap(axis_name=...)`` it is mapped away.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def stack_replicas(tree: Any, num_replicas: int) -> Any:
+  """Copies every leaf N times along a new leading replica axis."""
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + jnp.shape(x)), tree)
+
+
+def average_replicas(stacked: Any) -> Any:
+  """The ensemble's model: the mean over the leading replica axis, outside any mapped context.
+
+  This is the exact average of the replicas, whatever they hold; evaluate and export this,
+  not replica 0. Inside a mapped context use ``lax.pmean(tree, replica_axis)``.
+  """
+  return jax.tree.map(lambda x: jnp.mean(x, axis=0, dtype=x.dtype), stacked)
+
+
+def replica(stacked: Any, index: int) -> Any:
+  """Replica ``index``'s copy of a stacked tree."""
+  return jax.tree.map(lambda x: x[index], stacked)
+
+
+def vma(x: jax.Array) -> frozenset:
+  """The mesh axes a value varies over (empty outside shard_map and under vmap/pmap)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, 'mat', None)
+  return frozenset(getattr(mat, 'varying', ())) if mat is not None else frozenset()
+
+
+def match_vma(x: Any, like: Any) -> Any:
+  """Casts each leaf of x to vary over the axes its counterpart in ``like`` varies over.
+
+  The two branches of a ``lax.cond`` must agree in varying-ness under ``check_vma``; a
+  ``pmean`` result is invariant while the parameters it replaces vary. ``lax.pcast`` fails
+  under ``vmap(axis_name=...)``, so only the missing axes are cast, and under vmap/pmap
+  nothing is missing.
+  """
+  def cast(a, b):
+    missing = tuple(sorted(vma(b) - vma(a)))
+    return lax.pcast(a, missing, to='varying') if missing else a
+  return jax.tree.map(cast, x, like)
+
+
+def axis_size_or_raise(axis_name: str, expected: int | None = None, who: str = 'hdet') -> int:
+  """The size of a bound mapped axis, with a clear error when it is not bound or does not match."""
+  try:
+    size = lax.axis_size(axis_name)
+  except (NameError, KeyError, ValueError) as e:
+    raise ValueError(
+        f'{who}: replica_axis={axis_name!r} is not bound here. Call the update inside '
+        f"jax.shard_map over a mesh with an axis named {axis_name!r}, jax.pmap(..., axis_name="
+        f"{axis_name!r}) or jax.vmap(..., axis_name={axis_name!r}), or pass the right replica_axis."
+    ) from e
+  if expected is not None and size != expected:
+    raise ValueError(
+        f'{who}: num_replicas={expected} but the axis {axis_name!r} has size {size}. '
+        f'Set num_replicas={size} or map over {expected} replicas.')
+  return size
+
+
+def shard_map_replicas(
+    fn: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    replica_axis: str = 'data',
+    *,
+    stacked_argnums: tuple[int, ...] | None = None,
+    check_vma: bool = True,
+) -> Callable[..., Any]:
+  """Runs a per-replica function on stacked trees with ``jax.shard_map``.
+
+  ``fn`` sees one replica's leaves (the leading axis dropped) and returns per-replica
+  trees; the wrapper restores the leading axis. Every argument in ``stacked_argnums``
+  (default: all) must carry the leading replica axis; the others are passed replicated.
+
+  Example:
+    >>> step = jax.jit(shard_map_replicas(train_step, mesh, 'data'))
+    >>> params, opt_state, loss = step(params, opt_state, batch)  # all stacked [N, ...]
+  """
+  def body(*args):
+    args = [jax.tree.map(lambda a: a[0], x) if _stacked(i) else x for i, x in enumerate(args)]
+    out = fn(*args)
+    return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
+
+  def _stacked(i):
+    return stacked_argnums is None or i in stacked_argnums
+
+  def wrapped(*args):
+    in_specs = tuple(P(replica_axis) if _stacked(i) else P() for i in range(len(args)))
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=P(replica_axis), check_vma=check_vma)(*args)
+
+  return wrapped
+
+
+def replica_sharding(mesh: jax.sharding.Mesh, replica_axis: str = 'data') -> NamedSharding:
+  """The sharding of a stacked leaf: leading axis over the replica axis, the rest replicated."""
+  return NamedSharding(mesh, P(replica_axis))

@@ -1,0 +1,96 @@
+"""Base schedules. Any optax schedule works as HDET's base; this adds torch's OneCycleLR."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def one_cycle(
+    max_lr: float,
+    total_steps: int,
+    pct_start: float = 0.3,
+    anneal_strategy: str = 'cos',
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+    three_phase: bool = False,
+) -> optax.Schedule:
+  """torch's ``OneCycleLR`` as an optax schedule, with torch's argument names.
+
+  The value at step t equals torch's learning rate after ``t`` calls of
+  ``scheduler.step()`` (t = 0 is the value set by the constructor):
+
+  .. math::
+
+    \\eta_0 = \\eta_{max} / d, \\quad \\eta_{min} = \\eta_0 / f, \\quad
+    \\eta(t) = \\mathrm{anneal}(\\eta_0 \\to \\eta_{max}) \\text{ until } p S - 1,
+    \\text{ then } \\mathrm{anneal}(\\eta_{max} \\to \\eta_{min}) \\text{ until } S - 1.
+
+  Past ``total_steps - 1`` it stays at the final value (torch raises instead).
+  ``optax.cosine_onecycle_schedule`` is close but one step off from torch.
+
+  Args:
+    max_lr: the peak learning rate.
+    total_steps: S, the number of steps in the cycle.
+    pct_start: fraction of the cycle spent increasing the learning rate.
+    anneal_strategy: 'cos' or 'linear'.
+    div_factor: d; the initial value is max_lr / d.
+    final_div_factor: f; the final value is max_lr / (d * f).
+    three_phase: torch's three-phase variant (up, back down to the initial value, then to the minimum).
+
+  Returns:
+    A schedule ``step -> learning rate`` (float32).
+
+  Example:
+    >>> sched = one_cycle(max_lr=1e-3, total_steps=2000)
+    >>> float(sched(0)), float(sched(599)), float(sched(1999))  # 4e-5, 1e-3, 4e-9
+  """
+  if not max_lr > 0:
+    raise ValueError(f'max_lr must be > 0, got {max_lr!r}.')
+  if int(total_steps) != total_steps or total_steps < 2:
+    raise ValueError(f'total_steps must be an integer >= 2, got {total_steps!r}.')
+  if not 0.0 < pct_start < 1.0:
+    raise ValueError(f'pct_start must be in (0, 1), got {pct_start!r}.')
+  if anneal_strategy not in ('cos', 'linear'):
+    raise ValueError(f"anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}.")
+  if not div_factor > 0 or not final_div_factor > 0:
+    raise ValueError(
+        f'div_factor and final_div_factor must be > 0, got {div_factor!r}, {final_div_factor!r}.')
+  initial = max_lr / div_factor
+  minimum = initial / final_div_factor
+  up_end = float(pct_start * total_steps) - 1
+  if three_phase:
+    ends = [up_end, float(2 * pct_start * total_steps) - 2, total_steps - 1]
+    values = [initial, max_lr, initial, minimum]
+  else:
+    ends = [up_end, total_steps - 1]
+    values = [initial, max_lr, minimum]
+  if not all(b > a for a, b in zip([0.0] + ends[:-1], ends)):
+    raise ValueError(
+        f'pct_start={pct_start!r} with total_steps={total_steps!r} leaves an empty phase; '
+        'increase total_steps or move pct_start away from 0 and 1.')
+  starts = np.array([0.0] + ends[:-1])
+  ends_arr = np.array(ends)
+
+  def schedule(count):
+    t = jnp.asarray(count, jnp.float32)
+    # The phase index: the first phase whose end is >= t (the last one past the end).
+    phase = jnp.minimum(jnp.sum(t > jnp.asarray(ends_arr[:-1], jnp.float32)), len(ends) - 1)
+    s0 = jnp.asarray(starts, jnp.float32)[phase]
+    s1 = jnp.asarray(ends_arr, jnp.float32)[phase]
+    v0 = jnp.asarray(values[:-1], jnp.float32)[phase]
+    v1 = jnp.asarray(values[1:], jnp.float32)[phase]
+    pct = jnp.clip((t - s0) / (s1 - s0), 0.0, 1.0)
+    if anneal_strategy == 'cos':
+      return v1 + (v0 - v1) / 2.0 * (jnp.cos(jnp.pi * pct) + 1.0)
+    return (v1 - v0) * pct + v0
+
+  return schedule
+
+
+def final_value(schedule, total_steps: int) -> float:
+  """The schedule's value at its last step (``total_steps - 1``), as a Python float."""
+  if not callable(schedule):
+    return float(schedule)
+  return float(schedule(total_steps - 1))

@@ -1,0 +1,412 @@
+"""The HDET optax transformation: fan-out, converge and the auto-LR controller.
+
+``hdet`` wraps an optax optimizer *factory* (``optax.adam``, ``optax.sgd``, any callable that
+takes ``learning_rate=`` and returns a transformation) and turns a plain data-parallel
+training step into Hyperparameter-Divergent Ensemble Training. It runs wherever the replica
+axis is bound: ``jax.shard_map`` (the primary path), ``jax.pmap`` and
+``jax.vmap(axis_name=...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from hdet_jax import controller as ctrl
+from hdet_jax import multipliers
+from hdet_jax import replicas
+from hdet_jax import schedules
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoLR:
+  """Settings of the auto-LR controller (paper §3.4, eqs. 4-9).
+
+  Attributes:
+    total_steps: S, the length of the run; gamma is chosen so that with no signal the
+      base decays geometrically to the base schedule's value at step S - 1.
+    warmup_steps: S_warm; the controller updates at the first sync at or after this step.
+      Before that the base follows the schedule (the replicas are already spread).
+    temperature: sigma of the softmax over window losses (eq. 4). The paper used 0.1,
+      the reference code defaults to 0.002. Loss differences are divided by it, so it
+      should be on the scale of the replicas' loss differences.
+    lr_of_lr: lambda, the step size of the base update (eq. 7).
+    momentum: beta, the velocity's momentum (eq. 7), in [0, 1).
+    decay: gamma override. None picks the geometric decay described above; pass
+      ``hdet_jax.controller.reference_decay(div, final_div, K)`` to reproduce the reference.
+    min_value: floor on every base value, keeping every replica's LR positive. None uses
+      a tenth of the schedule's final value.
+    smooth_decay: if True, within a window the base decays continuously,
+      ``base_k (1 - gamma) ** (i / T - 1)`` at step i of the window (from the previous base,
+      absent signal, to base_k), so with no signal the LR follows one continuous geometric
+      curve; this fixes the reference's LR being frozen between syncs. False holds it at
+      base_k between syncs, as the reference does.
+  """
+  total_steps: int
+  warmup_steps: int = 0
+  temperature: float = 0.1
+  lr_of_lr: float = 0.5
+  momentum: float = 0.9
+  decay: float | None = None
+  min_value: float | None = None
+  smooth_decay: bool = True
+
+
+class HDETState(NamedTuple):
+  """The state of :func:`hdet` on one replica (G = explored hyperparameters, N = replicas).
+
+  Everything except ``loss_sum`` is identical on all replicas: the wrapped optimizer sees
+  the same all-reduced gradient everywhere, and the controller's inputs are all-gathered.
+  """
+  count: jax.Array          # [] int32: updates applied so far.
+  inner_state: Any          # the wrapped optimizer's state.
+  loss_sum: jax.Array       # [] float32: this replica's sum of ``value`` in the current window.
+  sync_count: jax.Array     # [] int32: syncs (parameter averages) done so far.
+  synced: jax.Array         # [] bool: whether the last update was a sync step.
+  base: jax.Array           # [G] float32: the base value used at the last step.
+  values: jax.Array         # [G, N] float32: every replica's value at the last step.
+  multipliers: jax.Array    # [G, N] float32: rho of eq. 1 (constant).
+  controller: ctrl.ControllerState  # base for the window, velocity, perm, key, losses, weights, delta.
+
+  @property
+  def learning_rates(self) -> jax.Array:
+    """[N]: every replica's learning rate at the last step."""
+    return self.values[..., 0, :]
+
+  @property
+  def base_learning_rate(self) -> jax.Array:
+    """[]: the base learning rate at the last step."""
+    return self.base[..., 0]
+
+
+class _Config(NamedTuple):
+  names: tuple[str, ...]
+  schedules: tuple[Any, ...]
+  spreads: tuple[float, ...]
+  num_replicas: int
+  sync_every: int
+  replica_axis: str
+  auto_lr: AutoLR | None
+  controller_start: int
+  decay: tuple[float, ...]
+  floors: tuple[float, ...]
+  start_values: tuple[float, ...]
+
+
+def hdet(
+    optimizer: Callable[..., optax.GradientTransformation],
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    num_replicas: int,
+    spread: float = 0.25,
+    sync_every: int = 100,
+    replica_axis: str = 'data',
+    auto_lr: AutoLR | None = None,
+    exact_sync: bool = False,
+    seed: int = 0,
+    **optimizer_kwargs: Any,
+) -> optax.GradientTransformationExtraArgs:
+  """Hyperparameter-Divergent Ensemble Training around an optax optimizer.
+
+  Replica r (its index on ``replica_axis``) trains with learning rate
+  ``base(t) * rho[perm[r]]`` on the shared, already all-reduced gradient, where
+
+  .. math::
+
+    \\rho_r = 1 + \\alpha \\frac{r - (N-1)/2}{\\max((N-1)/2, 0.5)}
+
+  (eq. 1). Every ``sync_every`` steps the replicas' parameters are averaged over the axis
+  (eq. 3, one all-reduce, only on those steps) and the multipliers are reassigned by a fresh
+  permutation drawn from a key shared by all replicas. With ``auto_lr`` set, each sync at or
+  after its warmup also all-gathers each replica's mean loss over the window and moves the
+  base (eqs. 4-9): ``w = softmax((mean L - L) / sigma)``,
+  ``delta = sum_r w_r lr_r - mean_r lr_r``, ``v = beta v + (1 - beta) delta``,
+  ``base = mean_r lr_r (1 - gamma) + lambda v``, floored to stay positive.
+
+  With ``spread=0`` and no controller the updates equal ``optimizer(learning_rate)``'s bit
+  for bit between syncs (and the sync is a no-op up to rounding, since the replicas agree).
+
+  Sync steps: the update of step t with ``(t + 1) % sync_every == 0`` returns
+  ``pmean(p + u) - p``. Applied with ``optax.apply_updates`` the replicas then agree to
+  rounding: ``|p'_r - avg| <= eps (|avg| + |avg - p_r|)`` with eps the unit roundoff
+  (2**-24 for float32), about one ulp. For a bitwise-exact assignment build with
+  ``exact_sync=True`` and apply with :func:`apply_updates`, which assigns ``pmean(p + u)``.
+
+  Args:
+    optimizer: an optax factory taking ``learning_rate=`` (e.g. ``optax.adamw``); it is
+      called inside every update with this replica's learning rate.
+    learning_rate: the base schedule (any optax schedule or a float), e.g.
+      :func:`hdet_jax.one_cycle`.
+    num_replicas: N, the size of ``replica_axis``.
+    spread: alpha in [0, 1).
+    sync_every: T >= 1, steps between parameter averages.
+    replica_axis: the mapped axis the replicas live on. Keep it distinct from any axis
+      the model is sharded over (FSDP, tensor parallel): only it is averaged over.
+    auto_lr: controller settings, or None for fan-out/converge only.
+    exact_sync: if True the sync step returns the inner update only and
+      :func:`apply_updates` does the averaging, assigning the average exactly.
+    seed: seeds the permutation key (identical on every replica).
+    **optimizer_kwargs: passed to ``optimizer`` (e.g. ``weight_decay=0.1``).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``. ``update(grads, state, params, *,
+    value=None, sync=None)``: ``value`` is this replica's loss (required with ``auto_lr``,
+    the convention of ``optax.contrib.reduce_on_plateau``); ``sync`` may be a Python bool
+    to pick the sync or non-sync program at trace time (it must agree with the step count;
+    the default decides with ``lax.cond``).
+
+  Example:
+    >>> tx = hdet(optax.adam, one_cycle(max_lr=3e-3, total_steps=1000), num_replicas=8,
+    ...           spread=0.25, sync_every=20, auto_lr=AutoLR(total_steps=1000, warmup_steps=100))
+    >>> # inside shard_map over 'data', on one replica's params and the pmean'd grads:
+    >>> updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+    >>> params = optax.apply_updates(params, updates)
+  """
+  cfg = _make_config(
+      learning_rate=learning_rate, num_replicas=num_replicas, spread=spread,
+      sync_every=sync_every, replica_axis=replica_axis, auto_lr=auto_lr)
+  if not callable(optimizer):
+    raise ValueError(
+        f'optimizer must be an optax factory such as optax.adam (called with learning_rate=), '
+        f'got {optimizer!r}. To wrap an existing instance use lambda learning_rate: ...')
+  n, g = cfg.num_replicas, len(cfg.names)
+  rho = jnp.asarray(
+      [multipliers.spread_multipliers(n, s) for s in cfg.spreads], jnp.float32)  # [G, N]
+
+  def build_inner(values):
+    hparams = dict(zip(cfg.names, values))
+    return optimizer(**hparams, **optimizer_kwargs)
+
+  def init_fn(params):
+    start = _base_values(cfg, jnp.zeros([], jnp.int32), None)
+    inner = build_inner(list(start))
+    return HDETState(
+        count=jnp.zeros([], jnp.int32),
+        inner_state=inner.init(params),
+        loss_sum=jnp.zeros([], jnp.float32),
+        sync_count=jnp.zeros([], jnp.int32),
+        synced=jnp.zeros([], bool),
+        base=start,
+        values=start[:, None] * rho,
+        multipliers=rho,
+        controller=ctrl.init_controller_state(
+            jnp.asarray(cfg.start_values, jnp.float32), n,
+            jax.random.key_data(jax.random.key(seed))),
+    )
+
+  def update_fn(updates, state, params=None, *, value=None, sync=None, **extra_args):
+    del extra_args
+    replicas.axis_size_or_raise(cfg.replica_axis, cfg.num_replicas)
+    if cfg.auto_lr is not None and value is None:
+      raise ValueError(
+          'hdet: auto_lr is on, so update() needs this replica\'s loss: call '
+          'tx.update(grads, state, params, value=loss).')
+    if value is not None and jnp.ndim(value) != 0:
+      raise ValueError(
+          f'hdet: value must be this replica\'s scalar loss, got shape {jnp.shape(value)}. '
+          'Reduce the per-example losses to their mean first.')
+    if params is None:
+      raise ValueError('hdet: update() needs params (the sync averages them).')
+    if sync is not None and not isinstance(sync, bool):
+      raise ValueError(f'hdet: sync must be None or a Python bool, got {type(sync).__name__}.')
+
+    r = lax.axis_index(cfg.replica_axis)
+    t = state.count
+    base = _base_values(cfg, t, state.controller)
+    my_rho = jnp.take_along_axis(rho, state.controller.perm, axis=1)[:, r]  # [G]
+    values = base * my_rho
+    inner = build_inner([values[i] for i in range(g)])
+    updates, inner_state = inner.update(updates, state.inner_state, params)
+
+    loss = jnp.zeros([], jnp.float32) if value is None else jnp.asarray(value, jnp.float32)
+    loss_sum = state.loss_sum + loss
+    new_count = t + 1
+    state = state._replace(
+        count=new_count, inner_state=inner_state, loss_sum=loss_sum, base=base,
+        values=base[:, None] * jnp.take_along_axis(rho, state.controller.perm, axis=1),
+        synced=jnp.zeros([], bool))
+    del loss_sum
+
+    def do_sync(operands):
+      upd, st = operands
+      if not exact_sync:
+        new_params = lax.pmean(optax.apply_updates(params, upd), cfg.replica_axis)
+        upd = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
+      st = _sync_controller(cfg, rho, st, gather=value is not None)
+      return upd, st
+
+    def no_sync(operands):
+      return operands
+
+    if sync is None:
+      is_sync = new_count % cfg.sync_every == 0
+      operands = (updates, state)
+      updates, state = lax.cond(
+          is_sync,
+          lambda ops: replicas.match_vma(do_sync(ops), ops),
+          no_sync,
+          operands)
+    elif sync:
+      updates, state = do_sync((updates, state))
+    return updates, state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def apply_updates(params: Any, updates: Any, state: HDETState, *, replica_axis: str = 'data',
+                  sync: bool | None = None) -> Any:
+  """``optax.apply_updates`` that assigns the replicas' average exactly on sync steps.
+
+  For a transformation built with ``exact_sync=True`` (whose sync-step update leaves the
+  averaging to this function): ``p + u`` on ordinary steps, ``pmean(p + u)`` over
+  ``replica_axis`` on sync steps (``state.synced``, or the static ``sync``), so every replica
+  holds bitwise the same average. Call it inside the same mapped context as the update.
+  """
+  new_params = optax.apply_updates(params, updates)
+  if sync is False:
+    return new_params
+  if sync:
+    return lax.pmean(new_params, replica_axis)
+  return lax.cond(
+      state.synced,
+      lambda p: replicas.match_vma(lax.pmean(p, replica_axis), p),
+      lambda p: p,
+      new_params)
+
+
+def _make_config(*, learning_rate, num_replicas, spread, sync_every, replica_axis, auto_lr,
+                 extra=()) -> _Config:
+  """Validates every setting eagerly; each error names the parameter and the fix."""
+  if isinstance(num_replicas, bool) or int(num_replicas) != num_replicas or num_replicas < 1:
+    raise ValueError(f'num_replicas must be a positive integer (the replica axis size), got {num_replicas!r}.')
+  if not isinstance(spread, (int, float)) or not 0.0 <= spread < 1.0:
+    raise ValueError(
+        f'spread (alpha) must be in [0, 1): the lowest multiplier 1 - spread must stay positive; got {spread!r}.')
+  if isinstance(sync_every, bool) or int(sync_every) != sync_every or sync_every < 1:
+    raise ValueError(f'sync_every (T) must be an integer >= 1, got {sync_every!r}.')
+  if not isinstance(replica_axis, str) or not replica_axis:
+    raise ValueError(f'replica_axis must be a mesh/map axis name, got {replica_axis!r}.')
+  sync_every = int(sync_every)
+  names = ('learning_rate',) + tuple(n for n, _, _ in extra)
+  scheds = (learning_rate,) + tuple(s for _, s, _ in extra)
+  spreads = (float(spread),) + tuple(float(s) for _, _, s in extra)
+  controller_start = 0
+  decay = tuple(0.0 for _ in names)
+  floors = tuple(0.0 for _ in names)
+  start_values = tuple(0.0 for _ in names)
+  if auto_lr is not None:
+    if not isinstance(auto_lr, AutoLR):
+      raise ValueError(f'auto_lr must be an hdet_jax.AutoLR or None, got {type(auto_lr).__name__}.')
+    a = auto_lr
+    if isinstance(a.total_steps, bool) or int(a.total_steps) != a.total_steps or a.total_steps < 2:
+      raise ValueError(f'auto_lr.total_steps must be an integer >= 2, got {a.total_steps!r}.')
+    if not 0 <= a.warmup_steps < a.total_steps:
+      raise ValueError(
+          f'auto_lr.warmup_steps must be in [0, total_steps={a.total_steps}), got {a.warmup_steps!r}.')
+    if not a.temperature > 0:
+      raise ValueError(f'auto_lr.temperature (sigma) must be > 0, got {a.temperature!r}.')
+    if not 0.0 <= a.momentum < 1.0:
+      raise ValueError(f'auto_lr.momentum (beta) must be in [0, 1), got {a.momentum!r}.')
+    if not a.lr_of_lr >= 0:
+      raise ValueError(f'auto_lr.lr_of_lr (lambda) must be >= 0, got {a.lr_of_lr!r}.')
+    if spread == 0.0:
+      raise ValueError(
+          'auto_lr needs spread > 0: with spread=0 every replica trains at the same LR and the '
+          'controller gets no signal. Set spread (e.g. 0.25) or auto_lr=None.')
+    # The first sync at or after the warmup; syncs happen after steps T, 2T, ...
+    controller_start = max(sync_every, -(-int(a.warmup_steps) // sync_every) * sync_every)
+    last = int(a.total_steps) - 1
+    if controller_start >= last:
+      raise ValueError(
+          f'auto_lr: the first sync at or after warmup_steps={a.warmup_steps} is step '
+          f'{controller_start}, not before total_steps={a.total_steps}; lower auto_lr.warmup_steps '
+          f'or sync_every={sync_every}.')
+    start_values = tuple(_eval(s, controller_start) for s in scheds)
+    finals = tuple(_eval(s, last) for s in scheds)
+    for name, v0, v1 in zip(names, start_values, finals):
+      if not (v1 > 0 and math.isfinite(v1)):
+        raise ValueError(
+            f'learning_rate: the {name} schedule ends at {v1!r} at step {last}; the auto-LR '
+            'controller decays geometrically towards it and needs it > 0. Use a schedule with a '
+            'positive final value (e.g. one_cycle) or auto_lr=None.')
+      if not (v0 > 0 and math.isfinite(v0)):
+        raise ValueError(
+            f'learning_rate: the {name} schedule is {v0!r} at step {controller_start}, when the '
+            'controller starts; it must be > 0.')
+    if a.decay is not None:
+      if not a.decay < 1:
+        raise ValueError(f'auto_lr.decay (gamma) must be < 1, got {a.decay!r}.')
+      decay = tuple(float(a.decay) for _ in names)
+    else:
+      # K syncs from the controller's start to the last step (the smooth path reaches the
+      # final value exactly at step S - 1; the staircase within one window of it).
+      k = (last - controller_start) / sync_every
+      decay = tuple(ctrl.decay_for_schedule(v0, v1, k) for v0, v1 in zip(start_values, finals))
+    if a.min_value is not None:
+      if not a.min_value > 0:
+        raise ValueError(f'auto_lr.min_value must be > 0 (it keeps every LR positive), got {a.min_value!r}.')
+      floors = tuple(float(a.min_value) for _ in names)
+    else:
+      floors = tuple(0.1 * v1 for v1 in finals)
+  return _Config(
+      names=names, schedules=scheds, spreads=spreads, num_replicas=int(num_replicas),
+      sync_every=sync_every, replica_axis=replica_axis, auto_lr=auto_lr,
+      controller_start=controller_start, decay=decay, floors=floors, start_values=start_values)
+
+
+def _eval(schedule, step: int) -> float:
+  return float(schedule(step)) if callable(schedule) else float(schedule)
+
+
+def _base_values(cfg: _Config, t: jax.Array, controller: ctrl.ControllerState | None) -> jax.Array:
+  """[G] base values for step t: the schedule, or the controller's base once it has started."""
+  scheduled = jnp.stack([
+      jnp.asarray(s(t) if callable(s) else s, jnp.float32) for s in cfg.schedules])
+  if cfg.auto_lr is None or controller is None:
+    return scheduled
+  if cfg.auto_lr.smooth_decay:
+    # From base_k / (1 - gamma) at the sync (the previous base, with no signal) to base_k at
+    # the next sync, so the no-signal path is one continuous geometric curve.
+    into_window = (t % cfg.sync_every).astype(jnp.float32) / cfg.sync_every
+    controlled = controller.base * jnp.asarray(1.0 - np.asarray(cfg.decay), jnp.float32) ** (into_window - 1.0)
+  else:
+    controlled = controller.base
+  return jnp.where(t >= cfg.controller_start, controlled, scheduled)
+
+
+def _sync_controller(cfg: _Config, rho: jax.Array, st: HDETState, *, gather: bool) -> HDETState:
+  """The non-parameter part of a sync: window losses, controller update, fresh permutations."""
+  c = st.controller
+  window_losses = c.window_losses
+  if gather:
+    window_losses = lax.all_gather(st.loss_sum / cfg.sync_every, cfg.replica_axis)
+  new_c = c._replace(window_losses=window_losses)
+  if cfg.auto_lr is not None:
+    a = cfg.auto_lr
+    # The window's nominal values: the controller's base times each replica's multiplier
+    # (the actual values differ from these by a factor common to all replicas, which
+    # leaves the softmax-weighted signal's direction unchanged).
+    values = (c.base[:, None] * jnp.take_along_axis(rho, c.perm, axis=1)).T  # [N, G]
+    out = ctrl.controller_update(
+        c.base, c.velocity, window_losses, values,
+        temperature=a.temperature, lr_of_lr=a.lr_of_lr, momentum=a.momentum,
+        decay=jnp.asarray(cfg.decay, jnp.float32), floor=jnp.asarray(cfg.floors, jnp.float32))
+    active = st.count >= cfg.controller_start
+    keep = lambda new, old: jnp.where(active, new, old)
+    new_c = new_c._replace(
+        base=keep(out.base, c.base), velocity=keep(out.velocity, c.velocity),
+        weights=keep(out.weights, c.weights), delta=keep(out.delta, c.delta))
+  key, sub = jax.random.split(jax.random.wrap_key_data(c.key))
+  new_c = new_c._replace(
+      key=jax.random.key_data(key),
+      perm=multipliers.draw_permutations(sub, len(cfg.names), cfg.num_replicas))
+  return st._replace(
+      controller=new_c, loss_sum=jnp.zeros_like(st.loss_sum),
+      sync_count=st.sync_count + 1, synced=jnp.ones([], bool))
