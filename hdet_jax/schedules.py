@@ -81,10 +81,13 @@ def one_cycle(
     s1 = jnp.asarray(ends_arr, jnp.float32)[phase]
     v0 = jnp.asarray(values[:-1], jnp.float32)[phase]
     v1 = jnp.asarray(values[1:], jnp.float32)[phase]
-    pct = jnp.clip((t - s0) / (s1 - s0), 0.0, 1.0)
+    # Written in the fraction of the phase still to go, q = 1 - pct, and with
+    # (cos(pi pct) + 1) / 2 = sin(pi q / 2)**2: float32 then keeps full relative precision
+    # near the end of the cycle, where the LR falls to max_lr / 2.5e5.
+    q = jnp.clip((s1 - t) / (s1 - s0), 0.0, 1.0)
     if anneal_strategy == 'cos':
-      return v1 + (v0 - v1) / 2.0 * (jnp.cos(jnp.pi * pct) + 1.0)
-    return (v1 - v0) * pct + v0
+      return v1 + (v0 - v1) * jnp.sin(jnp.pi / 2 * q) ** 2
+    return v1 + (v0 - v1) * q
 
   return schedule
 

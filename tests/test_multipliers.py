@@ -1,0 +1,55 @@
+"""Eq. 1 multipliers and the shared-key permutations."""
+
+import jax
+import numpy as np
+import pytest
+
+from hdet_jax import multipliers
+
+
+@pytest.mark.parametrize('n', [1, 2, 3, 4, 7, 8, 16])
+@pytest.mark.parametrize('alpha', [0.0, 1 / 9, 0.25, 0.5, 0.99])
+def test_symmetric_mean_one_and_bounded(n, alpha):
+  rho = multipliers.spread_multipliers(n, alpha)
+  assert rho.shape == (n,)
+  # Symmetric: each pair r, N-1-r sums to exactly 2, so the mean is exactly 1.
+  np.testing.assert_array_equal(rho + rho[::-1], 2.0)
+  assert abs(np.mean(rho) - 1.0) <= 1e-15
+  assert np.all(rho >= 1 - alpha - 1e-15) and np.all(rho <= 1 + alpha + 1e-15)
+  assert np.all(np.diff(rho) >= 0)
+
+
+def test_closed_form_values():
+  # Independent closed forms of eq. 1.
+  np.testing.assert_allclose(multipliers.spread_multipliers(4, 0.25), [0.75, 11 / 12, 13 / 12, 1.25], rtol=1e-15)
+  np.testing.assert_allclose(multipliers.spread_multipliers(2, 0.25), [0.75, 1.25], rtol=1e-15)
+  np.testing.assert_array_equal(multipliers.spread_multipliers(1, 0.5), [1.0])
+  # The paper's setting: N = 8, alpha = 1/9 spans [8/9, 10/9] (0.0008..0.001 at base 0.0009).
+  rho = multipliers.spread_multipliers(8, 1 / 9)
+  np.testing.assert_allclose([rho[0], rho[-1]], [8 / 9, 10 / 9], rtol=1e-15)
+  np.testing.assert_allclose(rho[1] - rho[0], (2 / 9) / 7, rtol=1e-12)
+
+
+@pytest.mark.parametrize('bad', [-0.1, 1.0, 1.5])
+def test_bad_spread_names_parameter(bad):
+  with pytest.raises(ValueError, match='spread'):
+    multipliers.spread_multipliers(4, bad)
+
+
+def test_permutations_are_permutations_and_independent():
+  key = jax.random.key(3)
+  perms = np.asarray(multipliers.draw_permutations(key, 3, 8))
+  assert perms.shape == (3, 8)
+  for row in perms:
+    assert sorted(row.tolist()) == list(range(8))
+  # Same key, same draw (every replica holds the same key).
+  np.testing.assert_array_equal(perms, np.asarray(multipliers.draw_permutations(key, 3, 8)))
+  # Independent across hyperparameters: over many draws the rows differ and the position of
+  # multiplier 0 in row 0 and row 1 is uncorrelated (8 x 8 contingency close to uniform).
+  counts = np.zeros((8, 8))
+  for i in range(2000):
+    p = np.asarray(multipliers.draw_permutations(jax.random.key(i), 2, 8))
+    counts[np.argmin(p[0]), np.argmin(p[1])] += 1
+  expected = 2000 / 64
+  chi2 = np.sum((counts - expected) ** 2 / expected)
+  assert chi2 < 110, chi2  # 63 dof: p ~ 1e-4 at 110
