@@ -93,9 +93,10 @@ def controller_update(
   dtype = base.dtype
   w = softmax_weights(window_losses.astype(dtype), temperature)
   h = replica_values.astype(dtype)
-  weighted = jnp.einsum('n,ng->g', w, h)
   mean = jnp.mean(h, axis=0)
-  delta = weighted - mean
+  # sum_r w_r h_r - mean_r h_r, written as sum_r (w_r - 1/N) h_r: no cancellation between two
+  # nearly equal sums, and exactly 0 when the weights are uniform (no signal).
+  delta = jnp.einsum('n,ng->g', w - 1.0 / w.shape[0], h)
   velocity = momentum * velocity + (1.0 - momentum) * delta
   new_base = mean * (1.0 - decay) + lr_of_lr * velocity
   new_base = jnp.maximum(new_base, jnp.asarray(floor, dtype))

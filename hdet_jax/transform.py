@@ -111,6 +111,7 @@ def hdet(
     auto_lr: AutoLR | None = None,
     exact_sync: bool = False,
     seed: int = 0,
+    explore: dict[str, tuple[optax.ScalarOrSchedule, float]] | None = None,
     **optimizer_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Hyperparameter-Divergent Ensemble Training around an optax optimizer.
@@ -153,6 +154,11 @@ def hdet(
     exact_sync: if True the sync step returns the inner update only and
       :func:`apply_updates` does the averaging, assigning the average exactly.
     seed: seeds the permutation key (identical on every replica).
+    explore: more optimizer hyperparameters to explore like the learning rate, as
+      ``{kwarg_name: (base value or schedule, spread)}``, e.g. ``{'weight_decay': (1e-2, 0.5)}``.
+      Each is passed to ``optimizer`` as that keyword, spread multiplicatively with its own
+      multipliers, and gets its own permutation, velocity and base. Index g of the state's
+      [G] fields follows ``('learning_rate', *explore)``.
     **optimizer_kwargs: passed to ``optimizer`` (e.g. ``weight_decay=0.1``).
 
   Returns:
@@ -169,9 +175,18 @@ def hdet(
     >>> updates, opt_state = tx.update(grads, opt_state, params, value=loss)
     >>> params = optax.apply_updates(params, updates)
   """
+  extra = []
+  for name, spec in (explore or {}).items():
+    if name == 'learning_rate' or name in optimizer_kwargs:
+      raise ValueError(f'explore: {name!r} is already set; name each hyperparameter once.')
+    if not (isinstance(spec, tuple) and len(spec) == 2):
+      raise ValueError(f'explore[{name!r}] must be a (value or schedule, spread) pair, got {spec!r}.')
+    if not isinstance(spec[1], (int, float)) or not 0.0 <= spec[1] < 1.0:
+      raise ValueError(f'explore[{name!r}]: spread must be in [0, 1), got {spec[1]!r}.')
+    extra.append((name, spec[0], spec[1]))
   cfg = _make_config(
       learning_rate=learning_rate, num_replicas=num_replicas, spread=spread,
-      sync_every=sync_every, replica_axis=replica_axis, auto_lr=auto_lr)
+      sync_every=sync_every, replica_axis=replica_axis, auto_lr=auto_lr, extra=tuple(extra))
   if not callable(optimizer):
     raise ValueError(
         f'optimizer must be an optax factory such as optax.adam (called with learning_rate=), '

@@ -1,0 +1,447 @@
+"""The hdet transformation: fan-out, converge, controller wiring, backends, composition, errors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import hdet_jax as H
+
+N = 8
+AX = 'data'
+
+
+@pytest.fixture(scope='module')
+def mesh():
+  return Mesh(np.array(jax.devices()[:N]), (AX,))
+
+
+def put(mesh, tree):
+  return jax.device_put(tree, NamedSharding(mesh, P(AX)))
+
+
+def quad_problem(dim=5, seed=0):
+  """Per-replica targets c_r; l(theta; B_r) = 0.5 |theta - c_r|^2."""
+  c = jax.random.normal(jax.random.key(seed), (N, dim))
+  return {'w': jnp.zeros((dim,))}, c
+
+
+def quad_step(tx, sync=None, pmean_grads=True, exact=False):
+  def step(p, s, c):
+    loss, g = jax.value_and_grad(lambda p: 0.5 * jnp.sum((p['w'] - c) ** 2))(p)
+    if pmean_grads:
+      g = lax.pmean(g, AX)
+    u, s = tx.update(g, s, p, value=loss, sync=sync)
+    p = H.apply_updates(p, u, s, replica_axis=AX, sync=sync) if exact else optax.apply_updates(p, u)
+    return p, s, loss
+  return step
+
+
+def run(mesh, tx, steps, params, data, backend="shard_map", exact=False, record=False, sync=None):
+  sp = H.stack_replicas(params, N)
+  ss = jax.jit(jax.vmap(tx.init))(sp)
+  step = quad_step(tx, exact=exact, sync=sync)
+  if backend == 'shard_map':
+    f = jax.jit(H.shard_map_replicas(step, mesh, AX))
+    sp, ss, data = put(mesh, (sp, ss, data))
+  elif backend == 'pmap':
+    f = jax.pmap(step, axis_name=AX)
+  else:
+    f = jax.jit(jax.vmap(step, axis_name=AX))
+  trace = []
+  for _ in range(steps):
+    sp, ss, loss = f(sp, ss, data)
+    if record:
+      trace.append((np.asarray(sp['w']), jax.tree.map(np.asarray, ss)))
+  return sp, ss, trace, f
+
+
+# --- alpha = 0: exactly plain data parallelism -------------------------------------------------
+
+FACTORIES = {
+    'adam': optax.adam,
+    'adamw': lambda learning_rate: optax.adamw(learning_rate, weight_decay=0.1),
+    'sgd_momentum': lambda learning_rate: optax.sgd(learning_rate, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize('name', list(FACTORIES))
+def test_alpha_zero_equals_plain_data_parallel_bitwise(mesh, name):
+  """Static dispatch (the trainer's path): the whole trajectory equals plain optax bit for bit."""
+  sched = H.one_cycle(max_lr=0.05, total_steps=30)
+  factory = FACTORIES[name]
+  tx = H.hdet(factory, sched, num_replicas=N, spread=0.0, sync_every=1000, replica_axis=AX)
+  plain = factory(sched)
+  params, c = quad_problem()
+  _, _, trace, _ = run(mesh, tx, 24, params, c, record=True, sync=False)
+
+  def plain_step(p, s, c):
+    loss, g = jax.value_and_grad(lambda p: 0.5 * jnp.sum((p['w'] - c) ** 2))(p)
+    u, s = plain.update(lax.pmean(g, AX), s, p)
+    return optax.apply_updates(p, u), s, loss
+  pp = put(mesh, H.stack_replicas(params, N))
+  ps = jax.jit(jax.vmap(plain.init))(pp)
+  f = jax.jit(H.shard_map_replicas(plain_step, mesh, AX))
+  for t in range(24):
+    pp, ps, _ = f(pp, ps, put(mesh, c))
+    np.testing.assert_array_equal(trace[t][0], np.asarray(pp['w']))  # bit for bit, every step
+  assert np.abs(np.asarray(pp['w'])).max() > 0.1  # it actually trained
+
+
+@pytest.mark.parametrize('name', list(FACTORIES))
+def test_alpha_zero_updates_equal_wrapped_optimizer_bitwise_under_cond(mesh, name):
+  """lax.cond dispatch: every update equals the wrapped optimizer's bit for bit. (The trajectory
+  may differ from a plain program's by an ulp: XLA can fuse ``p - lr * g`` into an FMA in a
+  program without the cond boundary, and not across it.)"""
+  sched = H.one_cycle(max_lr=0.05, total_steps=30)
+  factory = FACTORIES[name]
+  tx = H.hdet(factory, sched, num_replicas=N, spread=0.0, sync_every=1000, replica_axis=AX)
+  plain = factory(sched)
+  params, c = quad_problem()
+
+  def step(p, s, ps, c):
+    g = lax.pmean(jax.grad(lambda p: 0.5 * jnp.sum((p['w'] - c) ** 2))(p), AX)
+    u, s = tx.update(g, s, p)
+    u_plain, ps = plain.update(g, ps, p)
+    return optax.apply_updates(p, u), s, ps, u, u_plain
+  sp = put(mesh, H.stack_replicas(params, N))
+  ss, ps = jax.jit(jax.vmap(tx.init))(sp), jax.jit(jax.vmap(plain.init))(sp)
+  f = jax.jit(H.shard_map_replicas(step, mesh, AX))
+  for _ in range(24):
+    sp, ss, ps, u, u_plain = f(sp, ss, ps, put(mesh, c))
+    np.testing.assert_array_equal(np.asarray(u['w']), np.asarray(u_plain['w']))
+  assert np.abs(np.asarray(sp['w'])).max() > 0.1
+
+
+def test_alpha_zero_with_syncs_stays_within_rounding(mesh):
+  sched = 0.05
+  tx = H.hdet(optax.adam, sched, num_replicas=N, spread=0.0, sync_every=4, replica_axis=AX)
+  params, c = quad_problem()
+  sp, _, _, _ = run(mesh, tx, 20, params, c)
+  plain = optax.adam(sched)
+  p, s = params, plain.init(params)
+  for _ in range(20):
+    g = jax.tree.map(lambda w: w - c.mean(0), p)  # the same mean gradient, computed once
+    u, s = plain.update({'w': (jnp.mean(p['w'][None] - c, 0))}, s, p)
+    p = optax.apply_updates(p, u)
+  np.testing.assert_allclose(np.asarray(sp['w'][0]), np.asarray(p['w']), rtol=1e-6, atol=1e-7)
+
+
+# --- quadratic case: the mean follows the alpha = 0 trajectory --------------------------------
+
+def test_quadratic_mean_tracks_alpha_zero_and_offsets_follow_rho(mesh):
+  T, lr, alpha = 5, 0.1, 0.3
+  params, c = quad_problem(dim=4)
+  tx = H.hdet(optax.sgd, lr, num_replicas=N, spread=alpha, sync_every=T, replica_axis=AX)
+  base = H.hdet(optax.sgd, lr, num_replicas=N, spread=0.0, sync_every=T, replica_axis=AX)
+  _, _, trace, _ = run(mesh, tx, 23, params, c, record=True)
+  _, _, trace0, _ = run(mesh, base, 23, params, c, record=True)
+  rho = H.spread_multipliers(N, alpha)
+  nonzero_offsets = 0
+  for t, ((w, st), (w0, _)) in enumerate(zip(trace, trace0)):
+    mean = w.mean(0)
+    np.testing.assert_allclose(mean, w0[0], rtol=1e-5, atol=1e-6)  # eq. 2 with mean(rho) = 1
+    if (t + 1) % T:
+      # Between syncs theta_r - mean = -(rho[perm(r)] - 1) * lr * (sum of mean gradients since the sync).
+      perm = st.controller.perm[0, 0]
+      off = w - mean
+      k = rho[perm] - 1.0
+      direction = off[-1] / k[-1] if abs(k[-1]) > 0 else off[0] / k[0]
+      np.testing.assert_allclose(off, k[:, None] * direction[None], rtol=1e-3, atol=1e-6)
+      assert np.abs(off).max() > 1e-4
+      nonzero_offsets += 1
+  assert nonzero_offsets == 23 - 23 // T
+
+
+# --- sync exactness ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize('exact', [False, True])
+def test_sync_exactness(mesh, exact):
+  T = 3
+  params, c = quad_problem(dim=64, seed=1)
+  tx = H.hdet(optax.adam, 0.05, num_replicas=N, spread=0.5, sync_every=T, replica_axis=AX, exact_sync=exact)
+  _, _, trace, _ = run(mesh, tx, 12, params, c, exact=exact, record=True)
+  eps = np.finfo(np.float32).eps / 2  # unit roundoff
+  for t, (w, st) in enumerate(trace):
+    spread_now = np.max(np.abs(w - w[0]))
+    if (t + 1) % T == 0:
+      assert st.synced.all() and int(st.sync_count[0]) == (t + 1) // T
+      if exact:
+        assert spread_now == 0.0
+      else:
+        # The documented bound: |p'_r - avg| <= eps (|avg| + |avg - p_r|), so two replicas differ
+        # by at most twice that. Reconstruct the pre-sync replicas from the previous step.
+        prev = trace[t - 1][0] if t else np.zeros_like(w)
+        avg = w.mean(0)
+        bound = 2 * eps * (np.abs(avg) + np.max(np.abs(prev - avg), axis=0) * 2 + 1e-30) * 1.01
+        assert np.all(np.abs(w - w[0]) <= bound[None] + 0), (np.abs(w - w[0]).max(), bound.max())
+    else:
+      assert spread_now > 1e-5
+
+
+def _hlo(f, *args):
+  return f.lower(*args).compile().as_text()
+
+
+def _computations(hlo):
+  """Maps each HLO computation name to its body text."""
+  comps, name, body = {}, None, []
+  for line in hlo.splitlines():
+    m = re.match(r'^(ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$', line)
+    if m and not line.startswith(' '):
+      name, body = ('ENTRY' if m.group(1) else m.group(2)), []
+      comps[name] = body
+    elif name is not None:
+      body.append(line)
+  return {k: '\n'.join(v) for k, v in comps.items()}
+
+
+def test_all_reduce_runs_only_on_sync_steps(mesh):
+  """In the compiled program the parameter all-reduce and the loss all-gather sit inside the
+  conditional's sync branch; the static non-sync program has no collective at all."""
+  params, c = quad_problem(dim=16)
+  tx = H.hdet(optax.adam, 0.05, num_replicas=N, spread=0.25, sync_every=10, replica_axis=AX,
+              auto_lr=H.AutoLR(total_steps=100, warmup_steps=10))
+  sp = put(mesh, H.stack_replicas(params, N))
+  ss = put(mesh, jax.jit(jax.vmap(tx.init))(sp))
+  data = put(mesh, c)
+  hlos = {}
+  for sync in (None, False, True):
+    f = jax.jit(H.shard_map_replicas(quad_step(tx, sync=sync, pmean_grads=False), mesh, AX))
+    hlos[sync] = _hlo(f, sp, ss, data)
+  collective = re.compile(r'\b(all-reduce|all-gather|all-reduce-start|all-gather-start)\(')
+  assert not collective.search(hlos[False])
+  assert collective.search(hlos[True])
+  comps = _computations(hlos[None])
+  assert not collective.search(comps['ENTRY']), 'a collective runs unconditionally'
+  assert 'conditional(' in hlos[None]
+  assert any(collective.search(body) for k, body in comps.items() if k != 'ENTRY')
+
+
+def test_compiles_once_across_sync_and_non_sync_steps(mesh):
+  params, c = quad_problem()
+  tx = H.hdet(optax.adam, H.one_cycle(0.05, 40), num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX,
+              auto_lr=H.AutoLR(total_steps=40, warmup_steps=6, temperature=0.05))
+  _, ss, _, f = run(mesh, tx, 14, params, c)
+  assert int(ss.sync_count[0]) == 4
+  assert f._cache_size() == 1
+
+
+# --- backends ---------------------------------------------------------------------------------
+
+def test_backends_agree(mesh):
+  params, c = quad_problem()
+  def make():
+    return H.hdet(optax.adam, H.one_cycle(0.05, 40), num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX,
+                  auto_lr=H.AutoLR(total_steps=40, warmup_steps=6, temperature=0.05))
+  out = {b: run(mesh, make(), 20, params, c, backend=b) for b in ('shard_map', 'pmap', 'vmap')}
+  ref_p, ref_s = out['shard_map'][0], out['shard_map'][1]
+  assert float(ref_s.controller.velocity[0, 0]) != 0.0  # the controller ran
+  for b in ('pmap', 'vmap'):
+    np.testing.assert_allclose(np.asarray(out[b][0]['w']), np.asarray(ref_p['w']), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(out[b][1].base), np.asarray(ref_s.base), rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out[b][1].controller.perm), np.asarray(ref_s.controller.perm))
+
+
+# --- controller wiring ------------------------------------------------------------------------
+
+def test_controller_state_and_no_signal_decay(mesh):
+  """Identical losses on every replica (no signal): the base decays geometrically from the
+  schedule's value at the controller's start to its final value; all logging fields are live."""
+  S, T, W = 60, 5, 10
+  sched = H.one_cycle(max_lr=0.1, total_steps=S)
+  tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
+              auto_lr=H.AutoLR(total_steps=S, warmup_steps=W, temperature=0.1))
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.vmap(tx.init)(sp)
+
+  def step(p, s):
+    g = jax.tree.map(jnp.zeros_like, p)
+    u, s = tx.update(g, s, p, value=jnp.float32(1.0))  # identical losses: weights uniform, delta 0
+    return optax.apply_updates(p, u), s
+  f = jax.jit(jax.vmap(step, axis_name=AX))
+  bases = []
+  for t in range(S):
+    sp, ss = f(sp, ss)
+    bases.append(float(ss.base[0, 0]))
+  bases = np.array(bases)
+  sched_np = np.array([float(sched(t)) for t in range(S)])
+  np.testing.assert_allclose(bases[:W], sched_np[:W], rtol=1e-6)  # before the controller: the schedule
+  t = np.arange(W, S)
+  expected = sched_np[W] * (sched_np[S - 1] / sched_np[W]) ** ((t - W) / (S - 1 - W))
+  np.testing.assert_allclose(bases[W:], expected, rtol=1e-4)
+  # Logging fields.
+  np.testing.assert_allclose(ss.weights if hasattr(ss, 'weights') else ss.controller.weights, 1.0 / N, rtol=1e-6)
+  assert np.all(np.asarray(ss.controller.delta) == 0) and np.all(np.asarray(ss.controller.velocity) == 0)
+  np.testing.assert_allclose(ss.controller.window_losses, 1.0)
+  assert int(ss.sync_count[0]) == S // T
+  lrs = np.asarray(ss.learning_rates[0])
+  rho = H.spread_multipliers(N, 0.25)
+  np.testing.assert_allclose(np.sort(lrs), np.sort(bases[-1] * rho), rtol=1e-6)
+  np.testing.assert_allclose(ss.multipliers[0, 0], rho, rtol=1e-7)
+
+
+@pytest.mark.parametrize('favour', [+1, -1])
+def test_direction_end_to_end(favour):
+  """A loss that favours larger LRs raises the base above the no-signal path, and vice versa."""
+  S, T = 200, 5
+  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
+              auto_lr=H.AutoLR(total_steps=S, warmup_steps=0, temperature=0.01, decay=0.0))
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.vmap(tx.init)(sp)
+
+  def step(p, s):
+    my_lr = s.values[0, lax.axis_index(AX)]  # the LR this replica trained with at the last step
+    loss = 1.0 - favour * 10.0 * my_lr
+    u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=loss)
+    return optax.apply_updates(p, u), s
+  f = jax.jit(jax.vmap(step, axis_name=AX))
+  for _ in range(60):
+    sp, ss = f(sp, ss)
+  assert (float(ss.base[0, 0]) - 1e-2) * favour > 1e-4
+
+
+def test_permutations_identical_on_replicas_and_independent_across_hyperparams(mesh):
+  params, c = quad_problem()
+  tx = H.hdet(optax.adamw, 0.01, num_replicas=N, spread=0.25, sync_every=1, replica_axis=AX,
+              explore={'weight_decay': (1e-2, 0.5)})
+  sp, ss, trace, _ = run(mesh, tx, 40, params, c, record=True)
+  same_rows = 0
+  for _, st in trace:
+    perm = st.controller.perm  # [N replicas, G, N]
+    np.testing.assert_array_equal(perm, np.broadcast_to(perm[0], perm.shape))
+    same_rows += int(np.array_equal(perm[0, 0], perm[0, 1]))
+  assert same_rows <= 1
+  # Each replica's explored values are base * rho[perm] for its own hyperparameter.
+  st = trace[-1][1]
+  rho_wd = H.spread_multipliers(N, 0.5)
+  np.testing.assert_allclose(st.values[0, 1], 1e-2 * rho_wd[trace[-2][1].controller.perm[0, 1]], rtol=1e-6)
+
+
+# --- composition ------------------------------------------------------------------------------
+
+def test_chain_with_clip_forwards_value(mesh):
+  params, c = quad_problem()
+  inner = H.hdet(optax.sgd, 0.1, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX,
+                 auto_lr=H.AutoLR(total_steps=50, warmup_steps=0, temperature=0.05))
+  tx = optax.chain(optax.clip_by_global_norm(0.01), inner)
+  sp, ss, _, _ = run(mesh, tx, 8, params, c)
+  # Clipped: each replica moved by at most lr * rho_max * 0.01 per step.
+  assert np.max(np.linalg.norm(np.asarray(sp['w']), axis=-1)) <= 8 * 0.1 * 1.25 * 0.01 + 1e-6
+  hstate = ss[1]
+  assert int(hstate.sync_count[0]) == 2 and float(np.abs(hstate.controller.window_losses).sum()) > 0
+
+
+def test_multi_transform_both_ways(mesh):
+  params = {'a': jnp.zeros(3), 'b': jnp.zeros(2)}
+  c = jax.random.normal(jax.random.key(0), (N, 5))
+  labels = {'a': 'hdet', 'b': 'frozen'}
+
+  def loss_fn(p, c):
+    return 0.5 * jnp.sum((p['a'] - c[:3]) ** 2) + 0.5 * jnp.sum((p['b'] - c[3:]) ** 2)
+
+  def go(tx):
+    def step(p, s, c):
+      loss, g = jax.value_and_grad(loss_fn)(p, c)
+      u, s = tx.update(lax.pmean(g, AX), s, p, value=loss)
+      return optax.apply_updates(p, u), s, loss
+    sp = put(mesh, H.stack_replicas(params, N))
+    ss = jax.jit(jax.vmap(tx.init))(sp)
+    f = jax.jit(H.shard_map_replicas(step, mesh, AX))
+    outs = []
+    for _ in range(6):
+      sp, ss, _ = f(sp, ss, put(mesh, c))
+      outs.append(jax.tree.map(np.asarray, sp))
+    return outs
+
+  # HDET inside one branch of multi_transform: only that branch diverges and syncs.
+  outs = go(optax.multi_transform(
+      {'hdet': H.hdet(optax.sgd, 0.1, num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX),
+       'frozen': optax.set_to_zero()}, labels))
+  assert np.all(outs[-1]['b'] == 0)
+  assert np.max(np.abs(outs[1]['a'] - outs[1]['a'][0])) > 1e-4
+  assert np.max(np.abs(outs[2]['a'] - outs[2]['a'][0])) < 1e-6  # synced after step 3
+  # multi_transform inside the HDET factory: per-group optimizers, one spread LR.
+  factory = lambda learning_rate: optax.multi_transform(
+      {'hdet': optax.sgd(learning_rate), 'frozen': optax.sgd(learning_rate * 0.0)}, labels)
+  outs = go(H.hdet(factory, 0.1, num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX))
+  assert np.all(outs[-1]['b'] == 0) and np.max(np.abs(outs[1]['a'] - outs[1]['a'][0])) > 1e-4
+
+
+def test_nnx_optimizer_under_vmap():
+  from flax import nnx
+  tx = H.hdet(optax.adam, 0.05, num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX,
+              auto_lr=H.AutoLR(total_steps=50, warmup_steps=0, temperature=0.05))
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  graphdef, state = nnx.split((model, opt))
+  stacked = H.stack_replicas(state, N)
+  x = jax.random.normal(jax.random.key(1), (N, 4, 3))
+
+  def step(state, x):
+    model, opt = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+    grads = jax.tree.map(lambda g: lax.pmean(g, AX), grads)
+    opt.update(model, grads, value=loss)
+    return nnx.state((model, opt)), loss
+
+  f = jax.jit(jax.vmap(step, axis_name=AX))
+  losses = []
+  for _ in range(7):
+    stacked, loss = f(stacked, x)
+    losses.append(np.asarray(loss).mean())
+  kernels = np.asarray(jax.tree.leaves(stacked)[0]) if False else None
+  _, st = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], stacked))
+  hstate = st.opt_state.value if hasattr(st.opt_state, 'value') else st.opt_state
+  assert int(np.asarray(jax.tree.leaves(nnx.state(st))[0]).size) > 0
+  assert losses[-1] < losses[0]
+  assert int(np.asarray(hstate.sync_count)) == 2
+
+
+# --- bad settings -----------------------------------------------------------------------------
+
+SCHED = H.one_cycle(1e-3, 100)
+
+
+@pytest.mark.parametrize('kwargs, name', [
+    (dict(spread=-0.1), 'spread'),
+    (dict(spread=1.0), 'spread'),
+    (dict(sync_every=0), 'sync_every'),
+    (dict(num_replicas=0), 'num_replicas'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, temperature=0.0)), 'temperature'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, temperature=-1.0)), 'temperature'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, momentum=1.0)), 'momentum'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, momentum=-0.1)), 'momentum'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, warmup_steps=-1)), 'warmup_steps'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, warmup_steps=100)), 'warmup_steps'),
+    (dict(auto_lr=H.AutoLR(total_steps=100), spread=0.0), 'spread'),
+    (dict(auto_lr=H.AutoLR(total_steps=100), learning_rate=optax.linear_schedule(1e-3, 0.0, 99)), 'learning_rate'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, min_value=0.0)), 'min_value'),
+])
+def test_bad_settings_raise_at_construction(kwargs, name):
+  args = dict(learning_rate=SCHED, num_replicas=4, spread=0.25, sync_every=10)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=name):
+    H.hdet(optax.adam, **args)
+
+
+def test_trace_time_errors():
+  tx = H.hdet(optax.adam, 1e-3, num_replicas=4, spread=0.25, sync_every=2,
+              auto_lr=H.AutoLR(total_steps=100, warmup_steps=0), replica_axis=AX)
+  p = {'w': jnp.zeros(2)}
+  s = tx.init(p)
+  with pytest.raises(ValueError, match="replica_axis='data' is not bound"):
+    tx.update(p, s, p, value=1.0)
+  sp, ss = H.stack_replicas(p, 3), H.stack_replicas(s, 3)
+  with pytest.raises(ValueError, match='num_replicas=4 but the axis'):
+    jax.vmap(lambda p, s: tx.update(p, s, p, value=1.0), axis_name=AX)(sp, ss)
+  sp, ss = H.stack_replicas(p, 4), H.stack_replicas(s, 4)
+  with pytest.raises(ValueError, match='value=loss'):
+    jax.vmap(lambda p, s: tx.update(p, s, p), axis_name=AX)(sp, ss)
+  with pytest.raises(ValueError, match='scalar loss'):
+    jax.vmap(lambda p, s: tx.update(p, s, p, value=jnp.ones(3)), axis_name=AX)(sp, ss)
