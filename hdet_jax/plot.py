@@ -1,0 +1,135 @@
+"""Plots of a training run from its ``WORKDIR/metrics.jsonl``.
+
+    python -m hdet_jax.plot WORKDIR
+
+writes ``WORKDIR/plots/loss.png`` (each replica's training loss and the averaged model's
+validation loss), ``lr.png`` (each replica's LR with the sync points marked, and the base LR:
+the paper's Fig. 3) and ``controller.png`` (the auto-LR controller's delta and velocity, and its
+softmax weights). train.py draws them at the end of a run; this redraws them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+
+
+def _smooth(y: np.ndarray, width: int) -> np.ndarray:
+  if width <= 1 or len(y) < width:
+    return y
+  kernel = np.ones(width) / width
+  return np.convolve(y, kernel, mode='valid')
+
+
+def plot_workdir(workdir: str) -> list[str]:
+  """Draws the three PNGs into ``workdir/plots`` and returns their paths."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  from hdet_jax.trainer.metrics import read_metrics
+
+  recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  train, evals, ctrl = recs.get('train', []), recs.get('eval', []), recs.get('controller', [])
+  out_dir = os.path.join(workdir, 'plots')
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  if not train:
+    return paths
+  steps = np.array([r['step'] for r in train])
+  loss = np.array([r['loss'] for r in train], dtype=float)  # [S, N]
+  lrs = np.array([r['lr'] for r in train], dtype=float)  # [S, N]
+  base = np.array([r['base_lr'] for r in train], dtype=float)
+  syncs = steps[np.array([bool(r.get('sync')) for r in train])]
+  n = loss.shape[1]
+  colors = plt.cm.viridis(np.linspace(0, 0.9, n))
+  width = max(1, len(steps) // 60)
+
+  # Loss.
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for r in range(n):
+    ax.plot(steps[width - 1:] if width > 1 and len(steps) >= width else steps,
+            _smooth(loss[:, r], width), color=colors[r], lw=0.8, alpha=0.8, label=f'replica {r} (train)')
+  if evals:
+    ax.plot([e['step'] for e in evals], [e['val_loss'] for e in evals], 'k-o', ms=4, lw=1.8,
+            label='averaged model (validation)')
+  ax.set_xlabel('step')
+  ax.set_ylabel('loss (nats / byte)')
+  ax.set_title(f'Loss (train: moving mean over {width} steps)')
+  finite = loss[np.isfinite(loss)]
+  if finite.size:
+    ax.set_ylim(max(0.0, np.percentile(finite, 0.5) - 0.1), np.percentile(finite, 99.5) + 0.1)
+  ax.legend(fontsize=7, ncol=2)
+  ax.grid(alpha=0.3)
+  paths.append(_save(fig, out_dir, 'loss.png'))
+
+  # Learning rates (Fig. 3).
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for r in range(n):
+    ax.plot(steps, lrs[:, r], color=colors[r], lw=0.7, alpha=0.8, label=f'replica {r}')
+  ax.plot(steps, base, 'k--', lw=1.5, label='base LR')
+  if len(syncs) and len(syncs) <= 400:
+    for s in syncs:
+      ax.axvline(s, color='tab:red', lw=0.3, alpha=0.4)
+  if len(syncs):
+    ax.plot(syncs, base[np.isin(steps, syncs)], 'r|', ms=8, label='sync (average)')
+  ax.set_xlabel('step')
+  ax.set_ylabel('learning rate')
+  ax.set_title('Per-replica learning rates, base LR and sync points')
+  ax.legend(fontsize=7, ncol=2)
+  ax.grid(alpha=0.3)
+  paths.append(_save(fig, out_dir, 'lr.png'))
+
+  # Controller.
+  fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+  if ctrl:
+    cs = np.array([c['step'] for c in ctrl])
+    axes[0].plot(cs, [c['delta'] for c in ctrl], 'o-', ms=2, label='delta (eq. 6)')
+    axes[0].axhline(0, color='k', lw=0.5)
+    axes[1].plot(cs, [c['velocity'] for c in ctrl], 'o-', ms=2, color='tab:orange', label='velocity (eq. 7)')
+    axes[1].axhline(0, color='k', lw=0.5)
+    w = np.array([c['weights'] for c in ctrl], dtype=float)
+    for r in range(w.shape[1]):
+      axes[2].plot(cs, w[:, r], color=colors[r % len(colors)], lw=0.8, label=f'w{r}')
+  else:
+    axes[0].text(0.5, 0.5, 'no sync steps', ha='center', transform=axes[0].transAxes)
+  axes[0].set_ylabel('delta')
+  axes[1].set_ylabel('velocity')
+  axes[2].set_ylabel('softmax weight (eq. 4)')
+  axes[2].set_xlabel('step')
+  axes[0].set_title('Auto-LR controller at each sync (zero before its warmup)')
+  for ax in axes:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=4)
+  paths.append(_save(fig, out_dir, 'controller.png'))
+  return paths
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+  path = os.path.join(out_dir, name)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  import matplotlib.pyplot as plt
+  plt.close(fig)
+  return path
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) != 2 or argv[1] in ('-h', '--help'):
+    print('usage: python -m hdet_jax.plot WORKDIR', file=sys.stderr)
+    return 2
+  try:
+    paths = plot_workdir(argv[1])
+  except FileNotFoundError as e:
+    print(f'error: {e}', file=sys.stderr)
+    return 1
+  for p in paths:
+    print(p)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv))

@@ -1,0 +1,317 @@
+"""``train_and_evaluate(config, workdir)``: HDET on a byte-level transformer LM.
+
+Everything that can be wrong with the config, the corpus, the workdir, the devices or
+``init_from`` is checked first and reported as one :class:`ConfigError` line, before any
+training starts and before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from hdet_jax.trainer import checkpoints
+from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import input_pipeline
+from hdet_jax.trainer import metrics as metrics_lib
+from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer import train_step as ts
+from hdet_jax.trainer import warm_init
+from hdet_jax.trainer.config_lib import ConfigError
+
+_INIT_TAG, _WARM_TAG = 1, 2  # fold_in tags of the run key: model init, warm-init noise.
+
+
+def setup_jax(config: Any, *, coordinator_address: str | None = None, num_processes: int | None = None,
+              process_id: int | None = None) -> None:
+  """Process-level JAX setup; call before any other JAX call (train.py does).
+
+  Starts ``jax.distributed`` when a coordinator is given, or under a SLURM job step with
+  several tasks (JAX reads the rest from SLURM's environment); sets the number of simulated CPU
+  devices (``config.num_cpu_devices`` split over the processes, unless JAX_NUM_CPU_DEVICES or
+  XLA_FLAGS already say); turns on the persistent compilation cache.
+  """
+  slurm = int(os.environ.get('SLURM_NTASKS', '1') or 1) > 1 and 'SLURM_JOB_ID' in os.environ
+  procs = num_processes or (int(os.environ['SLURM_NTASKS']) if slurm else 1)
+  if ('JAX_NUM_CPU_DEVICES' not in os.environ
+      and 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
+      and config.num_cpu_devices > 0):
+    try:
+      jax.config.update('jax_num_cpu_devices', max(1, config.num_cpu_devices // procs))
+    except RuntimeError:
+      pass  # the backend is already up (e.g. in a test); keep its device count.
+  if coordinator_address:
+    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+  elif slurm:
+    jax.distributed.initialize()
+  if config.compilation_cache:
+    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(config.compilation_cache))
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+
+
+def _resolve_replicas(config: Any) -> int:
+  devices = jax.device_count()
+  n = config.hdet.num_replicas or devices
+  if n > devices:
+    raise ConfigError(
+        f'hdet.num_replicas={n} but only {devices} devices are visible; set --config.hdet.num_replicas=0 '
+        f'(one replica per device) or run on {n} devices (on CPU: JAX_NUM_CPU_DEVICES={n}).')
+  if jax.process_count() > 1 and n != devices:
+    raise ConfigError(
+        f'hdet.num_replicas={n} but {jax.process_count()} processes hold {devices} devices; with several '
+        'processes every device holds one replica: set --config.hdet.num_replicas=0.')
+  return n
+
+
+def _check_workdir(workdir: str, fields: dict) -> int | None:
+  """The step to resume from (None: a fresh run); raises if the workdir holds another config's run."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise ConfigError(f'--workdir {workdir} exists and is not a directory; pick another --workdir.')
+  step = checkpoints.latest_step(workdir)
+  meta = checkpoints.read_meta(workdir, step) if step is not None else None
+  saved, what = None, None
+  if meta is not None:
+    saved, what = meta['config'], f'a checkpoint (step {step})'
+  elif os.path.exists(os.path.join(workdir, 'config.json')):
+    with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+      saved, what = json.load(f).get('training_fields'), 'a run'
+  if saved is not None and saved != fields:
+    raise ConfigError(
+        f'workdir {workdir} holds {what} of a different config ({config_lib.differences(saved, fields)}); '
+        'rerun with the same config to resume it, or pass a new --workdir.')
+  return step
+
+
+def _check_init_from(config: Any, abstract_params: Any) -> str | None:
+  if not config.init_from:
+    return None
+  src = os.path.abspath(os.path.expanduser(config.init_from))
+  step = checkpoints.latest_step(src) if os.path.isdir(src) else None
+  if step is None:
+    raise ConfigError(
+        f'init_from={config.init_from!r} holds no checkpoint; point --config.init_from at the workdir of an '
+        'earlier run (e.g. run `python train.py --workdir workdirs/default` first), or unset it for a random init.')
+  meta = checkpoints.read_meta(src, step)
+  want = jax.tree.map(lambda s: list(s.shape), abstract_params)
+  if meta.get('param_shapes') != json.loads(json.dumps(want)):
+    raise ConfigError(
+        f'init_from={config.init_from!r} (step {step}) holds a model of another shape than model.* and '
+        'data.seq_len describe; use the same model settings as that run or another init_from.')
+  return src
+
+
+class _Run:
+  """The mutable bookkeeping of one call of train_and_evaluate."""
+
+  def __init__(self):
+    self.train_time = 0.0
+    self.train_steps = 0
+    self.last_losses: list[np.ndarray] = []
+    self.diverged_at: int | None = None
+    self.val = (math.nan, math.nan)
+
+
+def train_and_evaluate(config: Any, workdir: str) -> dict:
+  """Trains (or resumes) the run described by ``config`` in ``workdir``; returns the summary."""
+  t0 = time.time()
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  lead = jax.process_index() == 0
+
+  # ---- Checks: nothing is written before all of them pass. ----
+  config_lib.check_values(config)
+  n = _resolve_replicas(config)
+  try:
+    corpus = input_pipeline.load_corpus(config.data.path)
+    train_bytes, val_bytes = input_pipeline.split(corpus, config.data.val_fraction)
+    batches = input_pipeline.TrainBatches(train_bytes, config.data.seq_len, config.data.batch_size, n, config.seed)
+    val_windows = input_pipeline.validation_windows(val_bytes, config.data.seq_len, n, config.eval_windows)
+  except input_pipeline.DataError as e:
+    raise ConfigError(str(e)) from None
+  try:
+    tx = ts.make_optimizer(config, n)
+  except ValueError as e:
+    raise ConfigError(f'config: {e}') from None
+  fields = config_lib.training_fields(config, n)
+  resume_step = _check_workdir(workdir, fields)
+  graphdef, abstract_params = model_lib.abstract_model(config.model, config.data.seq_len)
+  init_src = _check_init_from(config, abstract_params) if resume_step is None else None
+
+  # ---- Build. ----
+  os.makedirs(workdir, exist_ok=True)
+  config_path = os.path.join(workdir, 'config.json')
+  if lead and not os.path.exists(config_path):
+    with open(config_path, 'w', encoding='utf-8') as f:
+      json.dump({'training_fields': fields, 'config': json.loads(config.to_json())}, f, indent=1)
+  mesh = ts.make_mesh(n)
+  rs, rep = ts.replica_sharding(mesh), ts.replicated(mesh)
+  root = jax.random.key(config.seed)
+  init = ts.make_init(config, tx, mesh, n)
+  abstract_state = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), init(k))), root)
+  abstract_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rs), abstract_state)
+  abstract_state['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=rep)
+  ckpt = checkpoints.Checkpointer(workdir, config.max_checkpoints)
+  writer = metrics_lib.MetricsWriter(os.path.join(workdir, 'metrics.jsonl'), enabled=lead)
+  log = (lambda msg: print(msg, flush=True)) if lead else (lambda msg: None)
+
+  if resume_step is not None:
+    state, meta = ckpt.restore(resume_step, abstract_state)
+    params, opt_state = state['params'], state['opt_state']
+    if meta['data_position'] != batches.position(resume_step):
+      raise ConfigError(f'checkpoint step {resume_step} has data position {meta["data_position"]}, '
+                        f'this corpus gives {batches.position(resume_step)}: was data.path changed?')
+    start = resume_step
+    writer.write('event', step=start, event='resume')
+    log(f'Resuming {workdir} from step {start}.')
+  elif init_src is not None:
+    avg = checkpoints.restore_avg_params(
+        init_src, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), abstract_params))
+    params = jax.jit(lambda p, k: warm_init.warm_noisy_init(p, n, config.warm_init.nu, k), out_shardings=rs)(
+        avg, jax.random.fold_in(root, _WARM_TAG))
+    opt_state = ts.make_opt_init(tx, mesh)(params)
+    start = 0
+    writer.write('event', step=0, event='start', init_from=init_src, nu=config.warm_init.nu)
+    log(f'Warm noisy start from {init_src} (nu={config.warm_init.nu}).')
+  else:
+    params, opt_state = init(jax.random.fold_in(root, _INIT_TAG))
+    start = 0
+    writer.write('event', step=0, event='start', init_from=None)
+  rng = jax.device_put(np.asarray(jax.random.key_data(root)), rep)
+  param_shapes = json.loads(json.dumps(jax.tree.map(lambda s: list(s.shape), abstract_params)))
+
+  # Compile both step programs (and the eval) once, up front.
+  batch0 = ts.put_stacked(batches.batch(start), mesh)
+  steps = {s: ts.make_train_step(graphdef, tx, mesh, sync=s).lower(params, opt_state, batch0).compile()
+           for s in (False, True)}
+  val_dev = ts.put_stacked(val_windows, mesh)
+  evaluate_fn = ts.make_eval_step(graphdef, mesh)
+  average = ts.make_average(mesh)
+  setup_s = time.time() - t0
+  num_params = model_lib.num_params(abstract_params)
+  tokens_per_step = n * config.data.batch_size * config.data.seq_len
+  log(f'{n} replicas on {jax.device_count()} {jax.devices()[0].platform} devices '
+      f'({jax.process_count()} process(es)); model {num_params:,} parameters; '
+      f'{len(train_bytes):,} train / {len(val_bytes):,} validation bytes; setup {setup_s:.1f}s.')
+
+  run = _Run()
+  total = config.num_train_steps
+  end = total if config.stop_at_step <= 0 else min(config.stop_at_step, total)
+  bar = metrics_lib.ProgressBar(total, start, enabled=lead and config.progress_bar)
+
+  def evaluate(step):
+    losses = ts.fetch(evaluate_fn(params, val_dev))
+    val = float(np.mean(losses))
+    run.val = (val, model_lib.bits_per_byte(val))
+    writer.write('eval', step=step, val_loss=val, val_bits_per_byte=run.val[1])
+    writer.flush()
+
+  def save(step):
+    state = {'params': params, 'opt_state': opt_state, 'rng': rng}
+    meta = {'step': step, 'data_position': batches.position(step), 'seed': config.seed, 'num_replicas': n,
+            'config': fields, 'param_shapes': param_shapes}
+    ckpt.save(step, state, average(params), meta)
+
+  pending: list[tuple[int, bool, Any]] = []
+  t_mark = time.time()
+
+  def flush():
+    got = ts.fetch([m for _, _, m in pending])
+    for (step, sync, _), m in zip(pending, got):
+      loss = m['loss']
+      writer.write('train', step=step, loss=loss, lr=m['lrs'][0], base_lr=m['base_lr'][0], sync=sync)
+      if sync:
+        writer.write('controller', step=step, weights=m['weights'][0], window_losses=m['window_losses'][0],
+                     delta=m['delta'][0], velocity=m['velocity'][0], base_lr=m['base_lr'][0])
+      if run.diverged_at is None and not np.all(np.isfinite(loss)):
+        run.diverged_at = step
+    run.last_losses = [m['loss'] for m in got]
+    mean_loss = float(np.mean(run.last_losses[-1]))
+    bar.update(len(pending), mean_loss, float(got[-1]['base_lr'][0]))
+    return got
+
+  step = start
+  while step < end:
+    sync = ts.is_sync_step(config, step)
+    batch = batch0 if step == start else ts.put_stacked(batches.batch(step), mesh)
+    params, opt_state, m = steps[sync](params, opt_state, batch)
+    pending.append((step, sync, m))
+    step += 1
+    eval_due = config.eval_every > 0 and step % config.eval_every == 0 and step < end
+    ckpt_due = config.checkpoint_every > 0 and step % config.checkpoint_every == 0 and step < end
+    if step % config.log_every == 0 or step == end or eval_due or ckpt_due:
+      flush()
+      now = time.time()
+      run.train_time += now - t_mark
+      run.train_steps += len(pending)
+      writer.write('throughput', step=step - 1, steps_per_s=len(pending) / (now - t_mark),
+                   tokens_per_s=len(pending) * tokens_per_step / (now - t_mark))
+      pending = []
+      if run.diverged_at is not None:
+        bad = run.last_losses[-1] if run.last_losses else None
+        writer.write('event', step=run.diverged_at, event='diverged')
+        if config.stop_on_nan:
+          bar.close()
+          log(f'Training diverged: a non-finite loss at step {run.diverged_at} ({bad}). Stopping; the last '
+              f'good checkpoint is kept. Lower optim.max_lr or set --config.stop_on_nan=False to keep going.')
+          break
+      if eval_due:
+        evaluate(step)
+      if ckpt_due:
+        save(step)
+      writer.flush()
+      t_mark = time.time()
+  bar.close()
+
+  # ---- The end: evaluate, checkpoint, plot, summarise. ----
+  evaluate(step)
+  if run.diverged_at is None and step > start and ckpt.latest_step() != step:
+    save(step)
+  ckpt.close()
+  tokens_per_s = run.train_steps * tokens_per_step / run.train_time if run.train_time > 0 else math.nan
+  final_train = float(np.mean(run.last_losses)) if run.last_losses else math.nan
+  summary = {
+      'step': step, 'num_train_steps': total, 'stopped_early': step < total, 'diverged_at': run.diverged_at,
+      'final_train_loss': final_train, 'final_train_bits_per_byte': model_lib.bits_per_byte(final_train),
+      'final_val_loss': run.val[0], 'final_val_bits_per_byte': run.val[1],
+      'tokens_per_s': tokens_per_s, 'setup_s': setup_s, 'wall_s': time.time() - t0,
+      'num_replicas': n, 'num_params': num_params, 'workdir': workdir,
+      'metrics': os.path.join(workdir, 'metrics.jsonl'), 'checkpoints': checkpoints.checkpoint_dir(workdir),
+      'plots': [],
+  }
+  writer.write('event', event='end', **{k: v for k, v in summary.items() if k != 'plots'})
+  writer.close()
+  if lead and config.plots:
+    from hdet_jax import plot
+    summary['plots'] = plot.plot_workdir(workdir)
+  summary['wall_s'] = time.time() - t0
+  if lead:
+    with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
+      json.dump(metrics_lib._clean(summary), f, indent=1)
+  return summary
+
+
+def format_summary(s: dict) -> str:
+  """The final summary as a few human lines."""
+  status = (f'DIVERGED at step {s["diverged_at"]}' if s['diverged_at'] is not None
+            else f'stopped at step {s["step"]} of {s["num_train_steps"]} (rerun the same command to resume)'
+            if s['stopped_early'] else f'finished {s["step"]} steps')
+  lines = [
+      f'Run {status}.',
+      f'  final train loss {s["final_train_loss"]:.4f} nats ({s["final_train_bits_per_byte"]:.3f} bits/byte, '
+      f'mean over replicas, last log interval)',
+      f'  final validation loss of the averaged model {s["final_val_loss"]:.4f} nats '
+      f'({s["final_val_bits_per_byte"]:.3f} bits/byte)',
+      f'  {s["tokens_per_s"]:,.0f} tokens/s over {s["num_replicas"]} replicas; wall time {s["wall_s"]:.1f}s '
+      f'(setup and compile {s["setup_s"]:.1f}s)',
+      f'  metrics: {s["metrics"]}',
+      f'  checkpoints: {s["checkpoints"]}',
+  ]
+  if s['plots']:
+    lines.append(f'  plots: {", ".join(s["plots"])}')
+  return '\n'.join(lines)

@@ -1,0 +1,46 @@
+"""Trains HDET on a byte-level transformer LM: ``python train.py`` runs the main job.
+
+    python train.py --config configs/default.py --workdir workdirs/default
+    python train.py --config configs/hdet_full.py --config.hdet.spread=0.2 --workdir workdirs/hdet_full
+
+Rerunning a command with the same workdir resumes from its latest checkpoint. Several processes
+(or hosts) run the same command with --coordinator_address, --num_processes and --process_id;
+under SLURM (srun with several tasks) JAX reads them from the environment.
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+    'config', 'configs/default.py', 'Training configuration file (a get_config() Python file).', lock_config=True)
+flags.DEFINE_string('workdir', 'workdirs/default', 'Where metrics, checkpoints and plots go; reusing it resumes.')
+flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for multi-process runs.')
+flags.DEFINE_integer('num_processes', None, 'Number of processes, for multi-process runs.')
+flags.DEFINE_integer('process_id', None, 'This process\'s index in [0, num_processes).')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
+  from hdet_jax import trainer  # after flag parsing: JAX must start after setup_jax's settings.
+  config = FLAGS.config
+  trainer.setup_jax(config, coordinator_address=FLAGS.coordinator_address,
+                    num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+  try:
+    summary = trainer.train_and_evaluate(config, FLAGS.workdir)
+  except trainer.ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+  import jax
+  if jax.process_index() == 0:
+    print(trainer.format_summary(summary), flush=True)
+
+
+if __name__ == '__main__':
+  app.run(main)
