@@ -6,13 +6,14 @@ The core (this package's top-level modules) depends on jax and optax only; the t
 
 from hdet_jax.controller import ControllerState, controller_update, decay_for_schedule, reference_decay, softmax_weights
 from hdet_jax.multipliers import draw_permutations, spread_multipliers
-from hdet_jax.replicas import average_replicas, replica, shard_map_replicas, stack_replicas
+from hdet_jax.replicas import average_replicas, finite_mean, pmean_finite, replica, shard_map_replicas, stack_replicas
 from hdet_jax.schedules import one_cycle
 from hdet_jax.transform import AutoLR, HDETState, apply_updates, hdet
 
 __all__ = [
     'AutoLR', 'ControllerState', 'HDETState', 'apply_updates', 'average_replicas',
-    'controller_update', 'decay_for_schedule', 'draw_permutations', 'hdet', 'one_cycle',
+    'controller_update', 'decay_for_schedule', 'draw_permutations', 'finite_mean', 'hdet', 'one_cycle',
+    'pmean_finite',
     'reference_decay', 'replica', 'shard_map_replicas', 'softmax_weights', 'spread_multipliers',
     'stack_replicas',
 ]

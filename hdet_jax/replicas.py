@@ -74,6 +74,43 @@ def axis_size_or_raise(axis_name: str, expected: int | None = None, who: str = '
   return size
 
 
+def all_finite(tree: Any) -> jax.Array:
+  """[] bool: whether every element of every leaf is finite (on this replica)."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones([], bool)
+
+
+def finite_mean(tree: Any, axis_name: str, ok: jax.Array | None = None) -> tuple[Any, jax.Array]:
+  """The mean over ``axis_name`` of the replicas whose leaves are all finite.
+
+  Replicas with any NaN or inf are left out of the sum and the count (when ``ok`` is given, it
+  decides instead: this replica enters iff ``ok``),
+  so one replica that blew up does not poison the others. With every replica finite the
+  result equals ``lax.pmean`` bit for bit (both are a psum divided by N). If no replica is
+  finite the leaves come back NaN, so the failure stays visible.
+
+  Returns:
+    ``(mean, count)``: the mean tree and the number of replicas that entered it.
+  """
+  mine = all_finite(tree) if ok is None else ok
+  count = lax.psum(mine.astype(jnp.int32), axis_name)
+  total = lax.psum(jax.tree.map(lambda x: jnp.where(mine, x, jnp.zeros_like(x)), tree), axis_name)
+  def divide(s):
+    return jnp.where(count > 0, s / count.astype(s.dtype), jnp.full_like(s, jnp.nan))
+  return jax.tree.map(divide, total), count
+
+
+def pmean_finite(tree: Any, axis_name: str) -> Any:
+  """``lax.pmean`` over the replicas whose values are all finite (see :func:`finite_mean`).
+
+  Use it for the data-parallel gradient all-reduce under HDET: every replica shares the
+  averaged gradient and the optimizer state built from it, so a single non-finite gradient
+  would otherwise poison every replica at once.
+  """
+  return finite_mean(tree, axis_name)[0]
+
+
 def shard_map_replicas(
     fn: Callable[..., Any],
     mesh: jax.sharding.Mesh,

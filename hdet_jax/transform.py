@@ -70,6 +70,8 @@ class HDETState(NamedTuple):
   loss_sum: jax.Array       # [] float32: this replica's sum of ``value`` in the current window.
   sync_count: jax.Array     # [] int32: syncs (parameter averages) done so far.
   synced: jax.Array         # [] bool: whether the last update was a sync step.
+  finite_replicas: jax.Array  # [] int32: replicas that entered the last average (N when all were finite).
+  replica_ok: jax.Array     # [] bool: whether this replica entered the last average.
   base: jax.Array           # [G] float32: the base value used at the last step.
   values: jax.Array         # [G, N] float32: every replica's value at the last step.
   multipliers: jax.Array    # [G, N] float32: rho of eq. 1 (constant).
@@ -112,6 +114,7 @@ def hdet(
     exact_sync: bool = False,
     seed: int = 0,
     explore: dict[str, tuple[optax.ScalarOrSchedule, float]] | None = None,
+    guard_nonfinite: bool = True,
     **optimizer_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Hyperparameter-Divergent Ensemble Training around an optax optimizer.
@@ -159,6 +162,13 @@ def hdet(
       Each is passed to ``optimizer`` as that keyword, spread multiplicatively with its own
       multipliers, and gets its own permutation, velocity and base. Index g of the state's
       [G] fields follows ``('learning_rate', *explore)``.
+    guard_nonfinite: if True (default) a sync averages only the replicas whose parameters
+      are all finite and resets the others to that average, and a replica whose window loss
+      is not finite gets controller weight 0 (its LR counts as too large: the signal moves
+      away from it). ``state.finite_replicas`` says how many entered the average; 0 means
+      every replica blew up and the parameters stay non-finite. Pair it with
+      :func:`hdet_jax.pmean_finite` for the gradient all-reduce, since every replica shares
+      the averaged gradient.
     **optimizer_kwargs: passed to ``optimizer`` (e.g. ``weight_decay=0.1``).
 
   Returns:
@@ -208,6 +218,8 @@ def hdet(
         loss_sum=jnp.zeros([], jnp.float32),
         sync_count=jnp.zeros([], jnp.int32),
         synced=jnp.zeros([], bool),
+        finite_replicas=jnp.full([], n, jnp.int32),
+        replica_ok=jnp.ones([], bool),
         base=start,
         values=start[:, None] * rho,
         multipliers=rho,
@@ -251,9 +263,18 @@ def hdet(
 
     def do_sync(operands):
       upd, st = operands
-      if not exact_sync:
-        new_params = lax.pmean(optax.apply_updates(params, upd), cfg.replica_axis)
+      stepped = optax.apply_updates(params, upd)
+      ok = jnp.ones([], bool)
+      if guard_nonfinite:
+        # A replica whose parameters or window loss went non-finite sits this average out
+        # and is reset to the others' average.
+        ok = jnp.logical_and(replicas.all_finite(stepped), jnp.isfinite(st.loss_sum))
+      if exact_sync:  # apply_updates does the averaging, reading replica_ok.
+        count = lax.psum(ok.astype(jnp.int32), cfg.replica_axis)
+      else:
+        new_params, count = _average(stepped, cfg.replica_axis, guard_nonfinite, ok)
         upd = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
+      st = st._replace(finite_replicas=count, replica_ok=ok)
       st = _sync_controller(cfg, rho, st, gather=value is not None)
       return upd, st
 
@@ -275,8 +296,14 @@ def hdet(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _average(tree, axis_name, guard_nonfinite, ok=None):
+  if guard_nonfinite:
+    return replicas.finite_mean(tree, axis_name, ok)
+  return lax.pmean(tree, axis_name), jnp.asarray(lax.axis_size(axis_name), jnp.int32)
+
+
 def apply_updates(params: Any, updates: Any, state: HDETState, *, replica_axis: str = 'data',
-                  sync: bool | None = None) -> Any:
+                  sync: bool | None = None, guard_nonfinite: bool = True) -> Any:
   """``optax.apply_updates`` that assigns the replicas' average exactly on sync steps.
 
   For a transformation built with ``exact_sync=True`` (whose sync-step update leaves the
@@ -285,13 +312,14 @@ def apply_updates(params: Any, updates: Any, state: HDETState, *, replica_axis: 
   holds bitwise the same average. Call it inside the same mapped context as the update.
   """
   new_params = optax.apply_updates(params, updates)
+  average = lambda p: _average(p, replica_axis, guard_nonfinite, state.replica_ok)[0]
   if sync is False:
     return new_params
   if sync:
-    return lax.pmean(new_params, replica_axis)
+    return average(new_params)
   return lax.cond(
       state.synced,
-      lambda p: replicas.match_vma(lax.pmean(p, replica_axis), p),
+      lambda p: replicas.match_vma(average(p), p),
       lambda p: p,
       new_params)
 
