@@ -327,12 +327,12 @@ def apply_updates(params: Any, updates: Any, state: HDETState, *, replica_axis: 
 def _make_config(*, learning_rate, num_replicas, spread, sync_every, replica_axis, auto_lr,
                  extra=()) -> _Config:
   """Validates every setting eagerly; each error names the parameter and the fix."""
-  if isinstance(num_replicas, bool) or int(num_replicas) != num_replicas or num_replicas < 1:
+  if not _is_int(num_replicas) or num_replicas < 1:
     raise ValueError(f'num_replicas must be a positive integer (the replica axis size), got {num_replicas!r}.')
   if not isinstance(spread, (int, float)) or not 0.0 <= spread < 1.0:
     raise ValueError(
         f'spread (alpha) must be in [0, 1): the lowest multiplier 1 - spread must stay positive; got {spread!r}.')
-  if isinstance(sync_every, bool) or int(sync_every) != sync_every or sync_every < 1:
+  if not _is_int(sync_every) or sync_every < 1:
     raise ValueError(f'sync_every (T) must be an integer >= 1, got {sync_every!r}.')
   if not isinstance(replica_axis, str) or not replica_axis:
     raise ValueError(f'replica_axis must be a mesh/map axis name, got {replica_axis!r}.')
@@ -348,9 +348,9 @@ def _make_config(*, learning_rate, num_replicas, spread, sync_every, replica_axi
     if not isinstance(auto_lr, AutoLR):
       raise ValueError(f'auto_lr must be an hdet_jax.AutoLR or None, got {type(auto_lr).__name__}.')
     a = auto_lr
-    if isinstance(a.total_steps, bool) or int(a.total_steps) != a.total_steps or a.total_steps < 2:
+    if not _is_int(a.total_steps) or a.total_steps < 2:
       raise ValueError(f'auto_lr.total_steps must be an integer >= 2, got {a.total_steps!r}.')
-    if not 0 <= a.warmup_steps < a.total_steps:
+    if not _is_int(a.warmup_steps) or not 0 <= a.warmup_steps < a.total_steps:
       raise ValueError(
           f'auto_lr.warmup_steps must be in [0, total_steps={a.total_steps}), got {a.warmup_steps!r}.')
     if not a.temperature > 0:
@@ -402,6 +402,10 @@ def _make_config(*, learning_rate, num_replicas, spread, sync_every, replica_axi
       names=names, schedules=scheds, spreads=spreads, num_replicas=int(num_replicas),
       sync_every=sync_every, replica_axis=replica_axis, auto_lr=auto_lr,
       controller_start=controller_start, decay=decay, floors=floors, start_values=start_values)
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _eval(schedule, step: int) -> float:
