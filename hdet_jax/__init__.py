@@ -8,10 +8,10 @@ from hdet_jax.controller import ControllerState, controller_update, decay_for_sc
 from hdet_jax.multipliers import draw_permutations, spread_multipliers
 from hdet_jax.replicas import average_replicas, finite_mean, pmean_finite, replica, shard_map_replicas, stack_replicas
 from hdet_jax.schedules import one_cycle
-from hdet_jax.transform import AutoLR, HDETState, apply_updates, hdet
+from hdet_jax.transform import AutoLR, Explore, HDETState, apply_updates, group_labels, hdet, hyperparam_names, replica_value
 
 __all__ = [
-    'AutoLR', 'ControllerState', 'HDETState', 'apply_updates', 'average_replicas',
+    'AutoLR', 'ControllerState', 'Explore', 'group_labels', 'hyperparam_names', 'replica_value', 'HDETState', 'apply_updates', 'average_replicas',
     'controller_update', 'decay_for_schedule', 'draw_permutations', 'finite_mean', 'hdet', 'one_cycle',
     'pmean_finite',
     'reference_decay', 'replica', 'shard_map_replicas', 'softmax_weights', 'spread_multipliers',

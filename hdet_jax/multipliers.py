@@ -45,6 +45,13 @@ def spread_multipliers(num_replicas: int, spread: float) -> np.ndarray:
   return rho
 
 
+def unit_offsets(num_replicas: int) -> np.ndarray:
+  """Eq. 1's offsets ``u_r = (r - (N-1)/2) / max((N-1)/2, 0.5)`` in [-1, 1], so rho = 1 + alpha u."""
+  n = int(num_replicas)
+  half = (n - 1) / 2.0
+  return (np.arange(n, dtype=np.float64) - half) / max(half, 0.5)
+
+
 def draw_permutations(key: jax.Array, num_hyperparams: int, num_replicas: int) -> jax.Array:
   """Draws one independent permutation of ``range(N)`` per explored hyperparameter.
 

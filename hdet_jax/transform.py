@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -59,6 +60,35 @@ class AutoLR:
   smooth_decay: bool = True
 
 
+@dataclasses.dataclass(frozen=True)
+class Explore:
+  """One more hyperparameter to explore across replicas (paper Remark 1).
+
+  Replica r uses ``clip(base * (1 + spread u) , low, high)`` (multiplicative) or
+  ``clip(base + spread u, low, high)`` (additive), with ``u`` the eq. 1 offsets in [-1, 1]
+  (``u_r = (r - (N-1)/2) / max((N-1)/2, 0.5)``) under the hyperparameter's own permutation.
+  Use multiplicative spreads for scale-like values (learning rates, weight decay, eps) and
+  additive ones for values whose natural base can be 0 or that live in a bounded interval
+  (dropout, label smoothing, Adam's b1/b2 near 1).
+
+  Attributes:
+    value: the base value, or an optax schedule of it.
+    spread: multiplicative: alpha in [0, 1); additive: the half-width, >= 0.
+    additive: additive instead of multiplicative spread.
+    low, high: the valid range; values and the controller's base are clipped to it, and
+      a spread that leaves it at the start raises.
+    to_optimizer: pass the replica's value to the optimizer factory as this keyword; False
+      for model or loss hyperparameters, which the train step reads from
+      ``state.next_values`` (see :func:`replica_value`).
+  """
+  value: Any
+  spread: float
+  additive: bool = False
+  low: float | None = None
+  high: float | None = None
+  to_optimizer: bool = True
+
+
 class HDETState(NamedTuple):
   """The state of :func:`hdet` on one replica (G = explored hyperparameters, N = replicas).
 
@@ -74,7 +104,10 @@ class HDETState(NamedTuple):
   replica_ok: jax.Array     # [] bool: whether this replica entered the last average.
   base: jax.Array           # [G] float32: the base value used at the last step.
   values: jax.Array         # [G, N] float32: every replica's value at the last step.
-  multipliers: jax.Array    # [G, N] float32: rho of eq. 1 (constant).
+  next_values: jax.Array    # [G, N] float32: every replica's value for the next step (read these
+                            #   in the forward pass for model and loss hyperparameters).
+  multipliers: jax.Array    # [G, N] float32: rho of eq. 1 (1 for additive hyperparameters; constant).
+  offsets: jax.Array        # [G, N] float32: additive spreads' offsets (0 for multiplicative; constant).
   controller: ctrl.ControllerState  # base for the window, velocity, perm, key, losses, weights, delta.
 
   @property
@@ -92,6 +125,11 @@ class _Config(NamedTuple):
   names: tuple[str, ...]
   schedules: tuple[Any, ...]
   spreads: tuple[float, ...]
+  additive: tuple[bool, ...]
+  lows: tuple[float, ...]
+  highs: tuple[float, ...]
+  to_optimizer: tuple[bool, ...]
+  groups: tuple[tuple[str, str], ...]
   num_replicas: int
   sync_every: int
   replica_axis: str
@@ -113,7 +151,8 @@ def hdet(
     auto_lr: AutoLR | None = None,
     exact_sync: bool = False,
     seed: int = 0,
-    explore: dict[str, tuple[optax.ScalarOrSchedule, float]] | None = None,
+    explore: dict[str, Explore | tuple[optax.ScalarOrSchedule, float]] | None = None,
+    param_groups: dict[str, str] | None = None,
     guard_nonfinite: bool = True,
     **optimizer_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
@@ -157,11 +196,17 @@ def hdet(
     exact_sync: if True the sync step returns the inner update only and
       :func:`apply_updates` does the averaging, assigning the average exactly.
     seed: seeds the permutation key (identical on every replica).
-    explore: more optimizer hyperparameters to explore like the learning rate, as
-      ``{kwarg_name: (base value or schedule, spread)}``, e.g. ``{'weight_decay': (1e-2, 0.5)}``.
-      Each is passed to ``optimizer`` as that keyword, spread multiplicatively with its own
-      multipliers, and gets its own permutation, velocity and base. Index g of the state's
-      [G] fields follows ``('learning_rate', *explore)``.
+    explore: more hyperparameters to explore like the learning rate,
+      ``{name: Explore(...)}`` or ``{name: (value or schedule, spread)}`` (multiplicative),
+      e.g. ``{'weight_decay': (1e-2, 0.5), 'dropout': Explore(0.1, 0.05, additive=True,
+      low=0.0, high=0.9, to_optimizer=False)}``. Each gets its own permutation, velocity and
+      base; optimizer hyperparameters are passed to ``optimizer`` as that keyword.
+    param_groups: per-group learning rates, ``{group: regex}`` on parameter paths such as
+      ``'blocks/0/attn/kernel'`` (``re.search``); every parameter must match exactly one
+      group. Each group gets its own base LR, velocity and permutation, and the wrapped
+      optimizer becomes ``optax.multi_transform`` over the groups.
+    Index g of the state's [G] fields follows ``hyperparam_names(...)``: the learning rate
+    (or ``learning_rate/<group>`` per group, in order), then ``explore`` in order.
     guard_nonfinite: if True (default) a sync averages only the replicas whose parameters
       are all finite and resets the others to that average, and a replica whose window loss
       is not finite gets controller weight 0 (its LR counts as too large: the signal moves
@@ -189,29 +234,58 @@ def hdet(
   for name, spec in (explore or {}).items():
     if name == 'learning_rate' or name in optimizer_kwargs:
       raise ValueError(f'explore: {name!r} is already set; name each hyperparameter once.')
-    if not (isinstance(spec, tuple) and len(spec) == 2):
-      raise ValueError(f'explore[{name!r}] must be a (value or schedule, spread) pair, got {spec!r}.')
-    if not isinstance(spec[1], (int, float)) or not 0.0 <= spec[1] < 1.0:
-      raise ValueError(f'explore[{name!r}]: spread must be in [0, 1), got {spec[1]!r}.')
-    extra.append((name, spec[0], spec[1]))
+    if isinstance(spec, tuple) and len(spec) == 2:
+      spec = Explore(spec[0], spec[1])
+    if not isinstance(spec, Explore):
+      raise ValueError(
+          f'explore[{name!r}] must be an hdet_jax.Explore or a (value or schedule, spread) pair, got {spec!r}.')
+    extra.append((name, spec))
+  groups = tuple((param_groups or {}).items())
+  for group, pattern in groups:
+    try:
+      re.compile(pattern)
+    except (re.error, TypeError) as e:
+      raise ValueError(f'param_groups[{group!r}]: {pattern!r} is not a valid regex: {e}') from None
   cfg = _make_config(
       learning_rate=learning_rate, num_replicas=num_replicas, spread=spread,
-      sync_every=sync_every, replica_axis=replica_axis, auto_lr=auto_lr, extra=tuple(extra))
+      sync_every=sync_every, replica_axis=replica_axis, auto_lr=auto_lr, extra=tuple(extra),
+      groups=groups)
   if not callable(optimizer):
     raise ValueError(
         f'optimizer must be an optax factory such as optax.adam (called with learning_rate=), '
         f'got {optimizer!r}. To wrap an existing instance use lambda learning_rate: ...')
   n, g = cfg.num_replicas, len(cfg.names)
-  rho = jnp.asarray(
-      [multipliers.spread_multipliers(n, s) for s in cfg.spreads], jnp.float32)  # [G, N]
+  unit = multipliers.unit_offsets(n)
+  scale = jnp.asarray([
+      np.ones(n) if add else multipliers.spread_multipliers(n, sp)
+      for sp, add in zip(cfg.spreads, cfg.additive)], jnp.float32)  # [G, N]
+  offset = jnp.asarray([
+      sp * unit if add else np.zeros(n)
+      for sp, add in zip(cfg.spreads, cfg.additive)], jnp.float32)  # [G, N]
+  low = jnp.asarray(cfg.lows, jnp.float32)[:, None]
+  high = jnp.asarray(cfg.highs, jnp.float32)[:, None]
+
+  def replica_values(base, perm):
+    """[G, N]: every replica's value for base [G] under permutations perm [G, N]."""
+    v = (base[:, None] * jnp.take_along_axis(scale, perm, axis=1)
+         + jnp.take_along_axis(offset, perm, axis=1))
+    return jnp.clip(v, low, high)
 
   def build_inner(values):
-    hparams = dict(zip(cfg.names, values))
-    return optimizer(**hparams, **optimizer_kwargs)
+    hp = dict(zip(cfg.names, values))
+    kwargs = {k: v for k, v, to_opt in zip(cfg.names, values, cfg.to_optimizer)
+              if to_opt and not k.startswith('learning_rate')}
+    if not cfg.groups:
+      return optimizer(learning_rate=hp['learning_rate'], **kwargs, **optimizer_kwargs)
+    return optax.multi_transform(
+        {group: optimizer(learning_rate=hp[f'learning_rate/{group}'], **kwargs, **optimizer_kwargs)
+         for group, _ in cfg.groups},
+        lambda params: group_labels(params, dict(cfg.groups)))
 
   def init_fn(params):
     start = _base_values(cfg, jnp.zeros([], jnp.int32), None)
     inner = build_inner(list(start))
+    perm0 = multipliers.identity_permutations(g, n)
     return HDETState(
         count=jnp.zeros([], jnp.int32),
         inner_state=inner.init(params),
@@ -221,8 +295,10 @@ def hdet(
         finite_replicas=jnp.full([], n, jnp.int32),
         replica_ok=jnp.ones([], bool),
         base=start,
-        values=start[:, None] * rho,
-        multipliers=rho,
+        values=replica_values(start, perm0),
+        next_values=replica_values(start, perm0),
+        multipliers=scale,
+        offsets=offset,
         controller=ctrl.init_controller_state(
             jnp.asarray(cfg.start_values, jnp.float32), n,
             jax.random.key_data(jax.random.key(seed))),
@@ -247,8 +323,8 @@ def hdet(
     r = lax.axis_index(cfg.replica_axis)
     t = state.count
     base = _base_values(cfg, t, state.controller)
-    my_rho = jnp.take_along_axis(rho, state.controller.perm, axis=1)[:, r]  # [G]
-    values = base * my_rho
+    all_values = replica_values(base, state.controller.perm)  # [G, N]
+    values = all_values[:, r]
     inner = build_inner([values[i] for i in range(g)])
     updates, inner_state = inner.update(updates, state.inner_state, params)
 
@@ -257,8 +333,7 @@ def hdet(
     new_count = t + 1
     state = state._replace(
         count=new_count, inner_state=inner_state, loss_sum=loss_sum, base=base,
-        values=base[:, None] * jnp.take_along_axis(rho, state.controller.perm, axis=1),
-        synced=jnp.zeros([], bool))
+        values=all_values, synced=jnp.zeros([], bool))
     del loss_sum
 
     def do_sync(operands):
@@ -275,7 +350,7 @@ def hdet(
         new_params, count = _average(stepped, cfg.replica_axis, guard_nonfinite, ok)
         upd = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
       st = st._replace(finite_replicas=count, replica_ok=ok)
-      st = _sync_controller(cfg, rho, st, gather=value is not None)
+      st = _sync_controller(cfg, replica_values, st, gather=value is not None)
       return upd, st
 
     def no_sync(operands):
@@ -291,6 +366,9 @@ def hdet(
           operands)
     elif sync:
       updates, state = do_sync((updates, state))
+    # What the next step will use (after any reshuffle), for model and loss hyperparameters.
+    state = state._replace(next_values=replica_values(
+        _base_values(cfg, state.count, state.controller), state.controller.perm))
     return updates, state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -325,7 +403,7 @@ def apply_updates(params: Any, updates: Any, state: HDETState, *, replica_axis: 
 
 
 def _make_config(*, learning_rate, num_replicas, spread, sync_every, replica_axis, auto_lr,
-                 extra=()) -> _Config:
+                 extra=(), groups=()) -> _Config:
   """Validates every setting eagerly; each error names the parameter and the fix."""
   if not _is_int(num_replicas) or num_replicas < 1:
     raise ValueError(f'num_replicas must be a positive integer (the replica axis size), got {num_replicas!r}.')
@@ -337,12 +415,37 @@ def _make_config(*, learning_rate, num_replicas, spread, sync_every, replica_axi
   if not isinstance(replica_axis, str) or not replica_axis:
     raise ValueError(f'replica_axis must be a mesh/map axis name, got {replica_axis!r}.')
   sync_every = int(sync_every)
-  names = ('learning_rate',) + tuple(n for n, _, _ in extra)
-  scheds = (learning_rate,) + tuple(s for _, s, _ in extra)
-  spreads = (float(spread),) + tuple(float(s) for _, _, s in extra)
+  lr = Explore(learning_rate, float(spread), low=None, high=None)
+  if groups:
+    hps = tuple((f'learning_rate/{group}', lr) for group, _ in groups) + tuple(extra)
+  else:
+    hps = (('learning_rate', lr),) + tuple(extra)
+  names = tuple(name for name, _ in hps)
+  scheds = tuple(h.value for _, h in hps)
+  spreads = tuple(float(h.spread) for _, h in hps)
+  additive = tuple(bool(h.additive) for _, h in hps)
+  lows = tuple(-math.inf if h.low is None else float(h.low) for _, h in hps)
+  highs = tuple(math.inf if h.high is None else float(h.high) for _, h in hps)
+  for name, h in extra:
+    lo = -math.inf if h.low is None else h.low
+    hi = math.inf if h.high is None else h.high
+    if not isinstance(h.spread, (int, float)) or not math.isfinite(h.spread) or h.spread < 0 or (
+        not h.additive and h.spread >= 1):
+      raise ValueError(
+          f'explore[{name!r}]: spread must be in [0, 1) (multiplicative) or >= 0 (additive), got {h.spread!r}.')
+    if not lo < hi:
+      raise ValueError(f'explore[{name!r}]: low={h.low!r} must be below high={h.high!r}.')
+    v0 = _eval(h.value, 0)
+    if not math.isfinite(v0):
+      raise ValueError(f'explore[{name!r}]: the value {v0!r} is not finite.')
+    edge = (v0 - h.spread, v0 + h.spread) if h.additive else (v0 * (1 - h.spread), v0 * (1 + h.spread))
+    if edge[0] < lo or edge[1] > hi:
+      raise ValueError(
+          f'explore[{name!r}]: value {v0!r} with spread {h.spread!r} spans [{edge[0]:.4g}, {edge[1]:.4g}], '
+          f'which leaves the valid range [{lo}, {hi}]; lower the spread or move the value.')
   controller_start = 0
   decay = tuple(0.0 for _ in names)
-  floors = tuple(0.0 for _ in names)
+  floors = lows
   start_values = tuple(0.0 for _ in names)
   if auto_lr is not None:
     if not isinstance(auto_lr, AutoLR):
@@ -373,33 +476,40 @@ def _make_config(*, learning_rate, num_replicas, spread, sync_every, replica_axi
           f'or sync_every={sync_every}.')
     start_values = tuple(_eval(s, controller_start) for s in scheds)
     finals = tuple(_eval(s, last) for s in scheds)
-    for name, v0, v1 in zip(names, start_values, finals):
+    is_lr = tuple(name.startswith('learning_rate') for name in names)
+    for name, v0, v1, add, lr in zip(names, start_values, finals, additive, is_lr):
+      if add:
+        continue
+      who = 'learning_rate' if lr else f'explore[{name!r}]'
       if not (v1 > 0 and math.isfinite(v1)):
         raise ValueError(
-            f'learning_rate: the {name} schedule ends at {v1!r} at step {last}; the auto-LR '
+            f'{who}: the {name} schedule ends at {v1!r} at step {last}; the auto-LR '
             'controller decays geometrically towards it and needs it > 0. Use a schedule with a '
-            'positive final value (e.g. one_cycle) or auto_lr=None.')
+            'positive final value (e.g. one_cycle), an additive spread, or auto_lr=None.')
       if not (v0 > 0 and math.isfinite(v0)):
         raise ValueError(
-            f'learning_rate: the {name} schedule is {v0!r} at step {controller_start}, when the '
+            f'{who}: the {name} schedule is {v0!r} at step {controller_start}, when the '
             'controller starts; it must be > 0.')
-    if a.decay is not None:
-      if not a.decay < 1:
-        raise ValueError(f'auto_lr.decay (gamma) must be < 1, got {a.decay!r}.')
-      decay = tuple(float(a.decay) for _ in names)
-    else:
-      # K syncs from the controller's start to the last step (the smooth path reaches the
-      # final value exactly at step S - 1; the staircase within one window of it).
-      k = (last - controller_start) / sync_every
-      decay = tuple(ctrl.decay_for_schedule(v0, v1, k) for v0, v1 in zip(start_values, finals))
-    if a.min_value is not None:
-      if not a.min_value > 0:
-        raise ValueError(f'auto_lr.min_value must be > 0 (it keeps every LR positive), got {a.min_value!r}.')
-      floors = tuple(float(a.min_value) for _ in names)
-    else:
-      floors = tuple(0.1 * v1 for v1 in finals)
+    if a.decay is not None and not a.decay < 1:
+      raise ValueError(f'auto_lr.decay (gamma) must be < 1, got {a.decay!r}.')
+    # K syncs from the controller's start to the last step (the smooth path reaches the final
+    # value exactly at step S - 1; the staircase within one window of it). Additive
+    # hyperparameters follow their schedule's start and end values' difference only through
+    # the controller, so they get no decay.
+    k = (last - controller_start) / sync_every
+    decay = tuple(
+        0.0 if add else float(a.decay) if (a.decay is not None and lr) else
+        ctrl.decay_for_schedule(v0, v1, k)
+        for v0, v1, add, lr in zip(start_values, finals, additive, is_lr))
+    if a.min_value is not None and not a.min_value > 0:
+      raise ValueError(f'auto_lr.min_value must be > 0 (it keeps every LR positive), got {a.min_value!r}.')
+    floors = tuple(
+        lo if add else max(lo, float(a.min_value) if (a.min_value is not None and lr) else 0.1 * v1)
+        for v1, add, lr, lo in zip(finals, additive, is_lr, lows))
   return _Config(
-      names=names, schedules=scheds, spreads=spreads, num_replicas=int(num_replicas),
+      names=names, schedules=scheds, spreads=spreads, additive=additive, lows=lows, highs=highs,
+      to_optimizer=tuple(h.to_optimizer for _, h in hps), groups=tuple(groups),
+      num_replicas=int(num_replicas),
       sync_every=sync_every, replica_axis=replica_axis, auto_lr=auto_lr,
       controller_start=controller_start, decay=decay, floors=floors, start_values=start_values)
 
@@ -428,7 +538,7 @@ def _base_values(cfg: _Config, t: jax.Array, controller: ctrl.ControllerState | 
   return jnp.where(t >= cfg.controller_start, controlled, scheduled)
 
 
-def _sync_controller(cfg: _Config, rho: jax.Array, st: HDETState, *, gather: bool) -> HDETState:
+def _sync_controller(cfg: _Config, replica_values, st: HDETState, *, gather: bool) -> HDETState:
   """The non-parameter part of a sync: window losses, controller update, fresh permutations."""
   c = st.controller
   window_losses = c.window_losses
@@ -437,18 +547,19 @@ def _sync_controller(cfg: _Config, rho: jax.Array, st: HDETState, *, gather: boo
   new_c = c._replace(window_losses=window_losses)
   if cfg.auto_lr is not None:
     a = cfg.auto_lr
-    # The window's nominal values: the controller's base times each replica's multiplier
-    # (the actual values differ from these by a factor common to all replicas, which
-    # leaves the softmax-weighted signal's direction unchanged).
-    values = (c.base[:, None] * jnp.take_along_axis(rho, c.perm, axis=1)).T  # [N, G]
+    # The window's nominal values: the controller's base under each replica's spread (the
+    # actual LRs differ from these by a factor common to all replicas, which leaves the
+    # softmax-weighted signal's direction unchanged).
+    values = replica_values(c.base, c.perm).T  # [N, G]
     out = ctrl.controller_update(
         c.base, c.velocity, window_losses, values,
         temperature=a.temperature, lr_of_lr=a.lr_of_lr, momentum=a.momentum,
         decay=jnp.asarray(cfg.decay, jnp.float32), floor=jnp.asarray(cfg.floors, jnp.float32))
+    new_base = jnp.minimum(out.base, jnp.asarray(cfg.highs, jnp.float32))
     active = st.count >= cfg.controller_start
     keep = lambda new, old: jnp.where(active, new, old)
     new_c = new_c._replace(
-        base=keep(out.base, c.base), velocity=keep(out.velocity, c.velocity),
+        base=keep(new_base, c.base), velocity=keep(out.velocity, c.velocity),
         weights=keep(out.weights, c.weights), delta=keep(out.delta, c.delta))
   key, sub = jax.random.split(jax.random.wrap_key_data(c.key))
   new_c = new_c._replace(
@@ -457,3 +568,56 @@ def _sync_controller(cfg: _Config, rho: jax.Array, st: HDETState, *, gather: boo
   return st._replace(
       controller=new_c, loss_sum=jnp.zeros_like(st.loss_sum),
       sync_count=st.sync_count + 1, synced=jnp.ones([], bool))
+
+
+def path_string(path) -> str:
+  """'a/b/0/kernel' for a pytree key path (dict keys, attributes, sequence indices)."""
+  parts = []
+  for k in path:
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return '/'.join(parts)
+
+
+def group_labels(params: Any, groups: dict[str, str]) -> Any:
+  """Labels every leaf with the one group whose regex matches its path (``re.search``).
+
+  Raises a ValueError naming the problem when a leaf matches no group or several, or when a
+  group matches no leaf.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  paths = [path_string(p) for p, _ in leaves]
+  labels, used = [], set()
+  for path in paths:
+    hits = [g for g, pattern in groups.items() if re.search(pattern, path)]
+    if len(hits) != 1:
+      what = 'no group' if not hits else f'several groups {hits}'
+      raise ValueError(
+          f'param_groups: parameter {path!r} matches {what}; make the regexes '
+          f'{dict(groups)} match each parameter exactly once.')
+    labels.append(hits[0])
+    used.add(hits[0])
+  unused = [g for g in groups if g not in used]
+  if unused:
+    raise ValueError(
+        f'param_groups: {unused} match no parameter (paths look like {paths[:3]}); fix or drop them.')
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), labels)
+
+
+def hyperparam_names(*, param_groups: dict[str, str] | None = None,
+                     explore: dict[str, Any] | None = None) -> tuple[str, ...]:
+  """The order of the state's [G] fields for these ``hdet`` arguments."""
+  lrs = tuple(f'learning_rate/{g}' for g in param_groups) if param_groups else ('learning_rate',)
+  return lrs + tuple(explore or ())
+
+
+def replica_value(state: HDETState, index: int, replica_axis: str = 'data') -> jax.Array:
+  """This replica's value of hyperparameter ``index`` for the coming step (e.g. its dropout rate).
+
+  Call it in the train step, before the forward pass, inside the mapped context.
+  """
+  return state.next_values[index, lax.axis_index(replica_axis)]

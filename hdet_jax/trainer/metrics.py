@@ -7,7 +7,7 @@ Records in ``WORKDIR/metrics.jsonl`` carry a ``kind``:
 - ``controller``: one per sync step: ``weights``, ``window_losses``, ``delta``, ``velocity``, ``base_lr``;
 - ``throughput``: at each log interval: ``tokens_per_s``, ``steps_per_s``;
 - ``eval``: ``val_loss`` (nats) and ``val_bits_per_byte`` of the averaged model;
-- ``event``: start, resume, divergence, end.
+- ``event``: start, resume, ``nonfinite`` (some replicas' loss is NaN/inf), ``diverged`` (all), end.
 
 A resumed run appends; readers keep the last record of each (kind, step).
 """

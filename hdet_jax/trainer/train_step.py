@@ -108,7 +108,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   """
   def step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(lambda p: model_lib.loss_fn(graphdef, p, batch))(params)
-    grads = lax.pmean(grads, AXIS)
+    grads = H.pmean_finite(grads, AXIS)  # the all-reduce, skipping replicas whose gradient is not finite
     updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
     params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=sync)
     c = opt_state.controller

@@ -228,8 +228,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
       if sync:
         writer.write('controller', step=step, weights=m['weights'][0], window_losses=m['window_losses'][0],
                      delta=m['delta'][0], velocity=m['velocity'][0], base_lr=m['base_lr'][0])
-      if run.diverged_at is None and not np.all(np.isfinite(loss)):
-        run.diverged_at = step
+      finite = np.isfinite(loss)
+      if not finite.all() and run.diverged_at is None:
+        if finite.any():
+          writer.write('event', step=step, event='nonfinite', replicas=np.flatnonzero(~finite))
+        else:
+          run.diverged_at = step
+          writer.write('event', step=step, event='diverged')
     run.last_losses = [m['loss'] for m in got]
     mean_loss = float(np.mean(run.last_losses[-1]))
     bar.update(len(pending), mean_loss, float(got[-1]['base_lr'][0]))
@@ -252,14 +257,11 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
       writer.write('throughput', step=step - 1, steps_per_s=len(pending) / (now - t_mark),
                    tokens_per_s=len(pending) * tokens_per_step / (now - t_mark))
       pending = []
-      if run.diverged_at is not None:
-        bad = run.last_losses[-1] if run.last_losses else None
-        writer.write('event', step=run.diverged_at, event='diverged')
-        if config.stop_on_nan:
-          bar.close()
-          log(f'Training diverged: a non-finite loss at step {run.diverged_at} ({bad}). Stopping; the last '
-              f'good checkpoint is kept. Lower optim.max_lr or set --config.stop_on_nan=False to keep going.')
-          break
+      if run.diverged_at is not None and config.stop_on_nan:
+        bar.close()
+        log(f'Training diverged: every replica\'s loss is NaN/inf at step {run.diverged_at}. Stopping; the '
+            'last good checkpoint is kept. Lower optim.max_lr, or set --config.stop_on_nan=False to keep going.')
+        break
       if eval_due:
         evaluate(step)
       if ckpt_due:

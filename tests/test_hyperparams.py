@@ -1,0 +1,110 @@
+"""Exploring hyperparameters beyond one learning rate: per-group LRs, optimizer and model values."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import hdet_jax as H
+
+N, AX = 8, 'data'
+
+
+def _vmap_run(tx, params, loss_of_values, steps):
+  """Runs with zero gradients and a loss that depends only on each replica's hyperparameters."""
+  sp = H.stack_replicas(params, N)
+  ss = jax.vmap(tx.init)(sp)
+
+  def step(p, s):
+    values = s.next_values[:, lax.axis_index(AX)]  # what this replica uses for this step
+    loss = loss_of_values(values)
+    u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=loss)
+    return optax.apply_updates(p, u), s
+  f = jax.jit(jax.vmap(step, axis_name=AX))
+  history = []
+  for _ in range(steps):
+    sp, ss = f(sp, ss)
+    history.append(np.asarray(ss.base[0]))
+  return np.stack(history), ss
+
+
+def test_three_hyperparameters_each_move_to_their_own_optimum():
+  explore = {
+      'weight_decay': H.Explore(1e-2, 0.5),  # multiplicative; optimum 4e-3
+      'dropout': H.Explore(0.1, 0.05, additive=True, low=0.0, high=0.9, to_optimizer=False),  # optimum 0.3
+  }
+  assert H.hyperparam_names(explore=explore) == ('learning_rate', 'weight_decay', 'dropout')
+  tx = H.hdet(optax.adamw, 1e-3, num_replicas=N, spread=0.25, sync_every=5, replica_axis=AX, explore=explore,
+              auto_lr=H.AutoLR(total_steps=5000, warmup_steps=0, temperature=0.02, lr_of_lr=0.5, momentum=0.5))
+
+  def loss(v):  # independent bowls: log-LR optimum 3e-3, log-wd optimum 4e-3, dropout optimum 0.3
+    return (jnp.log(v[0] / 3e-3) ** 2 + jnp.log(v[1] / 4e-3) ** 2 + 10.0 * (v[2] - 0.3) ** 2)
+  hist, st = _vmap_run(tx, {'w': jnp.zeros(3)}, loss, 1500)
+  start, end = hist[0], hist[-1]
+  targets = np.array([3e-3, 4e-3, 0.3])
+  for g in range(3):
+    assert abs(end[g] - targets[g]) < 0.35 * abs(start[g] - targets[g]), (g, start[g], end[g])
+  # Values are clipped to their ranges; dropout is spread additively around its base.
+  d = np.asarray(st.next_values[0, 2])
+  np.testing.assert_allclose(np.sort(d) - np.mean(d), 0.05 * H.multipliers.unit_offsets(N), atol=1e-6)
+
+
+def test_param_groups_by_regex_get_their_own_lr_and_controller():
+  params = {'embed': {'table': jnp.zeros((4, 2))},
+            'blocks': {'attn': {'kernel': jnp.zeros((2, 2)), 'bias': jnp.zeros(2)}},
+            'norm': {'scale': jnp.zeros(2)}}
+  groups = {'embedding': r'^embed/', 'no_decay': r'(bias|scale)$', 'weights': r'kernel$'}
+  labels = H.group_labels(params, groups)
+  assert labels == {'embed': {'table': 'embedding'}, 'blocks': {'attn': {'kernel': 'weights', 'bias': 'no_decay'}},
+                    'norm': {'scale': 'no_decay'}}
+  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX, param_groups=groups,
+              auto_lr=H.AutoLR(total_steps=3000, warmup_steps=0, temperature=0.01, lr_of_lr=0.5, momentum=0.5))
+  names = H.hyperparam_names(param_groups=groups)
+  assert names == ('learning_rate/embedding', 'learning_rate/no_decay', 'learning_rate/weights')
+  # SGD's update of each leaf is -lr_group * grad, with lr_group this replica's value for its group.
+  sp = H.stack_replicas(params, N)
+  ss = jax.vmap(tx.init)(sp)
+  ones = jax.tree.map(jnp.ones_like, sp)
+  u, s1 = jax.vmap(lambda g, s, p: tx.update(g, s, p, value=1.0), axis_name=AX)(ones, ss, sp)
+  v = np.asarray(s1.values[0])  # [G, N]
+  np.testing.assert_allclose(np.asarray(u['embed']['table'])[:, 0, 0], -v[0], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(u['blocks']['attn']['bias'])[:, 0], -v[1], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(u['norm']['scale'])[:, 0], -v[1], rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(u['blocks']['attn']['kernel'])[:, 0, 0], -v[2], rtol=1e-6)
+  # Groups pulled in different directions: embedding wants a higher LR, weights a lower one.
+  hist, _ = _vmap_run(tx, params, lambda v: jnp.log(v[0] / 3e-2) ** 2 + jnp.log(v[2] / 3e-3) ** 2, 600)
+  np.testing.assert_allclose(hist[-1][[0, 2]], [3e-2, 3e-3], rtol=0.15)
+  # no_decay carries no signal of its own: it only random-walks (the weights are shared across
+  # groups, and its permutation is independent of theirs), and stays positive.
+  assert 0 < hist[-1][1] < 3e-2
+
+
+@pytest.mark.parametrize('groups, match', [
+    ({'embedding': r'^embed/', 'rest': r'kernel', 'ghost': r'does_not_exist'}, 'match no parameter'),
+    ({'a': r'kernel', 'b': r'attn'}, 'several groups'),
+    ({'a': r'kernel'}, 'matches no group'),
+])
+def test_bad_groups(groups, match):
+  params = {'embed': {'table': jnp.zeros(2)}, 'attn': {'kernel': jnp.zeros(2)}}
+  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX, param_groups=groups)
+  with pytest.raises(ValueError, match='param_groups.*' + match):
+    tx.init(params)
+
+
+@pytest.mark.parametrize('explore, match', [
+    ({'dropout': H.Explore(0.05, 0.1, additive=True, low=0.0, high=1.0)}, 'leaves the valid range'),
+    ({'weight_decay': H.Explore(0.1, 1.2)}, 'spread'),
+    ({'b1': H.Explore(0.95, 0.1, additive=True, low=0.0, high=1.0)}, 'leaves the valid range'),
+    ({'dropout': H.Explore(0.1, 0.05, additive=True, low=0.5, high=0.2)}, 'low'),
+    ({'learning_rate': (1e-3, 0.1)}, 'already set'),
+])
+def test_bad_explore(explore, match):
+  with pytest.raises(ValueError, match=match):
+    H.hdet(optax.adamw, 1e-3, num_replicas=N, spread=0.25, sync_every=4, explore=explore)
+
+
+def test_bad_group_regex():
+  with pytest.raises(ValueError, match=r"param_groups\['a'\]"):
+    H.hdet(optax.sgd, 1e-2, num_replicas=N, param_groups={'a': '(unclosed'})
