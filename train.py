@@ -8,6 +8,7 @@ Rerunning a command with the same workdir resumes from its latest checkpoint. Se
 under SLURM (srun with several tasks) JAX reads them from the environment.
 """
 
+import re
 import sys
 
 from absl import app
@@ -42,5 +43,21 @@ def main(argv):
     print(trainer.format_summary(summary), flush=True)
 
 
+def parse_flags(argv):
+  """absl's flag parsing, with a bad --config override reported as one line, not a traceback."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    print(f'error: {e}\nRun python train.py --helpfull for the flags.', file=sys.stderr)
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    m = re.search(r'Did you mean "(\w+)" instead of "(\w+)"', str(e))
+    text = ' '.join(re.sub(r"\\[nt]|['\"\\]", ' ', str(e)).split())
+    detail = (f'no field named {m.group(2)!r}; did you mean {m.group(1)!r}?' if m else
+              f'no field named {text!r}.' if isinstance(e, (AttributeError, KeyError)) else text)
+    print(f'error: bad --config override: {detail} The fields, each with a comment, are in the config '
+          'file (configs/default.py).', file=sys.stderr)
+  sys.exit(2)
+
+
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -63,7 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every = 500  # Steps between checkpoints (and one at the end); 0: only at the end.
   config.max_checkpoints = 2  # Checkpoints kept in WORKDIR/checkpoints (0: all).
   config.stop_at_step = 0  # Stop (with a checkpoint) after this many steps, as if preempted; 0: run to the end.
-  config.stop_on_nan = True  # Stop with a message when a loss is NaN/inf (False: record it and keep going).
+  config.stop_on_nan = True  # Stop with a message once every replica's loss is NaN/inf (False: record it, keep going).
   config.plots = True  # Draw the PNG plots into WORKDIR/plots at the end.
   config.progress_bar = True  # Show the tqdm progress bar.
   config.num_cpu_devices = 8  # Simulated CPU devices in total when running on CPU (split over processes); JAX_NUM_CPU_DEVICES wins.

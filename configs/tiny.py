@@ -1,7 +1,7 @@
 """python train.py --config configs/tiny.py --workdir workdirs/tiny
 
-A few-second smoke run for tests: full HDET (spread, averaging every 5 steps, auto-LR after 10
-steps) on a one-block model, 40 steps. Everything not set here is as in default.py.
+A few-second smoke run for tests: full HDET (spread, averaging every 8 steps, auto-LR from the
+sync at step 16) on a one-block model, 40 steps. Step 20 falls mid-fan-out (replicas differ). Everything not set here is as in default.py.
 """
 
 from hdet_jax.trainer.config_lib import sibling
@@ -16,8 +16,8 @@ def get_config():
   config.model.num_layers = 1  # One transformer block.
   config.model.num_heads = 2  # Attention heads.
   config.optim.max_lr = 1e-2  # A high peak LR: a tiny model learns the byte statistics fast.
-  config.hdet.sync_every = 5  # Average every 5 steps (8 syncs in the run).
-  config.hdet.warmup_steps = 10  # The controller starts at step 10's sync.
+  config.hdet.sync_every = 8  # Average every 8 steps: after steps 8, 16, 24, 32 and 40.
+  config.hdet.warmup_steps = 10  # The controller starts at the first sync after step 10 (step 16).
   config.log_every = 5  # Flush metrics every 5 steps.
   config.eval_every = 20  # Validate at step 20 (and at the end).
   config.eval_windows = 64  # 8 validation windows per replica.

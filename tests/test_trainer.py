@@ -1,0 +1,216 @@
+"""The trainer end to end on the tiny config: train.py, metrics, plots, checkpoints, resume, bad input."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from hdet_jax.trainer import ConfigError, config_lib, train_and_evaluate
+from hdet_jax.trainer.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, 'configs', 'tiny.py')
+
+
+def tiny(**overrides):
+  config = config_lib.load_config_file(TINY)
+  for key, value in overrides.items():
+    node = config
+    *path, last = key.split('.')
+    for p in path:
+      node = node[p]
+    node[last] = value
+  return config
+
+
+def _restore_raw(workdir, step):
+  """A checkpoint's items as plain arrays (no target: enough to compare bits)."""
+  path = os.path.join(workdir, 'checkpoints', str(step))
+  with ocp.StandardCheckpointer() as ckptr:
+    state = ckptr.restore(os.path.join(path, 'state'))
+    avg = ckptr.restore(os.path.join(path, 'avg_params'))
+  with open(os.path.join(path, 'meta', 'metadata')) as f:
+    meta = json.load(f)
+  return state, avg, meta
+
+
+def _leaves(tree):
+  import jax
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory):
+  """`python train.py --config configs/tiny.py` as a subprocess: 40 steps in one go."""
+  workdir = str(tmp_path_factory.mktemp('straight'))
+  env = dict(os.environ, JAX_NUM_CPU_DEVICES='8')
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', workdir],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return workdir, proc.stdout
+
+
+def test_end_to_end_train_py(straight):
+  workdir, stdout = straight
+  assert 'Run finished 40 steps.' in stdout
+  assert 'bits/byte' in stdout and 'tokens/s' in stdout
+  recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  train = recs['train']
+  assert [r['step'] for r in train] == list(range(40))
+  loss = np.array([r['loss'] for r in train])  # [40, 8]
+  lr = np.array([r['lr'] for r in train])
+  assert loss.shape == (40, 8) and np.all(np.isfinite(loss))
+  # From about ln 256 = 5.55 nats (8 bits/byte) down by more than a nat.
+  assert abs(loss[0].mean() - math.log(256)) < 0.1
+  assert loss[-5:].mean() < loss[:5].mean() - 1.0
+  assert np.all((loss > 0.5) & (loss < 6.5))
+  # Spread 0.25 over 8 replicas: LRs span base * [0.75, 1.25] and their mean is the base.
+  base = np.array([r['base_lr'] for r in train])
+  np.testing.assert_allclose(lr.mean(axis=1), base, rtol=1e-5)
+  np.testing.assert_allclose(lr.min(axis=1) / base, 0.75, rtol=1e-5)
+  np.testing.assert_allclose(lr.max(axis=1) / base, 1.25, rtol=1e-5)
+  assert [r['step'] for r in train if r['sync']] == [7, 15, 23, 31, 39]
+  ctrl = recs['controller']
+  assert [c['step'] for c in ctrl] == [7, 15, 23, 31, 39]
+  assert ctrl[0]['delta'] == 0 and ctrl[0]['velocity'] == 0  # before the warmup
+  assert all(c['delta'] != 0 for c in ctrl[1:])  # the controller acts from the sync after step 10
+  for c in ctrl[1:]:
+    np.testing.assert_allclose(sum(c['weights']), 1.0, rtol=1e-5)
+  evals = recs['eval']
+  assert [e['step'] for e in evals] == [20, 40]
+  for e in evals:
+    assert 2.0 < e['val_bits_per_byte'] < 7.5
+    np.testing.assert_allclose(e['val_bits_per_byte'], e['val_loss'] / math.log(2), rtol=1e-6)
+  assert evals[1]['val_loss'] < evals[0]['val_loss']
+  assert recs['throughput'] and all(t['tokens_per_s'] > 0 for t in recs['throughput'])
+  summary = json.load(open(os.path.join(workdir, 'summary.json')))
+  assert summary['step'] == 40 and summary['diverged_at'] is None
+  assert summary['final_val_loss'] == evals[-1]['val_loss']
+  assert 0 < summary['tokens_per_s'] and 0 < summary['wall_s'] < 300
+  for name in ('loss.png', 'lr.png', 'controller.png'):
+    path = os.path.join(workdir, 'plots', name)
+    with open(path, 'rb') as f:
+      assert f.read(8) == b'\x89PNG\r\n\x1a\n'
+    assert os.path.getsize(path) > 10_000
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['20', '40']
+  state, avg, meta = _restore_raw(workdir, 40)
+  assert meta['step'] == 40 and meta['num_replicas'] == 8
+  assert meta['data_position'] == {'epoch': 0, 'batch_in_epoch': 40}
+  params = state['params']
+  emb = np.asarray(params['embed']['embedding'])
+  assert emb.shape == (8, 256, 32) and np.all(np.isfinite(emb))
+  # Step 40 ends on a sync: every replica holds the same average (bitwise), and avg_params is it
+  # (to rounding: a float mean of 8 equal values need not return the value bit for bit).
+  for r in range(8):
+    np.testing.assert_array_equal(emb[r], emb[0])
+  np.testing.assert_allclose(np.asarray(avg['embed']['embedding']), emb[0], rtol=1e-6, atol=1e-7)
+  # The optimizer and controller state travel too.
+  assert np.asarray(state['opt_state']['count']).tolist() == [40] * 8
+  assert np.asarray(state['opt_state']['sync_count']).tolist() == [5] * 8
+
+
+def test_resume_is_bit_exact(straight, tmp_path):
+  """20 steps, stop, resume to 40: bit for bit the straight 40-step run.
+
+  Step 20 falls between syncs (after steps 16 and 24), so the checkpoint holds 8 different
+  replicas mid-fan-out, their optimizer states, the controller and the data position.
+  """
+  ref, _ = straight
+  workdir = str(tmp_path / 'resumed')
+  first = train_and_evaluate(tiny(stop_at_step=20, plots=False), workdir)
+  assert first['step'] == 20 and first['stopped_early']
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['20']
+  state, _, meta = _restore_raw(workdir, 20)
+  emb = np.asarray(state['params']['embed']['embedding'])
+  assert not np.array_equal(emb[0], emb[7])  # mid fan-out: the replicas differ
+  assert meta['data_position'] == {'epoch': 0, 'batch_in_epoch': 20}
+  second = train_and_evaluate(tiny(plots=False), workdir)
+  assert second['step'] == 40 and not second['stopped_early']
+  a_state, a_avg, _ = _restore_raw(ref, 40)
+  b_state, b_avg, _ = _restore_raw(workdir, 40)
+  for x, y in zip(_leaves(a_state), _leaves(b_state)):
+    np.testing.assert_array_equal(x, y)
+  for x, y in zip(_leaves(a_avg), _leaves(b_avg)):
+    np.testing.assert_array_equal(x, y)
+  a = read_metrics(os.path.join(ref, 'metrics.jsonl'))['train']
+  b = read_metrics(os.path.join(workdir, 'metrics.jsonl'))['train']
+  assert [r['loss'] for r in a] == [r['loss'] for r in b]
+  assert [r['lr'] for r in a] == [r['lr'] for r in b]
+
+
+def _snapshot(workdir):
+  out = {}
+  for root, _, files in os.walk(workdir):
+    for f in files:
+      p = os.path.join(root, f)
+      out[p] = (os.path.getsize(p), os.path.getmtime(p))
+  return out
+
+
+def test_bad_input_is_one_clear_line_before_training(straight, tmp_path):
+  ref, _ = straight
+  before = _snapshot(ref)
+  with pytest.raises(ConfigError, match=r'holds a checkpoint \(step 40\) of a different config \(model.d_model: 32 -> 48\)'):
+    train_and_evaluate(tiny(**{'model.d_model': 48}), ref)
+  assert _snapshot(ref) == before  # nothing in the workdir was touched
+  fresh = str(tmp_path / 'fresh')
+  with pytest.raises(ConfigError, match='no such file'):
+    train_and_evaluate(tiny(**{'data.path': str(tmp_path / 'nope.txt')}), fresh)
+  small = tmp_path / 'small.txt'
+  small.write_text('tiny corpus ' * 30)
+  with pytest.raises(ConfigError, match='too few for one batch'):
+    train_and_evaluate(tiny(**{'data.path': str(small)}), fresh)
+  with pytest.raises(ConfigError, match=r'hdet.num_replicas=16 but only 8 devices'):
+    train_and_evaluate(tiny(**{'hdet.num_replicas': 16}), fresh)
+  with pytest.raises(ConfigError, match='holds no checkpoint'):
+    train_and_evaluate(tiny(init_from=str(tmp_path / 'nothing')), fresh)
+  with pytest.raises(ConfigError, match='of another shape'):
+    train_and_evaluate(tiny(init_from=ref, **{'model.num_layers': 2}), fresh)
+  with pytest.raises(ConfigError, match='spread'):
+    train_and_evaluate(tiny(**{'hdet.spread': 1.5}), fresh)
+  assert not os.path.exists(fresh)  # nothing was written for any of them
+
+
+def test_unknown_config_key_on_the_command_line(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', str(tmp_path / 'w'),
+       '--config.hdet.sprad=0.1'],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert 'sprad' in proc.stderr and 'Traceback' not in proc.stderr
+  assert not os.path.exists(tmp_path / 'w')
+
+
+def test_warm_noisy_start_from_an_earlier_run(straight, tmp_path):
+  ref, _ = straight
+  workdir = str(tmp_path / 'warm')
+  s = train_and_evaluate(tiny(init_from=ref, num_train_steps=10, plots=False, eval_every=0,
+                              checkpoint_every=0, **{'hdet.sync_every': 0, 'hdet.spread': 0.0,
+                                                    'hdet.auto_lr': False}), workdir)
+  recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  start = [e for e in recs['event'] if e['event'] == 'start'][0]
+  assert start['init_from'] == ref and start['nu'] == 0.01
+  ref_final = read_metrics(os.path.join(ref, 'metrics.jsonl'))['train'][-1]['loss']
+  first = np.array(recs['train'][0]['loss'])
+  # A warm start: step 0 is near where the earlier run ended, far below ln 256.
+  assert first.mean() < np.mean(ref_final) + 0.3 < math.log(256) - 1
+  state, _, _ = _restore_raw(workdir, 10)
+  emb = np.asarray(state['params']['embed']['embedding'])
+  assert not np.array_equal(emb[0], emb[1])  # each replica got its own noise, never averaged
+  assert s['step'] == 10
+
+
+def test_divergence_is_recorded_and_stops_cleanly(tmp_path):
+  workdir = str(tmp_path / 'nan')
+  s = train_and_evaluate(tiny(plots=False, checkpoint_every=0, **{
+      'optim.name': 'sgd', 'optim.max_lr': 1e6, 'hdet.auto_lr': False}), workdir)
+  assert s['diverged_at'] is not None and s['step'] < 40
+  recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  assert any(e['event'] == 'diverged' for e in recs['event'])
+  assert not np.all(np.isfinite(np.array(recs['train'][s['diverged_at']]['loss'])))
