@@ -10,7 +10,6 @@ softmax weights). train.py draws them at the end of a run; this redraws them.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -66,21 +65,23 @@ def plot_workdir(workdir: str) -> list[str]:
   ax.grid(alpha=0.3)
   paths.append(_save(fig, out_dir, 'loss.png'))
 
-  # Learning rates (Fig. 3).
-  fig, ax = plt.subplots(figsize=(8, 5))
-  for r in range(n):
-    ax.plot(steps, lrs[:, r], color=colors[r], lw=0.7, alpha=0.8, label=f'replica {r}')
-  ax.plot(steps, base, 'k--', lw=1.5, label='base LR')
-  if len(syncs) and len(syncs) <= 400:
-    for s in syncs:
-      ax.axvline(s, color='tab:red', lw=0.3, alpha=0.4)
-  if len(syncs):
-    ax.plot(syncs, base[np.isin(steps, syncs)], 'r|', ms=8, label='sync (average)')
-  ax.set_xlabel('step')
-  ax.set_ylabel('learning rate')
-  ax.set_title('Per-replica learning rates, base LR and sync points')
-  ax.legend(fontsize=7, ncol=2)
-  ax.grid(alpha=0.3)
+  # Learning rates (Fig. 3): linear and log scale.
+  fig, axes = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
+  for ax, scale in zip(axes, ('linear', 'log')):
+    for r in range(n):
+      ax.plot(steps, lrs[:, r], color=colors[r], lw=0.7, alpha=0.8, label=f'replica {r}')
+    ax.plot(steps, base, 'k--', lw=1.5, label='base LR')
+    if len(syncs) and len(syncs) <= 400:
+      for s in syncs:
+        ax.axvline(s, color='tab:red', lw=0.3, alpha=0.4)
+    if len(syncs):
+      ax.plot(syncs, base[np.isin(steps, syncs)], 'r|', ms=8, label='sync (average)')
+    ax.set_yscale(scale)
+    ax.set_ylabel(f'learning rate ({scale})')
+    ax.grid(alpha=0.3)
+  axes[0].set_title('Per-replica learning rates, base LR and sync points')
+  axes[0].legend(fontsize=7, ncol=2)
+  axes[1].set_xlabel('step')
   paths.append(_save(fig, out_dir, 'lr.png'))
 
   # Controller.
