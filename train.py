@@ -8,6 +8,7 @@ Rerunning a command with the same workdir resumes from its latest checkpoint. Se
 under SLURM (srun with several tasks) JAX reads them from the environment.
 """
 
+import os
 import re
 import sys
 
@@ -18,7 +19,8 @@ from ml_collections import config_flags
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
-    'config', 'configs/default.py', 'Training configuration file (a get_config() Python file).', lock_config=True)
+    'config', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py'),
+    'Training configuration file (a get_config() Python file); default: configs/default.py.', lock_config=True)
 flags.DEFINE_string('workdir', 'workdirs/default', 'Where metrics, checkpoints and plots go; reusing it resumes.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for multi-process runs.')
 flags.DEFINE_integer('num_processes', None, 'Number of processes, for multi-process runs.')

@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim.max_lr = 3e-3  # Peak of the one-cycle base schedule (the mean replica's LR).
   config.optim.pct_start = 0.3  # Fraction of the steps spent warming the LR up to max_lr.
   config.optim.div_factor = 25.0  # The schedule starts at max_lr / div_factor.
-  config.optim.final_div_factor = 100.0  # ... and ends at max_lr / (div_factor * final_div_factor).
+  config.optim.final_div_factor = 10.0  # ... and ends at max_lr / (div_factor * final_div_factor).
   config.optim.b1 = 0.9  # Adam's beta1 (SGD's momentum).
   config.optim.b2 = 0.95  # Adam's beta2.
   config.optim.weight_decay = 0.1  # AdamW's decoupled weight decay, on matrices only (not biases/norms).
@@ -48,7 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.spread = 0.25  # alpha of eq. 1: the replicas' LRs span base * [1 - alpha, 1 + alpha]; 0: plain data parallel.
   config.hdet.sync_every = 25  # T: average the replicas (eq. 3) every T steps; 0: never (plain data parallel).
   config.hdet.auto_lr = True  # The auto-LR controller (eqs. 4-9) moves the base LR at each sync after the warmup.
-  config.hdet.warmup_steps = 450  # S_warm: the controller starts at the first sync at or after this step.
+  config.hdet.warmup_steps = 750  # S_warm: the controller starts at the first sync at or after this step.
   config.hdet.temperature = 0.1  # sigma of eq. 4, in loss units (nats): the softmax's temperature over window losses.
   config.hdet.lr_of_lr = 0.5  # lambda of eq. 7: the step size of the base-LR update.
   config.hdet.momentum = 0.9  # beta of eq. 7: the momentum of the base-LR velocity.

@@ -214,3 +214,40 @@ def test_divergence_is_recorded_and_stops_cleanly(tmp_path):
   recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   assert any(e['event'] == 'diverged' for e in recs['event'])
   assert not np.all(np.isfinite(np.array(recs['train'][s['diverged_at']]['loss'])))
+
+
+def test_plot_cli_redraws_from_metrics(straight, tmp_path):
+  workdir, _ = straight
+  proc = subprocess.run([sys.executable, '-m', 'hdet_jax.plot', workdir], cwd=ROOT, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert [os.path.basename(p) for p in proc.stdout.split()] == ['loss.png', 'lr.png', 'controller.png']
+  missing = subprocess.run([sys.executable, '-m', 'hdet_jax.plot', str(tmp_path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+  assert missing.returncode == 1 and 'no metrics file' in missing.stderr
+
+
+@pytest.mark.skipif(not os.environ.get('HDET_MULTIPROCESS_TESTS'),
+                    reason='two processes x 4 CPU devices take about a minute; set HDET_MULTIPROCESS_TESTS=1')
+def test_two_processes_match_one(straight, tmp_path):
+  """train.py as 2 processes x 4 CPU devices over jax.distributed on localhost: same run as 1 x 8."""
+  import socket
+  ref, _ = straight
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  workdir = str(tmp_path / 'mp')
+  env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+  env['JAX_NUM_CPU_DEVICES'] = '4'
+  procs = [subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', workdir,
+       f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=300)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+  assert '(2 process(es))' in outs[0] and 'Run finished 40 steps.' in outs[0]
+  a = np.array([r['loss'] for r in read_metrics(os.path.join(ref, 'metrics.jsonl'))['train']])
+  b = np.array([r['loss'] for r in read_metrics(os.path.join(workdir, 'metrics.jsonl'))['train']])
+  # The same data, init and programs; only the cross-process all-reduce order differs.
+  np.testing.assert_allclose(a, b, atol=1e-4)
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['20', '40']

@@ -168,7 +168,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
                         f'this corpus gives {batches.position(resume_step)}: was data.path changed?')
     start = resume_step
     writer.write('event', step=start, event='resume')
-    log(f'Resuming {workdir} from step {start}.')
+    log(f'Resuming {workdir} from step {start}.' if start < config.num_train_steps else
+        f'{workdir} already holds the finished run ({start} steps): evaluating and plotting only.')
   elif init_src is not None:
     avg = checkpoints.restore_avg_params(
         init_src, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), abstract_params))
@@ -276,7 +277,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     save(step)
   ckpt.close()
   tokens_per_s = run.train_steps * tokens_per_step / run.train_time if run.train_time > 0 else math.nan
-  final_train = float(np.mean(run.last_losses)) if run.last_losses else math.nan
+  if run.last_losses:
+    final_train = float(np.mean(run.last_losses))
+  else:  # nothing trained in this call (the workdir's run was already complete): the last recorded steps.
+    writer.flush()
+    recorded = metrics_lib.read_metrics(writer.path).get('train', []) if lead else []
+    final_train = float(np.mean([r['loss'] for r in recorded[-config.log_every:]])) if recorded else math.nan
   summary = {
       'step': step, 'num_train_steps': total, 'stopped_early': step < total, 'diverged_at': run.diverged_at,
       'final_train_loss': final_train, 'final_train_bits_per_byte': model_lib.bits_per_byte(final_train),
