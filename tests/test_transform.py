@@ -445,3 +445,11 @@ def test_trace_time_errors():
     jax.vmap(lambda p, s: tx.update(p, s, p), axis_name=AX)(sp, ss)
   with pytest.raises(ValueError, match='scalar loss'):
     jax.vmap(lambda p, s: tx.update(p, s, p, value=jnp.ones(3)), axis_name=AX)(sp, ss)
+
+
+def test_average_replicas_is_the_mean_and_exact_on_agreeing_replicas():
+  x = jax.random.normal(jax.random.key(0), (N, 1000)) * 3 + 1
+  np.testing.assert_allclose(np.asarray(H.average_replicas({'a': x})['a']),
+                             np.asarray(x, np.float64).mean(0), rtol=1e-6, atol=1e-6)
+  same = jnp.broadcast_to(x[3], x.shape)
+  np.testing.assert_array_equal(np.asarray(H.average_replicas(same)), np.asarray(x[3]))
