@@ -156,17 +156,25 @@ MEM_VARIANTS = {
 }
 
 
+def _vm(field):
+  """KiB from /proc/self/status (VmHWM: peak RSS of this process image; ru_maxrss after fork+exec
+  can report the parent's peak)."""
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith(field + ':'):
+        return int(line.split()[1])
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def memory_child(size_name, vname, steps):
-  base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  base = _vm('VmHWM')
   m, seq, batch, _ = sizes()[size_name]
   v = MEM_VARIANTS[vname]
   mesh = C.make_mesh()
   graphdef, _ = C.model_lib.abstract_model(m, seq)
   r = Runner(v, graphdef, m, seq, batch, mesh, phase='loop')
   r.run(steps)  # compiles lazily, crosses steps // T syncs.
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  with open('/proc/self/statm') as f:
-    current = int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') // 1024
+  peak, current = _vm('VmHWM'), _vm('VmRSS')
   state_bytes = sum(int(x.nbytes) for x in jax.tree.leaves((r.params, r.opt_state)))
   analysis = {}
   for flag, fn in r.programs.items():
