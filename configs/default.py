@@ -31,6 +31,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.num_layers = 2  # Transformer blocks.
   config.model.num_heads = 4  # Attention heads per block (must divide d_model).
   config.model.mlp_ratio = 4  # MLP hidden width as a multiple of d_model.
+  config.model.dropout = 0.0  # Dropout rate on attention and MLP outputs in training (base value if explored).
+  config.model.attn_temperature = 1.0  # Attention logits are divided by this (base value if explored).
 
   config.optim = ml_collections.ConfigDict()
   config.optim.name = 'adamw'  # The optax optimizer HDET wraps: 'adamw', 'adam' or 'sgd' (b1 = momentum).
@@ -42,6 +44,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim.b2 = 0.95  # Adam's beta2.
   config.optim.weight_decay = 0.1  # AdamW's decoupled weight decay, on matrices only (not biases/norms).
   config.optim.grad_clip_norm = 0.0  # Clip the all-reduced gradient to this global norm (0: no clipping).
+  config.optim.label_smoothing = 0.0  # Label smoothing of the training loss (base value if explored).
 
   config.hdet = ml_collections.ConfigDict()
   config.hdet.num_replicas = 0  # N, one replica per device; 0: all devices (must equal the device count with several processes).
@@ -53,6 +56,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.lr_of_lr = 0.5  # lambda of eq. 7: the step size of the base-LR update.
   config.hdet.momentum = 0.9  # beta of eq. 7: the momentum of the base-LR velocity.
   config.hdet.smooth_decay = True  # Decay the base LR continuously within a window (False: hold it, as the reference does).
+  # Per-group LRs (the paper's §3.4): embedding (byte embedding, positions), no_decay (biases, norm
+  # scales) and weights (attention/MLP kernels), chosen by regex on parameter paths
+  # (train_step.PARAM_GROUPS); each group has its own base LR, velocity and permutation.
+  config.hdet.param_groups = True
+  # More hyperparameters to explore across replicas (paper Remark 1); 0 turns one off.
+  config.hdet.explore = ml_collections.ConfigDict()
+  config.hdet.explore.weight_decay = 0.0  # Multiplicative spread of AdamW's weight decay, in [0, 1).
+  config.hdet.explore.dropout = 0.0  # Additive half-width of the dropout rate (clipped to [0, 0.9]).
+  config.hdet.explore.label_smoothing = 0.0  # Additive half-width of label smoothing (clipped to [0, 0.5]).
+  config.hdet.explore.attn_temperature = 0.0  # Multiplicative spread of the attention temperature, in [0, 1).
 
   config.warm_init = ml_collections.ConfigDict()
   config.warm_init.nu = 0.01  # nu of eq. 10: noise std is nu * ||theta_0|| / sqrt(d) (used only with init_from).

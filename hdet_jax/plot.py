@@ -4,8 +4,10 @@
 
 writes ``WORKDIR/plots/loss.png`` (each replica's training loss and the averaged model's
 validation loss), ``lr.png`` (each replica's LR with the sync points marked, and the base LR:
-the paper's Fig. 3) and ``controller.png`` (the auto-LR controller's delta and velocity, and its
-softmax weights). train.py draws them at the end of a run; this redraws them.
+the paper's Fig. 3), ``controller.png`` (the auto-LR controller's delta and velocity, and its
+softmax weights) and ``hyperparams.png`` (every explored hyperparameter, one panel each: the
+per-group LR schedules and any regularizer). train.py draws them at the end of a run; this
+redraws them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ def _smooth(y: np.ndarray, width: int) -> np.ndarray:
 
 
 def plot_workdir(workdir: str) -> list[str]:
-  """Draws the three PNGs into ``workdir/plots`` and returns their paths."""
+  """Draws the PNGs into ``workdir/plots`` and returns their paths."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -106,6 +108,25 @@ def plot_workdir(workdir: str) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=4)
   paths.append(_save(fig, out_dir, 'controller.png'))
+
+  # Every explored hyperparameter (per-group LRs, then the rest): Fig. 3 per group.
+  names = recs.get('hyperparams', [{}])[-1].get('names')
+  if names and all('values' in r for r in train):
+    values = np.array([r['values'] for r in train], dtype=float)  # [S, G, N]
+    bases = np.array([r['bases'] for r in train], dtype=float)  # [S, G]
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 2.6 * len(names) + 0.6), sharex=True, squeeze=False)
+    for g, (ax, name) in enumerate(zip(axes[:, 0], names)):
+      for r in range(values.shape[2]):
+        ax.plot(steps, values[:, g, r], color=colors[r], lw=0.6, alpha=0.7)
+      ax.plot(steps, bases[:, g], 'k--', lw=1.4, label=f'base {name}')
+      if name.startswith('learning_rate') and np.all(values[:, g] > 0):
+        ax.set_yscale('log')
+      ax.set_ylabel(name.replace('learning_rate/', 'LR ').replace('_', ' '), fontsize=8)
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=7, loc='upper right')
+    axes[0, 0].set_title('Explored hyperparameters: each replica (colours) and the base (dashed)')
+    axes[-1, 0].set_xlabel('step')
+    paths.append(_save(fig, out_dir, 'hyperparams.png'))
   return paths
 
 

@@ -1,14 +1,16 @@
 """A small byte-level causal transformer language model in ``flax.nnx``.
 
 Pre-LayerNorm blocks (causal multi-head self-attention, GELU MLP), learned positions, and an
-output head tied to the byte embedding. No dropout, so a forward pass is a pure function of
-the parameters and the bytes.
+output head tied to the byte embedding. Dropout rate and attention temperature are call
+arguments rather than module attributes, so HDET can give every replica its own (traced)
+value; with the defaults (no dropout key, temperature 1) a forward pass is a pure function of
+the parameters and the bytes, which is how the averaged model is evaluated.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,21 @@ import optax
 from flax import nnx
 
 VOCAB_SIZE = 256  # bytes
+
+
+def dropout(x: jax.Array, rate: jax.Array | float, key: jax.Array | None) -> jax.Array:
+  """Inverted dropout with a (possibly traced, per-replica) rate; identity without a key."""
+  if key is None:
+    return x
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+class Regularization(NamedTuple):
+  """Per-call model hyperparameters (HDET explores them per replica)."""
+  dropout_rate: Any = 0.0      # [] float: dropout on the attention and MLP outputs.
+  dropout_key: Any = None      # PRNG key, or None for no dropout (evaluation).
+  attn_temperature: Any = 1.0  # [] float: attention logits are divided by it.
 
 
 class CausalSelfAttention(nnx.Module):
@@ -27,10 +44,13 @@ class CausalSelfAttention(nnx.Module):
     self.qkv = nnx.Linear(d_model, 3 * d_model, rngs=rngs)
     self.out = nnx.Linear(d_model, d_model, rngs=rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, temperature: Any = 1.0) -> jax.Array:
     b, t, d = x.shape
-    q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3, self.num_heads, d // self.num_heads), 3, axis=2)
-    y = jax.nn.dot_product_attention(q[:, :, 0], k[:, :, 0], v[:, :, 0], is_causal=True)
+    h = d // self.num_heads
+    q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3, self.num_heads, h), 3, axis=2)
+    # Dividing q by the temperature divides the logits q.k / sqrt(h) by it.
+    q = q[:, :, 0] / jnp.asarray(temperature, q.dtype)
+    y = jax.nn.dot_product_attention(q, k[:, :, 0], v[:, :, 0], is_causal=True)
     return self.out(y.reshape(b, t, d))
 
 
@@ -43,9 +63,9 @@ class Block(nnx.Module):
     self.fc1 = nnx.Linear(d_model, mlp_ratio * d_model, rngs=rngs)
     self.fc2 = nnx.Linear(mlp_ratio * d_model, d_model, rngs=rngs)
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.attn(self.ln1(x))
-    return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x))))
+  def __call__(self, x: jax.Array, reg: Regularization, keys: tuple[Any, Any]) -> jax.Array:
+    x = x + dropout(self.attn(self.ln1(x), reg.attn_temperature), reg.dropout_rate, keys[0])
+    return x + dropout(self.fc2(jax.nn.gelu(self.fc1(self.ln2(x)))), reg.dropout_rate, keys[1])
 
 
 class TransformerLM(nnx.Module):
@@ -59,10 +79,13 @@ class TransformerLM(nnx.Module):
     self.blocks = nnx.List([Block(d_model, num_heads, mlp_ratio, rngs=rngs) for _ in range(num_layers)])
     self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, reg: Regularization = Regularization()) -> jax.Array:
     x = self.embed(tokens) + self.pos[:tokens.shape[1]]
-    for block in self.blocks:
-      x = block(x)
+    n = len(self.blocks)
+    keys = ([None] * (2 * n) if reg.dropout_key is None
+            else list(jax.random.split(reg.dropout_key, 2 * n)))
+    for i, block in enumerate(self.blocks):
+      x = block(x, reg, (keys[2 * i], keys[2 * i + 1]))
     return self.embed.attend(self.ln_f(x))
 
 
@@ -87,12 +110,28 @@ def abstract_model(model_config: Any, seq_len: int) -> tuple[nnx.GraphDef, dict]
   return graphdef, nnx.to_pure_dict(params)
 
 
-def loss_fn(graphdef: nnx.GraphDef, params: dict, batch: jax.Array) -> jax.Array:
-  """Mean next-byte cross-entropy in nats; ``batch`` is ``[B, seq_len + 1]`` bytes."""
+def loss_fn(graphdef: nnx.GraphDef, params: dict, batch: jax.Array,
+            reg: Regularization = Regularization(), label_smoothing: Any = 0.0) -> jax.Array:
+  """Mean next-byte training loss in nats; ``batch`` is ``[B, seq_len + 1]`` bytes."""
+  return losses(graphdef, params, batch, reg, label_smoothing)[0]
+
+
+def losses(graphdef: nnx.GraphDef, params: dict, batch: jax.Array,
+           reg: Regularization = Regularization(), label_smoothing: Any = 0.0) -> tuple[jax.Array, jax.Array]:
+  """(training loss, plain cross-entropy), both mean nats per byte.
+
+  The training loss uses label smoothing ``eps``: targets ``(1 - eps) onehot + eps / 256``.
+  The plain cross-entropy is what replicas are compared on: a replica with more smoothing
+  would otherwise look worse by definition.
+  """
   tokens = batch.astype(jnp.int32)
-  logits = nnx.merge(graphdef, params)(tokens[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), tokens[:, 1:]).mean()
+  logits = nnx.merge(graphdef, params)(tokens[:, :-1], reg).astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits)
+  nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  ce = nll.mean()
+  smooth = -logp.mean(-1)  # cross-entropy against the uniform distribution
+  eps = jnp.asarray(label_smoothing, jnp.float32)
+  return ((1.0 - eps) * nll + eps * smooth).mean(), ce
 
 
 def bits_per_byte(nats: float) -> float:

@@ -57,21 +57,58 @@ def _decay_mask(params: Any) -> Any:
   return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
 
 
+# The paper's kind of parameter groups for this model (regexes on parameter paths such as
+# 'blocks/0/attn/qkv/kernel'): the byte embedding and positions, the biases and norm scales
+# (no weight decay), and the attention/MLP weight matrices.
+PARAM_GROUPS = {
+    'embedding': r'^(embed|pos)(/|$)',
+    'no_decay': r'(bias|scale)$',
+    'weights': r'^blocks/.*kernel$',
+}
+
+
+def explored(config: Any) -> dict[str, H.Explore]:
+  """The hyperparameters besides the learning rate(s) that the config explores, in order."""
+  e, o, m = config.hdet.explore, config.optim, config.model
+  out = {}
+  if e.weight_decay > 0:
+    out['weight_decay'] = H.Explore(o.weight_decay, e.weight_decay, low=0.0)
+  if e.dropout > 0:  # additive: a base rate of 0 must still be explorable
+    out['dropout'] = H.Explore(m.dropout, e.dropout, additive=True, low=0.0, high=0.9, to_optimizer=False)
+  if e.label_smoothing > 0:
+    out['label_smoothing'] = H.Explore(o.label_smoothing, e.label_smoothing, additive=True, low=0.0,
+                                       high=0.5, to_optimizer=False)
+  if e.attn_temperature > 0:
+    out['attn_temperature'] = H.Explore(m.attn_temperature, e.attn_temperature, low=0.05, to_optimizer=False)
+  return out
+
+
+def param_groups(config: Any) -> dict[str, str] | None:
+  return dict(PARAM_GROUPS) if config.hdet.param_groups else None
+
+
+def hyperparam_names(config: Any) -> tuple[str, ...]:
+  """The order of the optimizer state's [G] fields (and of the logged ``values``/``bases``)."""
+  return H.hyperparam_names(param_groups=param_groups(config), explore=explored(config))
+
+
 def make_optimizer(config: Any, num_replicas: int) -> optax.GradientTransformationExtraArgs:
   """``hdet_jax.hdet`` around the configured optax optimizer, schedule and HDET settings."""
   o, h = config.optim, config.hdet
   factories = {
-      'adamw': lambda learning_rate: optax.adamw(
-          learning_rate, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, mask=_decay_mask),
+      'adamw': lambda learning_rate, weight_decay=o.weight_decay: optax.adamw(
+          learning_rate, b1=o.b1, b2=o.b2, weight_decay=weight_decay, mask=_decay_mask),
       'adam': lambda learning_rate: optax.adam(learning_rate, b1=o.b1, b2=o.b2),
       'sgd': lambda learning_rate: optax.sgd(learning_rate, momentum=o.b1),
   }
   if o.name not in factories:
     raise ValueError(f'optim.name={o.name!r} is not one of {sorted(factories)}.')
+  if h.explore.weight_decay > 0 and o.name != 'adamw':
+    raise ValueError(f'hdet.explore.weight_decay needs optim.name=adamw, got {o.name!r}.')
   base = factories[o.name]
   if o.grad_clip_norm > 0:
-    factory = lambda learning_rate: optax.chain(
-        optax.clip_by_global_norm(o.grad_clip_norm), base(learning_rate))
+    factory = lambda learning_rate, **kw: optax.chain(
+        optax.clip_by_global_norm(o.grad_clip_norm), base(learning_rate, **kw))
   else:
     factory = base
   auto_lr = None
@@ -82,7 +119,7 @@ def make_optimizer(config: Any, num_replicas: int) -> optax.GradientTransformati
   return H.hdet(
       factory, schedule(config), num_replicas=num_replicas, spread=h.spread,
       sync_every=sync_every(config), replica_axis=AXIS, auto_lr=auto_lr, exact_sync=True,
-      seed=config.seed)
+      seed=config.seed, param_groups=param_groups(config), explore=explored(config) or None)
 
 
 def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_replicas: int) -> Callable:
@@ -99,7 +136,31 @@ def make_opt_init(tx: optax.GradientTransformation, mesh: Mesh) -> Callable:
   return jax.jit(jax.vmap(tx.init), out_shardings=replica_sharding(mesh))
 
 
-def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh, *, sync: bool) -> Callable:
+def regularization(config: Any, opt_state: Any) -> tuple[model_lib.Regularization, jax.Array]:
+  """This replica's model regularization and label smoothing for the coming step.
+
+  Explored values come from the optimizer state (each replica's own); the others from the
+  config. The dropout key depends only on (seed, step, replica), so a resumed run draws the
+  same masks.
+  """
+  names = hyperparam_names(config)
+  def value(name, default):
+    return H.replica_value(opt_state, names.index(name), AXIS) if name in names else default
+  rate = value('dropout', config.model.dropout)
+  key = None
+  if 'dropout' in names or config.model.dropout > 0:
+    key = jax.random.fold_in(jax.random.fold_in(
+        jax.random.key(config.seed + _DROPOUT_TAG), opt_state.count), lax.axis_index(AXIS))
+  reg = model_lib.Regularization(
+      dropout_rate=rate, dropout_key=key, attn_temperature=value('attn_temperature', config.model.attn_temperature))
+  return reg, value('label_smoothing', config.optim.label_smoothing)
+
+
+_DROPOUT_TAG = 7919
+
+
+def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh, *, sync: bool,
+                    config: Any = None) -> Callable:
   """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``, all stacked ``[N, ...]``.
 
   ``metrics`` holds each replica's loss and, read from each replica's (identical) optimizer
@@ -107,15 +168,22 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   window losses; the host reads row 0 of the replica-invariant ones.
   """
   def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(lambda p: model_lib.loss_fn(graphdef, p, batch))(params)
+    if config is None:
+      reg, smoothing = model_lib.Regularization(), 0.0
+    else:
+      reg, smoothing = regularization(config, opt_state)
+    (_, loss), grads = jax.value_and_grad(
+        lambda p: model_lib.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
     grads = H.pmean_finite(grads, AXIS)  # the all-reduce, skipping replicas whose gradient is not finite
+    # The controller compares replicas on plain cross-entropy (see model_lib.losses).
     updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
     params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=sync)
     c = opt_state.controller
     metrics = {
         'loss': loss, 'lrs': opt_state.learning_rates, 'base_lr': opt_state.base_learning_rate,
         'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
-        'window_losses': c.window_losses,
+        'window_losses': c.window_losses, 'values': opt_state.values, 'bases': opt_state.base,
+        'deltas': c.delta, 'velocities': c.velocity,
     }
     return params, opt_state, metrics
   return jax.jit(H.shard_map_replicas(step, mesh, AXIS), donate_argnums=(0, 1))

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -29,7 +31,7 @@ _INIT_TAG, _WARM_TAG = 1, 2  # fold_in tags of the run key: model init, warm-ini
 
 
 def setup_jax(config: Any, *, coordinator_address: str | None = None, num_processes: int | None = None,
-              process_id: int | None = None) -> None:
+              process_id: int | None = None, heartbeat_timeout_s: int = 20) -> None:
   """Process-level JAX setup; call before any other JAX call (train.py does).
 
   Starts ``jax.distributed`` when a coordinator is given, or under a SLURM job step with
@@ -48,9 +50,9 @@ def setup_jax(config: Any, *, coordinator_address: str | None = None, num_proces
       pass  # the backend is already up (e.g. in a test); keep its device count.
   if coordinator_address:
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+                               process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_s)
   elif slurm:
-    jax.distributed.initialize()
+    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s)
   if config.compilation_cache:
     jax.config.update('jax_compilation_cache_dir', os.path.expanduser(config.compilation_cache))
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
@@ -70,23 +72,29 @@ def _resolve_replicas(config: Any) -> int:
   return n
 
 
-def _check_workdir(workdir: str, fields: dict) -> int | None:
-  """The step to resume from (None: a fresh run); raises if the workdir holds another config's run."""
+def _check_workdir(workdir: str, fields: dict) -> bool:
+  """Whether the workdir holds checkpoints to resume from; raises if it holds another config's run.
+
+  The config is compared with the newest checkpoint whose meta record reads back (a corrupt newer
+  one is set aside when the state is restored).
+  """
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError(f'--workdir {workdir} exists and is not a directory; pick another --workdir.')
-  step = checkpoints.latest_step(workdir)
-  meta = checkpoints.read_meta(workdir, step) if step is not None else None
+  step, meta, _ = checkpoints.latest_readable_meta(workdir)
   saved, what = None, None
   if meta is not None:
     saved, what = meta['config'], f'a checkpoint (step {step})'
   elif os.path.exists(os.path.join(workdir, 'config.json')):
-    with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
-      saved, what = json.load(f).get('training_fields'), 'a run'
+    try:
+      with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+        saved, what = json.load(f).get('training_fields'), 'a run'
+    except (OSError, ValueError, AttributeError):
+      saved = None  # unreadable (cut short by a kill in an older version): the checkpoints decide
   if saved is not None and saved != fields:
     raise ConfigError(
         f'workdir {workdir} holds {what} of a different config ({config_lib.differences(saved, fields)}); '
         'rerun with the same config to resume it, or pass a new --workdir.')
-  return step
+  return bool(checkpoints.all_steps(workdir))
 
 
 def _check_init_from(config: Any, abstract_params: Any) -> str | None:
@@ -98,7 +106,10 @@ def _check_init_from(config: Any, abstract_params: Any) -> str | None:
     raise ConfigError(
         f'init_from={config.init_from!r} holds no checkpoint; point --config.init_from at the workdir of an '
         'earlier run (e.g. run `python train.py --workdir workdirs/default` first), or unset it for a random init.')
-  meta = checkpoints.read_meta(src, step)
+  try:
+    meta = checkpoints.read_meta(src, step)
+  except checkpoints.CorruptCheckpoint as e:
+    raise ConfigError(f'init_from={config.init_from!r}: its latest checkpoint is corrupt ({e}).') from None
   want = jax.tree.map(lambda s: list(s.shape), abstract_params)
   if meta.get('param_shapes') != json.loads(json.dumps(want)):
     raise ConfigError(
@@ -115,11 +126,69 @@ class _Run:
     self.train_steps = 0
     self.last_losses: list[np.ndarray] = []
     self.diverged_at: int | None = None
+    self.preempted_at: int | None = None
     self.val = (math.nan, math.nan)
 
 
+class _StopSignals:
+  """SIGTERM / SIGINT set a flag that the training loop checks; a second signal acts as usual.
+
+  Installed only from the main thread (signal handlers cannot be set elsewhere), and undone on exit.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.received: str | None = None
+    self._old = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in self.SIGNALS:
+        self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.received = signal.Signals(signum).name
+    # The next one of this signal does what it would have done without us: end the process now.
+    signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+    return False
+
+
+def _any_process(flag: bool) -> bool:
+  """True on every process iff ``flag`` on some process (a no-op with one process)."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+  return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+
+
+def _write_json_atomic(path: str, obj: Any, **kwargs) -> None:
+  """Writes ``path`` via a temporary file and a rename: a kill leaves the old file or the new one."""
+  tmp = f'{path}.tmp-{os.getpid()}'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    json.dump(obj, f, **kwargs)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
 def train_and_evaluate(config: Any, workdir: str) -> dict:
-  """Trains (or resumes) the run described by ``config`` in ``workdir``; returns the summary."""
+  """Trains (or resumes) the run described by ``config`` in ``workdir``; returns the summary.
+
+  SIGTERM or SIGINT during training (a preemption, Ctrl-C) finishes the current step, writes a
+  checkpoint and returns with ``summary['preempted']`` set; rerunning resumes from it.
+  """
+  with _StopSignals() as stop:
+    return _train_and_evaluate(config, workdir, stop)
+
+
+def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
   t0 = time.time()
   workdir = os.path.abspath(os.path.expanduser(workdir))
   lead = jax.process_index() == 0
@@ -139,16 +208,15 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
   except ValueError as e:
     raise ConfigError(f'config: {e}') from None
   fields = config_lib.training_fields(config, n)
-  resume_step = _check_workdir(workdir, fields)
+  resume = _check_workdir(workdir, fields)
   graphdef, abstract_params = model_lib.abstract_model(config.model, config.data.seq_len)
-  init_src = _check_init_from(config, abstract_params) if resume_step is None else None
+  init_src = _check_init_from(config, abstract_params) if not resume else None
 
   # ---- Build. ----
   os.makedirs(workdir, exist_ok=True)
   config_path = os.path.join(workdir, 'config.json')
   if lead and not os.path.exists(config_path):
-    with open(config_path, 'w', encoding='utf-8') as f:
-      json.dump({'training_fields': fields, 'config': json.loads(config.to_json())}, f, indent=1)
+    _write_json_atomic(config_path, {'training_fields': fields, 'config': json.loads(config.to_json())}, indent=1)
   mesh = ts.make_mesh(n)
   rs, rep = ts.replica_sharding(mesh), ts.replicated(mesh)
   root = jax.random.key(config.seed)
@@ -160,14 +228,26 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
   writer = metrics_lib.MetricsWriter(os.path.join(workdir, 'metrics.jsonl'), enabled=lead)
   log = (lambda msg: print(msg, flush=True)) if lead else (lambda msg: None)
 
-  if resume_step is not None:
-    state, meta = ckpt.restore(resume_step, abstract_state)
+  restored = None
+  if resume:
+    def corrupt(step, why):
+      writer.write('event', step=step, event='corrupt_checkpoint', reason=why)
+      log(f'warning: checkpoint {why}; falling back to the previous one.')
+    t_restore = time.time()
+    try:
+      restored = ckpt.restore_latest(abstract_state, on_corrupt=corrupt)
+    except checkpoints.CorruptCheckpoint as e:
+      writer.close()
+      raise ConfigError(str(e)) from None
+  if restored is not None:
+    state, meta = restored
     params, opt_state = state['params'], state['opt_state']
+    resume_step = meta['step']
     if meta['data_position'] != batches.position(resume_step):
       raise ConfigError(f'checkpoint step {resume_step} has data position {meta["data_position"]}, '
                         f'this corpus gives {batches.position(resume_step)}: was data.path changed?')
     start = resume_step
-    writer.write('event', step=start, event='resume')
+    writer.write('event', step=start, event='resume', restore_s=time.time() - t_restore)
     log(f'Resuming {workdir} from step {start}.' if start < config.num_train_steps else
         f'{workdir} already holds the finished run ({start} steps): evaluating and plotting only.')
   elif init_src is not None:
@@ -183,12 +263,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     params, opt_state = init(jax.random.fold_in(root, _INIT_TAG))
     start = 0
     writer.write('event', step=0, event='start', init_from=None)
+  writer.write('hyperparams', step=start, names=list(ts.hyperparam_names(config)))
   rng = jax.device_put(np.asarray(jax.random.key_data(root)), rep)
   param_shapes = json.loads(json.dumps(jax.tree.map(lambda s: list(s.shape), abstract_params)))
 
   # Compile both step programs (and the eval) once, up front.
   batch0 = ts.put_stacked(batches.batch(start), mesh)
-  steps = {s: ts.make_train_step(graphdef, tx, mesh, sync=s).lower(params, opt_state, batch0).compile()
+  steps = {s: ts.make_train_step(graphdef, tx, mesh, sync=s, config=config).lower(params, opt_state, batch0).compile()
            for s in (False, True)}
   val_dev = ts.put_stacked(val_windows, mesh)
   evaluate_fn = ts.make_eval_step(graphdef, mesh)
@@ -225,10 +306,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     got = ts.fetch([m for _, _, m in pending])
     for (step, sync, _), m in zip(pending, got):
       loss = m['loss']
-      writer.write('train', step=step, loss=loss, lr=m['lrs'][0], base_lr=m['base_lr'][0], sync=sync)
+      writer.write('train', step=step, loss=loss, lr=m['lrs'][0], base_lr=m['base_lr'][0], sync=sync,
+                   values=m['values'][0], bases=m['bases'][0])
       if sync:
         writer.write('controller', step=step, weights=m['weights'][0], window_losses=m['window_losses'][0],
-                     delta=m['delta'][0], velocity=m['velocity'][0], base_lr=m['base_lr'][0])
+                     delta=m['delta'][0], velocity=m['velocity'][0], base_lr=m['base_lr'][0],
+                     deltas=m['deltas'][0], velocities=m['velocities'][0])
       finite = np.isfinite(loss)
       if not finite.all() and run.diverged_at is None:
         if finite.any():
@@ -250,6 +333,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     step += 1
     eval_due = config.eval_every > 0 and step % config.eval_every == 0 and step < end
     ckpt_due = config.checkpoint_every > 0 and step % config.checkpoint_every == 0 and step < end
+    # A stop signal is checked every step (with several processes, at each log interval, where the
+    # processes agree on it: they must all stop after the same step).
+    if step < end and (jax.process_count() == 1 or step % config.log_every == 0):
+      if _any_process(stop.received is not None):
+        run.preempted_at = step
+        ckpt_due = True
     if step % config.log_every == 0 or step == end or eval_due or ckpt_due:
       flush()
       now = time.time()
@@ -263,16 +352,24 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
         log(f'Training diverged: every replica\'s loss is NaN/inf at step {run.diverged_at}. Stopping; the '
             'last good checkpoint is kept. Lower optim.max_lr, or set --config.stop_on_nan=False to keep going.')
         break
-      if eval_due:
+      if eval_due and run.preempted_at is None:
         evaluate(step)
       if ckpt_due:
         save(step)
       writer.flush()
+      if run.preempted_at is not None:
+        bar.close()
+        ckpt.wait()
+        writer.write('event', step=step, event='preempted', signal=stop.received)
+        log(f'Stopped by {stop.received or "a signal to another process"} after step {step}: checkpoint '
+            f'{step} is written; rerun the same command to resume.')
+        break
       t_mark = time.time()
   bar.close()
 
   # ---- The end: evaluate, checkpoint, plot, summarise. ----
-  evaluate(step)
+  if run.preempted_at is None:  # a preempted run has little time left: the checkpoint is what matters
+    evaluate(step)
   if run.diverged_at is None and step > start and ckpt.latest_step() != step:
     save(step)
   ckpt.close()
@@ -285,6 +382,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     final_train = float(np.mean([r['loss'] for r in recorded[-config.log_every:]])) if recorded else math.nan
   summary = {
       'step': step, 'num_train_steps': total, 'stopped_early': step < total, 'diverged_at': run.diverged_at,
+      'preempted': run.preempted_at is not None,
       'final_train_loss': final_train, 'final_train_bits_per_byte': model_lib.bits_per_byte(final_train),
       'final_val_loss': run.val[0], 'final_val_bits_per_byte': run.val[1],
       'tokens_per_s': tokens_per_s, 'setup_s': setup_s, 'wall_s': time.time() - t0,
@@ -294,19 +392,20 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
   }
   writer.write('event', event='end', **{k: v for k, v in summary.items() if k != 'plots'})
   writer.close()
-  if lead and config.plots:
+  if lead and config.plots and run.preempted_at is None:
     from hdet_jax import plot
     summary['plots'] = plot.plot_workdir(workdir)
   summary['wall_s'] = time.time() - t0
   if lead:
-    with open(os.path.join(workdir, 'summary.json'), 'w', encoding='utf-8') as f:
-      json.dump(metrics_lib._clean(summary), f, indent=1)
+    _write_json_atomic(os.path.join(workdir, 'summary.json'), metrics_lib._clean(summary), indent=1)
   return summary
 
 
 def format_summary(s: dict) -> str:
   """The final summary as a few human lines."""
   status = (f'DIVERGED at step {s["diverged_at"]}' if s['diverged_at'] is not None
+            else f'preempted after step {s["step"]} of {s["num_train_steps"]}, checkpoint written (rerun the same '
+                 'command to resume)' if s.get('preempted')
             else f'stopped at step {s["step"]} of {s["num_train_steps"]} (rerun the same command to resume)'
             if s['stopped_early'] else f'finished {s["step"]} steps')
   lines = [
