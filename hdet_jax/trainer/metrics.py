@@ -9,7 +9,9 @@ Records in ``WORKDIR/metrics.jsonl`` carry a ``kind``:
 - ``eval``: ``val_loss`` (nats) and ``val_bits_per_byte`` of the averaged model;
 - ``event``: start, resume, ``nonfinite`` (some replicas' loss is NaN/inf), ``diverged`` (all), end.
 
-A resumed run appends; readers keep the last record of each (kind, step).
+A resumed run appends (first cutting a last line a killed run left unfinished); readers keep the
+last record of each (kind, step), so steps a killed run logged after its last checkpoint, then
+recomputed by the resumed run, appear once.
 """
 
 from __future__ import annotations
@@ -50,12 +52,41 @@ def _restore(x: Any) -> Any:
   return x
 
 
+def _drop_partial_last_line(path: str) -> None:
+  """Cuts a last line that a killed run left without its newline, so appending starts a fresh line.
+
+  (Appending to it instead would glue the next record onto the fragment, and the reader would drop both.)
+  """
+  if not os.path.exists(path):
+    return
+  with open(path, 'rb+') as f:
+    size = f.seek(0, os.SEEK_END)
+    if size == 0:
+      return
+    f.seek(size - 1)
+    if f.read(1) == b'\n':
+      return
+    pos = size
+    while pos > 0:  # back to the last newline, in blocks
+      start = max(0, pos - 65536)
+      f.seek(start)
+      block = f.read(pos - start)
+      i = block.rfind(b'\n')
+      if i >= 0:
+        f.truncate(start + i + 1)
+        return
+      pos = start
+    f.truncate(0)
+
+
 class MetricsWriter:
   """Appends records to a JSONL file (only where ``enabled``, i.e. on process 0)."""
 
   def __init__(self, path: str, enabled: bool = True):
     self.path = path
     self.enabled = enabled
+    if enabled:
+      _drop_partial_last_line(path)
     self._f = open(path, 'a', encoding='utf-8') if enabled else None
 
   def write(self, kind: str, **record: Any) -> None:

@@ -251,8 +251,12 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
     log(f'Resuming {workdir} from step {start}.' if start < config.num_train_steps else
         f'{workdir} already holds the finished run ({start} steps): evaluating and plotting only.')
   elif init_src is not None:
-    avg = checkpoints.restore_avg_params(
-        init_src, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), abstract_params))
+    try:
+      avg = checkpoints.restore_avg_params(
+          init_src, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), abstract_params))
+    except checkpoints.CorruptCheckpoint as e:
+      writer.close()
+      raise ConfigError(f'init_from={config.init_from!r}: its latest checkpoint is corrupt ({e}).') from None
     params = jax.jit(lambda p, k: warm_init.warm_noisy_init(p, n, config.warm_init.nu, k), out_shardings=rs)(
         avg, jax.random.fold_in(root, _WARM_TAG))
     opt_state = ts.make_opt_init(tx, mesh)(params)
