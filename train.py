@@ -3,7 +3,8 @@
     python train.py --config configs/default.py --workdir workdirs/default
     python train.py --config configs/hdet_full.py --config.hdet.spread=0.2 --workdir workdirs/hdet_full
 
-Rerunning a command with the same workdir resumes from its latest checkpoint. Several processes
+Rerunning a command with the same workdir resumes from its latest complete, verified checkpoint
+(SIGTERM or Ctrl-C writes one before exiting with status 143; see results/reliability.md). Several processes
 (or hosts) run the same command with --coordinator_address, --num_processes and --process_id;
 under SLURM (srun with several tasks) JAX reads them from the environment.
 """
@@ -25,6 +26,13 @@ flags.DEFINE_string('workdir', 'workdirs/default', 'Where metrics, checkpoints a
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for multi-process runs.')
 flags.DEFINE_integer('num_processes', None, 'Number of processes, for multi-process runs.')
 flags.DEFINE_integer('process_id', None, 'This process\'s index in [0, num_processes).')
+flags.DEFINE_integer('heartbeat_timeout', 20,
+                     'Multi-process runs: seconds after which the other processes give up on one that stopped '
+                     'responding (killed, lost host) and exit with an error instead of hanging.')
+
+# Exit statuses besides 0 (finished, or stopped at --config.stop_at_step) and 2 (bad config or workdir).
+EXIT_DIVERGED = 1  # every replica's loss went NaN/inf; the last good checkpoint is kept
+EXIT_PREEMPTED = 143  # SIGTERM/SIGINT: a checkpoint was written; rerun the same command to resume (128 + SIGTERM)
 
 
 def main(argv):
@@ -34,7 +42,8 @@ def main(argv):
   from hdet_jax import trainer  # after flag parsing: JAX must start after setup_jax's settings.
   config = FLAGS.config
   trainer.setup_jax(config, coordinator_address=FLAGS.coordinator_address,
-                    num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+                    num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
+                    heartbeat_timeout_s=FLAGS.heartbeat_timeout)
   try:
     summary = trainer.train_and_evaluate(config, FLAGS.workdir)
   except trainer.ConfigError as e:
@@ -43,6 +52,12 @@ def main(argv):
   import jax
   if jax.process_index() == 0:
     print(trainer.format_summary(summary), flush=True)
+  if summary['diverged_at'] is not None:
+    print(f'error: training diverged at step {summary["diverged_at"]} (every replica\'s loss is NaN/inf); '
+          'the last good checkpoint is kept.', file=sys.stderr)
+    sys.exit(EXIT_DIVERGED)
+  if summary['preempted']:
+    sys.exit(EXIT_PREEMPTED)
 
 
 def parse_flags(argv):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 from typing import Any
 
 import ml_collections
+import numpy as np
 
 # Fields that only steer a run (logging, evaluation, checkpoint cadence, where caches live):
 # they may change when a run resumes. Every other field defines the training trajectory.
@@ -63,21 +65,98 @@ def differences(old: dict, new: dict, limit: int = 4) -> str:
   return ', '.join(diffs[:limit]) + more
 
 
+def _get(config: Any, field: str) -> tuple[bool, Any]:
+  node = config
+  for part in field.split('.'):
+    try:
+      if part not in node:
+        return False, None
+      node = node[part]
+    except TypeError:
+      return False, None
+  return True, node
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v: Any) -> bool:
+  return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)) \
+      and math.isfinite(float(v))
+
+
+# (field, kind, test, what a valid value is). kind 'int' or 'real' (a finite number); fields a config
+# lacks are skipped (configs written for older versions).
+_RULES = (
+    ('seed', 'int', lambda v: 0 <= v < 2**32, 'an integer in [0, 2**32)'),
+    ('num_train_steps', 'int', lambda v: v >= 2, 'an integer >= 2'),
+    ('data.val_fraction', 'real', lambda v: 0 < v < 1, 'in (0, 1)'),
+    ('data.seq_len', 'int', lambda v: v >= 1, 'an integer >= 1'),
+    ('data.batch_size', 'int', lambda v: v >= 1, 'an integer >= 1'),
+    ('model.d_model', 'int', lambda v: v >= 1, 'an integer >= 1'),
+    ('model.num_layers', 'int', lambda v: v >= 1, 'an integer >= 1'),
+    ('model.num_heads', 'int', lambda v: v >= 1, 'an integer >= 1'),
+    ('model.mlp_ratio', 'real', lambda v: v > 0, 'a number > 0'),
+    ('model.dropout', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('model.attn_temperature', 'real', lambda v: v > 0, 'a number > 0'),
+    ('optim.max_lr', 'real', lambda v: v > 0, 'a number > 0'),
+    ('optim.pct_start', 'real', lambda v: 0 < v < 1, 'in (0, 1)'),
+    ('optim.div_factor', 'real', lambda v: v > 0, 'a number > 0'),
+    ('optim.final_div_factor', 'real', lambda v: v > 0, 'a number > 0'),
+    ('optim.b1', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('optim.b2', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('optim.weight_decay', 'real', lambda v: v >= 0, 'a number >= 0'),
+    ('optim.grad_clip_norm', 'real', lambda v: v >= 0, 'a number >= 0 (0: no clipping)'),
+    ('optim.label_smoothing', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('hdet.num_replicas', 'int', lambda v: v >= 0, 'an integer >= 0 (0: all devices)'),
+    ('hdet.spread', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('hdet.sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: never)'),
+    ('hdet.warmup_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),
+    ('hdet.temperature', 'real', lambda v: v > 0, 'a number > 0'),
+    ('hdet.lr_of_lr', 'real', lambda v: v >= 0, 'a number >= 0'),
+    ('hdet.momentum', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('hdet.explore.weight_decay', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (0: off)'),
+    ('hdet.explore.dropout', 'real', lambda v: v >= 0, 'a number >= 0 (0: off)'),
+    ('hdet.explore.label_smoothing', 'real', lambda v: v >= 0, 'a number >= 0 (0: off)'),
+    ('hdet.explore.attn_temperature', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (0: off)'),
+    ('warm_init.nu', 'real', lambda v: v >= 0, 'a number >= 0'),
+    ('log_every', 'int', lambda v: v >= 1, 'an integer >= 1'),
+    ('eval_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: only at the end)'),
+    ('eval_windows', 'int', lambda v: v >= 0, 'an integer >= 0 (0: the whole split)'),
+    ('checkpoint_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: only at the end)'),
+    ('max_checkpoints', 'int', lambda v: v >= 0, 'an integer >= 0 (0: keep all)'),
+    ('stop_at_step', 'int', lambda v: v >= 0, 'an integer >= 0 (0: run to the end)'),
+    ('num_cpu_devices', 'int', lambda v: v >= 0, 'an integer >= 0'),
+)
+CHECKED_FIELDS = tuple(r[0] for r in _RULES)
+
+
 def check_values(config: Any) -> None:
-  """Range checks that name the field and the fix (the core checks the HDET settings)."""
-  def need(cond, msg):
-    if not cond:
-      raise ConfigError(msg)
-  need(config.num_train_steps >= 2, f'num_train_steps must be >= 2, got {config.num_train_steps}.')
-  need(config.data.seq_len >= 1, f'data.seq_len must be >= 1, got {config.data.seq_len}.')
-  need(config.data.batch_size >= 1, f'data.batch_size must be >= 1, got {config.data.batch_size}.')
-  need(config.model.d_model % config.model.num_heads == 0,
-       f'model.d_model={config.model.d_model} must be divisible by model.num_heads={config.model.num_heads}.')
-  need(config.model.num_layers >= 1, f'model.num_layers must be >= 1, got {config.model.num_layers}.')
-  need(config.log_every >= 1, f'log_every must be >= 1, got {config.log_every}.')
-  for f in ('eval_every', 'eval_windows', 'checkpoint_every', 'max_checkpoints', 'stop_at_step'):
-    need(config[f] >= 0, f'{f} must be >= 0, got {config[f]}.')
-  need(config.hdet.num_replicas >= 0, f'hdet.num_replicas must be >= 0 (0: all devices), got {config.hdet.num_replicas}.')
-  need(config.hdet.sync_every >= 0, f'hdet.sync_every must be >= 0 (0: never), got {config.hdet.sync_every}.')
-  need(config.warm_init.nu >= 0, f'warm_init.nu must be >= 0, got {config.warm_init.nu}.')
-  need(config.optim.max_lr > 0, f'optim.max_lr must be > 0, got {config.optim.max_lr}.')
+  """Every field's type and range, then the cross-field rules; raises ConfigError naming the field.
+
+  Runs before anything touches JAX, so a bad value never surfaces as a traceback from inside it.
+  """
+  for field, kind, ok, what in _RULES:
+    present, v = _get(config, field)
+    if not present:
+      continue
+    good = _is_int(v) if kind == 'int' else _is_real(v)
+    if not good or not ok(v):
+      raise ConfigError(f'{field} must be {what}, got {v!r}.')
+  optim = config.optim.name
+  if optim not in OPTIMIZERS:
+    raise ConfigError(f'optim.name must be one of {", ".join(map(repr, OPTIMIZERS))}, got {optim!r}.')
+  if config.model.d_model % config.model.num_heads:
+    raise ConfigError(
+        f'model.d_model={config.model.d_model} must be divisible by model.num_heads={config.model.num_heads}.')
+  if config.hdet.auto_lr and config.hdet.spread > 0 and config.hdet.warmup_steps >= config.num_train_steps:
+    raise ConfigError(f'hdet.warmup_steps={config.hdet.warmup_steps} must be < num_train_steps='
+                      f'{config.num_train_steps} (the controller would never start); lower it or set hdet.auto_lr=False.')
+  for field in ('init_from', 'data.path'):
+    present, v = _get(config, field)
+    if present and v is not None and not isinstance(v, str):
+      raise ConfigError(f'{field} must be a path (a string) or None, got {v!r}.')
+
+
+OPTIMIZERS = ('adamw', 'adam', 'sgd')

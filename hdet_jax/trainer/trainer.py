@@ -268,6 +268,7 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
     start = 0
     writer.write('event', step=0, event='start', init_from=None)
   writer.write('hyperparams', step=start, names=list(ts.hyperparam_names(config)))
+  writer.flush()  # the start/resume is on record even if this start is killed before its first log interval
   rng = jax.device_put(np.asarray(jax.random.key_data(root)), rep)
   param_shapes = json.loads(json.dumps(jax.tree.map(lambda s: list(s.shape), abstract_params)))
 
