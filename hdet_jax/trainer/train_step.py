@@ -165,7 +165,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
 
   ``metrics`` holds each replica's loss and, read from each replica's (identical) optimizer
   state, every replica's LR, the base LR and the controller's weights, delta, velocity and
-  window losses; the host reads row 0 of the replica-invariant ones.
+  window losses; the host reads row 0 of the replica-invariant ones. The sync program adds
+  ``pre_sync_dist``: each replica's L2 distance from the replicas' mean just before the average.
   """
   def step(params, opt_state, batch):
     if config is None:
@@ -177,6 +178,9 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
     grads = H.pmean_finite(grads, AXIS)  # the all-reduce, skipping replicas whose gradient is not finite
     # The controller compares replicas on plain cross-entropy (see model_lib.losses).
     updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
+    if sync:  # each replica's L2 distance from the replicas' mean just before the average
+      stepped = optax.apply_updates(params, updates)
+      pre_sync_dist = _tree_norm(jax.tree.map(lambda p: p - lax.pmean(p, AXIS), stepped))
     params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=sync)
     c = opt_state.controller
     metrics = {
@@ -185,8 +189,14 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
         'window_losses': c.window_losses, 'values': opt_state.values, 'bases': opt_state.base,
         'deltas': c.delta, 'velocities': c.velocity,
     }
+    if sync:
+      metrics['pre_sync_dist'] = pre_sync_dist
     return params, opt_state, metrics
   return jax.jit(H.shard_map_replicas(step, mesh, AXIS), donate_argnums=(0, 1))
+
+
+def _tree_norm(tree: Any) -> jax.Array:
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
 def make_eval_step(graphdef: Any, mesh: Mesh) -> Callable:
