@@ -7,11 +7,13 @@ It trains one uninterrupted reference run of the tiny config (checkpoint every 2
 then the same command in a fresh workdir, killed with SIGKILL ``--kills`` times and restarted each
 time. Kills alternate between two kinds of point:
 
-- ``write``: the moment the 1st to 4th (at random) orbax temporary directory of this start
+- ``write``: the moment the 1st to 3rd (at random) orbax temporary directory of this start
   (``<step>.orbax-checkpoint-tmp-*``) appears under ``checkpoints/``, i.e. in the middle of a
   checkpoint write (polled every millisecond);
 - ``random``: a uniformly random time into the process's life (setup, compile, training, a
-  checkpoint write or deletion, the final evaluation: wherever it falls).
+  checkpoint write or deletion: wherever it falls), up to the time a start takes to reach its first
+  checkpoint write (measured by the 'write' kills) plus 1.5 / kills of the reference's training
+  time, so that the run does not end before every kill has landed.
 
 After the last kill the command runs to the end. The script then compares the final checkpoint
 (every replica's parameters, optimizer and controller state, the averaged model) with the
@@ -80,7 +82,7 @@ def start_and_kill(cmd: list[str], workdir: str, kind: str, rng: random.Random, 
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     delay = rng.uniform(0.3, expected_life) if kind == 'random' else None
     deadline = t0 + (delay if delay is not None else 10 * expected_life)
-    nth_write = rng.randint(1, 4)  # 'write': kill during this start's 1st to 4th checkpoint write
+    nth_write = rng.randint(1, 3)  # 'write': kill during this start's 1st to 3rd checkpoint write
     seen, hit_write = set(), False
     while proc.poll() is None and time.time() < deadline:
       if kind == 'write':
@@ -123,12 +125,15 @@ def chaos(workdir: str, cache: str, kills: int, seed: int, log_path: str, setup_
   cmd = train_cmd(workdir, cache, extra=(f'--config.num_train_steps={total_steps}',) if total_steps else ())
   records = []
   starts = 0
+  warm_setup = setup_s  # refined by the first 'write' kill: how long a (warm-cache) start takes to train
   while len(records) < kills:
     kind = 'write' if len(records) % 2 == 0 else 'random'
     done = _complete_steps(workdir)[-1] if _complete_steps(workdir) else 0
     # Random points up to the setup plus 1.5 / kills of the training: enough kills land before the end.
-    life = setup_s + min(train_s * 1.5 / kills, train_s * (total_steps - done) / total_steps)
+    life = warm_setup + min(train_s * 1.5 / kills, train_s * (total_steps - done) / total_steps)
     rec = start_and_kill(cmd, workdir, kind, rng, log_path, life)
+    if kind == 'write' and rec['seen_write_in_progress']:
+      warm_setup = min(warm_setup, rec['killed_at_s'])
     starts += 1
     if rec['finished_before_kill']:  # the run ended before the kill point: nothing was injected
       if rec['returncode'] != 0:

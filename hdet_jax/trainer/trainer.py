@@ -279,6 +279,11 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
   val_dev = ts.put_stacked(val_windows, mesh)
   evaluate_fn = ts.make_eval_step(graphdef, mesh)
   average = ts.make_average(mesh)
+  # Whether some replica's parameters are all finite (a checkpoint of only NaN/inf replicas is useless:
+  # the loss that would reveal the last update's blow-up comes one step later).
+  any_finite = jax.jit(lambda p: jax.numpy.any(jax.numpy.stack(
+      [jax.numpy.all(jax.numpy.isfinite(x.reshape(x.shape[0], -1)), axis=1) for x in jax.tree.leaves(p)]).all(0)),
+      out_shardings=rep)
   setup_s = time.time() - t0
   num_params = model_lib.num_params(abstract_params)
   tokens_per_step = n * config.data.batch_size * config.data.seq_len
@@ -299,6 +304,14 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
     writer.flush()
 
   def save(step):
+    """Checkpoints step ``step`` unless every replica's parameters are non-finite (then: diverged)."""
+    if not ts.fetch(any_finite(params)):
+      if run.diverged_at is None:
+        run.diverged_at = step
+        writer.write('event', step=step, event='diverged', where='parameters')
+      log(f'Not checkpointing step {step}: every replica\'s parameters are NaN/inf; the last good checkpoint '
+          'is kept.')
+      return
     state = {'params': params, 'opt_state': opt_state, 'rng': rng}
     meta = {'step': step, 'data_position': batches.position(step), 'seed': config.seed, 'num_replicas': n,
             'config': fields, 'param_shapes': param_shapes}
