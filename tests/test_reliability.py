@@ -70,6 +70,7 @@ def test_leftovers_of_killed_writes_are_cleaned(chaos_run):
   listing = os.listdir(os.path.join(base, 'chaos', 'checkpoints'))
   assert not [n for n in listing if chaos.TMP_MARK in n]
   assert sorted(n for n in listing if n.isdigit()) == ['36', '38', '40']
+  assert not os.listdir(os.path.join(base, 'chaos', 'checkpoints', 'trash'))  # old steps deleted, not piled up
   # A metrics line cut by a kill was cut off before appending: every line parses.
   with open(os.path.join(base, 'chaos', 'metrics.jsonl')) as f:
     for line in f:

@@ -15,7 +15,8 @@ What a kill at any moment can leave, and what is loaded:
   once every item is written, so a save cut short is never listed as a step; those leftovers are
   removed when the next run opens the directory;
 - old steps beyond ``max_checkpoints`` are first renamed into ``checkpoints/trash/`` (atomic) and
-  deleted from there, so a deletion cut short never leaves a half-deleted step behind;
+  deleted from there (at the next save, at the end, and when a run starts), so a deletion cut short
+  never leaves a half-deleted step behind;
 - restoring checks the fingerprint (a position-weighted wrapping sum of each array's bits, see
   :func:`fingerprint`) of what was read against the one recorded at save time. A step whose meta,
   state or fingerprint does not check out (a truncated or altered file, a disk error) is moved
@@ -200,8 +201,7 @@ class Checkpointer:
 
   def __init__(self, workdir: str, max_to_keep: int):
     self._directory = checkpoint_dir(workdir)
-    if jax.process_index() == 0:  # what an earlier run was deleting when it was killed
-      shutil.rmtree(os.path.join(self._directory, TRASH), ignore_errors=True)
+    self._empty_trash()  # what an earlier run was deleting when it was killed
     self._mngr = _manager(self._directory, max_to_keep=max_to_keep if max_to_keep > 0 else None)
 
   def latest_step(self) -> int | None:
@@ -210,8 +210,16 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._mngr.all_steps())
 
+  def _empty_trash(self) -> None:
+    """Deletes the old steps orbax renamed into trash/ (whole entries only: a rename is atomic)."""
+    trash = os.path.join(self._directory, TRASH)
+    if jax.process_index() == 0 and os.path.isdir(trash):
+      for name in os.listdir(trash):
+        shutil.rmtree(os.path.join(trash, name), ignore_errors=True)
+
   def save(self, step: int, state: Any, avg_params: Any, meta: dict) -> None:
     """Starts writing step ``step``; it becomes visible (listed, restorable) once complete."""
+    self._empty_trash()
     meta = dict(meta, fingerprint={STATE: fingerprint(state), AVG: fingerprint(avg_params)})
     self._mngr.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(state), AVG: ocp.args.StandardSave(avg_params),
@@ -277,6 +285,7 @@ class Checkpointer:
   def close(self) -> None:
     self._mngr.wait_until_finished()
     self._mngr.close()
+    self._empty_trash()
 
 
 def abstract_like(tree: Any) -> Any:
