@@ -306,3 +306,50 @@ def test_a_dead_process_makes_the_others_exit_not_hang(tmp_path, victim):
   assert survivor.returncode != 0
   assert 'Terminating process because the JAX distributed service detected fatal errors' in out, out[-3000:]
   assert exit_s < heartbeat + 30
+
+
+@pytest.mark.skipif(not os.environ.get('HDET_MULTIPROCESS_TESTS'),
+                    reason='two processes x 4 CPU devices, twice: about a minute; set HDET_MULTIPROCESS_TESTS=1')
+def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(straight, tmp_path):
+  """SIGTERM to process 1 only: both agree on the step, write one checkpoint, exit 143; rerun finishes."""
+  import signal
+  import time
+  ref, _ = straight
+  workdir = str(tmp_path / 'mp')
+  env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+  env['JAX_NUM_CPU_DEVICES'] = '4'
+
+  def launch(tag):
+    port = _free_port()
+    logs = [tmp_path / f'{tag}{i}.log' for i in range(2)]
+    procs = []
+    for i in range(2):
+      with open(logs[i], 'w') as log:
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', workdir,
+             '--config.checkpoint_every=0', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
+             f'--process_id={i}'], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs, logs
+
+  procs, logs = launch('a')
+  metrics = os.path.join(workdir, 'metrics.jsonl')
+  deadline = time.time() + 240
+  while time.time() < deadline and not (os.path.exists(metrics) and '"kind": "train"' in open(metrics).read()):
+    time.sleep(0.1)
+  procs[1].send_signal(signal.SIGTERM)
+  for p in procs:
+    p.wait(timeout=180)
+  out0 = logs[0].read_text()
+  assert [p.returncode for p in procs] == [143, 143], out0[-3000:]
+  assert 'Stopped by a signal to another process after step' in out0
+  stopped = int(out0.split('after step ')[1].split(':')[0])
+  assert os.listdir(os.path.join(workdir, 'checkpoints')) == [str(stopped)] and stopped < 40
+  procs, logs = launch('b')
+  for p in procs:
+    p.wait(timeout=300)
+  out0 = logs[0].read_text()
+  assert [p.returncode for p in procs] == [0, 0], out0[-3000:]
+  assert f'Resuming {workdir} from step {stopped}.' in out0 and 'Run finished 40 steps.' in out0
+  a = np.array([r['loss'] for r in read_metrics(os.path.join(ref, 'metrics.jsonl'))['train']])
+  b = np.array([r['loss'] for r in read_metrics(metrics)['train']])
+  assert a.shape == b.shape and float(np.max(np.abs(a - b))) <= 2e-6
