@@ -72,8 +72,8 @@ def measure(steps: int = 500, reps: int = 5, k: int = 20) -> dict:
           return wrapped[sync]
       return _L()
 
-  def patched(graphdef, tx, mesh, *, sync):
-    return _Lowerable(original(graphdef, tx, mesh, sync=sync), sync)
+  def patched(graphdef, tx, mesh, *, sync, **kwargs):
+    return _Lowerable(original(graphdef, tx, mesh, sync=sync, **kwargs), sync)
 
   ts.make_train_step = patched
   try:

@@ -274,7 +274,9 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
 
   # Compile both step programs (and the eval) once, up front.
   batch0 = ts.put_stacked(batches.batch(start), mesh)
-  steps = {s: ts.make_train_step(graphdef, tx, mesh, sync=s, config=config).lower(params, opt_state, batch0).compile()
+  packers = {s: ts.MetricsPacker() for s in (False, True)}
+  steps = {s: ts.make_train_step(graphdef, tx, mesh, sync=s, config=config, packer=packers[s],
+                                 pre_sync_distance=False).lower(params, opt_state, batch0).compile()
            for s in (False, True)}
   val_dev = ts.put_stacked(val_windows, mesh)
   evaluate_fn = ts.make_eval_step(graphdef, mesh)
@@ -321,7 +323,7 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
   t_mark = time.time()
 
   def flush():
-    got = ts.fetch([m for _, _, m in pending])
+    got = [packers[sync].unpack(rows) for (_, sync, _), rows in zip(pending, ts.fetch([m for _, _, m in pending]))]
     for (step, sync, _), m in zip(pending, got):
       loss = m['loss']
       writer.write('train', step=step, loss=loss, lr=m['lrs'][0], base_lr=m['base_lr'][0], sync=sync,
