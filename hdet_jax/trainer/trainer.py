@@ -279,8 +279,11 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
                                  pre_sync_distance=False).lower(params, opt_state, batch0).compile()
            for s in (False, True)}
   val_dev = ts.put_stacked(val_windows, mesh)
-  evaluate_fn = ts.make_eval_step(graphdef, mesh)
-  average = ts.make_average(mesh)
+  evaluate_fn = ts.make_eval_step(graphdef, mesh).lower(params, val_dev).compile()
+  average = ts.make_average(mesh).lower(params).compile()
+  # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
+  checkpoints.fingerprint({'params': params, 'opt_state': opt_state, 'rng': rng})
+  checkpoints.fingerprint(average(params))
   # Whether some replica's parameters are all finite (a checkpoint of only NaN/inf replicas is useless:
   # the loss that would reveal the last update's blow-up comes one step later).
   any_finite = jax.jit(lambda p: jax.numpy.any(jax.numpy.stack(
