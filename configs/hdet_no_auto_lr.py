@@ -13,14 +13,8 @@ LR where plain data parallel crashed or clearly degraded); baseline_low uses a n
 
 from hdet_jax.trainer.config_lib import sibling
 
-HIGH_LR = 8.1e-2  # The ablation family's aggressive peak LR: the sweep's edge (the paper's 9e-4 against a 1e-4 baseline).
-
 
 def get_config():
-  config = sibling(__file__, 'default')
-  config.num_train_steps = 500  # S: every row trains this many steps (warm rows after their pre-training run).
-  config.hdet.warmup_steps = 250  # S_warm: the auto-LR controller (where on) starts halfway, as in default.py.
-  config.optim.max_lr = HIGH_LR  # Aggressive peak LR (the mean replica's).
+  config = sibling(__file__, 'hdet_full')  # HDET full's settings: 500 steps, peak LR HIGH_LR, warm start.
   config.hdet.auto_lr = False  # No controller: the base LR follows the one-cycle schedule.
-  config.init_from = 'workdirs/baseline_low'  # Warm noisy start from this workdir's latest checkpoint (eq. 10).
   return config
