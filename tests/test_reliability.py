@@ -28,14 +28,7 @@ _spec.loader.exec_module(chaos)
 
 
 def tiny(**overrides):
-  config = config_lib.load_config_file(TINY)
-  for key, value in overrides.items():
-    node = config
-    *path, last = key.split('.')
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return config
+  return config_lib.with_overrides(config_lib.load_config_file(TINY), overrides)
 
 
 # ---- Preemption: SIGKILL at random points and during checkpoint writes. ----

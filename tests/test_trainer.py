@@ -18,14 +18,7 @@ TINY = os.path.join(ROOT, 'configs', 'tiny.py')
 
 
 def tiny(**overrides):
-  config = config_lib.load_config_file(TINY)
-  for key, value in overrides.items():
-    node = config
-    *path, last = key.split('.')
-    for p in path:
-      node = node[p]
-    node[last] = value
-  return config
+  return config_lib.with_overrides(config_lib.load_config_file(TINY), overrides)
 
 
 def _restore_raw(workdir, step):

@@ -322,10 +322,7 @@ def _figures(fig_dir, settings, sweep, choice, named):
   if finite:
     ax.set_ylim(min(finite) - 0.05, min(max(finite) + 0.05, min(finite) + 2.0))
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  paths.append(os.path.join(fig_dir, 'table1_sweep.png'))
-  fig.savefig(paths[-1])
-  plt.close(fig)
+  paths.append(_save(fig, fig_dir, 'table1_sweep.png'))
 
   # Fig. 2: loss against step.
   fig, ax = plt.subplots(figsize=(8, 4.5), dpi=90)
@@ -344,10 +341,7 @@ def _figures(fig_dir, settings, sweep, choice, named):
   ax.set_title('Counterpart of the paper\'s Fig. 2 (one line per seed)')
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
-  fig.tight_layout()
-  paths.append(os.path.join(fig_dir, 'table1_loss.png'))
-  fig.savefig(paths[-1])
-  plt.close(fig)
+  paths.append(_save(fig, fig_dir, 'table1_loss.png'))
 
   # Fig. 3: per-group LR schedules.
   names = named['hdet_full'][0]['hyperparam_names']
@@ -379,10 +373,7 @@ def _figures(fig_dir, settings, sweep, choice, named):
   axes[0].set_ylabel('learning rate')
   axes[0].legend(fontsize=7, loc='lower left')
   fig.suptitle('Counterpart of the paper\'s Fig. 3: per-group LRs (dotted: auto-LR starts)', fontsize=10)
-  fig.tight_layout()
-  paths.append(os.path.join(fig_dir, 'table1_lr.png'))
-  fig.savefig(paths[-1])
-  plt.close(fig)
+  paths.append(_save(fig, fig_dir, 'table1_lr.png'))
 
   # Mechanism: distance before each sync.
   fig, ax = plt.subplots(figsize=(8, 4.5), dpi=90)
@@ -399,8 +390,14 @@ def _figures(fig_dir, settings, sweep, choice, named):
   ax.set_title('Replicas\' distance from their mean just before each sync')
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
-  fig.tight_layout()
-  paths.append(os.path.join(fig_dir, 'table1_distance.png'))
-  fig.savefig(paths[-1])
-  plt.close(fig)
+  paths.append(_save(fig, fig_dir, 'table1_distance.png'))
   return paths
+
+
+def _save(fig, fig_dir: str, name: str) -> str:
+  import matplotlib.pyplot as plt
+  path = os.path.join(fig_dir, name)
+  fig.tight_layout()
+  fig.savefig(path)
+  plt.close(fig)
+  return path

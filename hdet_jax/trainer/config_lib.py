@@ -38,6 +38,17 @@ def sibling(file: str, name: str) -> ml_collections.ConfigDict:
   return load_config_file(os.path.join(os.path.dirname(os.path.abspath(file)), name + '.py'))
 
 
+def with_overrides(config: ml_collections.ConfigDict, overrides: dict[str, Any]) -> ml_collections.ConfigDict:
+  """Sets dotted fields in place, as ``--config.a.b=v`` would: ``{'hdet.spread': 0.2}``; returns config."""
+  for key, value in overrides.items():
+    node = config
+    *path, last = key.split('.')
+    for part in path:
+      node = node[part]
+    node[last] = value
+  return config
+
+
 def flatten(config: Any, prefix: str = '') -> dict[str, Any]:
   d = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else config
   out = {}
