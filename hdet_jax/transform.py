@@ -79,7 +79,7 @@ class Explore:
       a spread that leaves it at the start raises.
     to_optimizer: pass the replica's value to the optimizer factory as this keyword; False
       for model or loss hyperparameters, which the train step reads from
-      ``state.next_values`` (see :func:`replica_value`).
+      ``state.values`` (see :func:`replica_value`).
   """
   value: Any
   spread: float
@@ -94,30 +94,36 @@ class HDETState(NamedTuple):
 
   Everything except ``loss_sum`` is identical on all replicas: the wrapped optimizer sees
   the same all-reduced gradient everywhere, and the controller's inputs are all-gathered.
+
+  ``values`` and ``base`` hold what the *coming* step uses, computed at the end of the previous
+  update (or by ``init``): an update reads its hyperparameters from the state instead of
+  recomputing the schedule, and the train step can log, or feed to the model, exactly the
+  values the step trains with. The fields are ordered so that every field an update may
+  overwrite without reading (``base``, ``synced``) comes last among the fields of its shape:
+  jit drops unread inputs, and JAX pairs donated input buffers with outputs in order per
+  shape, so an unread field placed earlier would shift that pairing and cost a copy of every
+  later same-shaped field on every step.
   """
   count: jax.Array          # [] int32: updates applied so far.
   inner_state: Any          # the wrapped optimizer's state.
   loss_sum: jax.Array       # [] float32: this replica's sum of ``value`` in the current window.
+  values: jax.Array         # [G, N] float32: every replica's value for the coming step (read them in
+                            #   the forward pass for model and loss hyperparameters).
   sync_count: jax.Array     # [] int32: syncs (parameter averages) done so far.
-  synced: jax.Array         # [] bool: whether the last update was a sync step.
   finite_replicas: jax.Array  # [] int32: replicas that entered the last average (N when all were finite).
   replica_ok: jax.Array     # [] bool: whether this replica entered the last average.
-  base: jax.Array           # [G] float32: the base value used at the last step.
-  values: jax.Array         # [G, N] float32: every replica's value at the last step.
-  next_values: jax.Array    # [G, N] float32: every replica's value for the next step (read these
-                            #   in the forward pass for model and loss hyperparameters).
-  multipliers: jax.Array    # [G, N] float32: rho of eq. 1 (1 for additive hyperparameters; constant).
-  offsets: jax.Array        # [G, N] float32: additive spreads' offsets (0 for multiplicative; constant).
   controller: ctrl.ControllerState  # base for the window, velocity, perm, key, losses, weights, delta.
+  base: jax.Array           # [G] float32: the base value for the coming step.
+  synced: jax.Array         # [] bool: whether the last update was a sync step.
 
   @property
   def learning_rates(self) -> jax.Array:
-    """[N]: every replica's learning rate at the last step."""
+    """[N]: every replica's learning rate for the coming step."""
     return self.values[..., 0, :]
 
   @property
   def base_learning_rate(self) -> jax.Array:
-    """[]: the base learning rate at the last step."""
+    """[]: the base learning rate for the coming step."""
     return self.base[..., 0]
 
 
@@ -290,18 +296,15 @@ def hdet(
         count=jnp.zeros([], jnp.int32),
         inner_state=inner.init(params),
         loss_sum=jnp.zeros([], jnp.float32),
+        values=replica_values(start, perm0),
         sync_count=jnp.zeros([], jnp.int32),
-        synced=jnp.zeros([], bool),
         finite_replicas=jnp.full([], n, jnp.int32),
         replica_ok=jnp.ones([], bool),
-        base=start,
-        values=replica_values(start, perm0),
-        next_values=replica_values(start, perm0),
-        multipliers=scale,
-        offsets=offset,
         controller=ctrl.init_controller_state(
             jnp.asarray(cfg.start_values, jnp.float32), n,
             jax.random.key_data(jax.random.key(seed))),
+        base=start,
+        synced=jnp.zeros([], bool),
     )
 
   def update_fn(updates, state, params=None, *, value=None, sync=None, **extra_args):
@@ -320,21 +323,15 @@ def hdet(
     if sync is not None and not isinstance(sync, bool):
       raise ValueError(f'hdet: sync must be None or a Python bool, got {type(sync).__name__}.')
 
-    r = lax.axis_index(cfg.replica_axis)
-    t = state.count
-    base = _base_values(cfg, t, state.controller)
-    all_values = replica_values(base, state.controller.perm)  # [G, N]
-    values = all_values[:, r]
+    values = state.values[:, lax.axis_index(cfg.replica_axis)]  # [G]: this replica's, for this step
     inner = build_inner([values[i] for i in range(g)])
     updates, inner_state = inner.update(updates, state.inner_state, params)
 
     loss = jnp.zeros([], jnp.float32) if value is None else jnp.asarray(value, jnp.float32)
-    loss_sum = state.loss_sum + loss
-    new_count = t + 1
+    new_count = state.count + 1
     state = state._replace(
-        count=new_count, inner_state=inner_state, loss_sum=loss_sum, base=base,
-        values=all_values, synced=jnp.zeros([], bool))
-    del loss_sum
+        count=new_count, inner_state=inner_state, loss_sum=state.loss_sum + loss,
+        synced=jnp.zeros([], bool))
 
     def do_sync(operands):
       upd, st = operands
@@ -366,9 +363,9 @@ def hdet(
           operands)
     elif sync:
       updates, state = do_sync((updates, state))
-    # What the next step will use (after any reshuffle), for model and loss hyperparameters.
-    state = state._replace(next_values=replica_values(
-        _base_values(cfg, state.count, state.controller), state.controller.perm))
+    # What the next step will use (after any reshuffle).
+    base = _base_values(cfg, state.count, state.controller)
+    state = state._replace(base=base, values=replica_values(base, state.controller.perm))
     return updates, state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -631,6 +628,7 @@ def hyperparam_names(*, param_groups: dict[str, str] | None = None,
 def replica_value(state: HDETState, index: int, replica_axis: str = 'data') -> jax.Array:
   """This replica's value of hyperparameter ``index`` for the coming step (e.g. its dropout rate).
 
-  Call it in the train step, before the forward pass, inside the mapped context.
+  Call it in the train step, before the update (the update moves ``state.values`` on to the
+  step after), inside the mapped context.
   """
-  return state.next_values[index, lax.axis_index(replica_axis)]
+  return state.values[index, lax.axis_index(replica_axis)]

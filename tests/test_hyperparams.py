@@ -18,7 +18,7 @@ def _vmap_run(tx, params, loss_of_values, steps):
   ss = jax.vmap(tx.init)(sp)
 
   def step(p, s):
-    values = s.next_values[:, lax.axis_index(AX)]  # what this replica uses for this step
+    values = s.values[:, lax.axis_index(AX)]  # what this replica uses for this step
     loss = loss_of_values(values)
     u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=loss)
     return optax.apply_updates(p, u), s
@@ -47,7 +47,7 @@ def test_three_hyperparameters_each_move_to_their_own_optimum():
   for g in range(3):
     assert abs(end[g] - targets[g]) < 0.35 * abs(start[g] - targets[g]), (g, start[g], end[g])
   # Values are clipped to their ranges; dropout is spread additively around its base.
-  d = np.asarray(st.next_values[0, 2])
+  d = np.asarray(st.values[0, 2])
   np.testing.assert_allclose(np.sort(d) - np.mean(d), 0.05 * H.multipliers.unit_offsets(N), atol=1e-6)
 
 
@@ -68,7 +68,7 @@ def test_param_groups_by_regex_get_their_own_lr_and_controller():
   ss = jax.vmap(tx.init)(sp)
   ones = jax.tree.map(jnp.ones_like, sp)
   u, s1 = jax.vmap(lambda g, s, p: tx.update(g, s, p, value=1.0), axis_name=AX)(ones, ss, sp)
-  v = np.asarray(s1.values[0])  # [G, N]
+  v = np.asarray(ss.values[0])  # [G, N]: the values the update used
   np.testing.assert_allclose(np.asarray(u['embed']['table'])[:, 0, 0], -v[0], rtol=1e-6)
   np.testing.assert_allclose(np.asarray(u['blocks']['attn']['bias'])[:, 0], -v[1], rtol=1e-6)
   np.testing.assert_allclose(np.asarray(u['norm']['scale'])[:, 0], -v[1], rtol=1e-6)

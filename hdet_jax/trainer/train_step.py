@@ -205,6 +205,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
         lambda p: model_lib.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
     grads = H.pmean_finite(grads, AXIS)  # the all-reduce, skipping replicas whose gradient is not finite
     # The controller compares replicas on plain cross-entropy (see model_lib.losses).
+    used = opt_state  # its values and base are what this step trains with
     updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
     if sync and pre_sync_distance:  # each replica's L2 distance from the replicas' mean just before the average
       stepped = optax.apply_updates(params, updates)
@@ -212,9 +213,9 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
     params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=sync)
     c = opt_state.controller
     metrics = {
-        'loss': loss, 'lrs': opt_state.learning_rates, 'base_lr': opt_state.base_learning_rate,
+        'loss': loss, 'lrs': used.learning_rates, 'base_lr': used.base_learning_rate,
         'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
-        'window_losses': c.window_losses, 'values': opt_state.values, 'bases': opt_state.base,
+        'window_losses': c.window_losses, 'values': used.values, 'bases': used.base,
         'deltas': c.delta, 'velocities': c.velocity,
     }
     if sync and pre_sync_distance:
