@@ -49,19 +49,14 @@ def sizes():
   }
 
 
-def fmt_q(q, pct=False):
-  lo, med, hi = q
-  if pct:
-    return f'{(med - 1) * 100:+.2f}% [IQR {(lo - 1) * 100:+.2f}%, {(hi - 1) * 100:+.2f}%]'
-  return f'{med:.4f} [IQR {lo:.4f}-{hi:.4f}]'
-
-
 # ------------------------------------------------------------------------------------------------
 # 1. Step time.
 # ------------------------------------------------------------------------------------------------
 STEP_VARIANTS = [
     # name, variant, phase
     ('plain_donate', Variant('plain_donate', 'plain', donate=True), 'loop'),
+    # The same program again, with its own state: plain / plain is the method's noise floor (A/A).
+    ('plain_donate_control', Variant('plain_donate', 'plain', donate=True), 'loop'),
     ('plain_nodonate', Variant('plain_nodonate', 'plain', donate=False), 'loop'),
     # "before": one program, lax.cond holds the all-reduce, no donation (README example style).
     ('cond_nodonate_nosync', Variant('cond', 'hdet', 'cond', donate=False, sync_every=50_000), 'loop'),
@@ -73,19 +68,25 @@ STEP_VARIANTS = [
     ('cond_donate_nosync', Variant('cond_d', 'hdet', 'cond', donate=True, sync_every=50_000), 'loop'),
     ('static_nodonate_nosync', Variant('static_n', 'hdet', 'static', donate=False, exact_sync=True), 'nosync'),
 ]
+ABLATIONS = ('cond_donate_nosync', 'static_nodonate_nosync')
 
 
 def amortized(nosync, sync, plain, t):
   """Per-round ratio of a T-step window: (T - 1) non-sync steps and one sync step, over T plain steps."""
-  return C.quartiles([((t - 1) * n + s) / (t * p) for n, s, p in zip(nosync, sync, plain)])
+  return C.median_ci([((t - 1) * n + s) / (t * p) for n, s, p in zip(nosync, sync, plain)])
 
 
-def bench_steptime(size_name, rounds, k, variants=None):
+def fmt_ci(q):
+  lo, med, hi = q
+  return f'{med:.4f} [95% CI {lo:.4f}-{hi:.4f}]'
+
+
+def bench_steptime(size_name, rounds, k, ablations=True):
   m, seq, batch, src = sizes()[size_name]
   mesh = C.make_mesh()
   graphdef, _ = C.model_lib.abstract_model(m, seq)
   nparams = C.num_params(m, seq)
-  chosen = [x for x in STEP_VARIANTS if variants is None or x[0] in variants]
+  chosen = [x for x in STEP_VARIANTS if ablations or x[0] not in ABLATIONS]
   runners = {}
   for name, v, phase in chosen:
     runners[name] = Runner(v, graphdef, m, seq, batch, mesh, phase=phase)
@@ -98,28 +99,32 @@ def bench_steptime(size_name, rounds, k, variants=None):
   for n in med:
     say(f'steptime[{size_name}] {n}: median {med[n] * 1e3:.2f} ms/step')
   rows = []
-  pairs = [('before: lax.cond, no donation', 'cond_nodonate_nosync', 'cond_nodonate_sync', 'plain_nodonate')]
-  if 'static_donate_nosync' in times:
-    pairs.append(('after: two programs + donation (trainer)', 'static_donate_nosync',
-                  'static_donate_sync', 'plain_donate'))
+  aa = C.ratio_ci(times['plain_donate_control'], times['plain_donate'])
+  say(f'steptime[{size_name}] control (A/A): plain / plain = {fmt_ci(aa)}')
+  rows.append(f'| {size_name} ({nparams / 1e6:.2f}M) | control: plain / plain (A/A, the noise floor) | '
+              f'{fmt_ci(aa)} | | | | |')
+  pairs = [('before: lax.cond, no donation', 'cond_nodonate_nosync', 'cond_nodonate_sync', 'plain_nodonate'),
+           ('after: two programs + donation (trainer)', 'static_donate_nosync', 'static_donate_sync',
+            'plain_donate')]
   for label, ns, s, p in pairs:
-    nos = C.ratio_stats(times[ns], times[p])
-    syn = C.ratio_stats(times[s], times[p])
-    say(f'steptime[{size_name}] {label}: non-sync step / plain = {fmt_q(nos)}')
-    say(f'steptime[{size_name}] {label}: sync step / plain = {fmt_q(syn)}')
+    nos = C.ratio_ci(times[ns], times[p])
+    syn = C.ratio_ci(times[s], times[p])
+    say(f'steptime[{size_name}] {label}: non-sync step / plain = {fmt_ci(nos)}')
+    say(f'steptime[{size_name}] {label}: sync step / plain = {fmt_ci(syn)}')
     cells = []
     for t in TS:
       q = amortized(times[ns], times[s], times[p], t)
-      say(f'steptime[{size_name}] {label}: HDET/plain at T={t} = {fmt_q(q)}')
-      cells.append(f'{q[1]:.4f} ({q[0]:.3f}-{q[2]:.3f})')
-    rows.append(f'| {size_name} ({nparams / 1e6:.2f}M) | {label} | {fmt_q(nos)} | ' + ' | '.join(cells) + ' |')
+      say(f'steptime[{size_name}] {label}: HDET/plain at T={t} = {fmt_ci(q)}')
+      cells.append(f'{q[1]:.4f} ({q[0]:.4f}-{q[2]:.4f})')
+    rows.append(f'| {size_name} ({nparams / 1e6:.2f}M) | {label} | {fmt_ci(nos)} | ' + ' | '.join(cells) + ' |')
   for label, ns, p in [('ablation: lax.cond + donation', 'cond_donate_nosync', 'plain_donate'),
                        ('ablation: two programs, no donation', 'static_nodonate_nosync', 'plain_nodonate')]:
     if ns in times:
-      q = C.ratio_stats(times[ns], times[p])
-      say(f'steptime[{size_name}] {label}: non-sync step / plain = {fmt_q(q)}')
-      rows.append(f'| {size_name} ({nparams / 1e6:.2f}M) | {label} | {fmt_q(q)} | | | | |')
+      q = C.ratio_ci(times[ns], times[p])
+      say(f'steptime[{size_name}] {label}: non-sync step / plain = {fmt_ci(q)}')
+      rows.append(f'| {size_name} ({nparams / 1e6:.2f}M) | {label} | {fmt_ci(q)} | | | | |')
   TABLES.setdefault('steptime', []).extend(rows)
+  bench_fixed_work(size_name, runners)
   # Noise-free proxy: XLA's cost analysis of the (unoptimised) step programs.
   costs = {}
   for n in ('plain_donate', 'static_donate_nosync', 'static_donate_sync'):
@@ -145,15 +150,46 @@ def bench_steptime(size_name, rounds, k, variants=None):
   return times
 
 
+def bench_fixed_work(size_name, runners, rounds=5, calls=30):
+  """What the non-sync program adds per step, counted rather than timed: kernels, buffers, dispatch."""
+  plain, hdet = runners['plain_donate'], runners['static_donate_nosync']
+  counts = {}
+  for name, rn in (('plain', plain), ('hdet', hdet)):
+    compiled = rn.program(rn.t).lower(rn.params, rn.opt_state, rn.batches[0]).compile()
+    counts[name] = C.hlo_counts(compiled)
+    counts[name]['leaves'] = len(jax.tree.leaves((rn.params, rn.opt_state)))
+  disp = {'plain': [], 'hdet': []}
+  for _ in range(rounds):  # interleaved, like the step times
+    for name, rn in (('plain', plain), ('hdet', hdet)):
+      disp[name] += C.dispatch_seconds(rn, calls)
+  extra = {k: counts['hdet'].get(k, 0) - counts['plain'].get(k, 0) for k in ('fusion', 'copy', 'parameter', 'leaves')}
+  dp, dh = (float(np.median(disp[n])) * 1e6 for n in ('plain', 'hdet'))
+  step_us = float(np.median([x for x in C.interleave({'p': plain}, 1, 5)['p']])) * 1e6
+  say(f'fixed[{size_name}] non-sync HDET program vs plain, per device and step: '
+      f'{counts["hdet"].get("fusion", 0)} vs {counts["plain"].get("fusion", 0)} fusion kernels ({extra["fusion"]:+d}), '
+      f'{counts["hdet"].get("copy", 0)} vs {counts["plain"].get("copy", 0)} copies ({extra["copy"]:+d}), '
+      f'{counts["hdet"].get("parameter", 0)} vs {counts["plain"].get("parameter", 0)} buffers in ({extra["parameter"]:+d}); '
+      f'{counts["hdet"]["leaves"]} vs {counts["plain"]["leaves"]} state leaves; host dispatch {dh:.0f} vs {dp:.0f} us '
+      f'({dh - dp:+.0f} us = {(dh - dp) / step_us * 100:+.2f}% of a {step_us / 1e3:.1f} ms step)')
+  TABLES.setdefault('fixed', []).append(
+      f'| {size_name} | {counts["plain"].get("fusion", 0)} / {extra["fusion"]:+d} | '
+      f'{counts["plain"].get("copy", 0)} / {extra["copy"]:+d} | {counts["plain"].get("parameter", 0)} / '
+      f'{extra["parameter"]:+d} | {counts["plain"]["leaves"]} / {extra["leaves"]:+d} | {dp:.0f} / {dh - dp:+.0f} |')
+
+
 # ------------------------------------------------------------------------------------------------
 # 2. Peak memory: one subprocess per variant.
 # ------------------------------------------------------------------------------------------------
 MEM_VARIANTS = {
+    # The trainer's way: programs compiled ahead of time (HDET's sync program first), then the
+    # compiler's freed heap returned to the OS (trainer.release_host_memory), then the steps.
     'plain_donate': Variant('plain_donate', 'plain', donate=True),
     'hdet_static_donate': Variant('static', 'hdet', 'static', donate=True, exact_sync=True, sync_every=2),
+    # Compiled lazily by the first calls, nothing released: what a plain script does.
     'plain_nodonate': Variant('plain_nodonate', 'plain', donate=False),
     'hdet_cond_nodonate': Variant('cond', 'hdet', 'cond', donate=False, sync_every=2),
 }
+AOT_MEMORY = ('plain_donate', 'hdet_static_donate')
 
 
 def _vm(field):
@@ -173,12 +209,19 @@ def memory_child(size_name, vname, steps):
   mesh = C.make_mesh()
   graphdef, _ = C.model_lib.abstract_model(m, seq)
   r = Runner(v, graphdef, m, seq, batch, mesh, phase='loop')
-  r.run(steps)  # compiles lazily, crosses steps // T syncs.
+  if vname in AOT_MEMORY:
+    from hdet_jax.trainer import trainer
+    jitted = r.programs
+    r.programs = {flag: jitted[flag].lower(r.params, r.opt_state, r.batches[0]).compile()
+                  for flag in sorted(jitted, key=lambda f: f is not True)}
+    trainer.release_host_memory()
+  r.run(steps)  # crosses steps // T syncs (compiling lazily where nothing was compiled ahead).
   peak, current = _vm('VmHWM'), _vm('VmRSS')
   state_bytes = sum(int(x.nbytes) for x in jax.tree.leaves((r.params, r.opt_state)))
   analysis = {}
   for flag, fn in r.programs.items():
-    ma = fn.lower(r.params, r.opt_state, r.batches[0]).compile().memory_analysis()
+    compiled = fn if vname in AOT_MEMORY else fn.lower(r.params, r.opt_state, r.batches[0]).compile()
+    ma = compiled.memory_analysis()
     analysis[str(flag)] = {a: int(getattr(ma, a, 0) or 0) for a in
                            ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes',
                             'alias_size_in_bytes')}
@@ -297,13 +340,13 @@ def bench_vmap(size_name, rounds, k):
       ('1 device: HDET lax.cond (not taken) / plain', 'vmap_hdet_cond_nosync', 'vmap_plain'),
       ('8 devices: HDET non-sync / plain', 'sm_hdet_nosync', 'sm_plain'),
   ]:
-    q = C.ratio_stats(times[a], times[b])
-    say(f'vmap[{size_name}] {label} = {fmt_q(q)}')
-    rows.append(f'| {label} | {fmt_q(q)} |')
+    q = C.ratio_ci(times[a], times[b])
+    say(f'vmap[{size_name}] {label} = {fmt_ci(q)}')
+    rows.append(f'| {label} | {fmt_ci(q)} |')
   for t in (100, 1000):
     q = amortized(times['vmap_hdet_nosync'], times['vmap_hdet_sync'], times['vmap_plain'], t)
-    say(f'vmap[{size_name}] 1 device: HDET/plain at T={t} = {fmt_q(q)}')
-    rows.append(f'| 1 device: HDET/plain at T={t} | {fmt_q(q)} |')
+    say(f'vmap[{size_name}] 1 device: HDET/plain at T={t} = {fmt_ci(q)}')
+    rows.append(f'| 1 device: HDET/plain at T={t} | {fmt_ci(q)} |')
   TABLES['vmap'] = rows
 
 
@@ -350,10 +393,17 @@ def write_markdown(path, args, elapsed):
         '`sync=False`/`sync=True` dispatched by the loop, `exact_sync=True`, params and optimizer state '
         'donated; compared with plain with donation).', '']
   if 'steptime' in TABLES:
-    md += ['## 1. Step time (HDET / plain, median and IQR over interleaved rounds)', '',
+    md += ['## 1. Step time (HDET / plain, median over interleaved rounds, bootstrap 95% CI of the median)', '',
            '| model (params/replica) | design | non-sync step / plain | T=1 | T=10 | T=100 | T=1000 |',
            '|---|---|---|---|---|---|---|'] + TABLES['steptime'] + [
                '', 'Targets: at most 1.01 at T=100 and 1.002 at T=1000.', '']
+  if 'fixed' in TABLES:
+    md += ['What the non-sync HDET program adds per step, counted (no timing noise): the entry computation\'s '
+           'fusion kernels, copies and input buffers per device (each fusion or copy is one kernel launch per device '
+           'on XLA:CPU), the state leaves the host passes per call, and the host time of one asynchronous dispatch '
+           '(median, interleaved). Plain / HDET\'s extra:', '',
+           '| model | fusions | copies | input buffers | state leaves | dispatch (us) |', '|---|---|---|---|---|---|']
+    md += TABLES['fixed'] + ['']
   if 'cost' in TABLES:
     md += ['XLA cost analysis of the step programs (per device, deterministic, no timing noise), HDET / plain:', '',
            '| model | HDET program | flops | bytes accessed |', '|---|---|---|---|'] + TABLES['cost'] + ['']
@@ -373,7 +423,7 @@ def write_markdown(path, args, elapsed):
                '`.lower(...).compile()`d before step 0.', '']
   if 'vmap' in TABLES:
     md += ['## 4. One device (`vmap`, N=8 replicas) against 8 devices (`shard_map`), default model', '',
-           '| comparison | ratio (median, IQR) |', '|---|---|'] + TABLES['vmap'] + [
+           '| comparison | ratio (median, 95% CI) |', '|---|---|'] + TABLES['vmap'] + [
                '', 'Under `vmap` the step count in the state is batched, so a `lax.cond` on it becomes a '
                'select and both branches (with the all-reduce) run on every step.', '']
   if 'trainer' in TABLES:
@@ -410,8 +460,9 @@ def main():
 
   for s in size_names:
     if 'steptime' in sections:
+      # The 10x model's steps are 4x longer: fewer steps per block, and no ablation variants.
       guarded(bench_steptime, s, args.rounds if s == 'default' else max(8, args.rounds * 2 // 3),
-              args.k if s == 'default' else max(2, args.k // 2))
+              args.k if s == 'default' else max(2, args.k // 2), s == 'default')
   for s in size_names:
     if 'memory' in sections:
       guarded(bench_memory, s)

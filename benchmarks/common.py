@@ -240,6 +240,51 @@ def ratio_stats(num, den) -> tuple[float, float, float]:
   return quartiles([a / b for a, b in zip(num, den)])
 
 
+def median_ci(xs, level: float = 0.95, n_boot: int = 4000, seed: int = 0) -> tuple[float, float, float]:
+  """(low, median, high): the median with a bootstrap percentile confidence interval."""
+  xs = np.asarray(xs, np.float64)
+  rng = np.random.default_rng(seed)
+  meds = np.median(xs[rng.integers(0, len(xs), size=(n_boot, len(xs)))], axis=1)
+  lo, hi = np.quantile(meds, [(1 - level) / 2, (1 + level) / 2])
+  return float(lo), float(np.median(xs)), float(hi)
+
+
+def ratio_ci(num, den) -> tuple[float, float, float]:
+  """(low, median, high) of the per-round ratios num[r] / den[r], with a 95% bootstrap CI."""
+  return median_ci([a / b for a, b in zip(num, den)])
+
+
+def hlo_counts(compiled) -> dict[str, int]:
+  """Instructions of a compiled program's entry computation, by kind (fusion, copy, parameter...).
+
+  On XLA:CPU every fusion and copy in the entry computation is one kernel launch per device, so
+  these counts are the per-step fixed work a program adds, free of timing noise.
+  """
+  import re
+  text = compiled.as_text()
+  entry = text[text.index('ENTRY'):]
+  entry = entry[:entry.index('\n}')]
+  counts: dict[str, int] = {}
+  for line in entry.split('\n')[1:]:
+    m = re.search(r'= \S+ ([a-z][\w-]*)\(', line)
+    if m:
+      counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+  return counts
+
+
+def dispatch_seconds(runner: 'Runner', calls: int = 50) -> list[float]:
+  """Host time of each step call (the asynchronous dispatch), with the devices idle before each."""
+  out = []
+  fn = runner.program(runner.t)
+  for _ in range(calls):
+    jax.block_until_ready((runner.params, runner.opt_state))
+    start = time.perf_counter()
+    runner.params, runner.opt_state, _ = fn(runner.params, runner.opt_state, runner.batches[0])
+    out.append(time.perf_counter() - start)
+  jax.block_until_ready((runner.params, runner.opt_state))
+  return out
+
+
 def num_params(model_cfg, seq_len) -> int:
   _, shapes = model_lib.abstract_model(model_cfg, seq_len)
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))

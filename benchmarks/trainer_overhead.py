@@ -1,20 +1,25 @@
 """The trainer's wall time outside the compiled step (data, metrics, evaluation, checkpoints).
 
 Runs ``train_and_evaluate`` on configs/default.py (shortened to ``steps`` steps, the default
-cadence of logging, evaluation and checkpoints kept) with the compiled step programs wrapped
-to count their calls, then times the same compiled programs back to back on the final state.
+cadence of logging, evaluation and checkpoints kept) twice:
 
-    outside = (loop wall time - steps x compiled step time) / loop wall time
+1. as it is: the loop's wall time (the run's wall time minus its setup of building and
+   compiling; the evaluations and checkpoints, the last ones too, are in it);
+2. instrumented: every call of a compiled step program is timed until its outputs are ready,
+   and the host work around it is timed by phase (data, metrics, evaluation, checkpoints):
 
-where the loop wall time is the run's wall time minus its setup (building and compiling), so it
-includes every evaluation and checkpoint and the final ones.
+       outside = (loop wall time - time inside the compiled steps) / loop wall time
+
+The instrumented run waits for each step, so nothing of the host's work hides behind an
+asynchronous step: its figure is what the loop spends outside the compiled step, measured in
+the same run rather than estimated from a step timed separately.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
-import statistics
 import tempfile
 import time
 
@@ -24,27 +29,76 @@ import jax  # noqa: E402
 
 from benchmarks import common as C  # noqa: E402
 
-
-_LAST: list = [None]  # the latest outputs and batch of either program (the others are donated).
-
-
-class _Counted:
-  """A compiled step that counts its calls and keeps the latest outputs and batch."""
-
-  def __init__(self, compiled, sync):
-    self.compiled, self.sync, self.calls = compiled, sync, 0
-
-  def __call__(self, params, opt_state, batch):
-    out = self.compiled(params, opt_state, batch)
-    self.calls += 1
-    _LAST[0] = (out, batch)
-    return out
+PHASES = ('step', 'data', 'metrics', 'eval', 'checkpoint')
 
 
-def measure(steps: int = 500, reps: int = 5, k: int = 20) -> dict:
+class _Clock:
+  """Wall time per phase; a call inside another timed call counts for the outer one only."""
+
+  def __init__(self):
+    self.seconds = {p: 0.0 for p in PHASES}
+    self.calls = {p: 0 for p in PHASES}
+    self.depth = 0
+
+  def wrap(self, phase, fn, wait=False):
+    def timed(*args, **kwargs):
+      if self.depth:
+        return fn(*args, **kwargs)
+      self.depth += 1
+      start = time.perf_counter()
+      try:
+        out = fn(*args, **kwargs)
+        if wait:
+          jax.block_until_ready(out)
+        return out
+      finally:
+        self.seconds[phase] += time.perf_counter() - start
+        self.calls[phase] += 1
+        self.depth -= 1
+    return timed
+
+
+class _Compiled:
+  """Stands in for ``make_*_step(...)``: ``.lower(...).compile()`` gives a timed program."""
+
+  def __init__(self, jitted, clock, phase):
+    self.jitted, self.clock, self.phase = jitted, clock, phase
+
+  def lower(self, *args):
+    lowered = self.jitted.lower(*args)
+    clock, phase = self.clock, self.phase
+
+    class _Lowered:
+      def compile(self):
+        return clock.wrap(phase, lowered.compile(), wait=True)
+    return _Lowered()
+
+
+@contextlib.contextmanager
+def _instrumented(clock):
+  from hdet_jax.trainer import checkpoints, input_pipeline, metrics
   from hdet_jax.trainer import train_step as ts
-  from hdet_jax.trainer import trainer
+  patches = [
+      (ts, 'make_train_step', lambda *a, **k: _Compiled(original['make_train_step'](*a, **k), clock, 'step')),
+      (ts, 'make_eval_step', lambda *a, **k: _Compiled(original['make_eval_step'](*a, **k), clock, 'eval')),
+      (ts, 'put_stacked', None), (input_pipeline.TrainBatches, 'batch', None),
+      (ts, 'fetch', None), (metrics.MetricsWriter, 'write', None), (metrics.MetricsWriter, 'flush', None),
+      (checkpoints.Checkpointer, 'save', None), (checkpoints.Checkpointer, 'wait', None),
+      (checkpoints.Checkpointer, 'close', None),
+  ]
+  phase_of = {'put_stacked': 'data', 'batch': 'data', 'fetch': 'metrics', 'write': 'metrics',
+              'flush': 'metrics', 'save': 'checkpoint', 'wait': 'checkpoint', 'close': 'checkpoint'}
+  original = {name: getattr(owner, name) for owner, name, _ in patches}
+  for owner, name, replacement in patches:
+    setattr(owner, name, replacement or clock.wrap(phase_of[name], original[name]))
+  try:
+    yield
+  finally:
+    for owner, name, _ in patches:
+      setattr(owner, name, original[name])
 
+
+def _config(steps):
   spec = importlib.util.spec_from_file_location('hdet_default_config', C.REPO / 'configs' / 'default.py')
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
@@ -54,69 +108,48 @@ def measure(steps: int = 500, reps: int = 5, k: int = 20) -> dict:
   config.progress_bar = False
   config.plots = False
   config.compilation_cache = ''
+  return config
 
-  wrapped: dict[bool, _Counted] = {}
-  original = ts.make_train_step
 
-  class _Lowerable:
-    def __init__(self, fn, sync):
-      self.fn, self.sync = fn, sync
-
-    def lower(self, *args):
-      lowered = self.fn.lower(*args)
-      sync = self.sync
-
-      class _L:
-        def compile(self_inner):
-          wrapped[sync] = _Counted(lowered.compile(), sync)
-          return wrapped[sync]
-      return _L()
-
-  def patched(graphdef, tx, mesh, *, sync, **kwargs):
-    return _Lowerable(original(graphdef, tx, mesh, sync=sync, **kwargs), sync)
-
-  ts.make_train_step = patched
-  try:
-    with tempfile.TemporaryDirectory() as workdir:
-      summary = trainer.train_and_evaluate(config, workdir)
-  finally:
-    ts.make_train_step = original
+def measure(steps: int = 500) -> dict:
+  from hdet_jax.trainer import trainer
+  config = _config(steps)
+  with tempfile.TemporaryDirectory() as workdir:
+    plain = trainer.train_and_evaluate(config, workdir)
+  clock = _Clock()
+  with tempfile.TemporaryDirectory() as workdir, _instrumented(clock):
+    summary = trainer.train_and_evaluate(config, workdir)
+  loop_async = plain['wall_s'] - plain['setup_s']
   loop_s = summary['wall_s'] - summary['setup_s']
-  n_sync, n_plain = wrapped[True].calls, wrapped[False].calls
-
-  # The compiled step alone: the same programs, back to back on the final state.
-  (params, opt_state, _), batch = _LAST[0]
-  per = {False: [], True: []}
-  for _ in range(reps):
-    for sync in (False, True):
-      fn = wrapped[sync].compiled
-      jax.block_until_ready((params, opt_state))
-      t = time.perf_counter()
-      for _ in range(k):
-        params, opt_state, _m = fn(params, opt_state, batch)
-      jax.block_until_ready((params, opt_state))
-      per[sync].append((time.perf_counter() - t) / k)
-  t_ns, t_s = statistics.median(per[False]), statistics.median(per[True])
-  step_s = n_plain * t_ns + n_sync * t_s
-  outside = (loop_s - step_s) / loop_s
+  sec = clock.seconds
+  outside = (loop_s - sec['step']) / loop_s
+  other = loop_s - sum(sec.values())
+  parts = ', '.join(f'{p} {sec[p]:.2f} s ({sec[p] / loop_s * 100:.1f}%)' for p in PHASES[1:])
+  head = (f'trainer[default config, {steps} steps, T={config.hdet.sync_every}, log every {config.log_every}, '
+          f'eval every {config.eval_every}, checkpoint every {config.checkpoint_every}]')
   lines = [
-      f'trainer[default config, {steps} steps, T={config.hdet.sync_every}, log every {config.log_every}, '
-      f'eval every {config.eval_every}, checkpoint every {config.checkpoint_every}]: setup (build + compile) '
-      f'{summary["setup_s"]:.1f} s, loop {loop_s:.1f} s; compiled step alone {t_ns * 1e3:.1f} ms '
-      f'(sync {t_s * 1e3:.1f} ms) x {n_plain}+{n_sync} = {step_s:.1f} s; outside the compiled step '
-      f'{outside * 100:.1f}% of the loop wall time',
+      f'{head}: loop {loop_s:.2f} s (setup {summary["setup_s"]:.1f} s), inside the compiled steps {sec["step"]:.2f} s '
+      f'({clock.calls["step"]} calls, {sec["step"] / clock.calls["step"] * 1e3:.1f} ms each); outside '
+      f'{outside * 100:.1f}% of the loop: {parts}, other {other:.2f} s ({other / loop_s * 100:.1f}%)',
+      f'{head}: uninstrumented run (asynchronous steps): loop {loop_async:.2f} s = '
+      f'{loop_async / loop_s:.3f} x the instrumented loop',
   ]
   rows = [
-      '| run | setup (s) | loop wall (s) | steps (non-sync + sync) | compiled step alone (ms) | '
-      'time outside the compiled step |',
-      '|---|---|---|---|---|---|',
-      f'| configs/default.py, {steps} steps (T={config.hdet.sync_every}, eval every {config.eval_every}, '
-      f'checkpoint every {config.checkpoint_every}, log every {config.log_every}) | {summary["setup_s"]:.1f} | '
-      f'{loop_s:.1f} | {n_plain} + {n_sync} | {t_ns * 1e3:.1f} (sync {t_s * 1e3:.1f}) | {outside * 100:.1f}% |',
+      '| run | loop wall (s) | inside the compiled steps (s) | outside | data | metrics | eval | checkpoints | other | '
+      'uninstrumented loop (s) |',
+      '|---|---|---|---|---|---|---|---|---|---|',
+      f'| configs/default.py, {steps} steps (T={config.hdet.sync_every}, log every {config.log_every}, eval every '
+      f'{config.eval_every}, checkpoint every {config.checkpoint_every}) | {loop_s:.2f} | {sec["step"]:.2f} '
+      f'({clock.calls["step"]} steps) | **{outside * 100:.1f}%** | '
+      + ' | '.join(f'{sec[p] / loop_s * 100:.1f}%' for p in PHASES[1:])
+      + f' | {other / loop_s * 100:.1f}% | {loop_async:.2f} |',
       '',
-      'Loop wall = `wall_s - setup_s` of the run\'s summary (it includes the evaluations and checkpoints, '
-      'the last ones too). Compiled step alone = the run\'s own compiled programs timed back to back '
-      f'afterwards ({reps} blocks of {k} steps each, median). Target: under 5%.',
+      'Instrumented run: each compiled step call is timed until its outputs are ready; data (batch assembly and '
+      'host-to-device), metrics (fetching the packed per-step metrics and writing metrics.jsonl), eval (the compiled '
+      'evaluation), checkpoints (orbax saves, fingerprints, waiting for them) are timed around their calls; other = '
+      'the rest of the loop. Loop wall = `wall_s - setup_s` of the run (the last evaluation and checkpoint '
+      'included). The uninstrumented run is the same config as it normally runs (asynchronous steps). '
+      'Target: under 5% outside.',
   ]
   return {'lines': lines, 'rows': rows, 'outside': outside}
 

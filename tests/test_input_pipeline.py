@@ -103,3 +103,14 @@ def test_bad_corpora_say_what_to_do(tmp_path):
     ip.TrainBatches(small, 31, 4, 8, seed=0)
   with pytest.raises(ip.DataError, match='validation split'):
     ip.validation_windows(small[:100], 31, 8, 0)
+
+
+def test_chunk_stacks_consecutive_steps_batches():
+  data, frac = _synthetic()
+  train, _ = ip.split(data, frac)
+  tb = ip.TrainBatches(train, 31, 4, 8, seed=3)
+  first = tb.steps_per_epoch - 2  # straddles an epoch boundary
+  chunk = tb.chunk(first, 5)
+  assert chunk.shape == (8, 5, 4, 32) and chunk.dtype == np.uint8
+  for i in range(5):
+    np.testing.assert_array_equal(chunk[:, i], tb.batch(first + i))

@@ -25,6 +25,7 @@ What a kill at any moment can leave, and what is loaded:
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -196,10 +197,36 @@ def _agree(ok: bool) -> bool:
   return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
 
 
+def _write_replicated_arrays_whole() -> None:
+  """Has orbax write each replicated array whole, from its first replica.
+
+  By default orbax splits a replicated array (the averaged parameters, the PRNG key) among its
+  replicas and cuts the pieces with eager jax slices, which compile one small program per
+  shape at the first save: 56 compilations, 1.4 s, on the default model. These arrays are
+  small; writing them whole costs nothing measurable.
+  """
+  global _WHOLE
+  if _WHOLE:
+    return
+  absl_logger = logging.getLogger('absl')
+  level = absl_logger.level
+  absl_logger.setLevel(logging.ERROR)  # orbax warns about every override
+  try:
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+  finally:
+    absl_logger.setLevel(level)
+  _WHOLE = True
+
+
+_WHOLE = False
+
+
 class Checkpointer:
   """Saves and restores a workdir's checkpoints; every process calls it together."""
 
   def __init__(self, workdir: str, max_to_keep: int):
+    _write_replicated_arrays_whole()
     self._directory = checkpoint_dir(workdir)
     self._empty_trash()  # what an earlier run was deleting when it was killed
     self._mngr = _manager(self._directory, max_to_keep=max_to_keep if max_to_keep > 0 else None)

@@ -140,6 +140,10 @@ class TrainBatches:
     offs = self.offsets(step)
     return self.data[offs[..., None] + np.arange(self.window)]
 
+  def chunk(self, first_step: int, steps: int) -> np.ndarray:
+    """[num_replicas, steps, batch_size, seq_len + 1] uint8: the batches of ``steps`` consecutive steps."""
+    return np.stack([self.batch(s) for s in range(first_step, first_step + steps)], axis=1)
+
 
 def validation_windows(val: np.ndarray, seq_len: int, num_replicas: int, max_windows: int) -> np.ndarray:
   """[num_replicas, k, seq_len + 1] uint8: consecutive non-overlapping validation windows.

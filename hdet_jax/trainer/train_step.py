@@ -186,7 +186,7 @@ class MetricsPacker:
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh, *, sync: bool,
                     config: Any = None, packer: MetricsPacker | None = None,
-                    pre_sync_distance: bool = True) -> Callable:
+                    pre_sync_distance: bool = True, chunk_steps: int = 0) -> Callable:
   """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``, all stacked ``[N, ...]``.
 
   ``metrics`` holds each replica's loss and, read from each replica's (identical) optimizer
@@ -195,8 +195,15 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   ``pre_sync_dist``: each replica's L2 distance from the replicas' mean just before the average
   (one more all-reduce on sync steps; ``pre_sync_distance=False`` leaves it out). With a
   ``packer`` the metrics come back as one ``[N, k]`` float32 array (see :class:`MetricsPacker`).
+
+  ``chunk_steps=K > 0``: the third argument holds K consecutive steps' batches ``[N, K, B, L+1]``
+  (the chunk starting at a multiple of K) and step t reads its batch at ``t % K``, t being the
+  optimizer's step count; the host then uploads data once every K steps instead of every step.
   """
-  def step(params, opt_state, batch):
+  def step(params, opt_state, data):
+    batch = data
+    if chunk_steps:
+      batch = lax.dynamic_index_in_dim(data, opt_state.count % chunk_steps, keepdims=False)
     if config is None:
       reg, smoothing = model_lib.Regularization(), 0.0
     else:

@@ -1,0 +1,39 @@
+"""The trainer's step programs: a chunk of batches read at the optimizer's count equals per-step batches."""
+
+import os
+
+import jax
+import numpy as np
+
+from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import input_pipeline as ip
+from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer import train_step as ts
+
+TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
+
+
+def test_chunked_data_reads_each_steps_batch_at_the_optimizer_count():
+  config = config_lib.load_config_file(TINY)
+  n, k, steps = 8, 4, 7  # steps cross a chunk boundary and a sync (T = tiny's sync_every)
+  mesh = ts.make_mesh(n)
+  tx = ts.make_optimizer(config, n)
+  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
+  init = ts.make_init(config, tx, mesh, n)
+  rng = np.random.default_rng(0)
+  batches = ip.TrainBatches(rng.integers(0, 256, 200_000, dtype=np.uint8), config.data.seq_len,
+                            config.data.batch_size, n, seed=1)
+  out = {}
+  for chunk in (0, k):
+    params, opt_state = init(jax.random.key(0))
+    programs = {s: ts.make_train_step(graphdef, tx, mesh, sync=s, config=config, chunk_steps=chunk)
+                for s in (False, True)}
+    losses = []
+    for t in range(steps):
+      data = batches.batch(t) if chunk == 0 else batches.chunk(t - t % k, k)
+      params, opt_state, m = programs[ts.is_sync_step(config, t)](params, opt_state, ts.put_stacked(data, mesh))
+      losses.append(np.asarray(m['loss']))
+    out[chunk] = (np.stack(losses), jax.tree.map(np.asarray, params))
+  np.testing.assert_array_equal(out[k][0], out[0][0])  # every step saw its own batch, bit for bit
+  jax.tree.map(np.testing.assert_array_equal, out[k][1], out[0][1])
+  assert len(np.unique(out[0][0][:, 0])) == steps  # and the batches differ from step to step
