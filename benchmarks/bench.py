@@ -61,9 +61,12 @@ STEP_VARIANTS = [
     # "before": one program, lax.cond holds the all-reduce, no donation (README example style).
     ('cond_nodonate_nosync', Variant('cond', 'hdet', 'cond', donate=False, sync_every=50_000), 'loop'),
     ('cond_nodonate_sync', Variant('cond1', 'hdet', 'cond', donate=False, sync_every=1), 'loop'),
-    # "after": two programs picked by the loop, donation, exact_sync (the trainer's design).
+    # Two whole-step programs picked by the loop, donation, exact_sync (the trainer's earlier design).
     ('static_donate_nosync', Variant('static', 'hdet', 'static', donate=True, exact_sync=True), 'nosync'),
     ('static_donate_sync', Variant('static', 'hdet', 'static', donate=True, exact_sync=True), 'sync'),
+    # "after": the same non-sync step, and on sync steps that step plus a small window-end program
+    # (the trainer's design). Its non-sync step is static_donate_nosync's program.
+    ('split_donate_sync', Variant('split', 'hdet', 'split', donate=True, exact_sync=True), 'sync'),
     # ablations: which of the two changes matters.
     ('cond_donate_nosync', Variant('cond_d', 'hdet', 'cond', donate=True, sync_every=50_000), 'loop'),
     ('static_nodonate_nosync', Variant('static_n', 'hdet', 'static', donate=False, exact_sync=True), 'nosync'),
@@ -104,7 +107,8 @@ def bench_steptime(size_name, rounds, k, ablations=True):
   rows.append(f'| {size_name} ({nparams / 1e6:.2f}M) | control: plain / plain (A/A, the noise floor) | '
               f'{fmt_ci(aa)} | | | | |')
   pairs = [('before: lax.cond, no donation', 'cond_nodonate_nosync', 'cond_nodonate_sync', 'plain_nodonate'),
-           ('after: two programs + donation (trainer)', 'static_donate_nosync', 'static_donate_sync',
+           ('two whole-step programs + donation', 'static_donate_nosync', 'static_donate_sync', 'plain_donate'),
+           ('after: step + window-end program + donation (trainer)', 'static_donate_nosync', 'split_donate_sync',
             'plain_donate')]
   for label, ns, s, p in pairs:
     nos = C.ratio_ci(times[ns], times[p])
@@ -184,12 +188,12 @@ MEM_VARIANTS = {
     # The trainer's way: programs compiled ahead of time (HDET's sync program first), then the
     # compiler's freed heap returned to the OS (trainer.release_host_memory), then the steps.
     'plain_donate': Variant('plain_donate', 'plain', donate=True),
-    'hdet_static_donate': Variant('static', 'hdet', 'static', donate=True, exact_sync=True, sync_every=2),
+    'hdet_split_donate': Variant('split', 'hdet', 'split', donate=True, exact_sync=True, sync_every=2),
     # Compiled lazily by the first calls, nothing released: what a plain script does.
     'plain_nodonate': Variant('plain_nodonate', 'plain', donate=False),
     'hdet_cond_nodonate': Variant('cond', 'hdet', 'cond', donate=False, sync_every=2),
 }
-AOT_MEMORY = ('plain_donate', 'hdet_static_donate')
+AOT_MEMORY = ('plain_donate', 'hdet_split_donate')
 
 
 def _vm(field):
@@ -212,15 +216,17 @@ def memory_child(size_name, vname, steps):
   if vname in AOT_MEMORY:
     from hdet_jax.trainer import trainer
     jitted = r.programs
-    r.programs = {flag: jitted[flag].lower(r.params, r.opt_state, r.batches[0]).compile()
-                  for flag in sorted(jitted, key=lambda f: f is not True)}
+    r.programs = {flag: jitted[flag].lower(*((r.params, r.opt_state) if flag == 'end' else
+                                            (r.params, r.opt_state, r.batches[0]))).compile()
+                  for flag in jitted}
     trainer.release_host_memory()
   r.run(steps)  # crosses steps // T syncs (compiling lazily where nothing was compiled ahead).
   peak, current = _vm('VmHWM'), _vm('VmRSS')
   state_bytes = sum(int(x.nbytes) for x in jax.tree.leaves((r.params, r.opt_state)))
   analysis = {}
   for flag, fn in r.programs.items():
-    compiled = fn if vname in AOT_MEMORY else fn.lower(r.params, r.opt_state, r.batches[0]).compile()
+    args = (r.params, r.opt_state) if flag == 'end' else (r.params, r.opt_state, r.batches[0])
+    compiled = fn if vname in AOT_MEMORY else fn.lower(*args).compile()
     ma = compiled.memory_analysis()
     analysis[str(flag)] = {a: int(getattr(ma, a, 0) or 0) for a in
                            ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes',
@@ -239,7 +245,7 @@ def bench_memory(size_name, steps=6):
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     out[vname] = json.loads(res.stdout.strip().splitlines()[-1])
   rows = []
-  for hv, pv in [('hdet_static_donate', 'plain_donate'), ('hdet_cond_nodonate', 'plain_nodonate')]:
+  for hv, pv in [('hdet_split_donate', 'plain_donate'), ('hdet_cond_nodonate', 'plain_nodonate')]:
     h, p = out[hv], out[pv]
     rss = h['peak_kib'] / p['peak_kib']
     grow_h = h['peak_kib'] - h['baseline_kib']
@@ -275,6 +281,8 @@ def bench_compile(size_name='default', t_sync=5, syncs=4):
                                           sync_every=t_sync), False),
       ('hdet two programs, AOT', Variant('static', 'hdet', 'static', donate=True, exact_sync=True,
                                          sync_every=t_sync), True),
+      ('hdet step + window end, AOT (trainer)', Variant('split', 'hdet', 'split', donate=True, exact_sync=True,
+                                                        sync_every=t_sync), True),
   ]
   for label, v, aot in cases:
     r = Runner(v, graphdef, m, seq, batch, mesh, phase='loop')
@@ -282,7 +290,8 @@ def bench_compile(size_name='default', t_sync=5, syncs=4):
     mark0 = counter.mark()
     t0 = time.perf_counter()
     if aot:
-      r.programs = {f: fn.lower(r.params, r.opt_state, r.batches[0]).compile() for f, fn in r.programs.items()}
+      r.programs = {f: fn.lower(*((r.params, r.opt_state) if f == 'end' else (r.params, r.opt_state, r.batches[0])))
+                    .compile() for f, fn in r.programs.items()}
     r.run(1)
     first = time.perf_counter() - t0
     n_first, backend_s = counter.since(mark0)

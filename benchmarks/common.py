@@ -100,8 +100,10 @@ class Variant:
   """One way of running the step.
 
   kind: 'plain' (optax.adam on the pmean'd gradient) or 'hdet'.
-  mode: 'cond' (one program, ``sync=None``: a lax.cond decides) or 'static' (two programs,
-    ``sync=False`` / ``sync=True``, picked by the Python loop).
+  mode: 'cond' (one program, ``sync=None``: a lax.cond decides), 'static' (two programs,
+    ``sync=False`` / ``sync=True``, picked by the Python loop) or 'split' (the ``sync=False`` step on
+    every step, then on sync steps a small window-end program, ``update(None, ..., sync=True)``:
+    the trainer's design).
   donate: donate params and optimizer state to the step.
   exact_sync: build hdet with exact_sync=True and apply with H.apply_updates (the trainer's way).
   sync_every: T.
@@ -139,8 +141,13 @@ def build_programs(graphdef, v: Variant, mesh) -> tuple[Any, dict]:
   """(tx, {sync flag: jitted step}); the flag is None for one-program variants."""
   tx = v.tx()
   donate = (0, 1) if v.donate else ()
-  flags = [None] if (v.kind == 'plain' or v.mode == 'cond') else [False, True]
+  flags = [None] if (v.kind == 'plain' or v.mode == 'cond') else [False] if v.mode == 'split' else [False, True]
   programs = {}
+  if v.kind == 'hdet' and v.mode == 'split':
+    def window_end(params, opt_state):
+      updates, opt_state = tx.update(None, opt_state, params, sync=True)
+      return H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True), opt_state
+    programs['end'] = jax.jit(H.shard_map_replicas(window_end, mesh, AXIS), donate_argnums=donate)
   for flag in flags:
     body = per_replica_step(graphdef, tx, v, flag)
     if v.backend == 'shard_map':
@@ -191,9 +198,17 @@ class Runner:
     self.batches = make_batches(seq_len, batch, v, mesh)
     self.t = 0
 
+  def ends_window(self, t) -> bool:
+    """Whether a split variant runs its window-end program after step t."""
+    if 'end' not in self.programs or self.phase == 'nosync':
+      return False
+    return self.phase == 'sync' or (t + 1) % self.v.sync_every == 0
+
   def program(self, t):
     if None in self.programs:
       return self.programs[None]
+    if 'end' in self.programs:
+      return self.programs[False]
     if self.phase == 'nosync':
       return self.programs[False]
     if self.phase == 'sync':
@@ -207,6 +222,8 @@ class Runner:
       fn = self.program(self.t)
       self.params, self.opt_state, loss = fn(self.params, self.opt_state,
                                              self.batches[self.t % len(self.batches)])
+      if self.ends_window(self.t):
+        self.params, self.opt_state = self.programs['end'](self.params, self.opt_state)
       self.t += 1
     jax.block_until_ready((self.params, self.opt_state, loss))
     return time.perf_counter() - start

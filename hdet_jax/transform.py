@@ -227,7 +227,10 @@ def hdet(
     value=None, sync=None)``: ``value`` is this replica's loss (required with ``auto_lr``,
     the convention of ``optax.contrib.reduce_on_plateau``); ``sync`` may be a Python bool
     to pick the sync or non-sync program at trace time (it must agree with the step count;
-    the default decides with ``lax.cond``).
+    the default decides with ``lax.cond``). ``update(None, state, params, sync=True)`` runs only
+    the end of a window (the average and the controller) on the parameters after a step that
+    ran with ``sync=False``: a training loop can then compile its step once and run the sync as
+    a separate small program, instead of compiling the whole step a second time.
 
   Example:
     >>> tx = hdet(optax.adam, one_cycle(max_lr=3e-3, total_steps=1000), num_replicas=8,
@@ -310,7 +313,12 @@ def hdet(
   def update_fn(updates, state, params=None, *, value=None, sync=None, **extra_args):
     del extra_args
     replicas.axis_size_or_raise(cfg.replica_axis, cfg.num_replicas)
-    if cfg.auto_lr is not None and value is None:
+    window_end_only = updates is None
+    if window_end_only and (sync is not True or params is None or value is not None):
+      raise ValueError(
+          'hdet: updates=None runs only the end of a window (the average and the controller, on the '
+          'parameters after the last step): call tx.update(None, state, params, sync=True).')
+    if cfg.auto_lr is not None and value is None and not window_end_only:
       raise ValueError(
           'hdet: auto_lr is on, so update() needs this replica\'s loss: call '
           'tx.update(grads, state, params, value=loss).')
@@ -323,15 +331,17 @@ def hdet(
     if sync is not None and not isinstance(sync, bool):
       raise ValueError(f'hdet: sync must be None or a Python bool, got {type(sync).__name__}.')
 
-    values = state.values[:, lax.axis_index(cfg.replica_axis)]  # [G]: this replica's, for this step
-    inner = build_inner([values[i] for i in range(g)])
-    updates, inner_state = inner.update(updates, state.inner_state, params)
-
-    loss = jnp.zeros([], jnp.float32) if value is None else jnp.asarray(value, jnp.float32)
-    new_count = state.count + 1
-    state = state._replace(
-        count=new_count, inner_state=inner_state, loss_sum=state.loss_sum + loss,
-        synced=jnp.zeros([], bool))
+    if window_end_only:  # the step itself already ran, with sync=False
+      updates = jax.tree.map(jnp.zeros_like, params)
+    else:
+      values = state.values[:, lax.axis_index(cfg.replica_axis)]  # [G]: this replica's, for this step
+      inner = build_inner([values[i] for i in range(g)])
+      updates, inner_state = inner.update(updates, state.inner_state, params)
+      loss = jnp.zeros([], jnp.float32) if value is None else jnp.asarray(value, jnp.float32)
+      state = state._replace(
+          count=state.count + 1, inner_state=inner_state, loss_sum=state.loss_sum + loss,
+          synced=jnp.zeros([], bool))
+    new_count = state.count
 
     def do_sync(operands):
       upd, st = operands
@@ -347,7 +357,7 @@ def hdet(
         new_params, count = _average(stepped, cfg.replica_axis, guard_nonfinite, ok)
         upd = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
       st = st._replace(finite_replicas=count, replica_ok=ok)
-      st = _sync_controller(cfg, replica_values, st, gather=value is not None)
+      st = _sync_controller(cfg, replica_values, st, gather=value is not None or window_end_only)
       return upd, st
 
     def no_sync(operands):

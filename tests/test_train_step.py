@@ -15,7 +15,7 @@ TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 def test_chunked_data_reads_each_steps_batch_at_the_optimizer_count():
   config = config_lib.load_config_file(TINY)
-  n, k, steps = 8, 4, 7  # steps cross a chunk boundary and a sync (T = tiny's sync_every)
+  n, k, steps = 8, 4, 9  # steps cross chunk boundaries and a sync (after step 7: tiny syncs every 8)
   mesh = ts.make_mesh(n)
   tx = ts.make_optimizer(config, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)

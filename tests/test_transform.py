@@ -158,6 +158,42 @@ def test_quadratic_mean_tracks_alpha_zero_and_offsets_follow_rho(mesh):
   assert nonzero_offsets == 23 - 23 // T
 
 
+# --- the window's end as its own program ---------------------------------------------------------
+
+@pytest.mark.parametrize('exact', [False, True])
+def test_window_end_program_equals_the_fused_sync_step(mesh, exact):
+  """A step with sync=False followed by update(None, ..., sync=True) does what one sync=True step does."""
+  T, S = 3, 13
+  params, c = quad_problem(dim=16, seed=2)
+  tx = H.hdet(optax.adam, H.one_cycle(0.05, 40), num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
+              exact_sync=exact, auto_lr=H.AutoLR(total_steps=40, warmup_steps=3, temperature=0.05))
+  apply = (lambda p, u, s, sync: H.apply_updates(p, u, s, replica_axis=AX, sync=sync)) if exact else (
+      lambda p, u, s, sync: optax.apply_updates(p, u))
+
+  def window_end(p, s):
+    u, s = tx.update(None, s, p, sync=True)
+    return apply(p, u, s, True), s
+  step = {flag: jax.jit(H.shard_map_replicas(quad_step(tx, sync=flag, exact=exact), mesh, AX)) for flag in (False, True)}
+  end = jax.jit(H.shard_map_replicas(window_end, mesh, AX))
+  sp0, ss0, data = put(mesh, (H.stack_replicas(params, N), jax.jit(jax.vmap(tx.init))(H.stack_replicas(params, N)), c))
+  (fp, fs), (sp, ss) = (sp0, ss0), (sp0, ss0)
+  for t in range(S):
+    is_sync = (t + 1) % T == 0
+    fp, fs, _ = step[is_sync](fp, fs, data)
+    sp, ss, _ = step[False](sp, ss, data)
+    if is_sync:
+      sp, ss = end(sp, ss)
+      assert np.max(np.abs(np.asarray(sp['w']) - np.asarray(sp['w'])[0])) <= (0 if exact else 1e-6)
+    np.testing.assert_allclose(np.asarray(sp['w']), np.asarray(fp['w']), rtol=1e-6, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(ss.controller), jax.tree.leaves(fs.controller)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(ss.values), np.asarray(fs.values), rtol=1e-5)
+    assert int(ss.count[0]) == int(fs.count[0]) == t + 1 and int(ss.sync_count[0]) == (t + 1) // T
+  assert float(np.abs(np.asarray(fs.controller.velocity)).max()) > 0  # the controller ran
+  with pytest.raises(ValueError, match='updates=None'):
+    jax.jit(H.shard_map_replicas(lambda p, s: tx.update(None, s, p, sync=False), mesh, AX))(sp, ss)
+
+
 # --- sync exactness ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize('exact', [False, True])

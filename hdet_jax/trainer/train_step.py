@@ -233,6 +233,27 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   return jax.jit(H.shard_map_replicas(step, mesh, AXIS), donate_argnums=(0, 1))
 
 
+def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
+                    packer: MetricsPacker | None = None) -> Callable:
+  """Jitted ``(params, opt_state) -> (params, opt_state, metrics)``: the end of a sync window alone.
+
+  Run it right after the non-sync step program on a sync step: it averages the replicas and runs
+  the controller (``tx.update(None, ..., sync=True)``). The step is then compiled once, and the sync
+  is a small program of its own (about a tenth of the step's compile time and memory) instead of a
+  second compilation of the whole step. ``metrics`` are the controller's, as in the sync step's.
+  """
+  def window_end(params, opt_state):
+    updates, opt_state = tx.update(None, opt_state, params, sync=True)
+    params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True)
+    c = opt_state.controller
+    metrics = {'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
+               'window_losses': c.window_losses, 'deltas': c.delta, 'velocities': c.velocity}
+    if packer is not None:
+      metrics = packer.pack(metrics)
+    return params, opt_state, metrics
+  return jax.jit(H.shard_map_replicas(window_end, mesh, AXIS), donate_argnums=(0, 1))
+
+
 def _tree_norm(tree: Any) -> jax.Array:
   return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 

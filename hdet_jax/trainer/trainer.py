@@ -300,13 +300,13 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
     first = step - step % _CHUNK
     return ts.put_stacked(batches.chunk(first, _CHUNK), mesh)
 
-  # Compile both step programs (and the eval) once, up front; the sync program first: compiling the
-  # larger program while the host holds the least keeps the process's peak memory down.
+  # Compile the programs once, up front: the step (every step runs it), the end of a sync window
+  # (averaging and controller, run after the step on sync steps) and the evaluation.
   data = upload(start)
   packers = {s: ts.MetricsPacker() for s in (False, True)}
-  steps = {s: ts.make_train_step(graphdef, tx, mesh, sync=s, config=config, packer=packers[s],
-                                 pre_sync_distance=False, chunk_steps=_CHUNK).lower(params, opt_state, data).compile()
-           for s in (True, False)}
+  step_fn = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config, packer=packers[False],
+                               chunk_steps=_CHUNK).lower(params, opt_state, data).compile()
+  window_end = ts.make_window_end(tx, mesh, packer=packers[True]).lower(params, opt_state).compile()
   val_dev = ts.put_stacked(val_windows, mesh)
   evaluate_fn = ts.make_eval_step(graphdef, mesh).lower(params, val_dev).compile()
   average = ts.make_average(mesh).lower(params).compile()
@@ -356,7 +356,11 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
   t_mark = time.time()
 
   def flush():
-    got = [packers[sync].unpack(rows) for (_, sync, _), rows in zip(pending, ts.fetch([m for _, _, m in pending]))]
+    def unpack(sync, rows):  # a sync step's metrics: the step's, then the window end's
+      if not sync:
+        return packers[False].unpack(rows)
+      return {**packers[False].unpack(rows[0]), **packers[True].unpack(rows[1])}
+    got = [unpack(sync, rows) for (_, sync, _), rows in zip(pending, ts.fetch([m for _, _, m in pending]))]
     for (step, sync, _), m in zip(pending, got):
       loss = m['loss']
       writer.write('train', step=step, loss=loss, lr=m['lrs'][0], base_lr=m['base_lr'][0], sync=sync,
@@ -382,7 +386,10 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
     sync = ts.is_sync_step(config, step)
     if step % _CHUNK == 0 and step != start:
       data = upload(step)
-    params, opt_state, m = steps[sync](params, opt_state, data)
+    params, opt_state, m = step_fn(params, opt_state, data)
+    if sync:
+      params, opt_state, m_sync = window_end(params, opt_state)
+      m = (m, m_sync)
     pending.append((step, sync, m))
     step += 1
     eval_due = config.eval_every > 0 and step % config.eval_every == 0 and step < end
