@@ -154,31 +154,24 @@ def bench_steptime(size_name, rounds, k, ablations=True):
   return times
 
 
-def bench_fixed_work(size_name, runners, rounds=5, calls=30):
-  """What the non-sync program adds per step, counted rather than timed: kernels, buffers, dispatch."""
-  plain, hdet = runners['plain_donate'], runners['static_donate_nosync']
+def bench_fixed_work(size_name, runners):
+  """What the non-sync program adds per step, counted rather than timed: kernels, buffers, leaves."""
   counts = {}
-  for name, rn in (('plain', plain), ('hdet', hdet)):
+  for name in ('plain_donate', 'static_donate_nosync'):
+    rn = runners[name]
     compiled = rn.program(rn.t).lower(rn.params, rn.opt_state, rn.batches[0]).compile()
     counts[name] = C.hlo_counts(compiled)
     counts[name]['leaves'] = len(jax.tree.leaves((rn.params, rn.opt_state)))
-  disp = {'plain': [], 'hdet': []}
-  for _ in range(rounds):  # interleaved, like the step times
-    for name, rn in (('plain', plain), ('hdet', hdet)):
-      disp[name] += C.dispatch_seconds(rn, calls)
-  extra = {k: counts['hdet'].get(k, 0) - counts['plain'].get(k, 0) for k in ('fusion', 'copy', 'parameter', 'leaves')}
-  dp, dh = (float(np.median(disp[n])) * 1e6 for n in ('plain', 'hdet'))
-  step_us = float(np.median([x for x in C.interleave({'p': plain}, 1, 5)['p']])) * 1e6
+  p, h = counts['plain_donate'], counts['static_donate_nosync']
+  extra = {k: h.get(k, 0) - p.get(k, 0) for k in ('fusion', 'copy', 'parameter', 'leaves')}
   say(f'fixed[{size_name}] non-sync HDET program vs plain, per device and step: '
-      f'{counts["hdet"].get("fusion", 0)} vs {counts["plain"].get("fusion", 0)} fusion kernels ({extra["fusion"]:+d}), '
-      f'{counts["hdet"].get("copy", 0)} vs {counts["plain"].get("copy", 0)} copies ({extra["copy"]:+d}), '
-      f'{counts["hdet"].get("parameter", 0)} vs {counts["plain"].get("parameter", 0)} buffers in ({extra["parameter"]:+d}); '
-      f'{counts["hdet"]["leaves"]} vs {counts["plain"]["leaves"]} state leaves; host dispatch {dh:.0f} vs {dp:.0f} us '
-      f'({dh - dp:+.0f} us = {(dh - dp) / step_us * 100:+.2f}% of a {step_us / 1e3:.1f} ms step)')
+      f'{h.get("fusion", 0)} vs {p.get("fusion", 0)} fusion kernels ({extra["fusion"]:+d}), '
+      f'{h.get("copy", 0)} vs {p.get("copy", 0)} copies ({extra["copy"]:+d}), '
+      f'{h.get("parameter", 0)} vs {p.get("parameter", 0)} input buffers ({extra["parameter"]:+d}); '
+      f'{h["leaves"]} vs {p["leaves"]} leaves passed per call ({extra["leaves"]:+d})')
   TABLES.setdefault('fixed', []).append(
-      f'| {size_name} | {counts["plain"].get("fusion", 0)} / {extra["fusion"]:+d} | '
-      f'{counts["plain"].get("copy", 0)} / {extra["copy"]:+d} | {counts["plain"].get("parameter", 0)} / '
-      f'{extra["parameter"]:+d} | {counts["plain"]["leaves"]} / {extra["leaves"]:+d} | {dp:.0f} / {dh - dp:+.0f} |')
+      f'| {size_name} | {p.get("fusion", 0)} / {extra["fusion"]:+d} | {p.get("copy", 0)} / {extra["copy"]:+d} | '
+      f'{p.get("parameter", 0)} / {extra["parameter"]:+d} | {p["leaves"]} / {extra["leaves"]:+d} |')
 
 
 # ------------------------------------------------------------------------------------------------
@@ -409,9 +402,9 @@ def write_markdown(path, args, elapsed):
   if 'fixed' in TABLES:
     md += ['What the non-sync HDET program adds per step, counted (no timing noise): the entry computation\'s '
            'fusion kernels, copies and input buffers per device (each fusion or copy is one kernel launch per device '
-           'on XLA:CPU), the state leaves the host passes per call, and the host time of one asynchronous dispatch '
-           '(median, interleaved). Plain / HDET\'s extra:', '',
-           '| model | fusions | copies | input buffers | state leaves | dispatch (us) |', '|---|---|---|---|---|---|']
+           'on XLA:CPU) and the array leaves the host passes per call (params, optimizer state). Plain / HDET\'s '
+           'extra:', '',
+           '| model | fusions | copies | input buffers | leaves per call |', '|---|---|---|---|---|']
     md += TABLES['fixed'] + ['']
   if 'cost' in TABLES:
     md += ['XLA cost analysis of the step programs (per device, deterministic, no timing noise), HDET / plain:', '',

@@ -289,19 +289,6 @@ def hlo_counts(compiled) -> dict[str, int]:
   return counts
 
 
-def dispatch_seconds(runner: 'Runner', calls: int = 50) -> list[float]:
-  """Host time of each step call (the asynchronous dispatch), with the devices idle before each."""
-  out = []
-  fn = runner.program(runner.t)
-  for _ in range(calls):
-    jax.block_until_ready((runner.params, runner.opt_state))
-    start = time.perf_counter()
-    runner.params, runner.opt_state, _ = fn(runner.params, runner.opt_state, runner.batches[0])
-    out.append(time.perf_counter() - start)
-  jax.block_until_ready((runner.params, runner.opt_state))
-  return out
-
-
 def num_params(model_cfg, seq_len) -> int:
   _, shapes = model_lib.abstract_model(model_cfg, seq_len)
   return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))

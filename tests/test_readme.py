@@ -1,17 +1,18 @@
-"""The README's example runs as written (with a loss, initial parameters and batches supplied)."""
+"""The README's examples run as written (with a loss, initial parameters and batches supplied)."""
 
 import pathlib
 import re
+import textwrap
 
+import jax
 import numpy as np
+
+import hdet_jax
 
 README = pathlib.Path(__file__).parent.parent / 'README.md'
 
-
-def test_readme_example_runs():
-  text = README.read_text()
-  block = next(b for b in re.findall(r'```python\n(.*?)```', text, re.S) if 'shard_map_replicas' in b)
-  prelude = '''
+# What the example leaves to the reader: a loss, initial parameters and batches.
+PRELUDE = '''
 import jax, jax.numpy as jnp
 def loss_fn(params, batch):
   x, y = batch
@@ -22,10 +23,36 @@ _x = jax.random.normal(_key, (8, 16, 4))
 _y = _x @ (0.05 * jnp.arange(1.0, 5.0)[:, None])
 batches = [(_x, _y)] * 200
 '''
+
+
+def _blocks():
+  """The README's python blocks, dedented (some sit inside list items)."""
+  return [textwrap.dedent(b) for b in re.findall(r' *```python\n(.*?) *```', README.read_text(), re.S)]
+
+
+def _run_example():
+  main = next(b for b in _blocks() if 'shard_map_replicas' in b)
   scope = {}
-  exec(compile(prelude + block, 'README.md', 'exec'), scope)
-  model, opt_state = scope['model'], scope['opt_state']
+  exec(compile(PRELUDE + main, 'README.md', 'exec'), scope)
+  return scope
+
+
+def test_readme_example_runs():
+  scope = _run_example()
+  opt_state = scope['opt_state']
   assert int(opt_state.sync_count[0]) == 10
   np.testing.assert_allclose(np.asarray(opt_state.controller.perm[0]), np.asarray(opt_state.controller.perm[-1]))
   initial = float(scope['loss_fn'](scope['init_params'], (scope['_x'][0], scope['_y'][0])))
   assert float(scope['loss'].mean()) < 0.8 * initial, (float(scope['loss'].mean()), initial)
+
+
+def test_readme_window_end_snippet_averages_without_a_step():
+  """The window-end snippet, run after the example's last step, averages the replicas once more."""
+  scope = _run_example()
+  snippet = next(b for b in _blocks() if 'def window_end' in b)
+  exec(compile(snippet, 'README.md', 'exec'), scope)
+  end = jax.jit(hdet_jax.shard_map_replicas(scope['window_end'], scope['mesh'], 'data'))
+  params, opt_state = end(scope['params'], scope['opt_state'])
+  assert int(opt_state.sync_count[0]) == 11 and int(opt_state.count[0]) == 200  # a sync, no step
+  w = np.asarray(params['w'])
+  np.testing.assert_allclose(w, np.broadcast_to(w.mean(0), w.shape), rtol=1e-6, atol=1e-7)
