@@ -386,14 +386,17 @@ def write_markdown(path, args, elapsed):
         'the machine was shared with other jobs, so absolute times are noisy, ratios less so).', '',
         'Method: every variant holds its own model and optimizer state; one process runs blocks of K steps of '
         'each variant in a fresh random order per round (each block ends with `block_until_ready`), after '
-        'compilation. A ratio is the median over rounds of (variant block / plain block of the same round), with '
-        'the interquartile range. HDET/plain at T is, per round, ((T-1) x non-sync step + 1 x sync step) / '
-        '(T x plain step), then the median over rounds: the cost of one sync window. Plain = the same step '
-        'with `optax.adam(one_cycle)`; HDET = `hdet(optax.adam, one_cycle, N=8, spread=0.25, auto_lr=AutoLR(...))` '
-        '(controller on). "before" = the one-program design (`sync=None`, a `lax.cond` holding the all-reduce, '
-        'no donation; compared with plain without donation); "after" = the trainer\'s design (two programs '
-        '`sync=False`/`sync=True` dispatched by the loop, `exact_sync=True`, params and optimizer state '
-        'donated; compared with plain with donation).', '']
+        'compilation. A ratio is the median over rounds of (variant block / plain block of the same round), with a '
+        'bootstrap 95% confidence interval of that median. "control" times a second, identical plain runner: its '
+        'ratio is what the method reads for two identical programs (the noise floor). HDET/plain at T is, per round, '
+        '((T-1) x non-sync step + 1 x sync step) / (T x plain step), then the median over rounds: the cost of one '
+        'sync window. Plain = the same step with `optax.adam(one_cycle)`; HDET = `hdet(optax.adam, one_cycle, N=8, '
+        'spread=0.25, auto_lr=AutoLR(...))` (controller on). "before" = the one-program design (`sync=None`, a '
+        '`lax.cond` holding the all-reduce, no donation; compared with plain without donation); "two whole-step '
+        'programs" = `sync=False`/`sync=True` steps dispatched by the loop; "after" = the trainer\'s design: the '
+        '`sync=False` step on every step and, on sync steps, a small window-end program after it '
+        '(`update(None, state, params, sync=True)`); `exact_sync=True`, params and optimizer state donated, compared '
+        'with plain with donation. Both two-program designs run the same non-sync program.', '']
   if 'steptime' in TABLES:
     md += ['## 1. Step time (HDET / plain, median over interleaved rounds, bootstrap 95% CI of the median)', '',
            '| model (params/replica) | design | non-sync step / plain | T=1 | T=10 | T=100 | T=1000 |',
@@ -413,8 +416,11 @@ def write_markdown(path, args, elapsed):
     md += ['## 2. Peak memory (one subprocess per variant, init + 6 steps crossing 3 syncs)', '',
            '| model | HDET / plain | peak host RSS | host RSS after the run | peak RSS growth after imports | '
            'params + optimizer state | compiled step footprint |', '|---|---|---|---|---|---|---|'] + TABLES['memory'] + [
-               '', 'Target: at most 1.05. CPU: host RSS (`ru_maxrss`); the 8 simulated devices live in host '
-               'RAM. The compiled footprint is `memory_analysis()` of the larger of the step programs '
+               '', 'Target: at most 1.05. CPU: host RSS (`VmHWM` / `VmRSS` of the child process); the 8 simulated '
+               'devices live in host RAM. The donating variants run the trainer\'s way: every program compiled '
+               'before the first step, then the compiler\'s freed heap returned to the OS '
+               '(`trainer.release_host_memory`, glibc `malloc_trim`); the others compile lazily and release nothing. '
+               'The compiled footprint is `memory_analysis()` of the larger of the step programs '
                '(arguments + outputs + temporaries - aliased, i.e. donated, bytes).', '']
   if 'compile' in TABLES:
     md += ['## 3. Compilation (default model)', '',
@@ -422,7 +428,8 @@ def write_markdown(path, args, elapsed):
            'compilations after step 0 |', '|---|---|---|---|---|---|'] + TABLES['compile'] + [
                '', 'Counted with `jax.monitoring` (`/jax/core/compile/backend_compile_duration` events). '
                '"lazy": the sync program compiles on the first sync step; "AOT": both programs are '
-               '`.lower(...).compile()`d before step 0.', '']
+               '`.lower(...).compile()`d before step 0; "step + window end": the second program is the window end '
+               'alone, not a second whole step.', '']
   if 'vmap' in TABLES:
     md += ['## 4. One device (`vmap`, N=8 replicas) against 8 devices (`shard_map`), default model', '',
            '| comparison | ratio (median, 95% CI) |', '|---|---|'] + TABLES['vmap'] + [

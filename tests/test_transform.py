@@ -194,6 +194,26 @@ def test_window_end_program_equals_the_fused_sync_step(mesh, exact):
     jax.jit(H.shard_map_replicas(lambda p, s: tx.update(None, s, p, sync=False), mesh, AX))(sp, ss)
 
 
+# --- per-step cost ----------------------------------------------------------------------------------
+
+def test_donated_state_buffers_pair_with_their_own_outputs(mesh):
+  """jit drops inputs a program never reads and pairs donated buffers with outputs in order per shape;
+  a state field overwritten without being read would shift that pairing and cost a copy of every later
+  same-shaped field on every step. The non-sync program keeps every pairing positional."""
+  params, c = quad_problem(dim=16)
+  tx = H.hdet(optax.adam, H.one_cycle(0.05, 100), num_replicas=N, spread=0.25, sync_every=10, replica_axis=AX,
+              exact_sync=True,
+              auto_lr=H.AutoLR(total_steps=100, warmup_steps=10))
+  sp = H.stack_replicas(params, N)
+  sp, ss, data = put(mesh, (sp, jax.jit(jax.vmap(tx.init))(sp), c))
+  step = jax.jit(H.shard_map_replicas(quad_step(tx, sync=False, exact=True), mesh, AX), donate_argnums=(0, 1))
+  text = step.lower(sp, ss, data).compile().as_text()
+  alias = text[text.index('input_output_alias={'):]
+  pairs = re.findall(r'\{(\d+)\}: \((\d+), \{\}, may-alias\)', alias[:alias.index('\n')])
+  assert len(pairs) >= len(jax.tree.leaves((sp, ss))) - 2  # all donated leaves but the two write-only ones
+  assert [o for o, p in pairs if o != p] == []
+
+
 # --- sync exactness ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize('exact', [False, True])
