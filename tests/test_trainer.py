@@ -170,6 +170,16 @@ def test_bad_input_is_one_clear_line_before_training(straight, tmp_path):
   assert not os.path.exists(fresh)  # nothing was written for any of them
 
 
+def test_checkpoints_of_another_state_format_are_refused_untouched(straight, monkeypatch):
+  from hdet_jax.trainer import checkpoints
+  ref, _ = straight
+  before = _snapshot(ref)
+  monkeypatch.setattr(checkpoints, 'STATE_FORMAT', checkpoints.STATE_FORMAT + 1)  # as a later version would
+  with pytest.raises(ConfigError, match=r'holds checkpoints of state format \d+ \(step 40\).*new --workdir'):
+    train_and_evaluate(tiny(), ref)
+  assert _snapshot(ref) == before  # nothing moved aside as corrupt, nothing written
+
+
 def test_unknown_config_key_on_the_command_line(tmp_path):
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', str(tmp_path / 'w'),

@@ -197,6 +197,12 @@ def _agree(ok: bool) -> bool:
   return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
 
 
+# The layout of the saved training state. Bump it when the state's structure changes, so that an
+# older workdir is refused with a clear message instead of failing to read like a corrupt one.
+# 1: before 2026-11-21 (no record); 2: HDETState holds the coming step's values, no constant fields.
+STATE_FORMAT = 2
+
+
 def _write_replicated_arrays_whole() -> None:
   """Has orbax write each replicated array whole, from its first replica.
 
@@ -247,7 +253,8 @@ class Checkpointer:
   def save(self, step: int, state: Any, avg_params: Any, meta: dict) -> None:
     """Starts writing step ``step``; it becomes visible (listed, restorable) once complete."""
     self._empty_trash()
-    meta = dict(meta, fingerprint={STATE: fingerprint(state), AVG: fingerprint(avg_params)})
+    meta = dict(meta, fingerprint={STATE: fingerprint(state), AVG: fingerprint(avg_params)},
+                state_format=STATE_FORMAT)
     self._mngr.save(step, args=ocp.args.Composite(**{
         STATE: ocp.args.StandardSave(state), AVG: ocp.args.StandardSave(avg_params),
         META: ocp.args.JsonSave(meta)}), force=True)

@@ -85,6 +85,12 @@ def _check_workdir(workdir: str, fields: dict) -> bool:
   saved, what = None, None
   if meta is not None:
     saved, what = meta['config'], f'a checkpoint (step {step})'
+    fmt = meta.get('state_format', 1)
+    if fmt != checkpoints.STATE_FORMAT:
+      raise ConfigError(
+          f'workdir {workdir} holds checkpoints of state format {fmt} (step {step}), written by another version '
+          f'of hdet-jax whose saved state has other fields; this version reads format {checkpoints.STATE_FORMAT}. '
+          'Pass a new --workdir (nothing in this one was changed), or resume it with the version that wrote it.')
   elif os.path.exists(os.path.join(workdir, 'config.json')):
     try:
       with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
