@@ -208,18 +208,14 @@ def memory_child(size_name, vname, steps):
   r = Runner(v, graphdef, m, seq, batch, mesh, phase='loop')
   if vname in AOT_MEMORY:
     from hdet_jax.trainer import trainer
-    jitted = r.programs
-    r.programs = {flag: jitted[flag].lower(*((r.params, r.opt_state) if flag == 'end' else
-                                            (r.params, r.opt_state, r.batches[0]))).compile()
-                  for flag in jitted}
+    r.compile_ahead()
     trainer.release_host_memory()
   r.run(steps)  # crosses steps // T syncs (compiling lazily where nothing was compiled ahead).
   peak, current = _vm('VmHWM'), _vm('VmRSS')
   state_bytes = sum(int(x.nbytes) for x in jax.tree.leaves((r.params, r.opt_state)))
   analysis = {}
   for flag, fn in r.programs.items():
-    args = (r.params, r.opt_state) if flag == 'end' else (r.params, r.opt_state, r.batches[0])
-    compiled = fn if vname in AOT_MEMORY else fn.lower(*args).compile()
+    compiled = fn if vname in AOT_MEMORY else fn.lower(*r.example_args(flag)).compile()
     ma = compiled.memory_analysis()
     analysis[str(flag)] = {a: int(getattr(ma, a, 0) or 0) for a in
                            ('argument_size_in_bytes', 'output_size_in_bytes', 'temp_size_in_bytes',
@@ -283,8 +279,7 @@ def bench_compile(size_name='default', t_sync=5, syncs=4):
     mark0 = counter.mark()
     t0 = time.perf_counter()
     if aot:
-      r.programs = {f: fn.lower(*((r.params, r.opt_state) if f == 'end' else (r.params, r.opt_state, r.batches[0])))
-                    .compile() for f, fn in r.programs.items()}
+      r.compile_ahead()
     r.run(1)
     first = time.perf_counter() - t0
     n_first, backend_s = counter.since(mark0)

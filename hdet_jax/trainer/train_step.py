@@ -218,12 +218,9 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
       stepped = optax.apply_updates(params, updates)
       pre_sync_dist = _tree_norm(jax.tree.map(lambda p: p - lax.pmean(p, AXIS), stepped))
     params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=sync)
-    c = opt_state.controller
     metrics = {
         'loss': loss, 'lrs': used.learning_rates, 'base_lr': used.base_learning_rate,
-        'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
-        'window_losses': c.window_losses, 'values': used.values, 'bases': used.base,
-        'deltas': c.delta, 'velocities': c.velocity,
+        'values': used.values, 'bases': used.base, **_controller_metrics(opt_state.controller),
     }
     if sync and pre_sync_distance:
       metrics['pre_sync_dist'] = pre_sync_dist
@@ -246,13 +243,17 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   def window_end(params, opt_state):
     updates, opt_state = tx.update(None, opt_state, params, sync=True)
     params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True)
-    c = opt_state.controller
-    metrics = {'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
-               'window_losses': c.window_losses, 'deltas': c.delta, 'velocities': c.velocity}
+    metrics = _controller_metrics(opt_state.controller)
     if packer is not None:
       metrics = packer.pack(metrics)
     return params, opt_state, metrics
   return jax.jit(H.shard_map_replicas(window_end, mesh, AXIS), donate_argnums=(0, 1))
+
+
+def _controller_metrics(c: Any) -> dict:
+  """The controller's state as logged: weights, window losses, delta and velocity (first and all groups)."""
+  return {'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
+          'window_losses': c.window_losses, 'deltas': c.delta, 'velocities': c.velocity}
 
 
 def _tree_norm(tree: Any) -> jax.Array:
