@@ -35,8 +35,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.attn_temperature = 1.0  # Attention logits are divided by this (base value if explored).
 
   config.optim = ml_collections.ConfigDict()
-  config.optim.name = 'adamw'  # The optax optimizer HDET wraps: 'adamw', 'adam' or 'sgd' (b1 = momentum).
+  # The optax optimizer HDET wraps: 'adamw', 'adam' or 'sgd' (b1 = momentum); or, for comparisons
+  # (results/autolr.md), an optax.contrib LR-free method: 'prodigy', 'dog', 'dadapt_adamw',
+  # 'mechanize_adam', 'schedule_free_adamw' (evaluated at its eval params), 'adam_plateau'
+  # (adam + reduce_on_plateau on the training loss), each at its documented defaults.
+  config.optim.name = 'adamw'
   config.optim.max_lr = 3e-3  # Peak of the one-cycle base schedule (the mean replica's LR).
+  config.optim.schedule = 'one_cycle'  # 'one_cycle' (the fields below) or 'constant' (max_lr throughout).
   config.optim.pct_start = 0.3  # Fraction of the steps spent warming the LR up to max_lr.
   config.optim.div_factor = 25.0  # The schedule starts at max_lr / div_factor.
   config.optim.final_div_factor = 10.0  # ... and ends at max_lr / (div_factor * final_div_factor).
@@ -50,11 +55,26 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.num_replicas = 0  # N, one replica per device; 0: all devices (must equal the device count with several processes).
   config.hdet.spread = 0.25  # alpha of eq. 1: the replicas' LRs span base * [1 - alpha, 1 + alpha]; 0: plain data parallel.
   config.hdet.sync_every = 25  # T: average the replicas (eq. 3) every T steps; 0: never (plain data parallel).
-  config.hdet.auto_lr = True  # The auto-LR controller (eqs. 4-9) moves the base LR at each sync after the warmup.
+  config.hdet.auto_lr = True  # The auto-LR controller moves the base LR at each sync after the warmup.
+  # Which controller (hdet_jax.controller): 'paper' (eqs. 4-9: softmax weights, additive step, geometric
+  # decay replacing the schedule) or 'fit' (a quadratic line search along the replicas' line that scales
+  # the schedule by a learned factor, keeping its shape).
+  config.hdet.controller = 'paper'
+  # What replicas are compared on at a sync: 'window' (each one's mean training loss over the window,
+  # on its own batches: the paper) or 'common' (each one's loss on one batch common to all replicas,
+  # without dropout, just before the average: no batch noise, one extra forward pass per sync).
+  config.hdet.score = 'window'
+  config.hdet.probe_windows = 16  # Windows in the common batch (hdet.score='common'), fresh at each sync.
   config.hdet.warmup_steps = 750  # S_warm: the controller starts at the first sync at or after this step.
+  # The controller makes no update at syncs after this fraction of the steps (its LR correction, or
+  # base, then holds; 1: it runs to the end).
+  config.hdet.stop_fraction = 1.0
   config.hdet.temperature = 0.1  # sigma of eq. 4, in loss units (nats): the softmax's temperature over window losses.
   config.hdet.lr_of_lr = 0.5  # lambda of eq. 7: the step size of the base-LR update.
   config.hdet.momentum = 0.9  # beta of eq. 7: the momentum of the base-LR velocity.
+  config.hdet.overshoot = 1.5  # 'fit': kappa, aim at this multiple of the fitted best step scale (>= 1).
+  config.hdet.trust = 0.25  # 'fit': the largest change of log(LR correction) per sync (0.25: x1.28).
+  config.hdet.memory = 0.5  # 'fit': forgetting factor of the line-search regression across syncs.
   config.hdet.smooth_decay = True  # Decay the base LR continuously within a window (False: hold it, as the reference does).
   # Per-group LRs (the paper's §3.4): embedding (byte embedding, positions), no_decay (biases, norm
   # scales) and weights (attention/MLP kernels), chosen by regex on parameter paths

@@ -1,4 +1,17 @@
-"""The auto-LR controller (paper eqs. 4-9) as pure functions over a NamedTuple state.
+"""The auto-LR controllers as pure functions over a NamedTuple state.
+
+Two variants (``AutoLR(controller=...)``):
+
+* ``'paper'``: eqs. 4-9. A softmax over the replicas' losses weights their values; the base
+  moves additively toward the better ones and decays geometrically (eq. 8), replacing the
+  user's schedule once the controller starts.
+* ``'fit'``: a line search. Between syncs the replicas sit on one line through the last
+  average, ``theta_r = mean + (rho_r - 1) D``, so their losses sample the loss along the
+  window's update at N step scales. A least-squares quadratic in each hyperparameter's offset
+  ``u = rho - 1`` (all hyperparameters jointly, statistics carried over syncs with a forgetting
+  factor) gives the best scale ``1 + u*``; a multiplicative correction of the user's schedule
+  moves, in log space and within a trust region, toward ``overshoot * (1 + u*)`` (past the
+  fitted minimum, against short-horizon bias). The schedule's shape (warmup, decay) is kept.
 
 Nothing here communicates: the caller all-gathers the per-replica window losses and
 passes them in, so the same math runs under ``shard_map``, ``pmap``, ``vmap``, in a
@@ -19,12 +32,18 @@ from hdet_jax import multipliers
 class ControllerState(NamedTuple):
   """What the controller carries from one sync to the next (G = explored hyperparameters, N = replicas)."""
   base: jax.Array        # [G] float32: the base value of each hyperparameter for the current window.
-  velocity: jax.Array    # [G] float32: momentum of the base update (eq. 7); starts at 0, never reset.
+  velocity: jax.Array    # [G] float32: momentum of the base update (eq. 7); starts at 0, never reset;
+                         #   'fit': the last fitted slope b.
   perm: jax.Array        # [G, N] int32: replica r takes multiplier rho[g, perm[g, r]].
   key: jax.Array         # [2] uint32 raw PRNG key, identical on every replica; split at each draw.
   window_losses: jax.Array  # [N] float32: each replica's mean loss over the last window (eq. 4's L_r).
   weights: jax.Array     # [N] float32: the softmax weights of the last update (eq. 4).
-  delta: jax.Array       # [G] float32: the last hypergradient signal (eq. 6).
+  delta: jax.Array       # [G] float32: the last hypergradient signal (eq. 6); 'fit': the last step
+                         #   of the correction.
+  correction: jax.Array  # [G] float32 ('fit'): log-scale (multiplicative) or shift (additive)
+                         #   applied to the schedule; 0 for 'paper'.
+  xtx: jax.Array         # [2G, 2G] float32 ('fit'): the regression's forgotten-over-syncs X^T X.
+  xty: jax.Array         # [2G] float32 ('fit'): ... and X^T y.
 
 
 class ControllerUpdate(NamedTuple):
@@ -139,4 +158,104 @@ def init_controller_state(base: jax.Array, num_replicas: int, key: jax.Array) ->
       window_losses=jnp.zeros((num_replicas,), jnp.float32),
       weights=jnp.full((num_replicas,), 1.0 / num_replicas, jnp.float32),
       delta=jnp.zeros((g,), jnp.float32),
+      correction=jnp.zeros((g,), jnp.float32),
+      xtx=jnp.zeros((2 * g, 2 * g), jnp.float32),
+      xty=jnp.zeros((2 * g,), jnp.float32),
   )
+
+
+VARIANTS = ('paper', 'fit')
+
+
+class FitUpdate(NamedTuple):
+  """The intermediate quantities of one ``'fit'`` update, for logging and tests."""
+  slope: jax.Array       # [G] b: d loss / d u at u = 0
+  curvature: jax.Array   # [G] c: (1/2) d^2 loss / d u^2
+  stderr: jax.Array      # [G] the standard error of b (from this sync's residuals)
+  step: jax.Array        # [G] the change of the correction (log units, or value units if additive)
+  xtx: jax.Array         # [2G, 2G] the updated statistics
+  xty: jax.Array         # [2G]
+
+
+def fit_features(offsets: jax.Array) -> jax.Array:
+  """[N, 2G] regressors ``[u - mean u, u^2 - mean u^2]`` of offsets u [N, G] (centred: no intercept)."""
+  u = offsets
+  return jnp.concatenate([u - jnp.mean(u, 0), u * u - jnp.mean(u * u, 0)], axis=1)
+
+
+def penalize_nonfinite(scores: jax.Array) -> jax.Array:
+  """Non-finite scores become the worst finite score plus the finite range (a replica that blew up
+  says its values are too large, never best); all non-finite gives all zeros (no signal)."""
+  finite = jnp.isfinite(scores)
+  hi = jnp.max(jnp.where(finite, scores, -jnp.inf))
+  lo = jnp.min(jnp.where(finite, scores, jnp.inf))
+  penalty = hi + jnp.maximum(hi - lo, 1e-3)
+  out = jnp.where(finite, scores, penalty)
+  return jnp.where(jnp.any(finite), out, jnp.zeros_like(scores))
+
+
+def fit_update(
+    xtx: jax.Array,
+    xty: jax.Array,
+    scores: jax.Array,
+    offsets: jax.Array,
+    multiplicative: jax.Array,
+    *,
+    memory: float,
+    overshoot: float,
+    trust: jax.Array | float,
+) -> FitUpdate:
+  """One ``'fit'`` update: a quadratic line search along every hyperparameter at once.
+
+  .. math::
+
+    y_r &= L_r - \\bar L = \\textstyle\\sum_g b_g \\tilde u_{g,r} + c_g \\tilde q_{g,r}
+      \\quad(\\tilde u = u - \\bar u,\\ \\tilde q = u^2 - \\overline{u^2}) \\\\
+    S &\\leftarrow \\mu S + X^\\top X, \\quad s \\leftarrow \\mu s + X^\\top y, \\quad
+      (b, c) = S^{-1} s \\\\
+    u^*_g &= -b_g / (2 c_g) \\ \\text{if } c_g > 0 \\\\
+    \\text{step}_g &= \\mathrm{clip}(\\log(\\kappa (1 + u^*_g)), -\\tau_g, \\tau_g)
+      \\ \\text{(multiplicative)}, \\quad \\mathrm{clip}(u^*_g, -\\tau_g, \\tau_g)\\ \\text{(additive)}
+
+  where u is each replica's offset (``value / base - 1``, or ``value - base`` if additive). Where
+  the fit has no interior minimum (``c <= 0``, or ``1 + u* <= 0``) the step is the full trust
+  region against the slope. The overshoot kappa applies to multiplicative values only.
+
+  Args:
+    xtx, xty: the statistics carried from the last sync ([2G, 2G], [2G]).
+    scores: [N] each replica's loss (non-finite ones are penalized, see :func:`penalize_nonfinite`).
+    offsets: [N, G] each replica's offset u from the base, for every hyperparameter.
+    multiplicative: [G] bool: log-space step with overshoot, or an additive one.
+    memory: mu in [0, 1): the forgetting factor of the statistics (0: this sync alone).
+    overshoot: kappa >= 1: the target scale is kappa times the fitted best.
+    trust: [G] or scalar tau > 0: the largest step per sync.
+
+  Returns:
+    A :class:`FitUpdate`.
+  """
+  y = penalize_nonfinite(scores.astype(jnp.float32))
+  y = y - jnp.mean(y)
+  x = fit_features(offsets.astype(jnp.float32))
+  g = offsets.shape[1]
+  xtx = memory * xtx + x.T @ x
+  xty = memory * xty + x.T @ y
+  # A tiny ridge keeps the solve defined before the design has full rank (first syncs, N < 2G + 1).
+  ridge = 1e-6 * jnp.trace(xtx) / (2 * g) + 1e-12
+  theta = jnp.linalg.solve(xtx + ridge * jnp.eye(2 * g, dtype=xtx.dtype), xty)
+  b, c = theta[:g], theta[g:]
+  # The standard error of b from this sync's residuals (for logging the signal-to-noise ratio).
+  this = jnp.linalg.solve(x.T @ x + ridge * jnp.eye(2 * g, dtype=xtx.dtype), x.T @ y)
+  resid = y - x @ this
+  dof = jnp.maximum(y.shape[0] - 1 - 2 * g, 1)
+  cov = jnp.linalg.inv(x.T @ x + ridge * jnp.eye(2 * g, dtype=xtx.dtype)) * (jnp.sum(resid ** 2) / dof)
+  stderr = jnp.sqrt(jnp.maximum(jnp.diag(cov)[:g], 0.0))
+  trust = jnp.broadcast_to(jnp.asarray(trust, jnp.float32), (g,))
+  interior = c > 0
+  u_star = jnp.where(interior, -b / (2 * jnp.where(interior, c, 1.0)), 0.0)
+  scale = overshoot * (1.0 + u_star)
+  away = -jnp.sign(b) * trust  # no interior minimum: the full step against the slope
+  log_target = jnp.where(interior & (scale > 0), jnp.log(jnp.maximum(scale, 1e-30)), away)
+  add_target = jnp.where(interior, u_star, away)
+  step = jnp.clip(jnp.where(multiplicative, log_target, add_target), -trust, trust)
+  step = jnp.where(jnp.isfinite(step), step, 0.0)
+  return FitUpdate(slope=b, curvature=c, stderr=stderr, step=step, xtx=xtx, xty=xty)

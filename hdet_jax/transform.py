@@ -49,6 +49,17 @@ class AutoLR:
       absent signal, to base_k), so with no signal the LR follows one continuous geometric
       curve; this fixes the reference's LR being frozen between syncs. False holds it at
       base_k between syncs, as the reference does.
+    controller: ``'paper'`` (eqs. 4-9: softmax weights, additive step, geometric decay that
+      replaces the schedule; the fields above) or ``'fit'`` (a quadratic line search along the
+      replicas' line moving a multiplicative correction of the schedule; the fields below).
+      See :mod:`hdet_jax.controller`.
+    overshoot: 'fit': kappa >= 1, the target scale is kappa times the fitted best (PAL's 1.5-1.8;
+      counters short-horizon bias). Learning rates and other multiplicative values only.
+    trust: 'fit': the largest change of the log-correction per sync (multiplicative values;
+      0.25 is a factor 1.28). Additive values move at most their spread per sync.
+    memory: 'fit': forgetting factor in [0, 1) of the regression's statistics across syncs.
+    stop_steps: 'fit' and 'paper': the controller makes no update at syncs after this step (the
+      correction, or the base, then holds); None: it runs to the end.
   """
   total_steps: int
   warmup_steps: int = 0
@@ -58,6 +69,11 @@ class AutoLR:
   decay: float | None = None
   min_value: float | None = None
   smooth_decay: bool = True
+  controller: str = 'paper'
+  overshoot: float = 1.5
+  trust: float = 0.25
+  memory: float = 0.5
+  stop_steps: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +289,7 @@ def hdet(
       for sp, add in zip(cfg.spreads, cfg.additive)], jnp.float32)  # [G, N]
   low = jnp.asarray(cfg.lows, jnp.float32)[:, None]
   high = jnp.asarray(cfg.highs, jnp.float32)[:, None]
+  tables = (scale, offset)
 
   def replica_values(base, perm):
     """[G, N]: every replica's value for base [G] under permutations perm [G, N]."""
@@ -310,14 +327,17 @@ def hdet(
         synced=jnp.zeros([], bool),
     )
 
-  def update_fn(updates, state, params=None, *, value=None, sync=None, **extra_args):
-    del extra_args
+  def update_fn(updates, state, params=None, *, value=None, sync=None, score=None, **extra_args):
     replicas.axis_size_or_raise(cfg.replica_axis, cfg.num_replicas)
     window_end_only = updates is None
     if window_end_only and (sync is not True or params is None or value is not None):
       raise ValueError(
           'hdet: updates=None runs only the end of a window (the average and the controller, on the '
           'parameters after the last step): call tx.update(None, state, params, sync=True).')
+    if score is not None and (sync is False or jnp.ndim(score) != 0):
+      raise ValueError(
+          'hdet: score= is this replica\'s scalar loss for the controller at a sync (e.g. on a batch '
+          'common to all replicas); pass it with sync=True (or sync=None on a sync step).')
     if cfg.auto_lr is not None and value is None and not window_end_only:
       raise ValueError(
           'hdet: auto_lr is on, so update() needs this replica\'s loss: call '
@@ -335,8 +355,10 @@ def hdet(
       updates = jax.tree.map(jnp.zeros_like, params)
     else:
       values = state.values[:, lax.axis_index(cfg.replica_axis)]  # [G]: this replica's, for this step
-      inner = build_inner([values[i] for i in range(g)])
-      updates, inner_state = inner.update(updates, state.inner_state, params)
+      inner = optax.with_extra_args_support(build_inner([values[i] for i in range(g)]))
+      if value is not None:  # the wrapped optimizer may read the loss too (reduce_on_plateau)
+        extra_args = dict(extra_args, value=value)
+      updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       loss = jnp.zeros([], jnp.float32) if value is None else jnp.asarray(value, jnp.float32)
       state = state._replace(
           count=state.count + 1, inner_state=inner_state, loss_sum=state.loss_sum + loss,
@@ -357,7 +379,8 @@ def hdet(
         new_params, count = _average(stepped, cfg.replica_axis, guard_nonfinite, ok)
         upd = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
       st = st._replace(finite_replicas=count, replica_ok=ok)
-      st = _sync_controller(cfg, replica_values, st, gather=value is not None or window_end_only)
+      st = _sync_controller(cfg, replica_values, tables, st, score=score,
+                            gather=value is not None or window_end_only)
       return upd, st
 
     def no_sync(operands):
@@ -469,6 +492,16 @@ def _make_config(*, learning_rate, num_replicas, spread, sync_every, replica_axi
       raise ValueError(f'auto_lr.momentum (beta) must be in [0, 1), got {a.momentum!r}.')
     if not a.lr_of_lr >= 0:
       raise ValueError(f'auto_lr.lr_of_lr (lambda) must be >= 0, got {a.lr_of_lr!r}.')
+    if a.controller not in ctrl.VARIANTS:
+      raise ValueError(f'auto_lr.controller must be one of {ctrl.VARIANTS}, got {a.controller!r}.')
+    if not (isinstance(a.overshoot, (int, float)) and 1.0 <= a.overshoot < math.inf):
+      raise ValueError(f'auto_lr.overshoot (kappa) must be >= 1, got {a.overshoot!r}.')
+    if not (isinstance(a.trust, (int, float)) and 0.0 < a.trust < math.inf):
+      raise ValueError(f'auto_lr.trust must be > 0 (the largest log-step per sync), got {a.trust!r}.')
+    if not (isinstance(a.memory, (int, float)) and 0.0 <= a.memory < 1.0):
+      raise ValueError(f'auto_lr.memory must be in [0, 1), got {a.memory!r}.')
+    if a.stop_steps is not None and (not _is_int(a.stop_steps) or a.stop_steps < 0):
+      raise ValueError(f'auto_lr.stop_steps must be None or an integer >= 0, got {a.stop_steps!r}.')
     if spread == 0.0:
       raise ValueError(
           'auto_lr needs spread > 0: with spread=0 every replica trains at the same LR and the '
@@ -486,7 +519,7 @@ def _make_config(*, learning_rate, num_replicas, spread, sync_every, replica_axi
     finals = tuple(v[1] for v in evaluated)
     is_lr = tuple(name.startswith('learning_rate') for name in names)
     for name, v0, v1, add, lr in zip(names, start_values, finals, additive, is_lr):
-      if add:
+      if add or a.controller == 'fit':  # 'fit' scales the schedule; it needs no positive end value
         continue
       who = 'learning_rate' if lr else f'explore[{name!r}]'
       if not (v1 > 0 and math.isfinite(v1)):
@@ -506,7 +539,7 @@ def _make_config(*, learning_rate, num_replicas, spread, sync_every, replica_axi
     # the controller, so they get no decay.
     k = (last - controller_start) / sync_every
     decay = tuple(
-        0.0 if add else float(a.decay) if (a.decay is not None and lr) else
+        0.0 if add or a.controller == 'fit' else float(a.decay) if (a.decay is not None and lr) else
         ctrl.decay_for_schedule(v0, v1, k)
         for v0, v1, add, lr in zip(start_values, finals, additive, is_lr))
     if a.min_value is not None and not a.min_value > 0:
@@ -548,6 +581,10 @@ def _base_values(cfg: _Config, t: jax.Array, controller: ctrl.ControllerState | 
       jnp.asarray(s(t) if callable(s) else s, jnp.float32) for s in cfg.schedules])
   if cfg.auto_lr is None or controller is None:
     return scheduled
+  if cfg.auto_lr.controller == 'fit':  # the user's schedule under the controller's correction
+    add = jnp.asarray(cfg.additive)
+    corrected = jnp.where(add, scheduled + controller.correction, scheduled * jnp.exp(controller.correction))
+    return jnp.clip(corrected, jnp.asarray(cfg.lows, jnp.float32), jnp.asarray(cfg.highs, jnp.float32))
   if cfg.auto_lr.smooth_decay:
     # From base_k / (1 - gamma) at the sync (the previous base, with no signal) to base_k at
     # the next sync, so the no-signal path is one continuous geometric curve.
@@ -558,14 +595,22 @@ def _base_values(cfg: _Config, t: jax.Array, controller: ctrl.ControllerState | 
   return jnp.where(t >= cfg.controller_start, controlled, scheduled)
 
 
-def _sync_controller(cfg: _Config, replica_values, st: HDETState, *, gather: bool) -> HDETState:
+def _sync_controller(cfg: _Config, replica_values, tables, st: HDETState, *, gather: bool,
+                     score=None) -> HDETState:
   """The non-parameter part of a sync: window losses, controller update, fresh permutations."""
   c = st.controller
   window_losses = c.window_losses
-  if gather:
+  if score is not None:  # the caller's comparison (e.g. every replica on one common batch)
+    window_losses = lax.all_gather(jnp.asarray(score, jnp.float32), cfg.replica_axis)
+  elif gather:
     window_losses = lax.all_gather(st.loss_sum / cfg.sync_every, cfg.replica_axis)
   new_c = c._replace(window_losses=window_losses)
-  if cfg.auto_lr is not None:
+  active = st.count >= cfg.controller_start
+  if cfg.auto_lr is not None and cfg.auto_lr.stop_steps is not None:
+    active = jnp.logical_and(active, st.count <= cfg.auto_lr.stop_steps)
+  if cfg.auto_lr is not None and cfg.auto_lr.controller == 'fit':
+    new_c = _fit_controller(cfg, tables, c, new_c, window_losses, active)
+  elif cfg.auto_lr is not None:
     a = cfg.auto_lr
     # The window's nominal values: the controller's base under each replica's spread (the
     # actual LRs differ from these by a factor common to all replicas, which leaves the
@@ -576,7 +621,6 @@ def _sync_controller(cfg: _Config, replica_values, st: HDETState, *, gather: boo
         temperature=a.temperature, lr_of_lr=a.lr_of_lr, momentum=a.momentum,
         decay=jnp.asarray(cfg.decay, jnp.float32), floor=jnp.asarray(cfg.floors, jnp.float32))
     new_base = jnp.minimum(out.base, jnp.asarray(cfg.highs, jnp.float32))
-    active = st.count >= cfg.controller_start
     keep = lambda new, old: jnp.where(active, new, old)
     new_c = new_c._replace(
         base=keep(new_base, c.base), velocity=keep(out.velocity, c.velocity),
@@ -588,6 +632,24 @@ def _sync_controller(cfg: _Config, replica_values, st: HDETState, *, gather: boo
   return st._replace(
       controller=new_c, loss_sum=jnp.zeros_like(st.loss_sum),
       sync_count=st.sync_count + 1, synced=jnp.ones([], bool))
+
+
+def _fit_controller(cfg: _Config, tables, c, new_c, scores, active):
+  """The 'fit' controller's update of the correction (see :func:`hdet_jax.controller.fit_update`)."""
+  a = cfg.auto_lr
+  scale, offset = tables
+  # Each replica's nominal offset u from the base in the window that ends here: rho - 1
+  # (multiplicative) or the additive offset, under the window's permutations.
+  add = np.asarray(cfg.additive)
+  u = jnp.where(add[:, None], jnp.take_along_axis(offset, c.perm, axis=1),
+                jnp.take_along_axis(scale, c.perm, axis=1) - 1.0).T  # [N, G]
+  trust = jnp.asarray([sp if ad else a.trust for sp, ad in zip(cfg.spreads, cfg.additive)], jnp.float32)
+  out = ctrl.fit_update(c.xtx, c.xty, scores, u, jnp.asarray(~add),
+                        memory=a.memory, overshoot=a.overshoot, trust=trust)
+  keep = lambda new, old: jnp.where(active, new, old)
+  return new_c._replace(
+      correction=keep(c.correction + out.step, c.correction), xtx=keep(out.xtx, c.xtx),
+      xty=keep(out.xty, c.xty), delta=keep(out.step, c.delta), velocity=keep(out.slope, c.velocity))
 
 
 def path_string(path) -> str:

@@ -128,3 +128,86 @@ def test_decay_for_schedule_and_reference_sign():
   assert H.reference_decay(25.0, 1e4, 90) < 0  # it grows the LR 400x: the reference's defect 3
   with pytest.raises(ValueError):
     H.decay_for_schedule(1e-3, 0.0, 10)
+
+
+# ---- The 'fit' controller (a quadratic line search along the replicas' line). ----
+
+def numpy_fit(xtx, xty, scores, offsets, multiplicative, memory, overshoot, trust):
+  """The 'fit' update written independently in float64 numpy: regress centred losses on centred
+  [u, u^2] per hyperparameter (statistics forgotten by ``memory`` per sync), take the fitted
+  quadratic's minimum u* and step toward log(overshoot (1 + u*)) within the trust region."""
+  scores = np.asarray(scores, np.float64)
+  u = np.asarray(offsets, np.float64)
+  g = u.shape[1]
+  x = np.concatenate([u - u.mean(0), u ** 2 - (u ** 2).mean(0)], 1)
+  y = scores - scores.mean()
+  xtx = memory * xtx + x.T @ x
+  xty = memory * xty + x.T @ y
+  theta = np.linalg.lstsq(xtx, xty, rcond=None)[0]
+  b, c = theta[:g], theta[g:]
+  step = np.zeros(g)
+  for k in range(g):
+    if c[k] > 0 and (not multiplicative[k] or overshoot * (1 - b[k] / (2 * c[k])) > 0):
+      u_star = -b[k] / (2 * c[k])
+      target = np.log(overshoot * (1 + u_star)) if multiplicative[k] else u_star
+    else:
+      target = -np.sign(b[k]) * trust[k]
+    step[k] = np.clip(target, -trust[k], trust[k])
+  return b, c, step, xtx, xty
+
+
+def test_fit_update_against_numpy_oracle():
+  rng = np.random.default_rng(1)
+  checked_interior = 0
+  for trial in range(40):
+    n, g = 8, int(rng.integers(1, 3))
+    offsets = np.stack([rng.permutation(H.spread_multipliers(n, 0.25) - 1.0) for _ in range(g)], 1)
+    # Losses from a random quadratic per hyperparameter plus noise, so the fit has a real answer.
+    b_true, c_true = rng.normal(0, 0.2, g), rng.uniform(-0.5, 2.0, g)
+    scores = 3.0 + offsets @ b_true + (offsets ** 2) @ c_true + rng.normal(0, 1e-3, n)
+    xtx0 = np.eye(2 * g) * rng.uniform(0, 0.01)
+    xty0 = rng.normal(0, 1e-3, 2 * g)
+    mult = rng.random(g) < 0.7
+    trust = rng.uniform(0.05, 0.5, g)
+    memory, overshoot = rng.uniform(0, 0.9), rng.uniform(1.0, 2.0)
+    out = ctrl.fit_update(jnp.asarray(xtx0, jnp.float32), jnp.asarray(xty0, jnp.float32),
+                          jnp.asarray(scores, jnp.float32), jnp.asarray(offsets, jnp.float32), jnp.asarray(mult),
+                          memory=memory, overshoot=overshoot, trust=jnp.asarray(trust, jnp.float32))
+    b, c, step, xtx, xty = numpy_fit(xtx0, xty0, scores, offsets, mult, memory, overshoot, trust)
+    np.testing.assert_allclose(out.xtx, xtx, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(out.slope, b, rtol=2e-2, atol=2e-3)
+    np.testing.assert_allclose(out.curvature, c, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(out.step, step, rtol=2e-2, atol=5e-3)
+    checked_interior += int(np.sum((c > 0) & (np.abs(step) < trust - 1e-3)))
+  assert checked_interior >= 5  # the interior-minimum branch was compared, not only the clipped one
+
+
+def test_fit_closed_form_quadratic():
+  """Exact quadratic losses along one LR: slope and curvature are recovered, and the step aims at
+  kappa times the minimum's scale: L = (rho - 0.8)^2 has its minimum at rho = 0.8."""
+  rho = H.spread_multipliers(8, 0.25)
+  u = rho - 1.0
+  scores = (rho - 0.8) ** 2
+  for kappa, want in ((1.0, np.log(0.8)), (1.5, np.log(1.2))):
+    out = ctrl.fit_update(jnp.zeros((2, 2)), jnp.zeros(2), jnp.asarray(scores, jnp.float32),
+                          jnp.asarray(u[:, None], jnp.float32), jnp.array([True]),
+                          memory=0.0, overshoot=kappa, trust=1.0)
+    np.testing.assert_allclose(out.slope, [2 * 0.2], rtol=1e-3)  # d/du (u + 0.2)^2 at u = 0
+    np.testing.assert_allclose(out.curvature, [1.0], rtol=1e-3)
+    np.testing.assert_allclose(out.step, [want], rtol=1e-3)
+  # No interior minimum (losses falling linearly with rho): the full trust step up.
+  out = ctrl.fit_update(jnp.zeros((2, 2)), jnp.zeros(2), jnp.asarray(-rho, jnp.float32),
+                        jnp.asarray(u[:, None], jnp.float32), jnp.array([True]), memory=0.0, overshoot=1.5, trust=0.2)
+  np.testing.assert_allclose(out.step, [0.2], rtol=1e-6)
+
+
+def test_fit_nonfinite_replica_counts_as_worst():
+  rho = H.spread_multipliers(8, 0.25)
+  scores = np.full(8, 2.0)
+  scores[-1] = np.nan  # the largest multiplier blew up: the step must go down
+  out = ctrl.fit_update(jnp.zeros((2, 2)), jnp.zeros(2), jnp.asarray(scores, jnp.float32),
+                        jnp.asarray((rho - 1)[:, None], jnp.float32), jnp.array([True]),
+                        memory=0.0, overshoot=1.0, trust=0.2)
+  assert float(out.step[0]) < 0 and np.isfinite(out.step).all()
+  np.testing.assert_allclose(ctrl.penalize_nonfinite(jnp.array([1.0, jnp.nan, 3.0])), [1.0, 5.0, 3.0])
+  np.testing.assert_allclose(ctrl.penalize_nonfinite(jnp.array([jnp.nan, jnp.inf])), [0.0, 0.0])

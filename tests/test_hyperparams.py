@@ -10,6 +10,12 @@ from jax import lax
 import hdet_jax as H
 
 N, AX = 8, 'data'
+# Every controller variant must move each hyperparameter to its own optimum. 'fit' runs without
+# overshoot here: these losses depend on the values directly (no line search to correct for).
+CONTROLLERS = {
+    'paper': dict(temperature=0.02, lr_of_lr=0.5, momentum=0.5),
+    'fit': dict(controller='fit', overshoot=1.0, trust=0.25, memory=0.5),
+}
 
 
 def _vmap_run(tx, params, loss_of_values, steps):
@@ -30,14 +36,15 @@ def _vmap_run(tx, params, loss_of_values, steps):
   return np.stack(history), ss
 
 
-def test_three_hyperparameters_each_move_to_their_own_optimum():
+@pytest.mark.parametrize('controller', CONTROLLERS)
+def test_three_hyperparameters_each_move_to_their_own_optimum(controller):
   explore = {
       'weight_decay': H.Explore(1e-2, 0.5),  # multiplicative; optimum 4e-3
       'dropout': H.Explore(0.1, 0.05, additive=True, low=0.0, high=0.9, to_optimizer=False),  # optimum 0.3
   }
   assert H.hyperparam_names(explore=explore) == ('learning_rate', 'weight_decay', 'dropout')
   tx = H.hdet(optax.adamw, 1e-3, num_replicas=N, spread=0.25, sync_every=5, replica_axis=AX, explore=explore,
-              auto_lr=H.AutoLR(total_steps=5000, warmup_steps=0, temperature=0.02, lr_of_lr=0.5, momentum=0.5))
+              auto_lr=H.AutoLR(total_steps=5000, warmup_steps=0, **CONTROLLERS[controller]))
 
   def loss(v):  # independent bowls: log-LR optimum 3e-3, log-wd optimum 4e-3, dropout optimum 0.3
     return (jnp.log(v[0] / 3e-3) ** 2 + jnp.log(v[1] / 4e-3) ** 2 + 10.0 * (v[2] - 0.3) ** 2)
@@ -51,7 +58,8 @@ def test_three_hyperparameters_each_move_to_their_own_optimum():
   np.testing.assert_allclose(np.sort(d) - np.mean(d), 0.05 * H.multipliers.unit_offsets(N), atol=1e-6)
 
 
-def test_param_groups_by_regex_get_their_own_lr_and_controller():
+@pytest.mark.parametrize('controller', CONTROLLERS)
+def test_param_groups_by_regex_get_their_own_lr_and_controller(controller):
   params = {'embed': {'table': jnp.zeros((4, 2))},
             'blocks': {'attn': {'kernel': jnp.zeros((2, 2)), 'bias': jnp.zeros(2)}},
             'norm': {'scale': jnp.zeros(2)}}
@@ -60,7 +68,8 @@ def test_param_groups_by_regex_get_their_own_lr_and_controller():
   assert labels == {'embed': {'table': 'embedding'}, 'blocks': {'attn': {'kernel': 'weights', 'bias': 'no_decay'}},
                     'norm': {'scale': 'no_decay'}}
   tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX, param_groups=groups,
-              auto_lr=H.AutoLR(total_steps=3000, warmup_steps=0, temperature=0.01, lr_of_lr=0.5, momentum=0.5))
+              auto_lr=H.AutoLR(total_steps=3000, warmup_steps=0,
+                               **dict(CONTROLLERS[controller], temperature=0.01)))
   names = H.hyperparam_names(param_groups=groups)
   assert names == ('learning_rate/embedding', 'learning_rate/no_decay', 'learning_rate/weights')
   # SGD's update of each leaf is -lr_group * grad, with lr_group this replica's value for its group.

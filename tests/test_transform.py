@@ -342,12 +342,14 @@ def test_controller_state_and_no_signal_decay(mesh):
   np.testing.assert_allclose(lrs, float(ss.base[0, 0]) * rho[np.asarray(ss.controller.perm[0, 0])], rtol=1e-6)
 
 
+@pytest.mark.parametrize('controller', ['paper', 'fit'])
 @pytest.mark.parametrize('favour', [+1, -1])
-def test_direction_end_to_end(favour):
+def test_direction_end_to_end(favour, controller):
   """A loss that favours larger LRs raises the base above the no-signal path, and vice versa."""
   S, T = 200, 5
+  settings = dict(temperature=0.01, decay=0.0) if controller == 'paper' else dict(controller='fit', overshoot=1.0)
   tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=S, warmup_steps=0, temperature=0.01, decay=0.0))
+              auto_lr=H.AutoLR(total_steps=S, warmup_steps=0, **settings))
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
 

@@ -200,7 +200,8 @@ def _agree(ok: bool) -> bool:
 # The layout of the saved training state. Bump it when the state's structure changes, so that an
 # older workdir is refused with a clear message instead of failing to read like a corrupt one.
 # 1: before 2026-11-21 (no record); 2: HDETState holds the coming step's values, no constant fields.
-STATE_FORMAT = 2
+# 3: ControllerState gains the 'fit' controller's correction and regression statistics.
+STATE_FORMAT = 3
 
 
 def _write_replicated_arrays_whole() -> None:

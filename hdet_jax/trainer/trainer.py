@@ -312,7 +312,17 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
   packers = {s: ts.MetricsPacker() for s in (False, True)}
   step_fn = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config, packer=packers[False],
                                chunk_steps=_CHUNK).lower(params, opt_state, data).compile()
-  window_end = ts.make_window_end(tx, mesh, packer=packers[True]).lower(params, opt_state).compile()
+  common = ts.common_batch(config)
+
+  def probe(step):
+    """The common batch of the sync after step ``step`` (every replica gets the same windows)."""
+    w = input_pipeline.probe_windows(train_bytes, config.data.seq_len, config.hdet.probe_windows, config.seed,
+                                     step // ts.sync_every(config))
+    return ts.put_stacked(np.broadcast_to(w, (n,) + w.shape), mesh)
+
+  window_end = ts.make_window_end(tx, mesh, packer=packers[True], graphdef=graphdef, config=config).lower(
+      params, opt_state, *([probe(0)] if common else [])).compile()
+  to_eval = ts.make_eval_params(config, mesh)
   val_dev = ts.put_stacked(val_windows, mesh)
   evaluate_fn = ts.make_eval_step(graphdef, mesh).lower(params, val_dev).compile()
   average = ts.make_average(mesh).lower(params).compile()
@@ -338,7 +348,7 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
   bar = metrics_lib.ProgressBar(total, start, enabled=lead and config.progress_bar)
 
   def evaluate(step):
-    losses = ts.fetch(evaluate_fn(params, val_dev))
+    losses = ts.fetch(evaluate_fn(params if to_eval is None else to_eval(params, opt_state), val_dev))
     val = float(np.mean(losses))
     run.val = (val, model_lib.bits_per_byte(val))
     writer.write('eval', step=step, val_loss=val, val_bits_per_byte=run.val[1])
@@ -394,7 +404,7 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
       data = upload(step)
     params, opt_state, m = step_fn(params, opt_state, data)
     if sync:
-      params, opt_state, m_sync = window_end(params, opt_state)
+      params, opt_state, m_sync = window_end(params, opt_state, *([probe(step)] if common else []))
       m = (m, m_sync)
     pending.append((step, sync, m))
     step += 1

@@ -1,0 +1,350 @@
+"""Does one HDET run replace a learning-rate sweep? Auto-LR against an LR grid and LR-free optimizers.
+
+    python -m experiments.autolr                    # every stage, resuming from the cache (hours on 2 cores)
+    python -m experiments.autolr --stage grid --optim adamw --seeds 0      # one stage, one seed
+    python -m experiments.autolr --quick            # a smoke run of every stage, about a minute
+    python -m experiments.autolr --report-only      # redraw results/autolr.{md,json} from cached runs
+    python -m experiments.autolr --config.data.path=my_corpus.txt          # any trainer override
+
+Every run is the trainer's own ``train_and_evaluate`` on ``configs/default.py`` (1500 steps, the
+KJV byte-level LM, 8 replicas) plus the overrides of its stage:
+
+1. **grid**: plain data parallel (no spread, no averaging, no controller) at 8 peak LRs, a
+   factor 2 apart, bracketing the best; per optimizer (``adamw``, ``sgd``).
+2. **hdet**: HDET with auto-LR started at the grid's best peak LR (``best``), 10x below it (``low``)
+   and 10x above it (``high``), for every controller variant in ``--variants``. The starts are
+   fixed by the first seed's grid (``anchor.json``), so adding grid seeds later never moves them.
+3. **peers**: the LR-free and adaptive methods of ``optax.contrib`` at their documented defaults
+   (AdamW only).
+
+A finished run is one JSON record under ``results/autolr/runs/<task>/`` (its final validation
+bits/byte, its base-LR trajectory and the controller's per-sync signal), committed with the
+project, so a later session resumes where this one stopped. A run cut short resumes from its
+workdir's checkpoint. ``--quick`` runs every stage on a tiny model for 40 steps into
+``workdirs/autolr_quick`` (nothing under ``results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ---- The experiment's settings. ----
+GRIDS = {  # peak LRs of the plain data-parallel sweep, a factor 2 apart
+    'adamw': tuple(0.03 * 2.0 ** k for k in range(-3, 5)),   # 3.75e-3 ... 0.48
+    'sgd': tuple(0.25 * 2.0 ** k for k in range(-3, 5)),     # 0.031 ... 4 (momentum 0.9)
+}
+STARTS = {'low': 0.1, 'best': 1.0, 'high': 10.0}  # HDET's peak LR as a multiple of the anchor (grid best)
+SEEDS = (0, 1, 2)
+PEERS = ('prodigy', 'dog', 'dadapt_adamw', 'mechanize_adam', 'schedule_free_adamw', 'adam_plateau')
+# Controller variants: the trainer's hdet.* settings of each. Warmup and stop are fractions of the run.
+_FIT = {'hdet.controller': 'fit', 'hdet.overshoot': 1.5, 'hdet.trust': 0.25, 'hdet.memory': 0.5,
+        'warmup': 0.0, 'hdet.stop_fraction': 0.7}
+VARIANT_SETTINGS = {
+    'paper': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0},
+    'paper_common': {'hdet.controller': 'paper', 'hdet.score': 'common', 'warmup': 0.5, 'hdet.stop_fraction': 1.0},
+    'fit_window': {**_FIT, 'hdet.score': 'window'},
+    'fit_common': {**_FIT, 'hdet.score': 'common'},
+    'fit_common_k1': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0},
+}
+VARIANTS = ('paper', 'fit_window', 'fit_common')  # run by default
+DEFAULT_VARIANT = 'paper'  # the variant reported as HDET's (the trainer's default controller)
+# The LR-free methods at their documented LR: the trainer's one-cycle shape peaking at it where the docs
+# recommend a schedule (prodigy, dog, D-Adaptation, Mechanic), constant for schedule-free. reduce_on_plateau
+# can only lower an LR, so adam_plateau starts from the 'high' start (10x the grid's best).
+PEER_SETTINGS = {
+    'prodigy': {'optim.max_lr': 1.0},
+    'dog': {'optim.max_lr': 1.0},
+    'dadapt_adamw': {'optim.max_lr': 1.0},
+    'mechanize_adam': {'optim.max_lr': 1.0},
+    'schedule_free_adamw': {'optim.max_lr': 0.0025, 'optim.schedule': 'constant'},
+    'adam_plateau': {'optim.max_lr': 'high', 'optim.schedule': 'constant'},
+}
+
+PLAIN = {'hdet.spread': 0.0, 'hdet.sync_every': 0, 'hdet.auto_lr': False}
+RUN = {'progress_bar': False, 'plots': False, 'checkpoint_every': 500, 'max_checkpoints': 1}
+QUICK = {
+    'num_train_steps': 40, 'data.seq_len': 32, 'data.batch_size': 4, 'model.d_model': 32,
+    'model.num_layers': 1, 'model.num_heads': 2, 'hdet.sync_every': 8, 'hdet.warmup_steps': 8,
+    'log_every': 8, 'eval_every': 0, 'eval_windows': 64, 'checkpoint_every': 0, 'compilation_cache': '',
+}
+QUICK_GRIDS = {'adamw': (3e-3, 3e-2), 'sgd': (0.3, 3.0)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------
+
+def base_config(task_overrides: dict, quick: bool):
+  from hdet_jax.trainer import config_lib
+  c = config_lib.load_config_file(os.path.join(REPO, 'configs', 'default.py'))
+  config_lib.with_overrides(c, RUN)
+  if quick:
+    config_lib.with_overrides(c, QUICK)
+  return config_lib.with_overrides(c, task_overrides)
+
+
+def run_overrides(kind: str, optim: str, lr: float, seed: int, steps: int, *, variant: str | None = None,
+                  peer: str | None = None) -> dict:
+  """The config fields one run sets on top of the task's config (``lr``: the peak LR, or for peers
+  the grid's best, whose 10x is adam_plateau's start)."""
+  o = {'seed': int(seed), 'optim.name': optim, 'optim.max_lr': float(lr)}
+  if kind == 'grid':
+    o.update(PLAIN)
+  elif kind == 'hdet':
+    settings = dict(VARIANT_SETTINGS[variant])
+    o['hdet.warmup_steps'] = int(settings.pop('warmup') * steps)
+    o.update({'hdet.auto_lr': True, **settings})
+  elif kind == 'peer':
+    o.update(PLAIN)
+    o.update({'optim.name': peer, 'hdet.param_groups': False, 'optim.schedule': 'one_cycle'})
+    o.update({k: (10.0 * lr if v == 'high' else v) for k, v in PEER_SETTINGS[peer].items()})
+  return o
+
+
+def task_tag(task_overrides: dict, quick: bool) -> str:
+  """The cache folder of a task: 'default', or a short hash of the overrides that change it."""
+  if quick:
+    return 'quick'
+  if not task_overrides:
+    return 'default'
+  text = json.dumps(task_overrides, sort_keys=True)
+  return 'task-' + hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+class Cache:
+  """Finished runs as JSON records; a run is reused when its full config is unchanged."""
+
+  def __init__(self, records_dir: str, work_root: str, log=print):
+    self.dir, self.work_root, self.log = records_dir, work_root, log
+    os.makedirs(self.dir, exist_ok=True)
+
+  def path(self, name: str) -> str:
+    return os.path.join(self.dir, name + '.json')
+
+  def get(self, name: str, overrides: dict | None = None) -> dict | None:
+    """The record of run ``name``, if it exists and its config has every value in ``overrides``."""
+    p = self.path(name)
+    if not os.path.exists(p):
+      return None
+    with open(p, encoding='utf-8') as f:
+      rec = json.load(f)
+    if overrides:
+      from hdet_jax.trainer import config_lib
+      recorded = config_lib.flatten(rec['config'])
+      if any(k not in recorded or recorded[k] != v for k, v in overrides.items()):
+        return None
+    return rec
+
+  def run(self, name: str, config, overrides: dict) -> dict:
+    """Runs ``name`` (or returns its record): ``config`` with ``overrides`` (task's and run's) applied."""
+    rec = self.get(name, overrides)
+    if rec is not None:
+      return rec
+    from hdet_jax.trainer import trainer
+    workdir = os.path.join(self.work_root, name)
+    t0 = time.time()
+    summary = trainer.train_and_evaluate(config, workdir)
+    if summary.get('preempted'):
+      self.log(f'  {name}: preempted; rerun to resume.')
+      sys.exit(143)
+    rec = make_record(name, config, summary, workdir, time.time() - t0)
+    tmp = self.path(name) + '.tmp'
+    os.makedirs(os.path.dirname(tmp), exist_ok=True)
+    with open(tmp, 'w', encoding='utf-8') as f:
+      json.dump(rec, f, indent=None, separators=(',', ':'))
+    os.replace(tmp, self.path(name))
+    shutil.rmtree(workdir, ignore_errors=True)  # the record holds what the report needs
+    vb = rec['val_bpb']
+    self.log(f'  {name}: val {"nan" if vb is None else f"{vb:.4f}"} bits/byte, final base LR '
+             f'{_fmt(rec["final_lr"])}, {rec["wall_s"]:.0f}s', flush=True)
+    return rec
+
+
+def _fmt(x) -> str:
+  return 'n/a' if x is None else f'{x:.3g}'
+
+
+def _finite_or_none(x) -> float | None:
+  try:
+    x = float(x)
+  except (TypeError, ValueError):
+    return None
+  return x if math.isfinite(x) else None
+
+
+def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -> dict:
+  """What the report needs from a finished run: final figures, LR trajectory, controller signal."""
+  from hdet_jax.trainer import metrics as metrics_lib
+  m = metrics_lib.read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  train = m.get('train', [])
+  every = max(1, int(config.log_every))
+  traj = [{'step': r['step'], 'loss': _finite_or_none(np.mean(r['loss'])),
+           'bases': [_finite_or_none(b) for b in np.ravel(r['bases'])]}
+          for r in train if r['step'] % every == every - 1 or r['step'] == len(train) - 1]
+  values = {r['step']: r['values'] for r in train}  # a sync step's values are its window's
+  controller = [{**{k: np.asarray(v).tolist() for k, v in r.items() if k not in ('kind', 'time')},
+                 'values': np.asarray(values.get(r['step'], [])).tolist()}
+                for r in m.get('controller', [])]
+  names = next((r['names'] for r in m.get('hyperparams', [])), [])
+  final_lr = traj[-1]['bases'][0] if traj and traj[-1]['bases'] else None
+  return {
+      'name': name, 'config': json.loads(config.to_json()), 'hyperparams': names,
+      'val_bpb': _finite_or_none(summary['final_val_bits_per_byte']),
+      'train_loss': _finite_or_none(summary['final_train_loss']),
+      'diverged_at': summary['diverged_at'], 'final_lr': _finite_or_none(final_lr),
+      'evals': [{'step': r['step'], 'val_bpb': _finite_or_none(r['val_bits_per_byte'])} for r in m.get('eval', [])],
+      'trajectory': traj, 'controller': controller, 'wall_s': wall_s,
+  }
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------
+
+def _lr_tag(lr: float) -> str:
+  return f'{lr:.4g}'
+
+
+def grid_name(optim, lr, seed):
+  return f'{optim}/grid_lr{_lr_tag(lr)}_s{seed}'
+
+
+def hdet_name(optim, variant, start, seed):
+  return f'{optim}/hdet_{variant}_{start}_s{seed}'
+
+
+def peer_name(peer, seed):
+  return f'adamw/peer_{peer}_s{seed}'
+
+
+def mean_bpb(records: list[dict]) -> float:
+  """Mean final val bits/byte; a diverged or non-finite run counts as infinitely bad."""
+  vals = [r['val_bpb'] if r['val_bpb'] is not None and r['diverged_at'] is None else math.inf for r in records]
+  return float(np.mean(vals)) if vals else math.nan
+
+
+def grid_best(grid: dict[float, list[dict]]) -> tuple[float, float]:
+  """(peak LR, mean val bits/byte) of the grid point with the lowest mean over its seeds."""
+  complete = {lr: rs for lr, rs in grid.items() if rs}
+  lr = min(complete, key=lambda k: mean_bpb(complete[k]))
+  return lr, mean_bpb(complete[lr])
+
+
+def anchor(cache: Cache, optim: str, grid_lrs, seed: int) -> float | None:
+  """The grid's best peak LR on its first seed, fixed once found (HDET's starts are multiples of it)."""
+  path = os.path.join(cache.dir, optim, 'anchor.json')
+  if os.path.exists(path):
+    with open(path, encoding='utf-8') as f:
+      return float(json.load(f)['lr'])
+  recs = {lr: [cache.get(grid_name(optim, lr, seed))] for lr in grid_lrs}
+  if any(r[0] is None for r in recs.values()):
+    return None
+  lr, bpb = grid_best(recs)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump({'lr': lr, 'val_bpb': bpb, 'seed': seed}, f)
+  return lr
+
+
+def parse_overrides(argv: list[str]) -> tuple[list[str], dict]:
+  """Splits ``--config.a.b=v`` arguments (values parsed as Python literals where they are) from the rest."""
+  import ast
+  rest, overrides = [], {}
+  for arg in argv:
+    m = re.fullmatch(r'--config\.([\w.]+)=(.*)', arg)
+    if not m:
+      rest.append(arg)
+      continue
+    try:
+      value = ast.literal_eval(m.group(2))
+    except (ValueError, SyntaxError):
+      value = m.group(2)
+    overrides[m.group(1)] = value
+  return rest, overrides
+
+
+def main(argv=None):
+  argv = sys.argv[1:] if argv is None else argv
+  rest, task_overrides = parse_overrides(argv)
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--quick', action='store_true', help='a smoke run of every stage on a tiny model')
+  parser.add_argument('--stage', default='all', choices=('all', 'grid', 'hdet', 'peers', 'report'))
+  parser.add_argument('--optim', default='adamw,sgd', help='comma-separated: adamw, sgd')
+  parser.add_argument('--seeds', default=','.join(map(str, SEEDS)), help='comma-separated seeds')
+  parser.add_argument('--variants', default=','.join(VARIANTS), help='comma-separated controller variants')
+  parser.add_argument('--starts', default=','.join(STARTS), help='comma-separated: low, best, high')
+  parser.add_argument('--peers', default=','.join(PEERS), help='comma-separated LR-free methods')
+  parser.add_argument('--report-only', action='store_true', help='only redraw the report from cached runs')
+  parser.add_argument('--out', default=None, help='report folder (default results/, quick: the workdir)')
+  args = parser.parse_args(rest)
+
+  from hdet_jax.trainer import config_lib, trainer
+  tag = task_tag(task_overrides, args.quick)
+  work_root = os.path.join(REPO, 'workdirs', 'autolr_quick' if args.quick else 'autolr', tag)
+  records_dir = os.path.join(work_root, 'records') if args.quick else os.path.join(REPO, 'results', 'autolr', 'runs', tag)
+  cache = Cache(records_dir, work_root)
+  try:  # bad overrides fail here, before any run
+    base = base_config(task_overrides, args.quick)
+    config_lib.check_values(base)
+  except (KeyError, AttributeError, TypeError, ValueError) as e:
+    print(f'error: bad --config override: {e}', file=sys.stderr)
+    sys.exit(2)
+  trainer.setup_jax(base)
+  optims = [o for o in args.optim.split(',') if o]
+  seeds = [int(s) for s in args.seeds.split(',') if s]
+  grids = QUICK_GRIDS if args.quick else GRIDS
+  if args.quick:
+    seeds = seeds[:1]
+  stages = ('grid', 'hdet', 'peers') if args.stage == 'all' else (args.stage,)
+  if args.report_only:
+    stages = ()
+
+  steps = int(base.num_train_steps)
+
+  def go(name, overrides):
+    config = config_lib.with_overrides(base_config(task_overrides, args.quick), overrides)
+    return cache.run(name, config, {**task_overrides, **overrides})
+
+  for optim in optims:
+    lrs = grids[optim]
+    if 'grid' in stages:
+      print(f'[{optim}] grid: {len(lrs)} peak LRs x seeds {seeds}', flush=True)
+      for seed in seeds:
+        for lr in lrs:
+          go(grid_name(optim, lr, seed), run_overrides('grid', optim, lr, seed, steps))
+    best = anchor(cache, optim, lrs, seeds[0])
+    if 'hdet' in stages:
+      if best is None:
+        print(f'[{optim}] hdet: skipped, the grid of seed {seeds[0]} is not complete.', flush=True)
+      else:
+        for seed in seeds:
+          for variant in args.variants.split(','):
+            for start in args.starts.split(','):
+              lr = best * STARTS[start]
+              go(hdet_name(optim, variant, start, seed), run_overrides('hdet', optim, lr, seed, steps, variant=variant))
+    if 'peers' in stages and optim == 'adamw' and best is not None:
+      for seed in seeds:
+        for peer in args.peers.split(','):
+          go(peer_name(peer, seed), run_overrides('peer', optim, best, seed, steps, peer=peer))
+
+  from experiments import autolr_report
+  out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
+  paths = autolr_report.write(cache, out, optims=optims, grids=grids, quick=args.quick, seeds=seeds)
+  print('\n'.join(f'  {p}' for p in paths))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,250 @@
+"""The auto-LR report: ``results/autolr.json``, ``results/autolr.md`` and its figures, from cached runs.
+
+Everything here is recomputed from the run records (``experiments.autolr.Cache``), so the tables
+regenerate from the same records whenever a run is added.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+from experiments import autolr as A
+
+
+def _stats(records: list[dict], key: str = 'val_bpb') -> dict:
+  vals = [r[key] if r[key] is not None and r.get('diverged_at') is None else math.inf for r in records]
+  finite = [v for v in vals if math.isfinite(v)]
+  if not vals:
+    return {'val_bpb': None, 'sd': None, 'n': 0}
+  mean = float(np.mean(vals)) if len(finite) == len(vals) else None
+  sd = float(np.std(finite, ddof=1)) if len(finite) > 1 and mean is not None else None
+  return {'val_bpb': mean, 'sd': sd, 'n': len(vals), 'diverged': len(vals) - len(finite)}
+
+
+def lr_index(record: dict) -> int:
+  """Index of the LR that the report follows: the weight matrices' group if there are groups."""
+  names = record.get('hyperparams') or []
+  return names.index('learning_rate/weights') if 'learning_rate/weights' in names else 0
+
+
+def lr_path(record: dict) -> tuple[np.ndarray, np.ndarray]:
+  i = lr_index(record)
+  steps = np.asarray([t['step'] for t in record['trajectory']])
+  lrs = np.asarray([t['bases'][i] if t['bases'][i] is not None else np.nan for t in record['trajectory']], float)
+  return steps, lrs
+
+
+def _mean_of(records, fn):
+  vals = [fn(r) for r in records]
+  vals = [v for v in vals if v is not None and math.isfinite(v)]
+  return float(np.exp(np.mean(np.log(vals)))) if vals else None
+
+
+def _final_lr(r):
+  return lr_path(r)[1][-1] if r['trajectory'] else None
+
+
+def _peak_lr(r):
+  return float(np.nanmax(lr_path(r)[1])) if r['trajectory'] else None
+
+
+def signal_per_sync(record: dict) -> list[dict]:
+  """Per sync: the least-squares slope of the compared losses on the followed LR's offset u = rho - 1,
+  and its standard error from the residuals (the signal and its noise)."""
+  out = []
+  i = lr_index(record)
+  for c in record.get('controller', []):
+    values = np.asarray(c.get('values', []), float)
+    losses = np.asarray(c.get('window_losses', []), float)
+    if values.ndim != 2 or losses.size != values.shape[1] or not np.all(np.isfinite(losses)):
+      continue
+    u = values[i] / np.mean(values[i]) - 1.0
+    x = np.stack([np.ones_like(u), u - u.mean()], 1)
+    coef, *_ = np.linalg.lstsq(x, losses, rcond=None)
+    resid = losses - x @ coef
+    dof = max(len(u) - 2, 1)
+    se = math.sqrt(float(resid @ resid) / dof / float(((u - u.mean()) ** 2).sum()))
+    # The loss difference across the spread (slope x range of u) and its noise.
+    span = float(u.max() - u.min())
+    out.append({'step': c['step'], 'diff': float(coef[1]) * span, 'noise': se * span})
+  return out
+
+
+def collect(cache: 'A.Cache', optim: str, grid_lrs, variants, peers, seeds) -> dict:
+  grid = {lr: [r for s in seeds if (r := cache.get(A.grid_name(optim, lr, s)))] for lr in grid_lrs}
+  grid = {lr: rs for lr, rs in grid.items() if rs}
+  out = {'grid': grid, 'hdet': {}, 'peers': {}}
+  for v in variants:
+    out['hdet'][v] = {st: [r for s in seeds if (r := cache.get(A.hdet_name(optim, v, st, s)))] for st in A.STARTS}
+  if optim == 'adamw':
+    out['peers'] = {p: [r for s in seeds if (r := cache.get(A.peer_name(p, s)))] for p in peers}
+  return out
+
+
+def summarize(optim: str, runs: dict, anchor_lr: float | None) -> dict:
+  grid = runs['grid']
+  res = {'grid': {f'{lr:.4g}': _stats(rs) for lr, rs in grid.items()}, 'anchor_lr': anchor_lr}
+  complete = {lr: rs for lr, rs in grid.items() if rs}
+  if complete:
+    best_lr, best = A.grid_best(complete)
+    res['grid_best'] = {'lr': best_lr, 'val_bpb': best, 'n_seeds': len(complete[best_lr]),
+                        'sd': _stats(complete[best_lr])['sd']}
+  def hdet_block(by_start):
+    block = {}
+    for st, rs in by_start.items():
+      if not rs:
+        continue
+      s = _stats(rs)
+      s['final_lr'] = _mean_of(rs, _final_lr)
+      s['peak_lr'] = _mean_of(rs, _peak_lr)
+      s['start_lr'] = rs[0]['config']['optim']['max_lr']
+      if res.get('grid_best') and s['val_bpb'] is not None:
+        s['vs_grid_best_pct'] = 100.0 * (s['val_bpb'] / res['grid_best']['val_bpb'] - 1.0)
+      block[st] = s
+    return block
+  res['variants'] = {v: hdet_block(b) for v, b in runs['hdet'].items() if any(b.values())}
+  res['hdet'] = res['variants'].get(A.DEFAULT_VARIANT, {})
+  res['default_variant'] = A.DEFAULT_VARIANT
+  res['peers'] = {p: _stats(rs) for p, rs in runs['peers'].items() if rs}
+  return res
+
+
+def write(cache: 'A.Cache', out_dir: str, *, optims, grids, quick: bool = False,
+          variants=None, peers=None, seeds=A.SEEDS) -> list[str]:
+  variants = variants or tuple(A.VARIANT_SETTINGS)
+  peers = peers or A.PEERS
+  os.makedirs(out_dir, exist_ok=True)
+  results, all_runs = {}, {}
+  for optim in ('adamw', 'sgd'):
+    runs = collect(cache, optim, grids[optim], variants, peers, seeds)
+    if not any(runs['grid'].values()):
+      continue
+    anchor_path = os.path.join(cache.dir, optim, 'anchor.json')
+    anchor_lr = json.load(open(anchor_path, encoding='utf-8'))['lr'] if os.path.exists(anchor_path) else None
+    results[optim] = summarize(optim, runs, anchor_lr)
+    all_runs[optim] = runs
+  paths = []
+  jpath = os.path.join(out_dir, 'autolr.json')
+  with open(jpath, 'w', encoding='utf-8') as f:
+    json.dump(results, f, indent=1)
+  paths.append(jpath)
+  fig_dir = os.path.join(out_dir, 'figures')
+  paths += _figures(fig_dir, results, all_runs)
+  mpath = os.path.join(out_dir, 'autolr.md')
+  with open(mpath, 'w', encoding='utf-8') as f:
+    f.write(_markdown(results, all_runs, quick))
+  paths.append(mpath)
+  return paths
+
+
+def _fmt(s: dict | None, digits=3) -> str:
+  if not s or s.get('val_bpb') is None:
+    return 'diverged' if s and s.get('diverged') else '-'
+  sd = f' ± {s["sd"]:.{digits}f}' if s.get('sd') is not None else ''
+  return f'{s["val_bpb"]:.{digits}f}{sd} (n={s["n"]})'
+
+
+def _g(x) -> str:
+  return '-' if x is None else f'{x:.3g}'
+
+
+def _markdown(results: dict, all_runs: dict, quick: bool) -> str:
+  lines = ['# Auto-LR against an LR sweep' + (' (quick smoke run)' if quick else ''), '',
+           'Generated by `python -m experiments.autolr` from the run records in `results/autolr/runs/`; '
+           'final validation bits/byte of the averaged model, mean ± sd over seeds (n = seeds run so far).', '']
+  for optim, res in results.items():
+    lines += [f'## {optim}', '']
+    gb = res.get('grid_best')
+    if gb:
+      lines += [f'Grid best: peak LR {gb["lr"]:.4g}, {gb["val_bpb"]:.4f} bits/byte ({gb["n_seeds"]} seeds). '
+                f'HDET starts are multiples of the first seed\'s best, {_g(res["anchor_lr"])}.', '']
+    lines += ['| method | start (peak LR) | val bits/byte | vs grid best | compute (runs) | final LR | peak LR |',
+              '|---|---|---|---|---|---|---|']
+    for lr, s in res['grid'].items():
+      lines.append(f'| plain DP grid point | {lr} | {_fmt(s)} | | 1 | | |')
+    if gb:
+      lines.append(f'| **grid best (the sweep)** | {gb["lr"]:.4g} | **{gb["val_bpb"]:.3f}** | 0 | {len(res["grid"])} | | |')
+    for v, block in res['variants'].items():
+      for st, s in block.items():
+        pct = s.get('vs_grid_best_pct')
+        lines.append(f'| HDET `{v}` | {st} ({s["start_lr"]:.3g}) | {_fmt(s)} | '
+                     f'{"-" if pct is None else f"{pct:+.1f}%"} | 1 | {_g(s["final_lr"])} | {_g(s["peak_lr"])} |')
+    for p, s in res['peers'].items():
+      pct = None if not gb or s['val_bpb'] is None else 100 * (s['val_bpb'] / gb['val_bpb'] - 1)
+      lines.append(f'| {p} (optax.contrib) | default | {_fmt(s)} | {"-" if pct is None else f"{pct:+.1f}%"} | 1 | | |')
+    lines.append('')
+    for name in (f'autolr_lr_{optim}.png', f'autolr_signal_{optim}.png'):
+      lines.append(f'![{name}](figures/{name})')
+    lines.append('')
+  return '\n'.join(lines) + '\n'
+
+
+def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  from hdet_jax.trainer import train_step as ts
+  from hdet_jax.trainer import config_lib
+  os.makedirs(fig_dir, exist_ok=True)
+  paths = []
+  colors = {'low': 'tab:blue', 'best': 'tab:green', 'high': 'tab:red'}
+  styles = ['-', '--', ':', '-.']
+  for optim, runs in all_runs.items():
+    res = results[optim]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    gb = res.get('grid_best')
+    if gb and gb['lr'] in runs['grid']:
+      r0 = runs['grid'][gb['lr']][0]
+      cfg = config_lib.load_config_file(os.path.join(A.REPO, 'configs', 'default.py'))
+      config_lib.with_overrides(cfg, {k: v for k, v in config_lib.flatten(r0['config']).items()
+                                      if k in config_lib.flatten(cfg.to_dict())})
+      sched = ts.schedule(cfg)
+      steps = np.arange(int(cfg.num_train_steps))
+      import jax
+      ax.plot(steps, np.asarray(jax.jit(jax.vmap(sched))(steps)), color='k', lw=2, alpha=0.5,
+              label=f'grid best schedule (peak {gb["lr"]:.3g})')
+    for k, (v, by_start) in enumerate(runs['hdet'].items()):
+      for st, rs in by_start.items():
+        for j, r in enumerate(rs):
+          s, lr = lr_path(r)
+          ax.plot(s, lr, styles[k % len(styles)], color=colors[st], alpha=0.8,
+                  label=f'{v} {st}' if j == 0 else None)
+    ax.set_yscale('log')
+    ax.set_xlabel('step')
+    ax.set_ylabel('base LR (weights group)')
+    ax.set_title(f'{optim}: HDET base-LR trajectories from three starts')
+    ax.legend(fontsize=7, ncol=2)
+    paths.append(_save(fig, fig_dir, f'autolr_lr_{optim}.png'))
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for k, (v, by_start) in enumerate(runs['hdet'].items()):
+      for st, rs in by_start.items():
+        if not rs:
+          continue
+        sig = signal_per_sync(rs[0])
+        if not sig:
+          continue
+        steps = [x['step'] for x in sig]
+        ratio = [abs(x['diff']) / x['noise'] if x['noise'] > 0 else np.nan for x in sig]
+        ax.plot(steps, ratio, styles[k % len(styles)], color=colors[st], alpha=0.8, label=f'{v} {st}')
+    ax.axhline(2.0, color='k', lw=0.8, ls=':', label='|t| = 2')
+    ax.set_yscale('log')
+    ax.set_xlabel('step (sync)')
+    ax.set_ylabel('|loss difference across the spread| / its noise')
+    ax.set_title(f'{optim}: the controller\'s signal per sync (first seed)')
+    ax.legend(fontsize=7, ncol=2)
+    paths.append(_save(fig, fig_dir, f'autolr_signal_{optim}.png'))
+  return paths
+
+
+def _save(fig, fig_dir: str, name: str) -> str:
+  import matplotlib.pyplot as plt
+  path = os.path.join(fig_dir, name)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
