@@ -58,6 +58,10 @@ VARIANT_SETTINGS = {
     'fit_window': {**_FIT, 'hdet.score': 'window'},
     'fit_common': {**_FIT, 'hdet.score': 'common'},
     'fit_common_k1': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0},
+    # Learns the LR scale while the schedule warms up, then holds it through the decay; no overshoot.
+    # (Designed after fit_common's first seed on AdamW: the line search over-raised the LR early in the
+    # warmup and, after the peak, pulled it far below the grid's best: see results/autolr.md.)
+    'fit_warmup': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3},
 }
 VARIANTS = ('paper', 'fit_window', 'fit_common')  # run by default
 DEFAULT_VARIANT = 'paper'  # the variant reported as HDET's (the trainer's default controller)
@@ -289,19 +293,30 @@ def main(argv=None):
   parser.add_argument('--peers', default=','.join(PEERS), help='comma-separated LR-free methods')
   parser.add_argument('--report-only', action='store_true', help='only redraw the report from cached runs')
   parser.add_argument('--out', default=None, help='report folder (default results/, quick: the workdir)')
+  parser.add_argument('--workdir', default=None,
+                      help='where runs train (default workdirs/autolr; --quick: workdirs/autolr_quick, records too)')
   args = parser.parse_args(rest)
+  if args.quick:  # one run per stage: the grid's two points, one HDET start, one peer
+    args.optim = args.optim if '--optim' in rest else 'adamw'
+    args.variants = args.variants if '--variants' in rest else 'fit_common'
+    args.starts = args.starts if '--starts' in rest else 'high'
+    args.peers = args.peers if '--peers' in rest else 'adam_plateau'
 
   from hdet_jax.trainer import config_lib, trainer
   tag = task_tag(task_overrides, args.quick)
-  work_root = os.path.join(REPO, 'workdirs', 'autolr_quick' if args.quick else 'autolr', tag)
+  work_root = os.path.join(args.workdir or os.path.join(REPO, 'workdirs', 'autolr_quick' if args.quick else 'autolr'), tag)
   records_dir = os.path.join(work_root, 'records') if args.quick else os.path.join(REPO, 'results', 'autolr', 'runs', tag)
-  cache = Cache(records_dir, work_root)
   try:  # bad overrides fail here, before any run
+    known = config_lib.flatten(base_config({}, args.quick))
+    for key in task_overrides:
+      if key not in known and not any(k.startswith(key + '.') for k in known):
+        raise KeyError(f'no field named {key!r} (the fields, each with a comment, are in configs/default.py)')
     base = base_config(task_overrides, args.quick)
     config_lib.check_values(base)
   except (KeyError, AttributeError, TypeError, ValueError) as e:
-    print(f'error: bad --config override: {e}', file=sys.stderr)
+    print(f'error: bad --config override: {e.args[0] if e.args else e}', file=sys.stderr)
     sys.exit(2)
+  cache = Cache(records_dir, work_root)
   trainer.setup_jax(base)
   optims = [o for o in args.optim.split(',') if o]
   seeds = [int(s) for s in args.seeds.split(',') if s]

@@ -219,7 +219,8 @@ def fit_update(
 
   where u is each replica's offset (``value / base - 1``, or ``value - base`` if additive). Where
   the fit has no interior minimum (``c <= 0``, or ``1 + u* <= 0``) the step is the full trust
-  region against the slope. The overshoot kappa applies to multiplicative values only.
+  region against the slope. The overshoot kappa applies to multiplicative values only. Scores that
+  agree to within 1e-5 of their magnitude (float32 rounding) give no step.
 
   Args:
     xtx, xty: the statistics carried from the last sync ([2G, 2G], [2G]).
@@ -234,7 +235,10 @@ def fit_update(
     A :class:`FitUpdate`.
   """
   y = penalize_nonfinite(scores.astype(jnp.float32))
-  y = y - jnp.mean(y)
+  # Scores that agree to float32 rounding carry no signal (e.g. identical models on one batch): the
+  # fit's step is scale-free, so rounding noise alone would otherwise take full trust-region steps.
+  signal = jnp.max(y) - jnp.min(y) > 1e-5 * (jnp.mean(jnp.abs(y)) + 1e-6)
+  y = jnp.where(signal, y - jnp.mean(y), 0.0)
   x = fit_features(offsets.astype(jnp.float32))
   g = offsets.shape[1]
   xtx = memory * xtx + x.T @ x
@@ -257,5 +261,5 @@ def fit_update(
   log_target = jnp.where(interior & (scale > 0), jnp.log(jnp.maximum(scale, 1e-30)), away)
   add_target = jnp.where(interior, u_star, away)
   step = jnp.clip(jnp.where(multiplicative, log_target, add_target), -trust, trust)
-  step = jnp.where(jnp.isfinite(step), step, 0.0)
+  step = jnp.where(jnp.isfinite(step) & signal, step, 0.0)
   return FitUpdate(slope=b, curvature=c, stderr=stderr, step=step, xtx=xtx, xty=xty)

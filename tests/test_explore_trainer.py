@@ -90,3 +90,35 @@ def test_explore_run_end_to_end(tmp_path):
   d = values[:, names.index('dropout')]
   assert np.all(d >= 0) and np.all(d <= 0.9) and np.ptp(d[0]) == pytest.approx(0.3, rel=1e-5)
   assert os.path.exists(os.path.join(workdir, 'plots', 'hyperparams.png'))
+
+
+@pytest.mark.parametrize('score', ['window', 'common'])
+def test_common_batch_score_removes_the_dropout_bias(tmp_path, score):
+  """Replicas that differ only in their dropout rate (the LR is ~0, so the parameters stay equal):
+  compared on their own training losses they differ (own batches, own dropout noise: the source of the
+  bias toward less dropout), while on the common batch without dropout they are equal, so the
+  controller gets no spurious dropout signal and the dropout base does not move."""
+  from hdet_jax.trainer.trainer import train_and_evaluate
+  config = _tiny(explore=False)
+  config.num_train_steps, config.hdet.sync_every, config.hdet.warmup_steps = 16, 8, 0
+  config.optim.max_lr = 1e-9
+  config.model.dropout, config.hdet.explore.dropout = 0.3, 0.25
+  config.hdet.controller, config.hdet.score = 'fit', score
+  config.eval_every, config.checkpoint_every, config.plots = 0, 0, False
+  workdir = str(tmp_path / score)
+  train_and_evaluate(config, workdir)
+  recs = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  names = [r for r in recs if r['kind'] == 'hyperparams'][0]['names']
+  values = {r['step']: np.asarray(r['values']) for r in recs if r['kind'] == 'train'}
+  syncs = [r for r in recs if r['kind'] == 'controller']
+  assert [r['step'] for r in syncs] == [7, 15]
+  d = names.index('dropout')
+  bases = [r['bases'][d] for r in recs if r['kind'] == 'train']
+  for r in syncs:
+    scores = np.asarray(r['window_losses'])
+    if score == 'window':  # own batches and own dropout noise: the replicas' scores differ
+      assert np.ptp(scores) > 1e-3
+    else:  # the same model on the same batch, no dropout: no signal, so the dropout base holds
+      assert np.ptp(scores) < 1e-5 * np.mean(scores)
+  if score == 'common':
+    np.testing.assert_allclose(bases, 0.3, rtol=1e-6)

@@ -243,7 +243,10 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
     if packer is not None:
       metrics = packer.pack(metrics)
     return params, opt_state, metrics
-  return jax.jit(H.shard_map_replicas(step, mesh, AXIS), donate_argnums=(0, 1))
+  # optax.contrib.reduce_on_plateau's lax.cond returns constants in one branch and state-derived
+  # (per-replica, 'varying') values in the other, which shard_map's type check rejects.
+  check_vma = config is None or config.optim.name != 'adam_plateau'
+  return jax.jit(H.shard_map_replicas(step, mesh, AXIS, check_vma=check_vma), donate_argnums=(0, 1))
 
 
 def common_batch(config: Any) -> bool:
