@@ -19,9 +19,31 @@ from absl import logging
 from ml_collections import config_flags
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file(
-    'config', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py'),
-    'Training configuration file (a get_config() Python file); default: configs/default.py.', lock_config=True)
+
+
+def _bad_override(e: Exception) -> None:
+  """Reports a --config.* override that names no field (or cannot be parsed) as one line; exits 2."""
+  m = re.search(r'Did you mean "(\w+)" instead of "(\w+)"', str(e))
+  text = ' '.join(re.sub(r"\\[nt]|['\"\\]", ' ', str(e)).split())
+  bad = m.group(2) if m else text
+  given = [a.split('=', 1)[0] for a in sys.argv[1:] if re.match(r'--?config\.', a)
+           and bad in a.split('=', 1)[0].split('.')]
+  where = f' {given[0]}' if given else ''
+  detail = (f'no field named {bad!r}; did you mean {m.group(1)!r}?' if m else
+            f'no field named {text!r}.' if isinstance(e, (AttributeError, KeyError)) else text)
+  print(f'error: bad --config override{where}: {detail} The fields, each with a comment, are in the config '
+        'file (configs/default.py).', file=sys.stderr)
+  sys.exit(2)
+
+
+# Without --config, ml_collections loads the default file and applies the --config.* overrides right
+# here, when the flag is defined (at import, before parse_flags runs), so a bad override raises here.
+try:
+  config_flags.DEFINE_config_file(
+      'config', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py'),
+      'Training configuration file (a get_config() Python file); default: configs/default.py.', lock_config=True)
+except (AttributeError, KeyError, TypeError, ValueError) as _e:
+  _bad_override(_e)
 flags.DEFINE_string('workdir', 'workdirs/default', 'Where metrics, checkpoints and plots go; reusing it resumes.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for multi-process runs.')
 flags.DEFINE_integer('num_processes', None, 'Number of processes, for multi-process runs.')
@@ -65,14 +87,9 @@ def parse_flags(argv):
   try:
     return FLAGS(argv)
   except flags.Error as e:
-    print(f'error: {e}\nRun python train.py --helpfull for the flags.', file=sys.stderr)
+    print(f'error: {" ".join(str(e).split())} (python train.py --helpfull lists the flags)', file=sys.stderr)
   except (AttributeError, KeyError, TypeError, ValueError) as e:
-    m = re.search(r'Did you mean "(\w+)" instead of "(\w+)"', str(e))
-    text = ' '.join(re.sub(r"\\[nt]|['\"\\]", ' ', str(e)).split())
-    detail = (f'no field named {m.group(2)!r}; did you mean {m.group(1)!r}?' if m else
-              f'no field named {text!r}.' if isinstance(e, (AttributeError, KeyError)) else text)
-    print(f'error: bad --config override: {detail} The fields, each with a comment, are in the config '
-          'file (configs/default.py).', file=sys.stderr)
+    _bad_override(e)
   sys.exit(2)
 
 

@@ -25,7 +25,6 @@ What a kill at any moment can leave, and what is loaded:
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import time
@@ -48,7 +47,9 @@ def checkpoint_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(os.path.expanduser(workdir)), 'checkpoints')
 
 
-def _manager(directory: str, max_to_keep: int | None = None, *, read_only: bool = False) -> ocp.CheckpointManager:
+def _manager(directory: str, max_to_keep: int | None = None, *, read_only: bool = False,
+             whole: bool = False) -> ocp.CheckpointManager:
+  """An orbax manager of a workdir's checkpoints; ``whole``: the arrays go through :class:`_WholeArrays`."""
   options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep, create=not read_only, read_only=read_only,
       # Unfinished saves of an earlier, killed run (``<step>.orbax-checkpoint-tmp-*``) go away.
@@ -57,6 +58,15 @@ def _manager(directory: str, max_to_keep: int | None = None, *, read_only: bool 
       todelete_subdir=None if read_only else TRASH,
       # Saving blocks until the arrays are on the host; the writes then finish in the background.
       enable_async_checkpointing=True)
+  if whole:
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    for item, handler, save, restore in (
+        (STATE, _WholeArrays(), ocp.args.StandardSave, ocp.args.StandardRestore),
+        (AVG, _WholeArrays(), ocp.args.StandardSave, ocp.args.StandardRestore),
+        (META, ocp.JsonCheckpointHandler(), ocp.args.JsonSave, ocp.args.JsonRestore)):
+      registry.add(item, save, handler)
+      registry.add(item, restore, handler)
+    return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
   return ocp.CheckpointManager(directory, options=options, item_names=(STATE, AVG, META))
 
 
@@ -204,39 +214,45 @@ def _agree(ok: bool) -> bool:
 STATE_FORMAT = 3
 
 
-def _write_replicated_arrays_whole() -> None:
-  """Has orbax write each replicated array whole, from its first replica.
+def _whole_array_registry() -> ocp.type_handlers.TypeHandlerRegistry:
+  """orbax's type handlers, except that a jax.Array is written whole, from its first replica.
 
   By default orbax splits a replicated array (the averaged parameters, the PRNG key) among its
   replicas and cuts the pieces with eager jax slices, which compile one small program per
   shape at the first save: 56 compilations, 1.4 s, on the default model. These arrays are
   small; writing them whole costs nothing measurable.
+
+  This is a registry of the trainer's own, used only by the trainer's checkpoint manager: orbax's
+  global registry (what a user's own ``ocp.StandardCheckpointer`` uses) is left as it is.
   """
-  global _WHOLE
-  if _WHOLE:
-    return
-  absl_logger = logging.getLogger('absl')
-  level = absl_logger.level
-  absl_logger.setLevel(logging.ERROR)  # orbax warns about every override
-  try:
-    ocp.type_handlers.register_type_handler(
-        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
-  finally:
-    absl_logger.setLevel(level)
-  _WHOLE = True
+  types = (int, float, bytes, np.number, np.ndarray, str)
+  return ocp.type_handlers.create_type_handler_registry(
+      *[(t, ocp.type_handlers.get_type_handler(t)) for t in types],
+      (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
 
 
-_WHOLE = False
+class _WholeArrays(ocp.StandardCheckpointHandler):
+  """``StandardCheckpointHandler`` (same arguments, same files) over :func:`_whole_array_registry`.
+
+  orbax 0.12's StandardCheckpointHandler takes no registry; it delegates to a
+  PyTreeCheckpointHandler, which does, so that delegate is replaced. Should a later orbax drop the
+  delegate, saving falls back to orbax's defaults (correct, one slower first save);
+  tests/test_checkpoints_scope.py notices.
+  """
+
+  def __init__(self):
+    super().__init__()
+    if isinstance(getattr(self, '_impl', None), ocp.PyTreeCheckpointHandler):
+      self._impl = ocp.PyTreeCheckpointHandler(type_handler_registry=_whole_array_registry())
 
 
 class Checkpointer:
   """Saves and restores a workdir's checkpoints; every process calls it together."""
 
   def __init__(self, workdir: str, max_to_keep: int):
-    _write_replicated_arrays_whole()
     self._directory = checkpoint_dir(workdir)
     self._empty_trash()  # what an earlier run was deleting when it was killed
-    self._mngr = _manager(self._directory, max_to_keep=max_to_keep if max_to_keep > 0 else None)
+    self._mngr = _manager(self._directory, max_to_keep=max_to_keep if max_to_keep > 0 else None, whole=True)
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
