@@ -9,12 +9,13 @@ from hdet_jax.multipliers import draw_permutations, spread_multipliers
 from hdet_jax.replicas import average_replicas, finite_mean, pmean_finite, replica, shard_map_replicas, stack_replicas
 from hdet_jax.schedules import one_cycle
 from hdet_jax.transform import AutoLR, Explore, HDETState, apply_updates, group_labels, hdet, hyperparam_names, replica_value
+from hdet_jax.views import hyperparams
 
 __all__ = [
     'AutoLR', 'ControllerState', 'Explore', 'group_labels', 'hyperparam_names', 'replica_value', 'HDETState', 'apply_updates', 'average_replicas',
     'controller_update', 'decay_for_schedule', 'draw_permutations', 'finite_mean', 'hdet', 'one_cycle',
     'pmean_finite',
     'reference_decay', 'replica', 'shard_map_replicas', 'softmax_weights', 'spread_multipliers',
-    'stack_replicas',
+    'stack_replicas', 'hyperparams',
 ]
 __version__ = '0.1.0'
