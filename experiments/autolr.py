@@ -62,6 +62,13 @@ VARIANT_SETTINGS = {
     # (Designed after fit_common's first seed on AdamW: the line search over-raised the LR early in the
     # warmup and, after the peak, pulled it far below the grid's best: see results/autolr.md.)
     'fit_warmup': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3},
+    # The same with one LR for all parameters, as the grid sweeps (the variants above adapt the default
+    # config's three per-group LRs: a 7-parameter regression on 8 replicas per sync, whose weakest group,
+    # biases and norms, random-walked upward).
+    'fit_lr': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3,
+               'hdet.param_groups': False},
+    'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
+                 'hdet.param_groups': False},
 }
 VARIANTS = ('paper', 'fit_window', 'fit_common')  # run by default
 DEFAULT_VARIANT = 'paper'  # the variant reported as HDET's (the trainer's default controller)

@@ -177,6 +177,21 @@ def _markdown(results: dict, all_runs: dict, quick: bool) -> str:
       pct = None if not gb or s['val_bpb'] is None else 100 * (s['val_bpb'] / gb['val_bpb'] - 1)
       lines.append(f'| {p} (optax.contrib) | default | {_fmt(s)} | {"-" if pct is None else f"{pct:+.1f}%"} | 1 | | |')
     lines.append('')
+    sig_rows = []
+    for v, by_start in all_runs[optim]['hdet'].items():
+      for st, rs in by_start.items():
+        if rs:
+          sig = signal_per_sync(rs[0])
+          if sig:
+            ratio = np.asarray([abs(x['diff']) / x['noise'] for x in sig if x['noise'] > 0])
+            sig_rows.append(f'| `{v}` | {st} | {len(sig)} | {np.median(np.abs([x["diff"] for x in sig])):.4f} | '
+                            f'{np.median([x["noise"] for x in sig]):.4f} | {np.median(ratio):.2f} | '
+                            f'{np.mean(ratio > 2):.0%} |')
+    if sig_rows:
+      lines += ['The signal each controller compares (first seed): per sync, the least-squares slope of the compared '
+                'losses on the LR offset, as the loss difference across the spread, against its standard error.', '',
+                '| variant | start | syncs | median abs difference (nats) | median noise (nats) | median ratio | syncs with ratio > 2 |',
+                '|---|---|---|---|---|---|---|'] + sig_rows + ['']
     for name in (f'autolr_lr_{optim}.png', f'autolr_signal_{optim}.png'):
       lines.append(f'![{name}](figures/{name})')
     lines.append('')
