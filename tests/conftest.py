@@ -2,11 +2,12 @@
 
 import os
 
-os.environ['JAX_NUM_CPU_DEVICES'] = '8'
-os.environ['XLA_FLAGS'] = (
-    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8').strip()
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# JAX_NUM_CPU_DEVICES, if the caller's environment has it, would win over the XLA flag set below.
+os.environ.pop('JAX_NUM_CPU_DEVICES', None)
 
-import jax  # noqa: E402
+import chex  # noqa: E402
 
-jax.config.update('jax_num_cpu_devices', 8)
+# --xla_force_host_platform_device_count=8 in XLA_FLAGS (replacing any count already there); train.py run
+# as a subprocess inherits it. chex raises if JAX's CPU backend already started with another count.
+chex.set_n_cpu_devices(8)

@@ -114,3 +114,16 @@ def test_chunk_stacks_consecutive_steps_batches():
   assert chunk.shape == (8, 5, 4, 32) and chunk.dtype == np.uint8
   for i in range(5):
     np.testing.assert_array_equal(chunk[:, i], tb.batch(first + i))
+
+
+def test_probe_windows_are_fresh_deterministic_training_windows():
+  data = np.frombuffer(bytes(range(256)) * 40, np.uint8)
+  train, val = ip.split(data, 0.1)
+  a = ip.probe_windows(train, 16, 8, seed=3, index=5)
+  assert a.shape == (8, 17) and a.dtype == np.uint8
+  np.testing.assert_array_equal(a, ip.probe_windows(train, 16, 8, seed=3, index=5))
+  assert not np.array_equal(a, ip.probe_windows(train, 16, 8, seed=3, index=6))
+  assert not np.array_equal(a, ip.probe_windows(train, 16, 8, seed=4, index=5))
+  # Every window is a contiguous slice of the training split (bytes increase by 1 mod 256).
+  np.testing.assert_array_equal((np.diff(a.astype(int), axis=1)) % 256, 1)
+  assert a.max() < 256 and len(train) + len(val) == len(data)

@@ -1,5 +1,6 @@
 """Eq. 1 multipliers and the shared-key permutations."""
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from hdet_jax import multipliers
 @pytest.mark.parametrize('alpha', [0.0, 1 / 9, 0.25, 0.5, 0.99])
 def test_symmetric_mean_one_and_bounded(n, alpha):
   rho = multipliers.spread_multipliers(n, alpha)
-  assert rho.shape == (n,)
+  chex.assert_shape(rho, (n,))
   # Symmetric: each pair r, N-1-r sums to exactly 2, so the mean is exactly 1.
   np.testing.assert_array_equal(rho + rho[::-1], 2.0)
   assert abs(np.mean(rho) - 1.0) <= 1e-15
@@ -39,11 +40,11 @@ def test_bad_spread_names_parameter(bad):
 def test_permutations_are_permutations_and_independent():
   key = jax.random.key(3)
   perms = np.asarray(multipliers.draw_permutations(key, 3, 8))
-  assert perms.shape == (3, 8)
+  chex.assert_shape(perms, (3, 8))
   for row in perms:
     assert sorted(row.tolist()) == list(range(8))
   # Same key, same draw (every replica holds the same key).
-  np.testing.assert_array_equal(perms, np.asarray(multipliers.draw_permutations(key, 3, 8)))
+  chex.assert_trees_all_equal(perms, np.asarray(multipliers.draw_permutations(key, 3, 8)))
   # Independent across hyperparameters: over many draws the rows differ and the position of
   # multiplier 0 in row 0 and row 1 is uncorrelated (8 x 8 contingency close to uniform).
   counts = np.zeros((8, 8))

@@ -2,6 +2,7 @@
 
 import os
 
+import chex
 import jax
 import numpy as np
 
@@ -35,5 +36,5 @@ def test_chunked_data_reads_each_steps_batch_at_the_optimizer_count():
       losses.append(np.asarray(m['loss']))
     out[chunk] = (np.stack(losses), jax.tree.map(np.asarray, params))
   np.testing.assert_array_equal(out[k][0], out[0][0])  # every step saw its own batch, bit for bit
-  jax.tree.map(np.testing.assert_array_equal, out[k][1], out[0][1])
+  chex.assert_trees_all_equal(out[k][1], out[0][1])
   assert len(np.unique(out[0][0][:, 0])) == steps  # and the batches differ from step to step

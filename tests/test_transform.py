@@ -2,6 +2,7 @@
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -185,9 +186,7 @@ def test_window_end_program_equals_the_fused_sync_step(mesh, exact):
       sp, ss = end(sp, ss)
       assert np.max(np.abs(np.asarray(sp['w']) - np.asarray(sp['w'])[0])) <= (0 if exact else 1e-6)
     np.testing.assert_allclose(np.asarray(sp['w']), np.asarray(fp['w']), rtol=1e-6, atol=1e-7)
-    for a, b in zip(jax.tree.leaves(ss.controller), jax.tree.leaves(fs.controller)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(ss.values), np.asarray(fs.values), rtol=1e-5)
+    chex.assert_trees_all_close((ss.controller, ss.values), (fs.controller, fs.values), rtol=1e-5)
     assert int(ss.count[0]) == int(fs.count[0]) == t + 1 and int(ss.sync_count[0]) == (t + 1) // T
   assert float(np.abs(np.asarray(fs.controller.velocity)).max()) > 0  # the controller ran
   with pytest.raises(ValueError, match='updates=None'):
@@ -480,6 +479,11 @@ SCHED = H.one_cycle(1e-3, 100)
     (dict(auto_lr=H.AutoLR(total_steps=100), spread=0.0), 'spread'),
     (dict(auto_lr=H.AutoLR(total_steps=100), learning_rate=optax.linear_schedule(1e-3, 0.0, 99)), 'learning_rate'),
     (dict(auto_lr=H.AutoLR(total_steps=100, min_value=0.0)), 'min_value'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='psychic')), 'controller'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', overshoot=0.5)), 'overshoot'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', trust=0.0)), 'trust'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', memory=1.0)), 'memory'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, stop_steps=-5)), 'stop_steps'),
 ])
 def test_bad_settings_raise_at_construction(kwargs, name):
   args = dict(learning_rate=SCHED, num_replicas=4, spread=0.25, sync_every=10)
@@ -511,3 +515,38 @@ def test_average_replicas_is_the_mean_and_exact_on_agreeing_replicas():
                              np.asarray(x, np.float64).mean(0), rtol=1e-6, atol=1e-6)
   same = jnp.broadcast_to(x[3], x.shape)
   np.testing.assert_array_equal(np.asarray(H.average_replicas(same)), np.asarray(x[3]))
+
+
+@pytest.mark.parametrize('controller', ['paper', 'fit'])
+def test_score_replaces_the_window_loss_and_stop_steps_freezes_the_controller(controller):
+  """At a sync, score= (e.g. each replica's loss on a common batch) is what the controller compares,
+  not the window's training losses; after stop_steps the controller no longer moves the base."""
+  S, T, stop = 60, 5, 30
+  settings = dict(temperature=0.01, decay=0.0) if controller == 'paper' else dict(controller='fit', overshoot=1.0)
+  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
+              auto_lr=H.AutoLR(total_steps=S, warmup_steps=0, stop_steps=stop, **settings))
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.vmap(tx.init)(sp)
+
+  def step(p, s):
+    my_lr = s.values[0, lax.axis_index(AX)]
+    # The training loss favours small LRs; the score (what the controller must see) favours large ones.
+    u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0 + 10.0 * my_lr, sync=False)
+    return optax.apply_updates(p, u), s, my_lr
+
+  def end(p, s, my_lr):
+    u, s = tx.update(None, s, p, sync=True, score=1.0 - 10.0 * my_lr)
+    return optax.apply_updates(p, u), s
+  f = jax.jit(jax.vmap(step, axis_name=AX))
+  g = jax.jit(jax.vmap(end, axis_name=AX))
+  bases = []
+  for t in range(S):
+    sp, ss, lr = f(sp, ss)
+    if (t + 1) % T == 0:
+      sp, ss = g(sp, ss, lr)
+      np.testing.assert_allclose(ss.controller.window_losses[0], 1.0 - 10.0 * np.asarray(lr), rtol=1e-6)
+    bases.append(float(ss.base[0, 0]))
+  assert bases[stop - 1] > 1.1e-2  # raised from 1e-2, following the score (the training loss says lower)
+  np.testing.assert_allclose(bases[stop + T:], bases[stop + T], rtol=1e-6)  # frozen after stop_steps
+  with pytest.raises(ValueError, match='score='):
+    jax.vmap(lambda p, s: tx.update(p, s, p, value=1.0, sync=False, score=1.0), axis_name=AX)(sp, ss)

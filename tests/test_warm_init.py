@@ -1,5 +1,6 @@
 """Warm noisy init (eq. 10): the noise scale, per-replica independence, reproducibility."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,12 +46,10 @@ def test_noise_differs_per_replica_and_is_reproducible():
     for j in range(i + 1, 4):
       assert abs(np.corrcoef(eps[i], eps[j])[0, 1]) < 0.02  # independent draws
   again = warm_init.warm_noisy_init(params, 4, 0.01, key)
-  for x, y in zip(jax.tree.leaves(stacked), jax.tree.leaves(again)):
-    np.testing.assert_array_equal(x, y)
+  chex.assert_trees_all_equal(stacked, again)
   # Replica r's noise does not depend on how many replicas there are.
   two = warm_init.warm_noisy_init(params, 2, 0.01, key)
-  for x, y in zip(jax.tree.leaves(stacked), jax.tree.leaves(two)):
-    np.testing.assert_array_equal(x[:2], y)
+  chex.assert_trees_all_equal(jax.tree.map(lambda x: x[:2], stacked), two)
   other = warm_init.warm_noisy_init(params, 4, 0.01, jax.random.key(4))
   assert not np.array_equal(_flat(other), _flat(stacked))
 
@@ -58,6 +57,5 @@ def test_noise_differs_per_replica_and_is_reproducible():
 def test_nu_zero_copies_the_checkpoint():
   params = _params()
   stacked = warm_init.warm_noisy_init(params, 3, 0.0, jax.random.key(0))
-  for s, p in zip(jax.tree.leaves(stacked), jax.tree.leaves(params)):
-    for r in range(3):
-      np.testing.assert_array_equal(s[r], p)
+  for r in range(3):
+    chex.assert_trees_all_equal(jax.tree.map(lambda s: s[r], stacked), params)
