@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +53,7 @@ def unit_offsets(num_replicas: int) -> np.ndarray:
   return (np.arange(n, dtype=np.float64) - half) / max(half, 0.5)
 
 
-def draw_permutations(key: jax.Array, num_hyperparams: int, num_replicas: int) -> jax.Array:
+def draw_permutations(key: chex.PRNGKey, num_hyperparams: int, num_replicas: int) -> chex.Array:
   """Draws one independent permutation of ``range(N)`` per explored hyperparameter.
 
   Replica r takes multiplier ``rho[g, perm[g, r]]`` for hyperparameter g. Every replica
@@ -73,6 +74,6 @@ def draw_permutations(key: jax.Array, num_hyperparams: int, num_replicas: int) -
   return jax.vmap(lambda k: jax.random.permutation(k, num_replicas))(keys).astype(jnp.int32)
 
 
-def identity_permutations(num_hyperparams: int, num_replicas: int) -> jax.Array:
+def identity_permutations(num_hyperparams: int, num_replicas: int) -> chex.Array:
   """Replica r takes ``rho[r]`` for every hyperparameter (the assignment before any sync)."""
   return jnp.broadcast_to(jnp.arange(num_replicas, dtype=jnp.int32), (num_hyperparams, num_replicas))

@@ -11,18 +11,20 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import chex
+from chex import ArrayTree  # by name: get_type_hints resolves its recursive reference to itself here
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
-def stack_replicas(tree: Any, num_replicas: int) -> Any:
+def stack_replicas(tree: ArrayTree, num_replicas: int) -> ArrayTree:
   """Copies every leaf N times along a new leading replica axis."""
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + jnp.shape(x)), tree)
 
 
-def average_replicas(stacked: Any) -> Any:
+def average_replicas(stacked: ArrayTree) -> ArrayTree:
   """The ensemble's model: the mean over the leading replica axis, outside any mapped context.
 
   This is the exact average of the replicas, whatever they hold; evaluate and export this,
@@ -36,19 +38,19 @@ def average_replicas(stacked: Any) -> Any:
   return jax.tree.map(mean, stacked)
 
 
-def replica(stacked: Any, index: int) -> Any:
+def replica(stacked: ArrayTree, index: int) -> ArrayTree:
   """Replica ``index``'s copy of a stacked tree."""
   return jax.tree.map(lambda x: x[index], stacked)
 
 
-def vma(x: jax.Array) -> frozenset:
+def vma(x: chex.Array) -> frozenset:
   """The mesh axes a value varies over (empty outside shard_map and under vmap/pmap)."""
   aval = jax.typeof(x)
-  mat = getattr(aval, 'mat', None)
-  return frozenset(getattr(mat, 'varying', ())) if mat is not None else frozenset()
+  mat = getattr(aval, 'mat', None)  # jax >= 0.10: aval.mat.varying; before: aval.vma
+  return frozenset(getattr(mat, 'varying', ()) if mat is not None else getattr(aval, 'vma', ()))
 
 
-def match_vma(x: Any, like: Any) -> Any:
+def match_vma(x: ArrayTree, like: ArrayTree) -> ArrayTree:
   """Casts each leaf of x to vary over the axes its counterpart in ``like`` varies over.
 
   The two branches of a ``lax.cond`` must agree in varying-ness under ``check_vma``; a
@@ -79,14 +81,15 @@ def axis_size_or_raise(axis_name: str, expected: int | None = None, who: str = '
   return size
 
 
-def all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: ArrayTree) -> chex.Array:
   """[] bool: whether every element of every leaf is finite (on this replica)."""
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
             if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones([], bool)
 
 
-def finite_mean(tree: Any, axis_name: str, ok: jax.Array | None = None) -> tuple[Any, jax.Array]:
+def finite_mean(tree: ArrayTree, axis_name: str,
+                ok: chex.Array | None = None) -> tuple[ArrayTree, chex.Array]:
   """The mean over ``axis_name`` of the replicas whose leaves are all finite.
 
   Replicas with any NaN or inf are left out of the sum and the count (when ``ok`` is given, it
@@ -106,7 +109,7 @@ def finite_mean(tree: Any, axis_name: str, ok: jax.Array | None = None) -> tuple
   return jax.tree.map(divide, total), count
 
 
-def pmean_finite(tree: Any, axis_name: str) -> Any:
+def pmean_finite(tree: ArrayTree, axis_name: str) -> ArrayTree:
   """``lax.pmean`` over the replicas whose values are all finite (see :func:`finite_mean`).
 
   Use it for the data-parallel gradient all-reduce under HDET: every replica shares the

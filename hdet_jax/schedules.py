@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -73,7 +74,7 @@ def one_cycle(
   starts = np.array([0.0] + ends[:-1])
   ends_arr = np.array(ends)
 
-  def schedule(count):
+  def schedule(count: chex.Numeric) -> chex.Array:
     t = jnp.asarray(count, jnp.float32)
     # The phase index: the first phase whose end is >= t (the last one past the end).
     phase = jnp.minimum(jnp.sum(t > jnp.asarray(ends_arr[:-1], jnp.float32)), len(ends) - 1)
@@ -92,7 +93,7 @@ def one_cycle(
   return schedule
 
 
-def final_value(schedule, total_steps: int) -> float:
+def final_value(schedule: optax.ScalarOrSchedule, total_steps: int) -> float:
   """The schedule's value at its last step (``total_steps - 1``), as a Python float."""
   if not callable(schedule):
     return float(schedule)
