@@ -67,6 +67,10 @@ VARIANT_SETTINGS = {
     # biases and norms, random-walked upward).
     'fit_lr': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3,
                'hdet.param_groups': False},
+    # fit_lr with a 4x longer horizon (average and compare every 100 steps; the same largest change per
+    # step): does the line search's preference for small LRs (short-horizon bias) shrink with the horizon?
+    'fit_lr_T100': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3,
+                    'hdet.param_groups': False, 'hdet.sync_every': 100, 'hdet.trust': 1.0},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False},
 }

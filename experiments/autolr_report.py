@@ -195,6 +195,9 @@ def _markdown(results: dict, all_runs: dict, quick: bool) -> str:
     for name in (f'autolr_lr_{optim}.png', f'autolr_signal_{optim}.png'):
       lines.append(f'![{name}](figures/{name})')
     lines.append('')
+  discussion = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'autolr_discussion.md')
+  if not quick and os.path.exists(discussion):
+    lines += ['', open(discussion, encoding='utf-8').read()]
   return '\n'.join(lines) + '\n'
 
 
