@@ -12,6 +12,9 @@ Records in ``WORKDIR/metrics.jsonl`` carry a ``kind``:
 A resumed run appends (first cutting a last line a killed run left unfinished); readers keep the
 last record of each (kind, step), so steps a killed run logged after its last checkpoint, then
 recomputed by the resumed run, appear once.
+
+Beside it, the same numbers go to TensorBoard event files (``WORKDIR/events.out.tfevents.*``, written
+with tensorboardX, no TensorFlow; ``tensorboard --logdir WORKDIR``), see :class:`TensorBoardWriter`.
 """
 
 from __future__ import annotations
@@ -79,19 +82,112 @@ def _drop_partial_last_line(path: str) -> None:
     f.truncate(0)
 
 
-class MetricsWriter:
-  """Appends records to a JSONL file (only where ``enabled``, i.e. on process 0)."""
+class TensorBoardWriter:
+  """The scalars of the ``train``, ``controller``, ``eval`` and ``throughput`` records as TensorBoard events.
 
-  def __init__(self, path: str, enabled: bool = True):
+  Tags (N replicas; ``<name>`` from the ``hyperparams`` record, e.g. ``learning_rate/weights``):
+
+  - every step: ``train/loss/replica_<r>``, ``train/loss/mean``, ``train/<name>/replica_<r>`` (each
+    replica's learning rates and explored values) and ``train/base/<name>`` (the base values);
+  - every sync: ``controller/window_loss/replica_<r>``, ``controller/weight/replica_<r>``,
+    ``controller/delta/<name>``, ``controller/velocity/<name>``;
+  - ``eval/val_loss``, ``eval/val_bits_per_byte``; ``throughput/tokens_per_s``, ``throughput/steps_per_s``.
+
+  A record's scalars go out as one event (one ``add_summary`` with many values: a step's 30-odd
+  scalars cost about 0.3 ms, against about 3 ms as separate ``add_scalar`` calls). A resumed run starts a
+  new event file that purges the steps from the resume step on (TensorBoard's ``purge_step``), so steps a
+  killed run logged after its last checkpoint are shown once, as with ``metrics.jsonl``.
+  """
+
+  _opened = 0  # writers opened by this process
+
+  def __init__(self, logdir: str):
+    import tensorboardX  # the trainer extra; only imported when TensorBoard output is on
+    from tensorboardX.proto import event_pb2, summary_pb2
+    self._logdir = logdir
+    # tensorboardX names a file by the second and the host and opens it with 'wb': a suffix keeps two
+    # writers of one second (a quick restart) from overwriting each other, in the order they started.
+    TensorBoardWriter._opened += 1
+    suffix = f'.{os.getpid()}-{TensorBoardWriter._opened:04d}'
+    self._open = lambda: tensorboardX.FileWriter(logdir, max_queue=100, flush_secs=60, filename_suffix=suffix)
+    self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
+    self._w = None
+    self.names: list[str] = ['learning_rate']
+
+  def _writer(self, purge_step: int | None = None):
+    if self._w is None:
+      self._w = self._open()
+      if purge_step is not None:
+        e = self._event_pb2
+        self._w.add_event(e.Event(step=purge_step, file_version='brain.Event:2'))
+        self._w.add_event(e.Event(step=purge_step, session_log=e.SessionLog(status=e.SessionLog.START)))
+    return self._w
+
+  def _add(self, step: int, scalars: dict[str, float]) -> None:
+    value = self._summary_pb2.Summary.Value
+    summary = self._summary_pb2.Summary(value=[value(tag=k, simple_value=v) for k, v in scalars.items()])
+    self._writer().add_summary(summary, global_step=int(step))
+
+  def write(self, kind: str, record: dict) -> None:
+    step = record.get('step')
+    if kind == 'event' and record.get('event') in ('start', 'resume'):
+      self._writer(purge_step=int(step) if record['event'] == 'resume' else None)
+      return
+    if kind == 'hyperparams':
+      self.names = list(record['names'])
+      return
+    out: dict[str, float] = {}
+    if kind == 'train':
+      loss = np.asarray(record['loss'], np.float64)
+      out.update({f'train/loss/replica_{r}': x for r, x in enumerate(loss.tolist())})
+      out['train/loss/mean'] = float(np.mean(loss))
+      for name, row in zip(self.names, np.asarray(record['values'], np.float64).tolist()):
+        out.update({f'train/{name}/replica_{r}': x for r, x in enumerate(row)})
+      out.update({f'train/base/{name}': x for name, x in
+                  zip(self.names, np.asarray(record['bases'], np.float64).tolist())})
+    elif kind == 'controller':
+      for tag, key in (('window_loss', 'window_losses'), ('weight', 'weights')):
+        out.update({f'controller/{tag}/replica_{r}': x for r, x in
+                    enumerate(np.asarray(record[key], np.float64).tolist())})
+      for tag, key in (('delta', 'deltas'), ('velocity', 'velocities')):
+        out.update({f'controller/{tag}/{name}': x for name, x in
+                    zip(self.names, np.asarray(record[key], np.float64).tolist())})
+    elif kind == 'eval':
+      out = {'eval/val_loss': record['val_loss'], 'eval/val_bits_per_byte': record['val_bits_per_byte']}
+    elif kind == 'throughput':
+      out = {'throughput/tokens_per_s': record['tokens_per_s'], 'throughput/steps_per_s': record['steps_per_s']}
+    if out and step is not None:
+      self._add(step, {k: float(v) for k, v in out.items()})
+
+  def flush(self) -> None:
+    if self._w is not None:
+      self._w.flush()
+
+  def close(self) -> None:
+    if self._w is not None:
+      self._w.close()
+      self._w = None
+
+
+class MetricsWriter:
+  """Appends records to a JSONL file (only where ``enabled``, i.e. on process 0).
+
+  With ``tensorboard`` the scalars also go to TensorBoard event files in the same directory.
+  """
+
+  def __init__(self, path: str, enabled: bool = True, tensorboard: bool = False):
     self.path = path
     self.enabled = enabled
     if enabled:
       _drop_partial_last_line(path)
     self._f = open(path, 'a', encoding='utf-8') if enabled else None
+    self._tb = TensorBoardWriter(os.path.dirname(os.path.abspath(path))) if enabled and tensorboard else None
 
   def write(self, kind: str, **record: Any) -> None:
     if self._f is not None:
       self._f.write(json.dumps(_clean({'kind': kind, **record})) + '\n')
+    if self._tb is not None:
+      self._tb.write(kind, record)
 
   def write_many(self, kind: str, records: Iterable[dict]) -> None:
     for r in records:
@@ -100,11 +196,16 @@ class MetricsWriter:
   def flush(self) -> None:
     if self._f is not None:
       self._f.flush()
+    if self._tb is not None:
+      self._tb.flush()
 
   def close(self) -> None:
     if self._f is not None:
       self._f.close()
       self._f = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
 
 
 def read_metrics(path: str) -> dict[str, list[dict]]:

@@ -248,7 +248,9 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
   abstract_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rs), abstract_state)
   abstract_state['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=rep)
   ckpt = checkpoints.Checkpointer(workdir, config.max_checkpoints)
-  writer = metrics_lib.MetricsWriter(os.path.join(workdir, 'metrics.jsonl'), enabled=lead)
+  # TensorBoard event files beside metrics.jsonl, on unless the config sets tensorboard=False.
+  writer = metrics_lib.MetricsWriter(os.path.join(workdir, 'metrics.jsonl'), enabled=lead,
+                                     tensorboard=bool(config.get('tensorboard', True)))
   log = (lambda msg: print(msg, flush=True)) if lead else (lambda msg: None)
 
   restored = None

@@ -1,0 +1,131 @@
+"""TensorBoard event files beside metrics.jsonl: read back (no TensorFlow, no tensorboard package) and
+compared number for number with the JSONL records."""
+
+import glob
+import os
+import struct
+
+import numpy as np
+from tensorboardX.proto import event_pb2
+from tensorboardX.record_writer import masked_crc32c
+
+from hdet_jax.trainer import config_lib, metrics, train_and_evaluate
+from hdet_jax.trainer.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, 'configs', 'tiny.py')
+
+
+def _records(path):
+  """The events of one file, from TFRecord framing: length (8 bytes), its CRC, data, the data's CRC."""
+  data = open(path, 'rb').read()
+  out, i = [], 0
+  while i < len(data):
+    header = data[i:i + 8]
+    (n,) = struct.unpack('<Q', header)
+    assert struct.unpack('<I', data[i + 8:i + 12])[0] == masked_crc32c(header)
+    body = data[i + 12:i + 12 + n]
+    assert struct.unpack('<I', data[i + 12 + n:i + 16 + n])[0] == masked_crc32c(body)
+    out.append(event_pb2.Event.FromString(body))
+    i += 16 + n
+  return out
+
+
+def read_scalars(logdir):
+  """{(tag, step): value} over the directory's event files, oldest first, as TensorBoard reads them: a file
+  that opens with a SessionLog START at step s (a resumed run's purge_step) hides earlier events at steps >= s."""
+  scalars = {}
+  for path in sorted(glob.glob(os.path.join(logdir, 'events.out.tfevents.*'))):
+    for ev in _records(path):
+      if ev.HasField('session_log') and ev.session_log.status == event_pb2.SessionLog.START:
+        scalars = {k: v for k, v in scalars.items() if k[1] < ev.step}
+      for v in ev.summary.value:
+        scalars[(v.tag, ev.step)] = v.simple_value
+  return scalars
+
+
+def _expected(recs):
+  """What the event files should hold, from metrics.jsonl's records (as float32, TensorBoard's precision)."""
+  names = recs['hyperparams'][-1]['names']
+  out = {}
+  for r in recs['train']:
+    s = r['step']
+    for i, x in enumerate(r['loss']):
+      out[(f'train/loss/replica_{i}', s)] = x
+    out[('train/loss/mean', s)] = float(np.mean(r['loss']))
+    for name, row, base in zip(names, r['values'], r['bases']):
+      out[(f'train/base/{name}', s)] = base
+      for i, x in enumerate(row):
+        out[(f'train/{name}/replica_{i}', s)] = x
+  for r in recs['controller']:
+    s = r['step']
+    for i, (w, l) in enumerate(zip(r['weights'], r['window_losses'])):
+      out[(f'controller/weight/replica_{i}', s)] = w
+      out[(f'controller/window_loss/replica_{i}', s)] = l
+    for name, d, v in zip(names, r['deltas'], r['velocities']):
+      out[(f'controller/delta/{name}', s)] = d
+      out[(f'controller/velocity/{name}', s)] = v
+  for r in recs['eval']:
+    out[('eval/val_loss', r['step'])] = r['val_loss']
+    out[('eval/val_bits_per_byte', r['step'])] = r['val_bits_per_byte']
+  for r in recs['throughput']:
+    out[('throughput/tokens_per_s', r['step'])] = r['tokens_per_s']
+    out[('throughput/steps_per_s', r['step'])] = r['steps_per_s']
+  return {k: np.float32(v) for k, v in out.items()}
+
+
+def test_trainer_event_files_hold_the_jsonl_numbers(tmp_path):
+  workdir = str(tmp_path / 'tiny')
+  train_and_evaluate(config_lib.with_overrides(config_lib.load_config_file(TINY), {'plots': False}), workdir)
+  files = glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
+  assert len(files) == 1  # beside metrics.jsonl
+  got = read_scalars(workdir)
+  recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  want = _expected(recs)
+  assert set(got) == set(want)
+  bad = [(k, got[k], want[k]) for k in want if not np.float32(got[k]) == want[k]]
+  assert not bad, bad[:5]
+  # What the run covers: 40 steps x 8 replicas, the per-group learning rates, 5 syncs, 2 evaluations.
+  names = recs['hyperparams'][-1]['names']
+  assert len(names) == 3 and all(n.startswith('learning_rate/') for n in names)
+  assert sorted({s for t, s in got if t == 'train/loss/replica_7'}) == list(range(40))
+  assert sorted({s for t, s in got if t == 'controller/window_loss/replica_0'}) == [7, 15, 23, 31, 39]
+  assert sorted({s for t, s in got if t == 'eval/val_bits_per_byte'}) == [20, 40]
+  assert len({t for t, _ in got if t.startswith(f'train/{names[0]}/replica_')}) == 8
+
+
+def test_tensorboard_off_writes_only_the_jsonl(tmp_path):
+  w = metrics.MetricsWriter(str(tmp_path / 'metrics.jsonl'), tensorboard=False)
+  w.write('event', step=0, event='start')
+  w.write('eval', step=1, val_loss=2.0, val_bits_per_byte=3.0)
+  w.close()
+  assert os.listdir(tmp_path) == ['metrics.jsonl']
+  assert read_metrics(str(tmp_path / 'metrics.jsonl'))['eval'][0]['val_loss'] == 2.0
+
+
+def test_a_resumed_writer_purges_like_tensorboardx(tmp_path):
+  """A resume at step 3 opens its file the way tensorboardX's SummaryWriter(purge_step=3) does, so the
+  steps a killed run logged after its checkpoint are shown once (the resumed run's values)."""
+  from tensorboardX import SummaryWriter
+  ours, theirs = tmp_path / 'ours', tmp_path / 'theirs'
+  ours.mkdir()
+  w = metrics.MetricsWriter(str(ours / 'metrics.jsonl'), tensorboard=True)
+  w.write('event', step=0, event='start')
+  for s in range(6):
+    w.write('eval', step=s, val_loss=float(s), val_bits_per_byte=1.0)
+  w.close()
+  w = metrics.MetricsWriter(str(ours / 'metrics.jsonl'), tensorboard=True)
+  w.write('event', step=3, event='resume')
+  for s in range(3, 5):
+    w.write('eval', step=s, val_loss=10.0 + s, val_bits_per_byte=1.0)
+  w.close()
+  got = read_scalars(str(ours))
+  assert {s: v for (t, s), v in got.items() if t == 'eval/val_loss'} == {0: 0.0, 1: 1.0, 2: 2.0, 3: 13.0, 4: 14.0}
+
+  ref = SummaryWriter(logdir=str(theirs), purge_step=3)
+  ref.add_scalar('eval/val_loss', 13.0, 3)
+  ref.close()
+  head = lambda evs: [(e.step, e.file_version, e.session_log.status) for e in evs if not e.HasField('summary')]
+  (ours_second,) = sorted(glob.glob(str(ours / 'events.out.tfevents.*')))[1:]
+  (theirs_file,) = glob.glob(str(theirs / 'events.out.tfevents.*'))
+  assert head(_records(ours_second)) == head(_records(theirs_file))
