@@ -103,6 +103,16 @@ def test_tensorboard_off_writes_only_the_jsonl(tmp_path):
   assert read_metrics(str(tmp_path / 'metrics.jsonl'))['eval'][0]['val_loss'] == 2.0
 
 
+def test_tensorboard_is_a_run_setting_not_a_training_field():
+  """Turning it on or off (or a config that gains the field) does not make a workdir another run's."""
+  plain = config_lib.load_config_file(TINY)
+  assert plain.get('tensorboard', True)  # on by default
+  off = config_lib.load_config_file(TINY)
+  with off.unlocked():
+    off.tensorboard = False
+  assert config_lib.training_fields(off, 8) == config_lib.training_fields(plain, 8)
+
+
 def test_a_resumed_writer_purges_like_tensorboardx(tmp_path):
   """A resume at step 3 opens its file the way tensorboardX's SummaryWriter(purge_step=3) does, so the
   steps a killed run logged after its checkpoint are shown once (the resumed run's values)."""
