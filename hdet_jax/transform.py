@@ -230,7 +230,9 @@ def hdet(
     Index g of the state's [G] fields follows ``hyperparam_names(...)``: the learning rate
     (or ``learning_rate/<group>`` per group, in order), then ``explore`` in order.
     guard_nonfinite: if True (default) a sync averages only the replicas whose parameters
-      are all finite and resets the others to that average, and a replica whose window loss
+      are all finite and resets the others to that average (with ``exact_sync=True`` and
+      :func:`apply_updates`; an additive optax update cannot reset a NaN parameter, so on that path
+      the replica stays out of every later average), and a replica whose window loss
       is not finite gets controller weight 0 (its LR counts as too large: the signal moves
       away from it). ``state.finite_replicas`` says how many entered the average; 0 means
       every replica blew up and the parameters stay non-finite. Pair it with

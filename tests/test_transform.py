@@ -550,3 +550,118 @@ def test_score_replaces_the_window_loss_and_stop_steps_freezes_the_controller(co
   np.testing.assert_allclose(bases[stop + T:], bases[stop + T], rtol=1e-6)  # frozen after stop_steps
   with pytest.raises(ValueError, match='score='):
     jax.vmap(lambda p, s: tx.update(p, s, p, value=1.0, sync=False, score=1.0), axis_name=AX)(sp, ss)
+
+
+# --- the controllers as wired into hdet, with a real signal, against numpy oracles --------------
+
+def _signal_run(tx, steps, lr_index=0):
+  """Zero gradients; each replica's loss is 1 + 3 (lr / 1e-2 - 1)^2 of its LR: a bowl at LR 1e-2.
+  Returns per sync: the state before the sync's window (perm, base, velocity, ...) and after it."""
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.vmap(tx.init)(sp)
+
+  def step(p, s):
+    my_lr = s.values[lr_index, lax.axis_index(AX)]
+    u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0 + 3.0 * (my_lr / 1e-2 - 1.0) ** 2)
+    return optax.apply_updates(p, u), s
+  f = jax.jit(jax.vmap(step, axis_name=AX))
+  states = [jax.tree.map(lambda x: np.asarray(x[0]), ss)]
+  for _ in range(steps):
+    sp, ss = f(sp, ss)
+    states.append(jax.tree.map(lambda x: np.asarray(x[0]), ss))
+  return states
+
+
+@pytest.mark.parametrize('smooth', [True, False])
+def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
+  """Real signal, non-zero decay, a floor (min_value) and a seed: every sync's velocity and base equal
+  eqs. 4-7 computed in numpy from the window's losses and LRs; between syncs the base follows the
+  smooth geometric path (or holds, smooth_decay=False)."""
+  import importlib.util, pathlib
+  spec = importlib.util.spec_from_file_location('tc', pathlib.Path(__file__).parent / 'test_controller.py')
+  tc = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tc)
+  S, T, gamma, floor = 80, 5, 0.03, 4e-3
+  tx = H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, seed=7,
+              auto_lr=H.AutoLR(total_steps=S, warmup_steps=0, temperature=0.05, lr_of_lr=0.7, momentum=0.6,
+                               decay=gamma, min_value=floor, smooth_decay=smooth))
+  states = _signal_run(tx, S)
+  v = np.zeros(1)
+  moved = 0
+  for k in range(1, S // T + 1):
+    before, after = states[(k - 1) * T], states[k * T]
+    c0 = before.controller
+    lrs = c0.base[0] * H.spread_multipliers(N, 0.25)[c0.perm[0]]  # the window's nominal LRs
+    losses = after.controller.window_losses
+    # The window losses are each replica's mean loss over the window's steps.
+    np.testing.assert_allclose(losses, np.mean([1.0 + 3.0 * (states[j].values[0] / 1e-2 - 1.0) ** 2
+                                                for j in range((k - 1) * T, k * T)], 0), rtol=1e-5)
+    w, delta, v, base = tc.numpy_controller(v, losses, lrs[:, None], 0.05, 0.7, 0.6, gamma, floor)
+    np.testing.assert_allclose(after.controller.velocity, v, rtol=1e-3, atol=1e-9)
+    np.testing.assert_allclose(after.controller.base, base, rtol=1e-4)
+    moved += abs(float(delta[0])) > 1e-5
+  assert moved >= S // T // 2  # the signal was real at most syncs
+  # The base's path inside a window: smooth geometric decay from base / (1 - gamma), or held.
+  k = 3
+  b = states[k * T].controller.base[0]
+  inside = np.array([states[k * T + i].base[0] for i in range(T)])
+  want = b * (1 - gamma) ** (np.arange(T) / T - 1.0) if smooth else np.full(T, b)
+  np.testing.assert_allclose(inside, want, rtol=1e-5)
+  # The seed sets the permutations: another seed draws others.
+  other = _signal_run(H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, seed=8,
+                             auto_lr=H.AutoLR(total_steps=S, warmup_steps=0)), T)
+  assert not np.array_equal(other[T].controller.perm, states[T].controller.perm)
+
+
+def test_fit_controller_as_wired_matches_numpy_oracle():
+  """The 'fit' controller in hdet: at each sync the correction moves by the numpy fit of the window's
+  losses on the replicas' offsets, and the base is the schedule times exp(correction)."""
+  import importlib.util, pathlib
+  spec = importlib.util.spec_from_file_location('tc', pathlib.Path(__file__).parent / 'test_controller.py')
+  tc = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tc)
+  S, T = 60, 5
+  sched = optax.linear_schedule(5e-3, 2e-3, S)
+  tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
+              auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.3, trust=0.2, memory=0.4))
+  states = _signal_run(tx, S)
+  xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), 0.0
+  rho = H.spread_multipliers(N, 0.25)
+  for k in range(1, S // T + 1):
+    before, after = states[(k - 1) * T], states[k * T]
+    u = (rho[before.controller.perm[0]] - 1.0)[:, None]
+    b, c, step, xtx, xty = tc.numpy_fit(xtx, xty, after.controller.window_losses, u, [True], 0.4, 1.3, [0.2])
+    corr += step[0]
+    np.testing.assert_allclose(after.controller.correction, [corr], rtol=1e-3, atol=1e-4)
+    t = k * T
+    np.testing.assert_allclose(after.base[0], float(sched(t)) * np.exp(after.controller.correction[0]), rtol=1e-5)
+  # It moved toward the bowl's bottom at LR 1e-2 x overshoot, from below.
+  assert states[-1].base[0] > 2 * float(sched(S))
+
+
+@pytest.mark.parametrize('exact', [True, False])
+def test_nonfinite_parameters_with_a_finite_loss_sit_out_the_average(mesh, exact):
+  """A replica whose parameters went NaN while its window loss stayed finite: the sync's parameter
+  check (not the loss check) keeps it out of the average. With exact_sync + hdet_jax.apply_updates it is
+  reset to the others' mean; an additive optax update cannot reset a NaN (p + (avg - p) is NaN), so on
+  that path it stays out until the user restores it (documented in hdet's docstring)."""
+  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=1, replica_axis=AX, exact_sync=exact)
+  w = jnp.arange(N * 3, dtype=jnp.float32).reshape(N, 3)
+  w = w.at[3, 1].set(jnp.nan)
+  sp = {'w': w}
+  ss = jax.vmap(tx.init)(H.stack_replicas({'w': jnp.zeros(3)}, N))
+
+  def step(p, s):
+    u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0)  # a finite loss everywhere
+    return (H.apply_updates(p, u, s, replica_axis=AX) if exact else optax.apply_updates(p, u)), s
+  out, st = jax.jit(jax.vmap(step, axis_name=AX))(sp, ss)
+  keep = np.array([r for r in range(N) if r != 3])
+  want = np.asarray(w)[keep].mean(0)
+  got = np.asarray(out['w'])
+  np.testing.assert_allclose(got[keep], np.broadcast_to(want, (N - 1, 3)), rtol=1e-6)
+  if exact:
+    np.testing.assert_allclose(got[3], want, rtol=1e-6)
+  else:
+    assert np.isnan(got[3]).any()
+  assert int(st.finite_replicas[0]) == N - 1
+  assert not bool(st.replica_ok[3]) and bool(st.replica_ok[0])
