@@ -21,5 +21,10 @@ def get_config():
   config.num_train_steps = 500  # S: every row trains this many steps (warm rows after their pre-training run).
   config.hdet.warmup_steps = 250  # S_warm: the auto-LR controller (where on) starts halfway, as in default.py.
   config.optim.max_lr = HIGH_LR  # Aggressive peak LR (the mean replica's).
+  # The paper's controller and per-group LRs (default.py's main job runs another controller).
+  config.hdet.controller = 'paper'  # eqs. 4-9.
+  config.hdet.score = 'window'  # Replicas compared on their window's training losses.
+  config.hdet.stop_fraction = 1.0  # The controller runs to the end.
+  config.hdet.param_groups = True  # Per-group LRs: embedding, no_decay, weights.
   config.init_from = 'workdirs/baseline_low'  # Warm noisy start from this workdir's latest checkpoint (eq. 10).
   return config

@@ -18,6 +18,8 @@ def get_config():
   config.optim.max_lr = 1e-2  # A high peak LR: a tiny model learns the byte statistics fast.
   config.hdet.sync_every = 8  # Average every 8 steps: after steps 8, 16, 24, 32 and 40.
   config.hdet.warmup_steps = 10  # The controller starts at the first sync after step 10 (step 16).
+  config.hdet.stop_fraction = 1.0  # ... and acts at every sync to the end.
+  config.hdet.param_groups = True  # The smoke run exercises per-group LRs too.
   config.log_every = 5  # Flush metrics every 5 steps.
   config.eval_every = 20  # Validate at step 20 (and at the end).
   config.eval_windows = 64  # 8 validation windows per replica.

@@ -37,6 +37,9 @@ def test_ablation_rows_differ_as_the_paper_says():
   assert cold.optim.max_lr == no_auto.optim.max_lr == warm.optim.max_lr == high.optim.max_lr == lr
   assert low.optim.max_lr == pytest.approx(lr / 9)
   assert full.hdet.auto_lr and cold.hdet.auto_lr and not no_auto.hdet.auto_lr
+  # The paper's rows run the paper's controller with per-group LRs, whatever the main job runs.
+  assert full.hdet.controller == cold.hdet.controller == 'paper' and full.hdet.score == 'window'
+  assert full.hdet.param_groups and full.hdet.stop_fraction == 1.0
   assert full.init_from and no_auto.init_from and warm.init_from and not cold.init_from and not high.init_from
   for plain in (warm, high, low):
     assert plain.hdet.spread == 0 and plain.hdet.sync_every == 0 and not plain.hdet.auto_lr
