@@ -234,6 +234,11 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
   resume = _check_workdir(workdir, fields)
   graphdef, abstract_params = model_lib.abstract_model(config.model, config.data.seq_len)
   init_src = _check_init_from(config, abstract_params) if not resume else None
+  if jax.process_count() > 1:
+    # Every process has read the workdir before process 0 creates checkpoints/ in it: a process that got
+    # here late would otherwise see that directory, open it, and run orbax's collectives out of step.
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices('hdet_workdir_checked')
 
   # ---- Build. ----
   os.makedirs(workdir, exist_ok=True)
