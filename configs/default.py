@@ -102,6 +102,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.stop_at_step = 0  # Stop (with a checkpoint) after this many steps, as if preempted; 0: run to the end.
   config.stop_on_nan = True  # Stop with a message once every replica's loss is NaN/inf (False: record it, keep going).
   config.plots = True  # Draw the PNG plots into WORKDIR/plots at the end.
+  config.tensorboard = True  # TensorBoard event files (tensorboardX) beside metrics.jsonl in the workdir.
   config.progress_bar = True  # Show the tqdm progress bar.
   config.num_cpu_devices = 8  # Simulated CPU devices in total when running on CPU (split over processes); JAX_NUM_CPU_DEVICES wins.
   config.compilation_cache = '~/.cache/hdet_jax/xla'  # JAX's persistent compilation cache directory ('': off).

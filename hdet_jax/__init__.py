@@ -1,6 +1,6 @@
 """hdet-jax: Hyperparameter-Divergent Ensemble Training as an optax transformation.
 
-The core (this package's top-level modules) depends on jax and optax only; the trainer in
+The core (this package's top-level modules) depends on jax, optax, numpy and chex only; the trainer in
 ``hdet_jax.trainer`` adds flax, orbax and I/O on top and is never imported from here.
 """
 
