@@ -74,7 +74,7 @@ VARIANT_SETTINGS = {
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False},
 }
-VARIANTS = ('fit_lr', 'paper')  # run by default (the others were screened on one seed)
+VARIANTS = ('fit_lr', 'paper', 'fit_lr_T100')  # run by default (the others were screened on one seed)
 DEFAULT_VARIANT = 'fit_lr'  # the variant reported as HDET's: the main job's controller (configs/default.py)
 # The LR-free methods at their documented LR: the trainer's one-cycle shape peaking at it where the docs
 # recommend a schedule (prodigy, dog, D-Adaptation, Mechanic), constant for schedule-free. reduce_on_plateau
