@@ -206,7 +206,7 @@ def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
   from hdet_jax.trainer import train_step as ts
-  from hdet_jax.trainer import config_lib
+  import ml_collections
   os.makedirs(fig_dir, exist_ok=True)
   paths = []
   colors = {'low': 'tab:blue', 'best': 'tab:green', 'high': 'tab:red'}
@@ -216,21 +216,16 @@ def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     gb = res.get('grid_best')
     if gb and gb['lr'] in runs['grid']:
-      r0 = runs['grid'][gb['lr']][0]
-      cfg = config_lib.load_config_file(os.path.join(A.REPO, 'configs', 'default.py'))
-      config_lib.with_overrides(cfg, {k: v for k, v in config_lib.flatten(r0['config']).items()
-                                      if k in config_lib.flatten(cfg.to_dict())})
+      cfg = ml_collections.ConfigDict(runs['grid'][gb['lr']][0]['config'])  # the run's own config
       sched = ts.schedule(cfg)
       steps = np.arange(int(cfg.num_train_steps))
       import jax
       ax.plot(steps, np.asarray(jax.jit(jax.vmap(sched))(steps)), color='k', lw=2, alpha=0.5,
               label=f'grid best schedule (peak {gb["lr"]:.3g})')
-    for k, (v, by_start) in enumerate(runs['hdet'].items()):
-      for st, rs in by_start.items():
-        for j, r in enumerate(rs):
-          s, lr = lr_path(r)
-          ax.plot(s, lr, styles[k % len(styles)], color=colors[st], alpha=0.8,
-                  label=f'{v} {st}' if j == 0 else None)
+    for style, v, st, rs in _styled_hdet_runs(runs, styles):
+      for j, r in enumerate(rs):
+        s, lr = lr_path(r)
+        ax.plot(s, lr, style, color=colors[st], alpha=0.8, label=f'{v} {st}' if j == 0 else None)
     ax.set_yscale('log')
     ax.set_xlabel('step')
     ax.set_ylabel('base LR (weights group)')
@@ -239,16 +234,13 @@ def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
     paths.append(_save(fig, fig_dir, f'autolr_lr_{optim}.png'))
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for k, (v, by_start) in enumerate(runs['hdet'].items()):
-      for st, rs in by_start.items():
-        if not rs:
-          continue
-        sig = signal_per_sync(rs[0])
-        if not sig:
-          continue
-        steps = [x['step'] for x in sig]
-        ratio = [abs(x['diff']) / x['noise'] if x['noise'] > 0 else np.nan for x in sig]
-        ax.plot(steps, ratio, styles[k % len(styles)], color=colors[st], alpha=0.8, label=f'{v} {st}')
+    for style, v, st, rs in _styled_hdet_runs(runs, styles):
+      sig = signal_per_sync(rs[0])
+      if not sig:
+        continue
+      steps = [x['step'] for x in sig]
+      ratio = [abs(x['diff']) / x['noise'] if x['noise'] > 0 else np.nan for x in sig]
+      ax.plot(steps, ratio, style, color=colors[st], alpha=0.8, label=f'{v} {st}')
     ax.axhline(2.0, color='k', lw=0.8, ls=':', label='|t| = 2')
     ax.set_yscale('log')
     ax.set_xlabel('step (sync)')
@@ -257,6 +249,14 @@ def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
     ax.legend(fontsize=7, ncol=2)
     paths.append(_save(fig, fig_dir, f'autolr_signal_{optim}.png'))
   return paths
+
+
+def _styled_hdet_runs(runs: dict, styles: list[str]):
+  """(line style of the variant, variant, start, records) for every HDET start that has records."""
+  for k, (v, by_start) in enumerate(runs['hdet'].items()):
+    for st, rs in by_start.items():
+      if rs:
+        yield styles[k % len(styles)], v, st, rs
 
 
 def _save(fig, fig_dir: str, name: str) -> str:
