@@ -1,0 +1,351 @@
+"""What ``hdet()`` is built from: the settings (:class:`AutoLR`, :class:`Explore`) and the validated plan.
+
+Every check of ``hdet``'s arguments lives here and runs eagerly, before anything is traced; each error
+names the parameter and the fix. The result is a frozen :class:`Plan`, the only thing the
+transformation's ``init`` and ``update`` read. The ``[G]`` order of the explored hyperparameters (the
+rows of ``HDETState.values``, ``base`` and the controller's fields) is defined once, by
+:func:`hyperparam_names`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hdet_jax import controller as ctrl
+from hdet_jax import multipliers
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoLR:
+  """Settings of the auto-LR controller (paper §3.4, eqs. 4-9).
+
+  Attributes:
+    total_steps: S, the length of the run; gamma is chosen so that with no signal the
+      base decays geometrically to the base schedule's value at step S - 1.
+    warmup_steps: S_warm; the controller updates at the first sync at or after this step.
+      Before that the base follows the schedule (the replicas are already spread).
+    temperature: sigma of the softmax over window losses (eq. 4). The paper used 0.1,
+      the reference code defaults to 0.002. Loss differences are divided by it, so it
+      should be on the scale of the replicas' loss differences.
+    lr_of_lr: lambda, the step size of the base update (eq. 7).
+    momentum: beta, the velocity's momentum (eq. 7), in [0, 1).
+    decay: gamma override. None picks the geometric decay described above; pass
+      ``hdet_jax.controller.reference_decay(div, final_div, K)`` to reproduce the reference.
+    min_value: floor on every base value, keeping every replica's LR positive. None uses
+      a tenth of the schedule's final value.
+    smooth_decay: if True, within a window the base decays continuously,
+      ``base_k (1 - gamma) ** (i / T - 1)`` at step i of the window (from the previous base,
+      absent signal, to base_k), so with no signal the LR follows one continuous geometric
+      curve; this fixes the reference's LR being frozen between syncs. False holds it at
+      base_k between syncs, as the reference does.
+    controller: ``'paper'`` (eqs. 4-9: softmax weights, additive step, geometric decay that
+      replaces the schedule; the fields above) or ``'fit'`` (a quadratic line search along the
+      replicas' line moving a multiplicative correction of the schedule; the fields below).
+      See :mod:`hdet_jax.controller`.
+    overshoot: 'fit': kappa >= 1, the target scale is kappa times the fitted best (PAL's 1.5-1.8;
+      counters short-horizon bias). Learning rates and other multiplicative values only.
+    trust: 'fit': the largest change of the log-correction per sync (multiplicative values;
+      0.25 is a factor 1.28). Additive values move at most their spread per sync.
+    memory: 'fit': forgetting factor in [0, 1) of the regression's statistics across syncs.
+    stop_steps: 'fit' and 'paper': the controller makes no update at syncs after this step (the
+      correction, or the base, then holds); None: it runs to the end.
+  """
+  total_steps: int
+  warmup_steps: int = 0
+  temperature: float = 0.1
+  lr_of_lr: float = 0.5
+  momentum: float = 0.9
+  decay: float | None = None
+  min_value: float | None = None
+  smooth_decay: bool = True
+  controller: str = 'paper'
+  overshoot: float = 1.5
+  trust: float = 0.25
+  memory: float = 0.5
+  stop_steps: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Explore:
+  """One more hyperparameter to explore across replicas (paper Remark 1).
+
+  Replica r uses ``clip(base * (1 + spread u) , low, high)`` (multiplicative) or
+  ``clip(base + spread u, low, high)`` (additive), with ``u`` the eq. 1 offsets in [-1, 1]
+  (``u_r = (r - (N-1)/2) / max((N-1)/2, 0.5)``) under the hyperparameter's own permutation.
+  Use multiplicative spreads for scale-like values (learning rates, weight decay, eps) and
+  additive ones for values whose natural base can be 0 or that live in a bounded interval
+  (dropout, label smoothing, Adam's b1/b2 near 1).
+
+  Attributes:
+    value: the base value, or an optax schedule of it.
+    spread: multiplicative: alpha in [0, 1); additive: the half-width, >= 0.
+    additive: additive instead of multiplicative spread.
+    low, high: the valid range; values and the controller's base are clipped to it, and
+      a spread that leaves it at the start raises.
+    to_optimizer: pass the replica's value to the optimizer factory as this keyword; False
+      for model or loss hyperparameters, which the train step reads from
+      ``state.values`` (see :func:`hdet_jax.replica_value`).
+  """
+  value: Any
+  spread: float
+  additive: bool = False
+  low: float | None = None
+  high: float | None = None
+  to_optimizer: bool = True
+
+
+class Plan(NamedTuple):
+  """``hdet()``'s arguments, validated and frozen (G = explored hyperparameters, N = replicas).
+
+  The per-hyperparameter fields follow the ``[G]`` order of :func:`hyperparam_names`.
+  """
+  optimizer: Callable[..., Any]        # the wrapped optax factory (called with learning_rate=).
+  optimizer_kwargs: dict[str, Any]     # fixed keywords for it (e.g. weight_decay=0.1).
+  names: tuple[str, ...]               # [G] hyperparameter names.
+  schedules: tuple[Any, ...]           # [G] float or optax schedule: the base value at step t.
+  spreads: tuple[float, ...]           # [G] alpha (multiplicative) or half-width (additive).
+  additive: tuple[bool, ...]           # [G] additive spread.
+  lows: tuple[float, ...]              # [G] valid range (-inf when unbounded).
+  highs: tuple[float, ...]             # [G] (inf when unbounded).
+  to_optimizer: tuple[bool, ...]       # [G] passed to the optimizer factory as a keyword.
+  scale: np.ndarray                    # [G, N] float32: multiplier rho of each slot (1 when additive).
+  offset: np.ndarray                   # [G, N] float32: additive offset of each slot (0 when multiplicative).
+  groups: tuple[tuple[str, str], ...]  # (group, regex) of the per-group learning rates; () for one LR.
+  num_replicas: int                    # N, the replica axis size.
+  sync_every: int                      # T, steps between averages.
+  replica_axis: str                    # the mapped axis the replicas live on.
+  auto_lr: AutoLR | None               # the controller's settings, or None.
+  controller_start: int                # the first step whose sync updates the controller (0: no controller).
+  decay: tuple[float, ...]             # [G] the paper controller's gamma (0 when not used).
+  floors: tuple[float, ...]            # [G] the paper controller's lowest base.
+  start_values: tuple[float, ...]      # [G] the schedule at controller_start (the controller's first base).
+  exact_sync: bool                     # the sync's average is assigned by hdet_jax.apply_updates.
+  guard_nonfinite: bool                # non-finite replicas sit the average out.
+  seed: int                            # seeds the permutation key.
+
+
+def is_learning_rate(name: str) -> bool:
+  """Whether row ``name`` of the ``[G]`` order is a learning rate (``learning_rate`` or ``learning_rate/<group>``)."""
+  return name == 'learning_rate' or name.startswith('learning_rate/')
+
+
+def hyperparam_names(*, param_groups: dict[str, str] | None = None,
+                     explore: dict[str, Any] | None = None) -> tuple[str, ...]:
+  """The order of the state's [G] fields for these ``hdet`` arguments.
+
+  The learning rate (``'learning_rate'``, or ``'learning_rate/<group>'`` per parameter group, in order),
+  then each explored hyperparameter in order.
+  """
+  lrs = tuple(f'learning_rate/{g}' for g in param_groups) if param_groups else ('learning_rate',)
+  return lrs + tuple(explore or ())
+
+
+def make_plan(optimizer, learning_rate, *, num_replicas, spread, sync_every, replica_axis, auto_lr,
+              exact_sync, seed, explore, param_groups, guard_nonfinite, optimizer_kwargs) -> Plan:
+  """Validates every ``hdet`` argument eagerly and returns the frozen plan."""
+  extra = _explored(explore, optimizer_kwargs)
+  groups = _param_groups(param_groups)
+  _check_replicas(num_replicas, spread, sync_every, replica_axis)
+  sync_every = int(sync_every)
+  lr = Explore(learning_rate, float(spread), low=None, high=None)
+  names = hyperparam_names(param_groups=dict(groups), explore=dict(extra))
+  hps = tuple(zip(names, (lr,) * (len(names) - len(extra)) + tuple(h for _, h in extra)))
+  for name, h in extra:
+    _check_explored_value(name, h)
+  lows = tuple(-math.inf if h.low is None else float(h.low) for _, h in hps)
+  controlled = _controller_plan(auto_lr, hps, lows, spread, sync_every)
+  if not callable(optimizer):
+    raise ValueError(
+        f'optimizer must be an optax factory such as optax.adam (called with learning_rate=), '
+        f'got {optimizer!r}. To wrap an existing instance use lambda learning_rate: ...')
+  spreads = tuple(float(h.spread) for _, h in hps)
+  additive = tuple(bool(h.additive) for _, h in hps)
+  scale, offset = _spread_tables(int(num_replicas), spreads, additive)
+  return Plan(
+      optimizer=optimizer, optimizer_kwargs=dict(optimizer_kwargs), names=names,
+      schedules=tuple(h.value for _, h in hps), spreads=spreads, additive=additive, lows=lows,
+      highs=tuple(math.inf if h.high is None else float(h.high) for _, h in hps),
+      to_optimizer=tuple(h.to_optimizer for _, h in hps), scale=scale, offset=offset, groups=groups,
+      num_replicas=int(num_replicas), sync_every=sync_every, replica_axis=replica_axis,
+      auto_lr=auto_lr, **controlled, exact_sync=bool(exact_sync),
+      guard_nonfinite=bool(guard_nonfinite), seed=seed)
+
+
+def _explored(explore, optimizer_kwargs) -> tuple[tuple[str, Explore], ...]:
+  """``explore`` as (name, Explore) pairs, in order."""
+  extra = []
+  for name, spec in (explore or {}).items():
+    if name == 'learning_rate' or name in optimizer_kwargs:
+      raise ValueError(f'explore: {name!r} is already set; name each hyperparameter once.')
+    if isinstance(spec, tuple) and len(spec) == 2:
+      spec = Explore(spec[0], spec[1])
+    if not isinstance(spec, Explore):
+      raise ValueError(
+          f'explore[{name!r}] must be an hdet_jax.Explore or a (value or schedule, spread) pair, got {spec!r}.')
+    extra.append((name, spec))
+  return tuple(extra)
+
+
+def _param_groups(param_groups) -> tuple[tuple[str, str], ...]:
+  groups = tuple((param_groups or {}).items())
+  for group, pattern in groups:
+    try:
+      re.compile(pattern)
+    except (re.error, TypeError) as e:
+      raise ValueError(f'param_groups[{group!r}]: {pattern!r} is not a valid regex: {e}') from None
+  return groups
+
+
+def _check_replicas(num_replicas, spread, sync_every, replica_axis) -> None:
+  if not _is_int(num_replicas) or num_replicas < 1:
+    raise ValueError(f'num_replicas must be a positive integer (the replica axis size), got {num_replicas!r}.')
+  if not isinstance(spread, (int, float)) or not 0.0 <= spread < 1.0:
+    raise ValueError(
+        f'spread (alpha) must be in [0, 1): the lowest multiplier 1 - spread must stay positive; got {spread!r}.')
+  if not _is_int(sync_every) or sync_every < 1:
+    raise ValueError(f'sync_every (T) must be an integer >= 1, got {sync_every!r}.')
+  if not isinstance(replica_axis, str) or not replica_axis:
+    raise ValueError(f'replica_axis must be a mesh/map axis name, got {replica_axis!r}.')
+
+
+def _check_explored_value(name: str, h: Explore) -> None:
+  lo = -math.inf if h.low is None else h.low
+  hi = math.inf if h.high is None else h.high
+  if not isinstance(h.spread, (int, float)) or not math.isfinite(h.spread) or h.spread < 0 or (
+      not h.additive and h.spread >= 1):
+    raise ValueError(
+        f'explore[{name!r}]: spread must be in [0, 1) (multiplicative) or >= 0 (additive), got {h.spread!r}.')
+  if not lo < hi:
+    raise ValueError(f'explore[{name!r}]: low={h.low!r} must be below high={h.high!r}.')
+  v0 = evaluate_schedules([h.value], [0])[0][0]
+  if not math.isfinite(v0):
+    raise ValueError(f'explore[{name!r}]: the value {v0!r} is not finite.')
+  edge = (v0 - h.spread, v0 + h.spread) if h.additive else (v0 * (1 - h.spread), v0 * (1 + h.spread))
+  if edge[0] < lo or edge[1] > hi:
+    raise ValueError(
+        f'explore[{name!r}]: value {v0!r} with spread {h.spread!r} spans [{edge[0]:.4g}, {edge[1]:.4g}], '
+        f'which leaves the valid range [{lo}, {hi}]; lower the spread or move the value.')
+
+
+def _check_auto_lr(a, spread) -> None:
+  if not isinstance(a, AutoLR):
+    raise ValueError(f'auto_lr must be an hdet_jax.AutoLR or None, got {type(a).__name__}.')
+  if not _is_int(a.total_steps) or a.total_steps < 2:
+    raise ValueError(f'auto_lr.total_steps must be an integer >= 2, got {a.total_steps!r}.')
+  if not _is_int(a.warmup_steps) or not 0 <= a.warmup_steps < a.total_steps:
+    raise ValueError(
+        f'auto_lr.warmup_steps must be in [0, total_steps={a.total_steps}), got {a.warmup_steps!r}.')
+  if not a.temperature > 0:
+    raise ValueError(f'auto_lr.temperature (sigma) must be > 0, got {a.temperature!r}.')
+  if not 0.0 <= a.momentum < 1.0:
+    raise ValueError(f'auto_lr.momentum (beta) must be in [0, 1), got {a.momentum!r}.')
+  if not a.lr_of_lr >= 0:
+    raise ValueError(f'auto_lr.lr_of_lr (lambda) must be >= 0, got {a.lr_of_lr!r}.')
+  if a.controller not in ctrl.VARIANTS:
+    raise ValueError(f'auto_lr.controller must be one of {ctrl.VARIANTS}, got {a.controller!r}.')
+  if not (isinstance(a.overshoot, (int, float)) and 1.0 <= a.overshoot < math.inf):
+    raise ValueError(f'auto_lr.overshoot (kappa) must be >= 1, got {a.overshoot!r}.')
+  if not (isinstance(a.trust, (int, float)) and 0.0 < a.trust < math.inf):
+    raise ValueError(f'auto_lr.trust must be > 0 (the largest log-step per sync), got {a.trust!r}.')
+  if not (isinstance(a.memory, (int, float)) and 0.0 <= a.memory < 1.0):
+    raise ValueError(f'auto_lr.memory must be in [0, 1), got {a.memory!r}.')
+  if a.stop_steps is not None and (not _is_int(a.stop_steps) or a.stop_steps < 0):
+    raise ValueError(f'auto_lr.stop_steps must be None or an integer >= 0, got {a.stop_steps!r}.')
+  if spread == 0.0:
+    raise ValueError(
+        'auto_lr needs spread > 0: with spread=0 every replica trains at the same LR and the '
+        'controller gets no signal. Set spread (e.g. 0.25) or auto_lr=None.')
+
+
+def _controller_plan(auto_lr, hps, lows, spread, sync_every) -> dict[str, Any]:
+  """The Plan's controller fields: ``controller_start``, and per hyperparameter ``decay``, ``floors``,
+  ``start_values``."""
+  g = len(hps)
+  if auto_lr is None:
+    return dict(controller_start=0, decay=(0.0,) * g, floors=lows, start_values=(0.0,) * g)
+  a = auto_lr
+  _check_auto_lr(a, spread)
+  # The first sync at or after the warmup; syncs happen after steps T, 2T, ...
+  start = max(sync_every, -(-int(a.warmup_steps) // sync_every) * sync_every)
+  last = int(a.total_steps) - 1
+  if start >= last:
+    raise ValueError(
+        f'auto_lr: the first sync at or after warmup_steps={a.warmup_steps} is step '
+        f'{start}, not before total_steps={a.total_steps}; lower auto_lr.warmup_steps '
+        f'or sync_every={sync_every}.')
+  firsts, finals = zip(*evaluate_schedules([h.value for _, h in hps], [start, last]))
+  if a.controller != 'fit':  # 'fit' scales the schedule; it needs no positive end value
+    for (name, h), v0, v1 in zip(hps, firsts, finals):
+      _check_decays_to_positive(name, h, v0, v1, start, last)
+  if a.decay is not None and not a.decay < 1:
+    raise ValueError(f'auto_lr.decay (gamma) must be < 1, got {a.decay!r}.')
+  decay = _decays(a, hps, firsts, finals, num_syncs=(last - start) / sync_every)
+  if a.min_value is not None and not a.min_value > 0:
+    raise ValueError(f'auto_lr.min_value must be > 0 (it keeps every LR positive), got {a.min_value!r}.')
+  floors = tuple(
+      lo if h.additive else max(lo, float(a.min_value) if (a.min_value is not None and is_learning_rate(name))
+                                else 0.1 * v1)
+      for (name, h), v1, lo in zip(hps, finals, lows))
+  return dict(controller_start=start, decay=decay, floors=floors, start_values=tuple(firsts))
+
+
+def _check_decays_to_positive(name, h, v0, v1, start, last) -> None:
+  """The paper controller decays geometrically: a multiplicative value's schedule must stay > 0."""
+  if h.additive:
+    return
+  who = 'learning_rate' if is_learning_rate(name) else f'explore[{name!r}]'
+  if not (v1 > 0 and math.isfinite(v1)):
+    raise ValueError(
+        f'{who}: the {name} schedule ends at {v1!r} at step {last}; the auto-LR '
+        'controller decays geometrically towards it and needs it > 0. Use a schedule with a '
+        'positive final value (e.g. one_cycle), an additive spread, or auto_lr=None.')
+  if not (v0 > 0 and math.isfinite(v0)):
+    raise ValueError(
+        f'{who}: the {name} schedule is {v0!r} at step {start}, when the '
+        'controller starts; it must be > 0.')
+
+
+def _decays(a: AutoLR, hps, firsts, finals, num_syncs: float) -> tuple[float, ...]:
+  """gamma per hyperparameter: reaches the schedule's final value after ``num_syncs`` syncs.
+
+  The smooth path reaches it exactly at step S - 1, the staircase within one window of it. Additive
+  hyperparameters follow their schedule's start and end values' difference only through the controller,
+  so they get no decay; neither does the 'fit' controller, which follows the schedule itself.
+  """
+  return tuple(
+      0.0 if h.additive or a.controller == 'fit' else
+      float(a.decay) if (a.decay is not None and is_learning_rate(name)) else
+      ctrl.decay_for_schedule(v0, v1, num_syncs)
+      for (name, h), v0, v1 in zip(hps, firsts, finals))
+
+
+def _spread_tables(n: int, spreads, additive) -> tuple[np.ndarray, np.ndarray]:
+  """[G, N] multipliers rho (1 when additive) and [G, N] additive offsets (0 when multiplicative)."""
+  unit = multipliers.unit_offsets(n)
+  scale = np.asarray([np.ones(n) if add else multipliers.spread_multipliers(n, sp)
+                      for sp, add in zip(spreads, additive)], np.float32)
+  offset = np.asarray([sp * unit if add else np.zeros(n) for sp, add in zip(spreads, additive)], np.float32)
+  return scale, offset
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def evaluate_schedules(schedules, steps) -> list[list[float]]:
+  """Values of several schedules (floats or callables) at several steps, in one compiled call.
+
+  Evaluating an optax schedule eagerly compiles each of its ops separately (about 30 MB of
+  host memory for a one-cycle schedule on XLA:CPU); one jit of all of them costs a few MB.
+  """
+  fns = [s for s in schedules if callable(s)]
+  got = iter(np.asarray(jax.jit(lambda: jnp.stack([
+      jnp.stack([jnp.asarray(f(t), jnp.float32) for t in steps]) for f in fns]))()).tolist() if fns else [])
+  return [next(got) if callable(s) else [float(s)] * len(steps) for s in schedules]

@@ -1,0 +1,137 @@
+"""The end of a window (every T steps): average the replicas, update the controller, reshuffle.
+
+The average is eq. 3 (one all-reduce over the replica axis, only on sync steps). The controller reads
+each replica's window loss (or the caller's ``score``, e.g. every replica's loss on one common batch),
+all-gathered so every replica computes the same update, then every hyperparameter gets a fresh
+permutation from the key all replicas share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from hdet_jax import controller as ctrl
+from hdet_jax import multipliers
+from hdet_jax import replicas
+from hdet_jax import values
+from hdet_jax.settings import Plan
+
+
+def average(tree: Any, axis_name: str, guard_nonfinite: bool, ok=None) -> tuple[Any, jax.Array]:
+  """(the replicas' mean, how many replicas entered it); with the guard, only the ``ok`` finite ones."""
+  if guard_nonfinite:
+    return replicas.finite_mean(tree, axis_name, ok)
+  return lax.pmean(tree, axis_name), jnp.asarray(lax.axis_size(axis_name), jnp.int32)
+
+
+def end_window(plan: Plan, params, updates, state, *, gather: bool, score=None):
+  """(updates, state) of a sync step: the update now lands on the average, and the controller moved.
+
+  ``state`` is an :class:`hdet_jax.HDETState` after the step's inner update. With ``plan.exact_sync``
+  the update is left alone and :func:`apply_updates` assigns the average.
+  """
+  stepped = optax.apply_updates(params, updates)
+  ok = jnp.ones([], bool)
+  if plan.guard_nonfinite:
+    # A replica whose parameters or window loss went non-finite sits this average out
+    # and is reset to the others' average.
+    ok = jnp.logical_and(replicas.all_finite(stepped), jnp.isfinite(state.loss_sum))
+  if plan.exact_sync:  # apply_updates does the averaging, reading replica_ok.
+    count = lax.psum(ok.astype(jnp.int32), plan.replica_axis)
+  else:
+    new_params, count = average(stepped, plan.replica_axis, plan.guard_nonfinite, ok)
+    updates = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
+  state = state._replace(finite_replicas=count, replica_ok=ok)
+  return updates, sync_controller(plan, state, score=score, gather=gather)
+
+
+def sync_controller(plan: Plan, st, *, gather: bool, score=None):
+  """The non-parameter part of a sync: window losses, controller update, fresh permutations."""
+  c = st.controller
+  window_losses = c.window_losses
+  if score is not None:  # the caller's comparison (e.g. every replica on one common batch)
+    window_losses = lax.all_gather(jnp.asarray(score, jnp.float32), plan.replica_axis)
+  elif gather:
+    window_losses = lax.all_gather(st.loss_sum / plan.sync_every, plan.replica_axis)
+  new_c = c._replace(window_losses=window_losses)
+  if plan.auto_lr is not None:
+    active = st.count >= plan.controller_start
+    if plan.auto_lr.stop_steps is not None:
+      active = jnp.logical_and(active, st.count <= plan.auto_lr.stop_steps)
+    update = _fit_controller if plan.auto_lr.controller == 'fit' else _paper_controller
+    new_c = update(plan, c, new_c, window_losses, active)
+  key, sub = jax.random.split(jax.random.wrap_key_data(c.key))
+  new_c = new_c._replace(
+      key=jax.random.key_data(key),
+      perm=multipliers.draw_permutations(sub, len(plan.names), plan.num_replicas))
+  return st._replace(
+      controller=new_c, loss_sum=jnp.zeros_like(st.loss_sum),
+      sync_count=st.sync_count + 1, synced=jnp.ones([], bool))
+
+
+def _paper_controller(plan: Plan, c, new_c, window_losses, active):
+  """Eqs. 4-9 (:func:`hdet_jax.controller.controller_update`), held while not ``active``."""
+  a = plan.auto_lr
+  # The window's nominal values: the controller's base under each replica's spread (the
+  # actual LRs differ from these by a factor common to all replicas, which leaves the
+  # softmax-weighted signal's direction unchanged).
+  nominal = values.replica_values(plan, c.base, c.perm).T  # [N, G]
+  out = ctrl.controller_update(
+      c.base, c.velocity, window_losses, nominal,
+      temperature=a.temperature, lr_of_lr=a.lr_of_lr, momentum=a.momentum,
+      decay=jnp.asarray(plan.decay, jnp.float32), floor=jnp.asarray(plan.floors, jnp.float32))
+  new_base = jnp.minimum(out.base, jnp.asarray(plan.highs, jnp.float32))
+  keep = lambda new, old: jnp.where(active, new, old)
+  return new_c._replace(
+      base=keep(new_base, c.base), velocity=keep(out.velocity, c.velocity),
+      weights=keep(out.weights, c.weights), delta=keep(out.delta, c.delta))
+
+
+def _fit_controller(plan: Plan, c, new_c, scores, active):
+  """The 'fit' controller's update of the correction (see :func:`hdet_jax.controller.fit_update`)."""
+  a = plan.auto_lr
+  # Each replica's nominal offset u from the base in the window that ends here: rho - 1
+  # (multiplicative) or the additive offset, under the window's permutations.
+  add = np.asarray(plan.additive)
+  u = jnp.where(add[:, None], jnp.take_along_axis(jnp.asarray(plan.offset), c.perm, axis=1),
+                jnp.take_along_axis(jnp.asarray(plan.scale), c.perm, axis=1) - 1.0).T  # [N, G]
+  trust = jnp.asarray([sp if ad else a.trust for sp, ad in zip(plan.spreads, plan.additive)], jnp.float32)
+  out = ctrl.fit_update(c.xtx, c.xty, scores, u, jnp.asarray(~add),
+                        memory=a.memory, overshoot=a.overshoot, trust=trust)
+  keep = lambda new, old: jnp.where(active, new, old)
+  return new_c._replace(
+      correction=keep(c.correction + out.step, c.correction), xtx=keep(out.xtx, c.xtx),
+      xty=keep(out.xty, c.xty), delta=keep(out.step, c.delta), velocity=keep(out.slope, c.velocity))
+
+
+def apply_updates(params: Any, updates: Any, state, *, replica_axis: str = 'data',
+                  sync: bool | None = None, guard_nonfinite: bool = True) -> Any:
+  """``optax.apply_updates`` that assigns the replicas' average exactly on sync steps.
+
+  For a transformation built with ``exact_sync=True`` (whose sync-step update leaves the
+  averaging to this function): ``p + u`` on ordinary steps, ``pmean(p + u)`` over
+  ``replica_axis`` on sync steps (``state.synced``, or the static ``sync``), so every replica
+  holds bitwise the same average. Call it inside the same mapped context as the update, with
+  ``state`` the :class:`hdet_jax.HDETState` the update returned.
+
+  Example:
+    >>> updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+    >>> params = hdet_jax.apply_updates(params, updates, opt_state)
+  """
+  new_params = optax.apply_updates(params, updates)
+  mean = lambda p: average(p, replica_axis, guard_nonfinite, state.replica_ok)[0]
+  if sync is False:
+    return new_params
+  if sync:
+    return mean(new_params)
+  return lax.cond(
+      state.synced,
+      lambda p: replicas.match_vma(mean(p), p),
+      lambda p: p,
+      new_params)
