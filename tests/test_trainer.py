@@ -230,13 +230,13 @@ def test_divergence_is_recorded_and_stops_cleanly(tmp_path):
 
 def test_plot_cli_redraws_from_metrics(straight, tmp_path):
   workdir, _ = straight
-  proc = subprocess.run([sys.executable, '-m', 'hdet_jax.plot', workdir], cwd=ROOT, capture_output=True,
+  proc = subprocess.run([sys.executable, '-m', 'hdet_jax.trainer.plots', workdir], cwd=ROOT, capture_output=True,
                         text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
   drawn = [os.path.basename(p) for p in proc.stdout.split()]
   assert drawn[:3] == ['loss.png', 'lr.png', 'controller.png'] and set(drawn) <= {
       'loss.png', 'lr.png', 'controller.png', 'hyperparams.png'}, drawn
-  missing = subprocess.run([sys.executable, '-m', 'hdet_jax.plot', str(tmp_path)], cwd=ROOT,
+  missing = subprocess.run([sys.executable, '-m', 'hdet_jax.trainer.plots', str(tmp_path)], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
   assert missing.returncode == 1 and 'no metrics file' in missing.stderr
 

@@ -1,21 +1,37 @@
 """Plots of a training run from its ``WORKDIR/metrics.jsonl``.
 
-    python -m hdet_jax.plot WORKDIR
+    python -m hdet_jax.trainer.plots WORKDIR
 
 writes ``WORKDIR/plots/loss.png`` (each replica's training loss and the averaged model's
 validation loss), ``lr.png`` (each replica's LR with the sync points marked, and the base LR:
 the paper's Fig. 3), ``controller.png`` (the auto-LR controller's delta and velocity, and its
 softmax weights) and ``hyperparams.png`` (every explored hyperparameter, one panel each: the
 per-group LR schedules and any regularizer). train.py draws them at the end of a run; this
-redraws them.
+redraws them. :func:`save_figure` is the one way figures are written, here and in ``experiments/``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import numpy as np
+
+from hdet_jax.trainer.metrics import read_metrics
+
+
+def save_figure(fig: Any, folder: str, name: str, dpi: float | None = 110) -> str:
+  """Lays ``fig`` out, writes it to ``folder/name`` and closes it; returns the path.
+
+  ``dpi=None`` keeps the figure's own resolution.
+  """
+  import matplotlib.pyplot as plt
+  path = os.path.join(folder, name)
+  fig.tight_layout()
+  fig.savefig(path, dpi=dpi)
+  plt.close(fig)
+  return path
 
 
 def _smooth(y: np.ndarray, width: int) -> np.ndarray:
@@ -25,37 +41,53 @@ def _smooth(y: np.ndarray, width: int) -> np.ndarray:
   return np.convolve(y, kernel, mode='valid')
 
 
+class _RunArrays:
+  """The arrays every figure reads from the records of one run."""
+
+  def __init__(self, recs: dict, plt: Any):
+    train = recs['train']
+    self.recs = recs
+    self.train = train
+    self.evals, self.ctrl = recs.get('eval', []), recs.get('controller', [])
+    self.steps = np.array([r['step'] for r in train])
+    self.loss = np.array([r['loss'] for r in train], dtype=float)  # [S, N]
+    self.lrs = np.array([r['lr'] for r in train], dtype=float)  # [S, N]
+    self.base = np.array([r['base_lr'] for r in train], dtype=float)
+    self.syncs = self.steps[np.array([bool(r.get('sync')) for r in train])]
+    self.colors = plt.cm.viridis(np.linspace(0, 0.9, self.loss.shape[1]))
+
+
 def plot_workdir(workdir: str) -> list[str]:
   """Draws the PNGs into ``workdir/plots`` and returns their paths."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  from hdet_jax.trainer.metrics import read_metrics
-
   recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
-  train, evals, ctrl = recs.get('train', []), recs.get('eval', []), recs.get('controller', [])
   out_dir = os.path.join(workdir, 'plots')
   os.makedirs(out_dir, exist_ok=True)
+  if not recs.get('train'):
+    return []
+  run = _RunArrays(recs, plt)
+  figures = [(_loss_figure, 'loss.png'), (_lr_figure, 'lr.png'), (_controller_figure, 'controller.png'),
+             (_hyperparams_figure, 'hyperparams.png')]
   paths = []
-  if not train:
-    return paths
-  steps = np.array([r['step'] for r in train])
-  loss = np.array([r['loss'] for r in train], dtype=float)  # [S, N]
-  lrs = np.array([r['lr'] for r in train], dtype=float)  # [S, N]
-  base = np.array([r['base_lr'] for r in train], dtype=float)
-  syncs = steps[np.array([bool(r.get('sync')) for r in train])]
-  n = loss.shape[1]
-  colors = plt.cm.viridis(np.linspace(0, 0.9, n))
-  width = max(1, len(steps) // 60)
+  for draw, name in figures:
+    fig = draw(run, plt)
+    if fig is not None:
+      paths.append(save_figure(fig, out_dir, name))
+  return paths
 
-  # Loss.
+
+def _loss_figure(run: _RunArrays, plt: Any) -> Any:
+  steps, loss = run.steps, run.loss
+  width = max(1, len(steps) // 60)
   fig, ax = plt.subplots(figsize=(8, 5))
-  for r in range(n):
+  for r in range(loss.shape[1]):
     ax.plot(steps[width - 1:] if width > 1 and len(steps) >= width else steps,
-            _smooth(loss[:, r], width), color=colors[r], lw=0.8, alpha=0.8, label=f'replica {r} (train)')
-  if evals:
-    ax.plot([e['step'] for e in evals], [e['val_loss'] for e in evals], 'k-o', ms=4, lw=1.8,
+            _smooth(loss[:, r], width), color=run.colors[r], lw=0.8, alpha=0.8, label=f'replica {r} (train)')
+  if run.evals:
+    ax.plot([e['step'] for e in run.evals], [e['val_loss'] for e in run.evals], 'k-o', ms=4, lw=1.8,
             label='averaged model (validation)')
   ax.set_xlabel('step')
   ax.set_ylabel('loss (nats / byte)')
@@ -65,13 +97,16 @@ def plot_workdir(workdir: str) -> list[str]:
     ax.set_ylim(max(0.0, np.percentile(finite, 0.5) - 0.1), np.percentile(finite, 99.5) + 0.1)
   ax.legend(fontsize=7, ncol=2)
   ax.grid(alpha=0.3)
-  paths.append(_save(fig, out_dir, 'loss.png'))
+  return fig
 
-  # Learning rates (Fig. 3): linear and log scale.
+
+def _lr_figure(run: _RunArrays, plt: Any) -> Any:
+  """Learning rates (the paper's Fig. 3): linear and log scale."""
+  steps, base, syncs = run.steps, run.base, run.syncs
   fig, axes = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
   for ax, scale in zip(axes, ('linear', 'log')):
-    for r in range(n):
-      ax.plot(steps, lrs[:, r], color=colors[r], lw=0.7, alpha=0.8, label=f'replica {r}')
+    for r in range(run.lrs.shape[1]):
+      ax.plot(steps, run.lrs[:, r], color=run.colors[r], lw=0.7, alpha=0.8, label=f'replica {r}')
     ax.plot(steps, base, 'k--', lw=1.5, label='base LR')
     if len(syncs) and len(syncs) <= 400:
       for s in syncs:
@@ -84,9 +119,11 @@ def plot_workdir(workdir: str) -> list[str]:
   axes[0].set_title('Per-replica learning rates, base LR and sync points')
   axes[0].legend(fontsize=7, ncol=2)
   axes[1].set_xlabel('step')
-  paths.append(_save(fig, out_dir, 'lr.png'))
+  return fig
 
-  # Controller.
+
+def _controller_figure(run: _RunArrays, plt: Any) -> Any:
+  ctrl = run.ctrl
   fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
   if ctrl:
     cs = np.array([c['step'] for c in ctrl])
@@ -96,7 +133,7 @@ def plot_workdir(workdir: str) -> list[str]:
     axes[1].axhline(0, color='k', lw=0.5)
     w = np.array([c['weights'] for c in ctrl], dtype=float)
     for r in range(w.shape[1]):
-      axes[2].plot(cs, w[:, r], color=colors[r % len(colors)], lw=0.8, label=f'w{r}')
+      axes[2].plot(cs, w[:, r], color=run.colors[r % len(run.colors)], lw=0.8, label=f'w{r}')
   else:
     axes[0].text(0.5, 0.5, 'no sync steps', ha='center', transform=axes[0].transAxes)
   axes[0].set_ylabel('delta')
@@ -107,41 +144,34 @@ def plot_workdir(workdir: str) -> list[str]:
   for ax in axes:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=4)
-  paths.append(_save(fig, out_dir, 'controller.png'))
-
-  # Every explored hyperparameter (per-group LRs, then the rest): Fig. 3 per group.
-  names = recs.get('hyperparams', [{}])[-1].get('names')
-  if names and all('values' in r for r in train):
-    values = np.array([r['values'] for r in train], dtype=float)  # [S, G, N]
-    bases = np.array([r['bases'] for r in train], dtype=float)  # [S, G]
-    fig, axes = plt.subplots(len(names), 1, figsize=(8, 2.6 * len(names) + 0.6), sharex=True, squeeze=False)
-    for g, (ax, name) in enumerate(zip(axes[:, 0], names)):
-      for r in range(values.shape[2]):
-        ax.plot(steps, values[:, g, r], color=colors[r], lw=0.6, alpha=0.7)
-      ax.plot(steps, bases[:, g], 'k--', lw=1.4, label=f'base {name}')
-      if name.startswith('learning_rate') and np.all(values[:, g] > 0):
-        ax.set_yscale('log')
-      ax.set_ylabel(name.replace('learning_rate/', 'LR ').replace('_', ' '), fontsize=8)
-      ax.grid(alpha=0.3)
-      ax.legend(fontsize=7, loc='upper right')
-    axes[0, 0].set_title('Explored hyperparameters: each replica (colours) and the base (dashed)')
-    axes[-1, 0].set_xlabel('step')
-    paths.append(_save(fig, out_dir, 'hyperparams.png'))
-  return paths
+  return fig
 
 
-def _save(fig, out_dir: str, name: str) -> str:
-  path = os.path.join(out_dir, name)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  import matplotlib.pyplot as plt
-  plt.close(fig)
-  return path
+def _hyperparams_figure(run: _RunArrays, plt: Any) -> Any | None:
+  """Every explored hyperparameter (per-group LRs, then the rest): Fig. 3 per group; None if not logged."""
+  names = run.recs.get('hyperparams', [{}])[-1].get('names')
+  if not names or not all('values' in r for r in run.train):
+    return None
+  values = np.array([r['values'] for r in run.train], dtype=float)  # [S, G, N]
+  bases = np.array([r['bases'] for r in run.train], dtype=float)  # [S, G]
+  fig, axes = plt.subplots(len(names), 1, figsize=(8, 2.6 * len(names) + 0.6), sharex=True, squeeze=False)
+  for g, (ax, name) in enumerate(zip(axes[:, 0], names)):
+    for r in range(values.shape[2]):
+      ax.plot(run.steps, values[:, g, r], color=run.colors[r], lw=0.6, alpha=0.7)
+    ax.plot(run.steps, bases[:, g], 'k--', lw=1.4, label=f'base {name}')
+    if name.startswith('learning_rate') and np.all(values[:, g] > 0):
+      ax.set_yscale('log')
+    ax.set_ylabel(name.replace('learning_rate/', 'LR ').replace('_', ' '), fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc='upper right')
+  axes[0, 0].set_title('Explored hyperparameters: each replica (colours) and the base (dashed)')
+  axes[-1, 0].set_xlabel('step')
+  return fig
 
 
 def main(argv: list[str]) -> int:
   if len(argv) != 2 or argv[1] in ('-h', '--help'):
-    print('usage: python -m hdet_jax.plot WORKDIR', file=sys.stderr)
+    print('usage: python -m hdet_jax.trainer.plots WORKDIR', file=sys.stderr)
     return 2
   try:
     paths = plot_workdir(argv[1])

@@ -477,8 +477,8 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
   writer.write('event', event='end', **{k: v for k, v in summary.items() if k != 'plots'})
   writer.close()
   if lead and config.plots and run.preempted_at is None:
-    from hdet_jax import plot
-    summary['plots'] = plot.plot_workdir(workdir)
+    from hdet_jax.trainer import plots  # matplotlib: imported only when plotting
+    summary['plots'] = plots.plot_workdir(workdir)
   summary['wall_s'] = time.time() - t0
   if lead:
     _write_json_atomic(os.path.join(workdir, 'summary.json'), metrics_lib._clean(summary), indent=1)
