@@ -27,14 +27,14 @@ from typing import Any, Iterable
 import numpy as np
 
 
-def _clean(x: Any) -> Any:
+def to_json_safe(x: Any) -> Any:
   """JSON-safe: numpy to Python, non-finite floats to the strings 'nan' / 'inf' / '-inf'."""
   if isinstance(x, dict):
-    return {k: _clean(v) for k, v in x.items()}
+    return {k: to_json_safe(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
-    return [_clean(v) for v in x]
+    return [to_json_safe(v) for v in x]
   if isinstance(x, np.ndarray):
-    return _clean(x.tolist())
+    return to_json_safe(x.tolist())
   if isinstance(x, (np.floating, float)):
     x = float(x)
     return x if math.isfinite(x) else str(x)
@@ -185,7 +185,7 @@ class MetricsWriter:
 
   def write(self, kind: str, **record: Any) -> None:
     if self._f is not None:
-      self._f.write(json.dumps(_clean({'kind': kind, **record})) + '\n')
+      self._f.write(json.dumps(to_json_safe({'kind': kind, **record})) + '\n')
     if self._tb is not None:
       self._tb.write(kind, record)
 

@@ -8,13 +8,14 @@ training starts and before anything is written.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import math
 import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import numpy as np
@@ -125,18 +126,6 @@ def _check_init_from(config: Any, abstract_params: Any) -> str | None:
   return src
 
 
-class _Run:
-  """The mutable bookkeeping of one call of train_and_evaluate."""
-
-  def __init__(self):
-    self.train_time = 0.0
-    self.train_steps = 0
-    self.last_losses: list[np.ndarray] = []
-    self.diverged_at: int | None = None
-    self.preempted_at: int | None = None
-    self.val = (math.nan, math.nan)
-
-
 class _StopSignals:
   """SIGTERM / SIGINT set a flag that the training loop checks; a second signal acts as usual.
 
@@ -201,6 +190,64 @@ def release_host_memory() -> None:
 _CHUNK = 25
 
 
+class _Inputs(NamedTuple):
+  """What the checks produced: the data, the optimizer, the model's shapes and where the state comes from."""
+  workdir: str                       # absolute
+  n: int                             # replicas
+  train_bytes: np.ndarray
+  val_bytes: np.ndarray
+  batches: input_pipeline.TrainBatches
+  val_windows: np.ndarray            # [N, W, L+1] bytes
+  tx: Any                            # the HDET optimizer
+  fields: dict                       # the config's training fields (what resuming must match)
+  resume: bool                       # the workdir holds checkpoints to resume from
+  graphdef: Any
+  abstract_params: Any               # the model's parameter shapes (one replica)
+  init_src: str | None               # the workdir a warm start reads its averaged model from
+  tokens_per_step: int               # over all replicas
+
+
+class _Records(NamedTuple):
+  """Where a run writes, and the mesh it runs on."""
+  mesh: Any
+  writer: metrics_lib.MetricsWriter
+  ckpt: checkpoints.Checkpointer
+  log: Callable[[str], None]         # a line on process 0's stdout
+  lead: bool                         # process 0: it writes metrics, plots and the summary
+
+
+class _Programs(NamedTuple):
+  """The compiled programs of the loop (nothing compiles after step 0) and what they read."""
+  step: Any                          # (params, opt_state, chunk) -> (params, opt_state, packed metrics)
+  window_end: Any                    # (params, opt_state[, common batch]) -> ...: after the step on sync steps
+  evaluate: Any                      # (params, val windows) -> [N] losses of the averaged model
+  average: Any                       # params -> the averaged model, replicated
+  any_finite: Any                    # params -> whether some replica's parameters are all finite
+  to_eval: Callable | None           # (params, opt_state) -> the parameters to evaluate (schedule-free)
+  packers: dict                      # sync -> ts.MetricsPacker of the step's (False) or window end's (True) metrics
+  val: Any                           # the validation windows on the devices
+  common: bool                       # window_end takes the sync's common batch
+
+
+@dataclasses.dataclass
+class _Loop:
+  """The state the training loop rebinds at every step, and the run's bookkeeping."""
+  params: Any                        # [N, ...] every replica's parameters
+  opt_state: Any                     # [N, ...] every replica's optimizer state
+  rng: Any                           # the run's key data, replicated (checkpointed with the state)
+  start: int                         # the step this call starts or resumes at
+  step: int                          # steps done
+  data: Any = None                   # the chunk of _CHUNK steps' batches holding this step's, on the devices
+  pending: list = dataclasses.field(default_factory=list)  # (step, sync, metrics) fetched at the next log
+  t_mark: float = 0.0                # when the current log interval started
+  train_time: float = 0.0
+  train_steps: int = 0
+  last_losses: list = dataclasses.field(default_factory=list)  # each replica's loss at the last interval's steps
+  diverged_at: int | None = None
+  preempted_at: int | None = None
+  val: tuple[float, float] = (math.nan, math.nan)  # the last evaluation: (loss, bits/byte)
+
+
 def train_and_evaluate(config: Any, workdir: str) -> dict:
   """Trains (or resumes) the run described by ``config`` in ``workdir``; returns the summary.
 
@@ -208,15 +255,30 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
   checkpoint and returns with ``summary['preempted']`` set; rerunning resumes from it.
   """
   with _StopSignals() as stop:
-    return _train_and_evaluate(config, workdir, stop)
+    t0 = time.time()
+    # ---- Checks: nothing is written before all of them pass. ----
+    inputs = _check(config, os.path.abspath(os.path.expanduser(workdir)))
+    # ---- Build: the records, the initial state, and every program compiled once, up front. ----
+    records = _open_records(config, inputs)
+    loop = _initial_state(config, inputs, records)
+    programs = _compile(config, inputs, records, loop)
+    setup_s = time.time() - t0
+    records.log(f'{inputs.n} replicas on {jax.device_count()} {jax.devices()[0].platform} devices '
+                f'({jax.process_count()} process(es)); model {model_lib.num_params(inputs.abstract_params):,} '
+                f'parameters; {len(inputs.train_bytes):,} train / {len(inputs.val_bytes):,} validation bytes; '
+                f'setup {setup_s:.1f}s.')
+    # ---- Train. ----
+    _train(config, inputs, records, programs, loop, stop)
+    # ---- The end: evaluate, checkpoint, plot, summarise. ----
+    return _finish(config, inputs, records, programs, loop, t0, setup_s)
 
 
-def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
-  t0 = time.time()
-  workdir = os.path.abspath(os.path.expanduser(workdir))
-  lead = jax.process_index() == 0
+# ---------------------------------------------------------------------------------------------
+# Checks and build
+# ---------------------------------------------------------------------------------------------
 
-  # ---- Checks: nothing is written before all of them pass. ----
+def _check(config: Any, workdir: str) -> _Inputs:
+  """Every check of the config, corpus, devices, workdir and init_from; reads, never writes."""
   config_lib.check_values(config)
   n = _resolve_replicas(config)
   try:
@@ -239,250 +301,319 @@ def _train_and_evaluate(config: Any, workdir: str, stop: _StopSignals) -> dict:
     # here late would otherwise see that directory, open it, and run orbax's collectives out of step.
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices('hdet_workdir_checked')
+  return _Inputs(workdir, n, train_bytes, val_bytes, batches, val_windows, tx, fields, resume, graphdef,
+                 abstract_params, init_src, n * config.data.batch_size * config.data.seq_len)
 
-  # ---- Build. ----
-  os.makedirs(workdir, exist_ok=True)
-  config_path = os.path.join(workdir, 'config.json')
+
+def _open_records(config: Any, inputs: _Inputs) -> _Records:
+  """The workdir, its config.json, the checkpointer and the metrics writer; the mesh."""
+  os.makedirs(inputs.workdir, exist_ok=True)
+  lead = jax.process_index() == 0
+  config_path = os.path.join(inputs.workdir, 'config.json')
   if lead and not os.path.exists(config_path):
-    _write_json_atomic(config_path, {'training_fields': fields, 'config': json.loads(config.to_json())}, indent=1)
-  mesh = ts.make_mesh(n)
-  rs, rep = ts.replica_sharding(mesh), ts.replicated(mesh)
-  root = jax.random.key(config.seed)
-  init = ts.make_init(config, tx, mesh, n)
-  abstract_state = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), init(k))), root)
-  abstract_state = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rs), abstract_state)
-  abstract_state['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=rep)
-  ckpt = checkpoints.Checkpointer(workdir, config.max_checkpoints)
+    _write_json_atomic(config_path, {'training_fields': inputs.fields, 'config': json.loads(config.to_json())},
+                       indent=1)
+  mesh = ts.make_mesh(inputs.n)
+  ckpt = checkpoints.Checkpointer(inputs.workdir, config.max_checkpoints)
   # TensorBoard event files beside metrics.jsonl, on unless the config sets tensorboard=False.
-  writer = metrics_lib.MetricsWriter(os.path.join(workdir, 'metrics.jsonl'), enabled=lead,
+  writer = metrics_lib.MetricsWriter(os.path.join(inputs.workdir, 'metrics.jsonl'), enabled=lead,
                                      tensorboard=bool(config.get('tensorboard', True)))
   log = (lambda msg: print(msg, flush=True)) if lead else (lambda msg: None)
+  return _Records(mesh, writer, ckpt, log, lead)
 
-  restored = None
-  if resume:
-    def corrupt(step, why):
-      writer.write('event', step=step, event='corrupt_checkpoint', reason=why)
-      log(f'warning: checkpoint {why}; falling back to the previous one.')
-    t_restore = time.time()
-    try:
-      restored = ckpt.restore_latest(abstract_state, on_corrupt=corrupt)
-    except checkpoints.CorruptCheckpoint as e:
-      writer.close()
-      raise ConfigError(str(e)) from None
+
+def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
+  """The state to start from: the workdir's latest checkpoint, a warm start, or a random init."""
+  root = jax.random.key(config.seed)
+  init = ts.make_init(config, inputs.tx, records.mesh, inputs.n)
+  restored = _restore(config, inputs, records, init, root) if inputs.resume else None
   if restored is not None:
-    state, meta = restored
-    params, opt_state = state['params'], state['opt_state']
-    resume_step = meta['step']
-    if meta['data_position'] != batches.position(resume_step):
-      raise ConfigError(f'checkpoint step {resume_step} has data position {meta["data_position"]}, '
-                        f'this corpus gives {batches.position(resume_step)}: was data.path changed?')
-    start = resume_step
-    writer.write('event', step=start, event='resume', restore_s=time.time() - t_restore)
-    log(f'Resuming {workdir} from step {start}.' if start < config.num_train_steps else
-        f'{workdir} already holds the finished run ({start} steps): evaluating and plotting only.')
-  elif init_src is not None:
-    try:
-      avg = checkpoints.restore_avg_params(
-          init_src, jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), abstract_params))
-    except checkpoints.CorruptCheckpoint as e:
-      writer.close()
-      raise ConfigError(f'init_from={config.init_from!r}: its latest checkpoint is corrupt ({e}).') from None
-    params = jax.jit(lambda p, k: warm_init.warm_noisy_init(p, n, config.warm_init.nu, k), out_shardings=rs)(
-        avg, jax.random.fold_in(root, _WARM_TAG))
-    opt_state = ts.make_opt_init(tx, mesh)(params)
-    start = 0
-    writer.write('event', step=0, event='start', init_from=init_src, nu=config.warm_init.nu)
-    log(f'Warm noisy start from {init_src} (nu={config.warm_init.nu}).')
+    params, opt_state, start = restored
+  elif inputs.init_src is not None:
+    params, opt_state, start = *_warm_start(config, inputs, records, root), 0
   else:
-    params, opt_state = init(jax.random.fold_in(root, _INIT_TAG))
-    start = 0
-    writer.write('event', step=0, event='start', init_from=None)
-  writer.write('hyperparams', step=start, names=list(ts.hyperparam_names(config)))
-  writer.flush()  # the start/resume is on record even if this start is killed before its first log interval
-  rng = jax.device_put(np.asarray(jax.random.key_data(root)), rep)
-  param_shapes = json.loads(json.dumps(jax.tree.map(lambda s: list(s.shape), abstract_params)))
-
+    params, opt_state, start = *init(jax.random.fold_in(root, _INIT_TAG)), 0
+    records.writer.write('event', step=0, event='start', init_from=None)
+  records.writer.write('hyperparams', step=start, names=list(ts.hyperparam_names(config)))
+  records.writer.flush()  # the start/resume is on record even if this start is killed before its first log interval
+  rng = jax.device_put(np.asarray(jax.random.key_data(root)), ts.replicated(records.mesh))
   # The step reads its batch from a chunk of _CHUNK steps' batches at the optimizer's step count,
   # so the count must be the step number.
   count = int(ts.fetch(opt_state.count)[0])
   if count != start:
     raise RuntimeError(f'the optimizer state counts {count} steps but training resumes at step {start}.')
+  return _Loop(params, opt_state, rng, start=start, step=start)
 
-  def upload(step):
-    """The chunk of batches holding step ``step``'s, on the devices."""
-    first = step - step % _CHUNK
-    return ts.put_stacked(batches.chunk(first, _CHUNK), mesh)
 
-  # Compile the programs once, up front: the step (every step runs it), the end of a sync window
-  # (averaging and controller, run after the step on sync steps) and the evaluation.
-  data = upload(start)
+def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, root: Any) -> tuple | None:
+  """(params, opt_state, step) of the latest readable checkpoint (a corrupt newer one is set aside)."""
+  def corrupt(step, why):
+    records.writer.write('event', step=step, event='corrupt_checkpoint', reason=why)
+    records.log(f'warning: checkpoint {why}; falling back to the previous one.')
+  rs = ts.replica_sharding(records.mesh)
+  abstract = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), init(k))), root)
+  abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rs), abstract)
+  abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=ts.replicated(records.mesh))
+  t_restore = time.time()
+  try:
+    restored = records.ckpt.restore_latest(abstract, on_corrupt=corrupt)
+  except checkpoints.CorruptCheckpoint as e:
+    records.writer.close()
+    raise ConfigError(str(e)) from None
+  if restored is None:
+    return None
+  state, meta = restored
+  start = meta['step']
+  if meta['data_position'] != inputs.batches.position(start):
+    raise ConfigError(f'checkpoint step {start} has data position {meta["data_position"]}, '
+                      f'this corpus gives {inputs.batches.position(start)}: was data.path changed?')
+  records.writer.write('event', step=start, event='resume', restore_s=time.time() - t_restore)
+  records.log(f'Resuming {inputs.workdir} from step {start}.' if start < config.num_train_steps else
+              f'{inputs.workdir} already holds the finished run ({start} steps): evaluating and plotting only.')
+  return state['params'], state['opt_state'], start
+
+
+def _warm_start(config: Any, inputs: _Inputs, records: _Records, root: Any) -> tuple[Any, Any]:
+  """(params, opt_state): the averaged model of ``init_from`` plus each replica's eq. 10 noise."""
+  rep, rs = ts.replicated(records.mesh), ts.replica_sharding(records.mesh)
+  try:
+    avg = checkpoints.restore_avg_params(inputs.init_src, jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), inputs.abstract_params))
+  except checkpoints.CorruptCheckpoint as e:
+    records.writer.close()
+    raise ConfigError(f'init_from={config.init_from!r}: its latest checkpoint is corrupt ({e}).') from None
+  nu = config.warm_init.nu
+  params = jax.jit(lambda p, k: warm_init.warm_noisy_init(p, inputs.n, nu, k), out_shardings=rs)(
+      avg, jax.random.fold_in(root, _WARM_TAG))
+  opt_state = ts.make_opt_init(inputs.tx, records.mesh)(params)
+  records.writer.write('event', step=0, event='start', init_from=inputs.init_src, nu=nu)
+  records.log(f'Warm noisy start from {inputs.init_src} (nu={nu}).')
+  return params, opt_state
+
+
+def _upload(inputs: _Inputs, mesh: Any, step: int) -> Any:
+  """The chunk of batches holding step ``step``'s, on the devices."""
+  first = step - step % _CHUNK
+  return ts.put_stacked(inputs.batches.chunk(first, _CHUNK), mesh)
+
+
+def _probe(config: Any, inputs: _Inputs, mesh: Any, step: int) -> Any:
+  """The common batch of the sync after step ``step`` (every replica gets the same windows)."""
+  w = input_pipeline.probe_windows(inputs.train_bytes, config.data.seq_len, config.hdet.probe_windows, config.seed,
+                                   step // ts.sync_every(config))
+  return ts.put_stacked(np.broadcast_to(w, (inputs.n,) + w.shape), mesh)
+
+
+def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _Programs:
+  """Compiles the programs once, up front: the step (every step runs it), the end of a sync window
+  (averaging and controller, run after the step on sync steps), the evaluation and the checkpoint's."""
+  mesh, params, opt_state = records.mesh, loop.params, loop.opt_state
+  loop.data = _upload(inputs, mesh, loop.start)
   packers = {s: ts.MetricsPacker() for s in (False, True)}
-  step_fn = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config, packer=packers[False],
-                               chunk_steps=_CHUNK).lower(params, opt_state, data).compile()
+  step = ts.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, config=config, packer=packers[False],
+                            chunk_steps=_CHUNK).lower(params, opt_state, loop.data).compile()
   common = ts.common_batch(config)
-
-  def probe(step):
-    """The common batch of the sync after step ``step`` (every replica gets the same windows)."""
-    w = input_pipeline.probe_windows(train_bytes, config.data.seq_len, config.hdet.probe_windows, config.seed,
-                                     step // ts.sync_every(config))
-    return ts.put_stacked(np.broadcast_to(w, (n,) + w.shape), mesh)
-
-  window_end = ts.make_window_end(tx, mesh, packer=packers[True], graphdef=graphdef, config=config).lower(
-      params, opt_state, *([probe(0)] if common else [])).compile()
+  window_end = ts.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
+                                  config=config).lower(
+      params, opt_state, *([_probe(config, inputs, mesh, 0)] if common else [])).compile()
   to_eval = ts.make_eval_params(config, mesh)
-  val_dev = ts.put_stacked(val_windows, mesh)
-  evaluate_fn = ts.make_eval_step(graphdef, mesh).lower(params, val_dev).compile()
+  val = ts.put_stacked(inputs.val_windows, mesh)
+  evaluate = ts.make_eval_step(inputs.graphdef, mesh).lower(params, val).compile()
   average = ts.make_average(mesh).lower(params).compile()
   # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
-  checkpoints.fingerprint({'params': params, 'opt_state': opt_state, 'rng': rng})
+  checkpoints.fingerprint({'params': params, 'opt_state': opt_state, 'rng': loop.rng})
   checkpoints.fingerprint(average(params))
   # Whether some replica's parameters are all finite (a checkpoint of only NaN/inf replicas is useless:
   # the loss that would reveal the last update's blow-up comes one step later).
   any_finite = jax.jit(lambda p: jax.numpy.any(jax.numpy.stack(
       [jax.numpy.all(jax.numpy.isfinite(x.reshape(x.shape[0], -1)), axis=1) for x in jax.tree.leaves(p)]).all(0)),
-      out_shardings=rep).lower(params).compile()
+      out_shardings=ts.replicated(mesh)).lower(params).compile()
   release_host_memory()
-  setup_s = time.time() - t0
-  num_params = model_lib.num_params(abstract_params)
-  tokens_per_step = n * config.data.batch_size * config.data.seq_len
-  log(f'{n} replicas on {jax.device_count()} {jax.devices()[0].platform} devices '
-      f'({jax.process_count()} process(es)); model {num_params:,} parameters; '
-      f'{len(train_bytes):,} train / {len(val_bytes):,} validation bytes; setup {setup_s:.1f}s.')
+  return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, common)
 
-  run = _Run()
+
+# ---------------------------------------------------------------------------------------------
+# The training loop
+# ---------------------------------------------------------------------------------------------
+
+def _train(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
+           stop: _StopSignals) -> None:
+  """Steps to the end (or ``stop_at_step``), logging, evaluating and checkpointing at their intervals."""
   total = config.num_train_steps
   end = total if config.stop_at_step <= 0 else min(config.stop_at_step, total)
-  bar = metrics_lib.ProgressBar(total, start, enabled=lead and config.progress_bar)
-
-  def evaluate(step):
-    losses = ts.fetch(evaluate_fn(params if to_eval is None else to_eval(params, opt_state), val_dev))
-    val = float(np.mean(losses))
-    run.val = (val, model_lib.bits_per_byte(val))
-    writer.write('eval', step=step, val_loss=val, val_bits_per_byte=run.val[1])
-    writer.flush()
-
-  def save(step):
-    """Checkpoints step ``step`` unless every replica's parameters are non-finite (then: diverged)."""
-    if not ts.fetch(any_finite(params)):
-      if run.diverged_at is None:
-        run.diverged_at = step
-        writer.write('event', step=step, event='diverged', where='parameters')
-      log(f'Not checkpointing step {step}: every replica\'s parameters are NaN/inf; the last good checkpoint '
-          'is kept.')
-      return
-    state = {'params': params, 'opt_state': opt_state, 'rng': rng}
-    meta = {'step': step, 'data_position': batches.position(step), 'seed': config.seed, 'num_replicas': n,
-            'config': fields, 'param_shapes': param_shapes}
-    ckpt.save(step, state, average(params), meta)
-
-  pending: list[tuple[int, bool, Any]] = []
-  t_mark = time.time()
-
-  def flush():
-    def unpack(sync, rows):  # a sync step's metrics: the step's, then the window end's
-      if not sync:
-        return packers[False].unpack(rows)
-      return {**packers[False].unpack(rows[0]), **packers[True].unpack(rows[1])}
-    got = [unpack(sync, rows) for (_, sync, _), rows in zip(pending, ts.fetch([m for _, _, m in pending]))]
-    for (step, sync, _), m in zip(pending, got):
-      loss = m['loss']
-      writer.write('train', step=step, loss=loss, lr=m['lrs'][0], base_lr=m['base_lr'][0], sync=sync,
-                   values=m['values'][0], bases=m['bases'][0])
-      if sync:
-        writer.write('controller', step=step, weights=m['weights'][0], window_losses=m['window_losses'][0],
-                     delta=m['delta'][0], velocity=m['velocity'][0], base_lr=m['base_lr'][0],
-                     deltas=m['deltas'][0], velocities=m['velocities'][0])
-      finite = np.isfinite(loss)
-      if not finite.all() and run.diverged_at is None:
-        if finite.any():
-          writer.write('event', step=step, event='nonfinite', replicas=np.flatnonzero(~finite))
-        else:
-          run.diverged_at = step
-          writer.write('event', step=step, event='diverged')
-    run.last_losses = [m['loss'] for m in got]
-    mean_loss = float(np.mean(run.last_losses[-1]))
-    bar.update(len(pending), mean_loss, float(got[-1]['base_lr'][0]))
-    return got
-
-  step = start
-  while step < end:
-    sync = ts.is_sync_step(config, step)
-    if step % _CHUNK == 0 and step != start:
-      data = upload(step)
-    params, opt_state, m = step_fn(params, opt_state, data)
-    if sync:
-      params, opt_state, m_sync = window_end(params, opt_state, *([probe(step)] if common else []))
-      m = (m, m_sync)
-    pending.append((step, sync, m))
-    step += 1
+  bar = metrics_lib.ProgressBar(total, loop.start, enabled=records.lead and config.progress_bar)
+  loop.t_mark = time.time()
+  while loop.step < end:
+    _one_step(config, inputs, records.mesh, programs, loop)
+    step = loop.step
     eval_due = config.eval_every > 0 and step % config.eval_every == 0 and step < end
     ckpt_due = config.checkpoint_every > 0 and step % config.checkpoint_every == 0 and step < end
     # A stop signal is checked every step (with several processes, at each log interval, where the
     # processes agree on it: they must all stop after the same step).
     if step < end and (jax.process_count() == 1 or step % config.log_every == 0):
       if _any_process(stop.received is not None):
-        run.preempted_at = step
+        loop.preempted_at = step
         ckpt_due = True
     if step % config.log_every == 0 or step == end or eval_due or ckpt_due:
-      flush()
-      now = time.time()
-      run.train_time += now - t_mark
-      run.train_steps += len(pending)
-      writer.write('throughput', step=step - 1, steps_per_s=len(pending) / (now - t_mark),
-                   tokens_per_s=len(pending) * tokens_per_step / (now - t_mark))
-      pending = []
-      if run.diverged_at is not None and config.stop_on_nan:
-        bar.close()
-        log(f'Training diverged: every replica\'s loss is NaN/inf at step {run.diverged_at}. Stopping; the '
-            'last good checkpoint is kept. Lower optim.max_lr, or set --config.stop_on_nan=False to keep going.')
+      if not _end_interval(config, inputs, records, programs, loop, bar, stop, eval_due, ckpt_due):
         break
-      if eval_due and run.preempted_at is None:
-        evaluate(step)
-      if ckpt_due:
-        save(step)
-      writer.flush()
-      if run.preempted_at is not None:
-        bar.close()
-        ckpt.wait()
-        writer.write('event', step=step, event='preempted', signal=stop.received)
-        log(f'Stopped by {stop.received or "a signal to another process"} after step {step}: checkpoint '
-            f'{step} is written; rerun the same command to resume.')
-        break
-      t_mark = time.time()
   bar.close()
 
-  # ---- The end: evaluate, checkpoint, plot, summarise. ----
-  if run.preempted_at is None:  # a preempted run has little time left: the checkpoint is what matters
-    evaluate(step)
-  if run.diverged_at is None and step > start and ckpt.latest_step() != step:
-    save(step)
-  ckpt.close()
-  tokens_per_s = run.train_steps * tokens_per_step / run.train_time if run.train_time > 0 else math.nan
-  if run.last_losses:
-    final_train = float(np.mean(run.last_losses))
-  else:  # nothing trained in this call (the workdir's run was already complete): the last recorded steps.
-    writer.flush()
-    recorded = metrics_lib.read_metrics(writer.path).get('train', []) if lead else []
-    final_train = float(np.mean([r['loss'] for r in recorded[-config.log_every:]])) if recorded else math.nan
+
+def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop: _Loop) -> None:
+  """Runs step ``loop.step`` (and the window end after it on sync steps); its metrics stay on the devices."""
+  step = loop.step
+  sync = ts.is_sync_step(config, step)
+  if step % _CHUNK == 0 and step != loop.start:
+    loop.data = _upload(inputs, mesh, step)
+  loop.params, loop.opt_state, m = programs.step(loop.params, loop.opt_state, loop.data)
+  if sync:
+    common = [_probe(config, inputs, mesh, step)] if programs.common else []
+    loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common)
+    m = (m, m_sync)
+  loop.pending.append((step, sync, m))
+  loop.step = step + 1
+
+
+def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
+                  bar: metrics_lib.ProgressBar, stop: _StopSignals, eval_due: bool, ckpt_due: bool) -> bool:
+  """Logs the steps since the last interval, then evaluates and checkpoints where due; False: stop."""
+  step, writer = loop.step, records.writer
+  _flush(programs, writer, loop, bar)
+  now = time.time()
+  loop.train_time += now - loop.t_mark
+  loop.train_steps += len(loop.pending)
+  writer.write('throughput', step=step - 1, steps_per_s=len(loop.pending) / (now - loop.t_mark),
+               tokens_per_s=len(loop.pending) * inputs.tokens_per_step / (now - loop.t_mark))
+  loop.pending = []
+  if loop.diverged_at is not None and config.stop_on_nan:
+    bar.close()
+    records.log(f'Training diverged: every replica\'s loss is NaN/inf at step {loop.diverged_at}. Stopping; the '
+                'last good checkpoint is kept. Lower optim.max_lr, or set --config.stop_on_nan=False to keep going.')
+    return False
+  if eval_due and loop.preempted_at is None:
+    _evaluate(programs, writer, loop, step)
+  if ckpt_due:
+    _save(config, inputs, records, programs, loop, step)
+  writer.flush()
+  if loop.preempted_at is not None:
+    bar.close()
+    records.ckpt.wait()
+    writer.write('event', step=step, event='preempted', signal=stop.received)
+    records.log(f'Stopped by {stop.received or "a signal to another process"} after step {step}: checkpoint '
+                f'{step} is written; rerun the same command to resume.')
+    return False
+  loop.t_mark = time.time()
+  return True
+
+
+def _flush(programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, bar: metrics_lib.ProgressBar) -> None:
+  """Fetches the pending steps' metrics (one transfer) and writes them; notes non-finite losses."""
+  packers = programs.packers
+
+  def unpack(sync, rows):  # a sync step's metrics: the step's, then the window end's
+    if not sync:
+      return packers[False].unpack(rows)
+    return {**packers[False].unpack(rows[0]), **packers[True].unpack(rows[1])}
+  got = [unpack(sync, rows) for (_, sync, _), rows in zip(loop.pending, ts.fetch([m for _, _, m in loop.pending]))]
+  for (step, sync, _), m in zip(loop.pending, got):
+    _write_step(writer, loop, step, sync, m)
+  loop.last_losses = [m['loss'] for m in got]
+  bar.update(len(loop.pending), float(np.mean(loop.last_losses[-1])), float(got[-1]['base_lr'][0]))
+
+
+def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync: bool, m: dict) -> None:
+  """One step's records: 'train', on sync steps 'controller', and the first non-finite loss's event."""
+  loss = m['loss']
+  writer.write('train', step=step, loss=loss, lr=m['lrs'][0], base_lr=m['base_lr'][0], sync=sync,
+               values=m['values'][0], bases=m['bases'][0])
+  if sync:
+    writer.write('controller', step=step, weights=m['weights'][0], window_losses=m['window_losses'][0],
+                 delta=m['delta'][0], velocity=m['velocity'][0], base_lr=m['base_lr'][0],
+                 deltas=m['deltas'][0], velocities=m['velocities'][0])
+  finite = np.isfinite(loss)
+  if not finite.all() and loop.diverged_at is None:
+    if finite.any():
+      writer.write('event', step=step, event='nonfinite', replicas=np.flatnonzero(~finite))
+    else:
+      loop.diverged_at = step
+      writer.write('event', step=step, event='diverged')
+
+
+def _evaluate(programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, step: int) -> None:
+  """The averaged model's validation loss, recorded as an 'eval' record."""
+  params = loop.params if programs.to_eval is None else programs.to_eval(loop.params, loop.opt_state)
+  val = float(np.mean(ts.fetch(programs.evaluate(params, programs.val))))
+  loop.val = (val, model_lib.bits_per_byte(val))
+  writer.write('eval', step=step, val_loss=val, val_bits_per_byte=loop.val[1])
+  writer.flush()
+
+
+def _save(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop, step: int) -> None:
+  """Checkpoints step ``step`` unless every replica's parameters are non-finite (then: diverged)."""
+  if not ts.fetch(programs.any_finite(loop.params)):
+    if loop.diverged_at is None:
+      loop.diverged_at = step
+      records.writer.write('event', step=step, event='diverged', where='parameters')
+    records.log(f'Not checkpointing step {step}: every replica\'s parameters are NaN/inf; the last good '
+                'checkpoint is kept.')
+    return
+  state = {'params': loop.params, 'opt_state': loop.opt_state, 'rng': loop.rng}
+  meta = {'step': step, 'data_position': inputs.batches.position(step), 'seed': config.seed,
+          'num_replicas': inputs.n, 'config': inputs.fields, 'param_shapes': _param_shapes(inputs.abstract_params)}
+  records.ckpt.save(step, state, programs.average(loop.params), meta)
+
+
+def _param_shapes(abstract_params: Any) -> Any:
+  """The parameters' shapes as JSON reads them back (what a checkpoint's meta records)."""
+  return json.loads(json.dumps(jax.tree.map(lambda s: list(s.shape), abstract_params)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The end
+# ---------------------------------------------------------------------------------------------
+
+def _finish(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop, t0: float,
+            setup_s: float) -> dict:
+  """The final evaluation and checkpoint, the summary (also summary.json) and the plots."""
+  step, writer = loop.step, records.writer
+  if loop.preempted_at is None:  # a preempted run has little time left: the checkpoint is what matters
+    _evaluate(programs, writer, loop, step)
+  if loop.diverged_at is None and step > loop.start and records.ckpt.latest_step() != step:
+    _save(config, inputs, records, programs, loop, step)
+  records.ckpt.close()
+  final_train = _final_train_loss(config, records, loop)
   summary = {
-      'step': step, 'num_train_steps': total, 'stopped_early': step < total, 'diverged_at': run.diverged_at,
-      'preempted': run.preempted_at is not None,
+      'step': step, 'num_train_steps': config.num_train_steps, 'stopped_early': step < config.num_train_steps,
+      'diverged_at': loop.diverged_at, 'preempted': loop.preempted_at is not None,
       'final_train_loss': final_train, 'final_train_bits_per_byte': model_lib.bits_per_byte(final_train),
-      'final_val_loss': run.val[0], 'final_val_bits_per_byte': run.val[1],
-      'tokens_per_s': tokens_per_s, 'setup_s': setup_s, 'wall_s': time.time() - t0,
-      'num_replicas': n, 'num_params': num_params, 'workdir': workdir,
-      'metrics': os.path.join(workdir, 'metrics.jsonl'), 'checkpoints': checkpoints.checkpoint_dir(workdir),
-      'plots': [],
+      'final_val_loss': loop.val[0], 'final_val_bits_per_byte': loop.val[1],
+      'tokens_per_s': (loop.train_steps * inputs.tokens_per_step / loop.train_time if loop.train_time > 0
+                       else math.nan),
+      'setup_s': setup_s, 'wall_s': time.time() - t0,
+      'num_replicas': inputs.n, 'num_params': model_lib.num_params(inputs.abstract_params),
+      'workdir': inputs.workdir, 'metrics': os.path.join(inputs.workdir, 'metrics.jsonl'),
+      'checkpoints': checkpoints.checkpoint_dir(inputs.workdir), 'plots': [],
   }
   writer.write('event', event='end', **{k: v for k, v in summary.items() if k != 'plots'})
   writer.close()
-  if lead and config.plots and run.preempted_at is None:
+  if records.lead and config.plots and loop.preempted_at is None:
     from hdet_jax.trainer import plots  # matplotlib: imported only when plotting
-    summary['plots'] = plots.plot_workdir(workdir)
+    summary['plots'] = plots.plot_workdir(inputs.workdir)
   summary['wall_s'] = time.time() - t0
-  if lead:
-    _write_json_atomic(os.path.join(workdir, 'summary.json'), metrics_lib._clean(summary), indent=1)
+  if records.lead:
+    _write_json_atomic(os.path.join(inputs.workdir, 'summary.json'), metrics_lib.to_json_safe(summary), indent=1)
   return summary
+
+
+def _final_train_loss(config: Any, records: _Records, loop: _Loop) -> float:
+  """The mean over replicas and the last log interval's steps of the training loss."""
+  if loop.last_losses:
+    return float(np.mean(loop.last_losses))
+  # Nothing trained in this call (the workdir's run was already complete): the last recorded steps.
+  records.writer.flush()
+  recorded = metrics_lib.read_metrics(records.writer.path).get('train', []) if records.lead else []
+  return float(np.mean([r['loss'] for r in recorded[-config.log_every:]])) if recorded else math.nan
 
 
 def format_summary(s: dict) -> str:
