@@ -65,6 +65,10 @@ def _expected(recs):
     for name, d, v in zip(names, r['deltas'], r['velocities']):
       out[(f'controller/delta/{name}', s)] = d
       out[(f'controller/velocity/{name}', s)] = v
+  for r in recs['distance']:
+    for i, x in enumerate(r['distance']):
+      out[(f'distance/replica_{i}', r['step'])] = x
+    out[('distance/mean_norm', r['step'])] = r['mean_norm']
   for r in recs['eval']:
     out[('eval/val_loss', r['step'])] = r['val_loss']
     out[('eval/val_bits_per_byte', r['step'])] = r['val_bits_per_byte']
@@ -90,6 +94,7 @@ def test_trainer_event_files_hold_the_jsonl_numbers(tmp_path):
   assert len(names) == 3 and all(n.startswith('learning_rate/') for n in names)
   assert sorted({s for t, s in got if t == 'train/loss/replica_7'}) == list(range(40))
   assert sorted({s for t, s in got if t == 'controller/window_loss/replica_0'}) == [7, 15, 23, 31, 39]
+  assert sorted({s for t, s in got if t == 'distance/replica_3'}) == [7, 15, 23, 31, 39]
   assert sorted({s for t, s in got if t == 'eval/val_bits_per_byte'}) == [20, 40]
   assert len({t for t, _ in got if t.startswith(f'train/{names[0]}/replica_')}) == 8
 

@@ -38,3 +38,40 @@ def test_chunked_data_reads_each_steps_batch_at_the_optimizer_count():
   np.testing.assert_array_equal(out[k][0], out[0][0])  # every step saw its own batch, bit for bit
   chex.assert_trees_all_equal(out[k][1], out[0][1])
   assert len(np.unique(out[0][0][:, 0])) == steps  # and the batches differ from step to step
+
+
+def _tree_rows_norm(tree):
+  """[N]: each replica's L2 norm over every leaf (float64 on the host)."""
+  leaves = [np.asarray(x, np.float64).reshape(np.shape(x)[0], -1) for x in jax.tree.leaves(tree)]
+  return np.sqrt(sum((x ** 2).sum(1) for x in leaves))
+
+
+def test_window_end_and_distance_measure_each_replicas_distance_from_the_mean():
+  """The window end's `distance` is each replica's L2 distance from the average it assigns, measured on the
+  replicas just before it; make_distance (runs that never average) measures the same without averaging."""
+  config = config_lib.load_config_file(TINY)
+  n = 8
+  mesh = ts.make_mesh(n)
+  tx = ts.make_optimizer(config, n)
+  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
+  params, opt_state = ts.make_init(config, tx, mesh, n)(jax.random.key(0))
+  batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8),
+                            config.data.seq_len, config.data.batch_size, n, seed=1)
+  step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config)
+  for t in range(8):  # tiny syncs after step 7: the replicas have drifted apart for 8 steps
+    params, opt_state, _ = step(params, opt_state, ts.put_stacked(batches.batch(t), mesh))
+  before = jax.tree.map(np.asarray, params)
+  mean = jax.tree.map(lambda x: x.astype(np.float64).mean(0, keepdims=True), before)
+  want = _tree_rows_norm(jax.tree.map(lambda x, m: x - m, before, mean))
+  assert want.min() > 1e-3 and np.ptp(want) > 1e-3  # distinct replicas, at distinct distances
+
+  got = ts.fetch(ts.make_distance(mesh)(params))
+  np.testing.assert_allclose(got['distance'], want, rtol=1e-4)
+  np.testing.assert_allclose(got['mean_norm'], _tree_rows_norm(mean)[0], rtol=1e-5)
+
+  after, _, m = ts.make_window_end(tx, mesh)(params, opt_state)
+  after = jax.tree.map(np.asarray, after)
+  chex.assert_trees_all_close(jax.tree.map(lambda a: a[0], after), jax.tree.map(lambda x: x[0], mean), rtol=1e-5,
+                              atol=1e-6)
+  np.testing.assert_allclose(np.asarray(m['distance']), want, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(m['mean_norm']), _tree_rows_norm(after), rtol=1e-6)

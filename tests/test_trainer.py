@@ -75,6 +75,11 @@ def test_end_to_end_train_py(straight):
   assert all(c['delta'] != 0 for c in ctrl[1:])  # the controller acts from the sync after step 10
   for c in ctrl[1:]:
     np.testing.assert_allclose(sum(c['weights']), 1.0, rtol=1e-5)
+  # Just before each average: every replica's distance from the mean (spread replicas sit apart), and its norm.
+  dist = recs['distance']
+  assert [d['step'] for d in dist] == [7, 15, 23, 31, 39]
+  assert all(len(d['distance']) == 8 and 0 < min(d['distance']) and max(d['distance']) < 0.2 * d['mean_norm']
+             for d in dist)
   evals = recs['eval']
   assert [e['step'] for e in evals] == [20, 40]
   for e in evals:

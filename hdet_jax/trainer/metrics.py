@@ -5,6 +5,9 @@ Records in ``WORKDIR/metrics.jsonl`` carry a ``kind``:
 - ``train``: one per step: ``step``, ``loss`` (each replica's), ``lr`` (each replica's), ``base_lr``,
   ``sync`` (whether this step averaged the replicas);
 - ``controller``: one per sync step: ``weights``, ``window_losses``, ``delta``, ``velocity``, ``base_lr``;
+- ``distance``: one per sync step, just before the average (runs that never average: at each log
+  interval): ``distance`` (each replica's L2 distance from the replicas' mean) and ``mean_norm`` (the
+  mean's L2 norm);
 - ``throughput``: at each log interval: ``tokens_per_s``, ``steps_per_s``;
 - ``eval``: ``val_loss`` (nats) and ``val_bits_per_byte`` of the averaged model;
 - ``event``: start, resume, ``nonfinite`` (some replicas' loss is NaN/inf), ``diverged`` (all), end.
@@ -90,7 +93,8 @@ class TensorBoardWriter:
   - every step: ``train/loss/replica_<r>``, ``train/loss/mean``, ``train/<name>/replica_<r>`` (each
     replica's learning rates and explored values) and ``train/base/<name>`` (the base values);
   - every sync: ``controller/window_loss/replica_<r>``, ``controller/weight/replica_<r>``,
-    ``controller/delta/<name>``, ``controller/velocity/<name>``;
+    ``controller/delta/<name>``, ``controller/velocity/<name>``; ``distance/replica_<r>`` and
+    ``distance/mean_norm`` (also at each log interval of a run that never averages);
   - ``eval/val_loss``, ``eval/val_bits_per_byte``; ``throughput/tokens_per_s``, ``throughput/steps_per_s``.
 
   A record's scalars go out as one event (one ``add_summary`` with many values: a step's 30-odd
@@ -136,28 +140,33 @@ class TensorBoardWriter:
     if kind == 'hyperparams':
       self.names = list(record['names'])
       return
-    out: dict[str, float] = {}
-    if kind == 'train':
-      loss = np.asarray(record['loss'], np.float64)
-      out.update({f'train/loss/replica_{r}': x for r, x in enumerate(loss.tolist())})
-      out['train/loss/mean'] = float(np.mean(loss))
-      for name, row in zip(self.names, np.asarray(record['values'], np.float64).tolist()):
-        out.update({f'train/{name}/replica_{r}': x for r, x in enumerate(row)})
-      out.update({f'train/base/{name}': x for name, x in
-                  zip(self.names, np.asarray(record['bases'], np.float64).tolist())})
-    elif kind == 'controller':
-      for tag, key in (('window_loss', 'window_losses'), ('weight', 'weights')):
-        out.update({f'controller/{tag}/replica_{r}': x for r, x in
-                    enumerate(np.asarray(record[key], np.float64).tolist())})
-      for tag, key in (('delta', 'deltas'), ('velocity', 'velocities')):
-        out.update({f'controller/{tag}/{name}': x for name, x in
-                    zip(self.names, np.asarray(record[key], np.float64).tolist())})
-    elif kind == 'eval':
-      out = {'eval/val_loss': record['val_loss'], 'eval/val_bits_per_byte': record['val_bits_per_byte']}
-    elif kind == 'throughput':
-      out = {'throughput/tokens_per_s': record['tokens_per_s'], 'throughput/steps_per_s': record['steps_per_s']}
+    out = self._scalars(kind, record)
     if out and step is not None:
       self._add(step, {k: float(v) for k, v in out.items()})
+
+  def _scalars(self, kind: str, record: dict) -> dict[str, float]:
+    """The tags and values of one record (none for a kind TensorBoard does not show)."""
+    per_replica = lambda prefix, xs: {f'{prefix}/replica_{r}': x for r, x in
+                                      enumerate(np.asarray(xs, np.float64).ravel().tolist())}
+    per_name = lambda prefix, xs: dict(zip((f'{prefix}/{n}' for n in self.names),
+                                           np.asarray(xs, np.float64).tolist()))
+    if kind == 'train':
+      loss = np.asarray(record['loss'], np.float64)
+      out = {**per_replica('train/loss', loss), 'train/loss/mean': float(np.mean(loss))}
+      for name, row in zip(self.names, np.asarray(record['values'], np.float64).tolist()):
+        out.update(per_replica(f'train/{name}', row))
+      return {**out, **per_name('train/base', record['bases'])}
+    if kind == 'controller':
+      return {**per_replica('controller/window_loss', record['window_losses']),
+              **per_replica('controller/weight', record['weights']),
+              **per_name('controller/delta', record['deltas']), **per_name('controller/velocity', record['velocities'])}
+    if kind == 'distance':
+      return {**per_replica('distance', record['distance']), 'distance/mean_norm': record['mean_norm']}
+    if kind == 'eval':
+      return {'eval/val_loss': record['val_loss'], 'eval/val_bits_per_byte': record['val_bits_per_byte']}
+    if kind == 'throughput':
+      return {'throughput/tokens_per_s': record['tokens_per_s'], 'throughput/steps_per_s': record['steps_per_s']}
+    return {}
 
   def flush(self) -> None:
     if self._w is not None:

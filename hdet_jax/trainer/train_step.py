@@ -198,16 +198,14 @@ class MetricsPacker:
 
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh, *, sync: bool,
-                    config: Any = None, packer: MetricsPacker | None = None,
-                    pre_sync_distance: bool = True, chunk_steps: int = 0) -> Callable:
+                    config: Any = None, packer: MetricsPacker | None = None, chunk_steps: int = 0) -> Callable:
   """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``, all stacked ``[N, ...]``.
 
   ``metrics`` holds each replica's loss and, read from each replica's (identical) optimizer
   state, every replica's LR, the base LR and the controller's weights, delta, velocity and
-  window losses; the host reads row 0 of the replica-invariant ones. The sync program adds
-  ``pre_sync_dist``: each replica's L2 distance from the replicas' mean just before the average
-  (one more all-reduce on sync steps; ``pre_sync_distance=False`` leaves it out). With a
-  ``packer`` the metrics come back as one ``[N, k]`` float32 array (see :class:`MetricsPacker`).
+  window losses; the host reads row 0 of the replica-invariant ones. The sync program adds the
+  window end's ``distance`` and ``mean_norm`` (see :func:`make_window_end`). With a ``packer``
+  the metrics come back as one ``[N, k]`` float32 array (see :class:`MetricsPacker`).
 
   ``chunk_steps=K > 0``: the third argument holds K consecutive steps' batches ``[N, K, B, L+1]``
   (the chunk starting at a multiple of K) and step t reads its batch at ``t % K``, t being the
@@ -230,16 +228,14 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
       # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
       loss = lax.pmean(loss, AXIS)
     updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
-    if sync and pre_sync_distance:  # each replica's L2 distance from the replicas' mean just before the average
-      stepped = optax.apply_updates(params, updates)
-      pre_sync_dist = _tree_norm(jax.tree.map(lambda p: p - lax.pmean(p, AXIS), stepped))
+    stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
     params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=sync)
     metrics = {
         'loss': loss, 'lrs': used.learning_rates, 'base_lr': used.base_learning_rate,
         'values': used.values, 'bases': used.base, **_controller_metrics(opt_state.controller),
     }
-    if sync and pre_sync_distance:
-      metrics['pre_sync_dist'] = pre_sync_dist
+    if sync:
+      metrics.update(_distance_metrics(stepped, params))
     if packer is not None:
       metrics = packer.pack(metrics)
     return params, opt_state, metrics
@@ -267,7 +263,9 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   the controller (``tx.update(None, ..., sync=True)``). The step is then compiled once, and the sync
   is a program of its own without the model in it, instead of a second compilation of the whole step
   (results/benchmarks.md: less compile time and a lower peak host memory, for a slightly dearer sync
-  step). ``metrics`` are the controller's, as in the sync step's.
+  step). ``metrics`` are the controller's, as in the sync step's, and ``distance``: each replica's L2
+  distance from the replicas' average just before it, with ``mean_norm``, the average's L2 norm
+  (computed from the parameters before and after the average: no extra communication).
   """
   probe = graphdef is not None and config is not None and common_batch(config)
 
@@ -278,8 +276,9 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
       reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
       score = model_lib.loss_fn(graphdef, params, windows, reg)
     updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
+    stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
     params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True)
-    metrics = _controller_metrics(opt_state.controller)
+    metrics = {**_controller_metrics(opt_state.controller), **_distance_metrics(stepped, params)}
     if packer is not None:
       metrics = packer.pack(metrics)
     return params, opt_state, metrics
@@ -290,6 +289,19 @@ def _controller_metrics(c: Any) -> dict:
   """The controller's state as logged: weights, window losses, delta and velocity (first and all groups)."""
   return {'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
           'window_losses': c.window_losses, 'deltas': c.delta, 'velocities': c.velocity}
+
+
+def _distance_metrics(params: Any, mean: Any) -> dict:
+  """This replica's L2 distance from the replicas' mean (``distance``) and the mean's L2 norm (``mean_norm``)."""
+  return {'distance': _tree_norm(jax.tree.map(jnp.subtract, params, mean)), 'mean_norm': _tree_norm(mean)}
+
+
+def make_distance(mesh: Mesh) -> Callable:
+  """Jitted ``params -> {'distance': [N], 'mean_norm': [N]}`` (see :func:`_distance_metrics`), for runs
+  that never average: the window end measures it for the others."""
+  def distance(params):
+    return _distance_metrics(params, jax.tree.map(lambda p: lax.pmean(p, AXIS), params))
+  return jax.jit(H.shard_map_replicas(distance, mesh, AXIS))
 
 
 def _tree_norm(tree: Any) -> jax.Array:

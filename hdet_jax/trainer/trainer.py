@@ -227,6 +227,7 @@ class _Programs(NamedTuple):
   packers: dict                      # sync -> ts.MetricsPacker of the step's (False) or window end's (True) metrics
   val: Any                           # the validation windows on the devices
   common: bool                       # window_end takes the sync's common batch
+  distance: Any                      # params -> each replica's distance from the mean: runs that never average
 
 
 @dataclasses.dataclass
@@ -428,8 +429,11 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   any_finite = jax.jit(lambda p: jax.numpy.any(jax.numpy.stack(
       [jax.numpy.all(jax.numpy.isfinite(x.reshape(x.shape[0], -1)), axis=1) for x in jax.tree.leaves(p)]).all(0)),
       out_shardings=ts.replicated(mesh)).lower(params).compile()
+  # A run that never averages measures the replicas' distance from their mean at each log interval.
+  distance = (ts.make_distance(mesh).lower(params).compile() if ts.sync_every(config) > config.num_train_steps
+              else None)
   release_host_memory()
-  return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, common)
+  return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, common, distance)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,6 +490,9 @@ def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Pr
   writer.write('throughput', step=step - 1, steps_per_s=len(loop.pending) / (now - loop.t_mark),
                tokens_per_s=len(loop.pending) * inputs.tokens_per_step / (now - loop.t_mark))
   loop.pending = []
+  if programs.distance is not None:
+    d = ts.fetch(programs.distance(loop.params))
+    writer.write('distance', step=step - 1, distance=d['distance'], mean_norm=d['mean_norm'][0])
   if loop.diverged_at is not None and config.stop_on_nan:
     bar.close()
     records.log(f'Training diverged: every replica\'s loss is NaN/inf at step {loop.diverged_at}. Stopping; the '
@@ -523,7 +530,7 @@ def _flush(programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, 
 
 
 def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync: bool, m: dict) -> None:
-  """One step's records: 'train', on sync steps 'controller', and the first non-finite loss's event."""
+  """One step's records: 'train', on sync steps 'controller' and 'distance', and the first non-finite loss's event."""
   loss = m['loss']
   writer.write('train', step=step, loss=loss, lr=m['lrs'][0], base_lr=m['base_lr'][0], sync=sync,
                values=m['values'][0], bases=m['bases'][0])
@@ -531,6 +538,7 @@ def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync:
     writer.write('controller', step=step, weights=m['weights'][0], window_losses=m['window_losses'][0],
                  delta=m['delta'][0], velocity=m['velocity'][0], base_lr=m['base_lr'][0],
                  deltas=m['deltas'][0], velocities=m['velocities'][0])
+    writer.write('distance', step=step, distance=m['distance'], mean_norm=m['mean_norm'][0])
   finite = np.isfinite(loss)
   if not finite.all() and loop.diverged_at is None:
     if finite.any():
