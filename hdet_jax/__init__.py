@@ -8,7 +8,10 @@ from hdet_jax.controller import ControllerState, controller_update, decay_for_sc
 from hdet_jax.multipliers import draw_permutations, spread_multipliers
 from hdet_jax.replicas import average_replicas, finite_mean, pmean_finite, replica, shard_map_replicas, stack_replicas
 from hdet_jax.schedules import one_cycle
-from hdet_jax.transform import AutoLR, Explore, HDETState, apply_updates, group_labels, hdet, hyperparam_names, replica_value
+from hdet_jax.param_groups import group_labels
+from hdet_jax.settings import AutoLR, Explore, hyperparam_names
+from hdet_jax.sync import apply_updates
+from hdet_jax.transform import HDETState, hdet, replica_value
 from hdet_jax.views import hyperparams
 
 __all__ = [

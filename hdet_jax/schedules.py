@@ -47,6 +47,29 @@ def one_cycle(
     >>> sched = one_cycle(max_lr=1e-3, total_steps=2000)
     >>> float(sched(0)), float(sched(599)), float(sched(1999))  # 4e-5, 1e-3, 4e-9
   """
+  _check_one_cycle(max_lr, total_steps, pct_start, anneal_strategy, div_factor, final_div_factor)
+  starts, ends, values = _phases(max_lr, total_steps, pct_start, div_factor, final_div_factor, three_phase)
+
+  def schedule(count: chex.Numeric) -> chex.Array:
+    t = jnp.asarray(count, jnp.float32)
+    # The phase index: the first phase whose end is >= t (the last one past the end).
+    phase = jnp.minimum(jnp.sum(t > jnp.asarray(ends[:-1], jnp.float32)), len(ends) - 1)
+    s0 = jnp.asarray(starts, jnp.float32)[phase]
+    s1 = jnp.asarray(ends, jnp.float32)[phase]
+    v0 = jnp.asarray(values[:-1], jnp.float32)[phase]
+    v1 = jnp.asarray(values[1:], jnp.float32)[phase]
+    # Written in the fraction of the phase still to go, q = 1 - pct, and with
+    # (cos(pi pct) + 1) / 2 = sin(pi q / 2)**2: float32 then keeps full relative precision
+    # near the end of the cycle, where the LR falls to max_lr / 2.5e5.
+    q = jnp.clip((s1 - t) / (s1 - s0), 0.0, 1.0)
+    if anneal_strategy == 'cos':
+      return v1 + (v0 - v1) * jnp.sin(jnp.pi / 2 * q) ** 2
+    return v1 + (v0 - v1) * q
+
+  return schedule
+
+
+def _check_one_cycle(max_lr, total_steps, pct_start, anneal_strategy, div_factor, final_div_factor) -> None:
   if not max_lr > 0:
     raise ValueError(f'max_lr must be > 0, got {max_lr!r}.')
   if int(total_steps) != total_steps or total_steps < 2:
@@ -58,6 +81,10 @@ def one_cycle(
   if not div_factor > 0 or not final_div_factor > 0:
     raise ValueError(
         f'div_factor and final_div_factor must be > 0, got {div_factor!r}, {final_div_factor!r}.')
+
+
+def _phases(max_lr, total_steps, pct_start, div_factor, final_div_factor, three_phase):
+  """(starts [P], ends [P], values [P + 1]): phase p anneals values[p] -> values[p + 1] over starts[p]..ends[p]."""
   initial = max_lr / div_factor
   minimum = initial / final_div_factor
   up_end = float(pct_start * total_steps) - 1
@@ -71,26 +98,7 @@ def one_cycle(
     raise ValueError(
         f'pct_start={pct_start!r} with total_steps={total_steps!r} leaves an empty phase; '
         'increase total_steps or move pct_start away from 0 and 1.')
-  starts = np.array([0.0] + ends[:-1])
-  ends_arr = np.array(ends)
-
-  def schedule(count: chex.Numeric) -> chex.Array:
-    t = jnp.asarray(count, jnp.float32)
-    # The phase index: the first phase whose end is >= t (the last one past the end).
-    phase = jnp.minimum(jnp.sum(t > jnp.asarray(ends_arr[:-1], jnp.float32)), len(ends) - 1)
-    s0 = jnp.asarray(starts, jnp.float32)[phase]
-    s1 = jnp.asarray(ends_arr, jnp.float32)[phase]
-    v0 = jnp.asarray(values[:-1], jnp.float32)[phase]
-    v1 = jnp.asarray(values[1:], jnp.float32)[phase]
-    # Written in the fraction of the phase still to go, q = 1 - pct, and with
-    # (cos(pi pct) + 1) / 2 = sin(pi q / 2)**2: float32 then keeps full relative precision
-    # near the end of the cycle, where the LR falls to max_lr / 2.5e5.
-    q = jnp.clip((s1 - t) / (s1 - s0), 0.0, 1.0)
-    if anneal_strategy == 'cos':
-      return v1 + (v0 - v1) * jnp.sin(jnp.pi / 2 * q) ** 2
-    return v1 + (v0 - v1) * q
-
-  return schedule
+  return np.array([0.0] + ends[:-1]), np.array(ends), values
 
 
 def final_value(schedule: optax.ScalarOrSchedule, total_steps: int) -> float:

@@ -10,22 +10,9 @@ import pytest
 
 import hdet_jax as H
 from hdet_jax import controller as ctrl
+from oracles import numpy_controller, numpy_fit
 
 DATA = pathlib.Path(__file__).parent / 'data' / 'onecycleautolr_traces.npz'
-
-
-def numpy_controller(v, losses, lrs, sigma, lam, beta, gamma, floor=-np.inf):
-  """Eqs. 4-7 written independently in float64 numpy. lrs: [N, G]."""
-  losses = np.asarray(losses, np.float64)
-  s = (losses.mean() - losses) / sigma
-  w = np.exp(s - s.max())
-  w /= w.sum()
-  eta_tilde = (w[:, None] * lrs).sum(0)
-  eta_bar = lrs.mean(0)
-  delta = eta_tilde - eta_bar
-  v = beta * v + (1 - beta) * delta
-  base = np.maximum(eta_bar * (1 - gamma) + v * lam, floor)
-  return w, delta, v, base
 
 
 def test_against_numpy_oracle():
@@ -131,29 +118,6 @@ def test_decay_for_schedule_and_reference_sign():
 
 
 # ---- The 'fit' controller (a quadratic line search along the replicas' line). ----
-
-def numpy_fit(xtx, xty, scores, offsets, multiplicative, memory, overshoot, trust):
-  """The 'fit' update written independently in float64 numpy: regress centred losses on centred
-  [u, u^2] per hyperparameter (statistics forgotten by ``memory`` per sync), take the fitted
-  quadratic's minimum u* and step toward log(overshoot (1 + u*)) within the trust region."""
-  scores = np.asarray(scores, np.float64)
-  u = np.asarray(offsets, np.float64)
-  g = u.shape[1]
-  x = np.concatenate([u - u.mean(0), u ** 2 - (u ** 2).mean(0)], 1)
-  y = scores - scores.mean()
-  xtx = memory * xtx + x.T @ x
-  xty = memory * xty + x.T @ y
-  theta = np.linalg.lstsq(xtx, xty, rcond=None)[0]
-  b, c = theta[:g], theta[g:]
-  step = np.zeros(g)
-  for k in range(g):
-    if c[k] > 0 and (not multiplicative[k] or overshoot * (1 - b[k] / (2 * c[k])) > 0):
-      u_star = -b[k] / (2 * c[k])
-      target = np.log(overshoot * (1 + u_star)) if multiplicative[k] else u_star
-    else:
-      target = -np.sign(b[k]) * trust[k]
-    step[k] = np.clip(target, -trust[k], trust[k])
-  return b, c, step, xtx, xty
 
 
 def test_fit_update_against_numpy_oracle():

@@ -90,18 +90,6 @@ def test_param_groups_by_regex_get_their_own_lr_and_controller(controller):
   assert 0 < hist[-1][1] < 3e-2
 
 
-@pytest.mark.parametrize('groups, match', [
-    ({'embedding': r'^embed/', 'rest': r'kernel', 'ghost': r'does_not_exist'}, 'match no parameter'),
-    ({'a': r'kernel', 'b': r'attn'}, 'several groups'),
-    ({'a': r'kernel'}, 'matches no group'),
-])
-def test_bad_groups(groups, match):
-  params = {'embed': {'table': jnp.zeros(2)}, 'attn': {'kernel': jnp.zeros(2)}}
-  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX, param_groups=groups)
-  with pytest.raises(ValueError, match='param_groups.*' + match):
-    tx.init(params)
-
-
 @pytest.mark.parametrize('explore, match', [
     ({'dropout': H.Explore(0.05, 0.1, additive=True, low=0.0, high=1.0)}, 'leaves the valid range'),
     ({'weight_decay': H.Explore(0.1, 1.2)}, 'spread'),
@@ -114,6 +102,3 @@ def test_bad_explore(explore, match):
     H.hdet(optax.adamw, 1e-3, num_replicas=N, spread=0.25, sync_every=4, explore=explore)
 
 
-def test_bad_group_regex():
-  with pytest.raises(ValueError, match=r"param_groups\['a'\]"):
-    H.hdet(optax.sgd, 1e-2, num_replicas=N, param_groups={'a': '(unclosed'})

@@ -1,0 +1,76 @@
+"""Shared helpers of the core tests: replicas on the 8 simulated devices, and a quadratic problem."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import hdet_jax as H
+
+N = 8
+AX = 'data'
+
+
+def make_mesh():
+  return Mesh(np.array(jax.devices()[:N]), (AX,))
+
+
+def put(mesh, tree):
+  return jax.device_put(tree, NamedSharding(mesh, P(AX)))
+
+
+def quad_problem(dim=5, seed=0):
+  """Per-replica targets c_r; l(theta; B_r) = 0.5 |theta - c_r|^2."""
+  c = jax.random.normal(jax.random.key(seed), (N, dim))
+  return {'w': jnp.zeros((dim,))}, c
+
+
+def quad_step(tx, sync=None, pmean_grads=True, exact=False):
+  def step(p, s, c):
+    loss, g = jax.value_and_grad(lambda p: 0.5 * jnp.sum((p['w'] - c) ** 2))(p)
+    if pmean_grads:
+      g = lax.pmean(g, AX)
+    u, s = tx.update(g, s, p, value=loss, sync=sync)
+    p = H.apply_updates(p, u, s, replica_axis=AX, sync=sync) if exact else optax.apply_updates(p, u)
+    return p, s, loss
+  return step
+
+
+def run(mesh, tx, steps, params, data, backend="shard_map", exact=False, record=False, sync=None):
+  sp = H.stack_replicas(params, N)
+  ss = jax.jit(jax.vmap(tx.init))(sp)
+  step = quad_step(tx, exact=exact, sync=sync)
+  if backend == 'shard_map':
+    f = jax.jit(H.shard_map_replicas(step, mesh, AX))
+    sp, ss, data = put(mesh, (sp, ss, data))
+  elif backend == 'pmap':
+    f = jax.pmap(step, axis_name=AX)
+  else:
+    f = jax.jit(jax.vmap(step, axis_name=AX))
+  trace = []
+  for _ in range(steps):
+    sp, ss, loss = f(sp, ss, data)
+    if record:
+      trace.append((np.asarray(sp['w']), jax.tree.map(np.asarray, ss)))
+  return sp, ss, trace, f
+
+
+def signal_run(tx, steps, lr_index=0):
+  """Zero gradients; each replica's loss is 1 + 3 (lr / 1e-2 - 1)^2 of its LR: a bowl at LR 1e-2.
+  Returns per sync: the state before the sync's window (perm, base, velocity, ...) and after it."""
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.vmap(tx.init)(sp)
+
+  def step(p, s):
+    my_lr = s.values[lr_index, lax.axis_index(AX)]
+    u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0 + 3.0 * (my_lr / 1e-2 - 1.0) ** 2)
+    return optax.apply_updates(p, u), s
+  f = jax.jit(jax.vmap(step, axis_name=AX))
+  states = [jax.tree.map(lambda x: np.asarray(x[0]), ss)]
+  for _ in range(steps):
+    sp, ss = f(sp, ss)
+    states.append(jax.tree.map(lambda x: np.asarray(x[0]), ss))
+  return states
+

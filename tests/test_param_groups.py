@@ -1,0 +1,36 @@
+"""Parameter groups by regex on parameter paths (hdet_jax.param_groups)."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import hdet_jax as H
+from hdet_jax.param_groups import path_string
+
+N, AX = 8, 'data'
+
+@pytest.mark.parametrize('groups, match', [
+    ({'embedding': r'^embed/', 'rest': r'kernel', 'ghost': r'does_not_exist'}, 'match no parameter'),
+    ({'a': r'kernel', 'b': r'attn'}, 'several groups'),
+    ({'a': r'kernel'}, 'matches no group'),
+])
+def test_bad_groups(groups, match):
+  params = {'embed': {'table': jnp.zeros(2)}, 'attn': {'kernel': jnp.zeros(2)}}
+  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX, param_groups=groups)
+  with pytest.raises(ValueError, match='param_groups.*' + match):
+    tx.init(params)
+
+
+def test_bad_group_regex():
+  with pytest.raises(ValueError, match=r"param_groups\['a'\]"):
+    H.hdet(optax.sgd, 1e-2, num_replicas=N, param_groups={'a': '(unclosed'})
+
+
+def test_path_strings_and_labels():
+  """Dict keys, sequence indices and dataclass-like attributes join with '/'; each leaf gets its one group."""
+  params = {'emb': {'w': jnp.zeros(2)}, 'blocks': [{'attn': {'kernel': jnp.zeros(1)}}, {'mlp': jnp.zeros(1)}]}
+  paths = [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  assert paths == ['blocks/0/attn/kernel', 'blocks/1/mlp', 'emb/w']
+  labels = H.group_labels(params, {'embed': '^emb', 'attention': '/attn/', 'mlp': 'mlp$'})
+  assert labels == {'emb': {'w': 'embed'}, 'blocks': [{'attn': {'kernel': 'attention'}}, {'mlp': 'mlp'}]}
