@@ -370,3 +370,24 @@ def test_permutation_key_advances_at_every_sync_like_the_oracle():
     np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
     seen.append(want.tobytes())
   assert len(set(seen)) == syncs  # a fresh draw at every sync
+
+
+def test_paper_controller_stops_at_min_value():
+  """A signal that always favours smaller LRs drives the base down to auto_lr.min_value, where it stays
+  (eq. 7's floor as wired: the plan's floor reaches the controller)."""
+  floor, T = 4e-3, 2
+  tx = H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
+              auto_lr=H.AutoLR(total_steps=60, temperature=1e-3, lr_of_lr=5.0, momentum=0.0, min_value=floor))
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.vmap(tx.init)(sp)
+
+  def step(p, s):
+    my_lr = s.values[0, lax.axis_index(AX)]
+    u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=my_lr * 100.0)
+    return optax.apply_updates(p, u), s
+  f = jax.jit(jax.vmap(step, axis_name=AX))
+  bases = []
+  for _ in range(20):
+    sp, ss = f(sp, ss)
+    bases.append(float(ss.controller.base[0, 0]))
+  assert bases[-1] == np.float32(floor) and min(bases) >= np.float32(floor)
