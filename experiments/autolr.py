@@ -29,15 +29,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
 import re
-import shutil
 import sys
-import time
-from typing import Any
 
 import numpy as np
+
+from experiments import autolr_report
+from experiments import records
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,65 +138,15 @@ def task_tag(task_overrides: dict, quick: bool) -> str:
   return 'task-' + hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
-class Cache:
-  """Finished runs as JSON records; a run is reused when its full config is unchanged."""
-
-  def __init__(self, records_dir: str, work_root: str, log=print):
-    self.dir, self.work_root, self.log = records_dir, work_root, log
-    os.makedirs(self.dir, exist_ok=True)
-
-  def path(self, name: str) -> str:
-    return os.path.join(self.dir, name + '.json')
-
-  def get(self, name: str, overrides: dict | None = None) -> dict | None:
-    """The record of run ``name``, if it exists and its config has every value in ``overrides``."""
-    p = self.path(name)
-    if not os.path.exists(p):
-      return None
-    with open(p, encoding='utf-8') as f:
-      rec = json.load(f)
-    if overrides:
-      from hdet_jax.trainer import config_lib
-      recorded = config_lib.flatten(rec['config'])
-      if any(k not in recorded or recorded[k] != v for k, v in overrides.items()):
-        return None
-    return rec
-
-  def run(self, name: str, config, overrides: dict) -> dict:
-    """Runs ``name`` (or returns its record): ``config`` with ``overrides`` (task's and run's) applied."""
-    rec = self.get(name, overrides)
-    if rec is not None:
-      return rec
-    from hdet_jax.trainer import trainer
-    workdir = os.path.join(self.work_root, name)
-    t0 = time.time()
-    summary = trainer.train_and_evaluate(config, workdir)
-    if summary.get('preempted'):
-      self.log(f'  {name}: preempted; rerun to resume.')
-      sys.exit(143)
-    rec = make_record(name, config, summary, workdir, time.time() - t0)
-    tmp = self.path(name) + '.tmp'
-    os.makedirs(os.path.dirname(tmp), exist_ok=True)
-    with open(tmp, 'w', encoding='utf-8') as f:
-      json.dump(rec, f, indent=None, separators=(',', ':'))
-    os.replace(tmp, self.path(name))
-    shutil.rmtree(workdir, ignore_errors=True)  # the record holds what the report needs
-    vb = rec['val_bpb']
-    self.log(f'  {name}: val {"nan" if vb is None else f"{vb:.4f}"} bits/byte, final base LR '
-             f'{_fmt(rec["final_lr"])}, {rec["wall_s"]:.0f}s', flush=True)
-    return rec
-
-
 def _fmt(x) -> str:
   return 'n/a' if x is None else f'{x:.3g}'
 
 
-def _finite_or_none(x) -> float | None:
-  try:
-    x = float(x)
-  except (TypeError, ValueError):
-    return None
-  return x if math.isfinite(x) else None
+def describe(rec: dict) -> str:
+  """A finished run in one line."""
+  vb = rec['val_bpb']
+  return (f'val {"nan" if vb is None else f"{vb:.4f}"} bits/byte, final base LR {_fmt(rec["final_lr"])}, '
+          f'{rec["wall_s"]:.0f}s')
 
 
 def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -> dict:
@@ -206,8 +155,9 @@ def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -
   m = metrics_lib.read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   train = m.get('train', [])
   every = max(1, int(config.log_every))
-  traj = [{'step': r['step'], 'loss': _finite_or_none(np.mean(r['loss'])),
-           'bases': [_finite_or_none(b) for b in np.ravel(r['bases'])]}
+  finite_or_none = records.finite_or_none
+  traj = [{'step': r['step'], 'loss': finite_or_none(np.mean(r['loss'])),
+           'bases': [finite_or_none(b) for b in np.ravel(r['bases'])]}
           for r in train if r['step'] % every == every - 1 or r['step'] == len(train) - 1]
   values = {r['step']: r['values'] for r in train}  # a sync step's values are its window's
   controller = [{**{k: np.asarray(v).tolist() for k, v in r.items() if k not in ('kind', 'time')},
@@ -217,10 +167,10 @@ def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -
   final_lr = traj[-1]['bases'][0] if traj and traj[-1]['bases'] else None
   return {
       'name': name, 'config': json.loads(config.to_json()), 'hyperparams': names,
-      'val_bpb': _finite_or_none(summary['final_val_bits_per_byte']),
-      'train_loss': _finite_or_none(summary['final_train_loss']),
-      'diverged_at': summary['diverged_at'], 'final_lr': _finite_or_none(final_lr),
-      'evals': [{'step': r['step'], 'val_bpb': _finite_or_none(r['val_bits_per_byte'])} for r in m.get('eval', [])],
+      'val_bpb': finite_or_none(summary['final_val_bits_per_byte']),
+      'train_loss': finite_or_none(summary['final_train_loss']),
+      'diverged_at': summary['diverged_at'], 'final_lr': finite_or_none(final_lr),
+      'evals': [{'step': r['step'], 'val_bpb': finite_or_none(r['val_bits_per_byte'])} for r in m.get('eval', [])],
       'trajectory': traj, 'controller': controller, 'wall_s': wall_s,
   }
 
@@ -229,12 +179,8 @@ def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -
 # Stages
 # ---------------------------------------------------------------------------------------------
 
-def _lr_tag(lr: float) -> str:
-  return f'{lr:.4g}'
-
-
 def grid_name(optim, lr, seed):
-  return f'{optim}/grid_lr{_lr_tag(lr)}_s{seed}'
+  return f'{optim}/grid_lr{records.lr_tag(lr, 4)}_s{seed}'
 
 
 def hdet_name(optim, variant, start, seed):
@@ -245,33 +191,44 @@ def peer_name(peer, seed):
   return f'adamw/peer_{peer}_s{seed}'
 
 
-def mean_bpb(records: list[dict]) -> float:
-  """Mean final val bits/byte; a diverged or non-finite run counts as infinitely bad."""
-  vals = [r['val_bpb'] if r['val_bpb'] is not None and r['diverged_at'] is None else math.inf for r in records]
-  return float(np.mean(vals)) if vals else math.nan
+def anchor_path(cache: records.RunCache, optim: str) -> str:
+  return os.path.join(cache.dir, optim, 'anchor.json')
 
 
-def grid_best(grid: dict[float, list[dict]]) -> tuple[float, float]:
-  """(peak LR, mean val bits/byte) of the grid point with the lowest mean over its seeds."""
-  complete = {lr: rs for lr, rs in grid.items() if rs}
-  lr = min(complete, key=lambda k: mean_bpb(complete[k]))
-  return lr, mean_bpb(complete[lr])
+def read_anchor(cache: records.RunCache, optim: str) -> float | None:
+  """The anchor fixed by :func:`anchor`, or None before the first seed's grid is complete."""
+  path = anchor_path(cache, optim)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding='utf-8') as f:
+    return float(json.load(f)['lr'])
 
 
-def anchor(cache: Cache, optim: str, grid_lrs, seed: int) -> float | None:
+def anchor(cache: records.RunCache, optim: str, grid_lrs, seed: int) -> float | None:
   """The grid's best peak LR on its first seed, fixed once found (HDET's starts are multiples of it)."""
-  path = os.path.join(cache.dir, optim, 'anchor.json')
+  path = anchor_path(cache, optim)
   if os.path.exists(path):
-    with open(path, encoding='utf-8') as f:
-      return float(json.load(f)['lr'])
+    return read_anchor(cache, optim)
   recs = {lr: [cache.get(grid_name(optim, lr, seed))] for lr in grid_lrs}
   if any(r[0] is None for r in recs.values()):
     return None
-  lr, bpb = grid_best(recs)
+  lr, bpb = autolr_report.grid_best(recs)
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, 'w', encoding='utf-8') as f:
     json.dump({'lr': lr, 'val_bpb': bpb, 'seed': seed}, f)
   return lr
+
+
+def collect(cache: records.RunCache, optim: str, grid_lrs, variants, peers, seeds) -> dict:
+  """The cached records of one optimizer by stage: grid by LR, HDET by variant and start, peers by name."""
+  grid = {lr: [r for s in seeds if (r := cache.get(grid_name(optim, lr, s)))] for lr in grid_lrs}
+  grid = {lr: rs for lr, rs in grid.items() if rs}
+  out = {'grid': grid, 'hdet': {}, 'peers': {}}
+  for v in variants:
+    out['hdet'][v] = {st: [r for s in seeds if (r := cache.get(hdet_name(optim, v, st, s)))] for st in STARTS}
+  if optim == 'adamw':
+    out['peers'] = {p: [r for s in seeds if (r := cache.get(peer_name(p, s)))] for p in peers}
+  return out
 
 
 def parse_overrides(argv: list[str]) -> tuple[list[str], dict]:
@@ -327,7 +284,7 @@ def main(argv=None):
   except (KeyError, AttributeError, TypeError, ValueError) as e:
     print(f'error: bad --config override: {e.args[0] if e.args else e}', file=sys.stderr)
     sys.exit(2)
-  cache = Cache(records_dir, work_root)
+  cache = records.RunCache(records_dir, work_root, make_record, describe)
   trainer.setup_jax(base)
   optims = [o for o in args.optim.split(',') if o]
   seeds = [int(s) for s in args.seeds.split(',') if s]
@@ -366,9 +323,10 @@ def main(argv=None):
         for peer in args.peers.split(','):
           go(peer_name(peer, seed), run_overrides('peer', optim, best, seed, steps, peer=peer))
 
-  from experiments import autolr_report
   out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
-  paths = autolr_report.write(cache, out, optims=optims, grids=grids, quick=args.quick, seeds=seeds)
+  runs = {o: collect(cache, o, grids[o], tuple(VARIANT_SETTINGS), PEERS, seeds) for o in ('adamw', 'sgd')}
+  anchors = {o: read_anchor(cache, o) for o in runs}
+  paths = autolr_report.write(out, runs, anchors, default_variant=DEFAULT_VARIANT, quick=args.quick)
   print('\n'.join(f'  {p}' for p in paths))
 
 

@@ -1,7 +1,7 @@
 """The auto-LR report: ``results/autolr.json``, ``results/autolr.md`` and its figures, from cached runs.
 
-Everything here is recomputed from the run records (``experiments.autolr.Cache``), so the tables
-regenerate from the same records whenever a run is added.
+Everything here is recomputed from the run records that :mod:`experiments.autolr` collects by stage, so
+the tables regenerate from the same records whenever a run is added.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from experiments import autolr as A
+from hdet_jax.trainer.plots import save_figure
 
 
 def _stats(records: list[dict], key: str = 'val_bpb') -> dict:
@@ -74,23 +74,25 @@ def signal_per_sync(record: dict) -> list[dict]:
   return out
 
 
-def collect(cache: 'A.Cache', optim: str, grid_lrs, variants, peers, seeds) -> dict:
-  grid = {lr: [r for s in seeds if (r := cache.get(A.grid_name(optim, lr, s)))] for lr in grid_lrs}
-  grid = {lr: rs for lr, rs in grid.items() if rs}
-  out = {'grid': grid, 'hdet': {}, 'peers': {}}
-  for v in variants:
-    out['hdet'][v] = {st: [r for s in seeds if (r := cache.get(A.hdet_name(optim, v, st, s)))] for st in A.STARTS}
-  if optim == 'adamw':
-    out['peers'] = {p: [r for s in seeds if (r := cache.get(A.peer_name(p, s)))] for p in peers}
-  return out
+def mean_bpb(records: list[dict]) -> float:
+  """Mean final val bits/byte; a diverged or non-finite run counts as infinitely bad."""
+  vals = [r['val_bpb'] if r['val_bpb'] is not None and r['diverged_at'] is None else math.inf for r in records]
+  return float(np.mean(vals)) if vals else math.nan
 
 
-def summarize(optim: str, runs: dict, anchor_lr: float | None) -> dict:
+def grid_best(grid: dict[float, list[dict]]) -> tuple[float, float]:
+  """(peak LR, mean val bits/byte) of the grid point with the lowest mean over its seeds."""
+  complete = {lr: rs for lr, rs in grid.items() if rs}
+  lr = min(complete, key=lambda k: mean_bpb(complete[k]))
+  return lr, mean_bpb(complete[lr])
+
+
+def summarize(runs: dict, anchor_lr: float | None, default_variant: str) -> dict:
   grid = runs['grid']
   res = {'grid': {f'{lr:.4g}': _stats(rs) for lr, rs in grid.items()}, 'anchor_lr': anchor_lr}
   complete = {lr: rs for lr, rs in grid.items() if rs}
   if complete:
-    best_lr, best = A.grid_best(complete)
+    best_lr, best = grid_best(complete)
     res['grid_best'] = {'lr': best_lr, 'val_bpb': best, 'n_seeds': len(complete[best_lr]),
                         'sd': _stats(complete[best_lr])['sd']}
   def hdet_block(by_start):
@@ -107,26 +109,22 @@ def summarize(optim: str, runs: dict, anchor_lr: float | None) -> dict:
       block[st] = s
     return block
   res['variants'] = {v: hdet_block(b) for v, b in runs['hdet'].items() if any(b.values())}
-  res['hdet'] = res['variants'].get(A.DEFAULT_VARIANT, {})
-  res['default_variant'] = A.DEFAULT_VARIANT
+  res['hdet'] = res['variants'].get(default_variant, {})
+  res['default_variant'] = default_variant
   res['peers'] = {p: _stats(rs) for p, rs in runs['peers'].items() if rs}
   return res
 
 
-def write(cache: 'A.Cache', out_dir: str, *, optims, grids, quick: bool = False,
-          variants=None, peers=None, seeds=A.SEEDS) -> list[str]:
-  variants = variants or tuple(A.VARIANT_SETTINGS)
-  peers = peers or A.PEERS
+def write(out_dir: str, runs: dict, anchors: dict, *, default_variant: str, quick: bool = False) -> list[str]:
+  """The report from the records of each optimizer by stage (``runs[optim]``: see ``autolr.collect``) and
+  each optimizer's anchor LR (None before it is fixed); optimizers without grid records are left out."""
   os.makedirs(out_dir, exist_ok=True)
   results, all_runs = {}, {}
-  for optim in ('adamw', 'sgd'):
-    runs = collect(cache, optim, grids[optim], variants, peers, seeds)
-    if not any(runs['grid'].values()):
+  for optim, by_stage in runs.items():
+    if not any(by_stage['grid'].values()):
       continue
-    anchor_path = os.path.join(cache.dir, optim, 'anchor.json')
-    anchor_lr = json.load(open(anchor_path, encoding='utf-8'))['lr'] if os.path.exists(anchor_path) else None
-    results[optim] = summarize(optim, runs, anchor_lr)
-    all_runs[optim] = runs
+    results[optim] = summarize(by_stage, anchors.get(optim), default_variant)
+    all_runs[optim] = by_stage
   paths = []
   jpath = os.path.join(out_dir, 'autolr.json')
   with open(jpath, 'w', encoding='utf-8') as f:
@@ -231,7 +229,7 @@ def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
     ax.set_ylabel('base LR (weights group)')
     ax.set_title(f'{optim}: HDET base-LR trajectories from three starts')
     ax.legend(fontsize=7, ncol=2)
-    paths.append(_save(fig, fig_dir, f'autolr_lr_{optim}.png'))
+    paths.append(save_figure(fig, fig_dir, f'autolr_lr_{optim}.png'))
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for style, v, st, rs in _styled_hdet_runs(runs, styles):
@@ -247,7 +245,7 @@ def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
     ax.set_ylabel('|loss difference across the spread| / its noise')
     ax.set_title(f'{optim}: the controller\'s signal per sync (first seed)')
     ax.legend(fontsize=7, ncol=2)
-    paths.append(_save(fig, fig_dir, f'autolr_signal_{optim}.png'))
+    paths.append(save_figure(fig, fig_dir, f'autolr_signal_{optim}.png'))
   return paths
 
 
@@ -257,12 +255,3 @@ def _styled_hdet_runs(runs: dict, styles: list[str]):
     for st, rs in by_start.items():
       if rs:
         yield styles[k % len(styles)], v, st, rs
-
-
-def _save(fig, fig_dir: str, name: str) -> str:
-  import matplotlib.pyplot as plt
-  path = os.path.join(fig_dir, name)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path

@@ -1,8 +1,8 @@
-"""Writes ``table1.md`` and the figures from the run records of :mod:`hdet_jax.experiments.table1`.
+"""Writes ``table1.md`` and the figures from the run records of :mod:`experiments.table1`.
 
-Everything here is computed from the records; the only hand-written text is the discussion in
-``table1_discussion.md`` next to this file (written after reading a full run; it is copied in
-only for the full run, whose numbers it refers to).
+Everything here is computed from the records (and the experiment's settings, passed in); the only
+hand-written text is the discussion in ``table1_discussion.md`` next to this file (written after
+reading a full run; it is copied in only for the full run, whose numbers it refers to).
 """
 
 from __future__ import annotations
@@ -12,7 +12,28 @@ import os
 
 import numpy as np
 
-from hdet_jax.experiments import table1 as T
+from hdet_jax.trainer.plots import save_figure
+
+ROWS = ('baseline_low', 'baseline_high', 'warm_init', 'hdet_no_auto_lr', 'hdet_cold', 'hdet_full')
+PAPER = {  # Table 1 of arXiv 2604.24708: (description, avg LR, train loss, crashed)
+    'baseline_low': ('Standard DDP, alpha=0', '0.0001', 3.294, False),
+    'baseline_high': ('Standard DDP, alpha=0', '0.0009', 4.169, True),
+    'warm_init': ('Perturbed init, alpha=0', '0.0009', 4.674, True),
+    'hdet_no_auto_lr': ('LR spread + warm init, no auto-LR', '0.0009', 3.280, False),
+    'hdet_cold': ('LR spread + auto-LR, cold start', '0.0009', 3.281, False),
+    'hdet_full': ('LR spread + warm init + auto-LR', '0.0009', 3.277, False),
+}
+TITLES = {
+    'baseline_low': 'Baseline-Low', 'baseline_high': 'Baseline-High', 'warm_init': 'Warm-Init',
+    'hdet_no_auto_lr': 'HDET w/o auto-LR', 'hdet_cold': 'HDET w/o warm init', 'hdet_full': 'HDET (full)',
+    'avg_no_spread': 'Averaging, no spread', 'spread_no_avg': 'Spread, no averaging',
+    'hdet_cold_no_auto_lr': 'Spread + averaging (cold, no auto-LR)',
+    'baseline_low_warm': 'Baseline-Low from the warm checkpoint',
+}
+
+
+def _lr(lr: float) -> str:
+  return f'{lr:.3g}'
 
 
 def _vals(runs, key):
@@ -42,12 +63,12 @@ def _crashes(runs):
   return f'{c}/{len(runs)}' + (f' ({nf} NaN)' if nf else '')
 
 
-def _blowups(runs):
+def _blowups(runs, log):
   worst = []
   for r in runs:
     loss = np.asarray(r['loss_mean'], dtype=np.float64)
-    k = len(loss) // T.LOG
-    w = loss[:k * T.LOG].reshape(k, T.LOG).mean(1) if k else loss
+    k = len(loss) // log
+    w = loss[:k * log].reshape(k, log).mean(1) if k else loss
     if np.any(~np.isfinite(w)) or np.nanmax(w) > math.log(256):
       worst.append(float(np.nanmax(w)))
   return f'{len(worst)}/{len(runs)}' + (f' (worst {max(worst):.1f} nats)' if worst else '')
@@ -83,31 +104,38 @@ def _rel_dist(r, after=0):
   return out
 
 
-def _final_base(r):
-  return r['bases'][-1] if r['bases'] else None
+def _schedule(config):
+  """The one-cycle base schedule of a recorded config (what the rows without auto-LR follow)."""
+  from hdet_jax import schedules
+  o = config['optim']
+  return schedules.one_cycle(max_lr=o['max_lr'], total_steps=config['num_train_steps'], pct_start=o['pct_start'],
+                             div_factor=o['div_factor'], final_div_factor=o['final_div_factor'])
 
 
 def _schedule_lr(config, step):
-  from hdet_jax import schedules
-  o = config['optim']
-  s = schedules.one_cycle(max_lr=o['max_lr'], total_steps=config['num_train_steps'], pct_start=o['pct_start'],
-                          div_factor=o['div_factor'], final_div_factor=o['final_div_factor'])
-  return float(s(step))
+  return float(_schedule(config)(step))
 
 
 def write(out_dir, settings, sweep, choice, named, records, *, quick=False):
   fig_dir = os.path.join(out_dir, 'figures')
   os.makedirs(fig_dir, exist_ok=True)
   figs = _figures(fig_dir, settings, sweep, choice, named)
-  md = _markdown(settings, sweep, choice, named, records, figs, out_dir, quick)
+  md = _markdown(settings, sweep, choice, named, records, figs, quick)
   path = os.path.join(out_dir, 'table1.md')
   with open(path, 'w', encoding='utf-8') as f:
     f.write(md)
   return [path] + figs
 
 
-def _markdown(settings, sweep, choice, named, records, figs, out_dir, quick):
-  high, low = choice['high'], choice['low']
+def _markdown(settings, sweep, choice, named, records, figs, quick):
+  return '\n'.join(_intro(settings, named, records, quick) + _sweep_section(settings, sweep, choice, named, figs)
+                   + _rows_section(named, figs) + _claims_section(named)
+                   + _mechanism_section(settings, choice, named, figs) + _controller_lr_section(settings, named)
+                   + _discussion(quick)) + '\n'
+
+
+def _intro(settings, named, records, quick) -> list[str]:
+  """The title, the commands, the setup and the metrics."""
   c0 = named['hdet_full'][0]['config']
   names = named['hdet_full'][0]['hyperparam_names']
   total_s = sum(r['wall_s'] for r in records.values())
@@ -117,9 +145,9 @@ def _markdown(settings, sweep, choice, named, records, figs, out_dir, quick):
   add('# Table 1 of the HDET paper on the KJV byte-level LM\n')
   if quick:
     add('**`--quick` smoke run: a tiny model and a few steps; these numbers mean nothing.**\n')
-  add('Regenerate (runs whose record exists under `workdirs/table1/runs/` are reused):\n')
-  add('```bash\npython -m hdet_jax.experiments.table1          # full: ' f'{n_runs} runs\n'
-      'python -m hdet_jax.experiments.table1 --quick  # smoke run: ~20 s with a warm XLA cache, ~75 s cold\n```\n')
+  add('Regenerate (runs whose record exists under `results/table1/runs/` are reused):\n')
+  add('```bash\npython -m experiments.table1          # full: ' f'{n_runs} runs\n'
+      'python -m experiments.table1 --quick  # smoke run of every stage on a tiny model\n```\n')
   m = c0['model']
   add(f'**Setup.** The trainer\'s byte-level transformer (d_model {m["d_model"]}, {m["num_layers"]} layer{"s" if m["num_layers"] > 1 else ""}, '
       f'{m["num_heads"]} heads), sequence {c0["data"]["seq_len"]} bytes, {c0["data"]["batch_size"]} windows per '
@@ -133,25 +161,32 @@ def _markdown(settings, sweep, choice, named, records, figs, out_dir, quick):
       f'{settings["warmup"]} (sigma {c0["hdet"]["temperature"]}, lambda {c0["hdet"]["lr_of_lr"]}, beta '
       f'{c0["hdet"]["momentum"]}), **per-group LRs** ({", ".join(names)}; each group its own base LR, '
       f'velocity and permutation, like the paper\'s per-group runs, which had four groups). Warm rows start from the averaged final model '
-      f'of one Baseline-Low run (seed {T.PRETRAIN_SEED}, {settings["steps"]} steps) plus eq. 10 noise '
+      f'of one Baseline-Low run (seed {settings["pretrain_seed"]}, {settings["steps"]} steps) plus eq. 10 noise '
       f'(nu = {c0["warm_init"]["nu"]}), then train {settings["steps"]} steps like every row. '
       f'Total: {n_runs} runs, {total_s / 60:.1f} min of run time (setup, compile and eval included) on a 2-core '
       'CPU shared with other jobs.\n')
   add('**Metrics.** *Train loss*: mean over replicas of each replica\'s loss on its own batch, over the last '
-      f'{T.LOG} steps (the trainer\'s summary; the paper\'s metric), in nats per byte; HDET replicas are '
+      f'{settings["log"]} steps (the trainer\'s summary; the paper\'s metric), in nats per byte; HDET replicas are '
       'measured at their spread points, not at their average. *Val bits/byte*: the replicas\' averaged model '
       f'(the model HDET exports) on {c0["eval_windows"]} held-out windows of the KJV\'s last 5%. *Crashed*: '
-      f'a non-finite loss, or a final train loss more than {T.BLOWUP_NATS} nats above the run\'s best '
-      f'{T.LOG}-step mean ("loss grew unboundedly"). *Max rise*: the largest rise of the {T.LOG}-step mean '
+      f'a non-finite loss, or a final train loss more than {settings["blowup_nats"]} nats above the run\'s best '
+      f'{settings["log"]}-step mean ("loss grew unboundedly"). *Max rise*: the largest rise of the {settings["log"]}-step mean '
       'loss above its running minimum (0 for a monotone run). Mean ± sample std over seeds. Paired '
       'differences use the same seed (same data order; cold rows also the same init).\n')
+  return L
 
-  # ---- The sweep. ----
+
+def _sweep_section(settings, sweep, choice, named, figs) -> list[str]:
+  """Section 1: the plain data-parallel sweep and the LRs it picks."""
+  high, low = choice['high'], choice['low']
+  c0 = named['hdet_full'][0]['config']
+  L = []
+  add = L.append
   add('## 1. Choosing the LRs: plain data-parallel sweep\n')
   add(f'Plain data parallel (`configs/baseline_high.py`: no spread, no averaging, no controller) at '
       f'{len(sweep)} peak LRs (log grid, ratio 3). Rule, fixed before the sweep ran: `baseline_high` is the '
       f'lowest grid LR above the best one where some seed crashed or the mean val bits/byte is more than '
-      f'{T.DEGRADE_BPB} above the best LR\'s; `baseline_low` = `baseline_high` / 9 (two grid points lower, '
+      f'{settings["degrade_bpb"]} above the best LR\'s; `baseline_low` = `baseline_high` / 9 (two grid points lower, '
       'the paper\'s ratio).\n')
   add('| peak LR | final train loss | val bits/byte | crashed | max rise | transient blow-ups | per-seed val bits/byte | '
       'verdict |')
@@ -168,49 +203,59 @@ def _markdown(settings, sweep, choice, named, records, figs, out_dir, quick):
     if math.isclose(lr, low, rel_tol=1e-6):
       verdict.append('**= baseline_low**')
     per = ', '.join('NaN' if v is None else f'{v:.3f}' for v in _vals(runs, 'val_bpb'))
-    add(f'| {T._lr_tag(lr)} | {_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | '
-        f'{_crashes(runs)} | {_ms(_vals(runs, "max_rise"), 2)} | {_blowups(runs)} | {per} | {"; ".join(verdict)} |')
+    add(f'| {_lr(lr)} | {_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | '
+        f'{_crashes(runs)} | {_ms(_vals(runs, "max_rise"), 2)} | {_blowups(runs, settings["log"])} | {per} | {"; ".join(verdict)} |')
   add('')
   add(f'*Transient blow-ups* (added after the sweep ran, to describe what the crash rule above does not catch; it '
-      f'changes no choice): seeds whose {T.LOG}-step mean loss went above ln 256 = 5.55 nats (worse than a uniform '
+      f'changes no choice): seeds whose {settings["log"]}-step mean loss went above ln 256 = 5.55 nats (worse than a uniform '
       'guess over bytes) at some point, with the worst such mean; the crash rule does not count them when the '
       'loss came back to within 0.5 nats of its best.\n')
   if not choice['found_edge']:
     add('**No LR in the grid crashed or clearly degraded**: `baseline_high` is the grid\'s largest LR.\n')
-  add(f'Chosen: **baseline_high = {T._lr_tag(high)}**, **baseline_low = {T._lr_tag(low)}**; the HDET rows '
-      f'use peak LR {T._lr_tag(high)} (the mean replica\'s LR; replicas span [{1 - c0["hdet"]["spread"]:g}, '
+  add(f'Chosen: **baseline_high = {_lr(high)}**, **baseline_low = {_lr(low)}**; the HDET rows '
+      f'use peak LR {_lr(high)} (the mean replica\'s LR; replicas span [{1 - c0["hdet"]["spread"]:g}, '
       f'{1 + c0["hdet"]["spread"]:g}] times it).\n')
   add(f'![LR sweep](figures/{os.path.basename(figs[0])})\n')
+  return L
 
-  # ---- Table 1. ----
+
+def _rows_section(named, figs) -> list[str]:
+  """Section 2: the paper's six rows."""
+  L = []
+  add = L.append
   add('## 2. The paper\'s six rows\n')
   add('| row | description | peak LR | paper: train loss | train loss | val bits/byte | crashed | max rise | '
       'wall s/run |')
   add('|---|---|---|---|---|---|---|---|---|')
-  for row in T.ROWS:
+  for row in ROWS:
     runs = named[row]
-    desc, plr, ploss, pcrash = T.PAPER[row]
+    desc, plr, ploss, pcrash = PAPER[row]
     lr = runs[0]['config']['optim']['max_lr']
-    add(f'| {T.TITLES[row]} | {desc} | {T._lr_tag(lr)} | {ploss:.3f}{"†" if pcrash else ""} (LR {plr}) | '
+    add(f'| {TITLES[row]} | {desc} | {_lr(lr)} | {ploss:.3f}{"†" if pcrash else ""} (LR {plr}) | '
         f'{_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | {_crashes(runs)} | '
         f'{_ms(_vals(runs, "max_rise"), 2)} | {np.mean(_vals(runs, "wall_s")):.0f} |')
   add('\n† the paper\'s crashed runs. Baseline-Low and Baseline-High are the sweep\'s runs at those LRs.\n')
   add(f'![Loss against step](figures/{os.path.basename(figs[1])})\n')
   add(f'![LR schedules per group](figures/{os.path.basename(figs[2])})\n')
+  return L
 
-  # ---- The paper's claims, checked. ----
+
+def _claims_section(named) -> list[str]:
+  """Section 3: the paper's claims as paired differences."""
+  L = []
+  add = L.append
   add('## 3. The paper\'s claims, measured here\n')
   add('Paired differences of val bits/byte (negative: the first is better), mean ± std over seeds; "beyond 2 '
       's.e." means |mean| > 2 std / sqrt(seeds).\n')
   add('| claim (paper §4) | comparison | val bits/byte difference | train loss difference |')
   add('|---|---|---|---|')
   def cmp(claim, a, b):
-    add(f'| {claim} | {T.TITLES[a]} - {T.TITLES[b]} | {_fmt_paired(named[a], named[b])} | '
+    add(f'| {claim} | {TITLES[a]} - {TITLES[b]} | {_fmt_paired(named[a], named[b])} | '
         f'{_fmt_paired(named[a], named[b], "final_train_loss")} |')
   add(f'| Baseline-High crashes | crashes | {_crashes(named["baseline_high"])} | |')
   add(f'| Warm-Init crashes too | crashes | {_crashes(named["warm_init"])} | |')
-  add(f'| every HDET variant trains stably at that LR | crashes | ' + ', '.join(
-      f'{T.TITLES[r]} {_crashes(named[r])}' for r in ('hdet_no_auto_lr', 'hdet_cold', 'hdet_full')) + ' | |')
+  add('| every HDET variant trains stably at that LR | crashes | ' + ', '.join(
+      f'{TITLES[r]} {_crashes(named[r])}' for r in ('hdet_no_auto_lr', 'hdet_cold', 'hdet_full')) + ' | |')
   cmp('HDET w/o auto-LR beats Baseline-Low', 'hdet_no_auto_lr', 'baseline_low')
   cmp('HDET (full) beats Baseline-Low', 'hdet_full', 'baseline_low')
   cmp('HDET (full) beats Baseline-High', 'hdet_full', 'baseline_high')
@@ -219,12 +264,18 @@ def _markdown(settings, sweep, choice, named, records, figs, out_dir, quick):
   cmp('warm init helps without HDET (control)', 'baseline_low_warm', 'baseline_low')
   cmp('HDET (full) beats the warm control', 'hdet_full', 'baseline_low_warm')
   add('')
+  return L
 
-  # ---- Mechanism. ----
+
+def _mechanism_section(settings, choice, named, figs) -> list[str]:
+  """Section 4: where any stability comes from."""
+  high, low = choice['high'], choice['low']
+  L = []
+  add = L.append
   add('## 4. Where any stability comes from\n')
-  add('All at peak LR ' + T._lr_tag(high) + ' from a cold start unless stated; the control is at '
-      f'{T._lr_tag(low)}. *Distance*: each replica\'s L2 distance from the replicas\' mean just before a sync '
-      f'(for runs that never average: every {T.LOG} steps), relative to the norm of the mean, averaged over '
+  add('All at peak LR ' + _lr(high) + ' from a cold start unless stated; the control is at '
+      f'{_lr(low)}. *Distance*: each replica\'s L2 distance from the replicas\' mean just before a sync '
+      f'(for runs that never average: every {settings["log"]} steps), relative to the norm of the mean, averaged over '
       'replicas; given as the mean over all syncs and at the last one.\n')
   add('| run | spread | averaging | auto-LR | init | train loss | val bits/byte | crashed | max rise | '
       'distance (mean / last) | val bits/byte vs plain DP, same LR and init |')
@@ -244,13 +295,19 @@ def _markdown(settings, sweep, choice, named, records, figs, out_dir, quick):
             else '0 (identical)' if dm else 'n/a')
     ref = {'warm_init': None, 'hdet_no_auto_lr': 'warm_init', 'hdet_full': 'warm_init', 'baseline_low': None,
            'baseline_low_warm': None, 'baseline_high': None}.get(row, 'baseline_high')
-    vs = f'{_fmt_paired(runs, named[ref])} vs {T.TITLES[ref]}' if ref else ''
-    add(f'| {T.TITLES[row]} | {h["spread"]} | {avg} | {"on" if h["auto_lr"] else "off"} | {warm} | '
+    vs = f'{_fmt_paired(runs, named[ref])} vs {TITLES[ref]}' if ref else ''
+    add(f'| {TITLES[row]} | {h["spread"]} | {avg} | {"on" if h["auto_lr"] else "off"} | {warm} | '
         f'{_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | {_crashes(runs)} | '
         f'{_ms(_vals(runs, "max_rise"), 2)} | {dist} | {vs} |')
   add('')
   add(f'![Replica distance before each sync](figures/{os.path.basename(figs[3])})\n')
+  return L
 
+
+def _controller_lr_section(settings, named) -> list[str]:
+  """The LR the controller ended at, against the schedule."""
+  L = []
+  add = L.append
   add('### The LR the controller ended at\n')
   add('Final base LR of each group (the mean replica\'s LR at the last step), against the one-cycle '
       'schedule\'s final value that the rows without auto-LR end at, and the largest base LR the controller set.\n')
@@ -264,15 +321,21 @@ def _markdown(settings, sweep, choice, named, records, figs, out_dir, quick):
     for g, name in enumerate(runs[0]['hyperparam_names']):
       finals = [r['bases'][-1][g] for r in runs if r['bases']]
       peaks = [max(b[g] for b in r['bases'][settings['warmup']:]) for r in runs if len(r['bases']) > settings['warmup']]
-      add(f'| {T.TITLES[row]} | {name} | {sched_end:.2e} | {", ".join(f"{x:.2e}" for x in finals)} | '
+      add(f'| {TITLES[row]} | {name} | {sched_end:.2e} | {", ".join(f"{x:.2e}" for x in finals)} | '
           f'{np.mean(finals) / sched_end:.2f}x | {", ".join(f"{x:.2e}" for x in peaks)} |')
   add('')
+  return L
 
+
+def _discussion(quick) -> list[str]:
+  """The hand-written reading of the full run (not for --quick)."""
+  L = []
+  add = L.append
   disc = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'table1_discussion.md')
   if not quick and os.path.exists(disc):
     with open(disc, encoding='utf-8') as f:
       add(f.read())
-  return '\n'.join(L) + '\n'
+  return L
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +349,7 @@ COLORS = {
 }
 
 
-def _smooth(y, w=T.LOG):
+def _smooth(y, w):
   y = np.asarray(y, dtype=np.float64)
   if len(y) < w:
     return np.arange(len(y)), y
@@ -298,9 +361,15 @@ def _figures(fig_dir, settings, sweep, choice, named):
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  paths = []
+  figures = [(_sweep_figure(plt, settings, sweep, choice), 'table1_sweep.png'),
+             (_loss_figure(plt, settings, named), 'table1_loss.png'),
+             (_lr_figure(plt, settings, named), 'table1_lr.png'),
+             (_distance_figure(plt, named), 'table1_distance.png')]
+  return [save_figure(fig, fig_dir, name, dpi=None) for fig, name in figures]
 
-  # Sweep.
+
+def _sweep_figure(plt, settings, sweep, choice):
+  """The sweep: each seed's val bits/byte against the peak LR, and the chosen LRs."""
   fig, ax = plt.subplots(figsize=(7, 4), dpi=90)
   lrs = sorted(sweep)
   for lr in lrs:
@@ -313,7 +382,7 @@ def _figures(fig_dir, settings, sweep, choice, named):
   means = [np.mean(_fin(_vals(sweep[lr], 'val_bpb'))) if _fin(_vals(sweep[lr], 'val_bpb')) else np.nan for lr in lrs]
   ax.plot(lrs, means, '-', color='k', label='mean over seeds')
   for lr, lab, col in ((choice['high'], 'baseline_high', 'r'), (choice['low'], 'baseline_low', 'g')):
-    ax.axvline(lr, color=col, ls='--', lw=1, label=f'{lab} = {T._lr_tag(lr)}')
+    ax.axvline(lr, color=col, ls='--', lw=1, label=f'{lab} = {_lr(lr)}')
   ax.set_xscale('log')
   ax.set_xlabel('peak LR (plain data parallel)')
   ax.set_ylabel('val bits/byte (averaged model)')
@@ -322,44 +391,45 @@ def _figures(fig_dir, settings, sweep, choice, named):
   if finite:
     ax.set_ylim(min(finite) - 0.05, min(max(finite) + 0.05, min(finite) + 2.0))
   ax.legend(fontsize=8)
-  paths.append(_save(fig, fig_dir, 'table1_sweep.png'))
+  return fig
 
-  # Fig. 2: loss against step.
+
+def _loss_figure(plt, settings, named):
+  """The counterpart of the paper's Fig. 2: loss against step."""
   fig, ax = plt.subplots(figsize=(8, 4.5), dpi=90)
   lo = []
   for row, ls in (('baseline_low', '--'), ('baseline_high', '-'), ('warm_init', '-'), ('hdet_cold', '-'),
                   ('hdet_full', '-')):
     for i, r in enumerate(named[row]):
-      x, y = _smooth(r['loss_mean'])
+      x, y = _smooth(r['loss_mean'], settings['log'])
       lo += list(y[np.isfinite(y)])
       ax.plot(x, y, ls, color=COLORS[row], lw=1.2, alpha=0.85,
-              label=f'{T.TITLES[row]} (LR {T._lr_tag(r["config"]["optim"]["max_lr"])})' if i == 0 else None)
+              label=f'{TITLES[row]} (LR {_lr(r["config"]["optim"]["max_lr"])})' if i == 0 else None)
   if lo:
     ax.set_ylim(min(lo) - 0.05, min(max(lo), min(lo) + 1.5))
   ax.set_xlabel('step')
-  ax.set_ylabel(f'train loss, nats/byte ({T.LOG}-step mean, mean over replicas)')
+  ax.set_ylabel(f'train loss, nats/byte ({settings["log"]}-step mean, mean over replicas)')
   ax.set_title('Counterpart of the paper\'s Fig. 2 (one line per seed)')
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
-  paths.append(_save(fig, fig_dir, 'table1_loss.png'))
+  return fig
 
-  # Fig. 3: per-group LR schedules.
+
+def _lr_figure(plt, settings, named):
+  """The counterpart of the paper's Fig. 3: per-group LRs."""
   names = named['hdet_full'][0]['hyperparam_names']
   fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.8), dpi=90, sharey=True)
   axes = np.atleast_1d(axes)
   c = named['baseline_high'][0]['config']
   steps = np.arange(c['num_train_steps'])
-  from hdet_jax import schedules
-  o = c['optim']
-  sched = schedules.one_cycle(max_lr=o['max_lr'], total_steps=c['num_train_steps'], pct_start=o['pct_start'],
-                              div_factor=o['div_factor'], final_div_factor=o['final_div_factor'])
+  sched = _schedule(c)
   sched_y = np.asarray([float(sched(s)) for s in steps])
   for g, (ax, name) in enumerate(zip(axes, names)):
     ax.plot(steps, sched_y, color='#555555', lw=2, label='one-cycle (baselines, w/o auto-LR)')
     for row in ('hdet_cold', 'hdet_full'):
       for i, r in enumerate(named[row]):
         b = np.asarray([x[g] for x in r['bases']])
-        ax.plot(np.arange(len(b)), b, color=COLORS[row], lw=1, label=f'{T.TITLES[row]}: base' if i == 0 else None)
+        ax.plot(np.arange(len(b)), b, color=COLORS[row], lw=1, label=f'{TITLES[row]}: base' if i == 0 else None)
     r = named['hdet_full'][0]
     vmin = np.asarray([x[g] for x in r['values_min']])
     vmax = np.asarray([x[g] for x in r['values_max']])
@@ -373,9 +443,11 @@ def _figures(fig_dir, settings, sweep, choice, named):
   axes[0].set_ylabel('learning rate')
   axes[0].legend(fontsize=7, loc='lower left')
   fig.suptitle('Counterpart of the paper\'s Fig. 3: per-group LRs (dotted: auto-LR starts)', fontsize=10)
-  paths.append(_save(fig, fig_dir, 'table1_lr.png'))
+  return fig
 
-  # Mechanism: distance before each sync.
+
+def _distance_figure(plt, named):
+  """Mechanism: the replicas' distance from their mean before each sync."""
   fig, ax = plt.subplots(figsize=(8, 4.5), dpi=90)
   for row in ('spread_no_avg', 'warm_init', 'hdet_cold_no_auto_lr', 'hdet_cold', 'hdet_no_auto_lr', 'hdet_full'):
     for i, r in enumerate(named[row]):
@@ -383,21 +455,11 @@ def _figures(fig_dir, settings, sweep, choice, named):
       if not d:
         continue
       ax.plot([s for s, _ in d], [v for _, v in d], '.-', color=COLORS.get(row, 'k'), lw=1, ms=3,
-              label=T.TITLES[row] if i == 0 else None)
+              label=TITLES[row] if i == 0 else None)
   ax.set_yscale('log')
   ax.set_xlabel('step')
   ax.set_ylabel('||theta_r - mean|| / ||mean|| (mean over replicas)')
   ax.set_title('Replicas\' distance from their mean just before each sync')
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
-  paths.append(_save(fig, fig_dir, 'table1_distance.png'))
-  return paths
-
-
-def _save(fig, fig_dir: str, name: str) -> str:
-  import matplotlib.pyplot as plt
-  path = os.path.join(fig_dir, name)
-  fig.tight_layout()
-  fig.savefig(path)
-  plt.close(fig)
-  return path
+  return fig

@@ -1,0 +1,88 @@
+"""Cached trainer runs for the experiments: one JSON record a finished run, reused while its config holds.
+
+A record is what an experiment's report needs from one run of the trainer's ``train_and_evaluate``,
+made by the experiment's ``make_record(name, config, summary, workdir, wall_s)`` from the trainer's
+summary and ``metrics.jsonl``. Records are small and committed with the project (``results/<experiment>/runs/``),
+so a later session resumes where this one stopped; a run's workdir is deleted once its record is written
+(unless kept: a warm start reads its checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from typing import Any, Callable
+
+
+def lr_tag(lr: float, digits: int) -> str:
+  """A peak LR as it appears in run names (``digits`` significant digits)."""
+  return f'{lr:.{digits}g}'
+
+
+def finite_or_none(x: Any) -> float | None:
+  """``x`` as a float, or None when it is not a finite number (JSON has no NaN)."""
+  try:
+    x = float(x)
+  except (TypeError, ValueError):
+    return None
+  return x if math.isfinite(x) else None
+
+
+class RunCache:
+  """Finished runs as JSON records under ``records_dir``; each run trains in ``work_root/<name>``."""
+
+  def __init__(self, records_dir: str, work_root: str, make_record: Callable[..., dict],
+               describe: Callable[[dict], str], log: Callable[..., None] = print):
+    self.dir, self.work_root, self.log = records_dir, work_root, log
+    self.make_record, self.describe = make_record, describe
+    os.makedirs(self.dir, exist_ok=True)
+
+  def path(self, name: str) -> str:
+    return os.path.join(self.dir, name + '.json')
+
+  def workdir(self, name: str) -> str:
+    return os.path.join(self.work_root, name)
+
+  def get(self, name: str, match: dict | None = None) -> dict | None:
+    """The record of run ``name``, if it exists and its config has every (dotted field, value) of ``match``."""
+    p = self.path(name)
+    if not os.path.exists(p):
+      return None
+    with open(p, encoding='utf-8') as f:
+      rec = json.load(f)
+    if match:
+      from hdet_jax.trainer import config_lib
+      recorded = config_lib.flatten(rec['config'])
+      if any(k not in recorded or recorded[k] != v for k, v in match.items()):
+        return None
+    return rec
+
+  def run(self, name: str, config: Any, match: dict | None = None, keep_workdir: bool = False) -> dict:
+    """The record of ``name`` (see :meth:`get`), or trains ``config`` and records it.
+
+    A preempted run (SIGTERM) exits with status 143; rerunning resumes it from its workdir's checkpoint.
+    """
+    rec = self.get(name, match)
+    if rec is not None:
+      return rec
+    from hdet_jax.trainer import trainer
+    workdir = self.workdir(name)
+    t0 = time.time()
+    summary = trainer.train_and_evaluate(config, workdir)
+    if summary.get('preempted'):
+      self.log(f'  {name}: preempted; rerun to resume.')
+      sys.exit(143)
+    rec = self.make_record(name, config, summary, workdir, time.time() - t0)
+    tmp = self.path(name) + '.tmp'
+    os.makedirs(os.path.dirname(tmp), exist_ok=True)
+    with open(tmp, 'w', encoding='utf-8') as f:
+      json.dump(rec, f, indent=None, separators=(',', ':'))
+    os.replace(tmp, self.path(name))
+    if not keep_workdir:
+      shutil.rmtree(workdir, ignore_errors=True)  # the record holds what the report needs
+    self.log(f'  {name}: {self.describe(rec)}', flush=True)
+    return rec

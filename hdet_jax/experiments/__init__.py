@@ -1,1 +1,0 @@
-"""Experiments built on the trainer's building blocks (``python -m hdet_jax.experiments.table1``)."""
