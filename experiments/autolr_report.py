@@ -224,11 +224,7 @@ def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
       for j, r in enumerate(rs):
         s, lr = lr_path(r)
         ax.plot(s, lr, style, color=colors[st], alpha=0.8, label=f'{v} {st}' if j == 0 else None)
-    ax.set_yscale('log')
-    ax.set_xlabel('step')
-    ax.set_ylabel('base LR (weights group)')
-    ax.set_title(f'{optim}: HDET base-LR trajectories from three starts')
-    ax.legend(fontsize=7, ncol=2)
+    _label(ax, 'step', 'base LR (weights group)', f'{optim}: HDET base-LR trajectories from three starts')
     paths.append(save_figure(fig, fig_dir, f'autolr_lr_{optim}.png'))
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -240,13 +236,19 @@ def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
       ratio = [abs(x['diff']) / x['noise'] if x['noise'] > 0 else np.nan for x in sig]
       ax.plot(steps, ratio, style, color=colors[st], alpha=0.8, label=f'{v} {st}')
     ax.axhline(2.0, color='k', lw=0.8, ls=':', label='|t| = 2')
-    ax.set_yscale('log')
-    ax.set_xlabel('step (sync)')
-    ax.set_ylabel('|loss difference across the spread| / its noise')
-    ax.set_title(f'{optim}: the controller\'s signal per sync (first seed)')
-    ax.legend(fontsize=7, ncol=2)
+    _label(ax, 'step (sync)', '|loss difference across the spread| / its noise',
+           f'{optim}: the controller\'s signal per sync (first seed)')
     paths.append(save_figure(fig, fig_dir, f'autolr_signal_{optim}.png'))
   return paths
+
+
+def _label(ax, xlabel: str, ylabel: str, title: str) -> None:
+  """Both figures' axes: a log y scale, the labels, the title and the legend."""
+  ax.set_yscale('log')
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  ax.legend(fontsize=7, ncol=2)
 
 
 def _styled_hdet_runs(runs: dict, styles: list[str]):

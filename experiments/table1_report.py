@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Iterator
 
 import numpy as np
 
@@ -128,69 +129,69 @@ def write(out_dir, settings, sweep, choice, named, records, *, quick=False):
 
 
 def _markdown(settings, sweep, choice, named, records, figs, quick):
-  return '\n'.join(_intro(settings, named, records, quick) + _sweep_section(settings, sweep, choice, named, figs)
-                   + _rows_section(named, figs) + _claims_section(named)
-                   + _mechanism_section(settings, choice, named, figs) + _controller_lr_section(settings, named)
-                   + _discussion(quick)) + '\n'
+  sections = (_intro(settings, named, records, quick), _sweep_section(settings, sweep, choice, named, figs),
+              _rows_section(named, figs), _claims_section(named), _mechanism_section(settings, choice, named, figs),
+              _controller_lr_section(settings, named), _discussion(quick))
+  return '\n'.join(line for section in sections for line in section) + '\n'
 
 
-def _intro(settings, named, records, quick) -> list[str]:
+def _intro(settings, named, records, quick) -> Iterator[str]:
   """The title, the commands, the setup and the metrics."""
   c0 = named['hdet_full'][0]['config']
   names = named['hdet_full'][0]['hyperparam_names']
   total_s = sum(r['wall_s'] for r in records.values())
   n_runs = len(records)
-  L = []
-  add = L.append
-  add('# Table 1 of the HDET paper on the KJV byte-level LM\n')
+  yield '# Table 1 of the HDET paper on the KJV byte-level LM\n'
   if quick:
-    add('**`--quick` smoke run: a tiny model and a few steps; these numbers mean nothing.**\n')
-  add('Regenerate (runs whose record exists under `results/table1/runs/` are reused):\n')
-  add('```bash\npython -m experiments.table1          # full: ' f'{n_runs} runs\n'
-      'python -m experiments.table1 --quick  # smoke run of every stage on a tiny model\n```\n')
+    yield '**`--quick` smoke run: a tiny model and a few steps; these numbers mean nothing.**\n'
+  yield 'Regenerate (runs whose record exists under `results/table1/runs/` are reused):\n'
+  yield ('```bash\npython -m experiments.table1          # full: ' f'{n_runs} runs\n'
+         'python -m experiments.table1 --quick  # smoke run of every stage on a tiny model\n```\n')
   m = c0['model']
-  add(f'**Setup.** The trainer\'s byte-level transformer (d_model {m["d_model"]}, {m["num_layers"]} layer{"s" if m["num_layers"] > 1 else ""}, '
-      f'{m["num_heads"]} heads), sequence {c0["data"]["seq_len"]} bytes, {c0["data"]["batch_size"]} windows per '
-      f'replica, N = {c0["hdet"]["num_replicas"] or 8} replicas on 8 simulated CPU devices, AdamW '
-      f'(b2 {c0["optim"]["b2"]}, weight decay {c0["optim"]["weight_decay"]}), one-cycle base schedule '
-      f'(pct_start {c0["optim"]["pct_start"]}, div {c0["optim"]["div_factor"]}, final div '
-      f'{c0["optim"]["final_div_factor"]}: the schedule ends at max_lr / '
-      f'{c0["optim"]["div_factor"] * c0["optim"]["final_div_factor"]:g}). Every run: '
-      f'**{settings["steps"]} steps**, seeds {", ".join(map(str, settings["seeds"]))}. HDET rows: spread alpha = '
-      f'{c0["hdet"]["spread"]}, sync every T = {c0["hdet"]["sync_every"]} steps, auto-LR from step '
-      f'{settings["warmup"]} (sigma {c0["hdet"]["temperature"]}, lambda {c0["hdet"]["lr_of_lr"]}, beta '
-      f'{c0["hdet"]["momentum"]}), **per-group LRs** ({", ".join(names)}; each group its own base LR, '
-      f'velocity and permutation, like the paper\'s per-group runs, which had four groups). Warm rows start from the averaged final model '
-      f'of one Baseline-Low run (seed {settings["pretrain_seed"]}, {settings["steps"]} steps) plus eq. 10 noise '
-      f'(nu = {c0["warm_init"]["nu"]}), then train {settings["steps"]} steps like every row. '
-      f'Total: {n_runs} runs, {total_s / 60:.1f} min of run time (setup, compile and eval included) on a 2-core '
-      'CPU shared with other jobs.\n')
-  add('**Metrics.** *Train loss*: mean over replicas of each replica\'s loss on its own batch, over the last '
-      f'{settings["log"]} steps (the trainer\'s summary; the paper\'s metric), in nats per byte; HDET replicas are '
-      'measured at their spread points, not at their average. *Val bits/byte*: the replicas\' averaged model '
-      f'(the model HDET exports) on {c0["eval_windows"]} held-out windows of the KJV\'s last 5%. *Crashed*: '
-      f'a non-finite loss, or a final train loss more than {settings["blowup_nats"]} nats above the run\'s best '
-      f'{settings["log"]}-step mean ("loss grew unboundedly"). *Max rise*: the largest rise of the {settings["log"]}-step mean '
-      'loss above its running minimum (0 for a monotone run). Mean ± sample std over seeds. Paired '
-      'differences use the same seed (same data order; cold rows also the same init).\n')
-  return L
+  yield (f'**Setup.** The trainer\'s byte-level transformer (d_model {m["d_model"]}, {m["num_layers"]} '
+         f'layer{"s" if m["num_layers"] > 1 else ""}, '
+         f'{m["num_heads"]} heads), sequence {c0["data"]["seq_len"]} bytes, {c0["data"]["batch_size"]} windows per '
+         f'replica, N = {c0["hdet"]["num_replicas"] or 8} replicas on 8 simulated CPU devices, AdamW '
+         f'(b2 {c0["optim"]["b2"]}, weight decay {c0["optim"]["weight_decay"]}), one-cycle base schedule '
+         f'(pct_start {c0["optim"]["pct_start"]}, div {c0["optim"]["div_factor"]}, final div '
+         f'{c0["optim"]["final_div_factor"]}: the schedule ends at max_lr / '
+         f'{c0["optim"]["div_factor"] * c0["optim"]["final_div_factor"]:g}). Every run: '
+         f'**{settings["steps"]} steps**, seeds {", ".join(map(str, settings["seeds"]))}. HDET rows: spread alpha = '
+         f'{c0["hdet"]["spread"]}, sync every T = {c0["hdet"]["sync_every"]} steps, auto-LR from step '
+         f'{settings["warmup"]} (sigma {c0["hdet"]["temperature"]}, lambda {c0["hdet"]["lr_of_lr"]}, beta '
+         f'{c0["hdet"]["momentum"]}), **per-group LRs** ({", ".join(names)}; each group its own base LR, '
+         f'velocity and permutation, like the paper\'s per-group runs, which had four groups). Warm rows start '
+         f'from the averaged final model '
+         f'of one Baseline-Low run (seed {settings["pretrain_seed"]}, {settings["steps"]} steps) plus eq. 10 noise '
+         f'(nu = {c0["warm_init"]["nu"]}), then train {settings["steps"]} steps like every row. '
+         f'Total: {n_runs} runs, {total_s / 60:.1f} min of run time (setup, compile and eval included) on a 2-core '
+         'CPU shared with other jobs.\n')
+  yield ('**Metrics.** *Train loss*: mean over replicas of each replica\'s loss on its own batch, over the last '
+         f'{settings["log"]} steps (the trainer\'s summary; the paper\'s metric), in nats per byte; HDET replicas are '
+         'measured at their spread points, not at their average. *Val bits/byte*: the replicas\' averaged model '
+         f'(the model HDET exports) on {c0["eval_windows"]} held-out windows of the KJV\'s last 5%. *Crashed*: '
+         f'a non-finite loss, or a final train loss more than {settings["blowup_nats"]} nats above the run\'s best '
+         f'{settings["log"]}-step mean ("loss grew unboundedly"). *Max rise*: the largest rise of the '
+         f'{settings["log"]}-step mean '
+         'loss above its running minimum (0 for a monotone run). Mean ± sample std over seeds. Paired '
+         'differences use the same seed (same data order; cold rows also the same init).\n')
 
 
-def _sweep_section(settings, sweep, choice, named, figs) -> list[str]:
+def _sweep_section(settings, sweep, choice, named, figs) -> Iterator[str]:
   """Section 1: the plain data-parallel sweep and the LRs it picks."""
   high, low = choice['high'], choice['low']
   c0 = named['hdet_full'][0]['config']
-  L = []
-  add = L.append
-  add('## 1. Choosing the LRs: plain data-parallel sweep\n')
-  add(f'Plain data parallel (`configs/baseline_high.py`: no spread, no averaging, no controller) at '
-      f'{len(sweep)} peak LRs (log grid, ratio 3). Rule, fixed before the sweep ran: `baseline_high` is the '
-      f'lowest grid LR above the best one where some seed crashed or the mean val bits/byte is more than '
-      f'{settings["degrade_bpb"]} above the best LR\'s; `baseline_low` = `baseline_high` / 9 (two grid points lower, '
-      'the paper\'s ratio).\n')
-  add('| peak LR | final train loss | val bits/byte | crashed | max rise | transient blow-ups | per-seed val bits/byte | '
-      'verdict |')
-  add('|---|---|---|---|---|---|---|---|')
+  yield '## 1. Choosing the LRs: plain data-parallel sweep\n'
+  yield (f'Plain data parallel (`configs/baseline_high.py`: no spread, no averaging, no controller) at '
+         f'{len(sweep)} peak LRs (log grid, ratio 3). Rule, fixed before the sweep ran: `baseline_high` is the '
+         f'lowest grid LR above the best one where some seed crashed or the mean val bits/byte is more than '
+         f'{settings["degrade_bpb"]} above the best LR\'s; `baseline_low` = `baseline_high` / 9 (two grid points '
+         'lower, '
+         'the paper\'s ratio).\n')
+  yield ('| peak LR | final train loss | val bits/byte | crashed | max rise | transient blow-ups | '
+         'per-seed val bits/byte | '
+         'verdict |')
+  yield '|---|---|---|---|---|---|---|---|'
   for lr in sorted(sweep):
     runs = sweep[lr]
     verdict = []
@@ -203,83 +204,77 @@ def _sweep_section(settings, sweep, choice, named, figs) -> list[str]:
     if math.isclose(lr, low, rel_tol=1e-6):
       verdict.append('**= baseline_low**')
     per = ', '.join('NaN' if v is None else f'{v:.3f}' for v in _vals(runs, 'val_bpb'))
-    add(f'| {_lr(lr)} | {_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | '
-        f'{_crashes(runs)} | {_ms(_vals(runs, "max_rise"), 2)} | {_blowups(runs, settings["log"])} | {per} | {"; ".join(verdict)} |')
-  add('')
-  add(f'*Transient blow-ups* (added after the sweep ran, to describe what the crash rule above does not catch; it '
-      f'changes no choice): seeds whose {settings["log"]}-step mean loss went above ln 256 = 5.55 nats (worse than a uniform '
-      'guess over bytes) at some point, with the worst such mean; the crash rule does not count them when the '
-      'loss came back to within 0.5 nats of its best.\n')
+    yield (f'| {_lr(lr)} | {_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | '
+           f'{_crashes(runs)} | {_ms(_vals(runs, "max_rise"), 2)} | {_blowups(runs, settings["log"])} | {per} | '
+           f'{"; ".join(verdict)} |')
+  yield ''
+  yield (f'*Transient blow-ups* (added after the sweep ran, to describe what the crash rule above does not catch; it '
+         f'changes no choice): seeds whose {settings["log"]}-step mean loss went above ln 256 = 5.55 nats (worse '
+         'than a uniform '
+         'guess over bytes) at some point, with the worst such mean; the crash rule does not count them when the '
+         'loss came back to within 0.5 nats of its best.\n')
   if not choice['found_edge']:
-    add('**No LR in the grid crashed or clearly degraded**: `baseline_high` is the grid\'s largest LR.\n')
-  add(f'Chosen: **baseline_high = {_lr(high)}**, **baseline_low = {_lr(low)}**; the HDET rows '
-      f'use peak LR {_lr(high)} (the mean replica\'s LR; replicas span [{1 - c0["hdet"]["spread"]:g}, '
-      f'{1 + c0["hdet"]["spread"]:g}] times it).\n')
-  add(f'![LR sweep](figures/{os.path.basename(figs[0])})\n')
-  return L
+    yield '**No LR in the grid crashed or clearly degraded**: `baseline_high` is the grid\'s largest LR.\n'
+  yield (f'Chosen: **baseline_high = {_lr(high)}**, **baseline_low = {_lr(low)}**; the HDET rows '
+         f'use peak LR {_lr(high)} (the mean replica\'s LR; replicas span [{1 - c0["hdet"]["spread"]:g}, '
+         f'{1 + c0["hdet"]["spread"]:g}] times it).\n')
+  yield f'![LR sweep](figures/{os.path.basename(figs[0])})\n'
 
 
-def _rows_section(named, figs) -> list[str]:
+def _rows_section(named, figs) -> Iterator[str]:
   """Section 2: the paper's six rows."""
-  L = []
-  add = L.append
-  add('## 2. The paper\'s six rows\n')
-  add('| row | description | peak LR | paper: train loss | train loss | val bits/byte | crashed | max rise | '
-      'wall s/run |')
-  add('|---|---|---|---|---|---|---|---|---|')
+  yield '## 2. The paper\'s six rows\n'
+  yield ('| row | description | peak LR | paper: train loss | train loss | val bits/byte | crashed | max rise | '
+         'wall s/run |')
+  yield '|---|---|---|---|---|---|---|---|---|'
   for row in ROWS:
     runs = named[row]
     desc, plr, ploss, pcrash = PAPER[row]
     lr = runs[0]['config']['optim']['max_lr']
-    add(f'| {TITLES[row]} | {desc} | {_lr(lr)} | {ploss:.3f}{"†" if pcrash else ""} (LR {plr}) | '
-        f'{_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | {_crashes(runs)} | '
-        f'{_ms(_vals(runs, "max_rise"), 2)} | {np.mean(_vals(runs, "wall_s")):.0f} |')
-  add('\n† the paper\'s crashed runs. Baseline-Low and Baseline-High are the sweep\'s runs at those LRs.\n')
-  add(f'![Loss against step](figures/{os.path.basename(figs[1])})\n')
-  add(f'![LR schedules per group](figures/{os.path.basename(figs[2])})\n')
-  return L
+    yield (f'| {TITLES[row]} | {desc} | {_lr(lr)} | {ploss:.3f}{"†" if pcrash else ""} (LR {plr}) | '
+           f'{_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | {_crashes(runs)} | '
+           f'{_ms(_vals(runs, "max_rise"), 2)} | {np.mean(_vals(runs, "wall_s")):.0f} |')
+  yield '\n† the paper\'s crashed runs. Baseline-Low and Baseline-High are the sweep\'s runs at those LRs.\n'
+  yield f'![Loss against step](figures/{os.path.basename(figs[1])})\n'
+  yield f'![LR schedules per group](figures/{os.path.basename(figs[2])})\n'
 
 
-def _claims_section(named) -> list[str]:
+def _claims_section(named) -> Iterator[str]:
   """Section 3: the paper's claims as paired differences."""
-  L = []
-  add = L.append
-  add('## 3. The paper\'s claims, measured here\n')
-  add('Paired differences of val bits/byte (negative: the first is better), mean ± std over seeds; "beyond 2 '
-      's.e." means |mean| > 2 std / sqrt(seeds).\n')
-  add('| claim (paper §4) | comparison | val bits/byte difference | train loss difference |')
-  add('|---|---|---|---|')
+  yield '## 3. The paper\'s claims, measured here\n'
+  yield ('Paired differences of val bits/byte (negative: the first is better), mean ± std over seeds; "beyond 2 '
+         's.e." means |mean| > 2 std / sqrt(seeds).\n')
+  yield '| claim (paper §4) | comparison | val bits/byte difference | train loss difference |'
+  yield '|---|---|---|---|'
   def cmp(claim, a, b):
-    add(f'| {claim} | {TITLES[a]} - {TITLES[b]} | {_fmt_paired(named[a], named[b])} | '
-        f'{_fmt_paired(named[a], named[b], "final_train_loss")} |')
-  add(f'| Baseline-High crashes | crashes | {_crashes(named["baseline_high"])} | |')
-  add(f'| Warm-Init crashes too | crashes | {_crashes(named["warm_init"])} | |')
-  add('| every HDET variant trains stably at that LR | crashes | ' + ', '.join(
-      f'{TITLES[r]} {_crashes(named[r])}' for r in ('hdet_no_auto_lr', 'hdet_cold', 'hdet_full')) + ' | |')
-  cmp('HDET w/o auto-LR beats Baseline-Low', 'hdet_no_auto_lr', 'baseline_low')
-  cmp('HDET (full) beats Baseline-Low', 'hdet_full', 'baseline_low')
-  cmp('HDET (full) beats Baseline-High', 'hdet_full', 'baseline_high')
-  cmp('auto-LR helps (full < w/o auto-LR)', 'hdet_full', 'hdet_no_auto_lr')
-  cmp('warm init helps (full < w/o warm init)', 'hdet_full', 'hdet_cold')
-  cmp('warm init helps without HDET (control)', 'baseline_low_warm', 'baseline_low')
-  cmp('HDET (full) beats the warm control', 'hdet_full', 'baseline_low_warm')
-  add('')
-  return L
+    return (f'| {claim} | {TITLES[a]} - {TITLES[b]} | {_fmt_paired(named[a], named[b])} | '
+            f'{_fmt_paired(named[a], named[b], "final_train_loss")} |')
+  yield f'| Baseline-High crashes | crashes | {_crashes(named["baseline_high"])} | |'
+  yield f'| Warm-Init crashes too | crashes | {_crashes(named["warm_init"])} | |'
+  yield ('| every HDET variant trains stably at that LR | crashes | ' + ', '.join(
+         f'{TITLES[r]} {_crashes(named[r])}' for r in ('hdet_no_auto_lr', 'hdet_cold', 'hdet_full')) + ' | |')
+  yield cmp('HDET w/o auto-LR beats Baseline-Low', 'hdet_no_auto_lr', 'baseline_low')
+  yield cmp('HDET (full) beats Baseline-Low', 'hdet_full', 'baseline_low')
+  yield cmp('HDET (full) beats Baseline-High', 'hdet_full', 'baseline_high')
+  yield cmp('auto-LR helps (full < w/o auto-LR)', 'hdet_full', 'hdet_no_auto_lr')
+  yield cmp('warm init helps (full < w/o warm init)', 'hdet_full', 'hdet_cold')
+  yield cmp('warm init helps without HDET (control)', 'baseline_low_warm', 'baseline_low')
+  yield cmp('HDET (full) beats the warm control', 'hdet_full', 'baseline_low_warm')
+  yield ''
 
 
-def _mechanism_section(settings, choice, named, figs) -> list[str]:
+def _mechanism_section(settings, choice, named, figs) -> Iterator[str]:
   """Section 4: where any stability comes from."""
   high, low = choice['high'], choice['low']
-  L = []
-  add = L.append
-  add('## 4. Where any stability comes from\n')
-  add('All at peak LR ' + _lr(high) + ' from a cold start unless stated; the control is at '
-      f'{_lr(low)}. *Distance*: each replica\'s L2 distance from the replicas\' mean just before a sync '
-      f'(for runs that never average: every {settings["log"]} steps), relative to the norm of the mean, averaged over '
-      'replicas; given as the mean over all syncs and at the last one.\n')
-  add('| run | spread | averaging | auto-LR | init | train loss | val bits/byte | crashed | max rise | '
-      'distance (mean / last) | val bits/byte vs plain DP, same LR and init |')
-  add('|---|---|---|---|---|---|---|---|---|---|---|')
+  yield '## 4. Where any stability comes from\n'
+  yield ('All at peak LR ' + _lr(high) + ' from a cold start unless stated; the control is at '
+         f'{_lr(low)}. *Distance*: each replica\'s L2 distance from the replicas\' mean just before a sync '
+         f'(for runs that never average: every {settings["log"]} steps), relative to the norm of the mean, '
+         'averaged over '
+         'replicas; given as the mean over all syncs and at the last one.\n')
+  yield ('| run | spread | averaging | auto-LR | init | train loss | val bits/byte | crashed | max rise | '
+         'distance (mean / last) | val bits/byte vs plain DP, same LR and init |')
+  yield '|---|---|---|---|---|---|---|---|---|---|---|'
   mech_rows = ['baseline_high', 'avg_no_spread', 'spread_no_avg', 'hdet_cold_no_auto_lr', 'hdet_cold',
                'warm_init', 'hdet_no_auto_lr', 'hdet_full', 'baseline_low', 'baseline_low_warm']
   for row in mech_rows:
@@ -296,24 +291,21 @@ def _mechanism_section(settings, choice, named, figs) -> list[str]:
     ref = {'warm_init': None, 'hdet_no_auto_lr': 'warm_init', 'hdet_full': 'warm_init', 'baseline_low': None,
            'baseline_low_warm': None, 'baseline_high': None}.get(row, 'baseline_high')
     vs = f'{_fmt_paired(runs, named[ref])} vs {TITLES[ref]}' if ref else ''
-    add(f'| {TITLES[row]} | {h["spread"]} | {avg} | {"on" if h["auto_lr"] else "off"} | {warm} | '
-        f'{_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | {_crashes(runs)} | '
-        f'{_ms(_vals(runs, "max_rise"), 2)} | {dist} | {vs} |')
-  add('')
-  add(f'![Replica distance before each sync](figures/{os.path.basename(figs[3])})\n')
-  return L
+    yield (f'| {TITLES[row]} | {h["spread"]} | {avg} | {"on" if h["auto_lr"] else "off"} | {warm} | '
+           f'{_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | {_crashes(runs)} | '
+           f'{_ms(_vals(runs, "max_rise"), 2)} | {dist} | {vs} |')
+  yield ''
+  yield f'![Replica distance before each sync](figures/{os.path.basename(figs[3])})\n'
 
 
-def _controller_lr_section(settings, named) -> list[str]:
+def _controller_lr_section(settings, named) -> Iterator[str]:
   """The LR the controller ended at, against the schedule."""
-  L = []
-  add = L.append
-  add('### The LR the controller ended at\n')
-  add('Final base LR of each group (the mean replica\'s LR at the last step), against the one-cycle '
-      'schedule\'s final value that the rows without auto-LR end at, and the largest base LR the controller set.\n')
-  add('| row | group | schedule final LR | controller final LR (per seed) | ratio to schedule | max base LR after '
-      'warmup |')
-  add('|---|---|---|---|---|---|')
+  yield '### The LR the controller ended at\n'
+  yield ('Final base LR of each group (the mean replica\'s LR at the last step), against the one-cycle '
+         'schedule\'s final value that the rows without auto-LR end at, and the largest base LR the controller set.\n')
+  yield ('| row | group | schedule final LR | controller final LR (per seed) | ratio to schedule | max base LR after '
+         'warmup |')
+  yield '|---|---|---|---|---|---|'
   for row in ('hdet_cold', 'hdet_full'):
     runs = named[row]
     c = runs[0]['config']
@@ -321,21 +313,17 @@ def _controller_lr_section(settings, named) -> list[str]:
     for g, name in enumerate(runs[0]['hyperparam_names']):
       finals = [r['bases'][-1][g] for r in runs if r['bases']]
       peaks = [max(b[g] for b in r['bases'][settings['warmup']:]) for r in runs if len(r['bases']) > settings['warmup']]
-      add(f'| {TITLES[row]} | {name} | {sched_end:.2e} | {", ".join(f"{x:.2e}" for x in finals)} | '
-          f'{np.mean(finals) / sched_end:.2f}x | {", ".join(f"{x:.2e}" for x in peaks)} |')
-  add('')
-  return L
+      yield (f'| {TITLES[row]} | {name} | {sched_end:.2e} | {", ".join(f"{x:.2e}" for x in finals)} | '
+             f'{np.mean(finals) / sched_end:.2f}x | {", ".join(f"{x:.2e}" for x in peaks)} |')
+  yield ''
 
 
-def _discussion(quick) -> list[str]:
+def _discussion(quick) -> Iterator[str]:
   """The hand-written reading of the full run (not for --quick)."""
-  L = []
-  add = L.append
   disc = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'table1_discussion.md')
   if not quick and os.path.exists(disc):
     with open(disc, encoding='utf-8') as f:
-      add(f.read())
-  return L
+      yield f.read()
 
 
 # ---------------------------------------------------------------------------------------------

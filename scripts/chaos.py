@@ -152,9 +152,8 @@ def chaos(workdir: str, cache: str, kills: int, seed: int, log_path: str, setup_
           'corrupt_events': [e for e in events if e['event'] == 'corrupt_checkpoint']}
 
 
-def load_checkpoint(workdir: str, step: int) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
-  """A checkpoint's arrays, read without a target (enough to compare bits); needs 8 devices."""
-  import jax
+def read_checkpoint(workdir: str, step: int) -> tuple[dict, dict, dict]:
+  """A checkpoint's items (state, averaged parameters, meta), read without a target; needs 8 devices."""
   import orbax.checkpoint as ocp
   path = os.path.join(workdir, 'checkpoints', str(step))
   with ocp.StandardCheckpointer() as ckptr:
@@ -162,6 +161,13 @@ def load_checkpoint(workdir: str, step: int) -> tuple[list[np.ndarray], list[np.
     avg = ckptr.restore(os.path.join(path, 'avg_params'))
   with open(os.path.join(path, 'meta', 'metadata')) as f:
     meta = json.load(f)
+  return state, avg, meta
+
+
+def load_checkpoint(workdir: str, step: int) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+  """A checkpoint's arrays as flat lists (enough to compare bits), and its meta; needs 8 devices."""
+  import jax
+  state, avg, meta = read_checkpoint(workdir, step)
   leaves = lambda t: [np.asarray(x) for x in jax.tree.leaves(t)]
   return leaves(state), leaves(avg), meta
 

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import hdet_jax as H
 from hdet_jax.trainer import model as model_lib
@@ -63,16 +62,6 @@ def test_evaluation_uses_no_dropout():
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   c = model_lib.loss_fn(graphdef, params, batch, model_lib.Regularization(0.5, jax.random.key(2)))
   assert float(c) != float(a)  # dropout does change the training forward pass
-
-
-def test_label_smoothing_loss_closed_form():
-  logits = jax.random.normal(jax.random.key(0), (3, 256))
-  logp = jax.nn.log_softmax(logits)
-  tgt = jnp.array([1, 7, 200])
-  eps = 0.1
-  expected = -(((1 - eps) * jax.nn.one_hot(tgt, 256) + eps / 256) * logp).sum(-1).mean()
-  got = ((1 - eps) * -jnp.take_along_axis(logp, tgt[:, None], -1)[:, 0] + eps * -logp.mean(-1)).mean()
-  np.testing.assert_allclose(float(got), float(expected), rtol=1e-6)
 
 
 def test_explore_run_end_to_end(tmp_path):

@@ -73,3 +73,25 @@ def test_gradients_are_finite_and_init_is_seeded():
   grads = jax.jit(jax.grad(lambda p: model_lib.loss_fn(graphdef, p, batch)))(p0)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
   assert float(jnp.abs(grads['embed']['embedding']).max()) > 0
+
+
+def test_label_smoothing_loss_closed_form():
+  """The model's training loss with label smoothing eps is the cross-entropy against the smoothed targets
+  (1 - eps) onehot + eps / 256, computed here in numpy from the model's own logits; the second loss, which
+  replicas are compared on, stays the plain cross-entropy."""
+  graphdef, params = _init(_cfg(), 16, jax.random.key(0))
+  params = jax.tree.map(lambda x: 20.0 * x, params)  # sharper than the init: the two terms differ clearly
+  batch = np.asarray(jax.random.randint(jax.random.key(3), (4, 17), 0, 256))
+  logits = np.asarray(_jitted(32, 2, 4, 16)[2](params, batch[:, :-1]), np.float64)  # [4, 16, 256]
+  logp = logits - logits.max(-1, keepdims=True)
+  logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+  onehot = np.eye(256)[batch[:, 1:]]
+  plain = -(onehot * logp).sum(-1).mean()
+  losses = jax.jit(lambda p, eps: model_lib.losses(graphdef, p, jnp.asarray(batch, jnp.uint8),
+                                                   model_lib.Regularization(), eps))
+  for eps in (0.0, 0.1, 0.3):
+    want = -(((1 - eps) * onehot + eps / 256) * logp).sum(-1).mean()
+    train, ce = (float(x) for x in losses(params, eps))
+    np.testing.assert_allclose(train, want, rtol=2e-6)
+    np.testing.assert_allclose(ce, plain, rtol=2e-6)
+  assert abs(float(losses(params, 0.3)[0]) - plain) > 0.05  # smoothing changes the training loss

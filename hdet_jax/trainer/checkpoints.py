@@ -237,7 +237,7 @@ class _WholeArrays(ocp.StandardCheckpointHandler):
   orbax 0.12's StandardCheckpointHandler takes no registry; it delegates to a
   PyTreeCheckpointHandler, which does, so that delegate is replaced. Should a later orbax drop the
   delegate, saving falls back to orbax's defaults (correct, one slower first save);
-  tests/test_checkpoints_scope.py notices.
+  tests/test_checkpoints.py notices.
   """
 
   def __init__(self):

@@ -203,18 +203,15 @@ class MetricsWriter:
       self.write(kind, **r)
 
   def flush(self) -> None:
-    if self._f is not None:
-      self._f.flush()
-    if self._tb is not None:
-      self._tb.flush()
+    for out in (self._f, self._tb):
+      if out is not None:
+        out.flush()
 
   def close(self) -> None:
-    if self._f is not None:
-      self._f.close()
-      self._f = None
-    if self._tb is not None:
-      self._tb.close()
-      self._tb = None
+    for out in (self._f, self._tb):
+      if out is not None:
+        out.close()
+    self._f = self._tb = None
 
 
 def read_metrics(path: str) -> dict[str, list[dict]]:

@@ -121,18 +121,23 @@ def make_optimizer(config: Any, num_replicas: int) -> optax.GradientTransformati
         optax.clip_by_global_norm(o.grad_clip_norm), base(learning_rate, **kw))
   else:
     factory = base
-  auto_lr = None
-  if h.auto_lr:
-    stop = h.get('stop_fraction', 1.0)
-    auto_lr = H.AutoLR(
-        total_steps=config.num_train_steps, warmup_steps=h.warmup_steps, temperature=h.temperature,
-        lr_of_lr=h.lr_of_lr, momentum=h.momentum, smooth_decay=h.smooth_decay,
-        controller=h.get('controller', 'paper'), overshoot=h.get('overshoot', 1.5), trust=h.get('trust', 0.25),
-        memory=h.get('memory', 0.5), stop_steps=None if stop >= 1 else int(stop * config.num_train_steps))
   return H.hdet(
       factory, schedule(config), num_replicas=num_replicas, spread=h.spread,
-      sync_every=sync_every(config), replica_axis=AXIS, auto_lr=auto_lr, exact_sync=True,
+      sync_every=sync_every(config), replica_axis=AXIS, auto_lr=auto_lr_settings(config), exact_sync=True,
       seed=config.seed, param_groups=param_groups(config), explore=explored(config) or None)
+
+
+def auto_lr_settings(config: Any) -> H.AutoLR | None:
+  """The auto-LR controller's settings from ``config.hdet``, or None when it is off."""
+  h = config.hdet
+  if not h.auto_lr:
+    return None
+  stop = h.get('stop_fraction', 1.0)
+  return H.AutoLR(
+      total_steps=config.num_train_steps, warmup_steps=h.warmup_steps, temperature=h.temperature,
+      lr_of_lr=h.lr_of_lr, momentum=h.momentum, smooth_decay=h.smooth_decay,
+      controller=h.get('controller', 'paper'), overshoot=h.get('overshoot', 1.5), trust=h.get('trust', 0.25),
+      memory=h.get('memory', 0.5), stop_steps=None if stop >= 1 else int(stop * config.num_train_steps))
 
 
 def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_replicas: int) -> Callable:

@@ -1,9 +1,10 @@
-"""The trainer's orbax settings stay inside the trainer's own checkpoint manager.
+"""The trainer's checkpoints: their fingerprints, and orbax settings that stay inside the trainer's own manager.
 
 The trainer writes replicated arrays whole (no eager slices, so no compilations at its first save). It once did
 so by overriding orbax's global type handler for jax.Array, which changed how a user's own orbax checkpoints
 were written in the same process (no ``array_metadatas/``, other settings). Now the trainer's manager has a
-registry of its own and orbax's global registry is never touched.
+registry of its own and orbax's global registry is never touched. (Corrupt, cut and killed checkpoint writes:
+tests/test_reliability.py.)
 """
 
 import os
@@ -96,3 +97,15 @@ def test_the_trainers_manager_writes_replicated_arrays_whole(tmp_path):
   with checkpoints._manager(str(tmp_path / 'whole_True'), read_only=True) as mngr:
     got = mngr.restore(1, args=ocp.args.Composite(**{checkpoints.STATE: ocp.args.StandardRestore()}))
   np.testing.assert_array_equal(np.asarray(got[checkpoints.STATE]['a2']), np.ones((303, 1024), np.float32))
+
+
+def test_fingerprint_sees_a_single_bit():
+  x = np.arange(1000, dtype=np.float32)
+  y = x.copy()
+  y.view(np.uint32)[517] ^= 1
+  tree = {'a': jnp.asarray(x), 'k': jnp.arange(3, dtype=jnp.int32)}
+  assert checkpoints.fingerprint(tree) != checkpoints.fingerprint({'a': jnp.asarray(y), 'k': tree['k']})
+  swapped = x.copy()
+  swapped[[3, 4]] = swapped[[4, 3]]
+  assert checkpoints.fingerprint(tree) != checkpoints.fingerprint({'a': jnp.asarray(swapped), 'k': tree['k']})
+  assert checkpoints.fingerprint(tree) == checkpoints.fingerprint({'a': jnp.asarray(x.copy()), 'k': tree['k']})

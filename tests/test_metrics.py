@@ -1,5 +1,5 @@
-"""TensorBoard event files beside metrics.jsonl: read back (no TensorFlow, no tensorboard package) and
-compared number for number with the JSONL records."""
+"""Metrics: the JSONL records and, beside them, TensorBoard event files read back (no TensorFlow, no
+tensorboard package) and compared number for number with the JSONL records."""
 
 import glob
 import os
@@ -76,6 +76,26 @@ def _expected(recs):
     out[('throughput/tokens_per_s', r['step'])] = r['tokens_per_s']
     out[('throughput/steps_per_s', r['step'])] = r['steps_per_s']
   return {k: np.float32(v) for k, v in out.items()}
+
+
+def test_jsonl_records_round_trip_non_finite_numbers_and_keep_the_last_of_each_step(tmp_path):
+  """NaN and inf survive as strings, numpy values as plain JSON; a resumed run's rewrite of a step wins; a
+  line a kill cut short is cut before appending, so the next record starts a fresh line."""
+  path = str(tmp_path / 'metrics.jsonl')
+  assert metrics.to_json_safe({'a': np.float32(np.nan), 'b': [np.inf, -np.inf], 'c': np.arange(2), 'd': np.bool_(1)}) \
+      == {'a': 'nan', 'b': ['inf', '-inf'], 'c': [0, 1], 'd': True}
+  w = metrics.MetricsWriter(path)
+  w.write('train', step=0, loss=np.array([1.5, np.nan], np.float32))
+  w.write('train', step=1, loss=np.array([1.0, 2.0], np.float32))
+  w.close()
+  with open(path, 'a') as f:
+    f.write('{"kind": "train", "step": 2, "lo')  # a write cut by a kill
+  w = metrics.MetricsWriter(path)  # the resumed run recomputes step 1
+  w.write('train', step=1, loss=np.array([3.0, 4.0], np.float32))
+  w.close()
+  train = read_metrics(path)['train']
+  assert [r['step'] for r in train] == [0, 1] and train[1]['loss'] == [3.0, 4.0]
+  assert train[0]['loss'][0] == 1.5 and np.isnan(train[0]['loss'][1])
 
 
 def test_trainer_event_files_hold_the_jsonl_numbers(tmp_path):

@@ -1,0 +1,49 @@
+"""Config helpers: overrides, flattening, the fields that define a run, their differences, sibling files."""
+
+import os
+
+import ml_collections
+import pytest
+
+from hdet_jax.trainer import config_lib
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
+
+
+def _tiny():
+  return config_lib.load_config_file(os.path.join(CONFIGS, 'tiny.py'))
+
+
+def test_overrides_set_dotted_fields_and_flatten_reads_them_back():
+  c = config_lib.with_overrides(_tiny(), {'hdet.spread': 0.2, 'seed': 3, 'model.d_model': 48})
+  flat = config_lib.flatten(c)
+  assert (flat['hdet.spread'], flat['seed'], flat['model.d_model']) == (0.2, 3, 48)
+  assert flat['hdet.explore.dropout'] == 0.0  # nested two deep
+  assert config_lib.flatten({'a': {'b': 1}, 'c': 2}) == {'a.b': 1, 'c': 2}
+
+
+def test_training_fields_leave_out_what_only_steers_a_run():
+  """A resumed run may change how it logs, evaluates and checkpoints, not what it trains; N is resolved."""
+  a = config_lib.training_fields(_tiny(), 8)
+  steer = {f: {'plots': False, 'log_every': 7, 'tensorboard': False, 'compilation_cache': '/x'}.get(f, 3)
+           for f in ('plots', 'log_every', 'tensorboard', 'compilation_cache', 'eval_every', 'checkpoint_every')}
+  assert config_lib.training_fields(config_lib.with_overrides(_tiny(), steer), 8) == a
+  assert not set(a) & config_lib.RUN_FIELDS and a['hdet.num_replicas'] == 8
+  b = config_lib.training_fields(config_lib.with_overrides(_tiny(), {'hdet.spread': 0.2, 'seed': 1}), 8)
+  assert config_lib.differences(a, b) == 'hdet.spread: 0.25 -> 0.2, seed: 0 -> 1'
+  assert 'and 1 more' in config_lib.differences(a, {**b, 'x': 1, 'y': 2, 'z': 3}, limit=4)
+
+
+def test_sibling_loads_the_named_config_next_to_a_file():
+  c = config_lib.sibling(os.path.join(CONFIGS, 'anything.py'), 'tiny')
+  assert isinstance(c, ml_collections.ConfigDict) and c.num_train_steps == 40
+  assert config_lib.sibling(os.path.join(CONFIGS, 'x.py'), 'default').num_train_steps == 1500
+
+
+@pytest.mark.parametrize('field,value', [('hdet.spread', 1.5), ('optim.max_lr', 0.0), ('data.batch_size', 0),
+                                         ('hdet.warmup_steps', 40), ('optim.name', 'lion')])
+def test_check_values_names_the_field(field, value):
+  config_lib.check_values(_tiny())  # the tiny config itself passes
+  with pytest.raises(config_lib.ConfigError, match=field.replace('.', r'\.')) as e:
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {field: value}))
+  assert '\n' not in str(e.value)
