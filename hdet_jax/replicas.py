@@ -158,11 +158,15 @@ def shard_map_replicas(
 
   def wrapped(*args):
     in_specs = tuple(P(replica_axis) if _stacked(i) else P() for i in range(len(args)))
-    # Manual over the replica axis alone: on a 1-D mesh that is every axis (the plain case);
-    # on a 2-D mesh the inner axes stay Auto and the partitioner shards inside each group.
+    # Manual over the replica axis: on a 1-D mesh that is every axis (the plain case); on a 2-D
+    # mesh the inner axes stay Auto and the partitioner shards inside each group. Axes of size 1
+    # go manual too: nothing to shard there, and leaving them Auto still runs the partitioner,
+    # whose rewrites change the rounding of some ops (a transformer's step differed from the 1-D
+    # path by an ulp here and there), where fully manual gives the 1-D numbers bit for bit.
+    manual = {replica_axis} | {a for a, size in mesh.shape.items() if size == 1}
     return jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=P(replica_axis), check_vma=check_vma,
-        axis_names=frozenset({replica_axis}))(*args)
+        axis_names=frozenset(manual))(*args)
 
   return wrapped
 

@@ -1,0 +1,108 @@
+"""The trainer on 2-D meshes (--config.mesh.fsdp=F): its step programs keep the FSDP layout, a group
+size of 1 equals the 1-D trainer bit for bit, the low-communication switch removes the gradient
+all-reduce across groups, and a 2-D run resumes bit for bit (opt-in: HDET_SLOW_TESTS=1)."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from hdet_jax import comm
+from hdet_jax.trainer import config_lib, train_and_evaluate
+from hdet_jax.trainer import input_pipeline as ip
+from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer import train_step as ts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, 'configs', 'tiny.py')
+
+
+def tiny(**overrides):
+  return config_lib.with_overrides(config_lib.load_config_file(TINY), overrides)
+
+
+def run_steps(config, mesh, n, steps):
+  """``steps`` trainer steps (the window end after each sync) on ``mesh``; (params, opt_state, losses)."""
+  tx = ts.make_optimizer(config, n)
+  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
+  params, opt_state = ts.make_init(config, tx, mesh, n)(jax.random.key(0))
+  layout = ts.layout(mesh, params, opt_state)
+  step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config, shardings=layout)
+  window_end = ts.make_window_end(tx, mesh, shardings=layout)
+  batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8),
+                            config.data.seq_len, config.data.batch_size, n, seed=1)
+  losses = []
+  for t in range(steps):
+    params, opt_state, m = step(params, opt_state, ts.put_stacked(batches.batch(t), mesh, batch_dim=1))
+    losses.append(np.asarray(m['loss']))
+    if ts.is_sync_step(config, t):
+      params, opt_state, _ = window_end(params, opt_state)
+    if layout is not None:  # the layout holds after every program, sync or not
+      for tree, want in zip((params, opt_state), layout):
+        for leaf, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
+          assert leaf.sharding.is_equivalent_to(sh, leaf.ndim), (t, leaf.sharding, sh)
+  return params, opt_state, np.stack(losses)
+
+
+def test_group_size_one_equals_the_1d_trainer_bit_for_bit():
+  """An 8x1 mesh through the trainer's programs (layout pinned) against the 1-D trainer: the
+  transformer's step is where leaving the size-1 axis Auto once cost an ulp (see shard_map_replicas)."""
+  config = tiny(**{'hdet.score': 'window'})
+  steps = 9  # across the sync after step 7
+  one_d = run_steps(config, ts.make_mesh(8), 8, steps)
+  eight_by_one = run_steps(config, Mesh(np.asarray(jax.devices()).reshape(8, 1), (ts.AXIS, ts.INNER)), 8, steps)
+  for a, b in zip(jax.tree.leaves(one_d), jax.tree.leaves(eight_by_one)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(not os.environ.get('HDET_SLOW_TESTS'), reason='about 20 s: set HDET_SLOW_TESTS=1')
+def test_4x2_trainer_programs_keep_the_layout():
+  config = tiny(**{'hdet.score': 'window'})
+  steps = 9  # across the sync after step 7
+  params, _, losses = run_steps(config, ts.make_mesh(4, 2), 4, steps)
+  assert losses.shape == (steps, 4) and np.isfinite(losses).all()  # one loss per group
+  w = max(jax.tree.leaves(params), key=lambda x: x.size)  # the byte embedding [4, 256, 32]
+  assert {s.data.nbytes for s in w.addressable_shards} == {w.nbytes // 8}  # one group's copy, halved
+
+
+def test_low_communication_switch_removes_the_gradient_all_reduce_across_groups():
+  mesh, n = ts.make_mesh(4, 2), 4
+  got = {}
+  for low in (False, True):
+    config = tiny(**{'hdet.low_communication': low, 'hdet.score': 'window'})
+    tx = ts.make_optimizer(config, n)
+    graphdef, abstract = model_lib.abstract_model(config.model, config.data.seq_len)
+    params, opt_state = ts.make_init(config, tx, mesh, n)(jax.random.key(0))
+    data = ts.put_stacked(np.zeros((n, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
+    step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config,
+                              shardings=ts.layout(mesh, params, opt_state))
+    got[low] = comm.replica_axis_bytes(step.lower(params, opt_state, data).compile().as_text(), (4, 2))
+  param_bytes = model_lib.num_params(abstract) * 4
+  assert param_bytes / 2 <= got[False] <= param_bytes  # the gradient, sharded over the group's 2 devices
+  assert got[True] < 1024  # the metrics' few scalars: no gradient
+
+
+def test_bad_mesh_config_is_one_clear_error(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match='data.batch_size=4 .* mesh.fsdp=8'):
+    train_and_evaluate(tiny(**{'mesh.fsdp': 8}), str(tmp_path / 'a'))
+  with pytest.raises(config_lib.ConfigError, match='mesh.replicas=8 x mesh.fsdp=2 needs 16 devices'):
+    train_and_evaluate(tiny(**{'mesh.fsdp': 2, 'mesh.replicas': 8}), str(tmp_path / 'b'))
+
+
+@pytest.mark.skipif(not os.environ.get('HDET_SLOW_TESTS'), reason='about a minute: set HDET_SLOW_TESTS=1')
+@pytest.mark.parametrize('low', [False, True])
+def test_2d_run_resumes_bit_exact(tmp_path, low):
+  """4x2, stopped at step 12 (mid fan-out: syncs after steps 8 and 16, the controller from 8) and resumed to 16: bit for bit
+  the straight run, checkpoint and metrics."""
+  from test_trainer import _leaves, _restore_raw
+  over = {'mesh.fsdp': 2, 'num_train_steps': 16, 'hdet.warmup_steps': 4, 'plots': False, 'hdet.low_communication': low,
+          'hdet.average_opt_state': low}
+  straight = str(tmp_path / 'straight')
+  train_and_evaluate(tiny(**over), straight)
+  resumed = str(tmp_path / 'resumed')
+  assert train_and_evaluate(tiny(**over, stop_at_step=12), resumed)['stopped_early']
+  assert train_and_evaluate(tiny(**over), resumed)['step'] == 16
+  for x, y in zip(_leaves(_restore_raw(straight, 16)[:2]), _leaves(_restore_raw(resumed, 16)[:2])):
+    np.testing.assert_array_equal(x, y)
