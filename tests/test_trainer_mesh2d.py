@@ -106,3 +106,11 @@ def test_2d_run_resumes_bit_exact(tmp_path, low):
   assert train_and_evaluate(tiny(**over), resumed)['step'] == 16
   for x, y in zip(_leaves(_restore_raw(straight, 16)[:2]), _leaves(_restore_raw(resumed, 16)[:2])):
     np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.skipif(not os.environ.get('HDET_SLOW_TESTS'), reason='about a minute: set HDET_SLOW_TESTS=1')
+def test_lowcomm_experiment_quick_runs_every_mode_and_reuses_finished_runs(tmp_path):
+  from experiments import lowcomm
+  first = lowcomm.main(['--quick', '--work-root', str(tmp_path)])
+  assert set(first) == set(lowcomm.MODES) and all(np.isfinite(v[0]) for v in first.values())
+  assert lowcomm.main(['--quick', '--work-root', str(tmp_path)]) == first  # read back, not rerun
