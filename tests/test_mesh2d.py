@@ -99,7 +99,8 @@ def test_group_size_one_equals_the_1d_path_bit_for_bit():
 def test_layout_keeps_shardings_and_bytes_and_equals_1d_on_group_batches(groups, size):
   """Every step, sync or not: each leaf keeps its group sharding and per-device bytes; the
   numbers equal a 1-D run whose replica r sees group r's whole batch."""
-  mesh, tx, data = mesh2d(groups, size), make_tx(groups), batches(groups, 4)
+  # No controller: its wiring on 2-D meshes is the next tests'; this one is about layout and numbers.
+  mesh, tx, data = mesh2d(groups, size), make_tx(groups, auto_lr=None), batches(groups, 4)
   params0 = H.stack_replicas(init_params(), groups)
   state0 = jax.eval_shape(jax.vmap(tx.init), params0)
   want = {'params': H.group_shardings(params0, mesh, AX), 'state': H.state_shardings(state0, mesh, AX)}
@@ -212,3 +213,10 @@ def test_low_communication_controller_moves_towards_the_better_lr(start_lr, aver
         params={'w': jnp.zeros(8)})
   moves = np.diff([start_lr] + synced)
   assert (np.sign(moves) == (1 if start_lr < 1 else -1)).all(), synced  # at every sync
+
+
+def test_bad_2d_arguments_are_one_clear_error():
+  with pytest.raises(ValueError, match='average_opt_state must be True or False'):
+    make_tx(4, average_opt_state='yes')
+  with pytest.raises(ValueError, match="no axis 'replica'.*pass replica_axis="):
+    H.group_shardings({'w': jnp.zeros((4, 2))}, Mesh(np.asarray(jax.devices()), ('data',)))
