@@ -12,14 +12,19 @@ devices, each with the same global batch (64 windows a step: data.batch_size = 6
   per step = step + window end / T;
 * per-device bytes of parameters + optimizer state (read from the arrays' shards), against plain
   FSDP over all 8 devices (optax.adamw, one copy) and the rule (P + O) x groups / devices;
-* with ``--time K``, the median wall time of K steps per layout and mode (on this CPU the 8
-  simulated devices share the host's cores: a smoke figure, not a speed claim).
+* HDET against plain FSDP data parallelism (optax.adamw on the all-reduced gradient, no HDET) on the
+  same layout, counted rather than timed: XLA's cost analysis (flops, bytes accessed) of a T-step
+  window, ``((T - 1) x non-sync + sync) / (T x plain)`` at T = 100 and 1000, and the extra kernels
+  (fusions, copies) of the non-sync step program per device;
+* with ``--time K``, the median wall time of K steps per layout and mode, and the HDET/plain step-time
+  ratios (on this CPU the 8 simulated devices share the host's cores: a smoke figure, not a speed claim).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import time
 
@@ -28,6 +33,7 @@ os.environ.setdefault('JAX_NUM_CPU_DEVICES', '8')
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax import lax  # noqa: E402
 
 import hdet_jax as H  # noqa: E402
 from hdet_jax import comm  # noqa: E402
@@ -114,13 +120,13 @@ def run(time_steps: int) -> list[str]:
       config, mesh, params, opt_state, step, window_end, data, probe = build(groups, fsdp, overrides)
       s, w = replica_bytes(step, mesh), replica_bytes(window_end, mesh)
       per = ' | '.join(f'{s + w / t:,.0f}' for t in (25, 100, 1000))
+      if mode == 'shared gradient':  # (before timing, which donates the arrays)
+        memory[(groups, fsdp)] = (device_bytes((params, opt_state)), sum(x.nbytes for x in jax.tree.leaves(
+            (params, opt_state))) // groups)
       timing = ''
       if time_steps:
         timing = f' {step_time(step, window_end, params, opt_state, data, probe, time_steps, 25):.4f} |'
       lines.append(f'| {groups}x{fsdp} | {mode} | {s:,} | {w:,} | {per} |{timing}')
-      if mode == 'shared gradient':
-        memory[(groups, fsdp)] = (device_bytes((params, opt_state)), sum(x.nbytes for x in jax.tree.leaves(
-            (params, opt_state))) // groups)
   return lines + [''] + memory_table(memory)
 
 
@@ -134,12 +140,88 @@ def memory_table(memory: dict) -> list[str]:
   return lines
 
 
+def bare_step(graphdef, tx, hdet: bool, sync: bool):
+  """One replica's step without the trainer's metrics: loss, all-reduced gradient, update."""
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(lambda p: model_lib.loss_fn(graphdef, p, batch))(params)
+    grads = lax.pmean(grads, ts.AXIS)
+    if not hdet:
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+    updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
+    return H.apply_updates(params, updates, opt_state, replica_axis=ts.AXIS, sync=sync), opt_state, loss
+  return step
+
+
+def compiled_pair(groups: int, fsdp: int, sync_every: int):
+  """{'plain', 'nosync', 'sync'}: (compiled program, args) of bare steps on the layout."""
+  config = config_for(groups, {'hdet.sync_every': sync_every, 'hdet.score': 'window'})
+  mesh = ts.make_mesh(groups, fsdp)
+  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
+  params = ts.make_init(config, ts.make_optimizer(config, groups), mesh, groups)(jax.random.key(0))[0]
+  data = ts.put_stacked(np.zeros((groups, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
+  o = config.optim
+  txs = {'plain': optax.adamw(o.max_lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
+         'hdet': ts.make_optimizer(config, groups)}
+  out = {}
+  for name, hdet, sync in (('plain', False, False), ('nosync', True, False), ('sync', True, True)):
+    tx = txs['hdet' if hdet else 'plain']
+    state = jax.jit(jax.vmap(tx.init))(params)
+    shardings = (H.group_shardings(params, mesh, ts.AXIS, ts.INNER if fsdp > 1 else None),
+                 H.state_shardings(state, mesh, ts.AXIS, ts.INNER if fsdp > 1 else None) if hdet else
+                 H.group_shardings(state, mesh, ts.AXIS, ts.INNER if fsdp > 1 else None))
+    args = (jax.device_put(params, shardings[0]), jax.device_put(state, shardings[1]), data)
+    fn = jax.jit(H.shard_map_replicas(bare_step(graphdef, tx, hdet, sync), mesh, ts.AXIS),
+                 out_shardings=(*shardings, ts.replica_sharding(mesh)), donate_argnums=(0, 1))
+    out[name] = (fn.lower(*args).compile(), args)
+  return out
+
+
+def kernels(compiled) -> dict[str, int]:
+  """Fusions and copies of the entry computation: on XLA:CPU one kernel launch each per device and step."""
+  text = compiled.as_text()
+  entry = text[text.index('ENTRY'):]
+  entry = entry[:entry.index('\n}')]
+  ops = re.findall(r'= \S+ ([a-z][\w-]*)\(', entry)
+  return {k: ops.count(k) for k in ('fusion', 'copy')}
+
+
+def cost_table(time_steps: int) -> list[str]:
+  lines = ['| layout | XLA flops, T=100 / T=1000 | XLA bytes accessed, T=100 / T=1000 | non-sync extra kernels '
+           '(fusions, copies) | HDET/plain step time, T=100 / T=1000 |', '|---|---|---|---|---|']
+  for groups, fsdp in LAYOUTS:
+    progs = compiled_pair(groups, fsdp, 1000)
+    cost = {k: c.cost_analysis() for k, (c, _) in progs.items()}
+    cost = {k: (v[0] if isinstance(v, (list, tuple)) else v) for k, v in cost.items()}
+    window = lambda key, t: ((t - 1) * cost['nosync'][key] + cost['sync'][key]) / (t * cost['plain'][key])
+    ratios = [' / '.join(f'{window(key, t):.5f}' for t in (100, 1000)) for key in ('flops', 'bytes accessed')]
+    kp, kh = kernels(progs['plain'][0]), kernels(progs['nosync'][0])
+    extra = f'{kh["fusion"] - kp["fusion"]:+d} of {kp["fusion"]}, {kh["copy"] - kp["copy"]:+d} of {kp["copy"]}'
+    timed = ''
+    if time_steps:
+      t = {k: bare_time(c, args, time_steps) for k, (c, args) in progs.items()}
+      timed = ' / '.join(f'{((n - 1) * t["nosync"] + t["sync"]) / (n * t["plain"]):.3f}' for n in (100, 1000))
+    lines.append(f'| {groups}x{fsdp} | {ratios[0]} | {ratios[1]} | {extra} | {timed} |')
+  return lines
+
+
+def bare_time(compiled, args, steps: int) -> float:
+  params, state, data = jax.tree.map(lambda x: x.copy(), args[:2]) + (args[2],)
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    params, state, loss = compiled(params, state, data)
+    jax.block_until_ready(loss)
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times[1:])
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--time', type=int, default=0, help='time this many steps per layout and mode (0: off)')
   parser.add_argument('--out', default='', help='also write the tables to this markdown file')
   args = parser.parse_args()
-  lines = run(args.time)
+  lines = run(args.time) + [''] + cost_table(args.time)
   text = '\n'.join(lines)
   print(text)
   if args.out:

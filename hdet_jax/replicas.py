@@ -192,7 +192,7 @@ def inner_spec(shape: tuple[int, ...], replica_axis: str, inner_axis: str | None
   return P(*([replica_axis] + [inner_axis if i == best else None for i in range(1, best + 1)]))
 
 
-def group_shardings(stacked: ArrayTree, mesh: jax.sharding.Mesh, replica_axis: str = 'replica',
+def group_shardings(stacked: ArrayTree, mesh: jax.sharding.Mesh, replica_axis: str = 'data',
                     inner_axis: str | None = 'fsdp') -> ArrayTree:
   """Per-leaf ``NamedSharding`` of a stacked tree on a ``(replica_axis, inner_axis)`` mesh (FSDP).
 
@@ -202,7 +202,7 @@ def group_shardings(stacked: ArrayTree, mesh: jax.sharding.Mesh, replica_axis: s
 
   Example:
     >>> mesh = jax.make_mesh((4, 2), ('replica', 'fsdp'), axis_types=(AxisType.Auto,) * 2)
-    >>> params = jax.device_put(params, group_shardings(params, mesh))
+    >>> params = jax.device_put(params, group_shardings(params, mesh, 'replica', 'fsdp'))
   """
   if replica_axis not in mesh.shape:
     raise ValueError(f'group_shardings: the mesh has no axis {replica_axis!r} (axes: '

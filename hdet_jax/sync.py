@@ -62,6 +62,8 @@ def average_inner_state(plan: Plan, inner_state: Any, ok: jax.Array) -> Any:
   """
   floats = [jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in jax.tree.leaves(inner_state)]
   leaves = [x for x, f in zip(jax.tree.leaves(inner_state), floats) if f]
+  if not leaves:  # e.g. plain SGD: no state to average
+    return inner_state
   mean, _ = average(leaves, plan.replica_axis, plan.guard_nonfinite, ok)
   mean = iter(replicas.match_vma(mean, leaves))
   out = [next(mean) if f else x for x, f in zip(jax.tree.leaves(inner_state), floats)]

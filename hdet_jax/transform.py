@@ -289,7 +289,7 @@ def _check_update_args(plan: Plan, updates, params, value, sync, score) -> None:
     raise ValueError(f'hdet: sync must be None or a Python bool, got {type(sync).__name__}.')
 
 
-def state_shardings(state: HDETState, mesh: jax.sharding.Mesh, replica_axis: str = 'replica',
+def state_shardings(state: HDETState, mesh: jax.sharding.Mesh, replica_axis: str = 'data',
                     inner_axis: str | None = 'fsdp') -> HDETState:
   """Per-leaf shardings of a stacked :class:`HDETState` on a 2-D mesh (see ``group_shardings``).
 

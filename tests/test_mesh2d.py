@@ -219,4 +219,4 @@ def test_bad_2d_arguments_are_one_clear_error():
   with pytest.raises(ValueError, match='average_opt_state must be True or False'):
     make_tx(4, average_opt_state='yes')
   with pytest.raises(ValueError, match="no axis 'replica'.*pass replica_axis="):
-    H.group_shardings({'w': jnp.zeros((4, 2))}, Mesh(np.asarray(jax.devices()), ('data',)))
+    H.group_shardings({'w': jnp.zeros((4, 2))}, Mesh(np.asarray(jax.devices()), ('data',)), AX)
