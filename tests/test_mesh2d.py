@@ -178,6 +178,19 @@ def test_replica_axis_bytes_per_mode_from_the_hlo():
     text = f.lower(params, state, jax.device_put(batches(4, 1)[0], data_sh)).compile().as_text()
     got = comm.replica_axis_bytes(text, tuple(mesh.devices.shape))
     assert low <= got <= high, (shared, got, per_device_params)
+  # The end of a window alone (what a sync adds to a step): the average is its only traffic across
+  # groups, on each device's shard; nothing is gathered inside a group for it (no all-gather, no
+  # all-to-all; the step's forward pass gathers for FSDP's sake, not HDET's).
+  params, state, _, _ = setup(tx, mesh, False)
+  def window_end(p, s):
+    u, s = tx.update(None, s, p, sync=True)
+    return H.apply_updates(p, u, s, replica_axis=AX, sync=True), s
+  shardings = jax.tree.map(lambda x: x.sharding, (params, state))
+  end = jax.jit(H.shard_map_replicas(window_end, mesh, AX), out_shardings=shardings)
+  found = comm.collectives(end.lower(params, state).compile().as_text(), tuple(mesh.devices.shape))
+  across = sum(c.operand_bytes for c in found if c.crosses_replicas)
+  assert 0.9 * per_device_params <= across <= 1.5 * per_device_params, across
+  assert not [c for c in found if c.op in ('all-gather', 'all-to-all') and not c.crosses_replicas]
 
 
 def quad_loss(p, target):
