@@ -288,7 +288,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     loop = _initial_state(config, inputs, records)
     programs = _compile(config, inputs, records, loop)
     setup_s = time.time() - t0
-    records.log(f'{inputs.n} replicas on {jax.device_count()} {jax.devices()[0].platform} devices '
+    group = f' (groups of {_fsdp(config)}, mesh {dict(records.mesh.shape)})' if _fsdp(config) > 1 else ''
+    records.log(f'{inputs.n} replicas{group} on {jax.device_count()} {jax.devices()[0].platform} devices '
                 f'({jax.process_count()} process(es)); model {model_lib.num_params(inputs.abstract_params):,} '
                 f'parameters; {len(inputs.train_bytes):,} train / {len(inputs.val_bytes):,} validation bytes; '
                 f'setup {setup_s:.1f}s.')
