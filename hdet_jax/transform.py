@@ -124,7 +124,10 @@ def hdet(
     spread: alpha in [0, 1).
     sync_every: T >= 1, steps between parameter averages.
     replica_axis: the mapped axis the replicas live on. Keep it distinct from any axis
-      the model is sharded over (FSDP, tensor parallel): only it is averaged over.
+      the model is sharded over (FSDP, tensor parallel): only it is averaged over. On a mesh
+      such as ``('replica', 'fsdp')`` a replica is a group of devices: map with
+      :func:`hdet_jax.shard_map_replicas` (manual over this axis only) and lay the state out
+      with :func:`hdet_jax.group_shardings` and :func:`state_shardings`.
     auto_lr: controller settings, or None for fan-out/converge only.
     exact_sync: if True the sync step returns the inner update only and
       :func:`apply_updates` does the averaging, assigning the average exactly.
