@@ -69,8 +69,10 @@ def main(argv=None):
   args = parser.parse_args(argv)
   from hdet_jax import trainer
   from hdet_jax.trainer import config_lib
-  # Before any JAX call: 8 simulated CPU devices (the config's num_cpu_devices), the compilation cache.
-  trainer.setup_jax(config_lib.load_config_file(os.path.join(REPO, 'configs', 'default.py')))
+  # Before any JAX call: 8 simulated CPU devices (the config's num_cpu_devices), and the compilation
+  # cache of the full runs (tiny.py, for --quick, turns it off: a smoke run leaves nothing behind).
+  name = 'tiny.py' if args.quick else 'default.py'
+  trainer.setup_jax(config_lib.load_config_file(os.path.join(REPO, 'configs', name)))
   seeds = [0] if args.quick else [int(s) for s in args.seeds.split(',')]
   root = args.work_root or os.path.join(REPO, 'workdirs', 'lowcomm_quick' if args.quick else 'lowcomm')
   results = {m: {s: run_one(m, s, root, args.quick)['final_val_bits_per_byte'] for s in seeds}
