@@ -29,10 +29,12 @@ def mesh1d(groups):
   return Mesh(np.asarray(jax.devices()[:groups]), (AX,))
 
 
+# Inputs come from numpy: eager jax.random calls compile one by one and cost seconds per test.
 def init_params():
-  k1, k2 = jax.random.split(jax.random.key(1))
-  return {'w1': jax.random.normal(k1, (D_IN, D_H)) * 0.3, 'b1': jnp.zeros(D_H),
-          'w2': jax.random.normal(k2, (D_H, D_OUT)) * 0.3, 'b2': jnp.zeros(D_OUT), 's': jnp.ones([])}
+  rng = np.random.default_rng(1)
+  return {'w1': np.float32(0.3) * rng.standard_normal((D_IN, D_H), np.float32), 'b1': np.zeros(D_H, np.float32),
+          'w2': np.float32(0.3) * rng.standard_normal((D_H, D_OUT), np.float32), 'b2': np.zeros(D_OUT, np.float32),
+          's': np.ones([], np.float32)}
 
 
 def loss_fn(p, x, y):
@@ -42,9 +44,13 @@ def loss_fn(p, x, y):
 
 def batches(groups, steps, seed=0):
   """[steps] of (x [R, B, D_IN], y [R, B, D_OUT]): each group's own batch at each step."""
-  k = jax.random.split(jax.random.key(seed), 2 * steps)
-  return [(jax.random.normal(k[2 * i], (groups, B, D_IN)), jax.random.normal(k[2 * i + 1], (groups, B, D_OUT)))
-          for i in range(steps)]
+  rng = np.random.default_rng(seed)
+  return [(rng.standard_normal((groups, B, D_IN), np.float32), rng.standard_normal((groups, B, D_OUT), np.float32))
+          for _ in range(steps)]
+
+
+group_loss = jax.jit(loss_fn)  # the numbers the tests expect, computed outside the mesh
+group_grad = jax.jit(jax.grad(loss_fn))
 
 
 def make_tx(groups, sync_every=2, optimizer=optax.adam, **kw):
@@ -137,7 +143,7 @@ def test_lrs_identical_in_a_group_follow_the_multipliers_across_groups(groups, s
   rho = 1 + 0.5 * (np.arange(groups) - (groups - 1) / 2) / max((groups - 1) / 2, 0.5)
   def check(i, before, params, state):
     x, y = data[i]
-    g = np.mean([jax.grad(loss_fn)(jax.tree.map(lambda a: a[r], before), x[r], y[r])['w1']
+    g = np.mean([group_grad(jax.tree.map(lambda a: a[r], before), x[r], y[r])['w1']
                  for r in range(groups)], axis=0)  # the gradient all groups share
     perm = np.asarray(state.controller.perm)[0, 0]
     for r in range(groups):
@@ -159,7 +165,7 @@ def test_controller_sees_one_loss_per_group_the_groups_mean(groups, size):
   seen = []
   def check(i, before, params, state):
     x, y = data[i]
-    seen.append([float(loss_fn(jax.tree.map(lambda a: a[r], before), x[r], y[r])) for r in range(groups)])
+    seen.append([float(group_loss(jax.tree.map(lambda a: a[r], before), x[r], y[r])) for r in range(groups)])
   _, state, losses = train(tx, mesh, data, check=check)
   np.testing.assert_allclose(losses, np.asarray(seen), rtol=2e-6)  # each group's mean over its batch
   window = np.asarray(state.controller.window_losses)  # [R (stacked), R]: what the controller read
