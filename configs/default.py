@@ -91,6 +91,22 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.explore.label_smoothing = 0.0  # Additive half-width of label smoothing (clipped to [0, 0.5]).
   config.hdet.explore.attn_temperature = 0.0  # Multiplicative spread of the attention temperature, in [0, 1).
 
+  # The low-communication (DiLoCo-like) mode: replicas (groups) step on their own gradients, with no
+  # all-reduce across the replica axis between syncs; the sync (every T steps) is then their only
+  # communication. Off: every step all-reduces the gradient across replicas (the paper).
+  config.hdet.low_communication = False
+  # In the low-communication mode, a sync also averages the optimizer state (Adam's moments): one more
+  # all-reduce of twice the parameters' bytes per sync. Off: each replica keeps its own, as DiLoCo does.
+  config.hdet.average_opt_state = False
+
+  # The device mesh. Default: 1-D, one replica per device. With fsdp = F > 1 it is 2-D ('data', 'fsdp'):
+  # each replica is a group of F devices holding its parameters, optimizer state and batch sharded
+  # (FSDP) over them; HDET's spread, averaging and controller act across groups only. Per-device
+  # memory for parameters + optimizer state is then (their bytes) x replicas / devices.
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.replicas = 0  # N replica groups when fsdp > 1 (0: devices / fsdp); 1-D runs use hdet.num_replicas.
+  config.mesh.fsdp = 1  # F devices per replica group (data.batch_size must divide by it); 1: the 1-D mesh.
+
   config.warm_init = ml_collections.ConfigDict()
   config.warm_init.nu = 0.01  # nu of eq. 10: noise std is nu * ||theta_0|| / sqrt(d) (used only with init_from).
 

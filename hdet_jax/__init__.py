@@ -6,19 +6,20 @@ The core (this package's top-level modules) depends on jax, optax, numpy and che
 
 from hdet_jax.controller import ControllerState, controller_update, decay_for_schedule, reference_decay, softmax_weights
 from hdet_jax.multipliers import draw_permutations, spread_multipliers
-from hdet_jax.replicas import average_replicas, finite_mean, pmean_finite, replica, shard_map_replicas, stack_replicas
+from hdet_jax.replicas import (average_replicas, finite_mean, group_shardings, pmean_finite, replica, shard_map_replicas,
+                               stack_replicas)
 from hdet_jax.schedules import one_cycle
 from hdet_jax.param_groups import group_labels
 from hdet_jax.settings import AutoLR, Explore, hyperparam_names
 from hdet_jax.sync import apply_updates
-from hdet_jax.transform import HDETState, hdet, replica_value
+from hdet_jax.transform import HDETState, hdet, replica_value, state_shardings
 from hdet_jax.views import hyperparams
 
 __all__ = [
     'AutoLR', 'ControllerState', 'Explore', 'group_labels', 'hyperparam_names', 'replica_value', 'HDETState', 'apply_updates', 'average_replicas',
-    'controller_update', 'decay_for_schedule', 'draw_permutations', 'finite_mean', 'hdet', 'one_cycle',
+    'controller_update', 'decay_for_schedule', 'draw_permutations', 'finite_mean', 'group_shardings', 'hdet', 'one_cycle',
     'pmean_finite',
     'reference_decay', 'replica', 'shard_map_replicas', 'softmax_weights', 'spread_multipliers',
-    'stack_replicas', 'hyperparams',
+    'stack_replicas', 'state_shardings', 'hyperparams',
 ]
 __version__ = '0.1.0'

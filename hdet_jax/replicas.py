@@ -5,6 +5,10 @@ The layout that works everywhere: every leaf of the parameters and of the optimi
 carries a leading replica axis of size N. Under ``shard_map`` that axis is sharded over the
 mesh's replica axis and the body sees a slice of size 1; under ``pmap`` and
 ``vmap(axis_name=...)`` it is mapped away.
+
+On a mesh with more axes than the replica axis (``('replica', 'fsdp')``), one replica is a *group*
+of devices: ``shard_map`` is manual over the replica axis only and the others stay Auto, so
+XLA's partitioner shards each leaf inside the group as its sharding says (:func:`group_shardings`).
 """
 
 from __future__ import annotations
@@ -133,6 +137,13 @@ def shard_map_replicas(
   trees; the wrapper restores the leading axis. Every argument in ``stacked_argnums``
   (default: all) must carry the leading replica axis; the others are passed replicated.
 
+  On a mesh with further axes (e.g. ``('replica', 'fsdp')``) the map is manual over
+  ``replica_axis`` only: ``fn`` then sees one group's leaves as global arrays over the inner
+  axes, which XLA partitions as their shardings say (put them with :func:`group_shardings`
+  and pass those as the jit's ``out_shardings`` so they stay put). Collectives over
+  ``replica_axis`` in ``fn`` then run between groups, and a mean over a leaf sharded on an
+  inner axis is the group's mean.
+
   Example:
     >>> step = jax.jit(shard_map_replicas(train_step, mesh, 'data'))
     >>> params, opt_state, loss = step(params, opt_state, batch)  # all stacked [N, ...]
@@ -147,8 +158,15 @@ def shard_map_replicas(
 
   def wrapped(*args):
     in_specs = tuple(P(replica_axis) if _stacked(i) else P() for i in range(len(args)))
+    # Manual over the replica axis: on a 1-D mesh that is every axis (the plain case); on a 2-D
+    # mesh the inner axes stay Auto and the partitioner shards inside each group. Axes of size 1
+    # go manual too: nothing to shard there, and leaving them Auto still runs the partitioner,
+    # whose rewrites change the rounding of some ops (a transformer's step differed from the 1-D
+    # path by an ulp here and there), where fully manual gives the 1-D numbers bit for bit.
+    manual = {replica_axis} | {a for a, size in mesh.shape.items() if size == 1}
     return jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=P(replica_axis), check_vma=check_vma)(*args)
+        body, mesh=mesh, in_specs=in_specs, out_specs=P(replica_axis), check_vma=check_vma,
+        axis_names=frozenset(manual))(*args)
 
   return wrapped
 
@@ -156,3 +174,40 @@ def shard_map_replicas(
 def replica_sharding(mesh: jax.sharding.Mesh, replica_axis: str = 'data') -> NamedSharding:
   """The sharding of a stacked leaf: leading axis over the replica axis, the rest replicated."""
   return NamedSharding(mesh, P(replica_axis))
+
+
+def inner_spec(shape: tuple[int, ...], replica_axis: str, inner_axis: str | None,
+               inner_size: int) -> P:
+  """The spec of a stacked leaf ``[N, ...]``: replica axis first, the inner axis on one dim.
+
+  The inner axis goes on the largest dimension after the leading one that it divides (the
+  first such on ties), so parameters and the optimizer state built from them (Adam's moments
+  share their shapes) shard the same way. A leaf with no such dimension (a scalar count, a
+  vector shorter than the group) stays whole in each group: it is small.
+  """
+  dims = [i for i in range(1, len(shape)) if inner_axis and inner_size > 1 and shape[i] % inner_size == 0]
+  if not dims:
+    return P(replica_axis)
+  best = max(dims, key=lambda i: (shape[i], -i))
+  return P(*([replica_axis] + [inner_axis if i == best else None for i in range(1, best + 1)]))
+
+
+def group_shardings(stacked: ArrayTree, mesh: jax.sharding.Mesh, replica_axis: str = 'data',
+                    inner_axis: str | None = 'fsdp') -> ArrayTree:
+  """Per-leaf ``NamedSharding`` of a stacked tree on a ``(replica_axis, inner_axis)`` mesh (FSDP).
+
+  Each group holds one replica's copy, sharded over ``inner_axis`` (see :func:`inner_spec`);
+  with no inner axis in the mesh, or one of size 1, this is :func:`replica_sharding` per leaf.
+  ``stacked`` may hold arrays or ``jax.ShapeDtypeStruct``.
+
+  Example:
+    >>> mesh = jax.make_mesh((4, 2), ('replica', 'fsdp'), axis_types=(AxisType.Auto,) * 2)
+    >>> params = jax.device_put(params, group_shardings(params, mesh, 'replica', 'fsdp'))
+  """
+  if replica_axis not in mesh.shape:
+    raise ValueError(f'group_shardings: the mesh has no axis {replica_axis!r} (axes: '
+                     f'{tuple(mesh.axis_names)}); pass replica_axis= one of them.')
+  size = mesh.shape.get(inner_axis, 1) if inner_axis else 1
+  return jax.tree.map(
+      lambda x: NamedSharding(mesh, inner_spec(tuple(x.shape), replica_axis, inner_axis, size)),
+      stacked)

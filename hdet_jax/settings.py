@@ -129,6 +129,7 @@ class Plan(NamedTuple):
   exact_sync: bool                     # the sync's average is assigned by hdet_jax.apply_updates.
   guard_nonfinite: bool                # non-finite replicas sit the average out.
   seed: int                            # seeds the permutation key.
+  average_opt_state: bool = False      # a sync averages the wrapped optimizer's state too (low-communication mode).
 
 
 def is_learning_rate(name: str) -> bool:
@@ -148,7 +149,8 @@ def hyperparam_names(*, param_groups: dict[str, str] | None = None,
 
 
 def make_plan(optimizer, learning_rate, *, num_replicas, spread, sync_every, replica_axis, auto_lr,
-              exact_sync, seed, explore, param_groups, guard_nonfinite, optimizer_kwargs) -> Plan:
+              exact_sync, seed, explore, param_groups, guard_nonfinite, optimizer_kwargs,
+              average_opt_state=False) -> Plan:
   """Validates every ``hdet`` argument eagerly and returns the frozen plan."""
   extra = _explored(explore, optimizer_kwargs)
   groups = _param_groups(param_groups)
@@ -175,7 +177,13 @@ def make_plan(optimizer, learning_rate, *, num_replicas, spread, sync_every, rep
       to_optimizer=tuple(h.to_optimizer for _, h in hps), scale=scale, offset=offset, groups=groups,
       num_replicas=int(num_replicas), sync_every=sync_every, replica_axis=replica_axis,
       auto_lr=auto_lr, **controlled, exact_sync=bool(exact_sync),
-      guard_nonfinite=bool(guard_nonfinite), seed=seed)
+      guard_nonfinite=bool(guard_nonfinite), seed=seed, average_opt_state=_flag('average_opt_state', average_opt_state))
+
+
+def _flag(name: str, value: Any) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f'{name} must be True or False, got {value!r}.')
+  return bool(value)
 
 
 def _explored(explore, optimizer_kwargs) -> tuple[tuple[str, Explore], ...]:

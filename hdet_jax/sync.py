@@ -48,7 +48,26 @@ def end_window(plan: Plan, params, updates, state, *, gather: bool, score=None):
     new_params, count = average(stepped, plan.replica_axis, plan.guard_nonfinite, ok)
     updates = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
   state = state._replace(finite_replicas=count, replica_ok=ok)
+  if plan.average_opt_state:
+    state = state._replace(inner_state=average_inner_state(plan, state.inner_state, ok))
   return updates, sync_controller(plan, state, score=score, gather=gather)
+
+
+def average_inner_state(plan: Plan, inner_state: Any, ok: jax.Array) -> Any:
+  """The wrapped optimizer's state averaged over the replicas (its float leaves; the rest agree).
+
+  Only needed when the replicas step on their own gradients (the low-communication mode):
+  with the shared, all-reduced gradient the states are already equal. A leaf is assigned the
+  average directly, so the replicas hold it bit for bit alike afterwards.
+  """
+  floats = [jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in jax.tree.leaves(inner_state)]
+  leaves = [x for x, f in zip(jax.tree.leaves(inner_state), floats) if f]
+  if not leaves:  # e.g. plain SGD: no state to average
+    return inner_state
+  mean, _ = average(leaves, plan.replica_axis, plan.guard_nonfinite, ok)
+  mean = iter(replicas.match_vma(mean, leaves))
+  out = [next(mean) if f else x for x, f in zip(jax.tree.leaves(inner_state), floats)]
+  return jax.tree.unflatten(jax.tree.structure(inner_state), out)
 
 
 def sync_controller(plan: Plan, st, *, gather: bool, score=None):

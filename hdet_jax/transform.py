@@ -37,6 +37,8 @@ class HDETState(NamedTuple):
 
   Everything except ``loss_sum`` is identical on all replicas: the wrapped optimizer sees
   the same all-reduced gradient everywhere, and the controller's inputs are all-gathered.
+  (In the low-communication mode, where each replica steps on its own gradient, ``inner_state``
+  differs too until a sync with ``average_opt_state=True``.)
 
   ``values`` and ``base`` hold what the *coming* step uses, computed at the end of the previous
   update (or by ``init``): an update reads its hyperparameters from the state instead of
@@ -84,6 +86,7 @@ def hdet(
     explore: dict[str, Explore | tuple[optax.ScalarOrSchedule, float]] | None = None,
     param_groups: dict[str, str] | None = None,
     guard_nonfinite: bool = True,
+    average_opt_state: bool = False,
     **optimizer_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Hyperparameter-Divergent Ensemble Training around an optax optimizer.
@@ -121,7 +124,10 @@ def hdet(
     spread: alpha in [0, 1).
     sync_every: T >= 1, steps between parameter averages.
     replica_axis: the mapped axis the replicas live on. Keep it distinct from any axis
-      the model is sharded over (FSDP, tensor parallel): only it is averaged over.
+      the model is sharded over (FSDP, tensor parallel): only it is averaged over. On a mesh
+      such as ``('replica', 'fsdp')`` a replica is a group of devices: map with
+      :func:`hdet_jax.shard_map_replicas` (manual over this axis only) and lay the state out
+      with :func:`hdet_jax.group_shardings` and :func:`state_shardings`.
     auto_lr: controller settings, or None for fan-out/converge only.
     exact_sync: if True the sync step returns the inner update only and
       :func:`apply_updates` does the averaging, assigning the average exactly.
@@ -146,6 +152,14 @@ def hdet(
       every replica blew up and the parameters stay non-finite. Pair it with
       :func:`hdet_jax.pmean_finite` for the gradient all-reduce, since every replica shares
       the averaged gradient.
+    average_opt_state: if True a sync also averages the wrapped optimizer's state (its float
+      leaves, e.g. Adam's moments) over the replicas. Only matters in the low-communication
+      (DiLoCo-like) mode, where each replica (or group) steps on its own gradient instead of the
+      all-reduced one, so the states drift apart between syncs. Off by default, as DiLoCo keeps
+      each worker's inner optimizer state local: averaging it costs one more all-reduce of the
+      state's size at each sync (twice the parameters' bytes for Adam, so three times the
+      sync's traffic). With the shared gradient the states are already equal and this is
+      a no-op up to rounding.
     **optimizer_kwargs: passed to ``optimizer`` (e.g. ``weight_decay=0.1``).
 
   Returns:
@@ -168,7 +182,8 @@ def hdet(
   plan = settings.make_plan(
       optimizer, learning_rate, num_replicas=num_replicas, spread=spread, sync_every=sync_every,
       replica_axis=replica_axis, auto_lr=auto_lr, exact_sync=exact_sync, seed=seed, explore=explore,
-      param_groups=param_groups, guard_nonfinite=guard_nonfinite, optimizer_kwargs=optimizer_kwargs)
+      param_groups=param_groups, guard_nonfinite=guard_nonfinite, optimizer_kwargs=optimizer_kwargs,
+      average_opt_state=average_opt_state)
 
   def init_fn(params):
     return init(plan, params)
@@ -275,6 +290,20 @@ def _check_update_args(plan: Plan, updates, params, value, sync, score) -> None:
     raise ValueError('hdet: update() needs params (the sync averages them).')
   if sync is not None and not isinstance(sync, bool):
     raise ValueError(f'hdet: sync must be None or a Python bool, got {type(sync).__name__}.')
+
+
+def state_shardings(state: HDETState, mesh: jax.sharding.Mesh, replica_axis: str = 'data',
+                    inner_axis: str | None = 'fsdp') -> HDETState:
+  """Per-leaf shardings of a stacked :class:`HDETState` on a 2-D mesh (see ``group_shardings``).
+
+  The wrapped optimizer's state (Adam's moments: the parameters' shapes) is sharded over
+  ``inner_axis`` like the parameters; HDET's own fields (a count, ``[G, N]`` values, the
+  controller's few numbers) stay whole on every device of their group, where every device
+  reads them each step.
+  """
+  whole = replicas.group_shardings(state, mesh, replica_axis, None)
+  return whole._replace(
+      inner_state=replicas.group_shardings(state.inner_state, mesh, replica_axis, inner_axis))
 
 
 def replica_value(state: HDETState, index: int, replica_axis: str = 'data') -> jax.Array:

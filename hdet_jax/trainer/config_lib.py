@@ -20,6 +20,12 @@ RUN_FIELDS = frozenset({
 })
 
 
+# Fields added after runs were already on disk, left out of a run's recorded training fields while at
+# these defaults (which train exactly as those runs did), so such workdirs still resume.
+QUIET_DEFAULTS = {'mesh.replicas': 0, 'mesh.fsdp': 1, 'hdet.low_communication': False,
+                  'hdet.average_opt_state': False}
+
+
 class ConfigError(ValueError):
   """A bad config, corpus, workdir or device setup, found before training; one clear line."""
 
@@ -63,6 +69,7 @@ def flatten(config: Any, prefix: str = '') -> dict[str, Any]:
 def training_fields(config: Any, num_replicas: int) -> dict[str, Any]:
   """The fields that define the trajectory (JSON-normalised), with N resolved."""
   flat = {k: v for k, v in flatten(config).items() if k not in RUN_FIELDS}
+  flat = {k: v for k, v in flat.items() if k not in QUIET_DEFAULTS or v != QUIET_DEFAULTS[k]}
   flat['hdet.num_replicas'] = int(num_replicas)
   return json.loads(json.dumps(flat, default=str))
 
@@ -121,6 +128,8 @@ _RULES = (
     ('optim.grad_clip_norm', 'real', lambda v: v >= 0, 'a number >= 0 (0: no clipping)'),
     ('optim.label_smoothing', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
     ('hdet.num_replicas', 'int', lambda v: v >= 0, 'an integer >= 0 (0: all devices)'),
+    ('mesh.replicas', 'int', lambda v: v >= 0, 'an integer >= 0 (0: devices / mesh.fsdp)'),
+    ('mesh.fsdp', 'int', lambda v: v >= 1, 'an integer >= 1 (1: a 1-D mesh, one replica per device)'),
     ('hdet.spread', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
     ('hdet.sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: never)'),
     ('hdet.warmup_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),

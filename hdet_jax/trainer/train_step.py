@@ -4,6 +4,11 @@ Every leaf of the parameters, the optimizer state and the batch carries a leadin
 of size N, sharded ``P('data')`` over a one-axis mesh. The training step exists as two
 programs, with and without the sync (``sync`` is static), which the Python loop dispatches by
 step number; both donate the parameters and the optimizer state.
+
+With ``mesh.fsdp = F > 1`` the mesh is 2-D, ``('data', 'fsdp')`` of N x F devices: a replica is
+a group of F devices, the replica axis is still ``'data'``, and inside each group the parameters,
+the optimizer's moments and the batch are sharded over ``'fsdp'`` (:func:`layout`); the programs
+pin those shardings on their outputs, so they hold across sync and non-sync steps.
 """
 
 from __future__ import annotations
@@ -21,11 +26,47 @@ import hdet_jax as H
 from hdet_jax.trainer import model as model_lib
 
 AXIS = 'data'
+INNER = 'fsdp'  # the axis inside a replica group (2-D meshes only)
 
 
-def make_mesh(num_replicas: int) -> Mesh:
-  """A one-axis mesh ``('data',)`` over the first ``num_replicas`` devices (Auto axis type)."""
-  return Mesh(np.asarray(jax.devices()[:num_replicas]), (AXIS,))
+def make_mesh(num_replicas: int, fsdp: int = 1) -> Mesh:
+  """``('data',)`` over the first ``num_replicas`` devices, or with ``fsdp > 1`` ``('data', 'fsdp')``
+  over the first N x F: group r is devices r*F .. r*F+F-1 (neighbours, which share the fastest links
+  on real hardware, carry the every-step FSDP traffic). Auto axis types."""
+  if fsdp == 1:
+    return Mesh(np.asarray(jax.devices()[:num_replicas]), (AXIS,))
+  return Mesh(np.asarray(jax.devices()[:num_replicas * fsdp]).reshape(num_replicas, fsdp), (AXIS, INNER))
+
+
+def is_2d(mesh: Mesh) -> bool:
+  return INNER in mesh.shape
+
+
+def layout(mesh: Mesh, params: Any, opt_state: Any) -> tuple[Any, Any] | None:
+  """(parameter shardings, optimizer-state shardings) per leaf on a 2-D mesh; None on a 1-D one,
+  where the programs keep the plain ``P('data')`` layout (and compile exactly as before).
+  ``params`` and ``opt_state`` are stacked trees of arrays or shapes."""
+  if not is_2d(mesh):
+    return None
+  return H.group_shardings(params, mesh, AXIS, INNER), H.state_shardings(opt_state, mesh, AXIS, INNER)
+
+
+def param_layout(mesh: Mesh, abstract_params: Any, num_replicas: int) -> Any:
+  """The stacked parameters' shardings given one replica's shapes (a prefix ``P('data')`` on 1-D meshes)."""
+  if not is_2d(mesh):
+    return replica_sharding(mesh)
+  stacked = jax.eval_shape(lambda p: H.stack_replicas(p, num_replicas), abstract_params)
+  return H.group_shardings(stacked, mesh, AXIS, INNER)
+
+
+def with_layout(mesh: Mesh, abstract: dict) -> dict:
+  """``{'params', 'opt_state', ...}`` shapes given the shardings the run keeps them in (to restore)."""
+  shardings = layout(mesh, abstract['params'], abstract['opt_state'])
+  if shardings is None:
+    shardings = tuple(jax.tree.map(lambda _: replica_sharding(mesh), abstract[k]) for k in ('params', 'opt_state'))
+  put = lambda tree, sh: jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, sh)
+  return {**abstract, 'params': put(abstract['params'], shardings[0]),
+          'opt_state': put(abstract['opt_state'], shardings[1])}
 
 
 def replica_sharding(mesh: Mesh) -> NamedSharding:
@@ -124,7 +165,8 @@ def make_optimizer(config: Any, num_replicas: int) -> optax.GradientTransformati
   return H.hdet(
       factory, schedule(config), num_replicas=num_replicas, spread=h.spread,
       sync_every=sync_every(config), replica_axis=AXIS, auto_lr=auto_lr_settings(config), exact_sync=True,
-      seed=config.seed, param_groups=param_groups(config), explore=explored(config) or None)
+      seed=config.seed, param_groups=param_groups(config), explore=explored(config) or None,
+      average_opt_state=bool(h.get('average_opt_state', False)))
 
 
 def auto_lr_settings(config: Any) -> H.AutoLR | None:
@@ -146,12 +188,20 @@ def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_rep
     _, params = model_lib.split_model(config.model, config.data.seq_len, key)
     stacked = H.stack_replicas(params, num_replicas)
     return stacked, jax.vmap(tx.init)(stacked)
-  return jax.jit(init, out_shardings=replica_sharding(mesh))
+  shardings = replica_sharding(mesh)
+  if is_2d(mesh):  # each group's copy is born sharded over 'fsdp': never whole on one device
+    shardings = layout(mesh, *jax.eval_shape(init, jax.random.key(0)))
+  return jax.jit(init, out_shardings=shardings)
 
 
 def make_opt_init(tx: optax.GradientTransformation, mesh: Mesh) -> Callable:
   """Jitted ``stacked params -> opt_state`` (for a warm start)."""
-  return jax.jit(jax.vmap(tx.init), out_shardings=replica_sharding(mesh))
+  if not is_2d(mesh):
+    return jax.jit(jax.vmap(tx.init), out_shardings=replica_sharding(mesh))
+  def opt_init(params):
+    shardings = H.state_shardings(jax.eval_shape(jax.vmap(tx.init), params), mesh, AXIS, INNER)
+    return jax.jit(jax.vmap(tx.init), out_shardings=shardings)(params)
+  return opt_init
 
 
 def regularization(config: Any, opt_state: Any) -> tuple[model_lib.Regularization, jax.Array]:
@@ -203,7 +253,8 @@ class MetricsPacker:
 
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh, *, sync: bool,
-                    config: Any = None, packer: MetricsPacker | None = None, chunk_steps: int = 0) -> Callable:
+                    config: Any = None, packer: MetricsPacker | None = None, chunk_steps: int = 0,
+                    shardings: tuple[Any, Any] | None = None) -> Callable:
   """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``, all stacked ``[N, ...]``.
 
   ``metrics`` holds each replica's loss and, read from each replica's (identical) optimizer
@@ -215,7 +266,13 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   ``chunk_steps=K > 0``: the third argument holds K consecutive steps' batches ``[N, K, B, L+1]``
   (the chunk starting at a multiple of K) and step t reads its batch at ``t % K``, t being the
   optimizer's step count; the host then uploads data once every K steps instead of every step.
+
+  ``shardings``: :func:`layout`'s (parameter, optimizer-state) shardings on a 2-D mesh, pinned on
+  the outputs. With ``hdet.low_communication`` the gradient is not all-reduced across the replica
+  axis: each group steps on its own (still averaged over its inner axis, by the partitioner).
   """
+  shared = config is None or not config.hdet.get('low_communication', False)
+
   def step(params, opt_state, data):
     batch = data
     if chunk_steps:
@@ -226,7 +283,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
       reg, smoothing = regularization(config, opt_state)
     (_, loss), grads = jax.value_and_grad(
         lambda p: model_lib.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
-    grads = H.pmean_finite(grads, AXIS)  # the all-reduce, skipping replicas whose gradient is not finite
+    if shared:
+      grads = H.pmean_finite(grads, AXIS)  # the all-reduce, skipping replicas whose gradient is not finite
     # The controller compares replicas on plain cross-entropy (see model_lib.losses).
     used = opt_state  # its values and base are what this step trains with
     if config is not None and config.optim.name == 'adam_plateau':
@@ -247,7 +305,13 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   # optax.contrib.reduce_on_plateau's lax.cond returns constants in one branch and state-derived
   # (per-replica, 'varying') values in the other, which shard_map's type check rejects.
   check_vma = config is None or config.optim.name != 'adam_plateau'
-  return jax.jit(H.shard_map_replicas(step, mesh, AXIS, check_vma=check_vma), donate_argnums=(0, 1))
+  return jax.jit(H.shard_map_replicas(step, mesh, AXIS, check_vma=check_vma), donate_argnums=(0, 1),
+                 **_pinned(mesh, shardings))
+
+
+def _pinned(mesh: Mesh, shardings: tuple[Any, Any] | None) -> dict:
+  """jit's ``out_shardings`` for (params, opt_state, metrics) under a 2-D layout; none on 1-D meshes."""
+  return {} if shardings is None else {'out_shardings': (*shardings, replica_sharding(mesh))}
 
 
 def common_batch(config: Any) -> bool:
@@ -256,7 +320,8 @@ def common_batch(config: Any) -> bool:
 
 
 def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
-                    packer: MetricsPacker | None = None, graphdef: Any = None, config: Any = None) -> Callable:
+                    packer: MetricsPacker | None = None, graphdef: Any = None, config: Any = None,
+                    shardings: tuple[Any, Any] | None = None) -> Callable:
   """Jitted ``(params, opt_state) -> (params, opt_state, metrics)``: the end of a sync window alone.
 
   With ``graphdef`` and a config whose ``hdet.score`` is ``'common'`` the program takes a third
@@ -287,7 +352,7 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
     if packer is not None:
       metrics = packer.pack(metrics)
     return params, opt_state, metrics
-  return jax.jit(H.shard_map_replicas(window_end, mesh, AXIS), donate_argnums=(0, 1))
+  return jax.jit(H.shard_map_replicas(window_end, mesh, AXIS), donate_argnums=(0, 1), **_pinned(mesh, shardings))
 
 
 def _controller_metrics(c: Any) -> dict:
@@ -332,14 +397,22 @@ def make_eval_step(graphdef: Any, mesh: Mesh) -> Callable:
   return jax.jit(H.shard_map_replicas(evaluate, mesh, AXIS))
 
 
-def make_average(mesh: Mesh) -> Callable:
-  """Jitted exact replica average (the ensemble's model), replicated on every device."""
-  return jax.jit(H.average_replicas, out_shardings=replicated(mesh))
+def make_average(mesh: Mesh, params: Any = None) -> Callable:
+  """Jitted exact replica average (the ensemble's model), replicated on every device; on a 2-D mesh
+  (give the stacked ``params``) still sharded over 'fsdp' as each group's copy is, never whole."""
+  if not is_2d(mesh):
+    return jax.jit(H.average_replicas, out_shardings=replicated(mesh))
+  inner = lambda sh: NamedSharding(mesh, P(*sh.spec[1:]))
+  return jax.jit(H.average_replicas, out_shardings=jax.tree.map(inner, H.group_shardings(params, mesh, AXIS, INNER)))
 
 
-def put_stacked(x: np.ndarray, mesh: Mesh) -> jax.Array:
-  """A host array ``[N, ...]`` (the same on every process) as a global array sharded ``P('data')``."""
+def put_stacked(x: np.ndarray, mesh: Mesh, batch_dim: int | None = None) -> jax.Array:
+  """A host array ``[N, ...]`` (the same on every process) as a global array sharded ``P('data')``;
+  on a 2-D mesh its ``batch_dim`` is also split over 'fsdp' (each device of a group gets its share
+  of the group's windows) when the group's size divides it."""
   sharding = replica_sharding(mesh)
+  if is_2d(mesh) and batch_dim is not None and x.shape[batch_dim] % mesh.shape[INNER] == 0:
+    sharding = NamedSharding(mesh, P(AXIS, *[None] * (batch_dim - 1), INNER))
   if jax.process_count() == 1:
     return jax.device_put(x, sharding)
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])

@@ -61,7 +61,10 @@ def setup_jax(config: Any, *, coordinator_address: str | None = None, num_proces
 
 
 def _resolve_replicas(config: Any) -> int:
-  devices = jax.device_count()
+  """N, the replicas (device groups of ``mesh.fsdp`` devices each on a 2-D mesh)."""
+  devices, fsdp = jax.device_count(), _fsdp(config)
+  if fsdp > 1:
+    return _resolve_groups(config, devices, fsdp)
   n = config.hdet.num_replicas or devices
   if n > devices:
     raise ConfigError(
@@ -71,6 +74,27 @@ def _resolve_replicas(config: Any) -> int:
     raise ConfigError(
         f'hdet.num_replicas={n} but {jax.process_count()} processes hold {devices} devices; with several '
         'processes every device holds one replica: set --config.hdet.num_replicas=0.')
+  return n
+
+
+def _fsdp(config: Any) -> int:
+  return int(config.get('mesh', {}).get('fsdp', 1))
+
+
+def _resolve_groups(config: Any, devices: int, fsdp: int) -> int:
+  """N on a 2-D mesh: ``mesh.replicas`` (0: every device in some group), checked against the devices."""
+  n = config.mesh.replicas or config.hdet.num_replicas or devices // fsdp
+  if config.hdet.num_replicas and config.hdet.num_replicas != n:
+    raise ConfigError(f'hdet.num_replicas={config.hdet.num_replicas} but mesh.replicas={n}: set one of them '
+                      '(on a 2-D mesh, mesh.replicas; hdet.num_replicas=0).')
+  if n * fsdp > devices or (jax.process_count() > 1 and n * fsdp != devices):
+    raise ConfigError(
+        f'mesh.replicas={n} x mesh.fsdp={fsdp} needs {n * fsdp} devices, {devices} are visible'
+        f'{" (with several processes it must use them all)" if jax.process_count() > 1 else ""}: '
+        f'set mesh.replicas=0 (all devices) or run on {n * fsdp} devices (on CPU: JAX_NUM_CPU_DEVICES).')
+  if config.data.batch_size % fsdp:
+    raise ConfigError(f'data.batch_size={config.data.batch_size} (windows per replica group) must be divisible by '
+                      f'mesh.fsdp={fsdp}, which splits them over the group\'s devices.')
   return n
 
 
@@ -264,7 +288,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     loop = _initial_state(config, inputs, records)
     programs = _compile(config, inputs, records, loop)
     setup_s = time.time() - t0
-    records.log(f'{inputs.n} replicas on {jax.device_count()} {jax.devices()[0].platform} devices '
+    group = f' (groups of {_fsdp(config)}, mesh {dict(records.mesh.shape)})' if _fsdp(config) > 1 else ''
+    records.log(f'{inputs.n} replicas{group} on {jax.device_count()} {jax.devices()[0].platform} devices '
                 f'({jax.process_count()} process(es)); model {model_lib.num_params(inputs.abstract_params):,} '
                 f'parameters; {len(inputs.train_bytes):,} train / {len(inputs.val_bytes):,} validation bytes; '
                 f'setup {setup_s:.1f}s.')
@@ -314,7 +339,7 @@ def _open_records(config: Any, inputs: _Inputs) -> _Records:
   if lead and not os.path.exists(config_path):
     _write_json_atomic(config_path, {'training_fields': inputs.fields, 'config': json.loads(config.to_json())},
                        indent=1)
-  mesh = ts.make_mesh(inputs.n)
+  mesh = ts.make_mesh(inputs.n, _fsdp(config))
   ckpt = checkpoints.Checkpointer(inputs.workdir, config.max_checkpoints)
   # TensorBoard event files beside metrics.jsonl, on unless the config sets tensorboard=False.
   writer = metrics_lib.MetricsWriter(os.path.join(inputs.workdir, 'metrics.jsonl'), enabled=lead,
@@ -351,9 +376,8 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
   def corrupt(step, why):
     records.writer.write('event', step=step, event='corrupt_checkpoint', reason=why)
     records.log(f'warning: checkpoint {why}; falling back to the previous one.')
-  rs = ts.replica_sharding(records.mesh)
   abstract = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), init(k))), root)
-  abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rs), abstract)
+  abstract = ts.with_layout(records.mesh, abstract)  # restored straight into the run's layout
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=ts.replicated(records.mesh))
   t_restore = time.time()
   try:
@@ -376,7 +400,7 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
 
 def _warm_start(config: Any, inputs: _Inputs, records: _Records, root: Any) -> tuple[Any, Any]:
   """(params, opt_state): the averaged model of ``init_from`` plus each replica's eq. 10 noise."""
-  rep, rs = ts.replicated(records.mesh), ts.replica_sharding(records.mesh)
+  rep, rs = ts.replicated(records.mesh), ts.param_layout(records.mesh, inputs.abstract_params, inputs.n)
   try:
     avg = checkpoints.restore_avg_params(inputs.init_src, jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), inputs.abstract_params))
@@ -395,14 +419,14 @@ def _warm_start(config: Any, inputs: _Inputs, records: _Records, root: Any) -> t
 def _upload(inputs: _Inputs, mesh: Any, step: int) -> Any:
   """The chunk of batches holding step ``step``'s, on the devices."""
   first = step - step % _CHUNK
-  return ts.put_stacked(inputs.batches.chunk(first, _CHUNK), mesh)
+  return ts.put_stacked(inputs.batches.chunk(first, _CHUNK), mesh, batch_dim=2)  # [N, K, B, L+1]
 
 
 def _probe(config: Any, inputs: _Inputs, mesh: Any, step: int) -> Any:
   """The common batch of the sync after step ``step`` (every replica gets the same windows)."""
   w = input_pipeline.probe_windows(inputs.train_bytes, config.data.seq_len, config.hdet.probe_windows, config.seed,
                                    step // ts.sync_every(config))
-  return ts.put_stacked(np.broadcast_to(w, (inputs.n,) + w.shape), mesh)
+  return ts.put_stacked(np.broadcast_to(w, (inputs.n,) + w.shape), mesh, batch_dim=1)
 
 
 def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _Programs:
@@ -411,16 +435,17 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   mesh, params, opt_state = records.mesh, loop.params, loop.opt_state
   loop.data = _upload(inputs, mesh, loop.start)
   packers = {s: ts.MetricsPacker() for s in (False, True)}
+  layout = ts.layout(mesh, params, opt_state)  # None on a 1-D mesh
   step = ts.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, config=config, packer=packers[False],
-                            chunk_steps=_CHUNK).lower(params, opt_state, loop.data).compile()
+                            chunk_steps=_CHUNK, shardings=layout).lower(params, opt_state, loop.data).compile()
   common = ts.common_batch(config)
   window_end = ts.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
-                                  config=config).lower(
+                                  config=config, shardings=layout).lower(
       params, opt_state, *([_probe(config, inputs, mesh, 0)] if common else [])).compile()
   to_eval = ts.make_eval_params(config, mesh)
-  val = ts.put_stacked(inputs.val_windows, mesh)
+  val = ts.put_stacked(inputs.val_windows, mesh, batch_dim=1)
   evaluate = ts.make_eval_step(inputs.graphdef, mesh).lower(params, val).compile()
-  average = ts.make_average(mesh).lower(params).compile()
+  average = ts.make_average(mesh, params).lower(params).compile()
   # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
   checkpoints.fingerprint({'params': params, 'opt_state': opt_state, 'rng': loop.rng})
   checkpoints.fingerprint(average(params))

@@ -1,0 +1,93 @@
+"""Communication across the replica axis, counted from a compiled program's HLO text.
+
+HDET's cost over plain data parallel is communication between replicas (groups of devices on a
+2-D mesh): the gradient all-reduce on every step (unless the low-communication mode skips it) and
+the average at each sync. This module reads it off what XLA will run, instead of estimating it:
+every collective in the compiled program, its per-device operand bytes, and whether its device
+groups span more than one replica. A pure text parser over numpy; no device work.
+
+Collectives inside a ``lax.cond`` branch are counted as if the branch ran: compile the sync and
+the non-sync program separately (``sync=True/False``) to tell them apart.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+import numpy as np
+
+_OPS = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
+_LINE = re.compile(r'=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>' + '|'.join(_OPS) + r')(?P<start>-start)?\(')
+_ARRAY = re.compile(r'\b(pred|[subfc]\d+|bf16)\[([\d,]*)\]')
+_IOTA = re.compile(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
+_LIST = re.compile(r'replica_groups=\{((?:\{[\d,]*\},?)*)\}')
+_PAIRS = re.compile(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}')
+_BYTES = {'pred': 1, 'bf16': 2}
+
+
+class Collective(NamedTuple):
+  """One collective of a compiled program."""
+  op: str                         # 'all-reduce', 'all-gather', ...
+  operand_bytes: int              # bytes each participating device sends into it (its operand).
+  groups: tuple[tuple[int, ...], ...]  # device groups, by position in the mesh's flattened devices.
+  crosses_replicas: bool          # whether some group holds devices of more than one replica.
+
+
+def _element_bytes(dtype: str) -> int:
+  return _BYTES.get(dtype) or max(1, int(re.sub(r'\D', '', dtype)) // 8)  # c64: 64 bits in all
+
+
+def _shape_bytes(shape: str) -> int:
+  """Bytes of an HLO result shape, e.g. ``f32[4,2]{1,0}`` or a tuple ``(f32[4]{0}, pred[])``."""
+  total = 0
+  for dtype, dims in _ARRAY.findall(shape):
+    total += _element_bytes(dtype) * int(np.prod([int(d) for d in dims.split(',') if d], dtype=np.int64))
+  return total
+
+
+def _groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
+  """The device groups of a collective (iota ``[4,2]<=[8]`` or explicit ``{{0,2},{1,3}}``)."""
+  iota = _IOTA.search(line)
+  if iota:
+    out, dims, perm = ([int(v) for v in g.split(',')] if g else None for g in iota.groups())
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    ids = ids.transpose(perm) if perm else ids
+    return tuple(tuple(int(i) for i in row) for row in ids.reshape(out))
+  listed = _LIST.search(line)
+  if listed and listed.group(1):
+    return tuple(tuple(int(i) for i in g.split(',') if i) for g in re.findall(r'\{([\d,]*)\}', listed.group(1)))
+  pairs = _PAIRS.search(line)
+  if pairs:  # collective-permute: each source-target pair is a group of two
+    return tuple(tuple(int(i) for i in p) for p in re.findall(r'\{(\d+),(\d+)\}', pairs.group(1)))
+  return (tuple(range(num_devices)),)  # no groups listed: every device in one group
+
+
+def collectives(hlo_text: str, mesh_shape: tuple[int, ...], replica_dim: int = 0) -> list[Collective]:
+  """Every collective in ``hlo_text`` (``jitted.lower(...).compile().as_text()``).
+
+  Args:
+    hlo_text: the compiled program's HLO.
+    mesh_shape: the mesh's shape (``tuple(mesh.devices.shape)``); device ids in the HLO are
+      positions in the mesh's flattened device array.
+    replica_dim: which mesh dimension is the replica axis.
+  """
+  num = int(np.prod(mesh_shape))
+  out = []
+  for line in hlo_text.splitlines():
+    m = _LINE.search(line)
+    if not m or m.group('start') and m.group('op') != 'all-reduce':
+      continue  # async pairs other than all-reduce-start carry (operand, result) tuples: not on CPU
+    groups = _groups(line, num)
+    size = len(groups[0]) if groups else 1
+    nbytes = _shape_bytes(m.group('shape'))
+    nbytes = {'all-gather': nbytes // size, 'reduce-scatter': nbytes * size}.get(m.group('op'), nbytes)
+    replica_of = lambda i: np.unravel_index(i, mesh_shape)[replica_dim]
+    crosses = any(len({replica_of(i) for i in g}) > 1 for g in groups)
+    out.append(Collective(m.group('op'), int(nbytes), groups, crosses))
+  return out
+
+
+def replica_axis_bytes(hlo_text: str, mesh_shape: tuple[int, ...], replica_dim: int = 0) -> int:
+  """Per-device operand bytes of the collectives whose groups span more than one replica."""
+  return sum(c.operand_bytes for c in collectives(hlo_text, mesh_shape, replica_dim) if c.crosses_replicas)

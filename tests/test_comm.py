@@ -1,0 +1,41 @@
+"""hdet_jax.comm: collectives read from HLO text, their operand bytes and whether they cross replicas.
+
+Lines in the forms XLA:CPU prints (jax 0.10), checked against hand-counted groups and bytes.
+"""
+
+from hdet_jax import comm
+
+MESH = (4, 2)  # 4 replica groups of 2 devices: device d is in group d // 2
+
+HLO = '\n'.join([
+    # the gradient all-reduce across groups: devices {0,2,4,6} and {1,3,5,7} (one per group each)
+    '%ar = f32[64,16]{1,0} all-reduce(%g), channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, '
+    'use_global_device_ids=true, to_apply=%add',
+    # inside the groups, iota form [4,2]<=[8]: {0,1},{2,3},...; a tuple of two scalars
+    '%ar2 = (f32[], pred[]) all-reduce(%a, %b), channel_id=2, replica_groups=[4,2]<=[8], '
+    'use_global_device_ids=true, to_apply=%add',
+    # across groups in transposed iota form [2,4]<=[4,2]T(1,0): {0,2,4,6},{1,3,5,7}; result 4x the operand
+    '%ag = bf16[8,32]{1,0} all-gather(%x), channel_id=3, replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}',
+    # inside the groups, a reduce-scatter: its operand is 2x the result
+    'ROOT %rs = f32[10]{0} reduce-scatter(%y), channel_id=4, replica_groups={{0,1},{2,3},{4,5},{6,7}}, '
+    'dimensions={0}, to_apply=%add',
+    '%not_a_collective = f32[4]{0} add(%p, %q)',
+])
+
+
+def test_collectives_groups_bytes_and_crossing():
+  got = comm.collectives(HLO, MESH)
+  assert [c.op for c in got] == ['all-reduce', 'all-reduce', 'all-gather', 'reduce-scatter']
+  assert [c.operand_bytes for c in got] == [64 * 16 * 4, 4 + 1, 8 * 32 * 2 // 4, 10 * 4 * 2]
+  assert got[1].groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+  assert got[2].groups == ((0, 2, 4, 6), (1, 3, 5, 7))
+  assert [c.crosses_replicas for c in got] == [True, False, True, False]
+  assert comm.replica_axis_bytes(HLO, MESH) == 64 * 16 * 4 + 8 * 32 * 2 // 4
+
+
+def test_replica_dim_picks_the_axis():
+  # With the replica axis second (mesh 2 x 4, replicas along dim 1), {0,1} crosses and {0,4} does not.
+  line = '%ar = f32[2]{0} all-reduce(%g), replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add'
+  assert comm.replica_axis_bytes(line, (2, 4), replica_dim=1) == 8
+  line = '%ar = f32[2]{0} all-reduce(%g), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add'
+  assert comm.replica_axis_bytes(line, (2, 4), replica_dim=1) == 0

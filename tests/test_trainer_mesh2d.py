@@ -1,0 +1,155 @@
+"""The trainer on 2-D meshes (--config.mesh.fsdp=F): its step programs keep the FSDP layout, a group
+size of 1 equals the 1-D trainer bit for bit, the low-communication switch removes the gradient
+all-reduce across groups, and a 2-D run resumes bit for bit (opt-in: HDET_SLOW_TESTS=1)."""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from hdet_jax import comm
+from hdet_jax.trainer import config_lib, train_and_evaluate
+from hdet_jax.trainer import input_pipeline as ip
+from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer import train_step as ts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, 'configs', 'tiny.py')
+
+
+def tiny(**overrides):
+  return config_lib.with_overrides(config_lib.load_config_file(TINY), overrides)
+
+
+def run_steps(config, mesh, n, steps):
+  """``steps`` trainer steps (the window end after each sync) on ``mesh``; (params, opt_state, losses)."""
+  tx = ts.make_optimizer(config, n)
+  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
+  params, opt_state = ts.make_init(config, tx, mesh, n)(jax.random.key(0))
+  layout = ts.layout(mesh, params, opt_state)
+  step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config, shardings=layout)
+  window_end = ts.make_window_end(tx, mesh, shardings=layout)
+  batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8),
+                            config.data.seq_len, config.data.batch_size, n, seed=1)
+  losses = []
+  for t in range(steps):
+    params, opt_state, m = step(params, opt_state, ts.put_stacked(batches.batch(t), mesh, batch_dim=1))
+    losses.append(np.asarray(m['loss']))
+    if ts.is_sync_step(config, t):
+      params, opt_state, _ = window_end(params, opt_state)
+    if layout is not None:  # the layout holds after every program, sync or not
+      for tree, want in zip((params, opt_state), layout):
+        for leaf, sh in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
+          assert leaf.sharding.is_equivalent_to(sh, leaf.ndim), (t, leaf.sharding, sh)
+  return params, opt_state, np.stack(losses)
+
+
+def test_group_size_one_equals_the_1d_trainer_bit_for_bit():
+  """An 8x1 mesh through the trainer's programs (layout pinned) against the 1-D trainer: the
+  transformer's step is where leaving the size-1 axis Auto once cost an ulp (see shard_map_replicas).
+  No controller and one LR group keep the programs small (the controller's wiring is in tests/test_mesh2d.py)."""
+  config = tiny(**{'hdet.score': 'window', 'hdet.auto_lr': False, 'hdet.param_groups': False})
+  steps = 9  # across the sync after step 7
+  one_d = run_steps(config, ts.make_mesh(8), 8, steps)
+  eight_by_one = run_steps(config, Mesh(np.asarray(jax.devices()).reshape(8, 1), (ts.AXIS, ts.INNER)), 8, steps)
+  for a, b in zip(jax.tree.leaves(one_d), jax.tree.leaves(eight_by_one)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(not os.environ.get('HDET_SLOW_TESTS'), reason='about 20 s: set HDET_SLOW_TESTS=1')
+def test_4x2_trainer_programs_keep_the_layout():
+  config = tiny(**{'hdet.score': 'window'})
+  steps = 9  # across the sync after step 7
+  params, _, losses = run_steps(config, ts.make_mesh(4, 2), 4, steps)
+  assert losses.shape == (steps, 4) and np.isfinite(losses).all()  # one loss per group
+  w = max(jax.tree.leaves(params), key=lambda x: x.size)  # the byte embedding [4, 256, 32]
+  assert {s.data.nbytes for s in w.addressable_shards} == {w.nbytes // 8}  # one group's copy, halved
+
+
+def test_low_communication_switch_removes_the_gradient_all_reduce_across_groups():
+  """The trainer's step on 4x2 with hdet.low_communication sends nothing across groups but the
+  metrics' scalars (the shared mode's step sends the gradient: results/mesh2d.md, and the core's
+  test_replica_axis_bytes_per_mode_from_the_hlo)."""
+  mesh, n = ts.make_mesh(4, 2), 4
+  config = tiny(**{'hdet.low_communication': True, 'hdet.score': 'window'})
+  tx = ts.make_optimizer(config, n)
+  graphdef, abstract = model_lib.abstract_model(config.model, config.data.seq_len)
+  params, opt_state = ts.make_init(config, tx, mesh, n)(jax.random.key(0))
+  data = ts.put_stacked(np.zeros((n, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
+  step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config,
+                            shardings=ts.layout(mesh, params, opt_state))
+  got = comm.replica_axis_bytes(step.lower(params, opt_state, data).compile().as_text(), (4, 2))
+  assert got < 64 < model_lib.num_params(abstract)  # no gradient crosses groups
+
+
+def test_bad_mesh_config_is_one_clear_error(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match='data.batch_size=4 .* mesh.fsdp=8'):
+    train_and_evaluate(tiny(**{'mesh.fsdp': 8}), str(tmp_path / 'a'))
+  with pytest.raises(config_lib.ConfigError, match='mesh.replicas=8 x mesh.fsdp=2 needs 16 devices'):
+    train_and_evaluate(tiny(**{'mesh.fsdp': 2, 'mesh.replicas': 8}), str(tmp_path / 'b'))
+
+
+@pytest.mark.skipif(not os.environ.get('HDET_SLOW_TESTS'), reason='about a minute: set HDET_SLOW_TESTS=1')
+@pytest.mark.parametrize('low', [False, True])
+def test_2d_run_resumes_bit_exact(tmp_path, low):
+  """4x2, stopped at step 12 (mid fan-out: syncs after steps 8 and 16, the controller from 8) and resumed to 16: bit for bit
+  the straight run, checkpoint and metrics."""
+  import orbax.checkpoint as ocp
+  def saved(workdir):  # the final checkpoint's state and averaged model, as plain arrays
+    path = os.path.join(workdir, 'checkpoints', '16')
+    with ocp.StandardCheckpointer() as ckptr:
+      return [np.asarray(x) for item in ('state', 'avg_params')
+              for x in jax.tree.leaves(ckptr.restore(os.path.join(path, item)))]
+  over = {'mesh.fsdp': 2, 'num_train_steps': 16, 'hdet.warmup_steps': 4, 'plots': False, 'hdet.low_communication': low,
+          'hdet.average_opt_state': low}
+  straight = str(tmp_path / 'straight')
+  train_and_evaluate(tiny(**over), straight)
+  resumed = str(tmp_path / 'resumed')
+  assert train_and_evaluate(tiny(**over, stop_at_step=12), resumed)['stopped_early']
+  assert train_and_evaluate(tiny(**over), resumed)['step'] == 16
+  a, b = saved(straight), saved(resumed)
+  assert len(a) == len(b) > 0
+  for x, y in zip(a, b):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.skipif(not os.environ.get('HDET_SLOW_TESTS'), reason='about a minute: set HDET_SLOW_TESTS=1')
+def test_lowcomm_experiment_quick_runs_every_mode_and_reuses_finished_runs(tmp_path):
+  from experiments import lowcomm
+  first = lowcomm.main(['--quick', '--work-root', str(tmp_path)])
+  assert set(first) == set(lowcomm.MODES) and all(np.isfinite(v[0]) for v in first.values())
+  assert lowcomm.main(['--quick', '--work-root', str(tmp_path)]) == first  # read back, not rerun
+
+
+@pytest.mark.skipif(not os.environ.get('HDET_MULTIPROCESS_TESTS'),
+                    reason='two processes x 4 CPU devices take a few minutes; set HDET_MULTIPROCESS_TESTS=1')
+def test_two_processes_match_one_on_4x2(tmp_path):
+  """train.py as 2 processes x 4 CPU devices (each holding two groups of 2) against one process x 8."""
+  import socket
+  import subprocess
+  import sys
+  from hdet_jax.trainer.metrics import read_metrics
+  over = ['--config.mesh.fsdp=2', '--config.num_train_steps=16', '--config.hdet.warmup_steps=4',
+          '--config.plots=False']
+  one = str(tmp_path / 'one')
+  train_and_evaluate(tiny(**{'mesh.fsdp': 2, 'num_train_steps': 16, 'hdet.warmup_steps': 4, 'plots': False}), one)
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  two = str(tmp_path / 'two')
+  env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+  env['JAX_NUM_CPU_DEVICES'] = '4'
+  procs = [subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', two, *over,
+       f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=600)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+  assert '(2 process(es))' in outs[0] and 'Run finished 16 steps.' in outs[0]
+  a = np.array([r['loss'] for r in read_metrics(os.path.join(one, 'metrics.jsonl'))['train']])
+  b = np.array([r['loss'] for r in read_metrics(os.path.join(two, 'metrics.jsonl'))['train']])
+  assert a.shape == b.shape and a.shape[1] == 4  # one loss per group
+  # Only the cross-process collectives (gloo) may sum in another order (the 1-D test measured 1.5 ulp).
+  assert float(np.max(np.abs(a - b))) <= 2e-6
