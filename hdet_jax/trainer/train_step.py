@@ -23,6 +23,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
+from hdet_jax import replicas
 from hdet_jax.trainer import model as model_lib
 
 AXIS = 'data'
@@ -70,7 +71,8 @@ def with_layout(mesh: Mesh, abstract: dict) -> dict:
 
 
 def replica_sharding(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P(AXIS))
+  """The core's :func:`hdet_jax.replicas.replica_sharding` on the trainer's replica axis."""
+  return replicas.replica_sharding(mesh, AXIS)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
