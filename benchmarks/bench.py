@@ -373,6 +373,12 @@ def machine() -> str:
           'No GPU was available: every figure is XLA:CPU.')
 
 
+def _table(heading: str, columns: list[str], rows: list[str], note: str | None) -> list[str]:
+  """A markdown section: heading, a table of ``rows`` under ``columns``, and an optional note."""
+  head = [heading, '', '| ' + ' | '.join(columns) + ' |', '|' + '---|' * len(columns)]
+  return head + rows + (['', note, ''] if note else [''])
+
+
 def write_markdown(path, args, elapsed):
   cmd = 'python -m benchmarks.bench' + (' ' + ' '.join(args.argv) if args.argv else '')
   md = ['# Benchmarks: HDET against plain data-parallel training', '',
@@ -392,44 +398,40 @@ def write_markdown(path, args, elapsed):
         '`sync=False` step on every step and, on sync steps, a small window-end program after it '
         '(`update(None, state, params, sync=True)`); `exact_sync=True`, params and optimizer state donated, compared '
         'with plain with donation. Both two-program designs run the same non-sync program.', '']
-  if 'steptime' in TABLES:
-    md += ['## 1. Step time (HDET / plain, median over interleaved rounds, bootstrap 95% CI of the median)', '',
-           '| model (params/replica) | design | non-sync step / plain | T=1 | T=10 | T=100 | T=1000 |',
-           '|---|---|---|---|---|---|---|'] + TABLES['steptime'] + [
-               '', 'Targets: at most 1.01 at T=100 and 1.002 at T=1000.', '']
-  if 'fixed' in TABLES:
-    md += ['What the non-sync HDET program adds per step, counted (no timing noise): the entry computation\'s '
-           'fusion kernels, copies and input buffers per device (each fusion or copy is one kernel launch per device '
-           'on XLA:CPU) and the array leaves the host passes per call (params, optimizer state). Plain / HDET\'s '
-           'extra:', '',
-           '| model | fusions | copies | input buffers | leaves per call |', '|---|---|---|---|---|']
-    md += TABLES['fixed'] + ['']
-  if 'cost' in TABLES:
-    md += ['XLA cost analysis of the step programs (per device, deterministic, no timing noise), HDET / plain:', '',
-           '| model | HDET program | flops | bytes accessed |', '|---|---|---|---|'] + TABLES['cost'] + ['']
-  if 'memory' in TABLES:
-    md += ['## 2. Peak memory (one subprocess per variant, init + 6 steps crossing 3 syncs)', '',
-           '| model | HDET / plain | peak host RSS | host RSS after the run | peak RSS growth after imports | '
-           'params + optimizer state | compiled step footprint |', '|---|---|---|---|---|---|---|'] + TABLES['memory'] + [
-               '', 'Target: at most 1.05. CPU: host RSS (`VmHWM` / `VmRSS` of the child process); the 8 simulated '
-               'devices live in host RAM. The donating variants run the trainer\'s way: every program compiled '
-               'before the first step, then the compiler\'s freed heap returned to the OS '
-               '(`trainer.release_host_memory`, glibc `malloc_trim`); the others compile lazily and release nothing. '
-               'The compiled footprint is `memory_analysis()` of the larger of the step programs '
-               '(arguments + outputs + temporaries - aliased, i.e. donated, bytes).', '']
-  if 'compile' in TABLES:
-    md += ['## 3. Compilation (default model)', '',
-           '| design | compilations at step 0 | XLA compile (s) | trace + lower (s) | first call (s) | '
-           'compilations after step 0 |', '|---|---|---|---|---|---|'] + TABLES['compile'] + [
-               '', 'Counted with `jax.monitoring` (`/jax/core/compile/backend_compile_duration` events). '
-               '"lazy": the sync program compiles on the first sync step; "AOT": both programs are '
-               '`.lower(...).compile()`d before step 0; "step + window end": the second program is the window end '
-               'alone, not a second whole step.', '']
-  if 'vmap' in TABLES:
-    md += ['## 4. One device (`vmap`, N=8 replicas) against 8 devices (`shard_map`), default model', '',
-           '| comparison | ratio (median, 95% CI) |', '|---|---|'] + TABLES['vmap'] + [
-               '', 'Under `vmap` the step count in the state is batched, so a `lax.cond` on it becomes a '
-               'select and both branches (with the all-reduce) run on every step.', '']
+  sections = [  # (key, heading, columns, note after the table)
+      ('steptime', '## 1. Step time (HDET / plain, median over interleaved rounds, bootstrap 95% CI of the median)',
+       ['model (params/replica)', 'design', 'non-sync step / plain', 'T=1', 'T=10', 'T=100', 'T=1000'],
+       'Targets: at most 1.01 at T=100 and 1.002 at T=1000.'),
+      ('fixed', 'What the non-sync HDET program adds per step, counted (no timing noise): the entry computation\'s '
+       'fusion kernels, copies and input buffers per device (each fusion or copy is one kernel launch per device '
+       'on XLA:CPU) and the array leaves the host passes per call (params, optimizer state). Plain / HDET\'s '
+       'extra:', ['model', 'fusions', 'copies', 'input buffers', 'leaves per call'], None),
+      ('cost', 'XLA cost analysis of the step programs (per device, deterministic, no timing noise), HDET / plain:',
+       ['model', 'HDET program', 'flops', 'bytes accessed'], None),
+      ('memory', '## 2. Peak memory (one subprocess per variant, init + 6 steps crossing 3 syncs)',
+       ['model', 'HDET / plain', 'peak host RSS', 'host RSS after the run', 'peak RSS growth after imports',
+        'params + optimizer state', 'compiled step footprint'],
+       'Target: at most 1.05. CPU: host RSS (`VmHWM` / `VmRSS` of the child process); the 8 simulated '
+       'devices live in host RAM. The donating variants run the trainer\'s way: every program compiled '
+       'before the first step, then the compiler\'s freed heap returned to the OS '
+       '(`trainer.release_host_memory`, glibc `malloc_trim`); the others compile lazily and release nothing. '
+       'The compiled footprint is `memory_analysis()` of the larger of the step programs '
+       '(arguments + outputs + temporaries - aliased, i.e. donated, bytes).'),
+      ('compile', '## 3. Compilation (default model)',
+       ['design', 'compilations at step 0', 'XLA compile (s)', 'trace + lower (s)', 'first call (s)',
+        'compilations after step 0'],
+       'Counted with `jax.monitoring` (`/jax/core/compile/backend_compile_duration` events). '
+       '"lazy": the sync program compiles on the first sync step; "AOT": both programs are '
+       '`.lower(...).compile()`d before step 0; "step + window end": the second program is the window end '
+       'alone, not a second whole step.'),
+      ('vmap', '## 4. One device (`vmap`, N=8 replicas) against 8 devices (`shard_map`), default model',
+       ['comparison', 'ratio (median, 95% CI)'],
+       'Under `vmap` the step count in the state is batched, so a `lax.cond` on it becomes a '
+       'select and both branches (with the all-reduce) run on every step.'),
+  ]
+  for key, heading, columns, note in sections:
+    if key in TABLES:
+      md += _table(heading, columns, TABLES[key], note)
   if 'trainer' in TABLES:
     md += ['## 5. The trainer\'s overhead around the compiled step', ''] + TABLES['trainer'] + ['']
   md += ['## All figures (stdout of the run)', '', '```'] + LINES + ['```', '']
