@@ -12,6 +12,7 @@ import pytest
 
 from hdet_jax.trainer import ConfigError, config_lib, train_and_evaluate
 from hdet_jax.trainer.metrics import read_metrics
+from process_testing import free_port, run_two_processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, 'configs', 'tiny.py')
@@ -263,21 +264,10 @@ def test_two_processes_match_one(straight, tmp_path):
 
   Runs by default: about 65-75 s on 2 cores shared with other work (most of it both processes compiling).
   """
-  import socket
   ref, _ = straight
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = s.getsockname()[1]
   workdir = str(tmp_path / 'mp')
-  env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-  env['JAX_NUM_CPU_DEVICES'] = '4'
-  procs = [subprocess.Popen(
-      [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', workdir, '--config.plots=False',
-       f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
-      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=300)[0] for p in procs]
-  assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
-  assert '(2 process(es))' in outs[0] and 'Run finished 40 steps.' in outs[0]
+  outs = run_two_processes(TINY, workdir, ['--config.plots=False'])
+  assert 'Run finished 40 steps.' in outs[0]
   a = np.array([r['loss'] for r in read_metrics(os.path.join(ref, 'metrics.jsonl'))['train']])
   b = np.array([r['loss'] for r in read_metrics(os.path.join(workdir, 'metrics.jsonl'))['train']])
   # The same data, init and programs; only the cross-process all-reduce (gloo) may sum in another order.
@@ -289,20 +279,13 @@ def test_two_processes_match_one(straight, tmp_path):
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['20', '40']
 
 
-def _free_port():
-  import socket
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.parametrize('victim', [1, pytest.param(0, marks=pytest.mark.skipif(
     not os.environ.get('HDET_MULTIPROCESS_TESTS'), reason='the coordinator dying too: set HDET_MULTIPROCESS_TESTS=1'))])
 def test_a_dead_process_makes_the_others_exit_not_hang(tmp_path, victim):
   """2 processes x 4 CPU devices; SIGKILL one mid-training: the other exits with an error, in bounded time."""
   import signal
   import time
-  port, heartbeat = _free_port(), 5
+  port, heartbeat = free_port(), 5
   env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
   env['JAX_NUM_CPU_DEVICES'] = '4'
   logs = [tmp_path / f'p{i}.log' for i in range(2)]
@@ -350,7 +333,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(straight
   env['JAX_NUM_CPU_DEVICES'] = '4'
 
   def launch(tag):
-    port = _free_port()
+    port = free_port()
     logs = [tmp_path / f'{tag}{i}.log' for i in range(2)]
     procs = []
     for i in range(2):

@@ -128,27 +128,15 @@ def test_lowcomm_experiment_quick_runs_every_mode_and_reuses_finished_runs(tmp_p
                     reason='two processes x 4 CPU devices take a few minutes; set HDET_MULTIPROCESS_TESTS=1')
 def test_two_processes_match_one_on_4x2(tmp_path):
   """train.py as 2 processes x 4 CPU devices (each holding two groups of 2) against one process x 8."""
-  import socket
-  import subprocess
-  import sys
   from hdet_jax.trainer.metrics import read_metrics
+  from process_testing import run_two_processes
   over = ['--config.mesh.fsdp=2', '--config.num_train_steps=16', '--config.hdet.warmup_steps=4',
           '--config.plots=False']
   one = str(tmp_path / 'one')
   train_and_evaluate(tiny(**{'mesh.fsdp': 2, 'num_train_steps': 16, 'hdet.warmup_steps': 4, 'plots': False}), one)
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    port = s.getsockname()[1]
   two = str(tmp_path / 'two')
-  env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-  env['JAX_NUM_CPU_DEVICES'] = '4'
-  procs = [subprocess.Popen(
-      [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', two, *over,
-       f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
-      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-  outs = [p.communicate(timeout=600)[0] for p in procs]
-  assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
-  assert '(2 process(es))' in outs[0] and 'Run finished 16 steps.' in outs[0]
+  outs = run_two_processes(TINY, two, over, timeout=600)
+  assert 'Run finished 16 steps.' in outs[0]
   a = np.array([r['loss'] for r in read_metrics(os.path.join(one, 'metrics.jsonl'))['train']])
   b = np.array([r['loss'] for r in read_metrics(os.path.join(two, 'metrics.jsonl'))['train']])
   assert a.shape == b.shape and a.shape[1] == 4  # one loss per group

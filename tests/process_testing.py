@@ -1,0 +1,29 @@
+"""Shared helper of the multi-process tests: train.py as 2 processes x 4 CPU devices over jax.distributed."""
+
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def run_two_processes(config: str, workdir: str, extra_args=(), timeout: int = 300) -> list[str]:
+  """Runs train.py as processes 0 and 1 of 2 on localhost (4 CPU devices each); returns their outputs."""
+  port = free_port()
+  env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
+  env['JAX_NUM_CPU_DEVICES'] = '4'
+  procs = [subprocess.Popen(
+      [sys.executable, os.path.join(ROOT, 'train.py'), '--config', config, '--workdir', workdir, *extra_args,
+       f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  outs = [p.communicate(timeout=timeout)[0] for p in procs]
+  assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+  assert '(2 process(es))' in outs[0]
+  return outs
