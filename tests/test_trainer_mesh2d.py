@@ -125,7 +125,7 @@ def test_lowcomm_experiment_quick_runs_every_mode_and_reuses_finished_runs(tmp_p
 
 
 @pytest.mark.skipif(not os.environ.get('HDET_MULTIPROCESS_TESTS'),
-                    reason='two processes x 4 CPU devices take a few minutes; set HDET_MULTIPROCESS_TESTS=1')
+                    reason='two processes x 4 CPU devices on 4x2: about a minute (52 s measured); set HDET_MULTIPROCESS_TESTS=1')
 def test_two_processes_match_one_on_4x2(tmp_path):
   """train.py as 2 processes x 4 CPU devices (each holding two groups of 2) against one process x 8."""
   from hdet_jax.trainer.metrics import read_metrics
