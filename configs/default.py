@@ -78,6 +78,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.overshoot = 1.0  # 'fit': kappa, aim at this multiple of the fitted best step scale (>= 1).
   config.hdet.trust = 0.25  # 'fit': the largest change of log(LR correction) per sync (0.25: x1.28).
   config.hdet.memory = 0.5  # 'fit': forgetting factor of the line-search regression across syncs.
+  config.hdet.initial_scale = 1.0  # 'fit': the run starts at this multiple of the LR schedule (<1: a cautious start the controller must raise).
   config.hdet.smooth_decay = True  # Decay the base LR continuously within a window (False: hold it, as the reference does).
   # Per-group LRs (the paper's §3.4): embedding (byte embedding, positions), no_decay (biases, norm
   # scales) and weights (attention/MLP kernels), chosen by regex on parameter paths

@@ -70,6 +70,12 @@ VARIANT_SETTINGS = {
     # step): does the line search's preference for small LRs (short-horizon bias) shrink with the horizon?
     'fit_lr_T100': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3,
                     'hdet.param_groups': False, 'hdet.sync_every': 100, 'hdet.trust': 1.0},
+    # fit_lr_T100 starting at a tenth of the user's LR (hdet.initial_scale): the line search cannot see a
+    # too-high LR's damage coming in the warmup (the 10x-high runs are lost in their first ~200 steps)
+    # but does raise a too-low one, so begin low and let it climb.
+    'fit_lr_T100_cautious': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3,
+                             'hdet.param_groups': False, 'hdet.sync_every': 100, 'hdet.trust': 1.0,
+                             'hdet.initial_scale': 0.1},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False},
 }

@@ -147,8 +147,10 @@ def reference_decay(div_factor: float, final_div_factor: float, num_updates: flo
   return 1.0 - math.exp(-math.log(div_factor / final_div_factor) / num_updates)
 
 
-def init_controller_state(base: jax.Array, num_replicas: int, key: jax.Array) -> ControllerState:
-  """The state before any sync: identity permutations, zero velocity, uniform weights."""
+def init_controller_state(base: jax.Array, num_replicas: int, key: jax.Array,
+                          correction: jax.Array | None = None) -> ControllerState:
+  """The state before any sync: identity permutations, zero velocity, uniform weights, and the
+  given ('fit') correction of the schedule (default 0: none)."""
   g = base.shape[0]
   return ControllerState(
       base=base.astype(jnp.float32),
@@ -158,7 +160,8 @@ def init_controller_state(base: jax.Array, num_replicas: int, key: jax.Array) ->
       window_losses=jnp.zeros((num_replicas,), jnp.float32),
       weights=jnp.full((num_replicas,), 1.0 / num_replicas, jnp.float32),
       delta=jnp.zeros((g,), jnp.float32),
-      correction=jnp.zeros((g,), jnp.float32),
+      correction=(jnp.zeros((g,), jnp.float32) if correction is None
+                  else jnp.asarray(correction, jnp.float32).reshape(g)),
       xtx=jnp.zeros((2 * g, 2 * g), jnp.float32),
       xty=jnp.zeros((2 * g,), jnp.float32),
   )

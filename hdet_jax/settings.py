@@ -56,6 +56,10 @@ class AutoLR:
     memory: 'fit': forgetting factor in [0, 1) of the regression's statistics across syncs.
     stop_steps: 'fit' and 'paper': the controller makes no update at syncs after this step (the
       correction, or the base, then holds); None: it runs to the end.
+    initial_scale: 'fit': the learning rates' correction starts at this factor instead of 1, so the
+      run begins at ``initial_scale`` times the user's schedule and the line search has to raise it
+      (< 1: a cautious start, against a too-high LR whose damage in the warmup the line search
+      cannot see coming). Other hyperparameters start uncorrected.
   """
   total_steps: int
   warmup_steps: int = 0
@@ -70,6 +74,7 @@ class AutoLR:
   trust: float = 0.25
   memory: float = 0.5
   stop_steps: int | None = None
+  initial_scale: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +131,8 @@ class Plan(NamedTuple):
   decay: tuple[float, ...]             # [G] the paper controller's gamma (0 when not used).
   floors: tuple[float, ...]            # [G] the paper controller's lowest base.
   start_values: tuple[float, ...]      # [G] the schedule at controller_start (the controller's first base).
+  initial_correction: tuple[float, ...]  # [G] the 'fit' correction before the first sync (log of
+                                       #   auto_lr.initial_scale for learning rates, else 0).
   exact_sync: bool                     # the sync's average is assigned by hdet_jax.apply_updates.
   guard_nonfinite: bool                # non-finite replicas sit the average out.
   seed: int                            # seeds the permutation key.
@@ -266,6 +273,12 @@ def _check_auto_lr(a, spread) -> None:
     raise ValueError(f'auto_lr.memory must be in [0, 1), got {a.memory!r}.')
   if a.stop_steps is not None and (not _is_int(a.stop_steps) or a.stop_steps < 0):
     raise ValueError(f'auto_lr.stop_steps must be None or an integer >= 0, got {a.stop_steps!r}.')
+  if not (isinstance(a.initial_scale, (int, float)) and 0.0 < a.initial_scale < math.inf):
+    raise ValueError(f'auto_lr.initial_scale must be a number > 0 (1: start at the schedule), '
+                     f'got {a.initial_scale!r}.')
+  if a.initial_scale != 1.0 and a.controller != 'fit':
+    raise ValueError(f"auto_lr.initial_scale={a.initial_scale!r} needs controller='fit' (the paper's "
+                     "controller replaces the schedule instead of correcting it); set it to 1.0.")
   if spread == 0.0:
     raise ValueError(
         'auto_lr needs spread > 0: with spread=0 every replica trains at the same LR and the '
@@ -277,7 +290,8 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_every) -> dict[str, Any]:
   ``start_values``."""
   g = len(hps)
   if auto_lr is None:
-    return dict(controller_start=0, decay=(0.0,) * g, floors=lows, start_values=(0.0,) * g)
+    return dict(controller_start=0, decay=(0.0,) * g, floors=lows, start_values=(0.0,) * g,
+                initial_correction=(0.0,) * g)
   a = auto_lr
   _check_auto_lr(a, spread)
   # The first sync at or after the warmup; syncs happen after steps T, 2T, ...
@@ -301,7 +315,9 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_every) -> dict[str, Any]:
       lo if h.additive else max(lo, float(a.min_value) if (a.min_value is not None and is_learning_rate(name))
                                 else 0.1 * v1)
       for (name, h), v1, lo in zip(hps, finals, lows))
-  return dict(controller_start=start, decay=decay, floors=floors, start_values=tuple(firsts))
+  initial = tuple(math.log(a.initial_scale) if is_learning_rate(name) else 0.0 for name, _ in hps)
+  return dict(controller_start=start, decay=decay, floors=floors, start_values=tuple(firsts),
+              initial_correction=initial)
 
 
 def _check_decays_to_positive(name, h, v0, v1, start, last) -> None:

@@ -209,8 +209,11 @@ def inner_optimizer(plan: Plan, values: list[jax.Array]) -> optax.GradientTransf
 
 def init(plan: Plan, params: Any) -> HDETState:
   """The state before the first step: the schedules' values at step 0, identity permutations."""
-  start = values_lib.base_values(plan, jnp.zeros([], jnp.int32), None)
   g, n = len(plan.names), plan.num_replicas
+  controller = ctrl.init_controller_state(
+      jnp.asarray(plan.start_values, jnp.float32), n, jax.random.key_data(jax.random.key(plan.seed)),
+      correction=jnp.asarray(plan.initial_correction, jnp.float32))
+  start = values_lib.base_values(plan, jnp.zeros([], jnp.int32), controller)
   return HDETState(
       count=jnp.zeros([], jnp.int32),
       inner_state=inner_optimizer(plan, list(start)).init(params),
@@ -219,9 +222,7 @@ def init(plan: Plan, params: Any) -> HDETState:
       sync_count=jnp.zeros([], jnp.int32),
       finite_replicas=jnp.full([], n, jnp.int32),
       replica_ok=jnp.ones([], bool),
-      controller=ctrl.init_controller_state(
-          jnp.asarray(plan.start_values, jnp.float32), n,
-          jax.random.key_data(jax.random.key(plan.seed))),
+      controller=controller,
       base=start,
       synced=jnp.zeros([], bool),
   )

@@ -190,15 +190,19 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
   assert not np.array_equal(other[T].controller.perm, states[T].controller.perm)
 
 
-def test_fit_controller_as_wired_matches_numpy_oracle():
+@pytest.mark.parametrize('initial_scale', [1.0, 0.2])
+def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale):
   """The 'fit' controller in hdet: at each sync the correction moves by the numpy fit of the window's
-  losses on the replicas' offsets, and the base is the schedule times exp(correction)."""
+  losses on the replicas' offsets, and the base is the schedule times exp(correction); the correction
+  starts at log(initial_scale)."""
   S, T = 60, 5
   sched = optax.linear_schedule(5e-3, 2e-3, S)
   tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.3, trust=0.2, memory=0.4))
+              auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.3, trust=0.2, memory=0.4,
+                               initial_scale=initial_scale))
   states = signal_run(tx, S)
-  xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), 0.0
+  np.testing.assert_allclose(states[0].base[0], initial_scale * float(sched(0)), rtol=1e-6)
+  xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), np.log(initial_scale)
   rho = H.spread_multipliers(N, 0.25)
   for k in range(1, S // T + 1):
     before, after = states[(k - 1) * T], states[k * T]
@@ -210,6 +214,23 @@ def test_fit_controller_as_wired_matches_numpy_oracle():
     np.testing.assert_allclose(after.base[0], float(sched(t)) * np.exp(after.controller.correction[0]), rtol=1e-5)
   # It moved toward the bowl's bottom at LR 1e-2 x overshoot, from below.
   assert states[-1].base[0] > 2 * float(sched(S))
+
+
+def test_initial_scale_is_the_run_of_a_scaled_schedule():
+  """initial_scale c on schedule s gives the LRs of initial_scale 1 on schedule c * s: the cautious start
+  changes where the run begins, not how the controller moves (its steps are scale-free)."""
+  S, T, c = 40, 5, 0.25
+  sched = optax.linear_schedule(2e-2, 8e-3, S)
+  def run_with(schedule, scale):
+    return signal_run(H.hdet(optax.sgd, schedule, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
+                             auto_lr=H.AutoLR(total_steps=S, controller='fit', trust=0.3, initial_scale=scale)), S)
+  cautious, scaled = run_with(sched, c), run_with(lambda t: c * sched(t), 1.0)
+  np.testing.assert_allclose([s.values for s in cautious], [s.values for s in scaled], rtol=2e-5)
+  np.testing.assert_allclose([s.controller.correction - np.log(c) for s in cautious],
+                             [s.controller.correction for s in scaled], atol=2e-5)
+  # ... and it climbed: from a quarter of a schedule that starts 2x above the bowl's bottom (LR 1e-2),
+  # toward the bottom.
+  assert cautious[0].base[0] < 0.6e-2 and cautious[-1].base[0] > 0.8e-2
 
 
 @pytest.mark.parametrize('exact', [True, False])

@@ -330,6 +330,8 @@ SCHED = H.one_cycle(1e-3, 100)
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', trust=0.0)), 'trust'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', memory=1.0)), 'memory'),
     (dict(auto_lr=H.AutoLR(total_steps=100, stop_steps=-5)), 'stop_steps'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', initial_scale=0.0)), 'initial_scale'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, initial_scale=0.1)), "initial_scale=0.1 needs controller='fit'"),
 ])
 def test_bad_settings_raise_at_construction(kwargs, name):
   args = dict(learning_rate=SCHED, num_replicas=4, spread=0.25, sync_every=10)

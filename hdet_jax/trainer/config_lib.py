@@ -139,6 +139,7 @@ _RULES = (
     ('hdet.overshoot', 'real', lambda v: v >= 1, 'a number >= 1'),
     ('hdet.trust', 'real', lambda v: v > 0, 'a number > 0'),
     ('hdet.memory', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('hdet.initial_scale', 'real', lambda v: v > 0, 'a number > 0 (1: start at the schedule)'),
     ('hdet.stop_fraction', 'real', lambda v: 0 < v <= 1, 'in (0, 1] (1: never stop)'),
     ('hdet.probe_windows', 'int', lambda v: v >= 1, 'an integer >= 1'),
     ('hdet.explore.weight_decay', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (0: off)'),
