@@ -100,13 +100,16 @@ def get_config() -> ml_collections.ConfigDict:
   # all-reduce of twice the parameters' bytes per sync. Off: each replica keeps its own, as DiLoCo does.
   config.hdet.average_opt_state = False
 
-  # The device mesh. Default: 1-D, one replica per device. With fsdp = F > 1 it is 2-D ('data', 'fsdp'):
-  # each replica is a group of F devices holding its parameters, optimizer state and batch sharded
-  # (FSDP) over them; HDET's spread, averaging and controller act across groups only. Per-device
-  # memory for parameters + optimizer state is then (their bytes) x replicas / devices.
+  # The device mesh. Default: 1-D, one replica per device. With fsdp = F > 1 and/or tensor = K > 1 each
+  # replica is a group of F x K devices, on a mesh ('data', 'fsdp', 'tensor') (size-1 axes left out):
+  # FSDP shards its parameters, optimizer state and batch over 'fsdp'; tensor parallelism splits its
+  # attention and MLP kernels Megatron-style over 'tensor' (model.TENSOR_RULES; the batch is whole on
+  # those devices). HDET's spread, averaging and controller act across groups only. Per-device memory
+  # for parameters + optimizer state is then (their bytes) x replicas / devices.
   config.mesh = ml_collections.ConfigDict()
-  config.mesh.replicas = 0  # N replica groups when fsdp > 1 (0: devices / fsdp); 1-D runs use hdet.num_replicas.
-  config.mesh.fsdp = 1  # F devices per replica group (data.batch_size must divide by it); 1: the 1-D mesh.
+  config.mesh.replicas = 0  # N replica groups on a grouped mesh (0: devices / (fsdp x tensor)); 1-D runs use hdet.num_replicas.
+  config.mesh.fsdp = 1  # F devices per group sharding it FSDP-style (data.batch_size must divide by it); 1: none.
+  config.mesh.tensor = 1  # K devices per group splitting its kernels (tensor parallel; divides the heads' and MLP widths); 1: none.
 
   config.warm_init = ml_collections.ConfigDict()
   config.warm_init.nu = 0.01  # nu of eq. 10: noise std is nu * ||theta_0|| / sqrt(d) (used only with init_from).

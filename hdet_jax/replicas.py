@@ -13,6 +13,7 @@ XLA's partitioner shards each leaf inside the group as its sharding says (:func:
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import chex
@@ -21,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hdet_jax.param_groups import path_string
 
 
 def stack_replicas(tree: ArrayTree, num_replicas: int) -> ArrayTree:
@@ -177,37 +180,95 @@ def replica_sharding(mesh: jax.sharding.Mesh, replica_axis: str = 'data') -> Nam
 
 
 def inner_spec(shape: tuple[int, ...], replica_axis: str, inner_axis: str | None,
-               inner_size: int) -> P:
-  """The spec of a stacked leaf ``[N, ...]``: replica axis first, the inner axis on one dim.
+               inner_size: int, *, tensor_axis: str | None = None, tensor_dim: int | None = None,
+               inner_dim: int | None = None) -> P:
+  """The spec of a stacked leaf ``[N, ...]``: replica axis first, the inner axes on one dim each.
 
-  The inner axis goes on the largest dimension after the leading one that it divides (the
-  first such on ties), so parameters and the optimizer state built from them (Adam's moments
-  share their shapes) shard the same way. A leaf with no such dimension (a scalar count, a
-  vector shorter than the group) stays whole in each group: it is small.
+  ``tensor_dim`` (a dimension of the unstacked leaf, from a tensor-parallel rule) is split over
+  ``tensor_axis``. The inner (FSDP) axis goes on ``inner_dim`` if given (from an FSDP rule), else on
+  the largest other dimension after the leading one that it divides (the first such on ties), so
+  parameters and the optimizer state built from them (Adam's moments share their shapes) shard the
+  same way. A leaf with no such dimension (a scalar count, a vector shorter than the group) stays
+  whole over that axis: it is small. ``-1`` for either dim (a rule's None) keeps the leaf whole.
   """
-  dims = [i for i in range(1, len(shape)) if inner_axis and inner_size > 1 and shape[i] % inner_size == 0]
-  if not dims:
+  axes: dict[int, str] = {}
+  if inner_dim == _WHOLE:
+    inner_axis = None
+  if tensor_axis is not None and tensor_dim == _WHOLE:
+    tensor_dim = None
+  if tensor_axis is not None and tensor_dim is not None:
+    axes[tensor_dim + 1] = tensor_axis
+  dims = [i for i in range(1, len(shape))
+          if inner_axis and inner_size > 1 and shape[i] % inner_size == 0 and i not in axes
+          and (inner_dim is None or i == inner_dim + 1)]
+  if dims:
+    axes[max(dims, key=lambda i: (shape[i], -i))] = inner_axis
+  if not axes:
     return P(replica_axis)
-  best = max(dims, key=lambda i: (shape[i], -i))
-  return P(*([replica_axis] + [inner_axis if i == best else None for i in range(1, best + 1)]))
+  return P(replica_axis, *[axes.get(i) for i in range(1, max(axes) + 1)])
+
+
+_WHOLE = -1  # tensor_dim's answer for a rule whose dimension is None
+
+
+def tensor_dim(path: str, shape: tuple[int, ...], rules, tensor_size: int, what: str = 'tensor') -> int | None:
+  """The unstacked dimension a tensor-parallel (or FSDP) rule splits, for a leaf at ``path`` of stacked ``shape``.
+
+  ``rules`` are ``(regex, dim)`` pairs (``dim`` None: keep the leaf whole over the axis), searched in
+  order in the leaf's path (``'blocks/0/fc1/kernel'``;
+  an optimizer state's moments end with their parameter's path, so they match the same rule). The
+  first match wins; no match, or a size-1 axis, is None. A matched dimension the axis does not divide
+  raises, naming the rule: the partitioner would otherwise pad it silently.
+  """
+  if tensor_size <= 1:
+    return None
+  for pattern, dim in rules:
+    if re.search(pattern, path):
+      if dim is None:  # the rule keeps this leaf whole over the axis
+        return _WHOLE
+      dim = dim + len(shape) - 1 if dim < 0 else dim  # -1: the last dimension
+      if not 0 <= dim < len(shape) - 1 or shape[dim + 1] % tensor_size:
+        raise ValueError(
+            f'{"tensor-parallel" if what == "tensor" else what} rule ({pattern!r}, {dim}) matches {path!r} of '
+            f'shape {tuple(shape[1:])}, whose dimension {dim} is not split evenly by the {what} axis of size '
+            f'{tensor_size}; choose a {what} size that divides it or change the rule.')
+      return dim
+  return None
 
 
 def group_shardings(stacked: ArrayTree, mesh: jax.sharding.Mesh, replica_axis: str = 'data',
-                    inner_axis: str | None = 'fsdp') -> ArrayTree:
-  """Per-leaf ``NamedSharding`` of a stacked tree on a ``(replica_axis, inner_axis)`` mesh (FSDP).
+                    inner_axis: str | None = 'fsdp', *, tensor_axis: str = 'tensor',
+                    tensor_rules: tuple[tuple[str, int], ...] = (),
+                    fsdp_rules: tuple[tuple[str, int], ...] = ()) -> ArrayTree:
+  """Per-leaf ``NamedSharding`` of a stacked tree on a mesh of replica groups (FSDP and/or tensor parallel).
 
-  Each group holds one replica's copy, sharded over ``inner_axis`` (see :func:`inner_spec`);
-  with no inner axis in the mesh, or one of size 1, this is :func:`replica_sharding` per leaf.
-  ``stacked`` may hold arrays or ``jax.ShapeDtypeStruct``.
+  Each group holds one replica's copy. Leaves matching a tensor-parallel rule (see :func:`tensor_dim`;
+  Megatron style: column-parallel kernels split on their output dimension, row-parallel ones on
+  their input dimension) are split over ``tensor_axis`` when the mesh has it; FSDP then shards the
+  dimension an FSDP rule names (same form), or else the largest other dimension, over ``inner_axis``
+  (see :func:`inner_spec`). With neither axis in the
+  mesh, or both of size 1, this is :func:`replica_sharding` per leaf. ``stacked`` may hold arrays or
+  ``jax.ShapeDtypeStruct``. Nothing else is needed for tensor parallelism: the maps are manual over
+  the replica axis only, so XLA's partitioner inserts the group's collectives from these shardings.
 
   Example:
     >>> mesh = jax.make_mesh((4, 2), ('replica', 'fsdp'), axis_types=(AxisType.Auto,) * 2)
     >>> params = jax.device_put(params, group_shardings(params, mesh, 'replica', 'fsdp'))
+    >>> mesh = jax.make_mesh((4, 2), ('replica', 'tensor'), axis_types=(AxisType.Auto,) * 2)
+    >>> rules = ((r'fc1/(kernel|bias)$', -1), (r'fc2/kernel$', 0))
+    >>> params = jax.device_put(params, group_shardings(params, mesh, 'replica', None, tensor_rules=rules))
   """
   if replica_axis not in mesh.shape:
     raise ValueError(f'group_shardings: the mesh has no axis {replica_axis!r} (axes: '
                      f'{tuple(mesh.axis_names)}); pass replica_axis= one of them.')
   size = mesh.shape.get(inner_axis, 1) if inner_axis else 1
-  return jax.tree.map(
-      lambda x: NamedSharding(mesh, inner_spec(tuple(x.shape), replica_axis, inner_axis, size)),
-      stacked)
+  tsize = mesh.shape.get(tensor_axis, 1)
+
+  def spec(path, x):
+    shape = tuple(x.shape)
+    name = path_string(path)
+    dim = tensor_dim(name, shape, tensor_rules, tsize) if tensor_rules else None
+    fdim = tensor_dim(name, shape, fsdp_rules, size, 'fsdp') if fsdp_rules else None
+    return NamedSharding(mesh, inner_spec(shape, replica_axis, inner_axis, size,
+                                          tensor_axis=tensor_axis, tensor_dim=dim, inner_dim=fdim))
+  return jax.tree_util.tree_map_with_path(spec, stacked)

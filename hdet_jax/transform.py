@@ -294,17 +294,18 @@ def _check_update_args(plan: Plan, updates, params, value, sync, score) -> None:
 
 
 def state_shardings(state: HDETState, mesh: jax.sharding.Mesh, replica_axis: str = 'data',
-                    inner_axis: str | None = 'fsdp') -> HDETState:
-  """Per-leaf shardings of a stacked :class:`HDETState` on a 2-D mesh (see ``group_shardings``).
+                    inner_axis: str | None = 'fsdp', **tensor) -> HDETState:
+  """Per-leaf shardings of a stacked :class:`HDETState` on a mesh of replica groups (see ``group_shardings``).
 
-  The wrapped optimizer's state (Adam's moments: the parameters' shapes) is sharded over
-  ``inner_axis`` like the parameters; HDET's own fields (a count, ``[G, N]`` values, the
-  controller's few numbers) stay whole on every device of their group, where every device
-  reads them each step.
+  The wrapped optimizer's state (Adam's moments: the parameters' shapes, and paths that end with the
+  parameters') is sharded over ``inner_axis``, and by the tensor-parallel rules in ``tensor``
+  (``tensor_axis=``, ``tensor_rules=``), like the parameters; HDET's own fields (a count, ``[G, N]``
+  values, the controller's few numbers) stay whole on every device of their group, where every
+  device reads them each step.
   """
   whole = replicas.group_shardings(state, mesh, replica_axis, None)
   return whole._replace(
-      inner_state=replicas.group_shardings(state.inner_state, mesh, replica_axis, inner_axis))
+      inner_state=replicas.group_shardings(state.inner_state, mesh, replica_axis, inner_axis, **tensor))
 
 
 def replica_value(state: HDETState, index: int, replica_axis: str = 'data') -> jax.Array:

@@ -59,12 +59,14 @@ def make_tx(groups, sync_every=2, optimizer=optax.adam, **kw):
                 replica_axis=AX, exact_sync=True, **kw)
 
 
-def setup(tx, mesh, shared=True, sync=None, loss_fn=loss_fn, params=None):
-  """(params, opt_state, jitted step, data sharding) laid out by group_shardings on ``mesh``."""
+def setup(tx, mesh, shared=True, sync=None, loss_fn=loss_fn, params=None, rules=()):
+  """(params, opt_state, jitted step, data sharding) laid out by group_shardings on ``mesh``
+  (``rules``: tensor-parallel rules for a ``'tensor'`` axis)."""
   groups = mesh.shape[AX]
   params = H.stack_replicas(init_params() if params is None else params, groups)
   state = jax.jit(jax.vmap(tx.init))(params)
-  psh, ssh = H.group_shardings(params, mesh, AX), H.state_shardings(state, mesh, AX)
+  psh = H.group_shardings(params, mesh, AX, tensor_rules=rules)
+  ssh = H.state_shardings(state, mesh, AX, tensor_rules=rules)
   def step(p, s, batch):
     loss, g = jax.value_and_grad(loss_fn)(p, *batch)  # a group's mean: XLA reduces over 'fsdp'
     if shared:
@@ -132,6 +134,58 @@ def test_layout_keeps_shardings_and_bytes_and_equals_1d_on_group_batches(groups,
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-6, atol=1e-7)
   for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((ref_params, ref_state))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-7)
+
+
+# Megatron-style MLP: w1 column-parallel (its hidden outputs split), w2 row-parallel (its hidden inputs).
+MLP_RULES = ((r'w1$', -1), (r'b1$', -1), (r'w2$', 0))
+
+
+@pytest.mark.parametrize('groups,fsdp,tensor', [(4, 1, 2), (2, 2, 2)])
+def test_tensor_parallel_groups_keep_their_layout_and_equal_1d(groups, fsdp, tensor):
+  """Tensor parallelism inside a group (with FSDP beside it on 2x2x2): the rules split w1's and b1's
+  hidden dim and w2's over 'tensor', FSDP takes the largest other dim; every step keeps those shardings
+  and the per-device bytes; the numbers equal a 1-D run whose replica r sees group r's whole batch."""
+  axes = (AX,) + ((INNER,) if fsdp > 1 else ()) + ('tensor',)
+  shape = (groups,) + ((fsdp,) if fsdp > 1 else ()) + (tensor,)
+  mesh = Mesh(np.asarray(jax.devices()[:groups * fsdp * tensor]).reshape(shape), axes)
+  tx, data = make_tx(groups, auto_lr=None), batches(groups, 4)  # syncs after steps 1 and 3
+  params0 = H.stack_replicas(init_params(), groups)
+  want = H.group_shardings(params0, mesh, AX, tensor_rules=MLP_RULES)
+  f = INNER if fsdp > 1 else None
+  # w1 [R, 16, 8]: hidden (8) over 'tensor', the input dim (16) over 'fsdp'; w2 [R, 8, 4]: hidden
+  # over 'tensor', its output (4) over 'fsdp'; b1 [R, 8] over 'tensor'; b2 [R, 4] over 'fsdp'.
+  assert {k: want[k].spec for k in ('w1', 'b1', 'w2', 'b2', 's')} == {
+      'w1': P(AX, f, 'tensor'), 'b1': P(AX, 'tensor'), 'w2': P(AX, 'tensor', f) if f else P(AX, 'tensor'),
+      'b2': P(AX, f) if f else P(AX), 's': P(AX)}
+  split = {'w1': fsdp * tensor, 'b1': tensor, 'w2': fsdp * tensor, 'b2': fsdp, 's': 1}
+  def check(i, before, params, state):
+    for k, leaf in params.items():
+      assert leaf.sharding.is_equivalent_to(want[k], leaf.ndim), (k, i, leaf.sharding)
+      assert {s.data.nbytes for s in leaf.addressable_shards} == {leaf.nbytes // groups // split[k]}, (k, i)
+    mu = state.inner_state[0].mu  # Adam's moments follow their parameters' rules
+    assert mu['w1'].sharding.is_equivalent_to(want['w1'], 3) and mu['w2'].sharding.is_equivalent_to(want['w2'], 3)
+  params, state, losses = train(tx, mesh, data, check=check, rules=MLP_RULES)
+  ref_params, ref_state, ref_losses = train(tx, mesh1d(groups), data)
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-6, atol=1e-7)
+  for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((ref_params, ref_state))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-7)
+
+
+def test_tensor_rule_that_does_not_divide_is_one_clear_error():
+  mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), (AX, 'tensor'))
+  params = H.stack_replicas(init_params(), 2)
+  # A rule on w2's last dim (4 outputs over 4 devices) splits w2 alone.
+  got = H.group_shardings(params, mesh, AX, tensor_rules=((r'w2$', -1),))
+  assert (got['w2'].spec, got['b1'].spec) == (P(AX, None, 'tensor'), P(AX))
+  # FSDP rules pick FSDP's dimension (default: the largest), or keep a leaf whole (None).
+  mesh3 = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), (AX, INNER, 'tensor'))
+  got = H.group_shardings(params, mesh3, AX, tensor_rules=MLP_RULES, fsdp_rules=((r'w2$', None), (r'w1$', 1)))
+  assert (got['w1'].spec, got['w2'].spec, got['b2'].spec) == (P(AX, None, 'tensor'), P(AX, 'tensor'), P(AX, INNER))
+  got = H.group_shardings(params, mesh3, AX, fsdp_rules=((r'w1$', 1),))
+  assert (got['w1'].spec, got['w2'].spec) == (P(AX, None, INNER), P(AX, INNER))
+  with pytest.raises(ValueError, match=r"rule \('b\$', 0\) matches 'b' of shape \(6,\), whose dimension 0 is not "
+                                       r"split evenly by the tensor axis of size 4"):
+    H.group_shardings({'b': jnp.zeros((2, 6))}, mesh, AX, tensor_rules=((r'b$', 0),))
 
 
 @pytest.mark.parametrize('groups,size', [(4, 2), (2, 4)])

@@ -1,5 +1,6 @@
-"""The trainer on 2-D meshes (--config.mesh.fsdp=F): its step programs keep the FSDP layout, a group
-size of 1 equals the 1-D trainer bit for bit, the low-communication switch removes the gradient
+"""The trainer on grouped meshes (--config.mesh.fsdp=F, --config.mesh.tensor=K): its step programs keep
+the FSDP and tensor-parallel layout, a group size of 1 equals the 1-D trainer bit for bit, FSDP x tensor
+groups equal it to float rounding, the low-communication switch removes the gradient
 all-reduce across groups, and a 2-D run resumes bit for bit (opt-in: HDET_SLOW_TESTS=1)."""
 
 import os
@@ -7,7 +8,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from hdet_jax import comm
 from hdet_jax.trainer import config_lib, train_and_evaluate
@@ -69,6 +70,32 @@ def test_4x2_trainer_programs_keep_the_layout():
   assert {s.data.nbytes for s in w.addressable_shards} == {w.nbytes // 8}  # one group's copy, halved
 
 
+def test_tensor_parallel_and_fsdp_groups_equal_the_1d_trainer():
+  """2 groups of 2 (FSDP) x 2 (tensor parallel) through the trainer's programs against the 1-D trainer
+  on 2 devices (replica r sees group r's whole batch): the same losses and parameters to float rounding,
+  the attention and MLP kernels split over 'tensor' by model.TENSOR_RULES (run_steps checks that the
+  layout holds after every program). The exception is the key bias, q.k-invariant under softmax: its
+  gradient is rounding noise on both paths, which Adam's normalised step turns into LR-sized moves."""
+  config = tiny(**{'hdet.score': 'window', 'hdet.sync_every': 2})
+  steps = 3  # across the sync after step 1
+  one_d = run_steps(config, ts.make_mesh(2), 2, steps)
+  grouped = run_steps(config, ts.make_mesh(2, 2, 2), 2, steps)
+  np.testing.assert_allclose(grouped[2], one_d[2], rtol=1e-6)
+  d = config.model.d_model
+  flat = jax.tree_util.tree_flatten_with_path(grouped[0])[0]
+  for (path, a), b in zip(flat, jax.tree.leaves(one_d[0])):
+    name = '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
+    a, b = np.asarray(a), np.asarray(b)
+    if name.endswith('attn/qkv/bias'):
+      a, b = np.delete(a, np.s_[d:2 * d], -1), np.delete(b, np.s_[d:2 * d], -1)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+  specs = {'/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in p): x.sharding.spec for p, x in flat}
+  assert specs['blocks/0/fc1/kernel'] == P('data', 'fsdp', 'tensor')  # column-parallel: outputs split
+  assert specs['blocks/0/fc2/kernel'] == P('data', 'tensor', 'fsdp')  # row-parallel: inputs split
+  assert specs['blocks/0/ln1/scale'] == P('data', 'fsdp')  # no tensor rule: FSDP alone
+  assert specs['embed/embedding'] == P('data')  # model.FSDP_RULES: whole beside a tensor axis
+
+
 def test_low_communication_switch_removes_the_gradient_all_reduce_across_groups():
   """The trainer's step on 4x2 with hdet.low_communication sends nothing across groups but the
   metrics' scalars (the shared mode's step sends the gradient: results/mesh2d.md, and the core's
@@ -90,20 +117,25 @@ def test_bad_mesh_config_is_one_clear_error(tmp_path):
     train_and_evaluate(tiny(**{'mesh.fsdp': 8}), str(tmp_path / 'a'))
   with pytest.raises(config_lib.ConfigError, match='mesh.replicas=8 x mesh.fsdp=2 needs 16 devices'):
     train_and_evaluate(tiny(**{'mesh.fsdp': 2, 'mesh.replicas': 8}), str(tmp_path / 'b'))
+  with pytest.raises(config_lib.ConfigError, match='mesh.replicas=4 x mesh.fsdp=1 x mesh.tensor=4 needs 16'):
+    train_and_evaluate(tiny(**{'mesh.tensor': 4, 'mesh.replicas': 4}), str(tmp_path / 'c'))
+  with pytest.raises(config_lib.ConfigError, match=r"mesh.tensor=3: tensor-parallel rule .* matches 'blocks/0/attn/out/kernel'"):
+    train_and_evaluate(tiny(**{'mesh.tensor': 3, 'mesh.replicas': 2}), str(tmp_path / 'd'))
+  assert not os.listdir(tmp_path)  # nothing was created
 
 
 @pytest.mark.skipif(not os.environ.get('HDET_SLOW_TESTS'), reason='about a minute: set HDET_SLOW_TESTS=1')
-@pytest.mark.parametrize('low', [False, True])
-def test_2d_run_resumes_bit_exact(tmp_path, low):
-  """4x2, stopped at step 12 (mid fan-out: syncs after steps 8 and 16, the controller from 8) and resumed to 16: bit for bit
-  the straight run, checkpoint and metrics."""
+@pytest.mark.parametrize('low,tensor', [(False, 1), (True, 1), (False, 2)])
+def test_2d_run_resumes_bit_exact(tmp_path, low, tensor):
+  """4x2 (tensor=2: 2 groups of 2 FSDP x 2 tensor-parallel), stopped at step 12 (mid fan-out: syncs after
+  steps 8 and 16, the controller from 8) and resumed to 16: bit for bit the straight run, checkpoint and metrics."""
   import orbax.checkpoint as ocp
   def saved(workdir):  # the final checkpoint's state and averaged model, as plain arrays
     path = os.path.join(workdir, 'checkpoints', '16')
     with ocp.StandardCheckpointer() as ckptr:
       return [np.asarray(x) for item in ('state', 'avg_params')
               for x in jax.tree.leaves(ckptr.restore(os.path.join(path, item)))]
-  over = {'mesh.fsdp': 2, 'num_train_steps': 16, 'hdet.warmup_steps': 4, 'plots': False, 'hdet.low_communication': low,
+  over = {'mesh.fsdp': 2, 'mesh.tensor': tensor, 'num_train_steps': 16, 'hdet.warmup_steps': 4, 'plots': False, 'hdet.low_communication': low,
           'hdet.average_opt_state': low}
   straight = str(tmp_path / 'straight')
   train_and_evaluate(tiny(**over), straight)

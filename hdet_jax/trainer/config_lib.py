@@ -22,8 +22,8 @@ RUN_FIELDS = frozenset({
 
 # Fields added after runs were already on disk, left out of a run's recorded training fields while at
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
-QUIET_DEFAULTS = {'mesh.replicas': 0, 'mesh.fsdp': 1, 'hdet.low_communication': False,
-                  'hdet.average_opt_state': False}
+QUIET_DEFAULTS = {'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
+                  'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0}
 
 
 class ConfigError(ValueError):
@@ -129,7 +129,8 @@ _RULES = (
     ('optim.label_smoothing', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
     ('hdet.num_replicas', 'int', lambda v: v >= 0, 'an integer >= 0 (0: all devices)'),
     ('mesh.replicas', 'int', lambda v: v >= 0, 'an integer >= 0 (0: devices / mesh.fsdp)'),
-    ('mesh.fsdp', 'int', lambda v: v >= 1, 'an integer >= 1 (1: a 1-D mesh, one replica per device)'),
+    ('mesh.fsdp', 'int', lambda v: v >= 1, 'an integer >= 1 (1: no FSDP inside a group)'),
+    ('mesh.tensor', 'int', lambda v: v >= 1, 'an integer >= 1 (1: no tensor parallelism inside a group)'),
     ('hdet.spread', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
     ('hdet.sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: never)'),
     ('hdet.warmup_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),

@@ -18,6 +18,26 @@ from flax import nnx
 
 VOCAB_SIZE = 256  # bytes
 
+# Tensor parallelism inside a replica group (mesh.tensor > 1), Megatron-style: (regex on a parameter's
+# path, the dimension split over the 'tensor' axis). Column-parallel layers (qkv, fc1) split their
+# output features, row-parallel ones (out, fc2) their input features, so each pair needs one
+# all-reduce of activations in the forward pass. The qkv split is contiguous in the (q, k, v) x heads
+# layout, not aligned to heads, so the partitioner adds a small reshuffle of q, k, v around
+# attention (counted in results/mesh2d.md). Embeddings, positions and norms stay whole.
+TENSOR_RULES = (
+    (r'attn/qkv/(kernel|bias)$', -1),
+    (r'attn/out/kernel$', 0),
+    (r'fc1/(kernel|bias)$', -1),
+    (r'fc2/kernel$', 0),
+)
+# FSDP inside a group shards each leaf's largest dimension. With a 'tensor' axis beside it, these leaves
+# are kept whole over 'fsdp' instead (dimension None): with the byte embedding's rows (or features)
+# split over 'fsdp', XLA's partitioner fails a check ("ExpandDeviceGroupsWithIota") on the lookup's
+# gather. The table is small (256 x d_model).
+FSDP_RULES = (
+    (r'embed/embedding$', None),
+)
+
 
 def dropout(x: jax.Array, rate: jax.Array | float, key: jax.Array | None) -> jax.Array:
   """Inverted dropout with a (possibly traced, per-replica) rate; identity without a key."""
@@ -100,6 +120,15 @@ def split_model(model_config: Any, seq_len: int, key: jax.Array) -> tuple[nnx.Gr
   """(graphdef, parameters as a pure dict); jit this for a fast init."""
   graphdef, params = nnx.split(make_model(model_config, seq_len, key), nnx.Param)
   return graphdef, nnx.to_pure_dict(params)
+
+
+def check_tensor_parallel(model_config: Any, seq_len: int, tensor: int) -> None:
+  """Raises ValueError unless every dimension :data:`TENSOR_RULES` splits divides by ``tensor``."""
+  from hdet_jax.replicas import tensor_dim
+  from hdet_jax.param_groups import path_string
+  _, shapes = abstract_model(model_config, seq_len)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    tensor_dim(path_string(path), (1,) + tuple(leaf.shape), TENSOR_RULES, tensor)
 
 
 def abstract_model(model_config: Any, seq_len: int) -> tuple[nnx.GraphDef, dict]:

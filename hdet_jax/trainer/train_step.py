@@ -5,10 +5,12 @@ of size N, sharded ``P('data')`` over a one-axis mesh. The training step exists 
 programs, with and without the sync (``sync`` is static), which the Python loop dispatches by
 step number; both donate the parameters and the optimizer state.
 
-With ``mesh.fsdp = F > 1`` the mesh is 2-D, ``('data', 'fsdp')`` of N x F devices: a replica is
-a group of F devices, the replica axis is still ``'data'``, and inside each group the parameters,
-the optimizer's moments and the batch are sharded over ``'fsdp'`` (:func:`layout`); the programs
-pin those shardings on their outputs, so they hold across sync and non-sync steps.
+With ``mesh.fsdp = F > 1`` and/or ``mesh.tensor = K > 1`` the mesh is ``('data', 'fsdp', 'tensor')``
+of N x F x K devices (size-1 axes left out): a replica is a group of F x K devices, the replica axis
+is still ``'data'``, and inside each group the parameters, the optimizer's moments and the batch are
+sharded over ``'fsdp'``, and the attention and MLP kernels (and their moments) split over ``'tensor'``
+by :data:`model.TENSOR_RULES` (:func:`layout`); the programs pin those shardings on their outputs, so
+they hold across sync and non-sync steps. XLA's partitioner adds the group's collectives.
 """
 
 from __future__ import annotations
@@ -27,37 +29,48 @@ from hdet_jax import replicas
 from hdet_jax.trainer import model as model_lib
 
 AXIS = 'data'
-INNER = 'fsdp'  # the axis inside a replica group (2-D meshes only)
+INNER = 'fsdp'  # the FSDP axis inside a replica group (grouped meshes only)
+TENSOR = 'tensor'  # the tensor-parallel axis inside a replica group (grouped meshes only)
 
 
-def make_mesh(num_replicas: int, fsdp: int = 1) -> Mesh:
-  """``('data',)`` over the first ``num_replicas`` devices, or with ``fsdp > 1`` ``('data', 'fsdp')``
-  over the first N x F: group r is devices r*F .. r*F+F-1 (neighbours, which share the fastest links
-  on real hardware, carry the every-step FSDP traffic). Auto axis types."""
-  if fsdp == 1:
-    return Mesh(np.asarray(jax.devices()[:num_replicas]), (AXIS,))
-  return Mesh(np.asarray(jax.devices()[:num_replicas * fsdp]).reshape(num_replicas, fsdp), (AXIS, INNER))
+def make_mesh(num_replicas: int, fsdp: int = 1, tensor: int = 1) -> Mesh:
+  """``('data',)`` over the first ``num_replicas`` devices, or with groups ``('data', 'fsdp', 'tensor')``
+  (axes of size 1 left out) over the first N x F x K: group r is devices r*F*K .. (r+1)*F*K-1,
+  neighbours, which share the fastest links on real hardware and carry the every-step traffic (the
+  tensor axis innermost: its all-reduces run in every layer). Auto axis types."""
+  sizes = [(a, k) for a, k in ((INNER, fsdp), (TENSOR, tensor)) if k > 1]
+  shape = (num_replicas,) + tuple(k for _, k in sizes)
+  devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+  return Mesh(devices, (AXIS,) + tuple(a for a, _ in sizes))
 
 
-def is_2d(mesh: Mesh) -> bool:
-  return INNER in mesh.shape
+def rules(mesh: Mesh) -> dict:
+  """group_shardings' rules on ``mesh``: the model's tensor-parallel rules, and its FSDP exceptions
+  where the group also has a tensor axis (FSDP alone keeps its largest-dimension default)."""
+  return dict(tensor_rules=model_lib.TENSOR_RULES, fsdp_rules=model_lib.FSDP_RULES if TENSOR in mesh.shape else ())
+
+
+def grouped(mesh: Mesh) -> bool:
+  """Whether a replica is a group of devices (the mesh has axes besides the replica axis)."""
+  return len(mesh.axis_names) > 1
 
 
 def layout(mesh: Mesh, params: Any, opt_state: Any) -> tuple[Any, Any] | None:
   """(parameter shardings, optimizer-state shardings) per leaf on a 2-D mesh; None on a 1-D one,
   where the programs keep the plain ``P('data')`` layout (and compile exactly as before).
   ``params`` and ``opt_state`` are stacked trees of arrays or shapes."""
-  if not is_2d(mesh):
+  if not grouped(mesh):
     return None
-  return H.group_shardings(params, mesh, AXIS, INNER), H.state_shardings(opt_state, mesh, AXIS, INNER)
+  return (H.group_shardings(params, mesh, AXIS, INNER, **rules(mesh)),
+          H.state_shardings(opt_state, mesh, AXIS, INNER, **rules(mesh)))
 
 
 def param_layout(mesh: Mesh, abstract_params: Any, num_replicas: int) -> Any:
   """The stacked parameters' shardings given one replica's shapes (a prefix ``P('data')`` on 1-D meshes)."""
-  if not is_2d(mesh):
+  if not grouped(mesh):
     return replica_sharding(mesh)
   stacked = jax.eval_shape(lambda p: H.stack_replicas(p, num_replicas), abstract_params)
-  return H.group_shardings(stacked, mesh, AXIS, INNER)
+  return H.group_shardings(stacked, mesh, AXIS, INNER, **rules(mesh))
 
 
 def with_layout(mesh: Mesh, abstract: dict) -> dict:
@@ -192,17 +205,18 @@ def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_rep
     stacked = H.stack_replicas(params, num_replicas)
     return stacked, jax.vmap(tx.init)(stacked)
   shardings = replica_sharding(mesh)
-  if is_2d(mesh):  # each group's copy is born sharded over 'fsdp': never whole on one device
+  if grouped(mesh):  # each group's copy is born sharded over 'fsdp': never whole on one device
     shardings = layout(mesh, *jax.eval_shape(init, jax.random.key(0)))
   return jax.jit(init, out_shardings=shardings)
 
 
 def make_opt_init(tx: optax.GradientTransformation, mesh: Mesh) -> Callable:
   """Jitted ``stacked params -> opt_state`` (for a warm start)."""
-  if not is_2d(mesh):
+  if not grouped(mesh):
     return jax.jit(jax.vmap(tx.init), out_shardings=replica_sharding(mesh))
   def opt_init(params):
-    shardings = H.state_shardings(jax.eval_shape(jax.vmap(tx.init), params), mesh, AXIS, INNER)
+    shardings = H.state_shardings(jax.eval_shape(jax.vmap(tx.init), params), mesh, AXIS, INNER,
+                                  **rules(mesh))
     return jax.jit(jax.vmap(tx.init), out_shardings=shardings)(params)
   return opt_init
 
@@ -403,10 +417,11 @@ def make_eval_step(graphdef: Any, mesh: Mesh) -> Callable:
 def make_average(mesh: Mesh, params: Any = None) -> Callable:
   """Jitted exact replica average (the ensemble's model), replicated on every device; on a 2-D mesh
   (give the stacked ``params``) still sharded over 'fsdp' as each group's copy is, never whole."""
-  if not is_2d(mesh):
+  if not grouped(mesh):
     return jax.jit(H.average_replicas, out_shardings=replicated(mesh))
   inner = lambda sh: NamedSharding(mesh, P(*sh.spec[1:]))
-  return jax.jit(H.average_replicas, out_shardings=jax.tree.map(inner, H.group_shardings(params, mesh, AXIS, INNER)))
+  shardings = H.group_shardings(params, mesh, AXIS, INNER, **rules(mesh))
+  return jax.jit(H.average_replicas, out_shardings=jax.tree.map(inner, shardings))
 
 
 def put_stacked(x: np.ndarray, mesh: Mesh, batch_dim: int | None = None) -> jax.Array:
@@ -414,7 +429,7 @@ def put_stacked(x: np.ndarray, mesh: Mesh, batch_dim: int | None = None) -> jax.
   on a 2-D mesh its ``batch_dim`` is also split over 'fsdp' (each device of a group gets its share
   of the group's windows) when the group's size divides it."""
   sharding = replica_sharding(mesh)
-  if is_2d(mesh) and batch_dim is not None and x.shape[batch_dim] % mesh.shape[INNER] == 0:
+  if INNER in mesh.shape and batch_dim is not None and x.shape[batch_dim] % mesh.shape[INNER] == 0:
     sharding = NamedSharding(mesh, P(AXIS, *[None] * (batch_dim - 1), INNER))
   if jax.process_count() == 1:
     return jax.device_put(x, sharding)

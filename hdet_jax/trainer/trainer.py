@@ -61,10 +61,10 @@ def setup_jax(config: Any, *, coordinator_address: str | None = None, num_proces
 
 
 def _resolve_replicas(config: Any) -> int:
-  """N, the replicas (device groups of ``mesh.fsdp`` devices each on a 2-D mesh)."""
-  devices, fsdp = jax.device_count(), _fsdp(config)
-  if fsdp > 1:
-    return _resolve_groups(config, devices, fsdp)
+  """N, the replicas (device groups of ``mesh.fsdp`` x ``mesh.tensor`` devices each on a grouped mesh)."""
+  devices, fsdp, tensor = jax.device_count(), _fsdp(config), _tensor(config)
+  if fsdp * tensor > 1:
+    return _resolve_groups(config, devices, fsdp, tensor)
   n = config.hdet.num_replicas or devices
   if n > devices:
     raise ConfigError(
@@ -81,20 +81,30 @@ def _fsdp(config: Any) -> int:
   return int(config.get('mesh', {}).get('fsdp', 1))
 
 
-def _resolve_groups(config: Any, devices: int, fsdp: int) -> int:
-  """N on a 2-D mesh: ``mesh.replicas`` (0: every device in some group), checked against the devices."""
-  n = config.mesh.replicas or config.hdet.num_replicas or devices // fsdp
+def _tensor(config: Any) -> int:
+  return int(config.get('mesh', {}).get('tensor', 1))
+
+
+def _resolve_groups(config: Any, devices: int, fsdp: int, tensor: int) -> int:
+  """N on a grouped mesh: ``mesh.replicas`` (0: every device in some group), checked against the devices."""
+  size = fsdp * tensor
+  n = config.mesh.replicas or config.hdet.num_replicas or devices // size
   if config.hdet.num_replicas and config.hdet.num_replicas != n:
     raise ConfigError(f'hdet.num_replicas={config.hdet.num_replicas} but mesh.replicas={n}: set one of them '
-                      '(on a 2-D mesh, mesh.replicas; hdet.num_replicas=0).')
-  if n * fsdp > devices or (jax.process_count() > 1 and n * fsdp != devices):
+                      '(on a grouped mesh, mesh.replicas; hdet.num_replicas=0).')
+  shape = f'mesh.replicas={n} x mesh.fsdp={fsdp}' + (f' x mesh.tensor={tensor}' if tensor > 1 else '')
+  if n * size > devices or (jax.process_count() > 1 and n * size != devices):
     raise ConfigError(
-        f'mesh.replicas={n} x mesh.fsdp={fsdp} needs {n * fsdp} devices, {devices} are visible'
+        f'{shape} needs {n * size} devices, {devices} are visible'
         f'{" (with several processes it must use them all)" if jax.process_count() > 1 else ""}: '
-        f'set mesh.replicas=0 (all devices) or run on {n * fsdp} devices (on CPU: JAX_NUM_CPU_DEVICES).')
+        f'set mesh.replicas=0 (all devices) or run on {n * size} devices (on CPU: JAX_NUM_CPU_DEVICES).')
   if config.data.batch_size % fsdp:
     raise ConfigError(f'data.batch_size={config.data.batch_size} (windows per replica group) must be divisible by '
                       f'mesh.fsdp={fsdp}, which splits them over the group\'s devices.')
+  try:
+    model_lib.check_tensor_parallel(config.model, config.data.seq_len, tensor)
+  except ValueError as e:
+    raise ConfigError(f'mesh.tensor={tensor}: {e}') from None
   return n
 
 
@@ -288,7 +298,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     loop = _initial_state(config, inputs, records)
     programs = _compile(config, inputs, records, loop)
     setup_s = time.time() - t0
-    group = f' (groups of {_fsdp(config)}, mesh {dict(records.mesh.shape)})' if _fsdp(config) > 1 else ''
+    size = _fsdp(config) * _tensor(config)
+    group = f' (groups of {size}, mesh {dict(records.mesh.shape)})' if size > 1 else ''
     records.log(f'{inputs.n} replicas{group} on {jax.device_count()} {jax.devices()[0].platform} devices '
                 f'({jax.process_count()} process(es)); model {model_lib.num_params(inputs.abstract_params):,} '
                 f'parameters; {len(inputs.train_bytes):,} train / {len(inputs.val_bytes):,} validation bytes; '
@@ -339,7 +350,7 @@ def _open_records(config: Any, inputs: _Inputs) -> _Records:
   if lead and not os.path.exists(config_path):
     _write_json_atomic(config_path, {'training_fields': inputs.fields, 'config': json.loads(config.to_json())},
                        indent=1)
-  mesh = ts.make_mesh(inputs.n, _fsdp(config))
+  mesh = ts.make_mesh(inputs.n, _fsdp(config), _tensor(config))
   ckpt = checkpoints.Checkpointer(inputs.workdir, config.max_checkpoints)
   # TensorBoard event files beside metrics.jsonl, on unless the config sets tensorboard=False.
   writer = metrics_lib.MetricsWriter(os.path.join(inputs.workdir, 'metrics.jsonl'), enabled=lead,
