@@ -3,9 +3,12 @@
 The main job: HDET (LR spread, periodic averaging, auto-LR) from scratch on a small byte-level
 transformer and the King James Bible, 8 replicas (8 simulated CPU devices on a CPU-only machine).
 About 2-3 minutes on a 2-core CPU, compile included. Its controller is the one that did best across
-three starts in results/autolr.md ('fit': a line search on a common batch, one LR scale learnt during
-the warmup); the paper's (eqs. 4-9) is --config.hdet.controller=paper --config.hdet.score=window
---config.hdet.warmup_steps=750 --config.hdet.stop_fraction=1 --config.hdet.param_groups=True.
+three starts and two optimizers in results/autolr.md ('fit_lr_T100_cautious': a line search on a common
+batch every 100 steps, one LR scale learnt during the warmup, starting at a tenth of optim.max_lr, so
+give max_lr as the high end of your guess). The paper's (eqs. 4-9) is --config.hdet.controller=paper
+--config.hdet.score=window --config.hdet.warmup_steps=750 --config.hdet.stop_fraction=1
+--config.hdet.param_groups=True --config.hdet.sync_every=25 --config.hdet.initial_scale=1
+--config.optim.max_lr=3e-3.
 
 Every field can be overridden from the command line, e.g. ``--config.hdet.spread=0.2``.
 """
@@ -43,7 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
   # 'mechanize_adam', 'schedule_free_adamw' (evaluated at its eval params), 'adam_plateau'
   # (adam + reduce_on_plateau on the training loss), each at its documented defaults.
   config.optim.name = 'adamw'
-  config.optim.max_lr = 3e-3  # Peak of the one-cycle base schedule (the mean replica's LR).
+  # Peak of the one-cycle base schedule (the mean replica's LR). With auto-LR ('fit') the run starts at
+  # hdet.initial_scale times it and the controller raises it: give the high end of your guess (the
+  # line search can raise a too-low LR, it cannot see a too-high one's damage coming).
+  config.optim.max_lr = 3e-2
   config.optim.schedule = 'one_cycle'  # 'one_cycle' (the fields below) or 'constant' (max_lr throughout).
   config.optim.pct_start = 0.3  # Fraction of the steps spent warming the LR up to max_lr.
   config.optim.div_factor = 25.0  # The schedule starts at max_lr / div_factor.
@@ -57,7 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet = ml_collections.ConfigDict()
   config.hdet.num_replicas = 0  # N, one replica per device; 0: all devices (must equal the device count with several processes).
   config.hdet.spread = 0.25  # alpha of eq. 1: the replicas' LRs span base * [1 - alpha, 1 + alpha]; 0: plain data parallel.
-  config.hdet.sync_every = 25  # T: average the replicas (eq. 3) every T steps; 0: never (plain data parallel).
+  config.hdet.sync_every = 100  # T: average the replicas (eq. 3) every T steps; 0: never (plain data parallel).
   config.hdet.auto_lr = True  # The auto-LR controller moves the base LR at each sync after the warmup.
   # Which controller (hdet_jax.controller): 'paper' (eqs. 4-9: softmax weights, additive step, geometric
   # decay replacing the schedule) or 'fit' (a quadratic line search along the replicas' line that scales
@@ -76,9 +82,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.lr_of_lr = 0.5  # lambda of eq. 7: the step size of the base-LR update.
   config.hdet.momentum = 0.9  # beta of eq. 7: the momentum of the base-LR velocity.
   config.hdet.overshoot = 1.0  # 'fit': kappa, aim at this multiple of the fitted best step scale (>= 1).
-  config.hdet.trust = 0.25  # 'fit': the largest change of log(LR correction) per sync (0.25: x1.28).
+  config.hdet.trust = 1.0  # 'fit': the largest change of log(LR correction) per sync (1.0: x2.7).
   config.hdet.memory = 0.5  # 'fit': forgetting factor of the line-search regression across syncs.
-  config.hdet.initial_scale = 1.0  # 'fit': the run starts at this multiple of the LR schedule (<1: a cautious start the controller must raise).
+  config.hdet.initial_scale = 0.1  # 'fit': the run starts at this multiple of the LR schedule (<1: a cautious start the controller must raise).
   config.hdet.smooth_decay = True  # Decay the base LR continuously within a window (False: hold it, as the reference does).
   # Per-group LRs (the paper's §3.4): embedding (byte embedding, positions), no_decay (biases, norm
   # scales) and weights (attention/MLP kernels), chosen by regex on parameter paths

@@ -25,6 +25,8 @@ def get_config():
   config.hdet.controller = 'paper'  # eqs. 4-9.
   config.hdet.score = 'window'  # Replicas compared on their window's training losses.
   config.hdet.stop_fraction = 1.0  # The controller runs to the end.
+  config.hdet.sync_every = 25  # T: average every 25 steps (the protocol Table 1 measures).
+  config.hdet.initial_scale = 1.0  # The schedule as given (the paper's controller replaces it).
   config.hdet.param_groups = True  # Per-group LRs: embedding, no_decay, weights.
   config.init_from = 'workdirs/baseline_low'  # Warm noisy start from this workdir's latest checkpoint (eq. 10).
   return config

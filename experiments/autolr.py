@@ -49,11 +49,15 @@ STARTS = {'low': 0.1, 'best': 1.0, 'high': 10.0}  # HDET's peak LR as a multiple
 SEEDS = (0, 1, 2)
 PEERS = ('prodigy', 'dog', 'dadapt_adamw', 'mechanize_adam', 'schedule_free_adamw', 'adam_plateau')
 # Controller variants: the trainer's hdet.* settings of each. Warmup and stop are fractions of the run.
+# Every variant pins the fields the main job's defaults have changed since it was measured (T, the
+# first scale), so its records stay the runs they describe.
+_PINNED = {'hdet.sync_every': 25, 'hdet.initial_scale': 1.0}
 _FIT = {'hdet.controller': 'fit', 'hdet.overshoot': 1.5, 'hdet.trust': 0.25, 'hdet.memory': 0.5,
-        'warmup': 0.0, 'hdet.stop_fraction': 0.7}
+        'warmup': 0.0, 'hdet.stop_fraction': 0.7, **_PINNED}
 VARIANT_SETTINGS = {
-    'paper': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0},
-    'paper_common': {'hdet.controller': 'paper', 'hdet.score': 'common', 'warmup': 0.5, 'hdet.stop_fraction': 1.0},
+    'paper': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0, **_PINNED},
+    'paper_common': {'hdet.controller': 'paper', 'hdet.score': 'common', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
+                     **_PINNED},
     'fit_window': {**_FIT, 'hdet.score': 'window'},
     'fit_common': {**_FIT, 'hdet.score': 'common'},
     'fit_common_k1': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0},
@@ -77,10 +81,10 @@ VARIANT_SETTINGS = {
                              'hdet.param_groups': False, 'hdet.sync_every': 100, 'hdet.trust': 1.0,
                              'hdet.initial_scale': 0.1},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
-                 'hdet.param_groups': False},
+                 'hdet.param_groups': False, **_PINNED},
 }
-VARIANTS = ('fit_lr', 'paper', 'fit_lr_T100')  # run by default (the others were screened on one seed)
-DEFAULT_VARIANT = 'fit_lr'  # the variant reported as HDET's: the main job's controller (configs/default.py)
+VARIANTS = ('fit_lr', 'paper', 'fit_lr_T100', 'fit_lr_T100_cautious')  # run by default (the others: screened on one seed)
+DEFAULT_VARIANT = 'fit_lr_T100_cautious'  # the variant reported as HDET's: the main job's controller (configs/default.py)
 # The LR-free methods at their documented LR: the trainer's one-cycle shape peaking at it where the docs
 # recommend a schedule (prodigy, dog, D-Adaptation, Mechanic), constant for schedule-free. reduce_on_plateau
 # can only lower an LR, so adam_plateau starts from the 'high' start (10x the grid's best).
@@ -323,7 +327,10 @@ def main(argv=None):
           for variant in args.variants.split(','):
             for start in args.starts.split(','):
               lr = best * STARTS[start]
-              go(hdet_name(optim, variant, start, seed), run_overrides('hdet', optim, lr, seed, steps, variant=variant))
+              o = run_overrides('hdet', optim, lr, seed, steps, variant=variant)
+              if args.quick:  # the smoke run's short windows (QUICK) replace the variant's T
+                o.pop('hdet.sync_every', None)
+              go(hdet_name(optim, variant, start, seed), o)
     if 'peers' in stages and optim == 'adamw' and best is not None:
       for seed in seeds:
         for peer in args.peers.split(','):

@@ -30,6 +30,9 @@ MODES = {
     'lowcomm_avg_opt': {'hdet.low_communication': True, 'hdet.average_opt_state': True},
 }
 LAYOUT = {'mesh.replicas': 4, 'mesh.fsdp': 2, 'data.batch_size': 16}  # 4 x 16 = the default's 8 x 8 windows
+# The main job's settings when this was measured (T=25, its controller then: fit_lr), pinned so the
+# records stay the runs they describe.
+MAIN_JOB_THEN = {'hdet.sync_every': 25, 'hdet.trust': 0.25, 'hdet.initial_scale': 1.0, 'optim.max_lr': 3e-3}
 
 
 def run_one(mode: str, seed: int, work_root: str, quick: bool) -> dict:
@@ -43,7 +46,8 @@ def run_one(mode: str, seed: int, work_root: str, quick: bool) -> dict:
     if not summary.get('stopped_early'):
       return summary
   config = config_lib.load_config_file(os.path.join(REPO, 'configs', 'tiny.py' if quick else 'default.py'))
-  overrides = {**LAYOUT, **MODES[mode], 'seed': seed, 'plots': False, 'progress_bar': False}
+  overrides = {**LAYOUT, **({} if quick else MAIN_JOB_THEN), **MODES[mode], 'seed': seed, 'plots': False,
+               'progress_bar': False}
   if quick:  # the tiny model's 4-window batch: 2 per device, and a run of two sync windows
     overrides.update({'data.batch_size': 4, 'num_train_steps': 16, 'hdet.warmup_steps': 4})
   return train_and_evaluate(config_lib.with_overrides(config, overrides), workdir)
