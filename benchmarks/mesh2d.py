@@ -1,15 +1,17 @@
-"""Replica groups on 2-D meshes: communication across the replica axis and per-device memory.
+"""Replica groups (FSDP and tensor parallel inside): communication across and inside groups, and memory.
 
     python -m benchmarks.mesh2d [--time STEPS] [--out results/mesh2d.md]
 
 On the trainer's default model and the trainer's own programs (``train_step.make_train_step`` and
-``make_window_end`` with the 2-D layout), for the layouts 8x1 (the 1-D mesh), 4x2 and 2x4 over 8
-devices, each with the same global batch (64 windows a step: data.batch_size = 64 / groups):
+``make_window_end`` with the groups' layout), for the layouts 8x1 (the 1-D mesh), 4x2 and 2x4 (FSDP
+inside a group), 4x1x2 (tensor parallel inside) and 2x2x2 (both) over 8 devices, each with the same
+global batch (64 windows a step: data.batch_size = 64 / groups) and the main job's model at T = 25:
 
 * bytes moved across the replica axis, per device, counted from the compiled HLO
   (``hdet_jax.comm``): the step program (every step) and the window end (every T steps), for the
   shared-gradient mode, the low-communication mode, and the latter with ``average_opt_state``;
-  per step = step + window end / T;
+  per step = step + window end / T; and the bytes of the collectives inside a group (FSDP's gathers
+  and scatters, tensor parallelism's activation all-reduces) in the step program;
 * per-device bytes of parameters + optimizer state (read from the arrays' shards), against plain
   FSDP over all 8 devices (optax.adamw, one copy) and the rule (P + O) x groups / devices;
 * HDET against plain FSDP data parallelism (optax.adamw on the all-reduced gradient, no HDET) on the
@@ -44,7 +46,7 @@ from hdet_jax.trainer import train_step as ts  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
 GLOBAL_WINDOWS = 64
-LAYOUTS = ((8, 1), (4, 2), (2, 4))
+LAYOUTS = ((8, 1, 1), (4, 2, 1), (2, 4, 1), (4, 1, 2), (2, 2, 2))  # (groups, fsdp, tensor)
 MODES = {  # name -> config overrides
     'shared gradient': {},
     'low-communication': {'hdet.low_communication': True},
@@ -54,13 +56,18 @@ MODES = {  # name -> config overrides
 
 def config_for(groups: int, overrides: dict):
   config = config_lib.load_config_file(os.path.join(REPO, 'configs', 'default.py'))
-  return config_lib.with_overrides(config, {'data.batch_size': GLOBAL_WINDOWS // groups, **overrides})
+  return config_lib.with_overrides(config, {'data.batch_size': GLOBAL_WINDOWS // groups, 'hdet.sync_every': 25,
+                                            **overrides})
 
 
-def build(groups: int, fsdp: int, overrides: dict):
+def label(groups: int, fsdp: int, tensor: int) -> str:
+  return f'{groups}x{fsdp}' + (f'x{tensor}' if tensor > 1 else '')
+
+
+def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   """(config, mesh, params, opt_state, step, window_end, data, probe): the trainer's programs, compiled."""
   config = config_for(groups, overrides)
-  mesh = ts.make_mesh(groups, fsdp)
+  mesh = ts.make_mesh(groups, fsdp, tensor)
   tx = ts.make_optimizer(config, groups)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = ts.make_init(config, tx, mesh, groups)(jax.random.key(0))
@@ -78,6 +85,12 @@ def build(groups: int, fsdp: int, overrides: dict):
 
 def replica_bytes(compiled, mesh) -> int:
   return comm.replica_axis_bytes(compiled.as_text(), tuple(mesh.devices.shape))
+
+
+def group_bytes(compiled, mesh) -> int:
+  """Per-device operand bytes of the collectives that stay inside one group."""
+  return sum(c.operand_bytes for c in comm.collectives(compiled.as_text(), tuple(mesh.devices.shape))
+             if not c.crosses_replicas)
 
 
 def device_bytes(tree) -> int:
@@ -111,22 +124,23 @@ def step_time(step, window_end, params, opt_state, data, probe, steps: int, sync
 
 
 def run(time_steps: int) -> list[str]:
-  lines = ['| layout | mode | step program (B/step) | window end (B/sync) | per step, T=25 | T=100 | T=1000 |'
-           + (' median step (s) |' if time_steps else ''),
-           '|---|---|---|---|---|---|---|' + ('---|' if time_steps else '')]
+  lines = ['| layout | mode | step program (B/step) | window end (B/sync) | per step, T=25 | T=100 | T=1000 '
+           '| inside a group, step program (B/step) |' + (' median step (s) |' if time_steps else ''),
+           '|---|---|---|---|---|---|---|---|' + ('---|' if time_steps else '')]
   memory = {}
-  for groups, fsdp in LAYOUTS:
+  for groups, fsdp, tensor in LAYOUTS:
     for mode, overrides in MODES.items():
-      config, mesh, params, opt_state, step, window_end, data, probe = build(groups, fsdp, overrides)
+      config, mesh, params, opt_state, step, window_end, data, probe = build(groups, fsdp, tensor, overrides)
       s, w = replica_bytes(step, mesh), replica_bytes(window_end, mesh)
       per = ' | '.join(f'{s + w / t:,.0f}' for t in (25, 100, 1000))
       if mode == 'shared gradient':  # (before timing, which donates the arrays)
-        memory[(groups, fsdp)] = (device_bytes((params, opt_state)), sum(x.nbytes for x in jax.tree.leaves(
+        memory[label(groups, fsdp, tensor)] = (device_bytes((params, opt_state)), sum(x.nbytes for x in jax.tree.leaves(
             (params, opt_state))) // groups)
       timing = ''
       if time_steps:
         timing = f' {step_time(step, window_end, params, opt_state, data, probe, time_steps, 25):.4f} |'
-      lines.append(f'| {groups}x{fsdp} | {mode} | {s:,} | {w:,} | {per} |{timing}')
+      lines.append(f'| {label(groups, fsdp, tensor)} | {mode} | {s:,} | {w:,} | {per} | {group_bytes(step, mesh):,} |'
+                   f'{timing}')
   return lines + [''] + memory_table(memory)
 
 
@@ -135,8 +149,9 @@ def memory_table(memory: dict) -> list[str]:
   lines = ['| layout | params + opt state per device (B) | one copy (P + O, B) | rule (P + O) x groups / 8 |',
            '|---|---|---|---|',
            f'| plain FSDP over 8 (adamw) | {fsdp_dev:,} | {fsdp_total:,} | {fsdp_total // DEVICES:,} |']
-  for (groups, fsdp), (dev, copy) in memory.items():
-    lines.append(f'| HDET {groups}x{fsdp} | {dev:,} | {copy:,} | {copy * groups // DEVICES:,} |')
+  for name, (dev, copy) in memory.items():
+    groups = int(name.split('x')[0])
+    lines.append(f'| HDET {name} | {dev:,} | {copy:,} | {copy * groups // DEVICES:,} |')
   return lines
 
 
@@ -153,10 +168,10 @@ def bare_step(graphdef, tx, hdet: bool, sync: bool):
   return step
 
 
-def compiled_pair(groups: int, fsdp: int, sync_every: int):
+def compiled_pair(groups: int, fsdp: int, tensor: int, sync_every: int):
   """{'plain', 'nosync', 'sync'}: (compiled program, args) of bare steps on the layout."""
   config = config_for(groups, {'hdet.sync_every': sync_every, 'hdet.score': 'window'})
-  mesh = ts.make_mesh(groups, fsdp)
+  mesh = ts.make_mesh(groups, fsdp, tensor)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params = ts.make_init(config, ts.make_optimizer(config, groups), mesh, groups)(jax.random.key(0))[0]
   data = ts.put_stacked(np.zeros((groups, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
@@ -167,9 +182,10 @@ def compiled_pair(groups: int, fsdp: int, sync_every: int):
   for name, hdet, sync in (('plain', False, False), ('nosync', True, False), ('sync', True, True)):
     tx = txs['hdet' if hdet else 'plain']
     state = jax.jit(jax.vmap(tx.init))(params)
-    shardings = (H.group_shardings(params, mesh, ts.AXIS, ts.INNER if fsdp > 1 else None),
-                 H.state_shardings(state, mesh, ts.AXIS, ts.INNER if fsdp > 1 else None) if hdet else
-                 H.group_shardings(state, mesh, ts.AXIS, ts.INNER if fsdp > 1 else None))
+    rules = ts.rules(mesh)
+    shardings = (H.group_shardings(params, mesh, ts.AXIS, ts.INNER, **rules),
+                 H.state_shardings(state, mesh, ts.AXIS, ts.INNER, **rules) if hdet else
+                 H.group_shardings(state, mesh, ts.AXIS, ts.INNER, **rules))
     args = (jax.device_put(params, shardings[0]), jax.device_put(state, shardings[1]), data)
     fn = jax.jit(H.shard_map_replicas(bare_step(graphdef, tx, hdet, sync), mesh, ts.AXIS),
                  out_shardings=(*shardings, ts.replica_sharding(mesh)), donate_argnums=(0, 1))
@@ -189,8 +205,8 @@ def kernels(compiled) -> dict[str, int]:
 def cost_table(time_steps: int) -> list[str]:
   lines = ['| layout | XLA flops, T=100 / T=1000 | XLA bytes accessed, T=100 / T=1000 | non-sync extra kernels '
            '(fusions, copies) | HDET/plain step time, T=100 / T=1000 |', '|---|---|---|---|---|']
-  for groups, fsdp in LAYOUTS:
-    progs = compiled_pair(groups, fsdp, 1000)
+  for groups, fsdp, tensor in LAYOUTS:
+    progs = compiled_pair(groups, fsdp, tensor, 1000)
     cost = {k: c.cost_analysis() for k, (c, _) in progs.items()}
     cost = {k: (v[0] if isinstance(v, (list, tuple)) else v) for k, v in cost.items()}
     window = lambda key, t: ((t - 1) * cost['nosync'][key] + cost['sync'][key]) / (t * cost['plain'][key])
@@ -201,7 +217,7 @@ def cost_table(time_steps: int) -> list[str]:
     if time_steps:
       t = {k: bare_time(c, args, time_steps) for k, (c, args) in progs.items()}
       timed = ' / '.join(f'{((n - 1) * t["nosync"] + t["sync"]) / (n * t["plain"]):.3f}' for n in (100, 1000))
-    lines.append(f'| {groups}x{fsdp} | {ratios[0]} | {ratios[1]} | {extra} | {timed} |')
+    lines.append(f'| {label(groups, fsdp, tensor)} | {ratios[0]} | {ratios[1]} | {extra} | {timed} |')
   return lines
 
 
@@ -226,7 +242,7 @@ def main():
   print(text)
   if args.out:
     with open(args.out, 'w', encoding='utf-8') as f:
-      f.write(f'# Replica groups on 2-D meshes ({jax.devices()[0].platform}, {jax.device_count()} devices)\n\n'
+      f.write(f'# Replica groups: FSDP and tensor parallel inside ({jax.devices()[0].platform}, {jax.device_count()} devices)\n\n'
               f'`python -m benchmarks.mesh2d{" --time " + str(args.time) if args.time else ""}`\n\n{text}\n')
 
 
