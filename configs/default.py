@@ -77,6 +77,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.warmup_steps = 0  # S_warm: the controller starts at the first sync at or after this step.
   # The controller makes no update at syncs after this fraction of the steps (its LR correction, or
   # base, then holds; 1: it runs to the end).
+  config.hdet.after_stop = 'hold'  # 'fit', after stop_fraction: 'hold' the correction, or 'rise': take only steps up.
   config.hdet.stop_fraction = 0.3  # 'fit' learns the LR scale while the schedule warms up (pct_start), then holds it.
   config.hdet.temperature = 0.1  # sigma of eq. 4, in loss units (nats): the softmax's temperature over window losses.
   config.hdet.lr_of_lr = 0.5  # lambda of eq. 7: the step size of the base-LR update.

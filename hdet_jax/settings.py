@@ -56,6 +56,9 @@ class AutoLR:
     memory: 'fit': forgetting factor in [0, 1) of the regression's statistics across syncs.
     stop_steps: 'fit' and 'paper': the controller makes no update at syncs after this step (the
       correction, or the base, then holds); None: it runs to the end.
+    after_stop: 'fit': what the controller does at syncs after ``stop_steps``: ``'hold'`` (no update)
+      or ``'rise'`` (the fit goes on, and only steps that raise a value are taken: after the warmup
+      the line search's pull is down, short-horizon bias, so a pull up there goes against the bias).
     initial_scale: 'fit': the learning rates' correction starts at this factor instead of 1, so the
       run begins at ``initial_scale`` times the user's schedule and the line search has to raise it
       (< 1: a cautious start, against a too-high LR whose damage in the warmup the line search
@@ -75,6 +78,7 @@ class AutoLR:
   memory: float = 0.5
   stop_steps: int | None = None
   initial_scale: float = 1.0
+  after_stop: str = 'hold'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +280,8 @@ def _check_auto_lr(a, spread) -> None:
   if not (isinstance(a.initial_scale, (int, float)) and 0.0 < a.initial_scale < math.inf):
     raise ValueError(f'auto_lr.initial_scale must be a number > 0 (1: start at the schedule), '
                      f'got {a.initial_scale!r}.')
+  if a.after_stop not in ('hold', 'rise') or (a.after_stop == 'rise' and a.controller != 'fit'):
+    raise ValueError(f"auto_lr.after_stop must be 'hold' or, with controller='fit', 'rise'; got {a.after_stop!r}.")
   if a.initial_scale != 1.0 and a.controller != 'fit':
     raise ValueError(f"auto_lr.initial_scale={a.initial_scale!r} needs controller='fit' (the paper's "
                      "controller replaces the schedule instead of correcting it); set it to 1.0.")

@@ -82,9 +82,15 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
   if plan.auto_lr is not None:
     active = st.count >= plan.controller_start
     if plan.auto_lr.stop_steps is not None:
-      active = jnp.logical_and(active, st.count <= plan.auto_lr.stop_steps)
-    update = _fit_controller if plan.auto_lr.controller == 'fit' else _paper_controller
-    new_c = update(plan, c, new_c, window_losses, active)
+      before_stop = st.count <= plan.auto_lr.stop_steps
+      if plan.auto_lr.after_stop == 'rise':  # the fit goes on; only steps up are taken (see _fit_controller)
+        new_c = _fit_controller(plan, c, new_c, window_losses, active, rise_only=~before_stop)
+        active = jnp.zeros([], bool)
+      else:
+        active = jnp.logical_and(active, before_stop)
+    if plan.auto_lr.after_stop != 'rise' or plan.auto_lr.stop_steps is None:
+      update = _fit_controller if plan.auto_lr.controller == 'fit' else _paper_controller
+      new_c = update(plan, c, new_c, window_losses, active)
   key, sub = jax.random.split(jax.random.wrap_key_data(c.key))
   new_c = new_c._replace(
       key=jax.random.key_data(key),
@@ -112,8 +118,9 @@ def _paper_controller(plan: Plan, c, new_c, window_losses, active):
       weights=keep(out.weights, c.weights), delta=keep(out.delta, c.delta))
 
 
-def _fit_controller(plan: Plan, c, new_c, scores, active):
-  """The 'fit' controller's update of the correction (see :func:`hdet_jax.controller.fit_update`)."""
+def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
+  """The 'fit' controller's update of the correction (see :func:`hdet_jax.controller.fit_update`);
+  ``rise_only`` (after the stop, ``after_stop='rise'``): steps that would lower a value are not taken."""
   a = plan.auto_lr
   # Each replica's nominal offset u from the base in the window that ends here: rho - 1
   # (multiplicative) or the additive offset, under the window's permutations.
@@ -123,10 +130,11 @@ def _fit_controller(plan: Plan, c, new_c, scores, active):
   trust = jnp.asarray([sp if ad else a.trust for sp, ad in zip(plan.spreads, plan.additive)], jnp.float32)
   out = ctrl.fit_update(c.xtx, c.xty, scores, u, jnp.asarray(~add),
                         memory=a.memory, overshoot=a.overshoot, trust=trust)
+  step = jnp.where(rise_only, jnp.maximum(out.step, 0.0), out.step)
   keep = lambda new, old: jnp.where(active, new, old)
   return new_c._replace(
-      correction=keep(c.correction + out.step, c.correction), xtx=keep(out.xtx, c.xtx),
-      xty=keep(out.xty, c.xty), delta=keep(out.step, c.delta), velocity=keep(out.slope, c.velocity))
+      correction=keep(c.correction + step, c.correction), xtx=keep(out.xtx, c.xtx),
+      xty=keep(out.xty, c.xty), delta=keep(step, c.delta), velocity=keep(out.slope, c.velocity))
 
 
 def apply_updates(params: Any, updates: Any, state, *, replica_axis: str = 'data',

@@ -216,6 +216,32 @@ def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale):
   assert states[-1].base[0] > 2 * float(sched(S))
 
 
+@pytest.mark.parametrize('start', [0.3, 3.0])
+def test_after_stop_rise_takes_only_steps_up_after_the_stop(start):
+  """after_stop='rise': up to stop_steps the correction follows the numpy fit both ways; after it the fit
+  goes on (its statistics keep updating) and only positive steps are taken. From below the bowl's bottom
+  the LR keeps climbing past the stop; from above it holds, as with 'hold'."""
+  S, T, stop = 80, 5, 20
+  sched = optax.constant_schedule(1e-2 * start)
+  tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
+              auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.0, trust=0.1, memory=0.4,
+                               stop_steps=stop, after_stop='rise'))
+  states = signal_run(tx, S)
+  xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), 0.0
+  rho = H.spread_multipliers(N, 0.25)
+  for k in range(1, S // T + 1):
+    before, after = states[(k - 1) * T], states[k * T]
+    u = (rho[before.controller.perm[0]] - 1.0)[:, None]
+    _, _, step, xtx, xty = numpy_fit(xtx, xty, after.controller.window_losses, u, [True], 0.4, 1.0, [0.1])
+    corr += step[0] if k * T - 1 <= stop else max(step[0], 0.0)
+    np.testing.assert_allclose(after.controller.correction, [corr], rtol=1e-3, atol=1e-4)
+  held = states[(stop // T + 1) * T].controller.correction[0]
+  if start < 1:  # still below the bottom at the stop: it went on rising
+    assert states[-1].controller.correction[0] > held + 0.3
+  else:  # above: the fit says down after the stop, and nothing moves
+    assert states[-1].controller.correction[0] == held
+
+
 def test_initial_scale_is_the_run_of_a_scaled_schedule():
   """initial_scale c on schedule s gives the LRs of initial_scale 1 on schedule c * s: the cautious start
   changes where the run begins, not how the controller moves (its steps are scale-free)."""

@@ -332,6 +332,8 @@ SCHED = H.one_cycle(1e-3, 100)
     (dict(auto_lr=H.AutoLR(total_steps=100, stop_steps=-5)), 'stop_steps'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', initial_scale=0.0)), 'initial_scale'),
     (dict(auto_lr=H.AutoLR(total_steps=100, initial_scale=0.1)), "initial_scale=0.1 needs controller='fit'"),
+    (dict(auto_lr=H.AutoLR(total_steps=100, after_stop='rise')), "after_stop must be 'hold' or"),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='fall')), 'after_stop'),
 ])
 def test_bad_settings_raise_at_construction(kwargs, name):
   args = dict(learning_rate=SCHED, num_replicas=4, spread=0.25, sync_every=10)

@@ -23,7 +23,7 @@ RUN_FIELDS = frozenset({
 # Fields added after runs were already on disk, left out of a run's recorded training fields while at
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
 QUIET_DEFAULTS = {'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
-                  'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0}
+                  'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold'}
 
 
 class ConfigError(ValueError):
@@ -174,7 +174,8 @@ def check_values(config: Any) -> None:
   optim = config.optim.name
   if optim not in OPTIMIZERS:
     raise ConfigError(f'optim.name must be one of {", ".join(map(repr, OPTIMIZERS))}, got {optim!r}.')
-  for field, choices in (('optim.schedule', SCHEDULES), ('hdet.controller', CONTROLLERS), ('hdet.score', SCORES)):
+  for field, choices in (('optim.schedule', SCHEDULES), ('hdet.controller', CONTROLLERS), ('hdet.score', SCORES),
+                         ('hdet.after_stop', AFTER_STOP)):
     present, v = _get(config, field)
     if present and v not in choices:
       raise ConfigError(f'{field} must be one of {", ".join(map(repr, choices))}, got {v!r}.')
@@ -197,3 +198,4 @@ OPTIMIZERS = ('adamw', 'adam', 'sgd', 'prodigy', 'dog', 'dadapt_adamw', 'mechani
 SCHEDULES = ('one_cycle', 'constant')
 CONTROLLERS = ('paper', 'fit')
 SCORES = ('window', 'common')
+AFTER_STOP = ('hold', 'rise')
