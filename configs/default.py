@@ -3,12 +3,12 @@
 The main job: HDET (LR spread, periodic averaging, auto-LR) from scratch on a small byte-level
 transformer and the King James Bible, 8 replicas (8 simulated CPU devices on a CPU-only machine).
 About 2-3 minutes on a 2-core CPU, compile included. Its controller is the one that did best across
-three starts and two optimizers in results/autolr.md ('fit_lr_T100_cautious': a line search on a common
-batch every 100 steps, one LR scale learnt during the warmup, starting at a tenth of optim.max_lr, so
-give max_lr as the high end of your guess). The paper's (eqs. 4-9) is --config.hdet.controller=paper
+three starts and two optimizers in results/autolr.md ('fit_lr_T100_cautious_rise': a line search on a
+common batch every 100 steps, one LR scale learnt during the warmup and only raised after it, starting at
+a tenth of optim.max_lr, so give max_lr as the high end of your guess). The paper's (eqs. 4-9) is --config.hdet.controller=paper
 --config.hdet.score=window --config.hdet.warmup_steps=750 --config.hdet.stop_fraction=1
 --config.hdet.param_groups=True --config.hdet.sync_every=25 --config.hdet.initial_scale=1
---config.optim.max_lr=3e-3.
+--config.hdet.after_stop=hold --config.optim.max_lr=3e-3.
 
 Every field can be overridden from the command line, e.g. ``--config.hdet.spread=0.2``.
 """
@@ -77,7 +77,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.warmup_steps = 0  # S_warm: the controller starts at the first sync at or after this step.
   # The controller makes no update at syncs after this fraction of the steps (its LR correction, or
   # base, then holds; 1: it runs to the end).
-  config.hdet.after_stop = 'hold'  # 'fit', after stop_fraction: 'hold' the correction, or 'rise': take only steps up.
+  config.hdet.after_stop = 'rise'  # 'fit', after stop_fraction: 'hold' the correction, or 'rise': take only steps up.
   config.hdet.stop_fraction = 0.3  # 'fit' learns the LR scale while the schedule warms up (pct_start), then holds it.
   config.hdet.temperature = 0.1  # sigma of eq. 4, in loss units (nats): the softmax's temperature over window losses.
   config.hdet.lr_of_lr = 0.5  # lambda of eq. 7: the step size of the base-LR update.
