@@ -40,6 +40,8 @@ def test_ablation_rows_differ_as_the_paper_says():
   # The paper's rows run the paper's controller with per-group LRs, whatever the main job runs.
   assert full.hdet.controller == cold.hdet.controller == 'paper' and full.hdet.score == 'window'
   assert full.hdet.param_groups and full.hdet.stop_fraction == 1.0
+  # ... averaging every 25 steps from the schedule as given, whatever the main job's T and start.
+  assert full.hdet.sync_every == 25 and full.hdet.initial_scale == 1.0 and full.hdet.after_stop == 'hold'
   assert full.init_from and no_auto.init_from and warm.init_from and not cold.init_from and not high.init_from
   for plain in (warm, high, low):
     assert plain.hdet.spread == 0 and plain.hdet.sync_every == 0 and not plain.hdet.auto_lr
