@@ -79,18 +79,16 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
   elif gather:
     window_losses = lax.all_gather(st.loss_sum / plan.sync_every, plan.replica_axis)
   new_c = c._replace(window_losses=window_losses)
-  if plan.auto_lr is not None:
-    active = st.count >= plan.controller_start
-    if plan.auto_lr.stop_steps is not None:
-      before_stop = st.count <= plan.auto_lr.stop_steps
-      if plan.auto_lr.after_stop == 'rise':  # the fit goes on; only steps up are taken (see _fit_controller)
-        new_c = _fit_controller(plan, c, new_c, window_losses, active, rise_only=~before_stop)
-        active = jnp.zeros([], bool)
-      else:
-        active = jnp.logical_and(active, before_stop)
-    if plan.auto_lr.after_stop != 'rise' or plan.auto_lr.stop_steps is None:
-      update = _fit_controller if plan.auto_lr.controller == 'fit' else _paper_controller
-      new_c = update(plan, c, new_c, window_losses, active)
+  a = plan.auto_lr
+  if a is not None:
+    started = st.count >= plan.controller_start
+    stopped = st.count > a.stop_steps if a.stop_steps is not None else jnp.zeros([], bool)
+    if a.controller == 'paper':
+      new_c = _paper_controller(plan, c, new_c, window_losses, started & ~stopped)
+    elif a.after_stop == 'rise':  # the fit goes on after the stop, taking only steps up
+      new_c = _fit_controller(plan, c, new_c, window_losses, started, rise_only=stopped)
+    else:
+      new_c = _fit_controller(plan, c, new_c, window_losses, started & ~stopped)
   key, sub = jax.random.split(jax.random.wrap_key_data(c.key))
   new_c = new_c._replace(
       key=jax.random.key_data(key),

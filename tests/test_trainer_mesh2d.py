@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from hdet_jax import comm
+from hdet_jax.param_groups import path_string
 from hdet_jax.trainer import config_lib, train_and_evaluate
 from hdet_jax.trainer import input_pipeline as ip
 from hdet_jax.trainer import model as model_lib
@@ -84,12 +85,12 @@ def test_tensor_parallel_and_fsdp_groups_equal_the_1d_trainer():
   d = config.model.d_model
   flat = jax.tree_util.tree_flatten_with_path(grouped[0])[0]
   for (path, a), b in zip(flat, jax.tree.leaves(one_d[0])):
-    name = '/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in path)
+    name = path_string(path)
     a, b = np.asarray(a), np.asarray(b)
     if name.endswith('attn/qkv/bias'):
       a, b = np.delete(a, np.s_[d:2 * d], -1), np.delete(b, np.s_[d:2 * d], -1)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
-  specs = {'/'.join(str(getattr(k, 'key', getattr(k, 'idx', k))) for k in p): x.sharding.spec for p, x in flat}
+  specs = {path_string(p): x.sharding.spec for p, x in flat}
   assert specs['blocks/0/fc1/kernel'] == P('data', 'fsdp', 'tensor')  # column-parallel: outputs split
   assert specs['blocks/0/fc2/kernel'] == P('data', 'tensor', 'fsdp')  # row-parallel: inputs split
   assert specs['blocks/0/ln1/scale'] == P('data', 'fsdp')  # no tensor rule: FSDP alone
