@@ -86,6 +86,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.trust = 1.0  # 'fit': the largest change of log(LR correction) per sync (1.0: x2.7).
   config.hdet.memory = 0.5  # 'fit': forgetting factor of the line-search regression across syncs.
   config.hdet.initial_scale = 0.1  # 'fit': the run starts at this multiple of the LR schedule (<1: a cautious start the controller must raise).
+  # 'fit': while consecutive fitted steps agree in sign, the taken step is the fitted one times a gain
+  # that grows by this factor per sync, up to max_gain (Rprop); a reversal resets it. 1: the plain fit.
+  config.hdet.step_growth = 1.0
+  config.hdet.max_gain = 4.0  # 'fit': the largest gain (each step still within hdet.trust).
   config.hdet.smooth_decay = True  # Decay the base LR continuously within a window (False: hold it, as the reference does).
   # Per-group LRs (the paper's §3.4): embedding (byte embedding, positions), no_decay (biases, norm
   # scales) and weights (attention/MLP kernels), chosen by regex on parameter paths

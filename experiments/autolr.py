@@ -86,6 +86,13 @@ VARIANT_SETTINGS = {
     'fit_lr_T100_cautious_rise': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3,
                                   'hdet.param_groups': False, 'hdet.sync_every': 100, 'hdet.trust': 1.0,
                                   'hdet.initial_scale': 0.1, 'hdet.after_stop': 'rise'},
+    # fit_lr_T100_cautious_rise whose steps grow while the fit keeps asking one way (hdet.step_growth, Rprop):
+    # the asks' signs are reliable but their sizes compressed (starts 10x apart ask log-steps ~0.4 apart at
+    # the same sync), so the 100x-low start climbed only 10x.
+    'fit_lr_T100_cautious_rise_accel': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0,
+                                        'hdet.stop_fraction': 0.3, 'hdet.param_groups': False,
+                                        'hdet.sync_every': 100, 'hdet.trust': 1.0, 'hdet.initial_scale': 0.1,
+                                        'hdet.after_stop': 'rise', 'hdet.step_growth': 2.0, 'hdet.max_gain': 4.0},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False, **_PINNED},
 }

@@ -44,6 +44,7 @@ class ControllerState(NamedTuple):
                          #   applied to the schedule; 0 for 'paper'.
   xtx: jax.Array         # [2G, 2G] float32 ('fit'): the regression's forgotten-over-syncs X^T X.
   xty: jax.Array         # [2G] float32 ('fit'): ... and X^T y.
+  gain: jax.Array        # [G] float32 ('fit'): the last fitted step's gain, signed as that step (0: none yet).
 
 
 class ControllerUpdate(NamedTuple):
@@ -164,6 +165,7 @@ def init_controller_state(base: jax.Array, num_replicas: int, key: jax.Array,
                   else jnp.asarray(correction, jnp.float32).reshape(g)),
       xtx=jnp.zeros((2 * g, 2 * g), jnp.float32),
       xty=jnp.zeros((2 * g,), jnp.float32),
+      gain=jnp.zeros((g,), jnp.float32),
   )
 
 
@@ -266,3 +268,35 @@ def fit_update(
   step = jnp.clip(jnp.where(multiplicative, log_target, add_target), -trust, trust)
   step = jnp.where(jnp.isfinite(step) & signal, step, 0.0)
   return FitUpdate(slope=b, curvature=c, stderr=stderr, step=step, xtx=xtx, xty=xty)
+
+
+def accelerate(step: jax.Array, last_gain: jax.Array, *, growth: float, max_gain: float,
+               trust: jax.Array | float) -> tuple[jax.Array, jax.Array]:
+  """(the step taken, its signed gain): the fitted step, amplified while the fit keeps asking one way.
+
+  .. math::
+
+    m_k &= \\min(m_{k-1}\\, \\eta,\\ m_\\max) \\ \\text{if}\\ \\mathrm{sign}(s_k) = \\mathrm{sign}(s_{k-1}),
+      \\ \\text{else}\\ 1 \\\\
+    \\text{taken}_k &= \\mathrm{clip}(m_k s_k, -\\tau, \\tau)
+
+  Rprop's rule (Riedmiller and Braun, 1993) on the fit's steps s: the fitted step's sign is reliable but
+  its size is compressed. Measured on the trainer's task, starts 10x apart ask for log-steps only about
+  0.4 apart at the same sync (short-horizon bias shrinks every ask), while consecutive asks keep their
+  sign until the LR is near where the line search wants it. A reversal resets the gain to 1, so the
+  acceleration undoes itself as soon as it overshoots. ``growth = 1`` is the plain fit.
+
+  Args:
+    step: [G] this sync's fitted step s_k (from :func:`fit_update`).
+    last_gain: [G] the previous gain m_{k-1}, signed as s_{k-1} (0 before any step).
+    growth: eta >= 1, the gain's factor per agreeing sync.
+    max_gain: m_max >= 1, the largest gain.
+    trust: [G] or scalar tau, the largest step per sync.
+
+  Returns:
+    (the step taken [G], the new signed gain [G]; 0 where the fit asked for nothing).
+  """
+  agree = jnp.sign(step) * jnp.sign(last_gain) > 0
+  gain = jnp.where(agree, jnp.minimum(jnp.abs(last_gain) * growth, max_gain), 1.0)
+  taken = jnp.clip(gain * step, -trust, trust)
+  return taken, jnp.sign(step) * gain

@@ -63,6 +63,10 @@ class AutoLR:
       run begins at ``initial_scale`` times the user's schedule and the line search has to raise it
       (< 1: a cautious start, against a too-high LR whose damage in the warmup the line search
       cannot see coming). Other hyperparameters start uncorrected.
+    step_growth: 'fit': eta >= 1; while consecutive fitted steps agree in sign, each taken step is the
+      fitted one times a gain that grows by this factor per sync (Rprop; see
+      :func:`hdet_jax.controller.accelerate`); a reversal resets it to 1. 1: the plain fit.
+    max_gain: 'fit': the largest gain, >= 1 (each step stays within ``trust``).
   """
   total_steps: int
   warmup_steps: int = 0
@@ -79,6 +83,8 @@ class AutoLR:
   stop_steps: int | None = None
   initial_scale: float = 1.0
   after_stop: str = 'hold'
+  step_growth: float = 1.0
+  max_gain: float = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +288,12 @@ def _check_auto_lr(a, spread) -> None:
                      f'got {a.initial_scale!r}.')
   if a.after_stop not in ('hold', 'rise') or (a.after_stop == 'rise' and a.controller != 'fit'):
     raise ValueError(f"auto_lr.after_stop must be 'hold' or, with controller='fit', 'rise'; got {a.after_stop!r}.")
+  for name in ('step_growth', 'max_gain'):
+    v = getattr(a, name)
+    if not (isinstance(v, (int, float)) and 1.0 <= v < math.inf):
+      raise ValueError(f'auto_lr.{name} must be a number >= 1 (1: no acceleration), got {v!r}.')
+  if a.step_growth != 1.0 and a.controller != 'fit':
+    raise ValueError(f"auto_lr.step_growth={a.step_growth!r} needs controller='fit'; set it to 1.0.")
   if a.initial_scale != 1.0 and a.controller != 'fit':
     raise ValueError(f"auto_lr.initial_scale={a.initial_scale!r} needs controller='fit' (the paper's "
                      "controller replaces the schedule instead of correcting it); set it to 1.0.")

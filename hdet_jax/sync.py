@@ -128,11 +128,13 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
   trust = jnp.asarray([sp if ad else a.trust for sp, ad in zip(plan.spreads, plan.additive)], jnp.float32)
   out = ctrl.fit_update(c.xtx, c.xty, scores, u, jnp.asarray(~add),
                         memory=a.memory, overshoot=a.overshoot, trust=trust)
-  step = jnp.where(rise_only, jnp.maximum(out.step, 0.0), out.step)
+  step, gain = ctrl.accelerate(out.step, c.gain, growth=a.step_growth, max_gain=a.max_gain, trust=trust)
+  step = jnp.where(rise_only, jnp.maximum(step, 0.0), step)
   keep = lambda new, old: jnp.where(active, new, old)
   return new_c._replace(
       correction=keep(c.correction + step, c.correction), xtx=keep(out.xtx, c.xtx),
-      xty=keep(out.xty, c.xty), delta=keep(step, c.delta), velocity=keep(out.slope, c.velocity))
+      xty=keep(out.xty, c.xty), delta=keep(step, c.delta), velocity=keep(out.slope, c.velocity),
+      gain=keep(gain, c.gain))
 
 
 def apply_updates(params: Any, updates: Any, state, *, replica_axis: str = 'data',

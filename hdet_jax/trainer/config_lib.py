@@ -23,7 +23,8 @@ RUN_FIELDS = frozenset({
 # Fields added after runs were already on disk, left out of a run's recorded training fields while at
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
 QUIET_DEFAULTS = {'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
-                  'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold'}
+                  'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
+                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0}
 
 
 class ConfigError(ValueError):
@@ -141,6 +142,8 @@ _RULES = (
     ('hdet.trust', 'real', lambda v: v > 0, 'a number > 0'),
     ('hdet.memory', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
     ('hdet.initial_scale', 'real', lambda v: v > 0, 'a number > 0 (1: start at the schedule)'),
+    ('hdet.step_growth', 'real', lambda v: v >= 1, 'a number >= 1 (1: no acceleration)'),
+    ('hdet.max_gain', 'real', lambda v: v >= 1, 'a number >= 1'),
     ('hdet.stop_fraction', 'real', lambda v: 0 < v <= 1, 'in (0, 1] (1: never stop)'),
     ('hdet.probe_windows', 'int', lambda v: v >= 1, 'an integer >= 1'),
     ('hdet.explore.weight_decay', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (0: off)'),

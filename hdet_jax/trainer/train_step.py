@@ -195,7 +195,8 @@ def auto_lr_settings(config: Any) -> H.AutoLR | None:
       lr_of_lr=h.lr_of_lr, momentum=h.momentum, smooth_decay=h.smooth_decay,
       controller=h.get('controller', 'paper'), overshoot=h.get('overshoot', 1.5), trust=h.get('trust', 0.25),
       memory=h.get('memory', 0.5), stop_steps=None if stop >= 1 else int(stop * config.num_train_steps),
-      initial_scale=h.get('initial_scale', 1.0), after_stop=h.get('after_stop', 'hold'))
+      initial_scale=h.get('initial_scale', 1.0), after_stop=h.get('after_stop', 'hold'),
+      step_growth=h.get('step_growth', 1.0), max_gain=h.get('max_gain', 4.0))
 
 
 def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_replicas: int) -> Callable:
