@@ -40,3 +40,16 @@ def numpy_fit(xtx, xty, scores, offsets, multiplicative, memory, overshoot, trus
     step[k] = np.clip(target, -trust[k], trust[k])
   return b, c, step, xtx, xty
 
+
+
+def numpy_accelerate(steps, growth, max_gain, trust):
+  """Rprop's gain on a sequence of fitted steps, written as a plain loop in float64: the gain starts at
+  1, multiplies by ``growth`` (up to ``max_gain``) while a step has the previous nonzero step's sign, and
+  resets to 1 on a reversal or after a zero step; the taken step is ``clip(gain * step, -trust, trust)``."""
+  taken, gain, last_sign = [], 1.0, 0.0
+  for s in np.asarray(steps, np.float64):
+    sign = float(np.sign(s))
+    gain = min(gain * growth, max_gain) if sign != 0 and sign == last_sign else 1.0
+    taken.append(float(np.clip(gain * s, -trust, trust)))
+    last_sign = sign
+  return np.asarray(taken)

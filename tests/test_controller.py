@@ -10,7 +10,7 @@ import pytest
 
 import hdet_jax as H
 from hdet_jax import controller as ctrl
-from oracles import numpy_controller, numpy_fit
+from oracles import numpy_accelerate, numpy_controller, numpy_fit
 
 DATA = pathlib.Path(__file__).parent / 'data' / 'onecycleautolr_traces.npz'
 
@@ -175,3 +175,23 @@ def test_fit_nonfinite_replica_counts_as_worst():
   assert float(out.step[0]) < 0 and np.isfinite(out.step).all()
   np.testing.assert_allclose(ctrl.penalize_nonfinite(jnp.array([1.0, jnp.nan, 3.0])), [1.0, 5.0, 3.0])
   np.testing.assert_allclose(ctrl.penalize_nonfinite(jnp.array([jnp.nan, jnp.inf])), [0.0, 0.0])
+
+
+@pytest.mark.parametrize('growth,max_gain', [(2.0, 4.0), (1.5, 10.0), (1.0, 4.0)])
+def test_accelerate_against_numpy_oracle(growth, max_gain):
+  """The gain grows while the fitted steps keep one sign, is capped, resets on a reversal and after a
+  zero step, and every taken step stays within the trust region; growth 1 takes the fitted steps."""
+  steps = np.array([0.1, 0.2, 0.05, 0.3, 0.4, -0.1, -0.2, 0.0, -0.05, -0.05, 0.6, -0.01])
+  trust = 0.5
+  want = numpy_accelerate(steps, growth, max_gain, trust)
+  gain, got = jnp.zeros(1, jnp.float32), []
+  for s in steps:
+    taken, gain = ctrl.accelerate(jnp.asarray([s], jnp.float32), gain, growth=growth, max_gain=max_gain, trust=trust)
+    got.append(float(taken[0]))
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  if growth == 1.0:
+    np.testing.assert_allclose(got, np.clip(steps, -trust, trust), rtol=1e-6)
+  else:  # hand-checked: 0.1, then 0.2 x growth, 0.05 x growth^2 (capped), ...
+    assert got[0] == pytest.approx(0.1) and got[1] == pytest.approx(0.2 * growth)
+    assert got[5] == pytest.approx(-0.1)  # the reversal resets the gain
+    assert max(abs(g) for g in got) <= trust + 1e-7

@@ -35,15 +35,16 @@ def tiny(**overrides):
 
 @pytest.fixture(scope='module')
 def chaos_run(tmp_path_factory):
-  """scripts/chaos.py's run: a reference, then the same command killed 5 times and restarted."""
+  """scripts/chaos.py's run: a reference, then the same command killed 3 times (two during a checkpoint
+  write, one at a random point) and restarted. ``python scripts/chaos.py`` kills 20 times."""
   base = str(tmp_path_factory.mktemp('chaos'))
-  return base, chaos.run(base, kills=5, seed=0)
+  return base, chaos.run(base, kills=3, seed=0)
 
 
-def test_sigkill_five_times_resumes_bit_for_bit(chaos_run):
+def test_sigkill_three_times_resumes_bit_for_bit(chaos_run):
   _, r = chaos_run
   kills = r['kills']
-  assert len(kills) >= 5 and all(not k['finished_before_kill'] for k in kills)
+  assert len(kills) >= 3 and all(not k['finished_before_kill'] for k in kills)
   assert all(k['returncode'] == -signal.SIGKILL for k in kills)
   # At least two kills cut a checkpoint write short (an orbax temporary directory was left behind).
   assert sum(bool(k['cut_write']) for k in kills) >= 2, kills

@@ -13,7 +13,7 @@ from jax import lax
 
 import hdet_jax as H
 
-from oracles import numpy_controller, numpy_fit
+from oracles import numpy_accelerate, numpy_controller, numpy_fit
 from jax.sharding import NamedSharding, PartitionSpec as P
 from replica_testing import AX, N, make_mesh, put, quad_problem, quad_step, run, signal_run
 
@@ -190,25 +190,28 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
   assert not np.array_equal(other[T].controller.perm, states[T].controller.perm)
 
 
-@pytest.mark.parametrize('initial_scale', [1.0, 0.2])
-def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale):
+@pytest.mark.parametrize('initial_scale,growth', [(1.0, 1.0), (0.2, 1.0), (0.2, 2.0)])
+def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth):
   """The 'fit' controller in hdet: at each sync the correction moves by the numpy fit of the window's
-  losses on the replicas' offsets, and the base is the schedule times exp(correction); the correction
-  starts at log(initial_scale)."""
+  losses on the replicas' offsets (times the Rprop gain, with step_growth), and the base is the schedule
+  times exp(correction); the correction starts at log(initial_scale)."""
   S, T = 60, 5
   sched = optax.linear_schedule(5e-3, 2e-3, S)
   tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
               auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.3, trust=0.2, memory=0.4,
-                               initial_scale=initial_scale))
+                               initial_scale=initial_scale, step_growth=growth, max_gain=3.0))
   states = signal_run(tx, S)
   np.testing.assert_allclose(states[0].base[0], initial_scale * float(sched(0)), rtol=1e-6)
   xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), np.log(initial_scale)
   rho = H.spread_multipliers(N, 0.25)
+  fitted = []
   for k in range(1, S // T + 1):
     before, after = states[(k - 1) * T], states[k * T]
     u = (rho[before.controller.perm[0]] - 1.0)[:, None]
     b, c, step, xtx, xty = numpy_fit(xtx, xty, after.controller.window_losses, u, [True], 0.4, 1.3, [0.2])
-    corr += step[0]
+    fitted.append(step[0])
+    taken = numpy_accelerate(fitted, growth, 3.0, 0.2)[-1]
+    corr += taken
     np.testing.assert_allclose(after.controller.correction, [corr], rtol=1e-3, atol=1e-4)
     t = k * T
     np.testing.assert_allclose(after.base[0], float(sched(t)) * np.exp(after.controller.correction[0]), rtol=1e-5)
@@ -438,3 +441,16 @@ def test_paper_controller_stops_at_min_value():
     sp, ss = f(sp, ss)
     bases.append(float(ss.controller.base[0, 0]))
   assert bases[-1] == np.float32(floor) and min(bases) >= np.float32(floor)
+
+
+def test_step_growth_settles_at_the_bowls_bottom():
+  """With step_growth the correction still settles: started 20x below the bowl's bottom (LR 1e-2), the
+  fit's exact steps are taken at growing gain, overshoot, reverse (gain back to 1) and end at the bottom."""
+  S, T = 120, 5
+  tx = H.hdet(optax.sgd, optax.constant_schedule(5e-4), num_replicas=N, spread=0.25, sync_every=T,
+              replica_axis=AX, auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.0, trust=0.5,
+                                                memory=0.0, step_growth=2.0, max_gain=4.0))
+  states = signal_run(tx, S)
+  gains = np.array([s.controller.gain[0] for s in states[T::T]])
+  assert gains.max() >= 2.0 and (gains < 0).any()  # it accelerated, and it reversed at least once
+  np.testing.assert_allclose(states[-1].base[0], 1e-2, rtol=0.05)
