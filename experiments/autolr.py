@@ -93,6 +93,17 @@ VARIANT_SETTINGS = {
                                         'hdet.stop_fraction': 0.3, 'hdet.param_groups': False,
                                         'hdet.sync_every': 100, 'hdet.trust': 1.0, 'hdet.initial_scale': 0.1,
                                         'hdet.after_stop': 'rise', 'hdet.step_growth': 2.0, 'hdet.max_gain': 4.0},
+    # Screens of the accelerated fit from 100x low, where a trust of 1 a sync capped its climb (steps 1.0,
+    # 1.0 at the second and third syncs): twice the syncs in the warmup, or a larger trust region.
+    'fit_lr_T50_cautious_rise_accel': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0,
+                                       'hdet.stop_fraction': 0.3, 'hdet.param_groups': False,
+                                       'hdet.sync_every': 50, 'hdet.trust': 1.0, 'hdet.initial_scale': 0.1,
+                                       'hdet.after_stop': 'rise', 'hdet.step_growth': 2.0, 'hdet.max_gain': 4.0},
+    'fit_lr_T100_cautious_rise_accel_trust1p5': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0,
+                                                 'hdet.stop_fraction': 0.3, 'hdet.param_groups': False,
+                                                 'hdet.sync_every': 100, 'hdet.trust': 1.5, 'hdet.initial_scale': 0.1,
+                                                 'hdet.after_stop': 'rise', 'hdet.step_growth': 2.0,
+                                                 'hdet.max_gain': 4.0},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False, **_PINNED},
 }
