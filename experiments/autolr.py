@@ -282,8 +282,8 @@ def parse_overrides(argv: list[str]) -> tuple[list[str], dict]:
   return rest, overrides
 
 
-def main(argv=None):
-  argv = sys.argv[1:] if argv is None else argv
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
+  """(the command's options, its ``--config.*`` overrides); ``--quick`` narrows what was not given."""
   rest, task_overrides = parse_overrides(argv)
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--quick', action='store_true', help='a smoke run of every stage on a tiny model')
@@ -303,39 +303,37 @@ def main(argv=None):
     args.variants = args.variants if '--variants' in rest else 'fit_common'
     args.starts = args.starts if '--starts' in rest else 'high'
     args.peers = args.peers if '--peers' in rest else 'adam_plateau'
+  args.seeds = [int(x) for x in args.seeds.split(',') if x][:1 if args.quick else None]
+  return args, task_overrides
 
-  from hdet_jax.trainer import config_lib, trainer
-  tag = task_tag(task_overrides, args.quick)
-  work_root = os.path.join(args.workdir or os.path.join(REPO, 'workdirs', 'autolr_quick' if args.quick else 'autolr'), tag)
-  records_dir = os.path.join(work_root, 'records') if args.quick else os.path.join(REPO, 'results', 'autolr', 'runs', tag)
-  try:  # bad overrides fail here, before any run
-    known = config_lib.flatten(base_config({}, args.quick))
+
+def checked_base_config(task_overrides: dict, quick: bool):
+  """The base config with the command's overrides, or exit 2 with one line naming a bad one (before any run)."""
+  from hdet_jax.trainer import config_lib
+  try:
+    known = config_lib.flatten(base_config({}, quick))
     for key in task_overrides:
       if key not in known and not any(k.startswith(key + '.') for k in known):
         raise KeyError(f'no field named {key!r} (the fields, each with a comment, are in configs/default.py)')
-    base = base_config(task_overrides, args.quick)
+    base = base_config(task_overrides, quick)
     config_lib.check_values(base)
   except (KeyError, AttributeError, TypeError, ValueError) as e:
     print(f'error: bad --config override: {e.args[0] if e.args else e}', file=sys.stderr)
     sys.exit(2)
-  cache = records.RunCache(records_dir, work_root, make_record, describe)
-  trainer.setup_jax(base)
-  optims = [o for o in args.optim.split(',') if o]
-  seeds = [int(s) for s in args.seeds.split(',') if s]
-  grids = QUICK_GRIDS if args.quick else GRIDS
-  if args.quick:
-    seeds = seeds[:1]
-  stages = ('grid', 'hdet', 'peers') if args.stage == 'all' else (args.stage,)
-  if args.report_only:
-    stages = ()
+  return base
 
-  steps = int(base.num_train_steps)
+
+def run_stages(cache: records.RunCache, args: argparse.Namespace, task_overrides: dict, steps: int) -> None:
+  """Every requested stage's runs, per optimizer, seed, variant and start; cached runs are skipped."""
+  from hdet_jax.trainer import config_lib
+  grids, seeds = QUICK_GRIDS if args.quick else GRIDS, args.seeds
+  stages = () if args.report_only else ('grid', 'hdet', 'peers') if args.stage == 'all' else (args.stage,)
 
   def go(name, overrides):
     config = config_lib.with_overrides(base_config(task_overrides, args.quick), overrides)
     return cache.run(name, config, {**task_overrides, **overrides})
 
-  for optim in optims:
+  for optim in [o for o in args.optim.split(',') if o]:
     lrs = grids[optim]
     if 'grid' in stages:
       print(f'[{optim}] grid: {len(lrs)} peak LRs x seeds {seeds}', flush=True)
@@ -343,25 +341,35 @@ def main(argv=None):
         for lr in lrs:
           go(grid_name(optim, lr, seed), run_overrides('grid', optim, lr, seed, steps))
     best = anchor(cache, optim, lrs, seeds[0])
-    if 'hdet' in stages:
-      if best is None:
-        print(f'[{optim}] hdet: skipped, the grid of seed {seeds[0]} is not complete.', flush=True)
-      else:
-        for seed in seeds:
-          for variant in args.variants.split(','):
-            for start in args.starts.split(','):
-              lr = best * STARTS[start]
-              o = run_overrides('hdet', optim, lr, seed, steps, variant=variant)
-              if args.quick:  # the smoke run's short windows (QUICK) replace the variant's T
-                o.pop('hdet.sync_every', None)
-              go(hdet_name(optim, variant, start, seed), o)
+    if 'hdet' in stages and best is None:
+      print(f'[{optim}] hdet: skipped, the grid of seed {seeds[0]} is not complete.', flush=True)
+    elif 'hdet' in stages:
+      for seed in seeds:
+        for variant in args.variants.split(','):
+          for start in args.starts.split(','):
+            o = run_overrides('hdet', optim, best * STARTS[start], seed, steps, variant=variant)
+            if args.quick:  # the smoke run's short windows (QUICK) replace the variant's T
+              o.pop('hdet.sync_every', None)
+            go(hdet_name(optim, variant, start, seed), o)
     if 'peers' in stages and optim == 'adamw' and best is not None:
       for seed in seeds:
         for peer in args.peers.split(','):
           go(peer_name(peer, seed), run_overrides('peer', optim, best, seed, steps, peer=peer))
 
+
+def main(argv=None):
+  args, task_overrides = parse_args(sys.argv[1:] if argv is None else argv)
+  from hdet_jax.trainer import trainer
+  tag = task_tag(task_overrides, args.quick)
+  work_root = os.path.join(args.workdir or os.path.join(REPO, 'workdirs', 'autolr_quick' if args.quick else 'autolr'), tag)
+  records_dir = os.path.join(work_root, 'records') if args.quick else os.path.join(REPO, 'results', 'autolr', 'runs', tag)
+  base = checked_base_config(task_overrides, args.quick)
+  cache = records.RunCache(records_dir, work_root, make_record, describe)
+  trainer.setup_jax(base)
+  run_stages(cache, args, task_overrides, int(base.num_train_steps))
   out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
-  runs = {o: collect(cache, o, grids[o], tuple(VARIANT_SETTINGS), PEERS, seeds) for o in ('adamw', 'sgd')}
+  grids = QUICK_GRIDS if args.quick else GRIDS
+  runs = {o: collect(cache, o, grids[o], tuple(VARIANT_SETTINGS), PEERS, args.seeds) for o in ('adamw', 'sgd')}
   anchors = {o: read_anchor(cache, o) for o in runs}
   paths = autolr_report.write(out, runs, anchors, default_variant=DEFAULT_VARIANT, quick=args.quick)
   print('\n'.join(f'  {p}' for p in paths))
