@@ -51,7 +51,7 @@ PEERS = ('prodigy', 'dog', 'dadapt_adamw', 'mechanize_adam', 'schedule_free_adam
 # Controller variants: the trainer's hdet.* settings of each. Warmup and stop are fractions of the run.
 # Every variant pins the fields the main job's defaults have changed since it was measured (T, the
 # first scale), so its records stay the runs they describe.
-_PINNED = {'hdet.sync_every': 25, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold'}
+_PINNED = {'hdet.sync_every': 25, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold', 'hdet.step_growth': 1.0}
 _FIT = {'hdet.controller': 'fit', 'hdet.overshoot': 1.5, 'hdet.trust': 0.25, 'hdet.memory': 0.5,
         'warmup': 0.0, 'hdet.stop_fraction': 0.7, **_PINNED}
 VARIANT_SETTINGS = {
@@ -104,11 +104,18 @@ VARIANT_SETTINGS = {
                                                  'hdet.sync_every': 100, 'hdet.trust': 1.5, 'hdet.initial_scale': 0.1,
                                                  'hdet.after_stop': 'rise', 'hdet.step_growth': 2.0,
                                                  'hdet.max_gain': 4.0},
+    # The accelerated fit with a milder cautious start (a third): 10x low is then a 30x-low start and 10x high
+    # a 3x-high one, which the line search has to pull down before the damage shows.
+    'fit_lr_T100_third_rise_accel': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0,
+                                     'hdet.stop_fraction': 0.3, 'hdet.param_groups': False,
+                                     'hdet.sync_every': 100, 'hdet.trust': 1.0, 'hdet.initial_scale': 0.3,
+                                     'hdet.after_stop': 'rise', 'hdet.step_growth': 2.0, 'hdet.max_gain': 4.0},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False, **_PINNED},
 }
-VARIANTS = ('fit_lr', 'paper', 'fit_lr_T100', 'fit_lr_T100_cautious', 'fit_lr_T100_cautious_rise')  # run by default
-DEFAULT_VARIANT = 'fit_lr_T100_cautious_rise'  # the variant reported as HDET's: the main job's controller (configs/default.py)
+VARIANTS = ('fit_lr', 'paper', 'fit_lr_T100', 'fit_lr_T100_cautious', 'fit_lr_T100_cautious_rise',
+            'fit_lr_T100_cautious_rise_accel')  # run by default
+DEFAULT_VARIANT = 'fit_lr_T100_cautious_rise_accel'  # the variant reported as HDET's: the main job's controller (configs/default.py)
 # The LR-free methods at their documented LR: the trainer's one-cycle shape peaking at it where the docs
 # recommend a schedule (prodigy, dog, D-Adaptation, Mechanic), constant for schedule-free. reduce_on_plateau
 # can only lower an LR, so adam_plateau starts from the 'high' start (10x the grid's best).

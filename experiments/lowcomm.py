@@ -33,6 +33,7 @@ LAYOUT = {'mesh.replicas': 4, 'mesh.fsdp': 2, 'data.batch_size': 16}  # 4 x 16 =
 # The main job's settings when this was measured (T=25, its controller then: fit_lr), pinned so the
 # records stay the runs they describe.
 MAIN_JOB_THEN = {'hdet.sync_every': 25, 'hdet.trust': 0.25, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
+                 'hdet.step_growth': 1.0,
                  'optim.max_lr': 3e-3}
 
 
