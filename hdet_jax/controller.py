@@ -271,20 +271,22 @@ def fit_update(
 
 
 def accelerate(step: jax.Array, last_gain: jax.Array, *, growth: float, max_gain: float,
-               trust: jax.Array | float) -> tuple[jax.Array, jax.Array]:
+               trust: jax.Array | float, confident: jax.Array | bool = True) -> tuple[jax.Array, jax.Array]:
   """(the step taken, its signed gain): the fitted step, amplified while the fit keeps asking one way.
 
   .. math::
 
-    m_k &= \\min(m_{k-1}\\, \\eta,\\ m_\\max) \\ \\text{if}\\ \\mathrm{sign}(s_k) = \\mathrm{sign}(s_{k-1}),
-      \\ \\text{else}\\ 1 \\\\
+    m_k &= \\min(m_{k-1}\\, \\eta,\\ m_\\max) \\ \\text{if}\\ \\mathrm{sign}(s_k) = \\mathrm{sign}(s_{k-1})
+      \\text{ and } |b_k| > 2\\,\\mathrm{se}(b_k), \\ \\text{else}\\ 1 \\\\
     \\text{taken}_k &= \\mathrm{clip}(m_k s_k, -\\tau, \\tau)
 
   Rprop's rule (Riedmiller and Braun, 1993) on the fit's steps s: the fitted step's sign is reliable but
   its size is compressed. Measured on the trainer's task, starts 10x apart ask for log-steps only about
   0.4 apart at the same sync (short-horizon bias shrinks every ask), while consecutive asks keep their
   sign until the LR is near where the line search wants it. A reversal resets the gain to 1, so the
-  acceleration undoes itself as soon as it overshoots. ``growth = 1`` is the plain fit.
+  acceleration undoes itself as soon as it overshoots. Only a confident step grows the gain (the fitted
+  slope b at least twice its standard error): a hyperparameter the losses carry no signal about would
+  otherwise random-walk at up to ``max_gain`` times its noise. ``growth = 1`` is the plain fit.
 
   Args:
     step: [G] this sync's fitted step s_k (from :func:`fit_update`).
@@ -292,11 +294,13 @@ def accelerate(step: jax.Array, last_gain: jax.Array, *, growth: float, max_gain
     growth: eta >= 1, the gain's factor per agreeing sync.
     max_gain: m_max >= 1, the largest gain.
     trust: [G] or scalar tau, the largest step per sync.
+    confident: [G] bool or scalar: whether this step may grow the gain (e.g. ``|b| > 2 se(b)``); an
+      unconfident step is taken at gain 1.
 
   Returns:
     (the step taken [G], the new signed gain [G]; 0 where the fit asked for nothing).
   """
-  agree = jnp.sign(step) * jnp.sign(last_gain) > 0
+  agree = (jnp.sign(step) * jnp.sign(last_gain) > 0) & confident
   gain = jnp.where(agree, jnp.minimum(jnp.abs(last_gain) * growth, max_gain), 1.0)
   taken = jnp.clip(gain * step, -trust, trust)
   return taken, jnp.sign(step) * gain

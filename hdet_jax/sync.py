@@ -128,7 +128,8 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
   trust = jnp.asarray([sp if ad else a.trust for sp, ad in zip(plan.spreads, plan.additive)], jnp.float32)
   out = ctrl.fit_update(c.xtx, c.xty, scores, u, jnp.asarray(~add),
                         memory=a.memory, overshoot=a.overshoot, trust=trust)
-  step, gain = ctrl.accelerate(out.step, c.gain, growth=a.step_growth, max_gain=a.max_gain, trust=trust)
+  step, gain = ctrl.accelerate(out.step, c.gain, growth=a.step_growth, max_gain=a.max_gain, trust=trust,
+                               confident=jnp.abs(out.slope) > 2.0 * out.stderr)
   step = jnp.where(rise_only, jnp.maximum(step, 0.0), step)
   keep = lambda new, old: jnp.where(active, new, old)
   return new_c._replace(

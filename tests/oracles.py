@@ -42,14 +42,30 @@ def numpy_fit(xtx, xty, scores, offsets, multiplicative, memory, overshoot, trus
 
 
 
-def numpy_accelerate(steps, growth, max_gain, trust):
+def numpy_accelerate(steps, growth, max_gain, trust, confident=None):
   """Rprop's gain on a sequence of fitted steps, written as a plain loop in float64: the gain starts at
-  1, multiplies by ``growth`` (up to ``max_gain``) while a step has the previous nonzero step's sign, and
-  resets to 1 on a reversal or after a zero step; the taken step is ``clip(gain * step, -trust, trust)``."""
+  1, multiplies by ``growth`` (up to ``max_gain``) while a confident step has the previous nonzero step's
+  sign, and resets to 1 on a reversal, after a zero step or on an unconfident step; the taken step is
+  ``clip(gain * step, -trust, trust)``."""
   taken, gain, last_sign = [], 1.0, 0.0
-  for s in np.asarray(steps, np.float64):
+  confident = [True] * len(steps) if confident is None else confident
+  for s, sure in zip(np.asarray(steps, np.float64), confident):
     sign = float(np.sign(s))
-    gain = min(gain * growth, max_gain) if sign != 0 and sign == last_sign else 1.0
+    gain = min(gain * growth, max_gain) if sure and sign != 0 and sign == last_sign else 1.0
     taken.append(float(np.clip(gain * s, -trust, trust)))
     last_sign = sign
   return np.asarray(taken)
+
+
+def numpy_slope_stderr(scores, offsets):
+  """The standard error of the fitted slope b from one sync alone: ordinary least squares of the centred
+  scores on ``[u - mean u, u^2 - mean u^2]``, residual variance over N - 1 - 2G degrees of freedom."""
+  y = np.asarray(scores, np.float64)
+  y = y - y.mean()
+  u = np.asarray(offsets, np.float64)
+  g = u.shape[1]
+  x = np.concatenate([u - u.mean(0), u ** 2 - (u ** 2).mean(0)], 1)
+  inv = np.linalg.inv(x.T @ x)
+  resid = y - x @ (inv @ x.T @ y)
+  dof = max(len(y) - 1 - 2 * g, 1)
+  return np.sqrt(np.diag(inv * (resid @ resid) / dof)[:g])

@@ -42,6 +42,7 @@ def test_ablation_rows_differ_as_the_paper_says():
   assert full.hdet.param_groups and full.hdet.stop_fraction == 1.0
   # ... averaging every 25 steps from the schedule as given, whatever the main job's T and start.
   assert full.hdet.sync_every == 25 and full.hdet.initial_scale == 1.0 and full.hdet.after_stop == 'hold'
+  assert full.hdet.step_growth == 1.0
   assert full.init_from and no_auto.init_from and warm.init_from and not cold.init_from and not high.init_from
   for plain in (warm, high, low):
     assert plain.hdet.spread == 0 and plain.hdet.sync_every == 0 and not plain.hdet.auto_lr

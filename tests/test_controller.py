@@ -189,6 +189,15 @@ def test_accelerate_against_numpy_oracle(growth, max_gain):
     taken, gain = ctrl.accelerate(jnp.asarray([s], jnp.float32), gain, growth=growth, max_gain=max_gain, trust=trust)
     got.append(float(taken[0]))
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  # An unconfident step is taken at gain 1 and the next agreeing one starts growing again.
+  sure = [True, True, False, True, True, True, True, True, True, True, True, True]
+  gain, unsure = jnp.zeros(1, jnp.float32), []
+  for s, ok in zip(steps, sure):
+    taken, gain = ctrl.accelerate(jnp.asarray([s], jnp.float32), gain, growth=growth, max_gain=max_gain,
+                                  trust=trust, confident=jnp.asarray([ok]))
+    unsure.append(float(taken[0]))
+  np.testing.assert_allclose(unsure, numpy_accelerate(steps, growth, max_gain, trust, sure), rtol=1e-6, atol=1e-7)
+  assert unsure[2] == pytest.approx(0.05)
   if growth == 1.0:
     np.testing.assert_allclose(got, np.clip(steps, -trust, trust), rtol=1e-6)
   else:  # hand-checked: 0.1, then 0.2 x growth, 0.05 x growth^2 (capped), ...

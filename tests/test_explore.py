@@ -15,6 +15,8 @@ N, AX = 8, 'data'
 CONTROLLERS = {
     'paper': dict(temperature=0.02, lr_of_lr=0.5, momentum=0.5),
     'fit': dict(controller='fit', overshoot=1.0, trust=0.25, memory=0.5),
+    # The main job's fit: steps amplified (Rprop) while they keep one direction, per hyperparameter.
+    'fit_accel': dict(controller='fit', overshoot=1.0, trust=0.25, memory=0.5, step_growth=2.0, max_gain=4.0),
 }
 
 

@@ -13,7 +13,7 @@ from jax import lax
 
 import hdet_jax as H
 
-from oracles import numpy_accelerate, numpy_controller, numpy_fit
+from oracles import numpy_accelerate, numpy_controller, numpy_fit, numpy_slope_stderr
 from jax.sharding import NamedSharding, PartitionSpec as P
 from replica_testing import AX, N, make_mesh, put, quad_problem, quad_step, run, signal_run
 
@@ -204,13 +204,14 @@ def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth):
   np.testing.assert_allclose(states[0].base[0], initial_scale * float(sched(0)), rtol=1e-6)
   xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), np.log(initial_scale)
   rho = H.spread_multipliers(N, 0.25)
-  fitted = []
+  fitted, sure = [], []
   for k in range(1, S // T + 1):
     before, after = states[(k - 1) * T], states[k * T]
     u = (rho[before.controller.perm[0]] - 1.0)[:, None]
     b, c, step, xtx, xty = numpy_fit(xtx, xty, after.controller.window_losses, u, [True], 0.4, 1.3, [0.2])
     fitted.append(step[0])
-    taken = numpy_accelerate(fitted, growth, 3.0, 0.2)[-1]
+    sure.append(abs(b[0]) > 2 * numpy_slope_stderr(after.controller.window_losses, u)[0])
+    taken = numpy_accelerate(fitted, growth, 3.0, 0.2, sure)[-1]
     corr += taken
     np.testing.assert_allclose(after.controller.correction, [corr], rtol=1e-3, atol=1e-4)
     t = k * T
