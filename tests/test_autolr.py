@@ -2,6 +2,7 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -52,3 +53,42 @@ def test_bad_override_is_one_error_line(tmp_path):
   assert r.returncode == 2
   assert r.stderr.strip().startswith('error:') and 'spred' in r.stderr and len(r.stderr.strip().splitlines()) == 1
   assert not any(tmp_path.iterdir())  # nothing written
+
+
+def _replay_fit(rec):
+  """Each sync's taken step of a recorded 'fit' run, recomputed in float64 from the record alone (the
+  compared losses and each replica's LR) with the oracles: the fit, the Rprop gain gated on |b| > 2 se,
+  the trust region and, after the stop, 'rise' (or 'hold')."""
+  from oracles import numpy_accelerate, numpy_fit, numpy_slope_stderr
+  h, steps = rec['config']['hdet'], rec['config']['num_train_steps']
+  stop = int(h['stop_fraction'] * steps) if h['stop_fraction'] < 1 else None
+  xtx, xty, fitted, sure, out = np.zeros((2, 2)), np.zeros(2), [], [], []
+  for c in rec['controller']:
+    lr = np.asarray(c['values'][0], np.float64)
+    u = (lr / lr.mean() - 1.0)[:, None]  # the multipliers average to 1
+    if stop is not None and c['step'] + 1 > stop and h.get('after_stop', 'hold') == 'hold':
+      out.append(out[-1] if out else 0.0)  # held: the record repeats the last step
+      continue
+    b, _, step, xtx, xty = numpy_fit(xtx, xty, c['window_losses'], u, [True], h['memory'], h['overshoot'],
+                                     [h['trust']])
+    fitted.append(step[0])
+    sure.append(abs(b[0]) > 2 * numpy_slope_stderr(c['window_losses'], u)[0])
+    taken = numpy_accelerate(fitted, h.get('step_growth', 1.0), h.get('max_gain', 4.0), h['trust'], sure)[-1]
+    out.append(max(taken, 0.0) if stop is not None and c['step'] + 1 > stop else taken)
+  return np.asarray(out)
+
+
+def test_recorded_default_controller_runs_replay_with_the_oracles():
+  """Every committed record of the default variant is the run of today's controller: its per-sync steps,
+  recomputed from the record's own losses and LRs by the float64 oracles, are the steps it took."""
+  runs = pathlib.Path(REPO) / 'results' / 'autolr' / 'runs' / 'default'
+  paths = sorted(p for o in ('adamw', 'sgd') for p in (runs / o).glob(f'hdet_{A.DEFAULT_VARIANT}_*_s*.json'))
+  if not paths:
+    pytest.skip('no records of the default variant committed')
+  for p in paths:
+    rec = json.load(open(p))
+    if rec.get('diverged_at') is not None:
+      continue
+    want = _replay_fit(rec)
+    got = np.asarray([c['delta'] for c in rec['controller']])
+    np.testing.assert_allclose(got, want, atol=1e-3, err_msg=p.name)
