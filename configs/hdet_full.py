@@ -28,6 +28,7 @@ def get_config():
   config.hdet.sync_every = 25  # T: average every 25 steps (the protocol Table 1 measures).
   config.hdet.initial_scale = 1.0  # The schedule as given (the paper's controller replaces it).
   config.hdet.after_stop = 'hold'  # (The paper's controller runs to the end; 'rise' is 'fit's.)
+  config.hdet.step_growth = 1.0  # (The paper's steps are its own; the Rprop gain is 'fit's.)
   config.hdet.param_groups = True  # Per-group LRs: embedding, no_decay, weights.
   config.init_from = 'workdirs/baseline_low'  # Warm noisy start from this workdir's latest checkpoint (eq. 10).
   return config
