@@ -131,7 +131,7 @@ def write(out_dir: str, runs: dict, anchors: dict, *, default_variant: str, quic
     json.dump(results, f, indent=1)
   paths.append(jpath)
   fig_dir = os.path.join(out_dir, 'figures')
-  paths += _figures(fig_dir, results, all_runs)
+  paths += _figures(fig_dir, results, all_runs, shown=(default_variant, 'paper'))
   mpath = os.path.join(out_dir, 'autolr.md')
   with open(mpath, 'w', encoding='utf-8') as f:
     f.write(_markdown(results, all_runs, quick))
@@ -199,7 +199,9 @@ def _markdown(results: dict, all_runs: dict, quick: bool) -> str:
   return '\n'.join(lines) + '\n'
 
 
-def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
+def _figures(fig_dir: str, results: dict, all_runs: dict, shown: tuple[str, ...]) -> list[str]:
+  """The LR-trajectory and signal figures of the ``shown`` variants (the default first; every variant's
+  numbers are in the tables)."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -208,7 +210,7 @@ def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
   os.makedirs(fig_dir, exist_ok=True)
   paths = []
   colors = {'low': 'tab:blue', 'best': 'tab:green', 'high': 'tab:red'}
-  styles = ['-', '--', ':', '-.']
+  styles = ['-', ':', '--', '-.']
   for optim, runs in all_runs.items():
     res = results[optim]
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -220,7 +222,7 @@ def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
       import jax
       ax.plot(steps, np.asarray(jax.jit(jax.vmap(sched))(steps)), color='k', lw=2, alpha=0.5,
               label=f'grid best schedule (peak {gb["lr"]:.3g})')
-    for style, v, st, rs in _styled_hdet_runs(runs, styles):
+    for style, v, st, rs in _styled_hdet_runs(runs, styles, shown):
       for j, r in enumerate(rs):
         s, lr = lr_path(r)
         ax.plot(s, lr, style, color=colors[st], alpha=0.8, label=f'{v} {st}' if j == 0 else None)
@@ -228,7 +230,7 @@ def _figures(fig_dir: str, results: dict, all_runs: dict) -> list[str]:
     paths.append(save_figure(fig, fig_dir, f'autolr_lr_{optim}.png'))
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for style, v, st, rs in _styled_hdet_runs(runs, styles):
+    for style, v, st, rs in _styled_hdet_runs(runs, styles, shown):
       sig = signal_per_sync(rs[0])
       if not sig:
         continue
@@ -251,9 +253,10 @@ def _label(ax, xlabel: str, ylabel: str, title: str) -> None:
   ax.legend(fontsize=7, ncol=2)
 
 
-def _styled_hdet_runs(runs: dict, styles: list[str]):
-  """(line style of the variant, variant, start, records) for every HDET start that has records."""
-  for k, (v, by_start) in enumerate(runs['hdet'].items()):
-    for st, rs in by_start.items():
+def _styled_hdet_runs(runs: dict, styles: list[str], shown: tuple[str, ...]):
+  """(line style of the variant, variant, start, records) for every start of the ``shown`` variants that has
+  records, styled in ``shown``'s order."""
+  for k, v in enumerate(x for x in shown if x in runs['hdet']):
+    for st, rs in runs['hdet'][v].items():
       if rs:
         yield styles[k % len(styles)], v, st, rs
