@@ -211,7 +211,8 @@ def _agree(ok: bool) -> bool:
 # older workdir is refused with a clear message instead of failing to read like a corrupt one.
 # 1: before 2026-11-21 (no record); 2: HDETState holds the coming step's values, no constant fields.
 # 3: ControllerState gains the 'fit' controller's correction and regression statistics.
-STATE_FORMAT = 3
+# 4: ControllerState gains the Rprop gain of the 'fit' controller's steps.
+STATE_FORMAT = 4
 
 
 def _whole_array_registry() -> ocp.type_handlers.TypeHandlerRegistry:
