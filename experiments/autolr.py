@@ -54,6 +54,12 @@ PEERS = ('prodigy', 'dog', 'dadapt_adamw', 'mechanize_adam', 'schedule_free_adam
 _PINNED = {'hdet.sync_every': 25, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold', 'hdet.step_growth': 1.0}
 _FIT = {'hdet.controller': 'fit', 'hdet.overshoot': 1.5, 'hdet.trust': 0.25, 'hdet.memory': 0.5,
         'warmup': 0.0, 'hdet.stop_fraction': 0.7, **_PINNED}
+# The T=100 family, each adding one setting to the one before.
+_T100 = {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3,
+         'hdet.param_groups': False, 'hdet.sync_every': 100, 'hdet.trust': 1.0}
+_CAUTIOUS = {**_T100, 'hdet.initial_scale': 0.1}
+_RISE = {**_CAUTIOUS, 'hdet.after_stop': 'rise'}
+_ACCEL = {**_RISE, 'hdet.step_growth': 2.0, 'hdet.max_gain': 4.0}
 VARIANT_SETTINGS = {
     'paper': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0, **_PINNED},
     'paper_common': {'hdet.controller': 'paper', 'hdet.score': 'common', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
@@ -72,44 +78,26 @@ VARIANT_SETTINGS = {
                'hdet.param_groups': False},
     # fit_lr with a 4x longer horizon (average and compare every 100 steps; the same largest change per
     # step): does the line search's preference for small LRs (short-horizon bias) shrink with the horizon?
-    'fit_lr_T100': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3,
-                    'hdet.param_groups': False, 'hdet.sync_every': 100, 'hdet.trust': 1.0},
+    'fit_lr_T100': _T100,
     # fit_lr_T100 starting at a tenth of the user's LR (hdet.initial_scale): the line search cannot see a
     # too-high LR's damage coming in the warmup (the 10x-high runs are lost in their first ~200 steps)
     # but does raise a too-low one, so begin low and let it climb.
-    'fit_lr_T100_cautious': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3,
-                             'hdet.param_groups': False, 'hdet.sync_every': 100, 'hdet.trust': 1.0,
-                             'hdet.initial_scale': 0.1},
+    'fit_lr_T100_cautious': _CAUTIOUS,
     # fit_lr_T100_cautious whose correction may still rise after the warmup (hdet.after_stop='rise'): from
     # far below, the line search still asks for more at the stop (+0.29 a sync from 100x low, AdamW), and
     # after the warmup a pull up goes against the short-horizon bias (which pulls down).
-    'fit_lr_T100_cautious_rise': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fraction': 0.3,
-                                  'hdet.param_groups': False, 'hdet.sync_every': 100, 'hdet.trust': 1.0,
-                                  'hdet.initial_scale': 0.1, 'hdet.after_stop': 'rise'},
+    'fit_lr_T100_cautious_rise': _RISE,
     # fit_lr_T100_cautious_rise whose steps grow while the fit keeps asking one way (hdet.step_growth, Rprop):
     # the asks' signs are reliable but their sizes compressed (starts 10x apart ask log-steps ~0.4 apart at
     # the same sync), so the 100x-low start climbed only 10x.
-    'fit_lr_T100_cautious_rise_accel': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0,
-                                        'hdet.stop_fraction': 0.3, 'hdet.param_groups': False,
-                                        'hdet.sync_every': 100, 'hdet.trust': 1.0, 'hdet.initial_scale': 0.1,
-                                        'hdet.after_stop': 'rise', 'hdet.step_growth': 2.0, 'hdet.max_gain': 4.0},
+    'fit_lr_T100_cautious_rise_accel': _ACCEL,
     # Screens of the accelerated fit from 100x low, where a trust of 1 a sync capped its climb (steps 1.0,
     # 1.0 at the second and third syncs): twice the syncs in the warmup, or a larger trust region.
-    'fit_lr_T50_cautious_rise_accel': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0,
-                                       'hdet.stop_fraction': 0.3, 'hdet.param_groups': False,
-                                       'hdet.sync_every': 50, 'hdet.trust': 1.0, 'hdet.initial_scale': 0.1,
-                                       'hdet.after_stop': 'rise', 'hdet.step_growth': 2.0, 'hdet.max_gain': 4.0},
-    'fit_lr_T100_cautious_rise_accel_trust1p5': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0,
-                                                 'hdet.stop_fraction': 0.3, 'hdet.param_groups': False,
-                                                 'hdet.sync_every': 100, 'hdet.trust': 1.5, 'hdet.initial_scale': 0.1,
-                                                 'hdet.after_stop': 'rise', 'hdet.step_growth': 2.0,
-                                                 'hdet.max_gain': 4.0},
+    'fit_lr_T50_cautious_rise_accel': {**_ACCEL, 'hdet.sync_every': 50},
+    'fit_lr_T100_cautious_rise_accel_trust1p5': {**_ACCEL, 'hdet.trust': 1.5},
     # The accelerated fit with a milder cautious start (a third): 10x low is then a 30x-low start and 10x high
     # a 3x-high one, which the line search has to pull down before the damage shows.
-    'fit_lr_T100_third_rise_accel': {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0,
-                                     'hdet.stop_fraction': 0.3, 'hdet.param_groups': False,
-                                     'hdet.sync_every': 100, 'hdet.trust': 1.0, 'hdet.initial_scale': 0.3,
-                                     'hdet.after_stop': 'rise', 'hdet.step_growth': 2.0, 'hdet.max_gain': 4.0},
+    'fit_lr_T100_third_rise_accel': {**_ACCEL, 'hdet.initial_scale': 0.3},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False, **_PINNED},
 }
@@ -311,6 +299,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     args.starts = args.starts if '--starts' in rest else 'high'
     args.peers = args.peers if '--peers' in rest else 'adam_plateau'
   args.seeds = [int(x) for x in args.seeds.split(',') if x][:1 if args.quick else None]
+  args.grids = QUICK_GRIDS if args.quick else GRIDS
   return args, task_overrides
 
 
@@ -333,7 +322,7 @@ def checked_base_config(task_overrides: dict, quick: bool):
 def run_stages(cache: records.RunCache, args: argparse.Namespace, task_overrides: dict, steps: int) -> None:
   """Every requested stage's runs, per optimizer, seed, variant and start; cached runs are skipped."""
   from hdet_jax.trainer import config_lib
-  grids, seeds = QUICK_GRIDS if args.quick else GRIDS, args.seeds
+  grids, seeds = args.grids, args.seeds
   stages = () if args.report_only else ('grid', 'hdet', 'peers') if args.stage == 'all' else (args.stage,)
 
   def go(name, overrides):
@@ -375,8 +364,7 @@ def main(argv=None):
   trainer.setup_jax(base)
   run_stages(cache, args, task_overrides, int(base.num_train_steps))
   out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
-  grids = QUICK_GRIDS if args.quick else GRIDS
-  runs = {o: collect(cache, o, grids[o], tuple(VARIANT_SETTINGS), PEERS, args.seeds) for o in ('adamw', 'sgd')}
+  runs = {o: collect(cache, o, args.grids[o], tuple(VARIANT_SETTINGS), PEERS, args.seeds) for o in ('adamw', 'sgd')}
   anchors = {o: read_anchor(cache, o) for o in runs}
   paths = autolr_report.write(out, runs, anchors, default_variant=DEFAULT_VARIANT, quick=args.quick)
   print('\n'.join(f'  {p}' for p in paths))
