@@ -65,6 +65,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.num_replicas = 0  # N, one replica per device; 0: all devices (must equal the device count with several processes).
   config.hdet.spread = 0.25  # alpha of eq. 1: the replicas' LRs span base * [1 - alpha, 1 + alpha]; 0: plain data parallel.
   config.hdet.sync_every = 100  # T: average the replicas (eq. 3) every T steps; 0: never (plain data parallel).
+  # Shorter windows at the start: average every early_sync_every steps for the first early_sync_steps steps
+  # (a multiple of it), then every T; the controller compares the replicas at each of those syncs. 0: off.
+  config.hdet.early_sync_every = 0
+  config.hdet.early_sync_steps = 0
   config.hdet.auto_lr = True  # The auto-LR controller moves the base LR at each sync after the warmup.
   # Which controller (hdet_jax.controller): 'paper' (eqs. 4-9: softmax weights, additive step, geometric
   # decay replacing the schedule) or 'fit' (a quadratic line search along the replicas' line that scales

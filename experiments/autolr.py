@@ -98,6 +98,13 @@ VARIANT_SETTINGS = {
     # The accelerated fit with a milder cautious start (a third): 10x low is then a 30x-low start and 10x high
     # a 3x-high one, which the line search has to pull down before the damage shows.
     'fit_lr_T100_third_rise_accel': {**_ACCEL, 'hdet.initial_scale': 0.3},
+    # Screens of a sync schedule: the first syncs 25 steps apart, then every 100. From 100x low the climb is
+    # capped at trust (1) per sync, so four syncs in the first 100 steps can climb as far as the T=100 fit's
+    # first 400 steps; the T=50 screen showed that short windows all through the warmup overshoot.
+    'fit_lr_T100_cautious_rise_accel_early25x100': {**_ACCEL, 'hdet.early_sync_every': 25,
+                                                    'hdet.early_sync_steps': 100},
+    'fit_lr_T100_cautious_rise_accel_early25x200': {**_ACCEL, 'hdet.early_sync_every': 25,
+                                                    'hdet.early_sync_steps': 200},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False, **_PINNED},
 }
@@ -346,6 +353,8 @@ def run_stages(cache: records.RunCache, args: argparse.Namespace, task_overrides
             o = run_overrides('hdet', optim, best * STARTS[start], seed, steps, variant=variant)
             if args.quick:  # the smoke run's short windows (QUICK) replace the variant's T
               o.pop('hdet.sync_every', None)
+              if o.get('hdet.early_sync_every'):  # and its early windows, scaled down to fit
+                o.update({'hdet.early_sync_every': 4, 'hdet.early_sync_steps': 8})
             go(hdet_name(optim, variant, start, seed), o)
     if 'peers' in stages and optim == 'adamw' and best is not None:
       for seed in seeds:

@@ -14,10 +14,12 @@ from hdet_jax.settings import AutoLR, Explore, hyperparam_names
 from hdet_jax.sync import apply_updates
 from hdet_jax.transform import HDETState, hdet, replica_value, state_shardings
 from hdet_jax.views import hyperparams
+from hdet_jax.windows import is_sync_step
 
 __all__ = [
     'AutoLR', 'ControllerState', 'Explore', 'group_labels', 'hyperparam_names', 'replica_value', 'HDETState', 'apply_updates', 'average_replicas',
-    'controller_update', 'decay_for_schedule', 'draw_permutations', 'finite_mean', 'group_shardings', 'hdet', 'one_cycle',
+    'controller_update', 'decay_for_schedule', 'draw_permutations', 'finite_mean', 'group_shardings', 'hdet', 'is_sync_step',
+    'one_cycle',
     'pmean_finite',
     'reference_decay', 'replica', 'shard_map_replicas', 'softmax_weights', 'spread_multipliers',
     'stack_replicas', 'state_shardings', 'hyperparams',

@@ -20,6 +20,7 @@ import numpy as np
 
 from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
+from hdet_jax import windows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +135,7 @@ class Plan(NamedTuple):
   offset: np.ndarray                   # [G, N] float32: additive offset of each slot (0 when multiplicative).
   groups: tuple[tuple[str, str], ...]  # (group, regex) of the per-group learning rates; () for one LR.
   num_replicas: int                    # N, the replica axis size.
-  sync_every: int                      # T, steps between averages.
+  sync_windows: tuple[int, ...]        # the windows' lengths in steps, the last repeating ((T,): every T).
   replica_axis: str                    # the mapped axis the replicas live on.
   auto_lr: AutoLR | None               # the controller's settings, or None.
   controller_start: int                # the first step whose sync updates the controller (0: no controller).
@@ -171,15 +172,15 @@ def make_plan(optimizer, learning_rate, *, num_replicas, spread, sync_every, rep
   """Validates every ``hdet`` argument eagerly and returns the frozen plan."""
   extra = _explored(explore, optimizer_kwargs)
   groups = _param_groups(param_groups)
-  _check_replicas(num_replicas, spread, sync_every, replica_axis)
-  sync_every = int(sync_every)
+  _check_replicas(num_replicas, spread, replica_axis)
+  sync_windows = windows.as_windows(sync_every)
   lr = Explore(learning_rate, float(spread), low=None, high=None)
   names = hyperparam_names(param_groups=dict(groups), explore=dict(extra))
   hps = tuple(zip(names, (lr,) * (len(names) - len(extra)) + tuple(h for _, h in extra)))
   for name, h in extra:
     _check_explored_value(name, h)
   lows = tuple(-math.inf if h.low is None else float(h.low) for _, h in hps)
-  controlled = _controller_plan(auto_lr, hps, lows, spread, sync_every)
+  controlled = _controller_plan(auto_lr, hps, lows, spread, sync_windows)
   if not callable(optimizer):
     raise ValueError(
         f'optimizer must be an optax factory such as optax.adam (called with learning_rate=), '
@@ -192,7 +193,7 @@ def make_plan(optimizer, learning_rate, *, num_replicas, spread, sync_every, rep
       schedules=tuple(h.value for _, h in hps), spreads=spreads, additive=additive, lows=lows,
       highs=tuple(math.inf if h.high is None else float(h.high) for _, h in hps),
       to_optimizer=tuple(h.to_optimizer for _, h in hps), scale=scale, offset=offset, groups=groups,
-      num_replicas=int(num_replicas), sync_every=sync_every, replica_axis=replica_axis,
+      num_replicas=int(num_replicas), sync_windows=sync_windows, replica_axis=replica_axis,
       auto_lr=auto_lr, **controlled, exact_sync=bool(exact_sync),
       guard_nonfinite=bool(guard_nonfinite), seed=seed, average_opt_state=_flag('average_opt_state', average_opt_state))
 
@@ -228,14 +229,12 @@ def _param_groups(param_groups) -> tuple[tuple[str, str], ...]:
   return groups
 
 
-def _check_replicas(num_replicas, spread, sync_every, replica_axis) -> None:
+def _check_replicas(num_replicas, spread, replica_axis) -> None:
   if not _is_int(num_replicas) or num_replicas < 1:
     raise ValueError(f'num_replicas must be a positive integer (the replica axis size), got {num_replicas!r}.')
   if not isinstance(spread, (int, float)) or not 0.0 <= spread < 1.0:
     raise ValueError(
         f'spread (alpha) must be in [0, 1): the lowest multiplier 1 - spread must stay positive; got {spread!r}.')
-  if not _is_int(sync_every) or sync_every < 1:
-    raise ValueError(f'sync_every (T) must be an integer >= 1, got {sync_every!r}.')
   if not isinstance(replica_axis, str) or not replica_axis:
     raise ValueError(f'replica_axis must be a mesh/map axis name, got {replica_axis!r}.')
 
@@ -303,7 +302,7 @@ def _check_auto_lr(a, spread) -> None:
         'controller gets no signal. Set spread (e.g. 0.25) or auto_lr=None.')
 
 
-def _controller_plan(auto_lr, hps, lows, spread, sync_every) -> dict[str, Any]:
+def _controller_plan(auto_lr, hps, lows, spread, sync_windows) -> dict[str, Any]:
   """The Plan's controller fields: ``controller_start``, and per hyperparameter ``decay``, ``floors``,
   ``start_values``."""
   g = len(hps)
@@ -312,21 +311,21 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_every) -> dict[str, Any]:
                 initial_correction=(0.0,) * g)
   a = auto_lr
   _check_auto_lr(a, spread)
-  # The first sync at or after the warmup; syncs happen after steps T, 2T, ...
-  start = max(sync_every, -(-int(a.warmup_steps) // sync_every) * sync_every)
+  # The first sync at or after the warmup (syncs happen after steps T, 2T, ... for a fixed T).
+  start = windows.first_sync_at_or_after(sync_windows, int(a.warmup_steps))
   last = int(a.total_steps) - 1
   if start >= last:
     raise ValueError(
         f'auto_lr: the first sync at or after warmup_steps={a.warmup_steps} is step '
         f'{start}, not before total_steps={a.total_steps}; lower auto_lr.warmup_steps '
-        f'or sync_every={sync_every}.')
+        f'or sync_every={sync_windows if len(sync_windows) > 1 else sync_windows[0]}.')
   firsts, finals = zip(*evaluate_schedules([h.value for _, h in hps], [start, last]))
   if a.controller != 'fit':  # 'fit' scales the schedule; it needs no positive end value
     for (name, h), v0, v1 in zip(hps, firsts, finals):
       _check_decays_to_positive(name, h, v0, v1, start, last)
   if a.decay is not None and not a.decay < 1:
     raise ValueError(f'auto_lr.decay (gamma) must be < 1, got {a.decay!r}.')
-  decay = _decays(a, hps, firsts, finals, num_syncs=(last - start) / sync_every)
+  decay = _decays(a, hps, firsts, finals, num_syncs=windows.syncs_between(sync_windows, start, last))
   if a.min_value is not None and not a.min_value > 0:
     raise ValueError(f'auto_lr.min_value must be > 0 (it keeps every LR positive), got {a.min_value!r}.')
   floors = tuple(

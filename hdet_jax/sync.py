@@ -20,6 +20,7 @@ from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
 from hdet_jax import replicas
 from hdet_jax import values
+from hdet_jax import windows
 from hdet_jax.settings import Plan
 
 
@@ -77,7 +78,8 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
   if score is not None:  # the caller's comparison (e.g. every replica on one common batch)
     window_losses = lax.all_gather(jnp.asarray(score, jnp.float32), plan.replica_axis)
   elif gather:
-    window_losses = lax.all_gather(st.loss_sum / plan.sync_every, plan.replica_axis)
+    window_losses = lax.all_gather(st.loss_sum / windows.window_length(plan.sync_windows, st.count),
+                                   plan.replica_axis)
   new_c = c._replace(window_losses=window_losses)
   a = plan.auto_lr
   if a is not None:

@@ -14,7 +14,7 @@ window (average, controller, reshuffle) is :mod:`hdet_jax.sync`; the step's hype
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from hdet_jax import replicas
 from hdet_jax import settings
 from hdet_jax import sync as sync_lib
 from hdet_jax import values as values_lib
+from hdet_jax import windows
 from hdet_jax.param_groups import group_labels, path_string  # noqa: F401  (re-exported)
 from hdet_jax.settings import AutoLR, Explore, Plan, hyperparam_names  # noqa: F401  (re-exported)
 from hdet_jax.sync import apply_updates  # noqa: F401  (re-exported)
@@ -78,7 +79,7 @@ def hdet(
     *,
     num_replicas: int,
     spread: float = 0.25,
-    sync_every: int = 100,
+    sync_every: int | Sequence[int] = 100,
     replica_axis: str = 'data',
     auto_lr: AutoLR | None = None,
     exact_sync: bool = False,
@@ -109,7 +110,7 @@ def hdet(
   With ``spread=0`` and no controller the updates equal ``optimizer(learning_rate)``'s bit
   for bit between syncs (and the sync is a no-op up to rounding, since the replicas agree).
 
-  Sync steps: the update of step t with ``(t + 1) % sync_every == 0`` returns
+  Sync steps: the update of step t that ends a window (``(t + 1) % sync_every == 0`` for a fixed T) returns
   ``pmean(p + u) - p``. Applied with ``optax.apply_updates`` the replicas then agree to
   rounding: ``|p'_r - avg| <= eps (|avg| + |avg - p_r|)`` with eps the unit roundoff
   (2**-24 for float32), about one ulp. For a bitwise-exact assignment build with
@@ -122,7 +123,9 @@ def hdet(
       :func:`hdet_jax.one_cycle`.
     num_replicas: N, the size of ``replica_axis``.
     spread: alpha in [0, 1).
-    sync_every: T >= 1, steps between parameter averages.
+    sync_every: T >= 1, steps between parameter averages; or a schedule of window lengths whose last one
+      repeats, e.g. ``(25, 25, 25, 25, 100)``: averages after steps 25, 50, 75, 100, 200, 300, ... (short
+      early windows give the controller more comparisons while the LR may still be far off).
     replica_axis: the mapped axis the replicas live on. Keep it distinct from any axis
       the model is sharded over (FSDP, tensor parallel): only it is averaged over. On a mesh
       such as ``('replica', 'fsdp')`` a replica is a group of devices: map with
@@ -244,7 +247,7 @@ def update(plan: Plan, updates, state: HDETState, params=None, *, value=None, sy
       plan, params, *ops, score=score, gather=value is not None or window_end_only)
   if sync is None:
     updates, state = lax.cond(
-        state.count % plan.sync_every == 0,
+        windows.ends_window(plan.sync_windows, state.count),
         lambda ops: replicas.match_vma(end(ops), ops),
         lambda ops: ops,
         (updates, state))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from hdet_jax import controller as ctrl
+from hdet_jax import windows
 from hdet_jax.settings import Plan
 
 
@@ -37,7 +38,8 @@ def base_values(plan: Plan, t: jax.Array, controller: ctrl.ControllerState | Non
   if plan.auto_lr.smooth_decay:
     # From base_k / (1 - gamma) at the sync (the previous base, with no signal) to base_k at
     # the next sync, so the no-signal path is one continuous geometric curve.
-    into_window = (t % plan.sync_every).astype(jnp.float32) / plan.sync_every
+    start, length = windows.window_of(plan.sync_windows, t)
+    into_window = (t - start).astype(jnp.float32) / length
     controlled = controller.base * jnp.asarray(1.0 - np.asarray(plan.decay), jnp.float32) ** (into_window - 1.0)
   else:
     controlled = controller.base

@@ -24,7 +24,8 @@ RUN_FIELDS = frozenset({
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
 QUIET_DEFAULTS = {'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
-                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0}
+                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0,
+                  'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0}
 
 
 class ConfigError(ValueError):
@@ -134,6 +135,8 @@ _RULES = (
     ('mesh.tensor', 'int', lambda v: v >= 1, 'an integer >= 1 (1: no tensor parallelism inside a group)'),
     ('hdet.spread', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
     ('hdet.sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: never)'),
+    ('hdet.early_sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: T from the start)'),
+    ('hdet.early_sync_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),
     ('hdet.warmup_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),
     ('hdet.temperature', 'real', lambda v: v > 0, 'a number > 0'),
     ('hdet.lr_of_lr', 'real', lambda v: v >= 0, 'a number >= 0'),
@@ -188,10 +191,21 @@ def check_values(config: Any) -> None:
   if config.hdet.auto_lr and config.hdet.spread > 0 and config.hdet.warmup_steps >= config.num_train_steps:
     raise ConfigError(f'hdet.warmup_steps={config.hdet.warmup_steps} must be < num_train_steps='
                       f'{config.num_train_steps} (the controller would never start); lower it or set hdet.auto_lr=False.')
+  _check_early_syncs(config)
   for field in ('init_from', 'data.path'):
     present, v = _get(config, field)
     if present and v is not None and not isinstance(v, str):
       raise ConfigError(f'{field} must be a path (a string) or None, got {v!r}.')
+
+
+def _check_early_syncs(config: Any) -> None:
+  every, steps = config.hdet.get('early_sync_every', 0), config.hdet.get('early_sync_steps', 0)
+  if (every > 0) != (steps > 0) or (every > 0 and steps % every):
+    raise ConfigError(
+        f'hdet.early_sync_steps={steps} must be a positive multiple of hdet.early_sync_every={every} (the early '
+        'windows then end exactly where the windows of hdet.sync_every begin); set both, or both to 0.')
+  if steps >= config.num_train_steps:
+    raise ConfigError(f'hdet.early_sync_steps={steps} must be < num_train_steps={config.num_train_steps}.')
 
 
 # 'adamw', 'adam', 'sgd' take the schedule as their LR; the optax.contrib LR-free and adaptive methods

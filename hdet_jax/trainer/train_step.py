@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
 from hdet_jax import replicas
+from hdet_jax import windows as window_lib
 from hdet_jax.trainer import model as model_lib
 
 AXIS = 'data'
@@ -92,14 +93,29 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def sync_every(config: Any) -> int:
-  """T; ``hdet.sync_every = 0`` means never sync (plain data parallel): T past the last step."""
-  return int(config.hdet.sync_every) if config.hdet.sync_every > 0 else int(config.num_train_steps) + 1
+def sync_windows(config: Any) -> tuple[int, ...]:
+  """The core's ``sync_every``: windows of ``hdet.early_sync_every`` steps for the first
+  ``hdet.early_sync_steps`` steps, then of T. ``hdet.sync_every = 0`` means never sync (plain data
+  parallel): T past the last step."""
+  h = config.hdet
+  period = int(h.sync_every) if h.sync_every > 0 else int(config.num_train_steps) + 1
+  early = int(h.get('early_sync_every', 0))
+  return (early,) * (int(h.get('early_sync_steps', 0)) // early) + (period,) if early > 0 else (period,)
+
+
+def never_syncs(config: Any) -> bool:
+  """Whether no step of the run averages the replicas."""
+  return sync_windows(config)[0] > config.num_train_steps
+
+
+def sync_index(config: Any, step: int) -> int:
+  """How many syncs come before step ``step`` (0-based): 0 for the run's first sync, 1 for the second, ..."""
+  return window_lib.syncs_through(sync_windows(config), step)
 
 
 def is_sync_step(config: Any, step: int) -> bool:
   """Whether the update of step ``step`` (0-based) averages the replicas."""
-  return (step + 1) % sync_every(config) == 0
+  return H.is_sync_step(sync_windows(config), step)
 
 
 def schedule(config: Any) -> optax.Schedule:
@@ -179,7 +195,7 @@ def make_optimizer(config: Any, num_replicas: int) -> optax.GradientTransformati
     factory = base
   return H.hdet(
       factory, schedule(config), num_replicas=num_replicas, spread=h.spread,
-      sync_every=sync_every(config), replica_axis=AXIS, auto_lr=auto_lr_settings(config), exact_sync=True,
+      sync_every=sync_windows(config), replica_axis=AXIS, auto_lr=auto_lr_settings(config), exact_sync=True,
       seed=config.seed, param_groups=param_groups(config), explore=explored(config) or None,
       average_opt_state=bool(h.get('average_opt_state', False)))
 

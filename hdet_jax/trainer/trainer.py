@@ -436,7 +436,7 @@ def _upload(inputs: _Inputs, mesh: Any, step: int) -> Any:
 def _probe(config: Any, inputs: _Inputs, mesh: Any, step: int) -> Any:
   """The common batch of the sync after step ``step`` (every replica gets the same windows)."""
   w = input_pipeline.probe_windows(inputs.train_bytes, config.data.seq_len, config.hdet.probe_windows, config.seed,
-                                   step // ts.sync_every(config))
+                                   ts.sync_index(config, step))
   return ts.put_stacked(np.broadcast_to(w, (inputs.n,) + w.shape), mesh, batch_dim=1)
 
 
@@ -466,8 +466,7 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
       [jax.numpy.all(jax.numpy.isfinite(x.reshape(x.shape[0], -1)), axis=1) for x in jax.tree.leaves(p)]).all(0)),
       out_shardings=ts.replicated(mesh)).lower(params).compile()
   # A run that never averages measures the replicas' distance from their mean at each log interval.
-  distance = (ts.make_distance(mesh).lower(params).compile() if ts.sync_every(config) > config.num_train_steps
-              else None)
+  distance = ts.make_distance(mesh).lower(params).compile() if ts.never_syncs(config) else None
   release_host_memory()
   return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, common, distance)
 

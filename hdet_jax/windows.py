@@ -1,0 +1,98 @@
+"""When the sync windows end: a fixed T, or a schedule of window lengths whose last one repeats.
+
+``sync_every=100`` averages after steps 100, 200, ...; ``sync_every=(25, 25, 25, 25, 100)`` averages after
+steps 25, 50, 75, 100, then every 100 (200, 300, ...). Short early windows let a controller compare the
+replicas more often while the learning rate may still be far off, at one average per window.
+
+Steps are 0-based: step t belongs to the window ``[start, start + length)``, and the sync after it happens
+when ``t + 1 == start + length`` (``count``, the steps done, equals the window's end). Every function here
+takes Python/numpy integers (the trainer's host loop) or JAX arrays (inside ``jit``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def as_windows(sync_every: int | Sequence[int]) -> tuple[int, ...]:
+  """``sync_every`` as a tuple of window lengths (the last one repeats), validated."""
+  lengths = (sync_every,) if _is_int(sync_every) else tuple(sync_every) if _is_seq(sync_every) else ()
+  if not lengths or not all(_is_int(w) and w >= 1 for w in lengths):
+    raise ValueError(
+        f'sync_every (T) must be an integer >= 1, or a sequence of them (window lengths in order, the last '
+        f'repeating, e.g. (25, 25, 100)); got {sync_every!r}.')
+  return tuple(int(w) for w in lengths)
+
+
+def window_of(windows: tuple[int, ...], t: Any) -> tuple[Any, Any]:
+  """(start, length) of the window holding step ``t`` (0-based; scalars or arrays)."""
+  xp = jnp if isinstance(t, jax.Array) else np
+  ends = np.cumsum(windows[:-1], dtype=np.int64)  # the explicit windows' ends
+  starts = np.concatenate([[0], ends]).astype(np.int32)
+  lengths = np.asarray(windows, np.int32)
+  tail, period = int(starts[-1]), windows[-1]  # the repeating windows start at ``tail``
+  i = (xp.asarray(t)[..., None] >= ends).sum(-1) if len(ends) else xp.zeros_like(xp.asarray(t))
+  in_tail = xp.asarray(t) >= tail
+  start = xp.where(in_tail, tail + (xp.asarray(t) - tail) // period * period, xp.asarray(starts)[i])
+  return start, xp.asarray(lengths)[i]
+
+
+def ends_window(windows: tuple[int, ...], count: Any) -> Any:
+  """Whether a sync follows the step that made ``count`` steps done (count >= 1)."""
+  start, length = window_of(windows, count - 1)
+  return count == start + length
+
+
+def window_length(windows: tuple[int, ...], count: Any) -> Any:
+  """The length of the window that the step making ``count`` steps done belongs to."""
+  return window_of(windows, count - 1)[1]
+
+
+def syncs_through(windows: tuple[int, ...], count: int) -> int:
+  """How many syncs have happened once ``count`` steps are done (host side)."""
+  ends = np.cumsum(windows, dtype=np.int64)[:-1]
+  tail = int(ends[-1]) if len(ends) else 0
+  if count <= tail:
+    return int((ends <= count).sum())
+  return len(ends) + (count - tail) // windows[-1]
+
+
+def first_sync_at_or_after(windows: tuple[int, ...], count: int) -> int:
+  """The first sync's ``count`` (steps done) that is >= ``count`` and >= 1 (host side)."""
+  start, length = window_of(windows, max(int(count), 1) - 1)
+  return int(start + length)
+
+
+def syncs_between(windows: tuple[int, ...], first: int, last: int) -> float:
+  """Syncs from step ``first`` to step ``last`` counted continuously: each step adds 1 / its window's length
+  (for a fixed T, ``(last - first) / T``)."""
+  if last <= first:
+    return 0.0
+  _, lengths = window_of(windows, np.arange(first, last))
+  length, steps = np.unique(lengths, return_counts=True)  # exact for a fixed T: (last - first) / T
+  return float(sum(int(c) / int(w) for w, c in zip(length, steps)))
+
+
+def _is_int(x: Any) -> bool:
+  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_seq(x: Any) -> bool:
+  return isinstance(x, (tuple, list)) or (isinstance(x, np.ndarray) and x.ndim == 1)
+
+
+def is_sync_step(sync_every: int | Sequence[int], step: Any) -> Any:
+  """Whether the update of (0-based) step ``step`` averages the replicas, for ``hdet``'s ``sync_every``.
+
+  For a training loop that compiles the sync step apart (``tx.update(..., sync=True)``).
+
+  Example:
+    >>> [t for t in range(300) if is_sync_step((25, 25, 100), t)]
+    [24, 49, 149, 249]
+  """
+  ends = ends_window(as_windows(sync_every), step + 1)
+  return ends if isinstance(ends, jax.Array) else bool(ends)
