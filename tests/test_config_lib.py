@@ -41,7 +41,8 @@ def test_sibling_loads_the_named_config_next_to_a_file():
 
 
 @pytest.mark.parametrize('field,value', [('hdet.spread', 1.5), ('optim.max_lr', 0.0), ('data.batch_size', 0),
-                                         ('hdet.warmup_steps', 40), ('optim.name', 'lion')])
+                                         ('hdet.warmup_steps', 40), ('optim.name', 'lion'),
+                                         ('hdet.early_sync_every', -1), ('hdet.early_sync_steps', 4)])
 def test_check_values_names_the_field(field, value):
   config_lib.check_values(_tiny())  # the tiny config itself passes
   with pytest.raises(config_lib.ConfigError, match=field.replace('.', r'\.')) as e:

@@ -456,3 +456,40 @@ def test_step_growth_settles_at_the_bowls_bottom(start):
   gains = np.array([s.controller.gain[0] for s in states[T::T]])
   assert np.abs(gains).max() >= 2.0 and (gains < 0).any() and (gains > 0).any()  # it accelerated and reversed
   np.testing.assert_allclose(states[-1].base[0], 1e-2, rtol=0.05)
+
+
+def test_a_sync_schedule_averages_and_compares_at_each_windows_end(mesh):
+  """sync_every=(3, 5, 4): windows of 3, 5, then 4 steps for good. The replicas are averaged exactly at the
+  windows' ends (and differ inside them); each window's loss is the mean over its own length; the smooth
+  decay runs across each window's own length; the paper controller's gamma counts the syncs continuously."""
+  sync_every, S, gamma = (3, 5, 4), 40, 0.05
+  ends = [3, 8] + list(range(12, S + 1, 4))
+  params, c = quad_problem()
+  tx = H.hdet(optax.sgd, 0.1, num_replicas=N, spread=0.25, sync_every=sync_every, replica_axis=AX)
+  *_, trace, _ = run(mesh, tx, S, params, c, exact=True, record=True)
+  for count in range(1, S + 1):
+    w = trace[count - 1][0]
+    assert np.array_equal(w, np.broadcast_to(w[0], w.shape)) == (count in ends), count
+  tx = H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=sync_every, replica_axis=AX, seed=3,
+              auto_lr=H.AutoLR(total_steps=S, warmup_steps=0, temperature=0.05, lr_of_lr=0.7, momentum=0.6,
+                               decay=gamma, min_value=4e-3))
+  states = signal_run(tx, S)
+  for start, end in zip([0] + ends, ends):
+    want = np.mean([1.0 + 3.0 * (states[j].values[0] / 1e-2 - 1.0) ** 2 for j in range(start, end)], 0)
+    np.testing.assert_allclose(states[end].controller.window_losses, want, rtol=1e-5)
+    assert states[end].sync_count == ends.index(end) + 1 and states[end - 1].sync_count == ends.index(end)
+  b = states[8].controller.base[0]  # inside the window of steps 8..11 (4 long)
+  np.testing.assert_allclose([states[8 + i].base[0] for i in range(4)], b * (1 - gamma) ** (np.arange(4) / 4 - 1.0),
+                             rtol=1e-5)
+  b = states[3].controller.base[0]  # inside the window of steps 3..7 (5 long)
+  np.testing.assert_allclose([states[3 + i].base[0] for i in range(5)], b * (1 - gamma) ** (np.arange(5) / 5 - 1.0),
+                             rtol=1e-5)
+  # Without decay= the gamma reaching the schedule's end counts 1/3 + 1/5 ... per step from the first sync.
+  plan = H.settings.make_plan(optax.sgd, optax.linear_schedule(1e-2, 1e-3, S), num_replicas=N, spread=0.25,
+                              sync_every=sync_every, replica_axis=AX, auto_lr=H.AutoLR(total_steps=S),
+                              exact_sync=False, seed=0, explore=None, param_groups=None, guard_nonfinite=True,
+                              optimizer_kwargs={})
+  syncs = 5 * (1 / 5) + (S - 1 - 8) * (1 / 4)  # steps 3..7 in the 5-window, 8..38 in 4-windows
+  v0, v1 = 1e-2 + (1e-3 - 1e-2) * 3 / S, 1e-2 + (1e-3 - 1e-2) * (S - 1) / S
+  assert plan.controller_start == 3
+  np.testing.assert_allclose(plan.decay[0], 1 - (v1 / v0) ** (1 / syncs), rtol=1e-5)
