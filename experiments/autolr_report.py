@@ -74,6 +74,37 @@ def signal_per_sync(record: dict) -> list[dict]:
   return out
 
 
+def ask_threshold(points: list[tuple[float, bool]]) -> dict:
+  """Where syncs switch from asking up to asking down: ``points`` are (LR as a multiple of a reference,
+  whether the sync's line search asked for a larger LR). Returns the split of the sorted LRs that misplaces
+  the fewest points (an up above it or a down below it): ``{'low', 'high'}`` bracket it (the neighbouring
+  LRs; None past the ends, when every sync asked one way; when several splits tie, the bracket spans them
+  all), with ``misplaced``, ``n`` and ``up`` counts."""
+  pts = sorted(points)
+  xs = [x for x, _ in pts]
+  errors = [sum(up for _, up in pts[k:]) + sum(not up for _, up in pts[:k]) for k in range(len(pts) + 1)]
+  best = [k for k, e in enumerate(errors) if e == min(errors)]  # split k: pts[:k] below it, pts[k:] above
+  return {'low': xs[best[0] - 1] if best[0] > 0 else None, 'high': xs[best[-1]] if best[-1] < len(xs) else None,
+          'misplaced': int(min(errors)), 'n': len(pts), 'up': int(sum(up for _, up in pts))}
+
+
+def ask_thresholds(records: list[dict], reference, window: int = 100, min_runs: int = 6) -> list[dict]:
+  """Per sync step shared by at least ``min_runs`` records that compared the replicas on a common batch after
+  windows of ``window`` steps (the asks depend on the horizon): :func:`ask_threshold` of their LRs as multiples
+  of ``reference(step)`` (the sweep's best schedule), with a sync asking up when its losses fall with the LR
+  offset (the slope of :func:`signal_per_sync`)."""
+  by_step = {}
+  for r in records:
+    h = r['config']['hdet']
+    if h.get('score') != 'common' or h.get('sync_every') != window or h.get('early_sync_every', 0):
+      continue
+    lrs = {c['step']: float(np.mean(np.asarray(c['values'], float)[lr_index(r)])) for c in r.get('controller', [])
+           if c.get('values')}
+    for sig in signal_per_sync(r):
+      by_step.setdefault(sig['step'], []).append((lrs[sig['step']] / reference(sig['step']), sig['diff'] < 0))
+  return [{'step': step, **ask_threshold(pts)} for step, pts in sorted(by_step.items()) if len(pts) >= min_runs]
+
+
 def mean_bpb(records: list[dict]) -> float:
   """Mean final val bits/byte; a diverged or non-finite run counts as infinitely bad."""
   vals = [r['val_bpb'] if r['val_bpb'] is not None and r['diverged_at'] is None else math.inf for r in records]
@@ -124,6 +155,10 @@ def write(out_dir: str, runs: dict, anchors: dict, *, default_variant: str, quic
     if not any(by_stage['grid'].values()):
       continue
     results[optim] = summarize(by_stage, anchors.get(optim), default_variant)
+    reference = _best_schedule(by_stage['grid'], results[optim].get('grid_best'))
+    if reference is not None:
+      records = [r for by_start in by_stage['hdet'].values() for rs in by_start.values() for r in rs]
+      results[optim]['ask_thresholds'] = ask_thresholds(records, reference)
     all_runs[optim] = by_stage
   paths = []
   jpath = os.path.join(out_dir, 'autolr.json')
@@ -137,6 +172,18 @@ def write(out_dir: str, runs: dict, anchors: dict, *, default_variant: str, quic
     f.write(_markdown(results, all_runs, quick))
   paths.append(mpath)
   return paths
+
+
+def _best_schedule(grid: dict, grid_best: dict | None):
+  """step -> the grid-best run's scheduled LR (its own config's schedule), or None without a grid best."""
+  if not grid_best or not grid.get(grid_best['lr']):
+    return None
+  import jax
+  import ml_collections
+  from hdet_jax.trainer import train_step as ts
+  config = ml_collections.ConfigDict(grid[grid_best['lr']][0]['config'])
+  values = np.asarray(jax.jit(jax.vmap(ts.schedule(config)))(np.arange(int(config.num_train_steps))), float)
+  return lambda step: float(values[min(int(step), len(values) - 1)])
 
 
 def _fmt(s: dict | None, digits=3) -> str:
@@ -190,6 +237,7 @@ def _markdown(results: dict, all_runs: dict, quick: bool) -> str:
                 'losses on the LR offset, as the loss difference across the spread, against its standard error.', '',
                 '| variant | start | syncs | median abs difference (nats) | median noise (nats) | median ratio | syncs with ratio > 2 |',
                 '|---|---|---|---|---|---|---|'] + sig_rows + ['']
+    lines += _threshold_lines(res.get('ask_thresholds'))
     for name in (f'autolr_lr_{optim}.png', f'autolr_signal_{optim}.png'):
       lines.append(f'![{name}](figures/{name})')
     lines.append('')
@@ -197,6 +245,22 @@ def _markdown(results: dict, all_runs: dict, quick: bool) -> str:
   if not quick and os.path.exists(discussion):
     lines += ['', open(discussion, encoding='utf-8').read()]
   return '\n'.join(lines) + '\n'
+
+
+def _threshold_lines(rows: list[dict] | None) -> list[str]:
+  if not rows:
+    return []
+  def where(t):
+    if t['low'] is None or t['high'] is None:
+      return f'below {t["high"]:.3g}x' if t['low'] is None else f'above {t["low"]:.3g}x'
+    low, high = f'{t["low"]:.3g}', f'{t["high"]:.3g}'
+    return f'{low}x' if low == high else f'{low}x-{high}x'
+  return ['Where the line search turns (every run that compared the replicas on a common batch every 100 steps: '
+          'all such variants, starts and seeds): at each sync, the base LR as a multiple of the grid best\'s scheduled LR at '
+          'that step, split where the syncs below it ask for a larger LR and those above it for a smaller one. '
+          'A controller that follows the asks tracks this split, not the sweep\'s best (1x).', '',
+          '| sync after step | syncs | ask up | the split (x grid best) | misplaced |', '|---|---|---|---|---|'] + [
+          f'| {t["step"] + 1} | {t["n"]} | {t["up"]} | {where(t)} | {t["misplaced"]} |' for t in rows] + ['']
 
 
 def _figures(fig_dir: str, results: dict, all_runs: dict, shown: tuple[str, ...]) -> list[str]:

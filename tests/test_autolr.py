@@ -47,6 +47,41 @@ def test_signal_per_sync_matches_a_direct_regression():
   assert sig['noise'] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_ask_threshold_splits_where_the_asks_turn():
+  """Hand-made cases: a clean split, one misplaced sync (two splits tie: the bracket spans both), and every
+  sync asking one way."""
+  clean = [(0.1, True), (0.3, True), (0.5, False), (2.0, False)]
+  assert R.ask_threshold(clean) == {'low': 0.3, 'high': 0.5, 'misplaced': 0, 'n': 4, 'up': 2}
+  noisy = [(0.1, True), (0.2, False), (0.3, True), (0.5, False), (2.0, False)]
+  assert R.ask_threshold(noisy) == {'low': 0.1, 'high': 0.5, 'misplaced': 1, 'n': 5, 'up': 2}
+  one_off = [(0.1, True), (0.2, True), (0.3, False), (0.4, True), (0.5, False), (0.6, False), (2.0, False)]
+  assert R.ask_threshold(one_off) == {'low': 0.2, 'high': 0.5, 'misplaced': 1, 'n': 7, 'up': 3}
+  down = [(0.1, False), (0.4, False)]
+  assert R.ask_threshold(down)['low'] is None and R.ask_threshold(down)['high'] == 0.1
+  up = [(0.1, True), (0.4, True)]
+  assert R.ask_threshold(up)['high'] is None and R.ask_threshold(up)['low'] == 0.4
+
+
+def test_ask_thresholds_read_each_runs_slope_against_the_reference_schedule():
+  """Synthetic records on the bowl loss (log(lr / 2 ref))^2: a run below twice the reference asks up, above
+  it down, so the split at every sync sits between the runs around 2x; a window-scored or T=25 run is left out."""
+  ref = lambda step: 1e-3 * (1 + step / 100)
+  def record(scale, score='common', sync_every=100):
+    rows = []
+    for step in (99, 199):
+      lrs = scale * ref(step) * np.linspace(0.75, 1.25, 8)
+      rows.append({'step': step, 'values': [lrs.tolist()],
+                   'window_losses': (np.log(lrs / (2 * ref(step))) ** 2).tolist()})
+    return {'hyperparams': ['learning_rate'], 'config': {'hdet': {'score': score, 'sync_every': sync_every}},
+            'controller': rows}
+  records = [record(s) for s in (0.5, 1.0, 1.5, 3.0, 4.0, 8.0)] + [record(5.0, 'window'), record(0.1, sync_every=25)]
+  rows = R.ask_thresholds(records, ref)
+  assert [r['step'] for r in rows] == [99, 199]
+  for r in rows:
+    assert r['n'] == 6 and r['up'] == 3 and r['misplaced'] == 0
+    assert r['low'] == pytest.approx(1.5) and r['high'] == pytest.approx(3.0)
+
+
 def test_bad_override_is_one_error_line(tmp_path):
   r = subprocess.run([sys.executable, '-m', 'experiments.autolr', '--quick', '--workdir', str(tmp_path),
                       '--config.hdet.spred=0.2'], cwd=REPO, capture_output=True, text=True, timeout=120)
