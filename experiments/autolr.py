@@ -100,7 +100,8 @@ VARIANT_SETTINGS = {
     'fit_lr_T100_third_rise_accel': {**_ACCEL, 'hdet.initial_scale': 0.3},
     # Screens of a sync schedule: the first syncs 25 steps apart, then every 100. From 100x low the climb is
     # capped at trust (1) per sync, so four syncs in the first 100 steps can climb as far as the T=100 fit's
-    # first 400 steps; the T=50 screen showed that short windows all through the warmup overshoot.
+    # first 400 steps. Measured (seed 0): worse from every start (the early line search asks for 2-10x the
+    # sweep's best LR, and the faster climb gets there: results/autolr.md, "where the line search turns").
     'fit_lr_T100_cautious_rise_accel_early25x100': {**_ACCEL, 'hdet.early_sync_every': 25,
                                                     'hdet.early_sync_steps': 100},
     'fit_lr_T100_cautious_rise_accel_early25x200': {**_ACCEL, 'hdet.early_sync_every': 25,

@@ -30,15 +30,14 @@ def as_windows(sync_every: int | Sequence[int]) -> tuple[int, ...]:
 
 def window_of(windows: tuple[int, ...], t: Any) -> tuple[Any, Any]:
   """(start, length) of the window holding step ``t`` (0-based; scalars or arrays)."""
-  xp = jnp if isinstance(t, jax.Array) else np
-  ends = np.cumsum(windows[:-1], dtype=np.int64)  # the explicit windows' ends
-  starts = np.concatenate([[0], ends]).astype(np.int32)
-  lengths = np.asarray(windows, np.int32)
-  tail, period = int(starts[-1]), windows[-1]  # the repeating windows start at ``tail``
-  i = (xp.asarray(t)[..., None] >= ends).sum(-1) if len(ends) else xp.zeros_like(xp.asarray(t))
-  in_tail = xp.asarray(t) >= tail
-  start = xp.where(in_tail, tail + (xp.asarray(t) - tail) // period * period, xp.asarray(starts)[i])
-  return start, xp.asarray(lengths)[i]
+  xp, int_type = (jnp, jnp.int32) if isinstance(t, jax.Array) else (np, np.int64)
+  t = xp.asarray(t)
+  starts = xp.asarray(np.cumsum((0,) + windows[:-1]), int_type)  # [K]: the windows' starts, the last repeating
+  lengths = xp.asarray(windows, int_type)
+  tail, period = int(sum(windows[:-1])), windows[-1]  # the repeating windows start at ``tail``
+  i = (t[..., None] >= starts[1:]).sum(-1)  # which of the listed windows (the last: any repeat)
+  start = xp.where(t >= tail, tail + (t - tail) // period * period, starts[i])
+  return start, lengths[i]
 
 
 def ends_window(windows: tuple[int, ...], count: Any) -> Any:

@@ -36,7 +36,7 @@ def _fake_train_and_evaluate(calls):
       loss = 5.5 + (s / steps) * (3.0 if lr > 0.1 else -2.0) + 0.01 * rng.random(n)
       w.write('train', step=s, loss=loss.astype(np.float32), lr=np.full(n, lr), base_lr=lr, sync=False,
               values=np.full((len(names), n), lr), bases=np.full(len(names), lr))
-      if (s + 1) % min(ts.sync_every(config), config.log_every) == 0:
+      if (s + 1) % min(ts.sync_windows(config)[-1], config.log_every) == 0:
         w.write('distance', step=s, distance=rng.random(n), mean_norm=10.0)
     w.close()
     return {'step': steps, 'final_val_loss': 3.0 + (lr > 0.1), 'setup_s': 0.0, 'preempted': False}
