@@ -34,11 +34,27 @@ def main(argv=None):
   parser.add_argument('--rounds', type=int, default=30)
   parser.add_argument('--probe-windows', type=int, default=16)
   args = parser.parse_args(argv)
+  config, programs, calls = _programs(args.probe_windows)
+  med = _median_times(calls, args.rounds)
+  costs = {k: _cost(prog) for k, prog in programs.items()}
+  n = jax.device_count()
+  print(f'# {n} replicas on {n} {jax.devices()[0].platform} devices; default model; '
+        f'{args.probe_windows} probe windows x {config.data.seq_len + 1} bytes; {args.rounds} interleaved rounds')
+  _print_table(costs, med)
 
-  from hdet_jax.trainer import config_lib, input_pipeline, model as model_lib, train_step as ts
+
+def _default_config(**overrides):
+  from hdet_jax.trainer import config_lib
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  config = config_lib.load_config_file(os.path.join(repo, 'configs', 'default.py'))
-  config_lib.with_overrides(config, {'hdet.controller': 'fit', 'hdet.probe_windows': args.probe_windows})
+  return config_lib.with_overrides(config_lib.load_config_file(os.path.join(repo, 'configs', 'default.py')),
+                                   {'hdet.controller': 'fit', **overrides})
+
+
+def _programs(probe_windows: int):
+  """(config, {name: compiled program}, {name: a call running it once to completion}) for the step and the
+  window end with each score."""
+  from hdet_jax.trainer import input_pipeline, model as model_lib, train_step as ts
+  config = _default_config(**{'hdet.probe_windows': probe_windows})
   n = jax.device_count()
   mesh = ts.make_mesh(n)
   tx = ts.make_optimizer(config, n)
@@ -47,51 +63,45 @@ def main(argv=None):
   train = input_pipeline.split(input_pipeline.load_corpus(None), config.data.val_fraction)[0]
   batches = input_pipeline.TrainBatches(train, config.data.seq_len, config.data.batch_size, n, 0)
   data = ts.put_stacked(batches.chunk(0, 25), mesh)
-  probe = input_pipeline.probe_windows(train, config.data.seq_len, args.probe_windows, 0, 0)
+  probe = input_pipeline.probe_windows(train, config.data.seq_len, probe_windows, 0, 0)
   probe = ts.put_stacked(np.broadcast_to(probe, (n,) + probe.shape), mesh)
+  programs = {'step': ts.make_train_step(graphdef, tx, mesh, sync=False, config=config, chunk_steps=25).lower(
+      params, opt_state, data).compile()}
+  inputs = {'step': [data]}
+  for score, extra in (('window', []), ('common', [probe])):
+    c = _default_config(**{'hdet.score': score, 'hdet.probe_windows': probe_windows})
+    name = f'window end ({"window score" if score == "window" else "common batch"})'
+    programs[name] = ts.make_window_end(tx, mesh, graphdef=graphdef, config=c).lower(
+        params, opt_state, *extra).compile()
+    inputs[name] = extra
+  state = [params, opt_state]  # donation consumes the inputs: one live state threads through every call
 
-  step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config, chunk_steps=25).lower(
-      params, opt_state, data).compile()
-  ends = {}
-  for score in ('window', 'common'):
-    c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(repo, 'configs', 'default.py')),
-                                  {'hdet.controller': 'fit', 'hdet.score': score,
-                                   'hdet.probe_windows': args.probe_windows})
-    fn = ts.make_window_end(tx, mesh, graphdef=graphdef, config=c)
-    extra = [probe] if score == 'common' else []
-    ends[score] = (fn.lower(params, opt_state, *extra).compile(), extra)
+  def call(name):
+    def run():
+      state[0], state[1], m = programs[name](state[0], state[1], *inputs[name])
+      jax.block_until_ready(m)
+    return run
+  return config, programs, {name: call(name) for name in programs}
 
-  # Donation consumes the inputs: keep one live state and thread it through every call.
-  state = [params, opt_state]
 
-  def run_step():
-    state[0], state[1], m = step(state[0], state[1], data)
-    jax.block_until_ready(m)
-
-  def run_end(score):
-    prog, extra = ends[score]
-    state[0], state[1], m = prog(state[0], state[1], *extra)
-    jax.block_until_ready(m)
-
-  calls = {'step': run_step, 'window end (window score)': lambda: run_end('window'),
-           'window end (common batch)': lambda: run_end('common')}
+def _median_times(calls: dict, rounds: int) -> dict[str, float]:
+  """Median seconds per call, over ``rounds`` rounds that run every call once in a random order."""
   for f in calls.values():  # warm up
     f()
   times = {k: [] for k in calls}
   rng = np.random.default_rng(0)
-  for _ in range(args.rounds):
+  for _ in range(rounds):
     for k in rng.permutation(list(calls)):
       t0 = time.perf_counter()
       calls[k]()
       times[k].append(time.perf_counter() - t0)
-  med = {k: statistics.median(v) for k, v in times.items()}
-  costs = {'step': _cost(step), 'window end (window score)': _cost(ends['window'][0]),
-           'window end (common batch)': _cost(ends['common'][0])}
-  print(f'# {n} replicas on {n} {jax.devices()[0].platform} devices; default model; '
-        f'{args.probe_windows} probe windows x {config.data.seq_len + 1} bytes; {args.rounds} interleaved rounds')
+  return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _print_table(costs: dict, med: dict) -> None:
   print('| program | XLA flops (per device) | XLA bytes | median time (ms) |')
   print('|---|---|---|---|')
-  for k in calls:
+  for k in costs:
     f, b = costs[k]
     print(f'| {k} | {f:,.0f} | {b:,.0f} | {1e3 * med[k]:.2f} |')
   extra_t = med['window end (common batch)'] - med['window end (window score)']
