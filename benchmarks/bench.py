@@ -101,11 +101,18 @@ def bench_steptime(size_name, rounds, k, ablations=True):
       f'batch/replica={batch} params/replica={nparams} ({src}); {rounds} interleaved rounds x {k} steps')
   for n in med:
     say(f'steptime[{size_name}] {n}: median {med[n] * 1e3:.2f} ms/step')
-  rows = []
+  TABLES.setdefault('steptime', []).extend(_steptime_rows(size_name, nparams, times))
+  bench_fixed_work(size_name, runners)
+  _steptime_costs(size_name, runners)
+  return times
+
+
+def _steptime_rows(size_name, nparams, times):
+  """The step-time table's rows (and their log lines): each dispatch's ratios to plain data parallel."""
+  size = f'{size_name} ({nparams / 1e6:.2f}M)'
   aa = C.ratio_ci(times['plain_donate_control'], times['plain_donate'])
   say(f'steptime[{size_name}] control (A/A): plain / plain = {fmt_ci(aa)}')
-  rows.append(f'| {size_name} ({nparams / 1e6:.2f}M) | control: plain / plain (A/A, the noise floor) | '
-              f'{fmt_ci(aa)} | | | | |')
+  rows = [f'| {size} | control: plain / plain (A/A, the noise floor) | {fmt_ci(aa)} | | | | |']
   pairs = [('before: lax.cond, no donation', 'cond_nodonate_nosync', 'cond_nodonate_sync', 'plain_nodonate'),
            ('two whole-step programs + donation', 'static_donate_nosync', 'static_donate_sync', 'plain_donate'),
            ('after: step + window-end program + donation (trainer)', 'static_donate_nosync', 'split_donate_sync',
@@ -120,22 +127,23 @@ def bench_steptime(size_name, rounds, k, ablations=True):
       q = amortized(times[ns], times[s], times[p], t)
       say(f'steptime[{size_name}] {label}: HDET/plain at T={t} = {fmt_ci(q)}')
       cells.append(f'{q[1]:.4f} ({q[0]:.4f}-{q[2]:.4f})')
-    rows.append(f'| {size_name} ({nparams / 1e6:.2f}M) | {label} | {fmt_ci(nos)} | ' + ' | '.join(cells) + ' |')
+    rows.append(f'| {size} | {label} | {fmt_ci(nos)} | ' + ' | '.join(cells) + ' |')
   for label, ns, p in [('ablation: lax.cond + donation', 'cond_donate_nosync', 'plain_donate'),
                        ('ablation: two programs, no donation', 'static_nodonate_nosync', 'plain_nodonate')]:
     if ns in times:
       q = C.ratio_ci(times[ns], times[p])
       say(f'steptime[{size_name}] {label}: non-sync step / plain = {fmt_ci(q)}')
-      rows.append(f'| {size_name} ({nparams / 1e6:.2f}M) | {label} | {fmt_ci(q)} | | | | |')
-  TABLES.setdefault('steptime', []).extend(rows)
-  bench_fixed_work(size_name, runners)
-  # Noise-free proxy: XLA's cost analysis of the (unoptimised) step programs.
+      rows.append(f'| {size} | {label} | {fmt_ci(q)} | | | | |')
+  return rows
+
+
+def _steptime_costs(size_name, runners):
+  """Noise-free proxy: XLA's cost analysis of the (unoptimised) step programs, per window and per program."""
   costs = {}
   for n in ('plain_donate', 'static_donate_nosync', 'static_donate_sync'):
     if n in runners:
       rn = runners[n]
-      fn = rn.program(0)
-      ca = fn.lower(rn.params, rn.opt_state, rn.batches[0]).cost_analysis()
+      ca = rn.program(0).lower(rn.params, rn.opt_state, rn.batches[0]).cost_analysis()
       ca = ca[0] if isinstance(ca, (list, tuple)) else ca
       costs[n] = (float(ca.get('flops', 0.0)), float(ca.get('bytes accessed', 0.0)))
   if {'plain_donate', 'static_donate_nosync', 'static_donate_sync'} <= set(costs):
@@ -151,7 +159,6 @@ def bench_steptime(size_name, rounds, k, ablations=True):
       say(f'steptime[{size_name}] XLA cost analysis {n} / plain: flops {f / f0:.5f}, bytes accessed {b / b0:.5f}')
       TABLES.setdefault('cost', []).append(
           f'| {size_name} | {n.replace("static_donate_", "")} | {f / f0:.5f} | {b / b0:.5f} |')
-  return times
 
 
 def bench_fixed_work(size_name, runners):
