@@ -252,22 +252,34 @@ def fit_update(
   ridge = 1e-6 * jnp.trace(xtx) / (2 * g) + 1e-12
   theta = jnp.linalg.solve(xtx + ridge * jnp.eye(2 * g, dtype=xtx.dtype), xty)
   b, c = theta[:g], theta[g:]
-  # The standard error of b from this sync's residuals (for logging the signal-to-noise ratio).
-  this = jnp.linalg.solve(x.T @ x + ridge * jnp.eye(2 * g, dtype=xtx.dtype), x.T @ y)
+  step = _step_to_fitted_best(b, c, multiplicative, overshoot=overshoot,
+                              trust=jnp.broadcast_to(jnp.asarray(trust, jnp.float32), (g,)))
+  step = jnp.where(jnp.isfinite(step) & signal, step, 0.0)
+  return FitUpdate(slope=b, curvature=c, stderr=_slope_stderr(x, y, ridge), step=step, xtx=xtx, xty=xty)
+
+
+def _slope_stderr(x: jax.Array, y: jax.Array, ridge: jax.Array) -> jax.Array:
+  """[G] the standard error of each slope b fitted on this sync alone, from its residuals (the signal's
+  noise: the accelerated fit grows its gain only on slopes at least twice it)."""
+  g = x.shape[1] // 2
+  eye = jnp.eye(2 * g, dtype=x.dtype)
+  this = jnp.linalg.solve(x.T @ x + ridge * eye, x.T @ y)
   resid = y - x @ this
   dof = jnp.maximum(y.shape[0] - 1 - 2 * g, 1)
-  cov = jnp.linalg.inv(x.T @ x + ridge * jnp.eye(2 * g, dtype=xtx.dtype)) * (jnp.sum(resid ** 2) / dof)
-  stderr = jnp.sqrt(jnp.maximum(jnp.diag(cov)[:g], 0.0))
-  trust = jnp.broadcast_to(jnp.asarray(trust, jnp.float32), (g,))
+  cov = jnp.linalg.inv(x.T @ x + ridge * eye) * (jnp.sum(resid ** 2) / dof)
+  return jnp.sqrt(jnp.maximum(jnp.diag(cov)[:g], 0.0))
+
+
+def _step_to_fitted_best(b, c, multiplicative, *, overshoot, trust) -> jax.Array:
+  """[G] the step toward the fitted quadratic's minimum (log(kappa (1 + u*)) or u*) within the trust
+  region, or the full trust region against the slope where the fit has no interior minimum."""
   interior = c > 0
   u_star = jnp.where(interior, -b / (2 * jnp.where(interior, c, 1.0)), 0.0)
   scale = overshoot * (1.0 + u_star)
   away = -jnp.sign(b) * trust  # no interior minimum: the full step against the slope
   log_target = jnp.where(interior & (scale > 0), jnp.log(jnp.maximum(scale, 1e-30)), away)
   add_target = jnp.where(interior, u_star, away)
-  step = jnp.clip(jnp.where(multiplicative, log_target, add_target), -trust, trust)
-  step = jnp.where(jnp.isfinite(step) & signal, step, 0.0)
-  return FitUpdate(slope=b, curvature=c, stderr=stderr, step=step, xtx=xtx, xty=xty)
+  return jnp.clip(jnp.where(multiplicative, log_target, add_target), -trust, trust)
 
 
 def accelerate(step: jax.Array, last_gain: jax.Array, *, growth: float, max_gain: float,
