@@ -1,8 +1,19 @@
 """8 simulated CPU devices, set before JAX starts (the device count cannot change later)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+# One persistent XLA compilation cache per test process, shared with the train.py subprocesses it starts
+# (they inherit the environment): many tests compile the same small trainer programs, and a hit loads the
+# executable the miss compiled, so results are unchanged. Removed when the process exits.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  _xla_cache = tempfile.mkdtemp(prefix='hdet-tests-xla-cache-')
+  atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = _xla_cache
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 # JAX_NUM_CPU_DEVICES, if the caller's environment has it, would win over the XLA flag set below.
 os.environ.pop('JAX_NUM_CPU_DEVICES', None)
 

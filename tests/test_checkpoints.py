@@ -35,7 +35,7 @@ def _replicated(shape, value=1.0):
 
 
 def _compilations(fn):
-  """How many XLA compilations ``fn()`` triggers."""
+  """How many XLA compilations ``fn()`` triggers (or loads from the persistent compilation cache)."""
   count = [0]
   active = [True]
 
@@ -44,7 +44,13 @@ def _compilations(fn):
     if active[0] and event == '/jax/core/compile/backend_compile_duration':
       count[0] += 1
 
+  def cache_listener(event, **kwargs):  # an executable loaded from the persistent cache counts too
+    del kwargs
+    if active[0] and event == '/jax/compilation_cache/cache_hits':
+      count[0] += 1
+
   jax.monitoring.register_event_duration_secs_listener(listener)
+  jax.monitoring.register_event_listener(cache_listener)
   try:
     fn()
   finally:
