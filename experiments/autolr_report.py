@@ -74,6 +74,9 @@ def signal_per_sync(record: dict) -> list[dict]:
   return out
 
 
+HORIZONS = (25, 100)  # the window lengths whose line-search splits the report compares
+
+
 def ask_threshold(points: list[tuple[float, bool]]) -> dict:
   """Where syncs switch from asking up to asking down: ``points`` are (LR as a multiple of a reference,
   whether the sync's line search asked for a larger LR). Returns the split of the sorted LRs that misplaces
@@ -158,7 +161,7 @@ def write(out_dir: str, runs: dict, anchors: dict, *, default_variant: str, quic
     reference = _best_schedule(by_stage['grid'], results[optim].get('grid_best'))
     if reference is not None:
       records = [r for by_start in by_stage['hdet'].values() for rs in by_start.values() for r in rs]
-      results[optim]['ask_thresholds'] = ask_thresholds(records, reference)
+      results[optim]['ask_thresholds'] = {str(t): ask_thresholds(records, reference, window=t) for t in HORIZONS}
     all_runs[optim] = by_stage
   paths = []
   jpath = os.path.join(out_dir, 'autolr.json')
@@ -247,20 +250,28 @@ def _markdown(results: dict, all_runs: dict, quick: bool) -> str:
   return '\n'.join(lines) + '\n'
 
 
-def _threshold_lines(rows: list[dict] | None) -> list[str]:
-  if not rows:
+def _threshold_lines(by_horizon: dict | None) -> list[str]:
+  """The split table: a row per sync after a multiple of 100 steps, a column per horizon T."""
+  if not by_horizon or not any(by_horizon.values()):
     return []
   def where(t):
+    if t is None:
+      return ''
     if t['low'] is None or t['high'] is None:
       return f'below {t["high"]:.3g}x' if t['low'] is None else f'above {t["low"]:.3g}x'
     low, high = f'{t["low"]:.3g}', f'{t["high"]:.3g}'
     return f'{low}x' if low == high else f'{low}x-{high}x'
-  return ['Where the line search turns (every run that compared the replicas on a common batch every 100 steps: '
-          'all such variants, starts and seeds): at each sync, the base LR as a multiple of the grid best\'s scheduled LR at '
-          'that step, split where the syncs below it ask for a larger LR and those above it for a smaller one. '
-          'A controller that follows the asks tracks this split, not the sweep\'s best (1x).', '',
-          '| sync after step | syncs | ask up | the split (x grid best) | misplaced |', '|---|---|---|---|---|'] + [
-          f'| {t["step"] + 1} | {t["n"]} | {t["up"]} | {where(t)} | {t["misplaced"]} |' for t in rows] + ['']
+  rows = {h: {t['step']: t for t in ts} for h, ts in by_horizon.items()}
+  steps = sorted({s for r in rows.values() for s in r if (s + 1) % 100 == 0})
+  heads = [f'T={h}: the split (x grid best) | T={h}: up / syncs, misplaced' for h in rows]
+  cell = lambda t: f'{where(t)} | ' + ('' if t is None else f'{t["up"]} / {t["n"]}, {t["misplaced"]}')
+  return ['Where the line search turns: at each sync, every run that compared the replicas on a common batch '
+          'after windows of T steps (every such variant, start and seed) places the base LR as a multiple of the '
+          'grid best\'s scheduled LR at that step; the split is where the syncs below it ask for a larger LR and '
+          'those above it for a smaller one (misplaced: syncs on the wrong side of it). A controller that follows '
+          'the asks tracks this split, not the sweep\'s best (1x).', '',
+          '| sync after step | ' + ' | '.join(heads) + ' |', '|---|' + '---|---|' * len(rows)] + [
+          f'| {s + 1} | ' + ' | '.join(cell(rows[h].get(s)) for h in rows) + ' |' for s in steps] + ['']
 
 
 def _figures(fig_dir: str, results: dict, all_runs: dict, shown: tuple[str, ...]) -> list[str]:
