@@ -158,8 +158,9 @@ def write(out_dir: str, runs: dict, anchors: dict, *, default_variant: str, quic
     if not any(by_stage['grid'].values()):
       continue
     results[optim] = summarize(by_stage, anchors.get(optim), default_variant)
-    reference = _best_schedule(by_stage['grid'], results[optim].get('grid_best'))
-    if reference is not None:
+    best = _best_schedule(by_stage['grid'], results[optim].get('grid_best'))
+    if best is not None:
+      reference = lambda step, best=best: float(best[min(int(step), len(best) - 1)])
       records = [r for by_start in by_stage['hdet'].values() for rs in by_start.values() for r in rs]
       results[optim]['ask_thresholds'] = {str(t): ask_thresholds(records, reference, window=t) for t in HORIZONS}
     all_runs[optim] = by_stage
@@ -177,16 +178,15 @@ def write(out_dir: str, runs: dict, anchors: dict, *, default_variant: str, quic
   return paths
 
 
-def _best_schedule(grid: dict, grid_best: dict | None):
-  """step -> the grid-best run's scheduled LR (its own config's schedule), or None without a grid best."""
+def _best_schedule(grid: dict, grid_best: dict | None) -> np.ndarray | None:
+  """[S] the grid-best run's scheduled LR at every step (its own config's schedule), or None without one."""
   if not grid_best or not grid.get(grid_best['lr']):
     return None
   import jax
   import ml_collections
   from hdet_jax.trainer import train_step as ts
   config = ml_collections.ConfigDict(grid[grid_best['lr']][0]['config'])
-  values = np.asarray(jax.jit(jax.vmap(ts.schedule(config)))(np.arange(int(config.num_train_steps))), float)
-  return lambda step: float(values[min(int(step), len(values) - 1)])
+  return np.asarray(jax.jit(jax.vmap(ts.schedule(config)))(np.arange(int(config.num_train_steps))), float)
 
 
 def _fmt(s: dict | None, digits=3) -> str:
@@ -280,8 +280,6 @@ def _figures(fig_dir: str, results: dict, all_runs: dict, shown: tuple[str, ...]
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  from hdet_jax.trainer import train_step as ts
-  import ml_collections
   os.makedirs(fig_dir, exist_ok=True)
   paths = []
   colors = {'low': 'tab:blue', 'best': 'tab:green', 'high': 'tab:red'}
@@ -290,13 +288,9 @@ def _figures(fig_dir: str, results: dict, all_runs: dict, shown: tuple[str, ...]
     res = results[optim]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     gb = res.get('grid_best')
-    if gb and gb['lr'] in runs['grid']:
-      cfg = ml_collections.ConfigDict(runs['grid'][gb['lr']][0]['config'])  # the run's own config
-      sched = ts.schedule(cfg)
-      steps = np.arange(int(cfg.num_train_steps))
-      import jax
-      ax.plot(steps, np.asarray(jax.jit(jax.vmap(sched))(steps)), color='k', lw=2, alpha=0.5,
-              label=f'grid best schedule (peak {gb["lr"]:.3g})')
+    best = _best_schedule(runs['grid'], gb)
+    if best is not None:
+      ax.plot(np.arange(len(best)), best, color='k', lw=2, alpha=0.5, label=f'grid best schedule (peak {gb["lr"]:.3g})')
     for style, v, st, rs in _styled_hdet_runs(runs, styles, shown):
       for j, r in enumerate(rs):
         s, lr = lr_path(r)

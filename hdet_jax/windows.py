@@ -28,13 +28,18 @@ def as_windows(sync_every: int | Sequence[int]) -> tuple[int, ...]:
   return tuple(int(w) for w in lengths)
 
 
+def _layout(windows: tuple[int, ...]) -> tuple[np.ndarray, int, int]:
+  """([K] the listed windows' starts, the last one repeating; ``tail``, where the repeats begin; their length)."""
+  starts = np.cumsum((0,) + windows[:-1])
+  return starts, int(starts[-1]), windows[-1]
+
+
 def window_of(windows: tuple[int, ...], t: Any) -> tuple[Any, Any]:
   """(start, length) of the window holding step ``t`` (0-based; scalars or arrays)."""
   xp, int_type = (jnp, jnp.int32) if isinstance(t, jax.Array) else (np, np.int64)
   t = xp.asarray(t)
-  starts = xp.asarray(np.cumsum((0,) + windows[:-1]), int_type)  # [K]: the windows' starts, the last repeating
-  lengths = xp.asarray(windows, int_type)
-  tail, period = int(sum(windows[:-1])), windows[-1]  # the repeating windows start at ``tail``
+  listed_starts, tail, period = _layout(windows)
+  starts, lengths = xp.asarray(listed_starts, int_type), xp.asarray(windows, int_type)
   i = (t[..., None] >= starts[1:]).sum(-1)  # which of the listed windows (the last: any repeat)
   start = xp.where(t >= tail, tail + (t - tail) // period * period, starts[i])
   return start, lengths[i]
@@ -53,11 +58,8 @@ def window_length(windows: tuple[int, ...], count: Any) -> Any:
 
 def syncs_through(windows: tuple[int, ...], count: int) -> int:
   """How many syncs have happened once ``count`` steps are done (host side)."""
-  ends = np.cumsum(windows, dtype=np.int64)[:-1]
-  tail = int(ends[-1]) if len(ends) else 0
-  if count <= tail:
-    return int((ends <= count).sum())
-  return len(ends) + (count - tail) // windows[-1]
+  starts, tail, period = _layout(windows)
+  return int((starts[1:] <= count).sum()) + max(count - tail, 0) // period  # listed windows ended, then repeats
 
 
 def first_sync_at_or_after(windows: tuple[int, ...], count: int) -> int:
