@@ -335,7 +335,8 @@ def run_stages(cache: records.RunCache, args: argparse.Namespace, task_overrides
 
   def go(name, overrides):
     config = config_lib.with_overrides(base_config(task_overrides, args.quick), overrides)
-    return cache.run(name, config, {**task_overrides, **overrides})
+    # skip_busy: runs another worker is training are left to it (start two workers to share a stage).
+    return cache.run(name, config, {**task_overrides, **overrides}, skip_busy=True)
 
   for optim in [o for o in args.optim.split(',') if o]:
     lrs = grids[optim]
@@ -373,10 +374,13 @@ def main(argv=None):
   cache = records.RunCache(records_dir, work_root, make_record, describe)
   trainer.setup_jax(base)
   run_stages(cache, args, task_overrides, int(base.num_train_steps))
-  out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
+  # Another task's report goes beside its records, never over the default task's results/autolr.md.
+  out = args.out or (work_root if args.quick else os.path.join(REPO, 'results') if tag == 'default'
+                     else os.path.join(REPO, 'results', 'autolr', 'tasks', tag))
   runs = {o: collect(cache, o, args.grids[o], tuple(VARIANT_SETTINGS), PEERS, args.seeds) for o in ('adamw', 'sgd')}
   anchors = {o: read_anchor(cache, o) for o in runs}
-  paths = autolr_report.write(out, runs, anchors, default_variant=DEFAULT_VARIANT, quick=args.quick)
+  paths = autolr_report.write(out, runs, anchors, default_variant=DEFAULT_VARIANT, quick=args.quick,
+                              task=task_overrides)
   print('\n'.join(f'  {p}' for p in paths))
 
 

@@ -9,6 +9,8 @@ so a later session resumes where this one stopped; a run's workdir is deleted on
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -62,14 +64,46 @@ class RunCache:
         return None
     return rec
 
-  def run(self, name: str, config: Any, match: dict | None = None, keep_workdir: bool = False) -> dict:
+  def run(self, name: str, config: Any, match: dict | None = None, keep_workdir: bool = False,
+          skip_busy: bool = False) -> dict | None:
     """The record of ``name`` (see :meth:`get`), or trains ``config`` and records it.
 
     A preempted run (SIGTERM) exits with status 143; rerunning resumes it from its workdir's checkpoint.
+    A run another process is training (it holds ``<workdir>.lock``) is never trained twice: with
+    ``skip_busy`` this returns None and the caller moves on (so several workers can share one list of
+    runs), else it raises.
     """
     rec = self.get(name, match)
     if rec is not None:
       return rec
+    with self._claim(name) as claimed:
+      if not claimed:
+        if skip_busy:
+          self.log(f'  {name}: training in another process; skipped here.', flush=True)
+          return None
+        raise RuntimeError(f'run {name!r} is training in another process (it holds {self.workdir(name)}.lock); '
+                           'wait for it, or stop it')
+      rec = self.get(name, match)  # it may have finished between the first look and the claim.
+      return rec if rec is not None else self._train(name, config, keep_workdir)
+
+  @contextlib.contextmanager
+  def _claim(self, name: str):
+    """Yields whether this process holds run ``name``'s lock (an advisory ``flock``, released on exit)."""
+    path = self.workdir(name) + '.lock'
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'a') as f:
+      try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        yield False
+        return
+      try:
+        yield True
+      finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+  def _train(self, name: str, config: Any, keep_workdir: bool) -> dict:
+    """Trains ``config`` in run ``name``'s workdir and writes its record."""
     from hdet_jax.trainer import trainer
     workdir = self.workdir(name)
     t0 = time.time()

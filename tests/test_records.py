@@ -1,0 +1,71 @@
+"""experiments.records: the run cache shared by several worker processes."""
+
+import fcntl
+import json
+import multiprocessing
+import os
+
+import pytest
+
+from experiments import records
+
+
+def _cache(tmp_path, log=None):
+  return records.RunCache(str(tmp_path / 'records'), str(tmp_path / 'work'),
+                          make_record=lambda *a: {}, describe=lambda rec: '', log=log or (lambda *a, **k: None))
+
+
+def _hold_lock(path, ready, release):
+  """Another process holding a run's lock, as a second worker training it does."""
+  with open(path, 'a') as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    ready.set()
+    release.wait(30)
+
+
+@pytest.fixture
+def busy_run(tmp_path):
+  """A run named 'adamw/grid_lr0.03_s0' that another process is training."""
+  name = 'adamw/grid_lr0.03_s0'
+  lock = tmp_path / 'work' / (name + '.lock')
+  lock.parent.mkdir(parents=True)
+  ctx = multiprocessing.get_context('spawn')
+  ready, release = ctx.Event(), ctx.Event()
+  proc = ctx.Process(target=_hold_lock, args=(str(lock), ready, release))
+  proc.start()
+  assert ready.wait(30)
+  yield name
+  release.set()
+  proc.join(30)
+
+
+def test_a_run_another_worker_trains_is_skipped_not_trained_twice(tmp_path, busy_run):
+  said = []
+  cache = _cache(tmp_path, log=lambda *a, **k: said.append(a[0]))
+  # config=None: reaching the trainer would fail, so returning None proves nothing was trained.
+  assert cache.run(busy_run, None, skip_busy=True) is None
+  assert said == [f'  {busy_run}: training in another process; skipped here.']
+  assert not os.path.exists(cache.workdir(busy_run))
+
+
+def test_without_skip_busy_a_busy_run_is_an_error_naming_it(tmp_path, busy_run):
+  with pytest.raises(RuntimeError, match=r"run 'adamw/grid_lr0.03_s0' is training in another process"):
+    _cache(tmp_path).run(busy_run, None)
+
+
+def test_a_finished_record_is_returned_even_while_its_lock_is_held(tmp_path, busy_run):
+  cache = _cache(tmp_path)
+  os.makedirs(os.path.dirname(cache.path(busy_run)))
+  with open(cache.path(busy_run), 'w') as f:
+    json.dump({'name': busy_run, 'config': {}, 'val_bpb': 2.05}, f)
+  assert cache.run(busy_run, None, skip_busy=True)['val_bpb'] == 2.05
+
+
+def test_the_lock_is_released_after_a_claim(tmp_path):
+  cache = _cache(tmp_path)
+  with cache._claim('sgd/run') as claimed:
+    assert claimed
+    with cache._claim('sgd/run') as again:  # a second open file: flock conflicts even in one process
+      assert not again
+  with cache._claim('sgd/run') as claimed:
+    assert claimed
