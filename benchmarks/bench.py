@@ -46,6 +46,8 @@ def sizes():
   return {
       'default': (m, seq, batch, src),
       '10x': (big, seq, batch, f'{src}, d_model scaled to ~10x parameters'),
+      # Not in a default run: on CPU it is slow, on a GPU the small models time kernel launches.
+      '100x': (C.scaled_model_config(m, seq, 100.0), seq, batch, f'{src}, d_model scaled to ~100x parameters'),
   }
 
 
@@ -143,7 +145,10 @@ def _steptime_costs(size_name, runners):
   for n in ('plain_donate', 'static_donate_nosync', 'static_donate_sync'):
     if n in runners:
       rn = runners[n]
-      ca = rn.program(0).lower(rn.params, rn.opt_state, rn.batches[0]).cost_analysis()
+      lowered = rn.program(0).lower(rn.params, rn.opt_state, rn.batches[0])
+      ca = lowered.cost_analysis()
+      if ca is None:  # some backends (XLA:GPU in jax 0.11) analyse only the compiled program.
+        ca = lowered.compile().cost_analysis()
       ca = ca[0] if isinstance(ca, (list, tuple)) else ca
       costs[n] = (float(ca.get('flops', 0.0)), float(ca.get('bytes accessed', 0.0)))
   if {'plain_donate', 'static_donate_nosync', 'static_donate_sync'} <= set(costs):
@@ -256,8 +261,22 @@ def bench_memory(size_name, steps=6):
         f'= {rss:.4f}; RSS after the run {h["current_kib"] / 1024:.0f}/{p["current_kib"] / 1024:.0f} MiB = {cur:.4f}; RSS growth after imports {grow_h / 1024:.0f}/{grow_p / 1024:.0f} MiB = {grow_h / grow_p:.4f}; '
         f'params+opt state {h["state_bytes"]}/{p["state_bytes"]} B = {st:.5f}; '
         f'compiled step footprint (args+out+temp-alias, largest program) {prog["h"]}/{prog["p"]} B = {prog["h"] / prog["p"]:.4f}')
-    rows.append(f'| {size_name} | {hv} / {pv} | {rss:.4f} | {cur:.4f} | {grow_h / grow_p:.4f} | {st:.5f} | {prog["h"] / prog["p"]:.4f} |')
+    dev = _device_peak_ratio(h, p)
+    if dev is not None:
+      say(f'memory[{size_name}] {hv}/{pv}: peak device memory in use (memory_stats peak_bytes_in_use) '
+          f'{h["device_stats"]["peak_bytes_in_use"]}/{p["device_stats"]["peak_bytes_in_use"]} B = {dev:.4f}')
+    rows.append(f'| {size_name} | {hv} / {pv} | {rss:.4f} | {cur:.4f} | {grow_h / grow_p:.4f} | {st:.5f} | '
+                f'{prog["h"] / prog["p"]:.4f} | ' + ('n/a (CPU)' if dev is None else f'{dev:.4f}') + ' |')
   TABLES.setdefault('memory', []).extend(rows)
+
+
+def _device_peak_ratio(h, p):
+  """HDET / plain peak device memory from the children's ``memory_stats()``; None where the device
+  reports none (XLA:CPU)."""
+  hs, ps = h.get('device_stats') or {}, p.get('device_stats') or {}
+  if 'peak_bytes_in_use' not in hs or not ps.get('peak_bytes_in_use'):
+    return None
+  return hs['peak_bytes_in_use'] / ps['peak_bytes_in_use']
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,6 +333,10 @@ def bench_compile(size_name='default', t_sync=5, syncs=4):
 # 4. One device (vmap) against N devices (shard_map).
 # ------------------------------------------------------------------------------------------------
 def bench_vmap(size_name, rounds, k):
+  if jax.device_count() < C.N:
+    say(f'vmap[{size_name}] skipped: it compares 1 device against {C.N}, and this machine has '
+        f'{jax.device_count()} {jax.devices()[0].platform.upper()} device(s); section 1 runs under vmap here')
+    return
   m, seq, batch, _ = sizes()[size_name]
   mesh = C.make_mesh()
   graphdef, _ = C.model_lib.abstract_model(m, seq)
@@ -358,6 +381,10 @@ def bench_vmap(size_name, rounds, k):
 # 5. The trainer's overhead around the compiled step.
 # ------------------------------------------------------------------------------------------------
 def bench_trainer(steps):
+  if jax.device_count() < C.N:
+    say(f'trainer skipped: the trainer lays its {C.N} replicas on {C.N} devices, and this machine has '
+        f'{jax.device_count()} {jax.devices()[0].platform.upper()} device(s)')
+    return
   from benchmarks import trainer_overhead
   res = trainer_overhead.measure(steps)
   for line in res['lines']:
@@ -374,10 +401,16 @@ def machine() -> str:
   mem = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30
   import flax
   import optax
+  dev = jax.devices()[0]
+  if dev.platform == 'cpu':
+    devices = (f'{jax.device_count()} simulated CPU devices; N={C.N} replicas under '
+               f'`{C.replica_backend()}`. No GPU: every figure is XLA:CPU')
+  else:
+    devices = (f'{jax.device_count()} {dev.platform.upper()} device(s), {dev.device_kind}; N={C.N} replicas '
+               f'under `{C.replica_backend()}`. Every figure is XLA:{dev.platform.upper()} except host RSS')
   return (f'{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}; '
-          f'{jax.device_count()} simulated {jax.devices()[0].platform.upper()} devices; '
-          f'Python {platform.python_version()}, jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}. '
-          'No GPU was available: every figure is XLA:CPU.')
+          f'{devices}. Python {platform.python_version()}, jax {jax.__version__}, flax {flax.__version__}, '
+          f'optax {optax.__version__}.')
 
 
 def _table(heading: str, columns: list[str], rows: list[str], note: str | None) -> list[str]:
@@ -391,7 +424,7 @@ def write_markdown(path, args, elapsed):
   md = ['# Benchmarks: HDET against plain data-parallel training', '',
         f'Machine: {machine()}', '',
         f'Regenerate (from the repository root, venv active): `{cmd}` (about {elapsed / 60:.0f} min; '
-        'the machine was shared with other jobs, so absolute times are noisy, ratios less so).', '',
+        'absolute times move with the machine\'s other load, ratios less so).', '',
         'Method: every variant holds its own model and optimizer state; one process runs blocks of K steps of '
         'each variant in a fresh random order per round (each block ends with `block_until_ready`), after '
         'compilation. A ratio is the median over rounds of (variant block / plain block of the same round), with a '
@@ -417,9 +450,9 @@ def write_markdown(path, args, elapsed):
        ['model', 'HDET program', 'flops', 'bytes accessed'], None),
       ('memory', '## 2. Peak memory (one subprocess per variant, init + 6 steps crossing 3 syncs)',
        ['model', 'HDET / plain', 'peak host RSS', 'host RSS after the run', 'peak RSS growth after imports',
-        'params + optimizer state', 'compiled step footprint'],
+        'params + optimizer state', 'compiled step footprint', 'peak device memory in use'],
        'Target: at most 1.05. CPU: host RSS (`VmHWM` / `VmRSS` of the child process); the 8 simulated '
-       'devices live in host RAM. The donating variants run the trainer\'s way: every program compiled '
+       'devices live in host RAM. GPU: also the device allocator\'s `memory_stats()["peak_bytes_in_use"]`. The donating variants run the trainer\'s way: every program compiled '
        'before the first step, then the compiler\'s freed heap returned to the OS '
        '(`trainer.release_host_memory`, glibc `malloc_trim`); the others compile lazily and release nothing. '
        'The compiled footprint is `memory_analysis()` of the larger of the step programs '
@@ -465,11 +498,17 @@ def main():
   start = time.perf_counter()
   sections = args.sections.split(',')
   size_names = args.sizes.split(',')
+  write = args.write or ('results/benchmarks.md' if args.sections == p.get_default('sections') else None)
+  if write:
+    os.makedirs(os.path.dirname(write) or '.', exist_ok=True)
+
   def guarded(fn, *a):
     try:
       fn(*a)
     except Exception as e:  # one broken part must not lose the others' figures.
       say(f'ERROR in {fn.__name__}{a}: {type(e).__name__}: {e}')
+    if write:  # after every part, so a run stopped early keeps what it measured.
+      write_markdown(write, args, time.perf_counter() - start)
 
   for s in size_names:
     if 'steptime' in sections:
@@ -485,10 +524,7 @@ def main():
     guarded(bench_vmap, 'default', max(6, args.rounds * 2 // 3), args.k)
   if 'trainer' in sections:
     guarded(bench_trainer, args.trainer_steps)
-  write = args.write or ('results/benchmarks.md' if args.sections == p.get_default('sections') else None)
   if write:
-    os.makedirs(os.path.dirname(write) or '.', exist_ok=True)
-    write_markdown(write, args, time.perf_counter() - start)
     log(f' wrote {write}')
 
 

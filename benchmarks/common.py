@@ -77,6 +77,15 @@ def make_mesh(n: int = N) -> Mesh:
   return Mesh(np.asarray(jax.devices()[:n]), (AXIS,))
 
 
+def replica_backend() -> str:
+  """'shard_map' (one replica per device) where there are N devices, else 'vmap' (all on one device).
+
+  A single GPU runs the N replicas under ``vmap``: the same per-replica step, the axis name bound by
+  ``vmap`` instead of a mesh, so the collectives are the same calls.
+  """
+  return 'shard_map' if jax.device_count() >= N else 'vmap'
+
+
 # ----------------------------------------------------------------------------------------------
 # Optimizers and step programs.
 # ----------------------------------------------------------------------------------------------
@@ -115,7 +124,11 @@ class Variant:
   donate: bool = True
   exact_sync: bool = False
   sync_every: int = 1000
-  backend: str = 'shard_map'  # or 'vmap' (all replicas on one device)
+  backend: str = 'auto'  # 'shard_map', 'vmap' (all replicas on one device), or 'auto': replica_backend()
+
+  def resolved(self) -> 'Variant':
+    """This variant with 'auto' replaced by the backend this machine's devices allow."""
+    return dataclasses.replace(self, backend=replica_backend()) if self.backend == 'auto' else self
 
   def tx(self):
     return plain_tx() if self.kind == 'plain' else hdet_tx(self.sync_every, self.exact_sync)
@@ -148,15 +161,18 @@ def build_programs(graphdef, v: Variant, mesh) -> tuple[Any, dict]:
     def window_end(params, opt_state):
       updates, opt_state = tx.update(None, opt_state, params, sync=True)
       return H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True), opt_state
-    programs['end'] = jax.jit(H.shard_map_replicas(window_end, mesh, AXIS), donate_argnums=donate)
+    programs['end'] = jax.jit(_over_replicas(window_end, v, mesh), donate_argnums=donate)
   for flag in flags:
     body = per_replica_step(graphdef, tx, v, flag)
-    if v.backend == 'shard_map':
-      fn = H.shard_map_replicas(body, mesh, AXIS)
-    else:
-      fn = jax.vmap(body, axis_name=AXIS)
-    programs[flag] = jax.jit(fn, donate_argnums=donate)
+    programs[flag] = jax.jit(_over_replicas(body, v, mesh), donate_argnums=donate)
   return tx, programs
+
+
+def _over_replicas(fn, v: Variant, mesh):
+  """``fn`` (one replica's program) mapped over the replica axis: one per device, or vmapped on one."""
+  if v.backend == 'shard_map':
+    return H.shard_map_replicas(fn, mesh, AXIS)
+  return jax.vmap(fn, axis_name=AXIS)
 
 
 def init_state(model_cfg, seq_len, tx, v: Variant, mesh, key=0):
@@ -193,6 +209,7 @@ class Runner:
   """
 
   def __init__(self, v: Variant, graphdef, model_cfg, seq_len, batch, mesh, phase='loop'):
+    v = v.resolved()
     self.v, self.phase = v, phase
     self.tx, self.programs = build_programs(graphdef, v, mesh)
     self.params, self.opt_state = init_state(model_cfg, seq_len, self.tx, v, mesh)
