@@ -99,7 +99,9 @@ class RunCache:
         return
       try:
         yield True
-      finally:
+      finally:  # no lock file is left behind; a worker that opened it just before re-reads the record.
+        with contextlib.suppress(OSError):
+          os.remove(path)
         fcntl.flock(f, fcntl.LOCK_UN)
 
   def _train(self, name: str, config: Any, keep_workdir: bool) -> dict:

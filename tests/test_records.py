@@ -69,3 +69,10 @@ def test_the_lock_is_released_after_a_claim(tmp_path):
       assert not again
   with cache._claim('sgd/run') as claimed:
     assert claimed
+
+
+def test_no_lock_file_is_left_behind(tmp_path):
+  cache = _cache(tmp_path)
+  with cache._claim('adamw/run'):
+    pass
+  assert os.listdir(tmp_path / 'work' / 'adamw') == []
