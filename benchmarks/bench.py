@@ -332,10 +332,17 @@ def bench_compile(size_name='default', t_sync=5, syncs=4):
 # ------------------------------------------------------------------------------------------------
 # 4. One device (vmap) against N devices (shard_map).
 # ------------------------------------------------------------------------------------------------
+def _too_few_devices(what: str, then: str = '') -> bool:
+  """Whether this machine has fewer than N devices; if so, says ``what`` is skipped and why."""
+  if jax.device_count() >= C.N:
+    return False
+  say(f'{what}, and this machine has {jax.device_count()} {jax.devices()[0].platform.upper()} device(s){then}')
+  return True
+
+
 def bench_vmap(size_name, rounds, k):
-  if jax.device_count() < C.N:
-    say(f'vmap[{size_name}] skipped: it compares 1 device against {C.N}, and this machine has '
-        f'{jax.device_count()} {jax.devices()[0].platform.upper()} device(s); section 1 runs under vmap here')
+  if _too_few_devices(f'vmap[{size_name}] skipped: it compares 1 device against {C.N}',
+                      '; section 1 runs under vmap here'):
     return
   m, seq, batch, _ = sizes()[size_name]
   mesh = C.make_mesh()
@@ -381,9 +388,7 @@ def bench_vmap(size_name, rounds, k):
 # 5. The trainer's overhead around the compiled step.
 # ------------------------------------------------------------------------------------------------
 def bench_trainer(steps):
-  if jax.device_count() < C.N:
-    say(f'trainer skipped: the trainer lays its {C.N} replicas on {C.N} devices, and this machine has '
-        f'{jax.device_count()} {jax.devices()[0].platform.upper()} device(s)')
+  if _too_few_devices(f'trainer skipped: the trainer lays its {C.N} replicas on {C.N} devices'):
     return
   from benchmarks import trainer_overhead
   res = trainer_overhead.measure(steps)
