@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -300,6 +301,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
   parser.add_argument('--seeds', default=','.join(map(str, SEEDS)), help='comma-separated seeds')
   parser.add_argument('--variants', default=','.join(VARIANTS), help='comma-separated controller variants')
   parser.add_argument('--starts', default=','.join(STARTS), help='comma-separated: low, best, high')
+  parser.add_argument('--grid-lrs', default='',
+                      help="comma-separated subset of the grid's peak LRs to train (default: all); the first "
+                           "seed's grid must be complete, since it fixes the HDET starts")
   parser.add_argument('--peers', default=','.join(PEERS), help='comma-separated LR-free methods')
   parser.add_argument('--report-only', action='store_true', help='only redraw the report from cached runs')
   parser.add_argument('--out', default=None, help='report folder (default results/, quick: the workdir)')
@@ -313,6 +317,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     args.peers = args.peers if '--peers' in rest else 'adam_plateau'
   args.seeds = [int(x) for x in args.seeds.split(',') if x][:1 if args.quick else None]
   args.grids = QUICK_GRIDS if args.quick else GRIDS
+  args.grid_lrs = [float(x) for x in args.grid_lrs.split(',') if x]
+  for optim in [o for o in args.optim.split(',') if o]:
+    off = [lr for lr in args.grid_lrs if not any(math.isclose(lr, g) for g in args.grids[optim])]
+    if off:
+      parser.error(f'--grid-lrs: {off} not in the {optim} grid {[float(f"{g:.4g}") for g in args.grids[optim]]}')
   return args, task_overrides
 
 
@@ -346,9 +355,11 @@ def run_stages(cache: records.RunCache, args: argparse.Namespace, task_overrides
   for optim in [o for o in args.optim.split(',') if o]:
     lrs = grids[optim]
     if 'grid' in stages:
-      print(f'[{optim}] grid: {len(lrs)} peak LRs x seeds {seeds}', flush=True)
+      # A subset (--grid-lrs) repeats the best's neighbourhood on more seeds; the report shows each point's n.
+      train = [lr for lr in lrs if not args.grid_lrs or any(math.isclose(lr, g) for g in args.grid_lrs)]
+      print(f'[{optim}] grid: {len(train)} peak LRs x seeds {seeds}', flush=True)
       for seed in seeds:
-        for lr in lrs:
+        for lr in train:
           go(grid_name(optim, lr, seed), run_overrides('grid', optim, lr, seed, steps))
     best = anchor(cache, optim, lrs, seeds[0])
     if 'hdet' in stages and best is None:

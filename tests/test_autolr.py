@@ -90,6 +90,16 @@ def test_bad_override_is_one_error_line(tmp_path):
   assert not any(tmp_path.iterdir())  # nothing written
 
 
+def test_grid_subset_names_the_grid_or_is_refused(capsys):
+  args, _ = A.parse_args(['--optim', 'adamw', '--grid-lrs', '0.015,0.03'])
+  assert args.grid_lrs == [0.015, 0.03]
+  with pytest.raises(SystemExit) as e:  # 0.02 is not a point of the AdamW grid (0.00375 * 2**k)
+    A.parse_args(['--optim', 'adamw', '--grid-lrs', '0.015,0.02'])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert '--grid-lrs' in err and '[0.02]' in err and '0.015' in err
+
+
 def _replay_fit(rec):
   """Each sync's taken step of a recorded 'fit' run, recomputed in float64 from the record alone (the
   compared losses and each replica's LR) with the oracles: the fit, the Rprop gain gated on |b| > 2 se,
