@@ -42,9 +42,19 @@ def test_sibling_loads_the_named_config_next_to_a_file():
 
 @pytest.mark.parametrize('field,value', [('hdet.spread', 1.5), ('optim.max_lr', 0.0), ('data.batch_size', 0),
                                          ('hdet.warmup_steps', 40), ('optim.name', 'lion'),
-                                         ('hdet.early_sync_every', -1), ('hdet.early_sync_steps', 4)])
+                                         ('hdet.early_sync_every', -1), ('hdet.early_sync_steps', 4),
+                                         ('hdet.stop_fraction', -0.1), ('hdet.stop_fraction', 1.5)])
 def test_check_values_names_the_field(field, value):
   config_lib.check_values(_tiny())  # the tiny config itself passes
   with pytest.raises(config_lib.ConfigError, match=field.replace('.', r'\.')) as e:
     config_lib.check_values(config_lib.with_overrides(_tiny(), {field: value}))
   assert '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('fraction,stop_steps', [(0.0, 0), (0.3, 12), (1.0, None)])
+def test_stop_fraction_zero_stops_before_the_first_sync(fraction, stop_steps):
+  """0 is allowed: the controller is past its stop at every sync (with after_stop='rise': only raises)."""
+  from hdet_jax.trainer import train_step
+  config = config_lib.with_overrides(_tiny(), {'hdet.stop_fraction': fraction})
+  config_lib.check_values(config)
+  assert config.num_train_steps == 40 and train_step.auto_lr_settings(config).stop_steps == stop_steps

@@ -147,7 +147,7 @@ _RULES = (
     ('hdet.initial_scale', 'real', lambda v: v > 0, 'a number > 0 (1: start at the schedule)'),
     ('hdet.step_growth', 'real', lambda v: v >= 1, 'a number >= 1 (1: no acceleration)'),
     ('hdet.max_gain', 'real', lambda v: v >= 1, 'a number >= 1'),
-    ('hdet.stop_fraction', 'real', lambda v: 0 < v <= 1, 'in (0, 1] (1: never stop)'),
+    ('hdet.stop_fraction', 'real', lambda v: 0 <= v <= 1, 'in [0, 1] (0: from the first sync; 1: never stop)'),
     ('hdet.probe_windows', 'int', lambda v: v >= 1, 'an integer >= 1'),
     ('hdet.explore.weight_decay', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (0: off)'),
     ('hdet.explore.dropout', 'real', lambda v: v >= 0, 'a number >= 0 (0: off)'),
