@@ -107,17 +107,18 @@ VARIANT_SETTINGS = {
                                                     'hdet.early_sync_steps': 100},
     'fit_lr_T100_cautious_rise_accel_early25x200': {**_ACCEL, 'hdet.early_sync_every': 25,
                                                     'hdet.early_sync_steps': 200},
-    # The accelerated fit taking only steps up from its first sync (the stop before it, after_stop='rise'):
-    # the line search's asks for less fall far below the sweep's best from step ~200 on ("where the line
-    # search turns"), and on a 3000-step run the default followed them to 0.02-0.25x the sweep's schedule by
-    # the warmup's end; the too-high start is the cautious start's job. A screen.
+    # The default: the accelerated fit taking only steps up from its first sync (the stop
+    # before it, after_stop='rise'; the main job writes it hdet.stop_fraction=0, the same decisions). The
+    # line search's asks for less fall far below the sweep's best from step ~200 on ("where the line search
+    # turns"), and on a 3000-step run the previous default followed them to 0.02-0.25x the sweep's schedule
+    # by the warmup's end; the too-high start is the cautious start's job.
     'fit_lr_T100_cautious_riseonly_accel': {**_ACCEL, 'hdet.stop_fraction': 0.01},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False, **_PINNED},
 }
 VARIANTS = ('fit_lr', 'paper', 'fit_lr_T100', 'fit_lr_T100_cautious', 'fit_lr_T100_cautious_rise',
-            'fit_lr_T100_cautious_rise_accel')  # run by default
-DEFAULT_VARIANT = 'fit_lr_T100_cautious_rise_accel'  # the variant reported as HDET's: the main job's controller (configs/default.py)
+            'fit_lr_T100_cautious_rise_accel', 'fit_lr_T100_cautious_riseonly_accel')  # run by default
+DEFAULT_VARIANT = 'fit_lr_T100_cautious_riseonly_accel'  # the variant reported as HDET's: the main job's controller (configs/default.py)
 # The LR-free methods at their documented LR: the trainer's one-cycle shape peaking at it where the docs
 # recommend a schedule (prodigy, dog, D-Adaptation, Mechanic), constant for schedule-free. reduce_on_plateau
 # can only lower an LR, so adam_plateau starts from the 'high' start (10x the grid's best).
