@@ -292,6 +292,11 @@ def parse_overrides(argv: list[str]) -> tuple[list[str], dict]:
   return rest, overrides
 
 
+def _among(lr: float, lrs) -> bool:
+  """Whether peak LR ``lr`` is one of ``lrs`` (up to float rounding: the grids are computed, flags typed)."""
+  return any(math.isclose(lr, g) for g in lrs)
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
   """(the command's options, its ``--config.*`` overrides); ``--quick`` narrows what was not given."""
   rest, task_overrides = parse_overrides(argv)
@@ -320,7 +325,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
   args.grids = QUICK_GRIDS if args.quick else GRIDS
   args.grid_lrs = [float(x) for x in args.grid_lrs.split(',') if x]
   for optim in [o for o in args.optim.split(',') if o]:
-    off = [lr for lr in args.grid_lrs if not any(math.isclose(lr, g) for g in args.grids[optim])]
+    off = [lr for lr in args.grid_lrs if not _among(lr, args.grids[optim])]
     if off:
       parser.error(f'--grid-lrs: {off} not in the {optim} grid {[float(f"{g:.4g}") for g in args.grids[optim]]}')
   return args, task_overrides
@@ -357,7 +362,7 @@ def run_stages(cache: records.RunCache, args: argparse.Namespace, task_overrides
     lrs = grids[optim]
     if 'grid' in stages:
       # A subset (--grid-lrs) repeats the best's neighbourhood on more seeds; the report shows each point's n.
-      train = [lr for lr in lrs if not args.grid_lrs or any(math.isclose(lr, g) for g in args.grid_lrs)]
+      train = [lr for lr in lrs if not args.grid_lrs or _among(lr, args.grid_lrs)]
       print(f'[{optim}] grid: {len(train)} peak LRs x seeds {seeds}', flush=True)
       for seed in seeds:
         for lr in train:
