@@ -79,6 +79,9 @@ def get_config() -> ml_collections.ConfigDict:
   # without dropout, just before the average: no batch noise, one extra forward pass per sync).
   config.hdet.score = 'common'
   config.hdet.probe_windows = 16  # Windows in the common batch (hdet.score='common'), fresh at each sync.
+  # hdet.score='common': score each replica's mean parameters over the last this fraction of the window
+  # instead of its last iterate (tail averaging: less of the step noise that penalises large LRs). 0: off.
+  config.hdet.score_tail = 0.0
   config.hdet.warmup_steps = 0  # S_warm: the controller starts at the first sync at or after this step.
   # The controller makes no update at syncs after this fraction of the steps (its LR correction, or
   # base, then holds; 1: it runs to the end).

@@ -113,6 +113,11 @@ VARIANT_SETTINGS = {
     # turns"), and on a 3000-step run the previous default followed them to 0.02-0.25x the sweep's schedule
     # by the warmup's end; the too-high start is the cautious start's job.
     'fit_lr_T100_cautious_riseonly_accel': {**_ACCEL, 'hdet.stop_fraction': 0.01},
+    # The default comparing each replica's mean iterate over its window's last half (hdet.score_tail) instead
+    # of its last one: tail averaging removes much of the step noise that a large LR adds to the last iterate,
+    # the part of short-horizon bias that the schedule's decay removes by the run's end. From 10x low the
+    # climb must reach the best LR before the line search's asks turn below it (~step 300).
+    'fit_lr_T100_cautious_riseonly_accel_tail50': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.score_tail': 0.5},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False, **_PINNED},
 }

@@ -75,3 +75,57 @@ def test_window_end_and_distance_measure_each_replicas_distance_from_the_mean():
                               atol=1e-6)
   np.testing.assert_allclose(np.asarray(m['distance']), want, rtol=1e-4)
   np.testing.assert_allclose(np.asarray(m['mean_norm']), _tree_rows_norm(after), rtol=1e-6)
+
+
+def _tail_config(**overrides):
+  return config_lib.with_overrides(config_lib.load_config_file(TINY), {
+      'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.score_tail': 0.5,
+      **overrides})
+
+
+def test_tail_weight_is_one_over_k_on_each_windows_last_steps():
+  """hdet.score_tail=0.5: a window of 8 averages its last 4 steps (weights 1, 1/2, 1/3, 1/4: a running
+  mean), a window of 2 its last step; off (0, or scoring window losses) it is 0 everywhere."""
+  config = _tail_config(**{'hdet.early_sync_every': 2, 'hdet.early_sync_steps': 4})  # windows 0-1, 2-3, 4-11, ...
+  got = [ts.tail_weight(config, t) for t in range(20)]
+  want = [0, 1, 0, 1] + [0] * 4 + [1, 1 / 2, 1 / 3, 1 / 4] + [0] * 4 + [1, 1 / 2, 1 / 3, 1 / 4]
+  np.testing.assert_allclose(got, want, rtol=0, atol=0)
+  assert [ts.tail_weight(_tail_config(**{'hdet.score_tail': 0.3}), t) for t in range(8)] == [0] * 6 + [1, 1 / 2]
+  assert all(ts.tail_weight(_tail_config(**{'hdet.score_tail': 0.0}), t) == 0 for t in range(20))
+  assert all(ts.tail_weight(_tail_config(**{'hdet.score': 'window'}), t) == 0 for t in range(20))
+
+
+def test_window_end_scores_the_running_mean_of_the_tail():
+  """The tail update keeps the mean of each replica's iterates over the window's tail (numpy oracle), and
+  the window end then scores that mean: the same losses as a window end handed the mean as its parameters."""
+  config = _tail_config()
+  n = 8
+  mesh = ts.make_mesh(n)
+  tx = ts.make_optimizer(config, n)
+  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
+  params, opt_state = ts.make_init(config, tx, mesh, n)(jax.random.key(0))
+  data = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8)
+  batches = ip.TrainBatches(data, config.data.seq_len, config.data.batch_size, n, seed=1)
+  step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config)
+  update = ts.make_tail_update()
+  tail, seen = jax.tree.map(lambda x: x.copy(), params), []
+  for t in range(8):  # the window's steps 4-7 are its tail
+    params, opt_state, _ = step(params, opt_state, ts.put_stacked(batches.batch(t), mesh))
+    if ts.tail_weight(config, t) > 0:
+      tail = update(tail, params, np.float32(ts.tail_weight(config, t)))
+      seen.append(jax.tree.map(np.asarray, params))
+  assert len(seen) == 4
+  want = jax.tree.map(lambda *xs: np.mean(np.stack(xs).astype(np.float64), 0), *seen)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, tail), want, rtol=2e-6, atol=1e-7)
+  assert not np.allclose(np.asarray(jax.tree.leaves(tail)[0]), jax.tree.leaves(seen[-1])[0])  # not the last iterate
+
+  windows = ip.probe_windows(data, config.data.seq_len, config.hdet.probe_windows, config.seed, 0)
+  common = ts.put_stacked(np.broadcast_to(windows, (n,) + windows.shape), mesh, batch_dim=1)
+  end = ts.make_window_end(tx, mesh, graphdef=graphdef, config=config)
+  copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
+  _, _, with_tail = end(copy(params), copy(opt_state), common, tail)
+  _, _, at_tail = end(copy(tail), copy(opt_state), common)
+  _, _, at_last = end(params, opt_state, common)
+  np.testing.assert_array_equal(np.asarray(with_tail['window_losses']), np.asarray(at_tail['window_losses']))
+  assert np.ptp(np.asarray(with_tail['window_losses'])[0]) > 0  # the replicas' tails differ
+  assert not np.array_equal(np.asarray(with_tail['window_losses']), np.asarray(at_last['window_losses']))

@@ -244,12 +244,13 @@ def test_nothing_compiles_after_setup(tmp_path, monkeypatch):
   jax.monitoring.register_event_duration_secs_listener(listener)
   jax.monitoring.register_event_listener(cache_listener)
   try:
-    # The fit controller on a common batch: the window end's probe program too. 20 steps, two early windows
+    # The fit controller on a common batch, scoring each window's tail: the window end's probe program and the
+    # tail's running mean too. 20 steps, two early windows
     # of 2 steps, then of 8: syncs after steps 1, 3, 11 and 19; an evaluation and a checkpoint at step 10,
     # and the final ones at step 20.
     s = train_and_evaluate(tiny(num_train_steps=20, eval_every=10, checkpoint_every=10, plots=False, **{
         'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.early_sync_every': 2,
-        'hdet.early_sync_steps': 4}), str(tmp_path / 'w'))
+        'hdet.early_sync_steps': 4, 'hdet.score_tail': 0.5}), str(tmp_path / 'w'))
   finally:
     active[0] = False
   assert s['step'] == 20 and first_step
@@ -383,3 +384,32 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(straight
   a = np.array([r['loss'] for r in read_metrics(os.path.join(ref, 'metrics.jsonl'))['train']])
   b = np.array([r['loss'] for r in read_metrics(metrics)['train']])
   assert a.shape == b.shape and float(np.max(np.abs(a - b))) <= 2e-6
+
+
+def test_score_tail_is_checkpointed_and_resumes_bit_for_bit(tmp_path):
+  """hdet.score_tail=0.5 (tiny: windows of 8, tails of 4): every checkpoint holds the running mean of the
+  iterates since its window's tail began (numpy oracle, from the per-step checkpoints), and a run stopped
+  inside a tail resumes bit for bit."""
+  fit = {'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.score_tail': 0.5}
+  ref = str(tmp_path / 'straight')
+  train_and_evaluate(tiny(num_train_steps=16, checkpoint_every=1, max_checkpoints=0, plots=False, **fit), ref)
+  params = {k: _restore_raw(ref, k)[0]['params'] for k in range(5, 16)}
+  for done, first in ((7, 5), (13, 13), (15, 13)):  # tails: steps done 5-8 and 13-16
+    want = jax_mean([params[k] for k in range(first, done + 1)])
+    got = _restore_raw(ref, done)[0]['tail']
+    for x, y in zip(_leaves(got), _leaves(want)):
+      np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-7)
+  workdir = str(tmp_path / 'resumed')
+  train_and_evaluate(tiny(num_train_steps=16, stop_at_step=14, plots=False, **fit), workdir)
+  train_and_evaluate(tiny(num_train_steps=16, plots=False, **fit), workdir)
+  a, b = _restore_raw(ref, 16)[0], _restore_raw(workdir, 16)[0]
+  for x, y in zip(_leaves(a), _leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  ctrl = [read_metrics(os.path.join(w, 'metrics.jsonl'))['controller'] for w in (ref, workdir)]
+  assert [c['window_losses'] for c in ctrl[0]] == [c['window_losses'] for c in ctrl[1]]
+
+
+def jax_mean(trees):
+  """The float64 mean of same-shaped trees of arrays."""
+  import jax
+  return jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x, np.float64) for x in xs]), 0), *trees)

@@ -25,7 +25,7 @@ RUN_FIELDS = frozenset({
 QUIET_DEFAULTS = {'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
                   'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0,
-                  'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0}
+                  'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0}
 
 
 class ConfigError(ValueError):
@@ -149,6 +149,7 @@ _RULES = (
     ('hdet.max_gain', 'real', lambda v: v >= 1, 'a number >= 1'),
     ('hdet.stop_fraction', 'real', lambda v: 0 <= v <= 1, 'in [0, 1] (0: from the first sync; 1: never stop)'),
     ('hdet.probe_windows', 'int', lambda v: v >= 1, 'an integer >= 1'),
+    ('hdet.score_tail', 'real', lambda v: 0 <= v < 1, "in [0, 1) (0: compare the last iterates)"),
     ('hdet.explore.weight_decay', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (0: off)'),
     ('hdet.explore.dropout', 'real', lambda v: v >= 0, 'a number >= 0 (0: off)'),
     ('hdet.explore.label_smoothing', 'real', lambda v: v >= 0, 'a number >= 0 (0: off)'),
@@ -192,6 +193,9 @@ def check_values(config: Any) -> None:
     raise ConfigError(f'hdet.warmup_steps={config.hdet.warmup_steps} must be < num_train_steps='
                       f'{config.num_train_steps} (the controller would never start); lower it or set hdet.auto_lr=False.')
   _check_early_syncs(config)
+  if config.hdet.get('score_tail', 0.0) > 0 and not (config.hdet.auto_lr and config.hdet.get('score') == 'common'):
+    raise ConfigError(f"hdet.score_tail={config.hdet.score_tail} averages the parameters that the common batch "
+                      "scores: it needs hdet.auto_lr=True and hdet.score='common' (or set hdet.score_tail=0).")
   for field in ('init_from', 'data.path'):
     present, v = _get(config, field)
     if present and v is not None and not isinstance(v, str):

@@ -353,6 +353,34 @@ def common_batch(config: Any) -> bool:
   return bool(config.hdet.auto_lr) and config.hdet.get('score', 'window') == 'common'
 
 
+def score_tail(config: Any) -> float:
+  """The fraction of each window over which a replica's parameters are averaged before the comparison
+  (``hdet.score_tail``; 0: the comparison sees the last iterates)."""
+  return float(config.hdet.get('score_tail', 0.0)) if common_batch(config) else 0.0
+
+
+def tail_weight(config: Any, step: int) -> float:
+  """``1/k`` when step ``step`` (0-based) is the k-th of its window's averaged tail, else 0.
+
+  The tail is the window's last ``m = max(1, round(score_tail * T_w))`` steps (T_w: the window's length),
+  so the compared point is the uniform mean of the parameters after each of them.
+  """
+  fraction = score_tail(config)
+  if fraction <= 0:
+    return 0.0
+  start, length = (int(v) for v in window_lib.window_of(sync_windows(config), step))
+  k = step + 1 - (start + length - max(1, round(fraction * length)))
+  return 1.0 / k if k >= 1 else 0.0
+
+
+def make_tail_update(shardings: tuple[Any, Any] | None = None) -> Callable:
+  """Jitted ``(tail, params, weight) -> tail``: the running mean ``tail + weight (params - tail)``;
+  weight 1 restarts it at ``params`` exactly (the first step of a window's tail)."""
+  def update(tail, params, weight):
+    return jax.tree.map(lambda a, b: jnp.where(weight >= 1, b, a + (b - a) * weight).astype(a.dtype), tail, params)
+  return jax.jit(update, donate_argnums=0, **({} if shardings is None else {'out_shardings': shardings[0]}))
+
+
 def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
                     packer: MetricsPacker | None = None, graphdef: Any = None, config: Any = None,
                     shardings: tuple[Any, Any] | None = None) -> Callable:
@@ -361,7 +389,8 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   With ``graphdef`` and a config whose ``hdet.score`` is ``'common'`` the program takes a third
   argument, the common batch ``[N, W, L+1]`` (the same windows in every row): each replica's loss on
   it, with its own attention temperature and no dropout, computed before the average, is the score
-  the controller compares (``tx.update(..., score=)``).
+  the controller compares (``tx.update(..., score=)``). With ``hdet.score_tail > 0`` a fourth, each
+  replica's mean parameters over the window's tail (see :func:`tail_weight`), is what is scored.
 
   Run it right after the non-sync step program on a sync step: it averages the replicas and runs
   the controller (``tx.update(None, ..., sync=True)``). The step is then compiled once, and the sync
@@ -373,12 +402,13 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   """
   probe = graphdef is not None and config is not None and common_batch(config)
 
-  def window_end(params, opt_state, windows=None):
+  def window_end(params, opt_state, windows=None, tail=None):
     score = None
     if probe:
       reg, _ = regularization(config, opt_state)
       reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
-      score = model_lib.loss_fn(graphdef, params, windows, reg)
+      # The tail means lie on the replicas' line too (A + u_r Dbar), so the line search reads them alike.
+      score = model_lib.loss_fn(graphdef, params if tail is None else tail, windows, reg)
     updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
     stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
     params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True)

@@ -262,6 +262,7 @@ class _Programs(NamedTuple):
   val: Any                           # the validation windows on the devices
   common: bool                       # window_end takes the sync's common batch
   distance: Any                      # params -> each replica's distance from the mean: runs that never average
+  tail_update: Any = None            # (tail, params, weight) -> tail: hdet.score_tail > 0 (window_end scores the tail)
 
 
 @dataclasses.dataclass
@@ -273,6 +274,7 @@ class _Loop:
   start: int                         # the step this call starts or resumes at
   step: int                          # steps done
   data: Any = None                   # the chunk of _CHUNK steps' batches holding this step's, on the devices
+  tail: Any = None                   # [N, ...] each replica's mean parameters over its window's tail (score_tail)
   pending: list = dataclasses.field(default_factory=list)  # (step, sync, metrics) fetched at the next log
   t_mark: float = 0.0                # when the current log interval started
   train_time: float = 0.0
@@ -364,8 +366,9 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   root = jax.random.key(config.seed)
   init = ts.make_init(config, inputs.tx, records.mesh, inputs.n)
   restored = _restore(config, inputs, records, init, root) if inputs.resume else None
+  tail = None
   if restored is not None:
-    params, opt_state, start = restored
+    params, opt_state, start, tail = restored
   elif inputs.init_src is not None:
     params, opt_state, start = *_warm_start(config, inputs, records, root), 0
   else:
@@ -379,7 +382,9 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   count = int(ts.fetch(opt_state.count)[0])
   if count != start:
     raise RuntimeError(f'the optimizer state counts {count} steps but training resumes at step {start}.')
-  return _Loop(params, opt_state, rng, start=start, step=start)
+  if tail is None and ts.score_tail(config) > 0:
+    tail = jax.tree.map(lambda x: x.copy(), params)  # overwritten at the first step of each window's tail
+  return _Loop(params, opt_state, rng, start=start, step=start, tail=tail)
 
 
 def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, root: Any) -> tuple | None:
@@ -390,6 +395,8 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
   abstract = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), init(k))), root)
   abstract = ts.with_layout(records.mesh, abstract)  # restored straight into the run's layout
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=ts.replicated(records.mesh))
+  if ts.score_tail(config) > 0:  # a checkpoint inside a window's tail resumes its running mean
+    abstract['tail'] = abstract['params']
   t_restore = time.time()
   try:
     restored = records.ckpt.restore_latest(abstract, on_corrupt=corrupt)
@@ -406,7 +413,7 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
   records.writer.write('event', step=start, event='resume', restore_s=time.time() - t_restore)
   records.log(f'Resuming {inputs.workdir} from step {start}.' if start < config.num_train_steps else
               f'{inputs.workdir} already holds the finished run ({start} steps): evaluating and plotting only.')
-  return state['params'], state['opt_state'], start
+  return state['params'], state['opt_state'], start, state.get('tail')
 
 
 def _warm_start(config: Any, inputs: _Inputs, records: _Records, root: Any) -> tuple[Any, Any]:
@@ -450,15 +457,19 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   step = ts.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, config=config, packer=packers[False],
                             chunk_steps=_CHUNK, shardings=layout).lower(params, opt_state, loop.data).compile()
   common = ts.common_batch(config)
+  tail = [loop.tail] if loop.tail is not None else []
   window_end = ts.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
                                   config=config, shardings=layout).lower(
-      params, opt_state, *([_probe(config, inputs, mesh, 0)] if common else [])).compile()
+      params, opt_state, *([_probe(config, inputs, mesh, 0)] if common else []), *tail).compile()
+  tail_update = (ts.make_tail_update(layout).lower(loop.tail, params, np.float32(1)).compile()
+                 if loop.tail is not None else None)
   to_eval = ts.make_eval_params(config, mesh)
   val = ts.put_stacked(inputs.val_windows, mesh, batch_dim=1)
   evaluate = ts.make_eval_step(inputs.graphdef, mesh).lower(params, val).compile()
   average = ts.make_average(mesh, params).lower(params).compile()
   # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
-  checkpoints.fingerprint({'params': params, 'opt_state': opt_state, 'rng': loop.rng})
+  checkpoints.fingerprint({'params': params, 'opt_state': opt_state, 'rng': loop.rng,
+                           **({'tail': loop.tail} if loop.tail is not None else {})})
   checkpoints.fingerprint(average(params))
   # Whether some replica's parameters are all finite (a checkpoint of only NaN/inf replicas is useless:
   # the loss that would reveal the last update's blow-up comes one step later).
@@ -468,7 +479,8 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   # A run that never averages measures the replicas' distance from their mean at each log interval.
   distance = ts.make_distance(mesh).lower(params).compile() if ts.never_syncs(config) else None
   release_host_memory()
-  return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, common, distance)
+  return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, common, distance,
+                   tail_update)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,9 +518,13 @@ def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop
   if step % _CHUNK == 0 and step != loop.start:
     loop.data = _upload(inputs, mesh, step)
   loop.params, loop.opt_state, m = programs.step(loop.params, loop.opt_state, loop.data)
+  weight = ts.tail_weight(config, step) if programs.tail_update is not None else 0.0
+  if weight > 0:
+    loop.tail = programs.tail_update(loop.tail, loop.params, np.float32(weight))
   if sync:
     common = [_probe(config, inputs, mesh, step)] if programs.common else []
-    loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common)
+    tail = [loop.tail] if programs.tail_update is not None else []
+    loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common, *tail)
     m = (m, m_sync)
   loop.pending.append((step, sync, m))
   loop.step = step + 1
@@ -602,6 +618,8 @@ def _save(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, 
                 'checkpoint is kept.')
     return
   state = {'params': loop.params, 'opt_state': loop.opt_state, 'rng': loop.rng}
+  if loop.tail is not None:
+    state['tail'] = loop.tail
   meta = {'step': step, 'data_position': inputs.batches.position(step), 'seed': config.seed,
           'num_replicas': inputs.n, 'config': inputs.fields, 'param_shapes': _param_shapes(inputs.abstract_params)}
   records.ckpt.save(step, state, programs.average(loop.params), meta)
