@@ -43,7 +43,8 @@ def test_sibling_loads_the_named_config_next_to_a_file():
 @pytest.mark.parametrize('field,value', [('hdet.spread', 1.5), ('optim.max_lr', 0.0), ('data.batch_size', 0),
                                          ('hdet.warmup_steps', 40), ('optim.name', 'lion'),
                                          ('hdet.early_sync_every', -1), ('hdet.early_sync_steps', 4),
-                                         ('hdet.stop_fraction', -0.1), ('hdet.stop_fraction', 1.5)])
+                                         ('hdet.stop_fraction', -0.1), ('hdet.stop_fraction', 1.5),
+                                         ('hdet.score_tail', 1.0)])
 def test_check_values_names_the_field(field, value):
   config_lib.check_values(_tiny())  # the tiny config itself passes
   with pytest.raises(config_lib.ConfigError, match=field.replace('.', r'\.')) as e:
@@ -58,3 +59,12 @@ def test_stop_fraction_zero_stops_before_the_first_sync(fraction, stop_steps):
   config = config_lib.with_overrides(_tiny(), {'hdet.stop_fraction': fraction})
   config_lib.check_values(config)
   assert config.num_train_steps == 40 and train_step.auto_lr_settings(config).stop_steps == stop_steps
+
+
+@pytest.mark.parametrize('other', [{'hdet.score': 'window'}, {'hdet.auto_lr': False}])
+def test_score_tail_needs_a_common_batch_to_score(other):
+  """The tail's mean is what the common batch scores: with window losses (or no controller) it is refused."""
+  config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.score_tail': 0.5}))
+  with pytest.raises(config_lib.ConfigError, match=r'hdet\.score_tail=0\.5 .*hdet\.score=.common.') as e:
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.score_tail': 0.5, **other}))
+  assert '\n' not in str(e.value)
