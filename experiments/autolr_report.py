@@ -93,13 +93,15 @@ def ask_threshold(points: list[tuple[float, bool]]) -> dict:
 
 def ask_thresholds(records: list[dict], reference, window: int = 100, min_runs: int = 6) -> list[dict]:
   """Per sync step shared by at least ``min_runs`` records that compared the replicas on a common batch after
-  windows of ``window`` steps (the asks depend on the horizon): :func:`ask_threshold` of their LRs as multiples
+  windows of ``window`` steps, at their last iterates (the asks depend on the horizon and on the point scored):
+  :func:`ask_threshold` of their LRs as multiples
   of ``reference(step)`` (the sweep's best schedule), with a sync asking up when its losses fall with the LR
   offset (the slope of :func:`signal_per_sync`)."""
   by_step = {}
   for r in records:
     h = r['config']['hdet']
-    if h.get('score') != 'common' or h.get('sync_every') != window or h.get('early_sync_every', 0):
+    if (h.get('score') != 'common' or h.get('sync_every') != window or h.get('early_sync_every', 0)
+        or h.get('score_tail', 0)):  # a tail's mean is another point than the last iterate: other asks
       continue
     lrs = {c['step']: float(np.mean(np.asarray(c['values'], float)[lr_index(r)])) for c in r.get('controller', [])
            if c.get('values')}

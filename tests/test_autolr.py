@@ -64,17 +64,19 @@ def test_ask_threshold_splits_where_the_asks_turn():
 
 def test_ask_thresholds_read_each_runs_slope_against_the_reference_schedule():
   """Synthetic records on the bowl loss (log(lr / 2 ref))^2: a run below twice the reference asks up, above
-  it down, so the split at every sync sits between the runs around 2x; a window-scored or T=25 run is left out."""
+  it down, so the split at every sync sits between the runs around 2x; a window-scored, T=25 or tail-scored run
+  is left out."""
   ref = lambda step: 1e-3 * (1 + step / 100)
-  def record(scale, score='common', sync_every=100):
+  def record(scale, score='common', sync_every=100, tail=0.0):
     rows = []
     for step in (99, 199):
       lrs = scale * ref(step) * np.linspace(0.75, 1.25, 8)
       rows.append({'step': step, 'values': [lrs.tolist()],
                    'window_losses': (np.log(lrs / (2 * ref(step))) ** 2).tolist()})
-    return {'hyperparams': ['learning_rate'], 'config': {'hdet': {'score': score, 'sync_every': sync_every}},
-            'controller': rows}
-  records = [record(s) for s in (0.5, 1.0, 1.5, 3.0, 4.0, 8.0)] + [record(5.0, 'window'), record(0.1, sync_every=25)]
+    return {'hyperparams': ['learning_rate'],
+            'config': {'hdet': {'score': score, 'sync_every': sync_every, 'score_tail': tail}}, 'controller': rows}
+  records = [record(s) for s in (0.5, 1.0, 1.5, 3.0, 4.0, 8.0)] + [record(5.0, 'window'), record(0.1, sync_every=25),
+                                                                   record(6.0, tail=0.5)]
   rows = R.ask_thresholds(records, ref)
   assert [r['step'] for r in rows] == [99, 199]
   for r in rows:
