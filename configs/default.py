@@ -80,7 +80,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.score = 'common'
   config.hdet.probe_windows = 16  # Windows in the common batch (hdet.score='common'), fresh at each sync.
   # hdet.score='common': score each replica's mean parameters over the last this fraction of the window
-  # instead of its last iterate (tail averaging: less of the step noise that penalises large LRs). 0: off.
+  # instead of its last iterate. 0: off. Measured at 0.5 it also cancels the oscillation that shows a too-high
+  # LR: the climb went on to 3-4x the sweep's best and lost every start (results/autolr.md).
   config.hdet.score_tail = 0.0
   config.hdet.warmup_steps = 0  # S_warm: the controller starts at the first sync at or after this step.
   # The controller makes no update at syncs after this fraction of the steps (its LR correction, or
