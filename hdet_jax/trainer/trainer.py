@@ -468,8 +468,7 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   evaluate = ts.make_eval_step(inputs.graphdef, mesh).lower(params, val).compile()
   average = ts.make_average(mesh, params).lower(params).compile()
   # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
-  checkpoints.fingerprint({'params': params, 'opt_state': opt_state, 'rng': loop.rng,
-                           **({'tail': loop.tail} if loop.tail is not None else {})})
+  checkpoints.fingerprint(_checkpoint_state(loop))
   checkpoints.fingerprint(average(params))
   # Whether some replica's parameters are all finite (a checkpoint of only NaN/inf replicas is useless:
   # the loss that would reveal the last update's blow-up comes one step later).
@@ -617,12 +616,16 @@ def _save(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, 
     records.log(f'Not checkpointing step {step}: every replica\'s parameters are NaN/inf; the last good '
                 'checkpoint is kept.')
     return
-  state = {'params': loop.params, 'opt_state': loop.opt_state, 'rng': loop.rng}
-  if loop.tail is not None:
-    state['tail'] = loop.tail
+  state = _checkpoint_state(loop)
   meta = {'step': step, 'data_position': inputs.batches.position(step), 'seed': config.seed,
           'num_replicas': inputs.n, 'config': inputs.fields, 'param_shapes': _param_shapes(inputs.abstract_params)}
   records.ckpt.save(step, state, programs.average(loop.params), meta)
+
+
+def _checkpoint_state(loop: _Loop) -> dict:
+  """What a checkpoint holds of the loop (and what setup compiles its fingerprint for): the same tree."""
+  return {'params': loop.params, 'opt_state': loop.opt_state, 'rng': loop.rng,
+          **({'tail': loop.tail} if loop.tail is not None else {})}
 
 
 def _param_shapes(abstract_params: Any) -> Any:
