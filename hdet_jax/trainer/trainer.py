@@ -517,7 +517,7 @@ def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop
   if step % _CHUNK == 0 and step != loop.start:
     loop.data = _upload(inputs, mesh, step)
   loop.params, loop.opt_state, m = programs.step(loop.params, loop.opt_state, loop.data)
-  weight = ts.tail_weight(config, step) if programs.tail_update is not None else 0.0
+  weight = ts.tail_weight(config, step)  # 0 unless hdet.score_tail is on and this step is in a window's tail
   if weight > 0:
     loop.tail = programs.tail_update(loop.tail, loop.params, np.float32(weight))
   if sync:
