@@ -1,0 +1,83 @@
+"""Sphinx configuration of the hdet-jax documentation (``sphinx-build -W -b html docs docs/_build/html``)."""
+
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # autodoc imports hdet_jax from this checkout (no install needed)
+
+import hdet_jax  # noqa: E402
+
+project = 'hdet-jax'
+author = 'hdet-jax authors'
+copyright = 'hdet-jax authors'  # noqa: A001
+release = version = hdet_jax.__version__
+
+extensions = [
+    'myst_parser',
+    'sphinx.ext.autodoc',
+    'sphinx.ext.autosummary',
+    'sphinx.ext.napoleon',
+    'sphinx.ext.mathjax',
+    'sphinx.ext.viewcode',
+]
+
+source_suffix = {'.rst': 'restructuredtext', '.md': 'markdown'}
+root_doc = 'index'
+exclude_patterns = ['_build', 'Thumbs.db', '.DS_Store']
+
+# Markdown (MyST): $...$ math, ::: fences, heading anchors for [text](page.md#anchor) links.
+myst_enable_extensions = ['dollarmath', 'colon_fence', 'deflist']
+myst_heading_anchors = 3
+
+# The API reference: Google-style docstrings (Args:, Returns:, Attributes:), members in source order.
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+napoleon_attr_annotations = True
+autodoc_member_order = 'bysource'
+autodoc_typehints = 'none'  # the Args sections give types and shapes in words; optax's aliases expand unreadably
+autodoc_preserve_defaults = True
+autosummary_generate = False
+# The docstrings' cross-references name private helpers and NamedTuple fields that have no page of their
+# own; an unresolved Python reference is then plain text, not a warning. Every public name has a page
+# entry, which tests/test_docs.py checks against hdet_jax.__all__ in objects.inv.
+nitpicky = False
+
+html_theme = 'sphinx_book_theme'
+html_title = f'hdet-jax {version}'
+html_theme_options = {
+    'show_toc_level': 2,
+    'use_download_button': False,
+    'use_fullscreen_button': False,
+}
+
+
+# A paragraph at the argument's indentation inside an ``Args:`` section (hdet's "Index g of the state's [G]
+# fields follows hyperparam_names(...)") is read by napoleon as more arguments. Until the docstring indents
+# it, such lines are indented as the previous argument's continuation here (the source is left alone).
+_ARG = re.compile(r'^(\s*)(\*{0,2}[A-Za-z_][\w, ]*)( \(.*\))?:(\s|$)')
+
+
+def _indent_stray_arg_paragraphs(app, what, name, obj, options, lines):
+  del app, what, name, obj, options
+  section_indent = None
+  for i, line in enumerate(lines):
+    stripped = line.strip()
+    if stripped in ('Args:', 'Arguments:', 'Parameters:'):
+      section_indent = None
+      args_at = len(line) - len(line.lstrip())
+      section_indent = args_at + 2
+      continue
+    if section_indent is None or not stripped:
+      continue
+    indent = len(line) - len(line.lstrip())
+    if indent < section_indent:  # the section ended
+      section_indent = None
+    elif indent == section_indent and not _ARG.match(line):
+      lines[i] = '  ' + line
+
+
+def setup(app):
+  app.connect('autodoc-process-docstring', _indent_stray_arg_paragraphs, priority=400)  # before napoleon
