@@ -3,16 +3,16 @@
 import pathlib
 import re
 import sys
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # autodoc imports hdet_jax from this checkout (no install needed)
 
-import hdet_jax  # noqa: E402
-
 project = 'hdet-jax'
 author = 'hdet-jax authors'
 copyright = 'hdet-jax authors'  # noqa: A001
-release = version = hdet_jax.__version__
+# The version scheme (CHANGELOG.md) lives in pyproject.toml.
+release = version = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['version']
 
 extensions = [
     'myst_parser',
