@@ -91,3 +91,15 @@ def test_results_pages_include_the_files_rather_than_copy_them():
     text = page.read_text()
     assert re.fullmatch(r'```\{include\} \.\./\.\./results/(\w+)\.md\n:relative-images:\n```\n', text), page
     assert (ROOT / 'results' / f'{page.stem}.md').exists()
+
+
+def test_the_stated_jax_range_is_the_pinned_one():
+  """pyproject's jax pin, the versions its comment says were tested, and the docs agree; .ci/newest_jax (which
+  tests the newest jax the pin allows) is executable."""
+  pyproject = (ROOT / 'pyproject.toml').read_text()
+  low, cap = re.search(r'"jax>=([\d.]+),<([\d.]+)"', pyproject).groups()
+  tested = re.findall(r'(\d+\.\d+\.\d+(?:\.\d+)?) \(', pyproject[:pyproject.index('"jax>=')])
+  version = lambda v: tuple(int(x) for x in v.split('.'))
+  assert low in tested and all(version(low) <= version(v) < version(cap) for v in tested), (low, cap, tested)
+  assert f'`jax>={low},<{cap}`' in (DOCS / 'getting_started.md').read_text()
+  assert os.access(ROOT / '.ci' / 'newest_jax', os.X_OK)
