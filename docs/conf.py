@@ -17,7 +17,6 @@ release = version = tomllib.loads((ROOT / 'pyproject.toml').read_text())['projec
 extensions = [
     'myst_parser',
     'sphinx.ext.autodoc',
-    'sphinx.ext.autosummary',
     'sphinx.ext.napoleon',
     'sphinx.ext.mathjax',
     'sphinx.ext.viewcode',
@@ -39,7 +38,6 @@ napoleon_attr_annotations = True
 autodoc_member_order = 'bysource'
 autodoc_typehints = 'none'  # the Args sections give types and shapes in words; optax's aliases expand unreadably
 autodoc_preserve_defaults = True
-autosummary_generate = False
 # The docstrings' cross-references name private helpers and NamedTuple fields that have no page of their
 # own; an unresolved Python reference is then plain text, not a warning. Every public name has a page
 # entry, which tests/test_docs.py checks against hdet_jax.__all__ in objects.inv.
