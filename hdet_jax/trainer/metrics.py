@@ -163,7 +163,7 @@ class TensorBoardWriter:
     if kind == 'distance':
       return {**per_replica('distance', record['distance']), 'distance/mean_norm': record['mean_norm']}
     if kind == 'eval':
-      return {'eval/val_loss': record['val_loss'], 'eval/val_bits_per_byte': record['val_bits_per_byte']}
+      return {f'eval/{k}': v for k, v in record.items() if k.startswith('val_')}
     if kind == 'throughput':
       return {'throughput/tokens_per_s': record['tokens_per_s'], 'throughput/steps_per_s': record['steps_per_s']}
     return {}

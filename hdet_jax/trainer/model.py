@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from hdet_jax.trainer.tasks.base import Regularization, dropout  # noqa: F401 (the model's per-call settings)
+
 VOCAB_SIZE = 256  # bytes
 
 # Tensor parallelism inside a replica group (mesh.tensor > 1), Megatron-style: (regex on a parameter's
@@ -37,21 +39,6 @@ TENSOR_RULES = (
 FSDP_RULES = (
     (r'embed/embedding$', None),
 )
-
-
-def dropout(x: jax.Array, rate: jax.Array | float, key: jax.Array | None) -> jax.Array:
-  """Inverted dropout with a (possibly traced, per-replica) rate; identity without a key."""
-  if key is None:
-    return x
-  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-  return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
-
-
-class Regularization(NamedTuple):
-  """Per-call model hyperparameters (HDET explores them per replica)."""
-  dropout_rate: Any = 0.0      # [] float: dropout on the attention and MLP outputs.
-  dropout_key: Any = None      # PRNG key, or None for no dropout (evaluation).
-  attn_temperature: Any = 1.0  # [] float: attention logits are divided by it.
 
 
 class CausalSelfAttention(nnx.Module):

@@ -1,6 +1,9 @@
-"""``train_and_evaluate(config, workdir)``: HDET on a byte-level transformer LM.
+"""``train_and_evaluate(config, workdir)``: HDET on the task ``config.task`` names (``tasks/``).
 
-Everything that can be wrong with the config, the corpus, the workdir, the devices or
+The loop knows a task only through :class:`tasks.Task` (its data, model, loss and metric); the device
+layout is ``mesh.py``, the optimizer from the config ``optimizer.py``, the compiled programs ``programs.py``.
+
+Everything that can be wrong with the config, the task's data, the workdir, the devices or
 ``init_from`` is checked first and reported as one :class:`ConfigError` line, before any
 training starts and before anything is written.
 """
@@ -22,10 +25,10 @@ import numpy as np
 
 from hdet_jax.trainer import checkpoints
 from hdet_jax.trainer import config_lib
-from hdet_jax.trainer import input_pipeline
 from hdet_jax.trainer import metrics as metrics_lib
 from hdet_jax.trainer import model as model_lib
-from hdet_jax.trainer import train_step as ts
+from hdet_jax.trainer import tasks as tasks_lib
+from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
 from hdet_jax.trainer import warm_init
 from hdet_jax.trainer.config_lib import ConfigError
 
@@ -102,7 +105,7 @@ def _resolve_groups(config: Any, devices: int, fsdp: int, tensor: int) -> int:
     raise ConfigError(f'data.batch_size={config.data.batch_size} (windows per replica group) must be divisible by '
                       f'mesh.fsdp={fsdp}, which splits them over the group\'s devices.')
   try:
-    model_lib.check_tensor_parallel(config.model, config.data.seq_len, tensor)
+    tasks_lib.get(config).check_tensor_parallel(config, tensor)
   except ValueError as e:
     raise ConfigError(f'mesh.tensor={tensor}: {e}') from None
   return n
@@ -225,20 +228,18 @@ _CHUNK = 25
 
 
 class _Inputs(NamedTuple):
-  """What the checks produced: the data, the optimizer, the model's shapes and where the state comes from."""
+  """What the checks produced: the task and its data, the optimizer, the model's shapes and where the state comes from."""
   workdir: str                       # absolute
   n: int                             # replicas
-  train_bytes: np.ndarray
-  val_bytes: np.ndarray
-  batches: input_pipeline.TrainBatches
-  val_windows: np.ndarray            # [N, W, L+1] bytes
+  task: tasks_lib.Task
+  data: tasks_lib.TaskData           # .batches (by step), .eval_batch [N, k, ...], .probe(sync index)
   tx: Any                            # the HDET optimizer
   fields: dict                       # the config's training fields (what resuming must match)
   resume: bool                       # the workdir holds checkpoints to resume from
   graphdef: Any
   abstract_params: Any               # the model's parameter shapes (one replica)
   init_src: str | None               # the workdir a warm start reads its averaged model from
-  tokens_per_step: int               # over all replicas
+  tokens_per_step: int               # predictions (the task's unit) per step, over all replicas
 
 
 class _Records(NamedTuple):
@@ -258,7 +259,7 @@ class _Programs(NamedTuple):
   average: Any                       # params -> the averaged model, replicated
   any_finite: Any                    # params -> whether some replica's parameters are all finite
   to_eval: Callable | None           # (params, opt_state) -> the parameters to evaluate (schedule-free)
-  packers: dict                      # sync -> ts.MetricsPacker of the step's (False) or window end's (True) metrics
+  packers: dict                      # sync -> programs_lib.MetricsPacker of the step's (False) or window end's (True) metrics
   val: Any                           # the validation windows on the devices
   common: bool                       # window_end takes the sync's common batch
   distance: Any                      # params -> each replica's distance from the mean: runs that never average
@@ -282,7 +283,7 @@ class _Loop:
   last_losses: list = dataclasses.field(default_factory=list)  # each replica's loss at the last interval's steps
   diverged_at: int | None = None
   preempted_at: int | None = None
-  val: tuple[float, float] = (math.nan, math.nan)  # the last evaluation: (loss, bits/byte)
+  val: dict = dataclasses.field(default_factory=lambda: {'val_loss': math.nan})  # the last 'eval' record's fields
 
 
 def train_and_evaluate(config: Any, workdir: str) -> dict:
@@ -303,8 +304,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     size = _fsdp(config) * _tensor(config)
     group = f' (groups of {size}, mesh {dict(records.mesh.shape)})' if size > 1 else ''
     records.log(f'{inputs.n} replicas{group} on {jax.device_count()} {jax.devices()[0].platform} devices '
-                f'({jax.process_count()} process(es)); model {model_lib.num_params(inputs.abstract_params):,} '
-                f'parameters; {len(inputs.train_bytes):,} train / {len(inputs.val_bytes):,} validation bytes; '
+                f'({jax.process_count()} process(es)); task {inputs.task.name}, model '
+                f'{model_lib.num_params(inputs.abstract_params):,} parameters; {inputs.data.description}; '
                 f'setup {setup_s:.1f}s.')
     # ---- Train. ----
     _train(config, inputs, records, programs, loop, stop)
@@ -317,31 +318,33 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def _check(config: Any, workdir: str) -> _Inputs:
-  """Every check of the config, corpus, devices, workdir and init_from; reads, never writes."""
+  """Every check of the config, the task's data, devices, workdir and init_from; reads, never writes."""
   config_lib.check_values(config)
+  try:
+    task = tasks_lib.get(config)
+    task.check(config)
+  except tasks_lib.TaskError as e:
+    raise ConfigError(str(e)) from None
   n = _resolve_replicas(config)
   try:
-    corpus = input_pipeline.load_corpus(config.data.path)
-    train_bytes, val_bytes = input_pipeline.split(corpus, config.data.val_fraction)
-    batches = input_pipeline.TrainBatches(train_bytes, config.data.seq_len, config.data.batch_size, n, config.seed)
-    val_windows = input_pipeline.validation_windows(val_bytes, config.data.seq_len, n, config.eval_windows)
-  except input_pipeline.DataError as e:
+    data = task.load(config, n)
+  except tasks_lib.TaskError as e:
     raise ConfigError(str(e)) from None
   try:
-    tx = ts.make_optimizer(config, n)
+    tx = optimizer_lib.make_optimizer(config, n)
   except ValueError as e:
     raise ConfigError(f'config: {e}') from None
   fields = config_lib.training_fields(config, n)
   resume = _check_workdir(workdir, fields)
-  graphdef, abstract_params = model_lib.abstract_model(config.model, config.data.seq_len)
+  graphdef, abstract_params = task.abstract_model(config)
   init_src = _check_init_from(config, abstract_params) if not resume else None
   if jax.process_count() > 1:
     # Every process has read the workdir before process 0 creates checkpoints/ in it: a process that got
     # here late would otherwise see that directory, open it, and run orbax's collectives out of step.
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices('hdet_workdir_checked')
-  return _Inputs(workdir, n, train_bytes, val_bytes, batches, val_windows, tx, fields, resume, graphdef,
-                 abstract_params, init_src, n * config.data.batch_size * config.data.seq_len)
+  return _Inputs(workdir, n, task, data, tx, fields, resume, graphdef, abstract_params, init_src,
+                 n * config.data.batch_size * task.predictions_per_example(config))
 
 
 def _open_records(config: Any, inputs: _Inputs) -> _Records:
@@ -352,7 +355,7 @@ def _open_records(config: Any, inputs: _Inputs) -> _Records:
   if lead and not os.path.exists(config_path):
     _write_json_atomic(config_path, {'training_fields': inputs.fields, 'config': json.loads(config.to_json())},
                        indent=1)
-  mesh = ts.make_mesh(inputs.n, _fsdp(config), _tensor(config))
+  mesh = mesh_lib.make_mesh(inputs.n, _fsdp(config), _tensor(config))
   ckpt = checkpoints.Checkpointer(inputs.workdir, config.max_checkpoints)
   # TensorBoard event files beside metrics.jsonl, on unless the config sets tensorboard=False.
   writer = metrics_lib.MetricsWriter(os.path.join(inputs.workdir, 'metrics.jsonl'), enabled=lead,
@@ -364,7 +367,7 @@ def _open_records(config: Any, inputs: _Inputs) -> _Records:
 def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   """The state to start from: the workdir's latest checkpoint, a warm start, or a random init."""
   root = jax.random.key(config.seed)
-  init = ts.make_init(config, inputs.tx, records.mesh, inputs.n)
+  init = programs_lib.make_init(config, inputs.tx, records.mesh, inputs.n)
   restored = _restore(config, inputs, records, init, root) if inputs.resume else None
   tail = None
   if restored is not None:
@@ -374,15 +377,15 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   else:
     params, opt_state, start = *init(jax.random.fold_in(root, _INIT_TAG)), 0
     records.writer.write('event', step=0, event='start', init_from=None)
-  records.writer.write('hyperparams', step=start, names=list(ts.hyperparam_names(config)))
+  records.writer.write('hyperparams', step=start, names=list(optimizer_lib.hyperparam_names(config)))
   records.writer.flush()  # the start/resume is on record even if this start is killed before its first log interval
-  rng = jax.device_put(np.asarray(jax.random.key_data(root)), ts.replicated(records.mesh))
+  rng = jax.device_put(np.asarray(jax.random.key_data(root)), mesh_lib.replicated(records.mesh))
   # The step reads its batch from a chunk of _CHUNK steps' batches at the optimizer's step count,
   # so the count must be the step number.
-  count = int(ts.fetch(opt_state.count)[0])
+  count = int(mesh_lib.fetch(opt_state.count)[0])
   if count != start:
     raise RuntimeError(f'the optimizer state counts {count} steps but training resumes at step {start}.')
-  if tail is None and ts.score_tail(config) > 0:
+  if tail is None and optimizer_lib.score_tail(config) > 0:
     tail = jax.tree.map(lambda x: x.copy(), params)  # overwritten at the first step of each window's tail
   return _Loop(params, opt_state, rng, start=start, step=start, tail=tail)
 
@@ -393,9 +396,9 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
     records.writer.write('event', step=step, event='corrupt_checkpoint', reason=why)
     records.log(f'warning: checkpoint {why}; falling back to the previous one.')
   abstract = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), init(k))), root)
-  abstract = ts.with_layout(records.mesh, abstract)  # restored straight into the run's layout
-  abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=ts.replicated(records.mesh))
-  if ts.score_tail(config) > 0:  # a checkpoint inside a window's tail resumes its running mean
+  abstract = mesh_lib.with_layout(records.mesh, abstract, inputs.task)  # restored straight into the run's layout
+  abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(records.mesh))
+  if optimizer_lib.score_tail(config) > 0:  # a checkpoint inside a window's tail resumes its running mean
     abstract['tail'] = abstract['params']
   t_restore = time.time()
   try:
@@ -407,9 +410,9 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
     return None
   state, meta = restored
   start = meta['step']
-  if meta['data_position'] != inputs.batches.position(start):
+  if meta['data_position'] != inputs.data.batches.position(start):
     raise ConfigError(f'checkpoint step {start} has data position {meta["data_position"]}, '
-                      f'this corpus gives {inputs.batches.position(start)}: was data.path changed?')
+                      f'this data gives {inputs.data.batches.position(start)}: was data.path changed?')
   records.writer.write('event', step=start, event='resume', restore_s=time.time() - t_restore)
   records.log(f'Resuming {inputs.workdir} from step {start}.' if start < config.num_train_steps else
               f'{inputs.workdir} already holds the finished run ({start} steps): evaluating and plotting only.')
@@ -418,7 +421,7 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
 
 def _warm_start(config: Any, inputs: _Inputs, records: _Records, root: Any) -> tuple[Any, Any]:
   """(params, opt_state): the averaged model of ``init_from`` plus each replica's eq. 10 noise."""
-  rep, rs = ts.replicated(records.mesh), ts.param_layout(records.mesh, inputs.abstract_params, inputs.n)
+  rep, rs = mesh_lib.replicated(records.mesh), mesh_lib.param_layout(records.mesh, inputs.abstract_params, inputs.n, inputs.task)
   try:
     avg = checkpoints.restore_avg_params(inputs.init_src, jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), inputs.abstract_params))
@@ -428,7 +431,7 @@ def _warm_start(config: Any, inputs: _Inputs, records: _Records, root: Any) -> t
   nu = config.warm_init.nu
   params = jax.jit(lambda p, k: warm_init.warm_noisy_init(p, inputs.n, nu, k), out_shardings=rs)(
       avg, jax.random.fold_in(root, _WARM_TAG))
-  opt_state = ts.make_opt_init(inputs.tx, records.mesh)(params)
+  opt_state = programs_lib.make_opt_init(inputs.tx, records.mesh, inputs.task)(params)
   records.writer.write('event', step=0, event='start', init_from=inputs.init_src, nu=nu)
   records.log(f'Warm noisy start from {inputs.init_src} (nu={nu}).')
   return params, opt_state
@@ -437,14 +440,13 @@ def _warm_start(config: Any, inputs: _Inputs, records: _Records, root: Any) -> t
 def _upload(inputs: _Inputs, mesh: Any, step: int) -> Any:
   """The chunk of batches holding step ``step``'s, on the devices."""
   first = step - step % _CHUNK
-  return ts.put_stacked(inputs.batches.chunk(first, _CHUNK), mesh, batch_dim=2)  # [N, K, B, L+1]
+  return mesh_lib.put_stacked(inputs.data.batches.chunk(first, _CHUNK), mesh, batch_dim=2)  # [N, K, B, ...]
 
 
 def _probe(config: Any, inputs: _Inputs, mesh: Any, step: int) -> Any:
   """The common batch of the sync after step ``step`` (every replica gets the same windows)."""
-  w = input_pipeline.probe_windows(inputs.train_bytes, config.data.seq_len, config.hdet.probe_windows, config.seed,
-                                   ts.sync_index(config, step))
-  return ts.put_stacked(np.broadcast_to(w, (inputs.n,) + w.shape), mesh, batch_dim=1)
+  w = inputs.data.probe(optimizer_lib.sync_index(config, step))
+  return mesh_lib.put_stacked(jax.tree.map(lambda a: np.broadcast_to(a, (inputs.n,) + a.shape), w), mesh, batch_dim=1)
 
 
 def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _Programs:
@@ -452,21 +454,21 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   (averaging and controller, run after the step on sync steps), the evaluation and the checkpoint's."""
   mesh, params, opt_state = records.mesh, loop.params, loop.opt_state
   loop.data = _upload(inputs, mesh, loop.start)
-  packers = {s: ts.MetricsPacker() for s in (False, True)}
-  layout = ts.layout(mesh, params, opt_state)  # None on a 1-D mesh
-  step = ts.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, config=config, packer=packers[False],
+  packers = {s: programs_lib.MetricsPacker() for s in (False, True)}
+  layout = mesh_lib.layout(mesh, params, opt_state, inputs.task)  # None on a 1-D mesh
+  step = programs_lib.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, config=config, packer=packers[False],
                             chunk_steps=_CHUNK, shardings=layout).lower(params, opt_state, loop.data).compile()
-  common = ts.common_batch(config)
+  common = optimizer_lib.common_batch(config)
   tail = [loop.tail] if loop.tail is not None else []
-  window_end = ts.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
+  window_end = programs_lib.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
                                   config=config, shardings=layout).lower(
       params, opt_state, *([_probe(config, inputs, mesh, 0)] if common else []), *tail).compile()
-  tail_update = (ts.make_tail_update(layout).lower(loop.tail, params, np.float32(1)).compile()
+  tail_update = (programs_lib.make_tail_update(layout).lower(loop.tail, params, np.float32(1)).compile()
                  if loop.tail is not None else None)
-  to_eval = ts.make_eval_params(config, mesh)
-  val = ts.put_stacked(inputs.val_windows, mesh, batch_dim=1)
-  evaluate = ts.make_eval_step(inputs.graphdef, mesh).lower(params, val).compile()
-  average = ts.make_average(mesh, params).lower(params).compile()
+  to_eval = programs_lib.make_eval_params(config, mesh)
+  val = mesh_lib.put_stacked(inputs.data.eval_batch, mesh, batch_dim=1)
+  evaluate = programs_lib.make_eval_step(inputs.graphdef, mesh, inputs.task).lower(params, val).compile()
+  average = programs_lib.make_average(mesh, params, inputs.task).lower(params).compile()
   # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
   checkpoints.fingerprint(_checkpoint_state(loop))
   checkpoints.fingerprint(average(params))
@@ -474,9 +476,9 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   # the loss that would reveal the last update's blow-up comes one step later).
   any_finite = jax.jit(lambda p: jax.numpy.any(jax.numpy.stack(
       [jax.numpy.all(jax.numpy.isfinite(x.reshape(x.shape[0], -1)), axis=1) for x in jax.tree.leaves(p)]).all(0)),
-      out_shardings=ts.replicated(mesh)).lower(params).compile()
+      out_shardings=mesh_lib.replicated(mesh)).lower(params).compile()
   # A run that never averages measures the replicas' distance from their mean at each log interval.
-  distance = ts.make_distance(mesh).lower(params).compile() if ts.never_syncs(config) else None
+  distance = programs_lib.make_distance(mesh).lower(params).compile() if optimizer_lib.never_syncs(config) else None
   release_host_memory()
   return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, common, distance,
                    tail_update)
@@ -513,11 +515,11 @@ def _train(config: Any, inputs: _Inputs, records: _Records, programs: _Programs,
 def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop: _Loop) -> None:
   """Runs step ``loop.step`` (and the window end after it on sync steps); its metrics stay on the devices."""
   step = loop.step
-  sync = ts.is_sync_step(config, step)
+  sync = optimizer_lib.is_sync_step(config, step)
   if step % _CHUNK == 0 and step != loop.start:
     loop.data = _upload(inputs, mesh, step)
   loop.params, loop.opt_state, m = programs.step(loop.params, loop.opt_state, loop.data)
-  weight = ts.tail_weight(config, step)  # 0 unless hdet.score_tail is on and this step is in a window's tail
+  weight = optimizer_lib.tail_weight(config, step)  # 0 unless hdet.score_tail is on and this step is in a window's tail
   if weight > 0:
     loop.tail = programs.tail_update(loop.tail, loop.params, np.float32(weight))
   if sync:
@@ -541,7 +543,7 @@ def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Pr
                tokens_per_s=len(loop.pending) * inputs.tokens_per_step / (now - loop.t_mark))
   loop.pending = []
   if programs.distance is not None:
-    d = ts.fetch(programs.distance(loop.params))
+    d = mesh_lib.fetch(programs.distance(loop.params))
     writer.write('distance', step=step - 1, distance=d['distance'], mean_norm=d['mean_norm'][0])
   if loop.diverged_at is not None and config.stop_on_nan:
     bar.close()
@@ -549,7 +551,7 @@ def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Pr
                 'last good checkpoint is kept. Lower optim.max_lr, or set --config.stop_on_nan=False to keep going.')
     return False
   if eval_due and loop.preempted_at is None:
-    _evaluate(programs, writer, loop, step)
+    _evaluate(inputs, programs, writer, loop, step)
   if ckpt_due:
     _save(config, inputs, records, programs, loop, step)
   writer.flush()
@@ -572,7 +574,7 @@ def _flush(programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, 
     if not sync:
       return packers[False].unpack(rows)
     return {**packers[False].unpack(rows[0]), **packers[True].unpack(rows[1])}
-  got = [unpack(sync, rows) for (_, sync, _), rows in zip(loop.pending, ts.fetch([m for _, _, m in loop.pending]))]
+  got = [unpack(sync, rows) for (_, sync, _), rows in zip(loop.pending, mesh_lib.fetch([m for _, _, m in loop.pending]))]
   for (step, sync, _), m in zip(loop.pending, got):
     _write_step(writer, loop, step, sync, m)
   loop.last_losses = [m['loss'] for m in got]
@@ -598,18 +600,18 @@ def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync:
       writer.write('event', step=step, event='diverged')
 
 
-def _evaluate(programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, step: int) -> None:
-  """The averaged model's validation loss, recorded as an 'eval' record."""
+def _evaluate(inputs: _Inputs, programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, step: int) -> None:
+  """The averaged model's held-out metrics (``val_loss`` and the task's others), recorded as an 'eval' record."""
   params = loop.params if programs.to_eval is None else programs.to_eval(loop.params, loop.opt_state)
-  val = float(np.mean(ts.fetch(programs.evaluate(params, programs.val))))
-  loop.val = (val, model_lib.bits_per_byte(val))
-  writer.write('eval', step=step, val_loss=val, val_bits_per_byte=loop.val[1])
+  means = {k: float(np.mean(v)) for k, v in mesh_lib.fetch(programs.evaluate(params, programs.val)).items()}
+  loop.val = tasks_lib.eval_record(inputs.task, means)
+  writer.write('eval', step=step, **loop.val)
   writer.flush()
 
 
 def _save(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop, step: int) -> None:
   """Checkpoints step ``step`` unless every replica's parameters are non-finite (then: diverged)."""
-  if not ts.fetch(programs.any_finite(loop.params)):
+  if not mesh_lib.fetch(programs.any_finite(loop.params)):
     if loop.diverged_at is None:
       loop.diverged_at = step
       records.writer.write('event', step=step, event='diverged', where='parameters')
@@ -617,7 +619,7 @@ def _save(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, 
                 'checkpoint is kept.')
     return
   state = _checkpoint_state(loop)
-  meta = {'step': step, 'data_position': inputs.batches.position(step), 'seed': config.seed,
+  meta = {'step': step, 'data_position': inputs.data.batches.position(step), 'seed': config.seed,
           'num_replicas': inputs.n, 'config': inputs.fields, 'param_shapes': _param_shapes(inputs.abstract_params)}
   records.ckpt.save(step, state, programs.average(loop.params), meta)
 
@@ -642,7 +644,7 @@ def _finish(config: Any, inputs: _Inputs, records: _Records, programs: _Programs
   """The final evaluation and checkpoint, the summary (also summary.json) and the plots."""
   step, writer = loop.step, records.writer
   if loop.preempted_at is None:  # a preempted run has little time left: the checkpoint is what matters
-    _evaluate(programs, writer, loop, step)
+    _evaluate(inputs, programs, writer, loop, step)
   if loop.diverged_at is None and step > loop.start and records.ckpt.latest_step() != step:
     _save(config, inputs, records, programs, loop, step)
   records.ckpt.close()
@@ -650,8 +652,11 @@ def _finish(config: Any, inputs: _Inputs, records: _Records, programs: _Programs
   summary = {
       'step': step, 'num_train_steps': config.num_train_steps, 'stopped_early': step < config.num_train_steps,
       'diverged_at': loop.diverged_at, 'preempted': loop.preempted_at is not None,
-      'final_train_loss': final_train, 'final_train_bits_per_byte': model_lib.bits_per_byte(final_train),
-      'final_val_loss': loop.val[0], 'final_val_bits_per_byte': loop.val[1],
+      'final_train_loss': final_train,
+      **{f'final_train_{k}': v for k, v in inputs.task.loss_units(final_train).items()},
+      **{f'final_{k}': v for k, v in loop.val.items()},
+      # The task's primary metric (lower is better): what "within 1% of the sweep" is measured on.
+      'task': inputs.task.name, 'unit': inputs.task.unit, 'metric': inputs.task.metric, 'final_metric': loop.val.get(inputs.task.metric, math.nan),
       'tokens_per_s': (loop.train_steps * inputs.tokens_per_step / loop.train_time if loop.train_time > 0
                        else math.nan),
       'setup_s': setup_s, 'wall_s': time.time() - t0,
@@ -687,13 +692,14 @@ def format_summary(s: dict) -> str:
                  'command to resume)' if s.get('preempted')
             else f'stopped at step {s["step"]} of {s["num_train_steps"]} (rerun the same command to resume)'
             if s['stopped_early'] else f'finished {s["step"]} steps')
+  def more(prefix):  # the task's other figures beside a loss: '1.234 bits/byte', 'accuracy 0.941'
+    extra = [(k[len(prefix):], v) for k, v in s.items() if k.startswith(prefix) and k != prefix + 'loss']
+    return ''.join(f', {v:.3f} bits/byte' if k == 'bits_per_byte' else f', {k} {v:.4f}' for k, v in extra)
   lines = [
       f'Run {status}.',
-      f'  final train loss {s["final_train_loss"]:.4f} nats ({s["final_train_bits_per_byte"]:.3f} bits/byte, '
-      f'mean over replicas, last log interval)',
-      f'  final validation loss of the averaged model {s["final_val_loss"]:.4f} nats '
-      f'({s["final_val_bits_per_byte"]:.3f} bits/byte)',
-      f'  {s["tokens_per_s"]:,.0f} tokens/s over {s["num_replicas"]} replicas; wall time {s["wall_s"]:.1f}s '
+      f'  final train loss {s["final_train_loss"]:.4f} nats{more("final_train_")} (mean over replicas, last log interval)',
+      f'  final validation loss of the averaged model {s["final_val_loss"]:.4f} nats{more("final_val_")}',
+      f'  {s["tokens_per_s"]:,.0f} {s.get("unit", "tokens")}/s over {s["num_replicas"]} replicas; wall time {s["wall_s"]:.1f}s '
       f'(setup and compile {s["setup_s"]:.1f}s)',
       f'  metrics: {s["metrics"]}',
       f'  checkpoints: {s["checkpoints"]}',

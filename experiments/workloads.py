@@ -1,0 +1,275 @@
+"""Does one HDET run replace a learning-rate sweep on more than one workload? The auto-LR measurement of
+``experiments/autolr.py``, over every task, at half, once and twice each task's default run length.
+
+    python -m experiments.workloads                                   # everything (many hours on 2 cores)
+    python -m experiments.workloads --workload mnist1d --steps 1000 --seeds 0   # one workload, length, seed
+    python -m experiments.workloads --quick                           # a smoke run of every workload (~2 min)
+    python -m experiments.workloads --report-only                     # redraw results/workloads.{md,json}
+
+Per workload and run length: the 8-point plain data-parallel sweep (the grid of autolr.py), the default
+HDET (``autolr.DEFAULT_VARIANT``, the main job's controller) from 10x below, at and 10x above the first
+seed's best peak LR, and at the workload's default length the LR-free peers (AdamW-style). AdamW
+everywhere; SGD with momentum on ``mnist1d`` too. Runs are ``autolr.py``'s, cached as JSON records:
+
+- ``lm``: ``configs/default.py``; its records are autolr.py's own (``results/autolr/runs/``), reused.
+- ``mnist1d``: ``configs/mnist1d.py``; records under ``results/workloads/runs/mnist1d/``.
+- ``finetune``: ``configs/finetune.py`` from one LM checkpoint that every run starts from: plain data
+  parallel AdamW at the LM sweep's best (0.03), 1500 steps, seed 0 (trained once, its workdir kept). The
+  sweep fine-tunes that checkpoint exactly (``warm_init.nu = 0``: a user's plain fine-tuning); HDET adds
+  its warm noisy init (eq. 10). Records under ``results/workloads/runs/finetune/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+from experiments import autolr
+from experiments import records
+
+REPO = autolr.REPO
+WORKLOADS = {  # config file, default run length, optimizers measured
+    'lm': ('default.py', 1500, ('adamw',)),
+    'mnist1d': ('mnist1d.py', 1000, ('adamw', 'sgd')),
+    'finetune': ('finetune.py', 300, ('adamw',)),
+}
+LENGTHS = (0.5, 1.0, 2.0)  # run lengths as multiples of the workload's default
+# The checkpoint every fine-tuning run starts from: plain AdamW at the LM sweep's best peak LR.
+PRETRAIN = {**autolr.PLAIN, 'optim.name': 'adamw', 'optim.max_lr': 0.03, 'seed': 0, 'num_train_steps': 1500}
+QUICK = {  # per workload, on top of its config (autolr.QUICK for the LM and the fine-tuning)
+    'mnist1d': {'num_train_steps': 16, 'data.num_samples': 400, 'data.batch_size': 4, 'model.channels': 4,
+                'hdet.sync_every': 8, 'log_every': 8, 'eval_every': 0, 'checkpoint_every': 0,
+                'compilation_cache': ''},
+}
+
+
+def lengths(workload: str, quick: bool) -> list[int]:
+  default = WORKLOADS[workload][1]
+  return [16] if quick else [int(round(f * default)) for f in LENGTHS]
+
+
+def base_config(workload: str, steps: int, quick: bool, init_from: str | None = None):
+  """The workload's config with autolr's run settings, at ``steps`` (quick: a tiny model)."""
+  from hdet_jax.trainer import config_lib
+  c = config_lib.load_config_file(os.path.join(REPO, 'configs', WORKLOADS[workload][0]))
+  config_lib.with_overrides(c, autolr.RUN)
+  if quick:
+    config_lib.with_overrides(c, QUICK.get(workload, autolr.QUICK))
+  c.num_train_steps = int(steps)
+  if workload == 'finetune':
+    c.init_from = init_from
+  return c
+
+
+def task_overrides(workload: str, steps: int) -> dict:
+  """What sets a workload's runs apart from the LM's default task (the cache folder's key)."""
+  o = {} if steps == WORKLOADS['lm'][1] and workload == 'lm' else {'num_train_steps': int(steps)}
+  return o if workload == 'lm' else {'task': workload, **o}
+
+
+def records_dir(workload: str, steps: int, quick: bool, work_root: str) -> str:
+  """The LM's records are autolr.py's; the others' under results/workloads/runs/<workload>/."""
+  tag = autolr.task_tag(task_overrides(workload, steps), quick)
+  if quick:
+    return os.path.join(work_root, workload, 'records')
+  if workload == 'lm':
+    return os.path.join(REPO, 'results', 'autolr', 'runs', tag)
+  return os.path.join(REPO, 'results', 'workloads', 'runs', workload, f'steps{steps}')
+
+
+def pretrained(work_root: str, quick: bool) -> str:
+  """The fine-tuning checkpoint's workdir, trained once (plain AdamW on the KJV) and kept."""
+  from hdet_jax.trainer import config_lib
+  cache = records.RunCache(os.path.join(work_root, 'finetune', 'pretrain_records'), os.path.join(work_root, 'finetune'),
+                           autolr.make_record, autolr.describe)
+  steps = 40 if quick else PRETRAIN['num_train_steps']
+  c = config_lib.with_overrides(base_config('lm', steps, quick), {**PRETRAIN, 'num_train_steps': steps})
+  workdir = cache.workdir('pretrain')
+  if not os.path.isdir(os.path.join(workdir, 'checkpoints')):  # a record without its checkpoint: train again
+    for p in (cache.path('pretrain'),):
+      if os.path.exists(p):
+        os.remove(p)
+  cache.run('pretrain', c, keep_workdir=True)
+  return workdir
+
+
+def run_workload(workload: str, steps: int, args, work_root: str) -> dict:
+  """Every requested stage of one workload at one run length; returns its records by optimizer."""
+  from hdet_jax.trainer import config_lib
+  init_from = pretrained(work_root, args.quick) if workload == 'finetune' and args.stages else None
+  cache = records.RunCache(records_dir(workload, steps, args.quick, work_root),
+                           os.path.join(work_root, workload, f'steps{steps}'), autolr.make_record, autolr.describe)
+  grids = autolr.QUICK_GRIDS if args.quick else autolr.GRIDS
+  variant, default_steps = autolr.DEFAULT_VARIANT, WORKLOADS[workload][1]
+  plain_extra = {'warm_init.nu': 0.0} if workload == 'finetune' else {}
+  task = task_overrides(workload, steps)
+
+  def go(name, overrides):
+    config = config_lib.with_overrides(base_config(workload, steps, args.quick, init_from), overrides)
+    return cache.run(name, config, {**task, **overrides}, skip_busy=True)
+
+  out = {}
+  for optim in [o for o in WORKLOADS[workload][2] if o in args.optim]:
+    lrs = grids[optim]
+    if 'grid' in args.stages:
+      for seed in args.seeds:
+        for lr in lrs:
+          go(autolr.grid_name(optim, lr, seed), {**autolr.run_overrides('grid', optim, lr, seed, steps), **plain_extra})
+    best = autolr.anchor(cache, optim, lrs, args.seeds[0])
+    if 'hdet' in args.stages and best is not None:
+      for seed in args.seeds:
+        for start in autolr.STARTS:
+          o = autolr.run_overrides('hdet', optim, best * autolr.STARTS[start], seed, steps, variant=variant)
+          if args.quick:
+            o.pop('hdet.sync_every', None)
+          go(autolr.hdet_name(optim, variant, start, seed), o)
+    if 'peers' in args.stages and optim == 'adamw' and best is not None and (steps == default_steps or args.quick):
+      for seed in args.seeds:
+        for peer in args.peers:
+          go(autolr.peer_name(peer, seed), {**autolr.run_overrides('peer', optim, best, seed, steps, peer=peer),
+                                             **plain_extra})
+    out[optim] = autolr.collect(cache, optim, lrs, (variant,), autolr.PEERS, autolr.SEEDS if not args.quick else args.seeds)
+  return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+
+def _value(recs: list[dict]) -> dict:
+  """Mean, sd and n of the primary metric over seeds (None where a run diverged)."""
+  vals = [r['val_bpb'] if r.get('diverged_at') is None and r['val_bpb'] is not None else math.inf for r in recs]
+  finite = [v for v in vals if math.isfinite(v)]
+  mean = float(np.mean(vals)) if vals and len(finite) == len(vals) else None
+  return {'value': mean, 'sd': float(np.std(finite, ddof=1)) if len(finite) > 1 and mean is not None else None,
+          'n': len(vals), **({'diverged': len(vals) - len(finite)} if len(finite) < len(vals) else {})}
+
+
+def summarize(runs: dict, metric: str) -> dict:
+  """One optimizer's block of results/workloads.json."""
+  grid = {lr: rs for lr, rs in runs['grid'].items() if rs}
+  if not grid:
+    return {'metric': metric, 'grid_best': None, 'hdet': {}, 'peers': {}}
+  stats = {lr: _value(rs) for lr, rs in grid.items()}
+  lr = min((k for k in stats if stats[k]['value'] is not None), key=lambda k: stats[k]['value'])
+  hdet = next(iter(runs['hdet'].values()), {})
+  out = {'metric': metric, 'grid_best': {'lr': lr, 'value': stats[lr]['value'], 'sd': stats[lr]['sd'], 'n': stats[lr]['n']},
+         'grid': {f'{k:.4g}': v for k, v in sorted(stats.items())},
+         'hdet': {start: {**_value(rs), 'peak_lr': _geo_peak(rs)} for start, rs in hdet.items() if rs},
+         'peers': {p: _value(rs) for p, rs in runs['peers'].items() if rs}}
+  accuracy = [r['val_accuracy'] for r in grid[lr] if r.get('val_accuracy') is not None]
+  if accuracy:
+    out['grid_best']['accuracy'] = float(np.mean(accuracy))
+    out['hdet_accuracy'] = {s: float(np.mean([r['val_accuracy'] for r in rs])) for s, rs in hdet.items()
+                            if rs and all(r.get('val_accuracy') is not None for r in rs)}
+  return out
+
+
+def _geo_peak(recs: list[dict]) -> float | None:
+  peaks = [float(np.nanmax([t['bases'][0] for t in r['trajectory'] if t['bases'][0] is not None]))
+           for r in recs if r['trajectory']]
+  return float(np.exp(np.mean(np.log(peaks)))) if peaks else None
+
+
+def _pct(v, best) -> str:
+  if v is None:
+    return 'diverged'
+  return f'{v:.4g} ({100 * (v / best - 1):+.1f}%)'
+
+
+def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
+  """results/workloads.json and .md: one table per workload, a row per run length and optimizer."""
+  os.makedirs(out_dir, exist_ok=True)
+  jpath, mpath = os.path.join(out_dir, 'workloads.json'), os.path.join(out_dir, 'workloads.md')
+  with open(jpath, 'w', encoding='utf-8') as f:
+    json.dump(results, f, indent=1, sort_keys=True)
+  lines = ['# Does one HDET run replace a learning-rate sweep? Every workload, three run lengths', '',
+           f'Generated by `python -m experiments.workloads{" --quick" if quick else ""}` from cached records; '
+           'the reading is in `experiments/workloads_discussion.md`. Values are each workload\'s primary metric '
+           '(lower is better: LM and fine-tuning validation bits/byte, mnist1d test cross-entropy in nats), '
+           'the mean over n seeds; HDET is the default controller (`' + autolr.DEFAULT_VARIANT + '`, the main '
+           'job\'s), started 10x below, at and 10x above the first seed\'s sweep best; the percentage is against '
+           'the sweep\'s best mean. "peak" is the geometric mean over seeds of the highest base LR the run reached.', '']
+  for workload, by_steps in results.items():
+    lines += [f'## {workload}', '',
+              '| steps | optim | sweep best (n) | HDET 10x low (n) | HDET best LR | HDET 10x high | peak LR low / best / high |',
+              '|---|---|---|---|---|---|---|']
+    for steps, by_optim in sorted(by_steps.items(), key=lambda kv: int(kv[0])):
+      for optim, r in by_optim.items():
+        g = r['grid_best']
+        if not g:
+          continue
+        cells = []
+        for start in ('low', 'best', 'high'):
+          h = r['hdet'].get(start)
+          cells.append('not run' if h is None else f'{_pct(h["value"], g["value"])} (n={h["n"]})')
+        peaks = ' / '.join('-' if r['hdet'].get(s, {}).get('peak_lr') is None else f'{r["hdet"][s]["peak_lr"]:.3g}'
+                           for s in ('low', 'best', 'high'))
+        acc = f', acc {g["accuracy"]:.3f}' if 'accuracy' in g else ''
+        sd = f' ± {g["sd"]:.3g}' if g['sd'] is not None else ''
+        lines.append(f'| {steps} | {optim} | {g["value"]:.4g}{sd} at {g["lr"]:.4g} (n={g["n"]}{acc}) | '
+                     + ' | '.join(cells) + f' | {peaks} |')
+    peer_rows = [(steps, optim, p, v) for steps, by_optim in by_steps.items() for optim, r in by_optim.items()
+                 for p, v in r['peers'].items()]
+    if peer_rows:
+      lines += ['', 'LR-free peers (AdamW-style, default run length):', '']
+      for steps, optim, p, v in peer_rows:
+        best = by_steps[steps][optim]['grid_best']['value']
+        lines.append(f'- {p}: {_pct(v["value"], best)}, n={v["n"]}')
+    lines.append('')
+  with open(mpath, 'w', encoding='utf-8') as f:
+    f.write('\n'.join(lines))
+  return [jpath, mpath]
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p.add_argument('--quick', action='store_true', help='a smoke run of every workload on tiny models')
+  p.add_argument('--workload', default=','.join(WORKLOADS), help=f'comma-separated: {", ".join(WORKLOADS)}')
+  p.add_argument('--steps', default='', help="comma-separated run lengths (default: half, once and twice each default)")
+  p.add_argument('--stage', default='all', choices=('all', 'grid', 'hdet', 'peers'))
+  p.add_argument('--optim', default='adamw,sgd', help='comma-separated (each workload runs those it measures)')
+  p.add_argument('--seeds', default=','.join(map(str, autolr.SEEDS)))
+  p.add_argument('--peers', default=','.join(autolr.PEERS))
+  p.add_argument('--report-only', action='store_true')
+  p.add_argument('--workdir', default=None, help='where runs train (default workdirs/workloads; quick: workdirs/workloads_quick)')
+  args = p.parse_args(argv)
+  args.workloads = [w for w in args.workload.split(',') if w]
+  bad = [w for w in args.workloads if w not in WORKLOADS]
+  if bad:
+    p.error(f'--workload: {bad} not among {list(WORKLOADS)}')
+  args.steps = [int(s) for s in args.steps.split(',') if s]
+  args.optim = [o for o in args.optim.split(',') if o]
+  args.seeds = [int(s) for s in args.seeds.split(',') if s][:1 if args.quick else None]
+  args.peers = [q for q in args.peers.split(',') if q][:1 if args.quick else None]
+  args.stages = () if args.report_only else ('grid', 'hdet', 'peers') if args.stage == 'all' else (args.stage,)
+  return args
+
+
+def main(argv=None):
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  from hdet_jax.trainer import trainer
+  work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
+  trainer.setup_jax(base_config('lm', 16, args.quick))
+  results = {}
+  for workload in args.workloads:
+    metric = 'val_loss' if workload == 'mnist1d' else 'val_bits_per_byte'
+    for steps in (args.steps or lengths(workload, args.quick)):
+      runs = run_workload(workload, steps, args, work_root)
+      results.setdefault(workload, {})[str(steps)] = {o: summarize(r, metric) for o, r in runs.items()}
+  if args.report_only or not args.steps:  # a partial command leaves the committed report alone
+    out = work_root if args.quick else os.path.join(REPO, 'results')
+    print('\n'.join(f'  {p}' for p in write_report(out, results, args.quick)))
+
+
+if __name__ == '__main__':
+  main()

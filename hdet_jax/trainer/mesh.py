@@ -1,0 +1,117 @@
+"""The device layout: the mesh, the shardings of the stacked replicas, and moving arrays on and off it.
+
+Every leaf of the parameters, the optimizer state and the batch carries a leading replica axis of size
+N, sharded ``P('data')`` over a one-axis mesh. With ``mesh.fsdp = F > 1`` and/or ``mesh.tensor = K > 1``
+the mesh is ``('data', 'fsdp', 'tensor')`` of N x F x K devices (size-1 axes left out): a replica is a
+group of F x K devices, the replica axis is still ``'data'``, and inside each group the parameters, the
+optimizer's moments and the batch are sharded over ``'fsdp'``, and the kernels a task's
+``tensor_rules`` name split over ``'tensor'`` (:func:`layout`). Tasks never need to touch this file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import hdet_jax as H
+from hdet_jax import replicas
+from hdet_jax.trainer import tasks as tasks_lib
+
+AXIS = 'data'
+
+
+INNER = 'fsdp'  # the FSDP axis inside a replica group (grouped meshes only)
+
+
+TENSOR = 'tensor'  # the tensor-parallel axis inside a replica group (grouped meshes only)
+
+
+def make_mesh(num_replicas: int, fsdp: int = 1, tensor: int = 1) -> Mesh:
+  """``('data',)`` over the first ``num_replicas`` devices, or with groups ``('data', 'fsdp', 'tensor')``
+  (axes of size 1 left out) over the first N x F x K: group r is devices r*F*K .. (r+1)*F*K-1,
+  neighbours, which share the fastest links on real hardware and carry the every-step traffic (the
+  tensor axis innermost: its all-reduces run in every layer). Auto axis types."""
+  sizes = [(a, k) for a, k in ((INNER, fsdp), (TENSOR, tensor)) if k > 1]
+  shape = (num_replicas,) + tuple(k for _, k in sizes)
+  devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+  return Mesh(devices, (AXIS,) + tuple(a for a, _ in sizes))
+
+
+def rules(mesh: Mesh, task: tasks_lib.Task | None = None) -> dict:
+  """group_shardings' rules on ``mesh``: the task's tensor-parallel rules, and its FSDP exceptions
+  where the group also has a tensor axis (FSDP alone keeps its largest-dimension default).
+  ``task`` None: the LM's."""
+  task = task or tasks_lib.get()
+  return dict(tensor_rules=task.tensor_rules, fsdp_rules=task.fsdp_rules if TENSOR in mesh.shape else ())
+
+
+def grouped(mesh: Mesh) -> bool:
+  """Whether a replica is a group of devices (the mesh has axes besides the replica axis)."""
+  return len(mesh.axis_names) > 1
+
+
+def layout(mesh: Mesh, params: Any, opt_state: Any, task: tasks_lib.Task | None = None) -> tuple[Any, Any] | None:
+  """(parameter shardings, optimizer-state shardings) per leaf on a 2-D mesh; None on a 1-D one,
+  where the programs keep the plain ``P('data')`` layout (and compile exactly as before).
+  ``params`` and ``opt_state`` are stacked trees of arrays or shapes."""
+  if not grouped(mesh):
+    return None
+  return (H.group_shardings(params, mesh, AXIS, INNER, **rules(mesh, task)),
+          H.state_shardings(opt_state, mesh, AXIS, INNER, **rules(mesh, task)))
+
+
+def param_layout(mesh: Mesh, abstract_params: Any, num_replicas: int, task: tasks_lib.Task | None = None) -> Any:
+  """The stacked parameters' shardings given one replica's shapes (a prefix ``P('data')`` on 1-D meshes)."""
+  if not grouped(mesh):
+    return replica_sharding(mesh)
+  stacked = jax.eval_shape(lambda p: H.stack_replicas(p, num_replicas), abstract_params)
+  return H.group_shardings(stacked, mesh, AXIS, INNER, **rules(mesh, task))
+
+
+def with_layout(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None) -> dict:
+  """``{'params', 'opt_state', ...}`` shapes given the shardings the run keeps them in (to restore)."""
+  shardings = layout(mesh, abstract['params'], abstract['opt_state'], task)
+  if shardings is None:
+    shardings = tuple(jax.tree.map(lambda _: replica_sharding(mesh), abstract[k]) for k in ('params', 'opt_state'))
+  put = lambda tree, sh: jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, sh)
+  return {**abstract, 'params': put(abstract['params'], shardings[0]),
+          'opt_state': put(abstract['opt_state'], shardings[1])}
+
+
+def replica_sharding(mesh: Mesh) -> NamedSharding:
+  """The core's :func:`hdet_jax.replicas.replica_sharding` on the trainer's replica axis."""
+  return replicas.replica_sharding(mesh, AXIS)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def put_stacked(x: Any, mesh: Mesh, batch_dim: int | None = None) -> Any:
+  """A host array ``[N, ...]`` (the same on every process), or a pytree of them (a task's batch), as
+  global arrays sharded ``P('data')``; on a 2-D mesh their ``batch_dim`` is also split over 'fsdp'
+  (each device of a group gets its share of the group's examples) when the group's size divides it."""
+  if not isinstance(x, np.ndarray):
+    return jax.tree.map(lambda a: put_stacked(np.asarray(a), mesh, batch_dim), x)
+  sharding = replica_sharding(mesh)
+  if INNER in mesh.shape and batch_dim is not None and x.shape[batch_dim] % mesh.shape[INNER] == 0:
+    sharding = NamedSharding(mesh, P(AXIS, *[None] * (batch_dim - 1), INNER))
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def fetch(tree: Any) -> Any:
+  """Global arrays to host numpy, gathering across processes when needed."""
+  leaves = jax.tree.leaves(tree)
+  if all(not isinstance(a, jax.Array) or a.is_fully_addressable for a in leaves):
+    return jax.tree.map(np.asarray, jax.device_get(tree))  # all copies started before any wait
+  def get(a):
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+      from jax.experimental import multihost_utils
+      return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(a)
+  return jax.tree.map(get, tree)

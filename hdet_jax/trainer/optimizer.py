@@ -1,0 +1,156 @@
+"""The HDET optimizer built from a config: the schedule, the base optax optimizer, the hyperparameters
+explored, the sync windows, and the controller's settings. Tasks never need to touch this file (a task's
+parameter groups and explorable model hyperparameters are attributes of its :class:`tasks.Task`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import hdet_jax as H
+from hdet_jax import windows as window_lib
+from hdet_jax.trainer import tasks as tasks_lib
+from hdet_jax.trainer.mesh import AXIS
+
+def sync_windows(config: Any) -> tuple[int, ...]:
+  """The core's ``sync_every``: windows of ``hdet.early_sync_every`` steps for the first
+  ``hdet.early_sync_steps`` steps, then of T. ``hdet.sync_every = 0`` means never sync (plain data
+  parallel): T past the last step."""
+  h = config.hdet
+  period = int(h.sync_every) if h.sync_every > 0 else int(config.num_train_steps) + 1
+  early = int(h.get('early_sync_every', 0))
+  return (early,) * (int(h.get('early_sync_steps', 0)) // early) + (period,) if early > 0 else (period,)
+
+
+def never_syncs(config: Any) -> bool:
+  """Whether no step of the run averages the replicas."""
+  return sync_windows(config)[0] > config.num_train_steps
+
+
+def sync_index(config: Any, step: int) -> int:
+  """How many syncs come before step ``step`` (0-based): 0 for the run's first sync, 1 for the second, ..."""
+  return window_lib.syncs_through(sync_windows(config), step)
+
+
+def is_sync_step(config: Any, step: int) -> bool:
+  """Whether the update of step ``step`` (0-based) averages the replicas."""
+  return H.is_sync_step(sync_windows(config), step)
+
+
+def schedule(config: Any) -> optax.Schedule:
+  o = config.optim
+  if o.get('schedule', 'one_cycle') == 'constant':
+    return optax.constant_schedule(o.max_lr)
+  return H.one_cycle(max_lr=o.max_lr, total_steps=config.num_train_steps, pct_start=o.pct_start,
+                     div_factor=o.div_factor, final_div_factor=o.final_div_factor)
+
+
+def _decay_mask(params: Any) -> Any:
+  """Weight decay on matrices (kernels, embeddings, positions) only, not on biases and norms."""
+  return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+
+
+def explored(config: Any) -> dict[str, H.Explore]:
+  """The hyperparameters besides the learning rate(s) that the config explores, in order."""
+  e, o, m = config.hdet.explore, config.optim, config.model
+  task, out = tasks_lib.get(config), {}
+  for name in ('dropout', 'attn_temperature'):
+    if e.get(name, 0.0) > 0 and name not in task.explorable:
+      raise ValueError(f'hdet.explore.{name}: the {task.name} task\'s model has no {name}; set it to 0.')
+  if e.weight_decay > 0:
+    out['weight_decay'] = H.Explore(o.weight_decay, e.weight_decay, low=0.0)
+  if e.dropout > 0:  # additive: a base rate of 0 must still be explorable
+    out['dropout'] = H.Explore(m.dropout, e.dropout, additive=True, low=0.0, high=0.9, to_optimizer=False)
+  if e.label_smoothing > 0:
+    out['label_smoothing'] = H.Explore(o.label_smoothing, e.label_smoothing, additive=True, low=0.0,
+                                       high=0.5, to_optimizer=False)
+  if e.attn_temperature > 0:
+    out['attn_temperature'] = H.Explore(m.attn_temperature, e.attn_temperature, low=0.05, to_optimizer=False)
+  return out
+
+
+def param_groups(config: Any) -> dict[str, str] | None:
+  return dict(tasks_lib.get(config).param_groups) if config.hdet.param_groups else None
+
+
+def hyperparam_names(config: Any) -> tuple[str, ...]:
+  """The order of the optimizer state's [G] fields (and of the logged ``values``/``bases``)."""
+  return H.hyperparam_names(param_groups=param_groups(config), explore=explored(config))
+
+
+def make_optimizer(config: Any, num_replicas: int) -> optax.GradientTransformationExtraArgs:
+  """``hdet_jax.hdet`` around the configured optax optimizer, schedule and HDET settings."""
+  o, h = config.optim, config.hdet
+  factories = {
+      'adamw': lambda learning_rate, weight_decay=o.weight_decay: optax.adamw(
+          learning_rate, b1=o.b1, b2=o.b2, weight_decay=weight_decay, mask=_decay_mask),
+      'adam': lambda learning_rate: optax.adam(learning_rate, b1=o.b1, b2=o.b2),
+      'sgd': lambda learning_rate: optax.sgd(learning_rate, momentum=o.b1),
+      # LR-free and adaptive methods at their documented defaults (for comparisons).
+      'prodigy': lambda learning_rate: optax.contrib.prodigy(learning_rate),
+      'dog': lambda learning_rate: optax.contrib.dog(learning_rate),
+      'dadapt_adamw': lambda learning_rate: optax.contrib.dadapt_adamw(learning_rate),
+      'mechanize_adam': lambda learning_rate: optax.contrib.mechanize(optax.adam(learning_rate)),
+      'schedule_free_adamw': lambda learning_rate: optax.contrib.schedule_free_adamw(learning_rate),
+      'adam_plateau': lambda learning_rate: optax.chain(
+          optax.adam(learning_rate), optax.contrib.reduce_on_plateau()),
+  }
+  if o.name not in factories:
+    raise ValueError(f'optim.name={o.name!r} is not one of {sorted(factories)}.')
+  if h.explore.weight_decay > 0 and o.name != 'adamw':
+    raise ValueError(f'hdet.explore.weight_decay needs optim.name=adamw, got {o.name!r}.')
+  base = factories[o.name]
+  if o.grad_clip_norm > 0:
+    factory = lambda learning_rate, **kw: optax.chain(
+        optax.clip_by_global_norm(o.grad_clip_norm), base(learning_rate, **kw))
+  else:
+    factory = base
+  return H.hdet(
+      factory, schedule(config), num_replicas=num_replicas, spread=h.spread,
+      sync_every=sync_windows(config), replica_axis=AXIS, auto_lr=auto_lr_settings(config), exact_sync=True,
+      seed=config.seed, param_groups=param_groups(config), explore=explored(config) or None,
+      average_opt_state=bool(h.get('average_opt_state', False)))
+
+
+def auto_lr_settings(config: Any) -> H.AutoLR | None:
+  """The auto-LR controller's settings from ``config.hdet``, or None when it is off."""
+  h = config.hdet
+  if not h.auto_lr:
+    return None
+  stop = h.get('stop_fraction', 1.0)
+  return H.AutoLR(
+      total_steps=config.num_train_steps, warmup_steps=h.warmup_steps, temperature=h.temperature,
+      lr_of_lr=h.lr_of_lr, momentum=h.momentum, smooth_decay=h.smooth_decay,
+      controller=h.get('controller', 'paper'), overshoot=h.get('overshoot', 1.5), trust=h.get('trust', 0.25),
+      memory=h.get('memory', 0.5), stop_steps=None if stop >= 1 else int(stop * config.num_train_steps),
+      initial_scale=h.get('initial_scale', 1.0), after_stop=h.get('after_stop', 'hold'),
+      step_growth=h.get('step_growth', 1.0), max_gain=h.get('max_gain', 4.0))
+
+
+def common_batch(config: Any) -> bool:
+  """Whether replicas are compared on one common batch at each sync (``hdet.score='common'``)."""
+  return bool(config.hdet.auto_lr) and config.hdet.get('score', 'window') == 'common'
+
+
+def score_tail(config: Any) -> float:
+  """The fraction of each window over which a replica's parameters are averaged before the comparison
+  (``hdet.score_tail``; 0: the comparison sees the last iterates)."""
+  return float(config.hdet.get('score_tail', 0.0)) if common_batch(config) else 0.0
+
+
+def tail_weight(config: Any, step: int) -> float:
+  """``1/k`` when step ``step`` (0-based) is the k-th of its window's averaged tail, else 0.
+
+  The tail is the window's last ``m = max(1, round(score_tail * T_w))`` steps (T_w: the window's length),
+  so the compared point is the uniform mean of the parameters after each of them.
+  """
+  fraction = score_tail(config)
+  if fraction <= 0:
+    return 0.0
+  start, length = (int(v) for v in window_lib.window_of(sync_windows(config), step))
+  k = step + 1 - (start + length - max(1, round(fraction * length)))
+  return 1.0 / k if k >= 1 else 0.0

@@ -1,0 +1,263 @@
+"""The jitted programs of the loop: init, the training step, the end of a sync window, evaluation.
+
+Each is a module-level factory over a task (:class:`tasks.Task`: its model, loss and metrics), the
+optimizer (``optimizer.make_optimizer``) and the mesh (``mesh.make_mesh``); a task never needs to touch
+this file. The training step exists as two programs, with and without the sync (``sync`` is static),
+which the Python loop dispatches by step number; both donate the parameters and the optimizer state.
+On a grouped mesh the programs pin the layout's shardings on their outputs, so they hold across sync and
+non-sync steps; XLA's partitioner adds the group's collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import hdet_jax as H
+from hdet_jax.trainer import tasks as tasks_lib
+from hdet_jax.trainer.mesh import AXIS, INNER, grouped, layout, replica_sharding, replicated, rules
+from hdet_jax.trainer.optimizer import common_batch, hyperparam_names
+
+def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_replicas: int) -> Callable:
+  """Jitted ``key -> (params, opt_state)``: the same random init on every replica (cold start)."""
+  task = tasks_lib.get(config)
+
+  def init(key):
+    _, params = task.init_model(config, key)
+    stacked = H.stack_replicas(params, num_replicas)
+    return stacked, jax.vmap(tx.init)(stacked)
+  shardings = replica_sharding(mesh)
+  if grouped(mesh):  # each group's copy is born sharded over 'fsdp': never whole on one device
+    shardings = layout(mesh, *jax.eval_shape(init, jax.random.key(0)), task)
+  return jax.jit(init, out_shardings=shardings)
+
+
+def make_opt_init(tx: optax.GradientTransformation, mesh: Mesh, task: tasks_lib.Task | None = None) -> Callable:
+  """Jitted ``stacked params -> opt_state`` (for a warm start)."""
+  if not grouped(mesh):
+    return jax.jit(jax.vmap(tx.init), out_shardings=replica_sharding(mesh))
+  def opt_init(params):
+    shardings = H.state_shardings(jax.eval_shape(jax.vmap(tx.init), params), mesh, AXIS, INNER,
+                                  **rules(mesh, task))
+    return jax.jit(jax.vmap(tx.init), out_shardings=shardings)(params)
+  return opt_init
+
+
+def regularization(config: Any, opt_state: Any) -> tuple[tasks_lib.Regularization, jax.Array]:
+  """This replica's model regularization and label smoothing for the coming step.
+
+  Explored values come from the optimizer state (each replica's own); the others from the
+  config. The dropout key depends only on (seed, step, replica), so a resumed run draws the
+  same masks.
+  """
+  names = hyperparam_names(config)
+  def value(name, default):
+    return H.replica_value(opt_state, names.index(name), AXIS) if name in names else default
+  m = config.model
+  rate = value('dropout', m.get('dropout', 0.0))
+  key = None
+  if 'dropout' in names or m.get('dropout', 0.0) > 0:
+    key = jax.random.fold_in(jax.random.fold_in(
+        jax.random.key(config.seed + _DROPOUT_TAG), opt_state.count), lax.axis_index(AXIS))
+  reg = tasks_lib.Regularization(
+      dropout_rate=rate, dropout_key=key, attn_temperature=value('attn_temperature', m.get('attn_temperature', 1.0)))
+  return reg, value('label_smoothing', config.optim.label_smoothing)
+
+
+_DROPOUT_TAG = 7919
+
+
+class MetricsPacker:
+  """Packs a step's metrics dict into one float32 vector per replica, and back on the host.
+
+  One output array per step instead of a dozen: the host fetches a single ``[N, k]`` array per
+  step, which is most of the trainer's per-step host cost on small models.
+  """
+
+  def __init__(self):
+    self.layout: list[tuple[str, tuple[int, ...]]] | None = None
+
+  def pack(self, metrics: dict) -> jax.Array:
+    keys = sorted(metrics)
+    self.layout = [(k, tuple(jnp.shape(metrics[k]))) for k in keys]
+    return jnp.concatenate([jnp.ravel(jnp.asarray(metrics[k], jnp.float32)) for k in keys])
+
+  def unpack(self, rows: np.ndarray) -> dict:
+    """``[N, k]`` host rows to the stacked metrics dict (each value ``[N, *shape]``)."""
+    out, i = {}, 0
+    for key, shape in self.layout:
+      size = int(np.prod(shape, dtype=int))
+      out[key] = rows[:, i:i + size].reshape((rows.shape[0],) + shape)
+      i += size
+    return out
+
+
+def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh, *, sync: bool,
+                    config: Any = None, packer: MetricsPacker | None = None, chunk_steps: int = 0,
+                    shardings: tuple[Any, Any] | None = None) -> Callable:
+  """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``, all stacked ``[N, ...]``.
+
+  ``metrics`` holds each replica's loss and, read from each replica's (identical) optimizer
+  state, every replica's LR, the base LR and the controller's weights, delta, velocity and
+  window losses; the host reads row 0 of the replica-invariant ones. The sync program adds the
+  window end's ``distance`` and ``mean_norm`` (see :func:`make_window_end`). With a ``packer``
+  the metrics come back as one ``[N, k]`` float32 array (see :class:`MetricsPacker`).
+
+  ``chunk_steps=K > 0``: the third argument holds K consecutive steps' batches ``[N, K, B, L+1]``
+  (the chunk starting at a multiple of K) and step t reads its batch at ``t % K``, t being the
+  optimizer's step count; the host then uploads data once every K steps instead of every step.
+
+  ``shardings``: :func:`layout`'s (parameter, optimizer-state) shardings on a 2-D mesh, pinned on
+  the outputs. With ``hdet.low_communication`` the gradient is not all-reduced across the replica
+  axis: each group steps on its own (still averaged over its inner axis, by the partitioner).
+  """
+  shared = config is None or not config.hdet.get('low_communication', False)
+  task = tasks_lib.get(config)
+
+  def step(params, opt_state, data):
+    batch = data
+    if chunk_steps:
+      batch = jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, opt_state.count % chunk_steps, keepdims=False), data)
+    if config is None:
+      reg, smoothing = tasks_lib.Regularization(), 0.0
+    else:
+      reg, smoothing = regularization(config, opt_state)
+    (_, loss), grads = jax.value_and_grad(
+        lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
+    if shared:
+      grads = H.pmean_finite(grads, AXIS)  # the all-reduce, skipping replicas whose gradient is not finite
+    # The controller compares replicas on plain cross-entropy (see model_lib.losses).
+    used = opt_state  # its values and base are what this step trains with
+    if config is not None and config.optim.name == 'adam_plateau':
+      # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
+      loss = lax.pmean(loss, AXIS)
+    updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
+    stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
+    params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=sync)
+    metrics = {
+        'loss': loss, 'lrs': used.learning_rates, 'base_lr': used.base_learning_rate,
+        'values': used.values, 'bases': used.base, **_controller_metrics(opt_state.controller),
+    }
+    if sync:
+      metrics.update(_distance_metrics(stepped, params))
+    if packer is not None:
+      metrics = packer.pack(metrics)
+    return params, opt_state, metrics
+  # optax.contrib.reduce_on_plateau's lax.cond returns constants in one branch and state-derived
+  # (per-replica, 'varying') values in the other, which shard_map's type check rejects.
+  check_vma = config is None or config.optim.name != 'adam_plateau'
+  return jax.jit(H.shard_map_replicas(step, mesh, AXIS, check_vma=check_vma), donate_argnums=(0, 1),
+                 **_pinned(mesh, shardings))
+
+
+def _pinned(mesh: Mesh, shardings: tuple[Any, Any] | None) -> dict:
+  """jit's ``out_shardings`` for (params, opt_state, metrics) under a 2-D layout; none on 1-D meshes."""
+  return {} if shardings is None else {'out_shardings': (*shardings, replica_sharding(mesh))}
+
+
+def make_tail_update(shardings: tuple[Any, Any] | None = None) -> Callable:
+  """Jitted ``(tail, params, weight) -> tail``: the running mean ``tail + weight (params - tail)``;
+  weight 1 restarts it at ``params`` exactly (the first step of a window's tail)."""
+  def update(tail, params, weight):
+    return jax.tree.map(lambda a, b: jnp.where(weight >= 1, b, a + (b - a) * weight).astype(a.dtype), tail, params)
+  return jax.jit(update, donate_argnums=0, **({} if shardings is None else {'out_shardings': shardings[0]}))
+
+
+def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
+                    packer: MetricsPacker | None = None, graphdef: Any = None, config: Any = None,
+                    shardings: tuple[Any, Any] | None = None) -> Callable:
+  """Jitted ``(params, opt_state) -> (params, opt_state, metrics)``: the end of a sync window alone.
+
+  With ``graphdef`` and a config whose ``hdet.score`` is ``'common'`` the program takes a third
+  argument, the common batch ``[N, W, L+1]`` (the same windows in every row): each replica's loss on
+  it, with its own attention temperature and no dropout, computed before the average, is the score
+  the controller compares (``tx.update(..., score=)``). With ``hdet.score_tail > 0`` a fourth, each
+  replica's mean parameters over the window's tail (see :func:`tail_weight`), is what is scored.
+
+  Run it right after the non-sync step program on a sync step: it averages the replicas and runs
+  the controller (``tx.update(None, ..., sync=True)``). The step is then compiled once, and the sync
+  is a program of its own without the model in it, instead of a second compilation of the whole step
+  (results/benchmarks.md: less compile time and a lower peak host memory, for a slightly dearer sync
+  step). ``metrics`` are the controller's, as in the sync step's, and ``distance``: each replica's L2
+  distance from the replicas' average just before it, with ``mean_norm``, the average's L2 norm
+  (computed from the parameters before and after the average: no extra communication).
+  """
+  probe = graphdef is not None and config is not None and common_batch(config)
+  task = tasks_lib.get(config)
+
+  def window_end(params, opt_state, windows=None, tail=None):
+    score = None
+    if probe:
+      reg, _ = regularization(config, opt_state)
+      reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
+      # The tail means lie on the replicas' line too (A + u_r Dbar), so the line search reads them alike.
+      score = task.loss(graphdef, params if tail is None else tail, windows, reg)
+    updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
+    stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
+    params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True)
+    metrics = {**_controller_metrics(opt_state.controller), **_distance_metrics(stepped, params)}
+    if packer is not None:
+      metrics = packer.pack(metrics)
+    return params, opt_state, metrics
+  return jax.jit(H.shard_map_replicas(window_end, mesh, AXIS), donate_argnums=(0, 1), **_pinned(mesh, shardings))
+
+
+def _controller_metrics(c: Any) -> dict:
+  """The controller's state as logged: weights, window losses, delta and velocity (first and all groups)."""
+  return {'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
+          'window_losses': c.window_losses, 'deltas': c.delta, 'velocities': c.velocity}
+
+
+def _distance_metrics(params: Any, mean: Any) -> dict:
+  """This replica's L2 distance from the replicas' mean (``distance``) and the mean's L2 norm (``mean_norm``)."""
+  return {'distance': _tree_norm(jax.tree.map(jnp.subtract, params, mean)), 'mean_norm': _tree_norm(mean)}
+
+
+def make_distance(mesh: Mesh) -> Callable:
+  """Jitted ``params -> {'distance': [N], 'mean_norm': [N]}`` (see :func:`_distance_metrics`), for runs
+  that never average: the window end measures it for the others."""
+  def distance(params):
+    return _distance_metrics(params, jax.tree.map(lambda p: lax.pmean(p, AXIS), params))
+  return jax.jit(H.shard_map_replicas(distance, mesh, AXIS))
+
+
+def _tree_norm(tree: Any) -> jax.Array:
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def make_eval_params(config: Any, mesh: Mesh) -> Callable | None:
+  """Jitted ``(params, opt_state) -> params`` to evaluate in place of the parameters, or None.
+
+  Schedule-free AdamW trains one sequence of points and is evaluated at another (its eval params).
+  """
+  if config.optim.name != 'schedule_free_adamw':
+    return None
+  to_eval = lambda p, s: optax.contrib.schedule_free_eval_params(s.inner_state, p)
+  return jax.jit(jax.vmap(to_eval), out_shardings=replica_sharding(mesh))
+
+
+def make_eval_step(graphdef: Any, mesh: Mesh, task: tasks_lib.Task | None = None) -> Callable:
+  """Jitted ``(params, eval batch) -> {name: [N]}``: the averaged model's :meth:`Task.eval_metrics` on each
+  replica's share of the held-out examples (``'loss'``: its mean loss); ``task`` None: the LM."""
+  task = task or tasks_lib.get()
+
+  def evaluate(params, batch):
+    avg = lax.pmean(params, AXIS)
+    return task.eval_metrics(graphdef, avg, batch)
+  return jax.jit(H.shard_map_replicas(evaluate, mesh, AXIS))
+
+
+def make_average(mesh: Mesh, params: Any = None, task: tasks_lib.Task | None = None) -> Callable:
+  """Jitted exact replica average (the ensemble's model), replicated on every device; on a 2-D mesh
+  (give the stacked ``params``) still sharded over 'fsdp' as each group's copy is, never whole."""
+  if not grouped(mesh):
+    return jax.jit(H.average_replicas, out_shardings=replicated(mesh))
+  inner = lambda sh: NamedSharding(mesh, P(*sh.spec[1:]))
+  shardings = H.group_shardings(params, mesh, AXIS, INNER, **rules(mesh, task))
+  return jax.jit(H.average_replicas, out_shardings=jax.tree.map(inner, shardings))

@@ -1,0 +1,203 @@
+"""The task seam (hdet_jax/trainer/tasks/): the LM bit for bit through it, mnist1d's data, CNN and .npz checks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from hdet_jax.trainer import ConfigError, checkpoints, config_lib, tasks, train_and_evaluate
+from hdet_jax.trainer import input_pipeline
+from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer.metrics import read_metrics
+from hdet_jax.trainer.tasks import mnist1d
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, 'configs', 'tiny.py')
+MNIST1D = os.path.join(ROOT, 'configs', 'mnist1d.py')
+REFERENCE = os.path.join(ROOT, 'tests', 'data', 'lm_seam_reference.json')
+
+
+def _config(path, **overrides):
+  return config_lib.with_overrides(config_lib.load_config_file(path), overrides)
+
+
+def small_mnist1d(**overrides):
+  """mnist1d at test size: 400 generated examples, 16 steps, 4 examples per replica, syncs every 8."""
+  return _config(MNIST1D, **{'data.num_samples': 400, 'data.batch_size': 4, 'num_train_steps': 16,
+                             'hdet.sync_every': 8, 'log_every': 4, 'eval_every': 0, 'checkpoint_every': 0,
+                             'plots': False, 'tensorboard': False, 'progress_bar': False, 'compilation_cache': '',
+                             **overrides})
+
+
+def _cpu() -> str:
+  with open('/proc/cpuinfo', encoding='utf-8') as f:
+    return next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), '')
+
+
+# ---- The LM through the seam ----
+
+def test_lm_runs_bit_for_bit_as_before_the_seam(tmp_path):
+  """configs/tiny.py's losses, evaluations and step-40 checkpoint fingerprint equal those recorded by the trainer
+  before the task seam (bitwise on the CPU model that recorded them; XLA:CPU rounds differently on others,
+  so there to float32 rounding)."""
+  ref = json.load(open(REFERENCE, encoding='utf-8'))
+  workdir = str(tmp_path / 'lm')
+  summary = train_and_evaluate(_config(TINY, plots=False, tensorboard=False), workdir)
+  m = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  got_evals = [{'step': r['step'], 'val_loss': r['val_loss']} for r in m['eval']]
+  got_train = {str(r['step']): list(np.asarray(r['loss'], float)) for r in m['train'] if str(r['step']) in ref['train_loss']}
+  assert summary['task'] == 'lm' and summary['metric'] == 'val_bits_per_byte'
+  assert summary['final_metric'] == summary['final_val_bits_per_byte'] == model_lib.bits_per_byte(summary['final_val_loss'])
+  if ref['cpu'] and _cpu().startswith(ref['cpu']):
+    assert got_evals == ref['evals']
+    assert got_train == ref['train_loss']
+    assert checkpoints.read_meta(workdir, 40)['fingerprint'] == ref['fingerprint_step40']
+  else:
+    np.testing.assert_allclose([e['val_loss'] for e in got_evals], [e['val_loss'] for e in ref['evals']], rtol=1e-4)
+
+
+def test_lm_task_is_the_model_and_pipeline_it_wraps():
+  """The LM task's loss, eval metrics, batches and common batches are model.py's and input_pipeline.py's."""
+  config = _config(TINY)
+  task = tasks.get(config)
+  assert task is tasks.get(None) and task.name == 'lm'
+  data = task.load(config, 8)
+  corpus = input_pipeline.load_corpus(None)
+  train, val = input_pipeline.split(corpus, config.data.val_fraction)
+  want = input_pipeline.TrainBatches(train, 32, 4, 8, config.seed)
+  np.testing.assert_array_equal(data.batches.chunk(25, 3), want.chunk(25, 3))
+  np.testing.assert_array_equal(data.eval_batch, input_pipeline.validation_windows(val, 32, 8, config.eval_windows))
+  np.testing.assert_array_equal(data.probe(3), input_pipeline.probe_windows(train, 32, 16, config.seed, 3))
+  graphdef, params = task.init_model(config, jax.random.key(0))
+  batch = want.batch(0)[0]
+  got = task.eval_metrics(graphdef, params, batch)
+  assert list(got) == ['loss'] and float(got['loss']) == float(model_lib.loss_fn(graphdef, params, batch))
+
+
+def test_unknown_task_is_one_config_error(tmp_path):
+  with pytest.raises(ConfigError, match="task must be one of 'lm', 'mnist1d', got 'cifar'"):
+    train_and_evaluate(_config(TINY, task='cifar'), str(tmp_path / 'w'))
+  assert not os.path.exists(tmp_path / 'w')
+
+
+# ---- mnist1d: data ----
+
+def test_mnist1d_data_is_the_packages_generator_deterministic_and_leaves_numpy_alone():
+  np.random.seed(123)
+  before = np.random.get_state()[1].copy()
+  a = mnist1d.generate(200, 0.8, 42)
+  assert np.array_equal(np.random.get_state()[1], before)  # the package's global seeding is undone
+  assert a['x'].shape == (160, 40) and a['x_test'].shape == (40, 40) and a['x'].dtype == np.float32
+  assert a['y'].dtype == np.int32 and set(np.unique(a['y'])) <= set(range(10))
+  mnist1d.generate.cache_clear()
+  b = mnist1d.generate(200, 0.8, 42)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k])
+  assert not np.array_equal(mnist1d.generate(200, 0.8, 7)['x'], a['x'])  # dataset_seed picks another set
+
+
+def test_mnist1d_batches_are_a_function_of_seed_and_step():
+  config = small_mnist1d()
+  data = mnist1d.TASK.load(config, 8)
+  chunk = data.batches.chunk(4, 3)
+  assert chunk['x'].shape == (8, 3, 4, 40, 1) and chunk['y'].shape == (8, 3, 4)
+  np.testing.assert_array_equal(chunk['x'][:, 1], data.batches.batch(5)['x'])  # a chunk is its steps' batches
+  idx = data.batches.indices(0)
+  assert len(np.unique(idx)) == idx.size  # within an epoch no two replicas share an example
+  again = mnist1d.TASK.load(config, 8).batches.indices(7)
+  np.testing.assert_array_equal(again, data.batches.indices(7))
+  other = mnist1d.TASK.load(_config(MNIST1D, **{'data.num_samples': 400, 'data.batch_size': 4, 'seed': 1}), 8)
+  assert not np.array_equal(other.batches.indices(0), idx)
+  assert data.eval_batch['x'].shape == (8, 10, 40, 1)  # 80 test examples, 10 per replica
+  probe = data.probe(2)
+  assert probe['x'].shape == (16, 40, 1) and np.array_equal(probe['y'], data.probe(2)['y'])
+
+
+# ---- mnist1d: the CNN against a numpy oracle ----
+
+def _conv1d(x, kernel, bias, stride=2, pad=1):
+  """x [B, L, C], kernel [k, C, O]: the strided, zero-padded 1-D convolution, written out."""
+  x = np.pad(x, ((0, 0), (pad, pad), (0, 0)))
+  k = kernel.shape[0]
+  out_len = (x.shape[1] - k) // stride + 1
+  return np.stack([np.einsum('bkc,kco->bo', x[:, i * stride:i * stride + k], kernel) for i in range(out_len)], 1) + bias
+
+
+def test_cnn_loss_on_a_fixed_batch_matches_a_numpy_oracle():
+  config = small_mnist1d(**{'model.channels': 5})
+  graphdef, params = mnist1d.TASK.init_model(config, jax.random.key(3))
+  data = mnist1d.TASK.load(config, 8)
+  batch = data.batches.batch(0)
+  batch = {'x': batch['x'][0], 'y': batch['y'][0]}
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+  h = batch['x'].astype(np.float64)
+  for name in ('conv1', 'conv2', 'conv3'):
+    h = np.maximum(_conv1d(h, p[name]['kernel'], p[name]['bias']), 0.0)
+  logits = h.reshape(len(h), -1) @ p['linear']['kernel'] + p['linear']['bias']
+  logp = logits - logits.max(1, keepdims=True)
+  logp = logp - np.log(np.exp(logp).sum(1, keepdims=True))
+  ce = -logp[np.arange(len(logp)), batch['y']].mean()
+  eps = 0.1
+  smoothed = ((1 - eps) * -logp[np.arange(len(logp)), batch['y']] + eps * -logp.mean(1)).mean()
+  train, plain = mnist1d.TASK.losses(graphdef, params, batch, tasks.Regularization(), eps)
+  np.testing.assert_allclose(float(plain), ce, rtol=2e-5)
+  np.testing.assert_allclose(float(train), smoothed, rtol=2e-5)
+  m = mnist1d.TASK.eval_metrics(graphdef, params, batch)
+  np.testing.assert_allclose(float(m['loss']), ce, rtol=2e-5)
+  assert float(m['accuracy']) == np.mean(np.argmax(logits, 1) == batch['y'])
+  assert sum(a.size for a in jax.tree.leaves(params)) == (5 * 1 * 5 + 5) + 2 * (3 * 5 * 5 + 5) + (5 * 5 * 10 + 10)
+
+
+def test_mnist1d_trains_through_the_trainer(tmp_path):
+  """16 HDET steps on 8 replicas: the summary names the task and its metric (test cross-entropy), with accuracy."""
+  s = train_and_evaluate(small_mnist1d(**{'optim.max_lr': 3e-2, 'hdet.initial_scale': 1.0}), str(tmp_path / 'm'))
+  assert s['task'] == 'mnist1d' and s['metric'] == 'val_loss' and s['final_metric'] == s['final_val_loss']
+  assert s['final_val_loss'] < np.log(10) - 0.05 and 0.1 < s['final_val_accuracy'] <= 1.0
+  assert s['unit'] == 'examples' and s['num_params'] > 0
+  evals = read_metrics(os.path.join(s['workdir'], 'metrics.jsonl'))['eval']
+  assert set(evals[-1]) >= {'val_loss', 'val_accuracy'}
+
+
+# ---- mnist1d: a user's .npz ----
+
+def _npz(path, **arrays):
+  rng = np.random.default_rng(0)
+  base = {'x': rng.normal(size=(64, 12, 2)), 'y': rng.integers(0, 10, 64),
+          'x_test': rng.normal(size=(16, 12, 2)), 'y_test': rng.integers(0, 10, 16)}
+  base.update(arrays)
+  np.savez(path, **{k: v for k, v in base.items() if v is not None})
+  return str(path)
+
+
+def test_a_users_npz_trains(tmp_path):
+  path = _npz(tmp_path / 'ok.npz')
+  s = train_and_evaluate(small_mnist1d(**{'data.path': path, 'num_train_steps': 8, 'hdet.sync_every': 4}), str(tmp_path / 'w'))
+  assert s['step'] == 8 and np.isfinite(s['final_val_loss'])
+
+
+@pytest.mark.parametrize('arrays, message', [
+    ({'y_test': None}, 'lacks the arrays y_test'),
+    ({'y': np.zeros(63, int)}, 'same n'),
+    ({'y': np.full(64, 10)}, r'integer labels in \[0, model.num_classes=10\)'),
+    ({'x': np.full((64, 12, 2), np.nan)}, 'non-finite'),
+])
+def test_a_bad_npz_is_one_error_before_anything_is_written(tmp_path, arrays, message):
+  workdir = tmp_path / 'w'
+  with pytest.raises(ConfigError, match=message):
+    train_and_evaluate(small_mnist1d(**{'data.path': _npz(tmp_path / 'bad.npz', **arrays)}), str(workdir))
+  assert not workdir.exists()
+
+
+def test_a_bad_npz_from_the_command_line_exits_2_with_one_error_line(tmp_path):
+  bad = _npz(tmp_path / 'bad.npz', y=np.full(64, -1))
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config', MNIST1D,
+                         f'--config.data.path={bad}', '--workdir', str(tmp_path / 'w')],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 2
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1 and 'data.path=' in errors[0] and 'y must hold integer labels' in errors[0]
+  assert not (tmp_path / 'w').exists()
