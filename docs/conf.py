@@ -1,7 +1,6 @@
 """Sphinx configuration of the hdet-jax documentation (``sphinx-build -W -b html docs docs/_build/html``)."""
 
 import pathlib
-import re
 import sys
 import tomllib
 
@@ -50,32 +49,3 @@ html_theme_options = {
     'use_download_button': False,
     'use_fullscreen_button': False,
 }
-
-
-# A paragraph at the argument's indentation inside an ``Args:`` section (hdet's "Index g of the state's [G]
-# fields follows hyperparam_names(...)") is read by napoleon as more arguments. Until the docstring indents
-# it, such lines are indented as the previous argument's continuation here (the source is left alone).
-_ARG = re.compile(r'^(\s*)(\*{0,2}[A-Za-z_][\w, ]*)( \(.*\))?:(\s|$)')
-
-
-def _indent_stray_arg_paragraphs(app, what, name, obj, options, lines):
-  del app, what, name, obj, options
-  section_indent = None
-  for i, line in enumerate(lines):
-    stripped = line.strip()
-    if stripped in ('Args:', 'Arguments:', 'Parameters:'):
-      section_indent = None
-      args_at = len(line) - len(line.lstrip())
-      section_indent = args_at + 2
-      continue
-    if section_indent is None or not stripped:
-      continue
-    indent = len(line) - len(line.lstrip())
-    if indent < section_indent:  # the section ended
-      section_indent = None
-    elif indent == section_indent and not _ARG.match(line):
-      lines[i] = '  ' + line
-
-
-def setup(app):
-  app.connect('autodoc-process-docstring', _indent_stray_arg_paragraphs, priority=400)  # before napoleon

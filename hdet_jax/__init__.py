@@ -24,4 +24,4 @@ __all__ = [
     'reference_decay', 'replica', 'shard_map_replicas', 'softmax_weights', 'spread_multipliers',
     'stack_replicas', 'state_shardings', 'hyperparams',
 ]
-__version__ = '0.1.0'
+__version__ = '0.6.1'  # pyproject.toml's; CHANGELOG.md says when it moves

@@ -143,9 +143,9 @@ def hdet(
     param_groups: per-group learning rates, ``{group: regex}`` on parameter paths such as
       ``'blocks/0/attn/kernel'`` (``re.search``); every parameter must match exactly one
       group. Each group gets its own base LR, velocity and permutation, and the wrapped
-      optimizer becomes ``optax.multi_transform`` over the groups.
-    Index g of the state's [G] fields follows ``hyperparam_names(...)``: the learning rate
-    (or ``learning_rate/<group>`` per group, in order), then ``explore`` in order.
+      optimizer becomes ``optax.multi_transform`` over the groups. Index g of the state's [G]
+      fields follows ``hyperparam_names(...)``: the learning rate (or ``learning_rate/<group>``
+      per group, in order), then ``explore`` in order.
     guard_nonfinite: if True (default) a sync averages only the replicas whose parameters
       are all finite and resets the others to that average (with ``exact_sync=True`` and
       :func:`apply_updates`; an additive optax update cannot reset a NaN parameter, so on that path

@@ -103,3 +103,11 @@ def test_the_stated_jax_range_is_the_pinned_one():
   assert low in tested and all(version(low) <= version(v) < version(cap) for v in tested), (low, cap, tested)
   assert f'`jax>={low},<{cap}`' in (DOCS / 'getting_started.md').read_text()
   assert os.access(ROOT / '.ci' / 'newest_jax', os.X_OK)
+
+
+def test_package_version_is_pyprojects():
+  """hdet_jax.__version__ is the version pyproject.toml (and CHANGELOG.md's newest release) gives."""
+  import hdet_jax
+  text = open(os.path.join(ROOT, 'pyproject.toml'), encoding='utf-8').read()
+  assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == hdet_jax.__version__
+  assert f'## [{hdet_jax.__version__}]' in open(os.path.join(ROOT, 'CHANGELOG.md'), encoding='utf-8').read()
