@@ -118,12 +118,12 @@ def run_workload(workload: str, steps: int, args, work_root: str) -> dict:
     lrs = grids[optim]
     if 'grid' in args.stages:
       for seed in args.seeds:
-        for lr in lrs:
+        for lr in (lrs if seed == args.seeds[0] or args.full_grid else neighbourhood(cache, optim, lrs, args.seeds[0])):
           go(autolr.grid_name(optim, lr, seed), {**autolr.run_overrides('grid', optim, lr, seed, steps), **plain_extra})
     best = autolr.anchor(cache, optim, lrs, args.seeds[0])
     if 'hdet' in args.stages and best is not None:
       for seed in args.seeds:
-        for start in autolr.STARTS:
+        for start in args.starts:
           o = autolr.run_overrides('hdet', optim, best * autolr.STARTS[start], seed, steps, variant=variant)
           if args.quick:
             o.pop('hdet.sync_every', None)
@@ -135,6 +135,16 @@ def run_workload(workload: str, steps: int, args, work_root: str) -> dict:
                                              **plain_extra})
     out[optim] = autolr.collect(cache, optim, lrs, (variant,), autolr.PEERS, autolr.SEEDS if not args.quick else args.seeds)
   return out
+
+
+def neighbourhood(cache: records.RunCache, optim: str, lrs, seed: int) -> list[float]:
+  """The first seed's best peak LR and its two neighbours on the grid (where the sweep's best can move with
+  more seeds; the grid's far ends are decided on one seed), or nothing before that seed's grid is complete."""
+  best = autolr.anchor(cache, optim, lrs, seed)
+  if best is None:
+    return []
+  i = min(range(len(lrs)), key=lambda k: abs(math.log(lrs[k] / best)))
+  return list(lrs[max(0, i - 1):i + 2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,6 +250,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   p.add_argument('--optim', default='adamw,sgd', help='comma-separated (each workload runs those it measures)')
   p.add_argument('--seeds', default=','.join(map(str, autolr.SEEDS)))
   p.add_argument('--peers', default=','.join(autolr.PEERS))
+  p.add_argument('--starts', default=','.join(autolr.STARTS), help='comma-separated HDET starts: low, best, high')
+  p.add_argument('--full-grid', action='store_true',
+                 help="every grid point on every seed (default: the seeds after the first train the first seed's best "
+                      'and its two neighbours)')
   p.add_argument('--report-only', action='store_true')
   p.add_argument('--workdir', default=None, help='where runs train (default workdirs/workloads; quick: workdirs/workloads_quick)')
   args = p.parse_args(argv)
@@ -248,7 +262,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   if bad:
     p.error(f'--workload: {bad} not among {list(WORKLOADS)}')
   args.steps = [int(s) for s in args.steps.split(',') if s]
+  given = ' '.join(argv)
+  if args.quick:  # one run of each kind: the grid's two points, one HDET start, one peer; AdamW
+    args.optim = args.optim if '--optim' in given else 'adamw'
+    args.starts = args.starts if '--starts' in given else 'high'
   args.optim = [o for o in args.optim.split(',') if o]
+  args.starts = [s for s in args.starts.split(',') if s]
+  if set(args.starts) - set(autolr.STARTS):
+    p.error(f'--starts: {sorted(set(args.starts) - set(autolr.STARTS))} not among {list(autolr.STARTS)}')
   args.seeds = [int(s) for s in args.seeds.split(',') if s][:1 if args.quick else None]
   args.peers = [q for q in args.peers.split(',') if q][:1 if args.quick else None]
   args.stages = () if args.report_only else ('grid', 'hdet', 'peers') if args.stage == 'all' else (args.stage,)

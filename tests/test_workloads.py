@@ -1,0 +1,67 @@
+"""experiments/workloads.py: each workload's --quick mode end to end, and its report against the records."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from experiments import autolr, workloads
+
+
+@pytest.fixture(scope='module')
+def quick(tmp_path_factory):
+  root = str(tmp_path_factory.mktemp('workloads'))
+  # The LM's quick mode is autolr.py's (tests/test_autolr.py); here the two workloads that only this command runs.
+  workloads.main(['--quick', '--workload', 'mnist1d,finetune', '--workdir', root])
+  with open(os.path.join(root, 'workloads.json'), encoding='utf-8') as f:
+    return root, json.load(f)
+
+
+def test_quick_runs_every_workload_and_stage(quick):
+  root, res = quick
+  assert sorted(res) == ['finetune', 'mnist1d']
+  for workload, by_steps in res.items():
+    r = by_steps['16']['adamw']
+    assert r['metric'] == ('val_loss' if workload == 'mnist1d' else 'val_bits_per_byte')
+    assert set(r['grid']) == {'0.003', '0.03'} and set(r['hdet']) == {'high'} and set(r['peers']) == {'prodigy'}
+    assert r['hdet']['high']['n'] == 1 and np.isfinite(r['hdet']['high']['value'])
+  assert os.path.isdir(os.path.join(root, 'finetune', 'pretrain', 'checkpoints'))  # the kept checkpoint
+
+
+def test_report_values_are_the_records_primary_metric(quick):
+  """grid_best is the lowest grid value, each value the record's final metric (mnist1d: test cross-entropy)."""
+  root, res = quick
+  for workload in ('mnist1d', 'finetune'):
+    d = workloads.records_dir(workload, 16, True, root)
+    recs = {lr: json.load(open(os.path.join(d, autolr.grid_name('adamw', lr, 0) + '.json')))
+            for lr in autolr.QUICK_GRIDS['adamw']}
+    r = res[workload]['16']['adamw']
+    lr = min(recs, key=lambda k: recs[k]['val_bpb'])
+    assert r['grid_best']['lr'] == lr and r['grid_best']['value'] == recs[lr]['val_bpb']
+    if workload == 'mnist1d':
+      assert recs[lr]['metric'] == 'val_loss' and recs[lr]['val_bpb'] < np.log(10) + 0.1
+      assert 0 <= r['grid_best']['accuracy'] <= 1
+  ft = json.load(open(os.path.join(workloads.records_dir('finetune', 16, True, root), autolr.grid_name('adamw', 0.03, 0) + '.json')))
+  assert ft['config']['init_from'].endswith(os.path.join('finetune', 'pretrain')) and ft['config']['data']['corpus'] == 'wyc'
+  assert ft['config']['warm_init']['nu'] == 0.0  # the sweep fine-tunes the checkpoint itself
+
+
+def test_seeds_after_the_first_train_the_best_and_its_neighbours(tmp_path):
+  """--seeds 0,1: seed 1 trains only the first seed's best grid point and its neighbours."""
+  class Cache:
+    dir = str(tmp_path)
+  os.makedirs(os.path.join(tmp_path, 'adamw'))
+  with open(os.path.join(tmp_path, 'adamw', 'anchor.json'), 'w') as f:
+    json.dump({'lr': 0.03, 'val_bpb': 1.0, 'seed': 0}, f)
+  lrs = autolr.GRIDS['adamw']
+  assert workloads.neighbourhood(Cache(), 'adamw', lrs, 0) == [0.015, 0.03, 0.06]
+  with open(os.path.join(tmp_path, 'adamw', 'anchor.json'), 'w') as f:
+    json.dump({'lr': lrs[0], 'val_bpb': 1.0, 'seed': 0}, f)
+  assert workloads.neighbourhood(Cache(), 'adamw', lrs, 0) == list(lrs[:2])
+
+
+def test_bad_workload_is_a_usage_error(capsys):
+  with pytest.raises(SystemExit) as e:
+    workloads.parse_args(['--workload', 'imagenet'])
+  assert e.value.code == 2 and "not among ['lm', 'mnist1d', 'finetune']" in capsys.readouterr().err
