@@ -204,3 +204,15 @@ def test_accelerate_against_numpy_oracle(growth, max_gain):
     assert got[0] == pytest.approx(0.1) and got[1] == pytest.approx(0.2 * growth)
     assert got[5] == pytest.approx(-0.1)  # the reversal resets the gain
     assert max(abs(g) for g in got) <= trust + 1e-7
+
+
+def test_accelerate_gain_stops_at_max_gain():
+  """Small agreeing confident steps (no clipping): the gain runs 1, 2, 4 and stays at max_gain = 4 (closed
+  form: taken = min(2^k, 4) x 0.01); with max_gain = 3 it stops at 3."""
+  for max_gain, want in ((4.0, [0.01, 0.02, 0.04, 0.04, 0.04, 0.04]), (3.0, [0.01, 0.02, 0.03, 0.03, 0.03, 0.03])):
+    gain, got = jnp.zeros(1, jnp.float32), []
+    for _ in range(6):
+      taken, gain = ctrl.accelerate(jnp.asarray([0.01], jnp.float32), gain, growth=2.0, max_gain=max_gain, trust=1.0)
+      got.append(float(taken[0]))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert float(gain[0]) == max_gain
