@@ -195,8 +195,8 @@ def _fmt(x) -> str:
 
 def describe(rec: dict) -> str:
   """A finished run in one line."""
-  vb = rec['val_bpb']
-  return (f'val {"nan" if vb is None else f"{vb:.4f}"} bits/byte, final base LR {_fmt(rec["final_lr"])}, '
+  vb, unit = rec['val_bpb'], {'val_loss': 'nats'}.get(rec.get('metric'), 'bits/byte')
+  return (f'val {"nan" if vb is None else f"{vb:.4f}"} {unit}, final base LR {_fmt(rec["final_lr"])}, '
           f'{rec["wall_s"]:.0f}s')
 
 
