@@ -30,7 +30,9 @@ import sys
 import numpy as np
 
 from experiments import autolr
+from experiments import autolr_report
 from experiments import records
+from hdet_jax.trainer.plots import save_figure
 
 REPO = autolr.REPO
 WORKLOADS = {  # config file, default run length, optimizers measured
@@ -192,8 +194,34 @@ def _pct(v, best) -> str:
   return f'{v:.4g} ({100 * (v / best - 1):+.1f}%)'
 
 
-def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
-  """results/workloads.json and .md: one table per workload, a row per run length and optimizer."""
+def lr_figure(fig_dir: str, workload: str, steps: int, optim: str, runs: dict) -> str | None:
+  """Each HDET run's base LR (the followed LR) against the sweep's best schedule, one colour per start."""
+  grid = {lr: rs for lr, rs in runs['grid'].items() if rs}
+  hdet = next(iter(runs['hdet'].values()), {})
+  if not grid or not any(hdet.values()):
+    return None
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  best = min(grid, key=lambda k: autolr_report.mean_bpb(grid[k]))
+  schedule = autolr_report._best_schedule(grid, {'lr': best})  # pylint: disable=protected-access
+  fig, ax = plt.subplots(figsize=(6.4, 3.6))
+  ax.plot(np.arange(len(schedule)), schedule, 'k--', lw=1.6, label=f'sweep best ({best:.3g}) schedule')
+  for (start, recs), color in zip(sorted(hdet.items()), ('tab:blue', 'tab:green', 'tab:red')):
+    for i, r in enumerate(recs):
+      x, y = autolr_report.lr_path(r)
+      ax.plot(x, y, color=color, lw=1.0, alpha=0.8, label=f'HDET from {start}' if i == 0 else None)
+  ax.set_yscale('log')
+  ax.set_xlabel('step')
+  ax.set_ylabel('base learning rate')
+  ax.set_title(f'{workload}, {steps} steps, {optim}: the base LR against the sweep\'s best', fontsize=9)
+  ax.legend(fontsize=7)
+  return save_figure(fig, fig_dir, f'workloads_lr_{workload}_{steps}_{optim}.png')
+
+
+def write_report(out_dir: str, results: dict, quick: bool, all_runs: dict | None = None) -> list[str]:
+  """results/workloads.json and .md: one table per workload, a row per run length and optimizer, and the
+  LR trajectories of each workload's default run length against the sweep's best schedule."""
   os.makedirs(out_dir, exist_ok=True)
   jpath, mpath = os.path.join(out_dir, 'workloads.json'), os.path.join(out_dir, 'workloads.md')
   with open(jpath, 'w', encoding='utf-8') as f:
@@ -232,6 +260,12 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
         best = by_steps[steps][optim]['grid_best']['value']
         lines.append(f'- {p}: {_pct(v["value"], best)}, n={v["n"]}')
     lines.append('')
+    default = str(WORKLOADS[workload][1]) if not quick else '16'
+    for optim in by_steps.get(default, {}):
+      fig = lr_figure(os.path.join(out_dir, 'figures'), workload, int(default), optim,
+                      (all_runs or {}).get(workload, {}).get(default, {}).get(optim, {'grid': {}, 'hdet': {}}))
+      if fig:
+        lines += [f'![{workload} {optim} LR](figures/{os.path.basename(fig)})', '']
   with open(mpath, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines))
   return [jpath, mpath]
@@ -281,15 +315,16 @@ def main(argv=None):
   from hdet_jax.trainer import trainer
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
   trainer.setup_jax(base_config('lm', 16, args.quick))
-  results = {}
+  results, all_runs = {}, {}
   for workload in args.workloads:
     metric = 'val_loss' if workload == 'mnist1d' else 'val_bits_per_byte'
     for steps in (args.steps or lengths(workload, args.quick)):
       runs = run_workload(workload, steps, args, work_root)
+      all_runs.setdefault(workload, {})[str(steps)] = runs
       results.setdefault(workload, {})[str(steps)] = {o: summarize(r, metric) for o, r in runs.items()}
   if args.report_only or not args.steps:  # a partial command leaves the committed report alone
     out = work_root if args.quick else os.path.join(REPO, 'results')
-    print('\n'.join(f'  {p}' for p in write_report(out, results, args.quick)))
+    print('\n'.join(f'  {p}' for p in write_report(out, results, args.quick, all_runs)))
 
 
 if __name__ == '__main__':
