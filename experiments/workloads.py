@@ -322,9 +322,18 @@ def main(argv=None):
       runs = run_workload(workload, steps, args, work_root)
       all_runs.setdefault(workload, {})[str(steps)] = runs
       results.setdefault(workload, {})[str(steps)] = {o: summarize(r, metric) for o, r in runs.items()}
-  if args.report_only or not args.steps:  # a partial command leaves the committed report alone
-    out = work_root if args.quick else os.path.join(REPO, 'results')
-    print('\n'.join(f'  {p}' for p in write_report(out, results, args.quick, all_runs)))
+  # The report covers every workload and run length with records (collected, nothing trained), whatever ran.
+  collect_only = argparse.Namespace(**{**vars(args), 'stages': ()})
+  for workload in (args.workloads if args.quick else WORKLOADS):
+    metric = 'val_loss' if workload == 'mnist1d' else 'val_bits_per_byte'
+    for steps in lengths(workload, args.quick):
+      if str(steps) not in all_runs.get(workload, {}):
+        runs = run_workload(workload, steps, collect_only, work_root)
+        all_runs.setdefault(workload, {})[str(steps)] = runs
+        results.setdefault(workload, {})[str(steps)] = {o: summarize(r, metric) for o, r in runs.items()}
+  out = work_root if args.quick else os.path.join(REPO, 'results')
+  ordered = {w: dict(sorted(results[w].items(), key=lambda kv: int(kv[0]))) for w in WORKLOADS if w in results}
+  print('\n'.join(f'  {p}' for p in write_report(out, ordered, args.quick, all_runs)))
 
 
 if __name__ == '__main__':
