@@ -266,9 +266,43 @@ def write_report(out_dir: str, results: dict, quick: bool, all_runs: dict | None
                       (all_runs or {}).get(workload, {}).get(default, {}).get(optim, {'grid': {}, 'hdet': {}}))
       if fig:
         lines += [f'![{workload} {optim} LR](figures/{os.path.basename(fig)})', '']
+  lines += conclusion(results)
   with open(mpath, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines))
   return [jpath, mpath]
+
+
+def conclusion(results: dict) -> list[str]:
+  """The plain count: which (workload, length, optimizer, start) cells end within 1% of the sweep's best, the
+  worst misses, and whether each start is ahead of the best LR-free peer where peers ran."""
+  cells, ahead = [], []
+  for workload, by_steps in results.items():
+    for steps, by_optim in by_steps.items():
+      for optim, r in by_optim.items():
+        g = r['grid_best']
+        if not g:
+          continue
+        peers = [v['value'] for v in r['peers'].values() if v['value'] is not None]
+        for start, h in r['hdet'].items():
+          gap = None if h['value'] is None else 100 * (h['value'] / g['value'] - 1)
+          cells.append((workload, int(steps), optim, start, gap, h['n']))
+          if peers:
+            ahead.append((workload, int(steps), start, h['value'] is not None and h['value'] < min(peers)))
+  if not cells:
+    return []
+  within = [c for c in cells if c[4] is not None and c[4] <= 1.0]
+  worst = sorted(cells, key=lambda c: -math.inf if c[4] is None else -c[4])[:5]
+  fmt = lambda c: f'{c[0]} {c[1]} steps {c[2]} from {c[3]}: ' + ('diverged' if c[4] is None else f'{c[4]:+.1f}%') + f' (n={c[5]})'
+  out = ['## Conclusion (computed from the table)', '',
+         f'- The default controller ends within 1% of the sweep\'s best in {len(within)} of {len(cells)} cells '
+         '(workload x run length x optimizer x start).',
+         '- The largest misses: ' + '; '.join(fmt(c) for c in worst) + '.']
+  if ahead:
+    n_ahead = sum(a[3] for a in ahead)
+    behind = [f'{a[0]} {a[1]} steps from {a[2]}' for a in ahead if not a[3]]
+    out.append(f'- Ahead of every LR-free peer in {n_ahead} of {len(ahead)} cells with peers'
+               + (f'; behind the best peer: {", ".join(behind)}.' if behind else '.'))
+  return out + ['']
 
 
 # ---------------------------------------------------------------------------------------------

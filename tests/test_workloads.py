@@ -65,3 +65,14 @@ def test_bad_workload_is_a_usage_error(capsys):
   with pytest.raises(SystemExit) as e:
     workloads.parse_args(['--workload', 'imagenet'])
   assert e.value.code == 2 and "not among ['lm', 'mnist1d', 'finetune']" in capsys.readouterr().err
+
+
+def test_conclusion_counts_cells_within_one_percent_and_against_the_peers():
+  res = {'w': {'100': {'adamw': {
+      'grid_best': {'lr': 0.1, 'value': 2.0, 'sd': None, 'n': 3},
+      'hdet': {'low': {'value': 2.03, 'n': 3}, 'best': {'value': 2.01, 'n': 3}, 'high': {'value': None, 'n': 3}},
+      'peers': {'p': {'value': 2.02, 'n': 3}}}}}}
+  text = '\n'.join(workloads.conclusion(res))
+  assert 'within 1% of the sweep\'s best in 1 of 3 cells' in text
+  assert 'w 100 steps adamw from high: diverged (n=3); w 100 steps adamw from low: +1.5% (n=3)' in text
+  assert 'Ahead of every LR-free peer in 1 of 3 cells with peers; behind the best peer: w 100 steps from low, w 100 steps from high.' in text
