@@ -3,7 +3,8 @@
 Every leaf of the parameters, the optimizer state and the batch carries a leading replica axis of size
 N, sharded ``P('data')`` over a one-axis mesh of D devices, N a multiple of D: each device holds N / D
 consecutive replicas, which the programs map with ``vmap`` over the axis ``'local'``; the replica axis is
-then the pair ``('data', 'local')`` (:func:`replica_axis`; just ``'data'`` with one replica per device). With ``mesh.fsdp = F > 1`` and/or ``mesh.tensor = K > 1``
+then the pair ``('data', 'local')`` (:func:`replica_axis`; just ``'data'`` with one replica per device).
+With ``mesh.fsdp = F > 1`` and/or ``mesh.tensor = K > 1``
 the mesh is ``('data', 'fsdp', 'tensor')`` of N x F x K devices (size-1 axes left out): a replica is a
 group of F x K devices, the replica axis is still ``'data'``, and inside each group the parameters, the
 optimizer's moments and the batch are sharded over ``'fsdp'``, and the kernels a task's
