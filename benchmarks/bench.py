@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench                      # everything, writes results/benchmarks.md
     python -m benchmarks.bench --sections steptime  # one part (stdout only unless --write)
+    python -m benchmarks.bench --sections fixed --sizes default  # the non-sync program's counted inputs only
 
 Run from the repository root. Each part interleaves its variants in random order, block by
 block, in one process (memory: one subprocess per variant), and prints one line per figure.
@@ -104,9 +105,19 @@ def bench_steptime(size_name, rounds, k, ablations=True):
   for n in med:
     say(f'steptime[{size_name}] {n}: median {med[n] * 1e3:.2f} ms/step')
   TABLES.setdefault('steptime', []).extend(_steptime_rows(size_name, nparams, times))
-  bench_fixed_work(size_name, runners)
+  bench_fixed_work(size_name, runners, graphdef, (m, seq, batch), mesh)
   _steptime_costs(size_name, runners)
   return times
+
+
+def bench_fixed(size_name):
+  """The fixed-work counts alone (no timing): ``--sections fixed``, seconds on a CPU."""
+  m, seq, batch, _ = sizes()[size_name]
+  mesh = C.make_mesh()
+  graphdef, _ = C.model_lib.abstract_model(m, seq)
+  runners = {name: Runner(v, graphdef, m, seq, batch, mesh, phase=phase) for name, v, phase in STEP_VARIANTS
+             if name in ('plain_donate', 'static_donate_nosync')}
+  return bench_fixed_work(size_name, runners, graphdef, (m, seq, batch), mesh)
 
 
 def _steptime_rows(size_name, nparams, times):
@@ -166,14 +177,21 @@ def _steptime_costs(size_name, runners):
           f'| {size_name} | {n.replace("static_donate_", "")} | {f / f0:.5f} | {b / b0:.5f} |')
 
 
-def bench_fixed_work(size_name, runners):
-  """What the non-sync program adds per step, counted rather than timed: kernels, buffers, leaves."""
-  counts = {}
-  for name in ('plain_donate', 'static_donate_nosync'):
-    rn = runners[name]
-    compiled = rn.program(rn.t).lower(rn.params, rn.opt_state, rn.batches[0]).compile()
-    counts[name] = C.hlo_counts(compiled)
-    counts[name]['leaves'] = len(jax.tree.leaves((rn.params, rn.opt_state)))
+def fixed_counts(runner) -> dict[str, int]:
+  """The entry computation's instructions by kind, and the array leaves passed per call, of a runner's program."""
+  compiled = runner.program(runner.t).lower(runner.params, runner.opt_state, runner.batches[0]).compile()
+  counts = C.hlo_counts(compiled)
+  counts['leaves'] = len(jax.tree.leaves((runner.params, runner.opt_state)))
+  return counts
+
+
+def bench_fixed_work(size_name, runners, graphdef=None, shape=None, mesh=None):
+  """What the non-sync program adds per step, counted rather than timed: kernels, buffers, leaves.
+
+  HDET's state is packed between calls (its small fields in one buffer); with ``graphdef``, ``shape``
+  (model config, seq_len, batch) and ``mesh`` the unpacked state's count is printed too, for reference.
+  """
+  counts = {name: fixed_counts(runners[name]) for name in ('plain_donate', 'static_donate_nosync')}
   p, h = counts['plain_donate'], counts['static_donate_nosync']
   extra = {k: h.get(k, 0) - p.get(k, 0) for k in ('fusion', 'copy', 'parameter', 'leaves')}
   say(f'fixed[{size_name}] non-sync HDET program vs plain, per device and step: '
@@ -181,9 +199,17 @@ def bench_fixed_work(size_name, runners):
       f'{h.get("copy", 0)} vs {p.get("copy", 0)} copies ({extra["copy"]:+d}), '
       f'{h.get("parameter", 0)} vs {p.get("parameter", 0)} input buffers ({extra["parameter"]:+d}); '
       f'{h["leaves"]} vs {p["leaves"]} leaves passed per call ({extra["leaves"]:+d})')
+  if graphdef is not None:
+    unpacked = Runner(Variant('static_unpacked', 'hdet', 'static', donate=True, exact_sync=True, packed=False),
+                      graphdef, *shape, mesh, phase='nosync')
+    u = fixed_counts(unpacked)
+    say(f'fixed[{size_name}] the same with the HDETState unpacked (before issue 27): '
+        f'{u.get("parameter", 0)} vs {p.get("parameter", 0)} input buffers ({u.get("parameter", 0) - p.get("parameter", 0):+d}), '
+        f'{u.get("copy", 0)} vs {p.get("copy", 0)} copies; {u["leaves"]} vs {p["leaves"]} leaves')
   TABLES.setdefault('fixed', []).append(
       f'| {size_name} | {p.get("fusion", 0)} / {extra["fusion"]:+d} | {p.get("copy", 0)} / {extra["copy"]:+d} | '
       f'{p.get("parameter", 0)} / {extra["parameter"]:+d} | {p["leaves"]} / {extra["leaves"]:+d} |')
+  return p, h
 
 
 # ------------------------------------------------------------------------------------------------
@@ -520,6 +546,9 @@ def main():
       # The 10x model's steps are 4x longer: fewer steps per block, and no ablation variants.
       guarded(bench_steptime, s, args.rounds if s == 'default' else max(8, args.rounds * 2 // 3),
               args.k if s == 'default' else max(2, args.k // 2), s == 'default')
+  for s in size_names:
+    if 'fixed' in sections and 'steptime' not in sections:
+      guarded(bench_fixed, s)
   for s in size_names:
     if 'memory' in sections:
       guarded(bench_memory, s)

@@ -6,6 +6,7 @@ Import this module before anything imports jax: it asks for 8 simulated CPU devi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import pathlib
@@ -117,6 +118,8 @@ class Variant:
   donate: donate params and optimizer state to the step.
   exact_sync: build hdet with exact_sync=True and apply with H.apply_updates (the trainer's way).
   sync_every: T.
+  packed: keep HDET's state packed between calls (:class:`hdet_jax.PackedState`: its small fields in one
+    buffer, unpacked inside the program; the trainer's way), or pass the HDETState's leaves as they are.
   """
   name: str
   kind: str
@@ -125,6 +128,7 @@ class Variant:
   exact_sync: bool = False
   sync_every: int = 1000
   backend: str = 'auto'  # 'shard_map', 'vmap' (all replicas on one device), or 'auto': replica_backend()
+  packed: bool = True
 
   def resolved(self) -> 'Variant':
     """This variant with 'auto' replaced by the backend this machine's devices allow."""
@@ -134,7 +138,18 @@ class Variant:
     return plain_tx() if self.kind == 'plain' else hdet_tx(self.sync_every, self.exact_sync)
 
 
+def _unpacking(tx, v: Variant, fn):
+  """``fn(params, HDETState, *rest) -> (params, HDETState, ...)`` on packed states when ``v.packed``."""
+  if v.kind == 'plain' or not v.packed:
+    return fn
+  def wrapped(params, packed, *rest):
+    out = fn(params, H.unpack_state(packed, jax.eval_shape(tx.init, params)), *rest)
+    return (out[0], H.pack_state(out[1]), *out[2:])
+  return wrapped
+
+
 def per_replica_step(graphdef, tx, v: Variant, sync):
+  @functools.partial(_unpacking, tx, v)
   def step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(lambda p: model_lib.loss_fn(graphdef, p, batch))(params)
     grads = lax.pmean(grads, AXIS)
@@ -161,7 +176,7 @@ def build_programs(graphdef, v: Variant, mesh) -> tuple[Any, dict]:
     def window_end(params, opt_state):
       updates, opt_state = tx.update(None, opt_state, params, sync=True)
       return H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True), opt_state
-    programs['end'] = jax.jit(_over_replicas(window_end, v, mesh), donate_argnums=donate)
+    programs['end'] = jax.jit(_over_replicas(_unpacking(tx, v, window_end), v, mesh), donate_argnums=donate)
   for flag in flags:
     body = per_replica_step(graphdef, tx, v, flag)
     programs[flag] = jax.jit(_over_replicas(body, v, mesh), donate_argnums=donate)
@@ -180,7 +195,8 @@ def init_state(model_cfg, seq_len, tx, v: Variant, mesh, key=0):
   def init(k):
     _, params = model_lib.split_model(model_cfg, seq_len, k)
     stacked = H.stack_replicas(params, N)
-    return stacked, jax.vmap(tx.init)(stacked)
+    init = tx.init if v.kind == 'plain' or not v.packed else lambda p: H.pack_state(tx.init(p))
+    return stacked, jax.vmap(init)(stacked)
   if v.backend == 'shard_map':
     sharding = NamedSharding(mesh, P(AXIS))
   else:

@@ -66,7 +66,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim.label_smoothing = 0.0  # Label smoothing of the training loss (base value if explored).
 
   config.hdet = ml_collections.ConfigDict()
-  config.hdet.num_replicas = 0  # N, one replica per device; 0: all devices (must equal the device count with several processes).
+  # N replicas, whatever the device count D: each device trains N / D of them (N a multiple of D), so
+  # one GPU trains the same 8-replica run as 8 devices, to rounding. 0: one replica per device.
+  config.hdet.num_replicas = 8
   config.hdet.spread = 0.25  # alpha of eq. 1: the replicas' LRs span base * [1 - alpha, 1 + alpha]; 0: plain data parallel.
   config.hdet.sync_every = 100  # T: average the replicas (eq. 3) every T steps; 0: never (plain data parallel).
   # Shorter windows at the start: average every early_sync_every steps for the first early_sync_steps steps
@@ -136,9 +138,10 @@ def get_config() -> ml_collections.ConfigDict:
   # those devices). HDET's spread, averaging and controller act across groups only. Per-device memory
   # for parameters + optimizer state is then (their bytes) x replicas / devices.
   config.mesh = ml_collections.ConfigDict()
-  config.mesh.replicas = 0  # N replica groups on a grouped mesh (0: devices / (fsdp x tensor)); 1-D runs use hdet.num_replicas.
+  config.mesh.replicas = 0  # N replica groups on a grouped mesh (0: devices / (fsdp x tensor), at most hdet.num_replicas); 1-D runs use hdet.num_replicas.
   config.mesh.fsdp = 1  # F devices per group sharding it FSDP-style (data.batch_size must divide by it); 1: none.
   config.mesh.tensor = 1  # K devices per group splitting its kernels (tensor parallel; divides the heads' and MLP widths); 1: none.
+  config.mesh.devices = 0  # D: train on the first D devices (1-D meshes; N a multiple of D); 0: as many as N needs, up to all.
 
   config.warm_init = ml_collections.ConfigDict()
   config.warm_init.nu = 0.01  # nu of eq. 10: noise std is nu * ||theta_0|| / sqrt(d) (used only with init_from).

@@ -9,6 +9,13 @@ mesh's replica axis and the body sees a slice of size 1; under ``pmap`` and
 On a mesh with more axes than the replica axis (``('replica', 'fsdp')``), one replica is a *group*
 of devices: ``shard_map`` is manual over the replica axis only and the others stay Auto, so
 XLA's partitioner shards each leaf inside the group as its sharding says (:func:`group_shardings`).
+
+N replicas on D devices (N a multiple of D, :func:`shard_map_replicas` with ``per_device = N / D > 1``):
+``shard_map`` over the devices and ``vmap`` over the N / D replicas on each. The replica axis is then
+the pair of axes ``(device axis, local axis)``, and replica r = d * (N / D) + v. A tuple axis name
+across a shard_map axis and a vmap axis is not a collective JAX can take in one call (jax 0.10), so
+:func:`axis_index`, :func:`psum`, :func:`pmean` and :func:`all_gather` take the axes one at a time,
+innermost (the vmap axis) first; with a single axis name they are ``lax``'s own calls.
 """
 
 from __future__ import annotations
@@ -24,6 +31,60 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from hdet_jax.param_groups import path_string
+
+
+AxisName = str | tuple[str, ...]  # a replica axis: one mapped axis, or (outer, ..., inner) taken together
+
+
+def _axes(axis_name: AxisName) -> tuple[str, ...]:
+  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def axis_size(axis_name: AxisName) -> int:
+  """The number of replicas on ``axis_name`` (a tuple: the product of its axes' sizes)."""
+  size = 1
+  for a in _axes(axis_name):
+    size *= lax.axis_size(a)
+  return size
+
+
+def axis_index(axis_name: AxisName) -> jax.Array:
+  """[] int32: this replica's index on ``axis_name``; for ``(outer, inner)``, ``outer * size(inner) + inner``."""
+  if isinstance(axis_name, str):
+    return lax.axis_index(axis_name)
+  index = jnp.zeros([], jnp.int32)
+  for a in _axes(axis_name):
+    index = index * lax.axis_size(a) + lax.axis_index(a)
+  return index
+
+
+def psum(tree: ArrayTree, axis_name: AxisName) -> ArrayTree:
+  """``lax.psum`` over ``axis_name``; a tuple is summed one axis at a time, the innermost first."""
+  if isinstance(axis_name, str):
+    return lax.psum(tree, axis_name)
+  for a in reversed(_axes(axis_name)):
+    tree = lax.psum(tree, a)
+  return tree
+
+
+def pmean(tree: ArrayTree, axis_name: AxisName) -> ArrayTree:
+  """``lax.pmean`` over ``axis_name`` (a tuple: :func:`psum` divided by the replica count)."""
+  if isinstance(axis_name, str):
+    return lax.pmean(tree, axis_name)
+  size = axis_size(axis_name)
+  return jax.tree.map(lambda s: s / size, psum(tree, axis_name))
+
+
+def all_gather(x: ArrayTree, axis_name: AxisName) -> ArrayTree:
+  """``lax.all_gather`` over ``axis_name``: ``[N, ...]`` in replica order (a tuple: gathered innermost first,
+  then tiled over the outer axes, so row r is replica r = outer * size(inner) + inner)."""
+  if isinstance(axis_name, str):
+    return lax.all_gather(x, axis_name)
+  axes = _axes(axis_name)
+  x = lax.all_gather(x, axes[-1])
+  for a in reversed(axes[:-1]):
+    x = lax.all_gather(x, a, tiled=True)
+  return x
 
 
 def stack_replicas(tree: ArrayTree, num_replicas: int) -> ArrayTree:
@@ -71,10 +132,10 @@ def match_vma(x: ArrayTree, like: ArrayTree) -> ArrayTree:
   return jax.tree.map(cast, x, like)
 
 
-def axis_size_or_raise(axis_name: str, expected: int | None = None, who: str = 'hdet') -> int:
-  """The size of a bound mapped axis, with a clear error when it is not bound or does not match."""
+def axis_size_or_raise(axis_name: AxisName, expected: int | None = None, who: str = 'hdet') -> int:
+  """The size of a bound mapped axis (or pair), with a clear error when it is not bound or does not match."""
   try:
-    size = lax.axis_size(axis_name)
+    size = axis_size(axis_name)
   except (NameError, KeyError, ValueError) as e:
     raise ValueError(
         f'{who}: replica_axis={axis_name!r} is not bound here. Call the update inside '
@@ -95,7 +156,7 @@ def all_finite(tree: ArrayTree) -> chex.Array:
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones([], bool)
 
 
-def finite_mean(tree: ArrayTree, axis_name: str,
+def finite_mean(tree: ArrayTree, axis_name: AxisName,
                 ok: chex.Array | None = None) -> tuple[ArrayTree, chex.Array]:
   """The mean over ``axis_name`` of the replicas whose leaves are all finite.
 
@@ -109,14 +170,14 @@ def finite_mean(tree: ArrayTree, axis_name: str,
     ``(mean, count)``: the mean tree and the number of replicas that entered it.
   """
   mine = all_finite(tree) if ok is None else ok
-  count = lax.psum(mine.astype(jnp.int32), axis_name)
-  total = lax.psum(jax.tree.map(lambda x: jnp.where(mine, x, jnp.zeros_like(x)), tree), axis_name)
+  count = psum(mine.astype(jnp.int32), axis_name)
+  total = psum(jax.tree.map(lambda x: jnp.where(mine, x, jnp.zeros_like(x)), tree), axis_name)
   def divide(s):
     return jnp.where(count > 0, s / count.astype(s.dtype), jnp.full_like(s, jnp.nan))
   return jax.tree.map(divide, total), count
 
 
-def pmean_finite(tree: ArrayTree, axis_name: str) -> ArrayTree:
+def pmean_finite(tree: ArrayTree, axis_name: AxisName) -> ArrayTree:
   """``lax.pmean`` over the replicas whose values are all finite (see :func:`finite_mean`).
 
   Use it for the data-parallel gradient all-reduce under HDET: every replica shares the
@@ -133,12 +194,24 @@ def shard_map_replicas(
     *,
     stacked_argnums: tuple[int, ...] | None = None,
     check_vma: bool = True,
+    per_device: int = 1,
+    local_axis: str = 'local',
 ) -> Callable[..., Any]:
   """Runs a per-replica function on stacked trees with ``jax.shard_map``.
 
   ``fn`` sees one replica's leaves (the leading axis dropped) and returns per-replica
   trees; the wrapper restores the leading axis. Every argument in ``stacked_argnums``
   (default: all) must carry the leading replica axis; the others are passed replicated.
+
+  ``per_device = N / D > 1``: N replicas on the D devices of ``replica_axis``, each device
+  running its N / D consecutive replicas under ``jax.vmap(..., axis_name=local_axis)``. ``fn``'s
+  collectives then span the pair ``(replica_axis, local_axis)`` (build ``hdet`` with that tuple as
+  its ``replica_axis`` and use :func:`psum`, :func:`pmean`, :func:`all_gather`, :func:`axis_index`).
+  This map runs unchecked (``check_vma=False``): jax 0.10 cannot type a collective over a vmap axis
+  inside a checked shard_map (it asserts in ``pvary``), and the check's subject, values that vary
+  over the *mesh* axis, is the same per-replica function as at ``per_device=1``, where it runs checked.
+  Every output is stacked ``P(replica_axis)`` either way, so nothing per-replica can be declared
+  replicated.
 
   On a mesh with further axes (e.g. ``('replica', 'fsdp')``) the map is manual over
   ``replica_axis`` only: ``fn`` then sees one group's leaves as global arrays over the inner
@@ -150,14 +223,22 @@ def shard_map_replicas(
   Example:
     >>> step = jax.jit(shard_map_replicas(train_step, mesh, 'data'))
     >>> params, opt_state, loss = step(params, opt_state, batch)  # all stacked [N, ...]
+    >>> # 8 replicas on a 2-device mesh, train_step's hdet built with replica_axis=('data', 'local'):
+    >>> step = jax.jit(shard_map_replicas(train_step, mesh, 'data', per_device=4))
   """
-  def body(*args):
-    args = [jax.tree.map(lambda a: a[0], x) if _stacked(i) else x for i, x in enumerate(args)]
-    out = fn(*args)
-    return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
+  if not isinstance(per_device, int) or per_device < 1:
+    raise ValueError(f'shard_map_replicas: per_device must be a positive integer, got {per_device!r}.')
 
   def _stacked(i):
     return stacked_argnums is None or i in stacked_argnums
+
+  def body(*args):
+    if per_device > 1:  # [N / D, ...] here: the local replicas, mapped by vmap
+      in_axes = tuple(0 if _stacked(i) else None for i in range(len(args)))
+      return jax.vmap(fn, in_axes=in_axes, axis_name=local_axis)(*args)
+    args = [jax.tree.map(lambda a: a[0], x) if _stacked(i) else x for i, x in enumerate(args)]
+    out = fn(*args)
+    return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
 
   def wrapped(*args):
     in_specs = tuple(P(replica_axis) if _stacked(i) else P() for i in range(len(args)))
@@ -168,10 +249,16 @@ def shard_map_replicas(
     # path by an ulp here and there), where fully manual gives the 1-D numbers bit for bit.
     manual = {replica_axis} | {a for a, size in mesh.shape.items() if size == 1}
     return jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=P(replica_axis), check_vma=check_vma,
-        axis_names=frozenset(manual))(*args)
+        body, mesh=mesh, in_specs=in_specs, out_specs=P(replica_axis),
+        check_vma=check_vma and per_device == 1, axis_names=frozenset(manual))(*args)
 
   return wrapped
+
+
+def replica_axes(replica_axis: str, per_device: int, local_axis: str = 'local') -> AxisName:
+  """The replica axis ``hdet`` and the per-replica function use under :func:`shard_map_replicas`:
+  ``replica_axis`` itself with one replica per device, else ``(replica_axis, local_axis)``."""
+  return replica_axis if per_device == 1 else (replica_axis, local_axis)
 
 
 def replica_sharding(mesh: jax.sharding.Mesh, replica_axis: str = 'data') -> NamedSharding:

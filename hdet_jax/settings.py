@@ -136,7 +136,7 @@ class Plan(NamedTuple):
   groups: tuple[tuple[str, str], ...]  # (group, regex) of the per-group learning rates; () for one LR.
   num_replicas: int                    # N, the replica axis size.
   sync_windows: tuple[int, ...]        # the windows' lengths in steps, the last repeating ((T,): every T).
-  replica_axis: str                    # the mapped axis the replicas live on.
+  replica_axis: str | tuple[str, ...]  # the mapped axis the replicas live on (or (device, local) axes).
   auto_lr: AutoLR | None               # the controller's settings, or None.
   controller_start: int                # the first step whose sync updates the controller (0: no controller).
   decay: tuple[float, ...]             # [G] the paper controller's gamma (0 when not used).
@@ -235,8 +235,11 @@ def _check_replicas(num_replicas, spread, replica_axis) -> None:
   if not isinstance(spread, (int, float)) or not 0.0 <= spread < 1.0:
     raise ValueError(
         f'spread (alpha) must be in [0, 1): the lowest multiplier 1 - spread must stay positive; got {spread!r}.')
-  if not isinstance(replica_axis, str) or not replica_axis:
-    raise ValueError(f'replica_axis must be a mesh/map axis name, got {replica_axis!r}.')
+  names = (replica_axis,) if isinstance(replica_axis, str) else replica_axis
+  if (not isinstance(names, tuple) or not names or len(set(names)) != len(names)
+      or not all(isinstance(a, str) and a for a in names)):
+    raise ValueError(f'replica_axis must be a mesh/map axis name, or a tuple of distinct ones (device axis, '
+                     f'local vmap axis), got {replica_axis!r}.')
 
 
 def _check_explored_value(name: str, h: Explore) -> None:

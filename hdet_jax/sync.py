@@ -24,11 +24,11 @@ from hdet_jax import windows
 from hdet_jax.settings import Plan
 
 
-def average(tree: Any, axis_name: str, guard_nonfinite: bool, ok=None) -> tuple[Any, jax.Array]:
+def average(tree: Any, axis_name: replicas.AxisName, guard_nonfinite: bool, ok=None) -> tuple[Any, jax.Array]:
   """(the replicas' mean, how many replicas entered it); with the guard, only the ``ok`` finite ones."""
   if guard_nonfinite:
     return replicas.finite_mean(tree, axis_name, ok)
-  return lax.pmean(tree, axis_name), jnp.asarray(lax.axis_size(axis_name), jnp.int32)
+  return replicas.pmean(tree, axis_name), jnp.asarray(replicas.axis_size(axis_name), jnp.int32)
 
 
 def end_window(plan: Plan, params, updates, state, *, gather: bool, score=None):
@@ -44,7 +44,7 @@ def end_window(plan: Plan, params, updates, state, *, gather: bool, score=None):
     # and is reset to the others' average.
     ok = jnp.logical_and(replicas.all_finite(stepped), jnp.isfinite(state.loss_sum))
   if plan.exact_sync:  # apply_updates does the averaging, reading replica_ok.
-    count = lax.psum(ok.astype(jnp.int32), plan.replica_axis)
+    count = replicas.psum(ok.astype(jnp.int32), plan.replica_axis)
   else:
     new_params, count = average(stepped, plan.replica_axis, plan.guard_nonfinite, ok)
     updates = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
@@ -76,9 +76,9 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
   c = st.controller
   window_losses = c.window_losses
   if score is not None:  # the caller's comparison (e.g. every replica on one common batch)
-    window_losses = lax.all_gather(jnp.asarray(score, jnp.float32), plan.replica_axis)
+    window_losses = replicas.all_gather(jnp.asarray(score, jnp.float32), plan.replica_axis)
   elif gather:
-    window_losses = lax.all_gather(st.loss_sum / windows.window_length(plan.sync_windows, st.count),
+    window_losses = replicas.all_gather(st.loss_sum / windows.window_length(plan.sync_windows, st.count),
                                    plan.replica_axis)
   new_c = c._replace(window_losses=window_losses)
   a = plan.auto_lr
@@ -140,7 +140,7 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
       gain=keep(gain, c.gain))
 
 
-def apply_updates(params: Any, updates: Any, state, *, replica_axis: str = 'data',
+def apply_updates(params: Any, updates: Any, state, *, replica_axis: replicas.AxisName = 'data',
                   sync: bool | None = None, guard_nonfinite: bool = True) -> Any:
   """``optax.apply_updates`` that assigns the replicas' average exactly on sync steps.
 

@@ -80,7 +80,7 @@ def hdet(
     num_replicas: int,
     spread: float = 0.25,
     sync_every: int | Sequence[int] = 100,
-    replica_axis: str = 'data',
+    replica_axis: replicas.AxisName = 'data',
     auto_lr: AutoLR | None = None,
     exact_sync: bool = False,
     seed: int = 0,
@@ -130,7 +130,9 @@ def hdet(
       the model is sharded over (FSDP, tensor parallel): only it is averaged over. On a mesh
       such as ``('replica', 'fsdp')`` a replica is a group of devices: map with
       :func:`hdet_jax.shard_map_replicas` (manual over this axis only) and lay the state out
-      with :func:`hdet_jax.group_shardings` and :func:`state_shardings`.
+      with :func:`hdet_jax.group_shardings` and :func:`state_shardings`. With several replicas
+      per device (:func:`hdet_jax.shard_map_replicas` with ``per_device > 1``) it is the pair
+      ``(device axis, local axis)``, e.g. ``('data', 'local')``: replica d * (N / D) + v.
     auto_lr: controller settings, or None for fan-out/converge only.
     exact_sync: if True the sync step returns the inner update only and
       :func:`apply_updates` does the averaging, assigning the average exactly.
@@ -260,7 +262,7 @@ def update(plan: Plan, updates, state: HDETState, params=None, *, value=None, sy
 
 def _inner_step(plan: Plan, grads, state: HDETState, params, value, extra_args) -> tuple[Any, HDETState]:
   """The wrapped optimizer's update at this replica's values; the loss joins the window's sum."""
-  values = state.values[:, lax.axis_index(plan.replica_axis)]  # [G]: this replica's, for this step
+  values = state.values[:, replicas.axis_index(plan.replica_axis)]  # [G]: this replica's, for this step
   inner = optax.with_extra_args_support(inner_optimizer(plan, [values[i] for i in range(len(plan.names))]))
   if value is not None:  # the wrapped optimizer may read the loss too (reduce_on_plateau)
     extra_args = dict(extra_args, value=value)
@@ -311,10 +313,10 @@ def state_shardings(state: HDETState, mesh: jax.sharding.Mesh, replica_axis: str
       inner_state=replicas.group_shardings(state.inner_state, mesh, replica_axis, inner_axis, **tensor))
 
 
-def replica_value(state: HDETState, index: int, replica_axis: str = 'data') -> jax.Array:
+def replica_value(state: HDETState, index: int, replica_axis: replicas.AxisName = 'data') -> jax.Array:
   """This replica's value of hyperparameter ``index`` for the coming step (e.g. its dropout rate).
 
   Call it in the train step, before the update (the update moves ``state.values`` on to the
   step after), inside the mapped context.
   """
-  return state.values[index, lax.axis_index(replica_axis)]
+  return state.values[index, replicas.axis_index(replica_axis)]

@@ -212,7 +212,8 @@ def _agree(ok: bool) -> bool:
 # 1: before 2026-11-21 (no record); 2: HDETState holds the coming step's values, no constant fields.
 # 3: ControllerState gains the 'fit' controller's correction and regression statistics.
 # 4: ControllerState gains the Rprop gain of the 'fit' controller's steps.
-STATE_FORMAT = 4
+# 5: the optimizer state is a PackedState: the wrapped optimizer's state and HDET's small fields in one vector.
+STATE_FORMAT = 5
 
 
 def _whole_array_registry() -> ocp.type_handlers.TypeHandlerRegistry:

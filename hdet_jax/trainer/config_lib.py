@@ -16,7 +16,7 @@ import numpy as np
 RUN_FIELDS = frozenset({
     'stop_at_step', 'log_every', 'eval_every', 'eval_windows', 'checkpoint_every',
     'max_checkpoints', 'stop_on_nan', 'plots', 'progress_bar', 'num_cpu_devices',
-    'compilation_cache', 'tensorboard',
+    'compilation_cache', 'tensorboard', 'mesh.devices',
 })
 
 
@@ -167,6 +167,7 @@ _RULES = (
     ('max_checkpoints', 'int', lambda v: v >= 0, 'an integer >= 0 (0: keep all)'),
     ('stop_at_step', 'int', lambda v: v >= 0, 'an integer >= 0 (0: run to the end)'),
     ('num_cpu_devices', 'int', lambda v: v >= 0, 'an integer >= 0'),
+    ('mesh.devices', 'int', lambda v: v >= 0, 'an integer >= 0 (0: every visible device)'),
 )
 CHECKED_FIELDS = tuple(r[0] for r in _RULES)
 

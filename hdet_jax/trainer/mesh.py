@@ -1,7 +1,10 @@
 """The device layout: the mesh, the shardings of the stacked replicas, and moving arrays on and off it.
 
 Every leaf of the parameters, the optimizer state and the batch carries a leading replica axis of size
-N, sharded ``P('data')`` over a one-axis mesh. With ``mesh.fsdp = F > 1`` and/or ``mesh.tensor = K > 1``
+N, sharded ``P('data')`` over a one-axis mesh of D devices, N a multiple of D: each device holds N / D
+consecutive replicas, which the programs map with ``vmap`` over the axis ``'local'``; the replica axis is
+then the pair ``('data', 'local')`` (:func:`replica_axis`; just ``'data'`` with one replica per device).
+With ``mesh.fsdp = F > 1`` and/or ``mesh.tensor = K > 1``
 the mesh is ``('data', 'fsdp', 'tensor')`` of N x F x K devices (size-1 axes left out): a replica is a
 group of F x K devices, the replica axis is still ``'data'``, and inside each group the parameters, the
 optimizer's moments and the batch are sharded over ``'fsdp'``, and the kernels a task's
@@ -29,13 +32,26 @@ INNER = 'fsdp'  # the FSDP axis inside a replica group (grouped meshes only)
 TENSOR = 'tensor'  # the tensor-parallel axis inside a replica group (grouped meshes only)
 
 
-def make_mesh(num_replicas: int, fsdp: int = 1, tensor: int = 1) -> Mesh:
-  """``('data',)`` over the first ``num_replicas`` devices, or with groups ``('data', 'fsdp', 'tensor')``
+LOCAL = 'local'  # the vmap axis over a device's replicas when N > D (not a mesh axis)
+
+
+def replica_axis(num_replicas: int, devices: int) -> str | tuple[str, str]:
+  """The replica axis of N replicas on D devices: ``'data'`` when N == D, else ``('data', 'local')``."""
+  return H.replica_axes(AXIS, num_replicas // devices, LOCAL)
+
+
+def per_device(mesh: Mesh, num_replicas: int) -> int:
+  """N / D: the replicas each device of ``mesh``'s replica axis holds."""
+  return num_replicas // mesh.shape[AXIS]
+
+
+def make_mesh(num_replicas: int, fsdp: int = 1, tensor: int = 1, devices: int | None = None) -> Mesh:
+  """``('data',)`` over the first ``devices`` devices (default ``num_replicas``: one replica each), or with groups ``('data', 'fsdp', 'tensor')``
   (axes of size 1 left out) over the first N x F x K: group r is devices r*F*K .. (r+1)*F*K-1,
   neighbours, which share the fastest links on real hardware and carry the every-step traffic (the
   tensor axis innermost: its all-reduces run in every layer). Auto axis types."""
   sizes = [(a, k) for a, k in ((INNER, fsdp), (TENSOR, tensor)) if k > 1]
-  shape = (num_replicas,) + tuple(k for _, k in sizes)
+  shape = ((devices or num_replicas) if not sizes else num_replicas,) + tuple(k for _, k in sizes)
   devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
   return Mesh(devices, (AXIS,) + tuple(a for a, _ in sizes))
 

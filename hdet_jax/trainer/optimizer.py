@@ -14,7 +14,7 @@ import optax
 import hdet_jax as H
 from hdet_jax import windows as window_lib
 from hdet_jax.trainer import tasks as tasks_lib
-from hdet_jax.trainer.mesh import AXIS
+from hdet_jax.trainer.mesh import replica_axis
 
 def sync_windows(config: Any) -> tuple[int, ...]:
   """The core's ``sync_every``: windows of ``hdet.early_sync_every`` steps for the first
@@ -82,8 +82,9 @@ def hyperparam_names(config: Any) -> tuple[str, ...]:
   return H.hyperparam_names(param_groups=param_groups(config), explore=explored(config))
 
 
-def make_optimizer(config: Any, num_replicas: int) -> optax.GradientTransformationExtraArgs:
-  """``hdet_jax.hdet`` around the configured optax optimizer, schedule and HDET settings."""
+def make_optimizer(config: Any, num_replicas: int, devices: int | None = None) -> optax.GradientTransformationExtraArgs:
+  """``hdet_jax.hdet`` around the configured optax optimizer, schedule and HDET settings, for N replicas on
+  ``devices`` devices (default N: one each; fewer: the replica axis is the pair of :func:`mesh.replica_axis`)."""
   o, h = config.optim, config.hdet
   factories = {
       'adamw': lambda learning_rate, weight_decay=o.weight_decay: optax.adamw(
@@ -111,7 +112,7 @@ def make_optimizer(config: Any, num_replicas: int) -> optax.GradientTransformati
     factory = base
   return H.hdet(
       factory, schedule(config), num_replicas=num_replicas, spread=h.spread,
-      sync_every=sync_windows(config), replica_axis=AXIS, auto_lr=auto_lr_settings(config), exact_sync=True,
+      sync_every=sync_windows(config), replica_axis=replica_axis(num_replicas, devices or num_replicas), auto_lr=auto_lr_settings(config), exact_sync=True,
       seed=config.seed, param_groups=param_groups(config), explore=explored(config) or None,
       average_opt_state=bool(h.get('average_opt_state', False)))
 

@@ -6,6 +6,12 @@ this file. The training step exists as two programs, with and without the sync (
 which the Python loop dispatches by step number; both donate the parameters and the optimizer state.
 On a grouped mesh the programs pin the layout's shardings on their outputs, so they hold across sync and
 non-sync steps; XLA's partitioner adds the group's collectives.
+
+N replicas on D devices: each device runs its N / D replicas under ``vmap`` (:func:`_over_replicas`), on
+the replica axis ``('data', 'local')``; with one replica per device the programs are exactly the
+``shard_map`` over ``'data'`` they were before. Between programs the optimizer state is a
+:class:`hdet_jax.PackedState` (HDET's small fields in one vector), unpacked inside each program, so a
+step takes plain data parallel's input buffers plus one.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
 from hdet_jax.trainer import tasks as tasks_lib
-from hdet_jax.trainer.mesh import AXIS, INNER, grouped, layout, replica_sharding, replicated, rules
+from hdet_jax.trainer.mesh import AXIS, INNER, LOCAL, grouped, layout, replica_sharding, replicated, rules
 from hdet_jax.trainer.optimizer import common_batch, hyperparam_names
 
 def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_replicas: int) -> Callable:
@@ -31,7 +37,7 @@ def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_rep
   def init(key):
     _, params = task.init_model(config, key)
     stacked = H.stack_replicas(params, num_replicas)
-    return stacked, jax.vmap(tx.init)(stacked)
+    return stacked, jax.vmap(packed_init(tx))(stacked)
   shardings = replica_sharding(mesh)
   if grouped(mesh):  # each group's copy is born sharded over 'fsdp': never whole on one device
     shardings = layout(mesh, *jax.eval_shape(init, jax.random.key(0)), task)
@@ -40,16 +46,45 @@ def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_rep
 
 def make_opt_init(tx: optax.GradientTransformation, mesh: Mesh, task: tasks_lib.Task | None = None) -> Callable:
   """Jitted ``stacked params -> opt_state`` (for a warm start)."""
+  init = jax.vmap(packed_init(tx))
   if not grouped(mesh):
-    return jax.jit(jax.vmap(tx.init), out_shardings=replica_sharding(mesh))
+    return jax.jit(init, out_shardings=replica_sharding(mesh))
   def opt_init(params):
-    shardings = H.state_shardings(jax.eval_shape(jax.vmap(tx.init), params), mesh, AXIS, INNER,
-                                  **rules(mesh, task))
-    return jax.jit(jax.vmap(tx.init), out_shardings=shardings)(params)
+    shardings = H.state_shardings(jax.eval_shape(init, params), mesh, AXIS, INNER, **rules(mesh, task))
+    return jax.jit(init, out_shardings=shardings)(params)
   return opt_init
 
 
-def regularization(config: Any, opt_state: Any) -> tuple[tasks_lib.Regularization, jax.Array]:
+def packed_init(tx: optax.GradientTransformation) -> Callable:
+  """One replica's ``params -> PackedState``: ``tx.init``'s state with HDET's small fields packed."""
+  return lambda params: H.pack_state(tx.init(params))
+
+
+def unpack(tx: optax.GradientTransformation, params: Any, packed: H.PackedState) -> H.HDETState:
+  """One replica's :class:`hdet_jax.HDETState` from its packed form (shapes from ``tx.init`` on ``params``)."""
+  return H.unpack_state(packed, jax.eval_shape(tx.init, params))
+
+
+def make_step_count(tx: optax.GradientTransformation) -> Callable:
+  """Jitted ``(params, opt_state) -> [N] int32``: every replica's optimizer step count."""
+  return jax.jit(jax.vmap(lambda p, s: unpack(tx, p, s).count))
+
+
+def _over_replicas(make_body: Callable[[Any], Callable], mesh: Mesh, check_vma: bool = True) -> Callable:
+  """``make_body(replica axis)`` (one replica's program) mapped over the stacked replicas of the first argument.
+
+  N replicas on D devices: ``shard_map`` over ``'data'``, and for N > D ``vmap`` over each device's N / D
+  replicas (replica axis ``('data', 'local')``); N read from the arguments when the program is traced.
+  """
+  def wrapped(*args):
+    k = jax.tree.leaves(args[0])[0].shape[0] // mesh.shape[AXIS]
+    axis = H.replica_axes(AXIS, k, LOCAL)
+    return H.shard_map_replicas(make_body(axis), mesh, AXIS, check_vma=check_vma, per_device=k,
+                                local_axis=LOCAL)(*args)
+  return wrapped
+
+
+def regularization(config: Any, opt_state: Any, axis: Any = AXIS) -> tuple[tasks_lib.Regularization, jax.Array]:
   """This replica's model regularization and label smoothing for the coming step.
 
   Explored values come from the optimizer state (each replica's own); the others from the
@@ -58,13 +93,13 @@ def regularization(config: Any, opt_state: Any) -> tuple[tasks_lib.Regularizatio
   """
   names = hyperparam_names(config)
   def value(name, default):
-    return H.replica_value(opt_state, names.index(name), AXIS) if name in names else default
+    return H.replica_value(opt_state, names.index(name), axis) if name in names else default
   m = config.model
   rate = value('dropout', m.get('dropout', 0.0))
   key = None
   if 'dropout' in names or m.get('dropout', 0.0) > 0:
     key = jax.random.fold_in(jax.random.fold_in(
-        jax.random.key(config.seed + _DROPOUT_TAG), opt_state.count), lax.axis_index(AXIS))
+        jax.random.key(config.seed + _DROPOUT_TAG), opt_state.count), H.axis_index(axis))
   reg = tasks_lib.Regularization(
       dropout_rate=rate, dropout_key=key, attn_temperature=value('attn_temperature', m.get('attn_temperature', 1.0)))
   return reg, value('label_smoothing', config.optim.label_smoothing)
@@ -120,39 +155,42 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   shared = config is None or not config.hdet.get('low_communication', False)
   task = tasks_lib.get(config)
 
-  def step(params, opt_state, data):
-    batch = data
-    if chunk_steps:
-      batch = jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, opt_state.count % chunk_steps, keepdims=False), data)
-    if config is None:
-      reg, smoothing = tasks_lib.Regularization(), 0.0
-    else:
-      reg, smoothing = regularization(config, opt_state)
-    (_, loss), grads = jax.value_and_grad(
-        lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
-    if shared:
-      grads = H.pmean_finite(grads, AXIS)  # the all-reduce, skipping replicas whose gradient is not finite
-    # The controller compares replicas on plain cross-entropy (see model_lib.losses).
-    used = opt_state  # its values and base are what this step trains with
-    if config is not None and config.optim.name == 'adam_plateau':
-      # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
-      loss = lax.pmean(loss, AXIS)
-    updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
-    stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
-    params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=sync)
-    metrics = {
-        'loss': loss, 'lrs': used.learning_rates, 'base_lr': used.base_learning_rate,
-        'values': used.values, 'bases': used.base, **_controller_metrics(opt_state.controller),
-    }
-    if sync:
-      metrics.update(_distance_metrics(stepped, params))
-    if packer is not None:
-      metrics = packer.pack(metrics)
-    return params, opt_state, metrics
+  def make_step(axis):
+    def step(params, packed, data):
+      opt_state = unpack(tx, params, packed)
+      batch = data
+      if chunk_steps:
+        batch = jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, opt_state.count % chunk_steps, keepdims=False), data)
+      if config is None:
+        reg, smoothing = tasks_lib.Regularization(), 0.0
+      else:
+        reg, smoothing = regularization(config, opt_state, axis)
+      (_, loss), grads = jax.value_and_grad(
+          lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
+      if shared:
+        grads = H.pmean_finite(grads, axis)  # the all-reduce, skipping replicas whose gradient is not finite
+      # The controller compares replicas on plain cross-entropy (see model_lib.losses).
+      used = opt_state  # its values and base are what this step trains with
+      if config is not None and config.optim.name == 'adam_plateau':
+        # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
+        loss = H.pmean(loss, axis)
+      updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
+      stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
+      params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=sync)
+      metrics = {
+          'loss': loss, 'lrs': used.learning_rates, 'base_lr': used.base_learning_rate,
+          'values': used.values, 'bases': used.base, **_controller_metrics(opt_state.controller),
+      }
+      if sync:
+        metrics.update(_distance_metrics(stepped, params))
+      if packer is not None:
+        metrics = packer.pack(metrics)
+      return params, H.pack_state(opt_state), metrics
+    return step
   # optax.contrib.reduce_on_plateau's lax.cond returns constants in one branch and state-derived
   # (per-replica, 'varying') values in the other, which shard_map's type check rejects.
   check_vma = config is None or config.optim.name != 'adam_plateau'
-  return jax.jit(H.shard_map_replicas(step, mesh, AXIS, check_vma=check_vma), donate_argnums=(0, 1),
+  return jax.jit(_over_replicas(make_step, mesh, check_vma=check_vma), donate_argnums=(0, 1),
                  **_pinned(mesh, shardings))
 
 
@@ -191,21 +229,24 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   probe = graphdef is not None and config is not None and common_batch(config)
   task = tasks_lib.get(config)
 
-  def window_end(params, opt_state, windows=None, tail=None):
-    score = None
-    if probe:
-      reg, _ = regularization(config, opt_state)
-      reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
-      # The tail means lie on the replicas' line too (A + u_r Dbar), so the line search reads them alike.
-      score = task.loss(graphdef, params if tail is None else tail, windows, reg)
-    updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
-    stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
-    params = H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True)
-    metrics = {**_controller_metrics(opt_state.controller), **_distance_metrics(stepped, params)}
-    if packer is not None:
-      metrics = packer.pack(metrics)
-    return params, opt_state, metrics
-  return jax.jit(H.shard_map_replicas(window_end, mesh, AXIS), donate_argnums=(0, 1), **_pinned(mesh, shardings))
+  def make_window_end(axis):
+    def window_end(params, packed, windows=None, tail=None):
+      opt_state = unpack(tx, params, packed)
+      score = None
+      if probe:
+        reg, _ = regularization(config, opt_state, axis)
+        reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
+        # The tail means lie on the replicas' line too (A + u_r Dbar), so the line search reads them alike.
+        score = task.loss(graphdef, params if tail is None else tail, windows, reg)
+      updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
+      stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
+      params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=True)
+      metrics = {**_controller_metrics(opt_state.controller), **_distance_metrics(stepped, params)}
+      if packer is not None:
+        metrics = packer.pack(metrics)
+      return params, H.pack_state(opt_state), metrics
+    return window_end
+  return jax.jit(_over_replicas(make_window_end, mesh), donate_argnums=(0, 1), **_pinned(mesh, shardings))
 
 
 def _controller_metrics(c: Any) -> dict:
@@ -222,9 +263,9 @@ def _distance_metrics(params: Any, mean: Any) -> dict:
 def make_distance(mesh: Mesh) -> Callable:
   """Jitted ``params -> {'distance': [N], 'mean_norm': [N]}`` (see :func:`_distance_metrics`), for runs
   that never average: the window end measures it for the others."""
-  def distance(params):
-    return _distance_metrics(params, jax.tree.map(lambda p: lax.pmean(p, AXIS), params))
-  return jax.jit(H.shard_map_replicas(distance, mesh, AXIS))
+  def body(axis):
+    return lambda params: _distance_metrics(params, H.pmean(params, axis))
+  return jax.jit(_over_replicas(body, mesh))
 
 
 def _tree_norm(tree: Any) -> jax.Array:
@@ -247,10 +288,9 @@ def make_eval_step(graphdef: Any, mesh: Mesh, task: tasks_lib.Task | None = None
   replica's share of the held-out examples (``'loss'``: its mean loss); ``task`` None: the LM."""
   task = task or tasks_lib.get()
 
-  def evaluate(params, batch):
-    avg = lax.pmean(params, AXIS)
-    return task.eval_metrics(graphdef, avg, batch)
-  return jax.jit(H.shard_map_replicas(evaluate, mesh, AXIS))
+  def make_evaluate(axis):
+    return lambda params, batch: task.eval_metrics(graphdef, H.pmean(params, axis), batch)
+  return jax.jit(_over_replicas(make_evaluate, mesh))
 
 
 def make_average(mesh: Mesh, params: Any = None, task: tasks_lib.Task | None = None) -> Callable:

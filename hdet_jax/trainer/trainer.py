@@ -63,21 +63,31 @@ def setup_jax(config: Any, *, coordinator_address: str | None = None, num_proces
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
 
-def _resolve_replicas(config: Any) -> int:
-  """N, the replicas (device groups of ``mesh.fsdp`` x ``mesh.tensor`` devices each on a grouped mesh)."""
-  devices, fsdp, tensor = jax.device_count(), _fsdp(config), _tensor(config)
+def _resolve_replicas(config: Any) -> tuple[int, int]:
+  """(N, D): the replicas (device groups of ``mesh.fsdp`` x ``mesh.tensor`` devices each on a grouped mesh)
+  and the devices of the replica axis (N / D replicas on each; one per group on a grouped mesh)."""
+  visible, fsdp, tensor = jax.device_count(), _fsdp(config), _tensor(config)
   if fsdp * tensor > 1:
-    return _resolve_groups(config, devices, fsdp, tensor)
-  n = config.hdet.num_replicas or devices
-  if n > devices:
+    n = _resolve_groups(config, visible, fsdp, tensor)
+    return n, n
+  wanted = int(config.get('mesh', {}).get('devices', 0))
+  if wanted > visible:
+    raise ConfigError(f'mesh.devices={wanted} but only {visible} devices are visible; set --config.mesh.devices=0 '
+                      f'(all of them) or run on {wanted} devices (on CPU: JAX_NUM_CPU_DEVICES={wanted}).')
+  n = config.hdet.num_replicas or wanted or visible
+  devices = wanted or min(n, visible)
+  if jax.process_count() > 1 and devices != visible:
     raise ConfigError(
-        f'hdet.num_replicas={n} but only {devices} devices are visible; set --config.hdet.num_replicas=0 '
-        f'(one replica per device) or run on {n} devices (on CPU: JAX_NUM_CPU_DEVICES={n}).')
-  if jax.process_count() > 1 and n != devices:
+        f'hdet.num_replicas={n} on mesh.devices={devices} but {jax.process_count()} processes hold {visible} devices; '
+        f'with several processes every device trains replicas: set --config.mesh.devices=0 and hdet.num_replicas '
+        f'to a multiple of {visible}.')
+  if n % devices:
+    lower = max(d for d in range(1, devices + 1) if n % d == 0)
     raise ConfigError(
-        f'hdet.num_replicas={n} but {jax.process_count()} processes hold {devices} devices; with several '
-        'processes every device holds one replica: set --config.hdet.num_replicas=0.')
-  return n
+        f'hdet.num_replicas={n} is not a multiple of the {devices} devices it would run on: set '
+        f'--config.hdet.num_replicas to a multiple of {devices} (e.g. {(n // devices + 1) * devices}) or '
+        f'--config.mesh.devices to a divisor of {n} (e.g. {lower}).')
+  return n, devices
 
 
 def _fsdp(config: Any) -> int:
@@ -91,10 +101,8 @@ def _tensor(config: Any) -> int:
 def _resolve_groups(config: Any, devices: int, fsdp: int, tensor: int) -> int:
   """N on a grouped mesh: ``mesh.replicas`` (0: every device in some group), checked against the devices."""
   size = fsdp * tensor
-  n = config.mesh.replicas or config.hdet.num_replicas or devices // size
-  if config.hdet.num_replicas and config.hdet.num_replicas != n:
-    raise ConfigError(f'hdet.num_replicas={config.hdet.num_replicas} but mesh.replicas={n}: set one of them '
-                      '(on a grouped mesh, mesh.replicas; hdet.num_replicas=0).')
+  # One replica per group: mesh.replicas groups, or as many as the devices hold (at most hdet.num_replicas).
+  n = config.mesh.replicas or min(config.hdet.num_replicas or devices, devices // size) or 1
   shape = f'mesh.replicas={n} x mesh.fsdp={fsdp}' + (f' x mesh.tensor={tensor}' if tensor > 1 else '')
   if n * size > devices or (jax.process_count() > 1 and n * size != devices):
     raise ConfigError(
@@ -231,6 +239,7 @@ class _Inputs(NamedTuple):
   """What the checks produced: the task and its data, the optimizer, the model's shapes and where the state comes from."""
   workdir: str                       # absolute
   n: int                             # replicas
+  devices: int                       # D, the devices of the replica axis (N / D replicas on each)
   task: tasks_lib.Task
   data: tasks_lib.TaskData           # .batches (by step), .eval_batch [N, k, ...], .probe(sync index)
   tx: Any                            # the HDET optimizer
@@ -303,7 +312,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     setup_s = time.time() - t0
     size = _fsdp(config) * _tensor(config)
     group = f' (groups of {size}, mesh {dict(records.mesh.shape)})' if size > 1 else ''
-    records.log(f'{inputs.n} replicas{group} on {jax.device_count()} {jax.devices()[0].platform} devices '
+    per = f' ({inputs.n // inputs.devices} per device)' if inputs.n > inputs.devices else ''
+    records.log(f'{inputs.n} replicas{group} on {records.mesh.devices.size} {jax.devices()[0].platform} devices{per} '
                 f'({jax.process_count()} process(es)); task {inputs.task.name}, model '
                 f'{model_lib.num_params(inputs.abstract_params):,} parameters; {inputs.data.description}; '
                 f'setup {setup_s:.1f}s.')
@@ -325,13 +335,13 @@ def _check(config: Any, workdir: str) -> _Inputs:
     task.check(config)
   except tasks_lib.TaskError as e:
     raise ConfigError(str(e)) from None
-  n = _resolve_replicas(config)
+  n, devices = _resolve_replicas(config)
   try:
     data = task.load(config, n)
   except tasks_lib.TaskError as e:
     raise ConfigError(str(e)) from None
   try:
-    tx = optimizer_lib.make_optimizer(config, n)
+    tx = optimizer_lib.make_optimizer(config, n, devices)
   except ValueError as e:
     raise ConfigError(f'config: {e}') from None
   fields = config_lib.training_fields(config, n)
@@ -343,7 +353,7 @@ def _check(config: Any, workdir: str) -> _Inputs:
     # here late would otherwise see that directory, open it, and run orbax's collectives out of step.
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices('hdet_workdir_checked')
-  return _Inputs(workdir, n, task, data, tx, fields, resume, graphdef, abstract_params, init_src,
+  return _Inputs(workdir, n, devices, task, data, tx, fields, resume, graphdef, abstract_params, init_src,
                  n * config.data.batch_size * task.predictions_per_example(config))
 
 
@@ -355,7 +365,7 @@ def _open_records(config: Any, inputs: _Inputs) -> _Records:
   if lead and not os.path.exists(config_path):
     _write_json_atomic(config_path, {'training_fields': inputs.fields, 'config': json.loads(config.to_json())},
                        indent=1)
-  mesh = mesh_lib.make_mesh(inputs.n, _fsdp(config), _tensor(config))
+  mesh = mesh_lib.make_mesh(inputs.n, _fsdp(config), _tensor(config), devices=inputs.devices)
   ckpt = checkpoints.Checkpointer(inputs.workdir, config.max_checkpoints)
   # TensorBoard event files beside metrics.jsonl, on unless the config sets tensorboard=False.
   writer = metrics_lib.MetricsWriter(os.path.join(inputs.workdir, 'metrics.jsonl'), enabled=lead,
@@ -382,7 +392,7 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   rng = jax.device_put(np.asarray(jax.random.key_data(root)), mesh_lib.replicated(records.mesh))
   # The step reads its batch from a chunk of _CHUNK steps' batches at the optimizer's step count,
   # so the count must be the step number.
-  count = int(mesh_lib.fetch(opt_state.count)[0])
+  count = int(mesh_lib.fetch(programs_lib.make_step_count(inputs.tx)(params, opt_state))[0])
   if count != start:
     raise RuntimeError(f'the optimizer state counts {count} steps but training resumes at step {start}.')
   if tail is None and optimizer_lib.score_tail(config) > 0:
@@ -660,7 +670,8 @@ def _finish(config: Any, inputs: _Inputs, records: _Records, programs: _Programs
       'tokens_per_s': (loop.train_steps * inputs.tokens_per_step / loop.train_time if loop.train_time > 0
                        else math.nan),
       'setup_s': setup_s, 'wall_s': time.time() - t0,
-      'num_replicas': inputs.n, 'num_params': model_lib.num_params(inputs.abstract_params),
+      'num_replicas': inputs.n, 'num_devices': int(records.mesh.devices.size),
+      'replicas_per_device': inputs.n // inputs.devices, 'num_params': model_lib.num_params(inputs.abstract_params),
       'workdir': inputs.workdir, 'metrics': os.path.join(inputs.workdir, 'metrics.jsonl'),
       'checkpoints': checkpoints.checkpoint_dir(inputs.workdir), 'plots': [],
   }
