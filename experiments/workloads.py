@@ -216,6 +216,7 @@ def lr_figure(fig_dir: str, workload: str, steps: int, optim: str, runs: dict) -
   ax.set_ylabel('base learning rate')
   ax.set_title(f'{workload}, {steps} steps, {optim}: the base LR against the sweep\'s best', fontsize=9)
   ax.legend(fontsize=7)
+  os.makedirs(fig_dir, exist_ok=True)
   return save_figure(fig, fig_dir, f'workloads_lr_{workload}_{steps}_{optim}.png')
 
 

@@ -27,6 +27,11 @@ def test_quick_runs_every_workload_and_stage(quick):
     assert set(r['grid']) == {'0.003', '0.03'} and set(r['hdet']) == {'high'} and set(r['peers']) == {'prodigy'}
     assert r['hdet']['high']['n'] == 1 and np.isfinite(r['hdet']['high']['value'])
   assert os.path.isdir(os.path.join(root, 'finetune', 'pretrain', 'checkpoints'))  # the kept checkpoint
+  report = open(os.path.join(root, 'workloads.md'), encoding='utf-8').read()
+  for workload in res:  # each workload's LR trajectories against the sweep's best, drawn and linked
+    assert f'(figures/workloads_lr_{workload}_16_adamw.png)' in report
+    assert os.path.getsize(os.path.join(root, 'figures', f'workloads_lr_{workload}_16_adamw.png')) > 1000
+  assert '## Conclusion' in report
 
 
 def test_report_values_are_the_records_primary_metric(quick):
