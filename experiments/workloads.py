@@ -71,7 +71,9 @@ def base_config(workload: str, steps: int, quick: bool, init_from: str | None = 
 def task_overrides(workload: str, steps: int) -> dict:
   """What sets a workload's runs apart from the LM's default task (the cache folder's key)."""
   o = {} if steps == WORKLOADS['lm'][1] and workload == 'lm' else {'num_train_steps': int(steps)}
-  return o if workload == 'lm' else {'task': workload, **o}
+  # Fields the runs' recorded configs hold (a cached record is reused only where they match): the fine-tuning
+  # task is the LM task on another corpus.
+  return {'lm': {}, 'mnist1d': {'task': 'mnist1d'}, 'finetune': {'data.corpus': 'wyc'}}[workload] | o
 
 
 def records_dir(workload: str, steps: int, quick: bool, work_root: str) -> str:
