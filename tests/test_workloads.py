@@ -81,3 +81,14 @@ def test_conclusion_counts_cells_within_one_percent_and_against_the_peers():
   assert 'within 1% of the sweep\'s best in 1 of 3 cells' in text
   assert 'w 100 steps adamw from high: diverged (n=3); w 100 steps adamw from low: +1.5% (n=3)' in text
   assert 'Ahead of every LR-free peer in 1 of 3 cells with peers; behind the best peer: w 100 steps from low, w 100 steps from high.' in text
+
+
+@pytest.mark.parametrize('workload', list(workloads.WORKLOADS))
+def test_cache_keys_are_fields_the_runs_configs_hold(workload):
+  """A record is reused only where its config holds every key of the task's overrides: each key must be a
+  field of the workload's config at that value, at every run length (else every new process retrains)."""
+  from hdet_jax.trainer import config_lib
+  for steps in workloads.lengths(workload, False):
+    flat = config_lib.flatten(workloads.base_config(workload, steps, False))
+    for key, value in workloads.task_overrides(workload, steps).items():
+      assert flat[key] == value, (workload, steps, key)
