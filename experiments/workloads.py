@@ -248,7 +248,8 @@ def write_report(out_dir: str, results: dict, quick: bool, all_runs: dict | None
         cells = []
         for start in ('low', 'best', 'high'):
           h = r['hdet'].get(start)
-          cells.append('not run' if h is None else f'{_pct(h["value"], g["value"])} (n={h["n"]})')
+          cells.append('not run' if h is None else f'{h.get("diverged", h["n"])} of {h["n"]} diverged' if h['value'] is None
+                       else f'{_pct(h["value"], g["value"])} (n={h["n"]})')
         peaks = ' / '.join('-' if r['hdet'].get(s, {}).get('peak_lr') is None else f'{r["hdet"][s]["peak_lr"]:.3g}'
                            for s in ('low', 'best', 'high'))
         acc = f', acc {g["accuracy"]:.3f}' if 'accuracy' in g else ''
