@@ -102,12 +102,22 @@ def pretrained(work_root: str, quick: bool) -> str:
   return workdir
 
 
+def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -> dict:
+  """autolr.py's record, with an ``init_from`` inside the repository written relative to it (records are
+  committed: no machine's paths in them)."""
+  rec = autolr.make_record(name, config, summary, workdir, wall_s)
+  src = rec['config'].get('init_from')
+  if src and os.path.abspath(src).startswith(REPO + os.sep):
+    rec['config']['init_from'] = os.path.relpath(os.path.abspath(src), REPO)
+  return rec
+
+
 def run_workload(workload: str, steps: int, args, work_root: str) -> dict:
   """Every requested stage of one workload at one run length; returns its records by optimizer."""
   from hdet_jax.trainer import config_lib
   init_from = pretrained(work_root, args.quick) if workload == 'finetune' and args.stages else None
   cache = records.RunCache(records_dir(workload, steps, args.quick, work_root),
-                           os.path.join(work_root, workload, f'steps{steps}'), autolr.make_record, autolr.describe)
+                           os.path.join(work_root, workload, f'steps{steps}'), make_record, autolr.describe)
   grids = autolr.QUICK_GRIDS if args.quick else autolr.GRIDS
   variant, default_steps = autolr.DEFAULT_VARIANT, WORKLOADS[workload][1]
   plain_extra = {'warm_init.nu': 0.0} if workload == 'finetune' else {}
