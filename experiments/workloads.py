@@ -166,12 +166,9 @@ def neighbourhood(cache: records.RunCache, optim: str, lrs, seed: int) -> list[f
 # ---------------------------------------------------------------------------------------------
 
 def _value(recs: list[dict]) -> dict:
-  """Mean, sd and n of the primary metric over seeds (None where a run diverged)."""
-  vals = [r['val_bpb'] if r.get('diverged_at') is None and r['val_bpb'] is not None else math.inf for r in recs]
-  finite = [v for v in vals if math.isfinite(v)]
-  mean = float(np.mean(vals)) if vals and len(finite) == len(vals) else None
-  return {'value': mean, 'sd': float(np.std(finite, ddof=1)) if len(finite) > 1 and mean is not None else None,
-          'n': len(vals), **({'diverged': len(vals) - len(finite)} if len(finite) < len(vals) else {})}
+  """Mean, sd and n of the primary metric over seeds (autolr_report's statistics; None where a run diverged)."""
+  st = autolr_report._stats(recs)  # pylint: disable=protected-access
+  return {'value': st['val_bpb'], 'sd': st['sd'], 'n': st['n'], **({'diverged': st['diverged']} if st.get('diverged') else {})}
 
 
 def summarize(runs: dict, metric: str) -> dict:
@@ -184,7 +181,7 @@ def summarize(runs: dict, metric: str) -> dict:
   hdet = next(iter(runs['hdet'].values()), {})
   out = {'metric': metric, 'grid_best': {'lr': lr, 'value': stats[lr]['value'], 'sd': stats[lr]['sd'], 'n': stats[lr]['n']},
          'grid': {f'{k:.4g}': v for k, v in sorted(stats.items())},
-         'hdet': {start: {**_value(rs), 'peak_lr': _geo_peak(rs)} for start, rs in hdet.items() if rs},
+         'hdet': {start: {**_value(rs), 'peak_lr': autolr_report._mean_of(rs, autolr_report._peak_lr)} for start, rs in hdet.items() if rs},
          'peers': {p: _value(rs) for p, rs in runs['peers'].items() if rs}}
   accuracy = [r['val_accuracy'] for r in grid[lr] if r.get('val_accuracy') is not None]
   if accuracy:
@@ -192,12 +189,6 @@ def summarize(runs: dict, metric: str) -> dict:
     out['hdet_accuracy'] = {s: float(np.mean([r['val_accuracy'] for r in rs])) for s, rs in hdet.items()
                             if rs and all(r.get('val_accuracy') is not None for r in rs)}
   return out
-
-
-def _geo_peak(recs: list[dict]) -> float | None:
-  peaks = [float(np.nanmax([t['bases'][0] for t in r['trajectory'] if t['bases'][0] is not None]))
-           for r in recs if r['trajectory']]
-  return float(np.exp(np.mean(np.log(peaks)))) if peaks else None
 
 
 def _pct(v, best) -> str:
