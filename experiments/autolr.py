@@ -120,6 +120,22 @@ VARIANT_SETTINGS = {
     # averaging also cancels the oscillation that shows a too-high LR; the climb went on to 3-4x the sweep's
     # best and lost every start (results/autolr.md).
     'fit_lr_T100_cautious_riseonly_accel_tail50': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.score_tail': 0.5},
+    # Screens for the defaults issue (experiments/workloads.py --variant): the default with its windows
+    # counted per run (T = steps / 15: the main job's T=100 at 1500 steps), so a short run gets as many syncs
+    # as a long one (a 300-step fine-tuning run had 2 syncs at T=100).
+    'fit_K15': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'syncs': 15},
+    # The default aiming past the fitted best (PAL's overshoot, 1.5): the climb ends where the line search's
+    # best is below 1/1.5 of the current LR instead of at it (against short-horizon bias).
+    'fit_k1p5': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.overshoot': 1.5},
+    # The default scoring each replica's mean iterate over its window's last quarter (less of the step noise
+    # that a larger LR adds to the last iterate; tail50 over-climbed on the LM).
+    'fit_tail25': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.score_tail': 0.25},
+    # The default with a milder cautious start (a third of the user's LR).
+    'fit_third': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.initial_scale': 0.3},
+    # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
+    **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
+                                                   'hdet.spread': a, 'hdet.sync_every': t}
+       for a in (0.125, 0.25, 0.5) for t in (25, 100, 400)},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False, **_PINNED},
 }
@@ -171,7 +187,10 @@ def run_overrides(kind: str, optim: str, lr: float, seed: int, steps: int, *, va
   elif kind == 'hdet':
     settings = dict(VARIANT_SETTINGS[variant])
     o['hdet.warmup_steps'] = int(settings.pop('warmup') * steps)
+    syncs = settings.pop('syncs', None)  # windows counted per run: T = steps / syncs
     o.update({'hdet.auto_lr': True, **settings})
+    if syncs:
+      o['hdet.sync_every'] = max(1, int(round(steps / syncs)))
   elif kind == 'peer':
     o.update(PLAIN)
     o.update({'optim.name': peer, 'hdet.param_groups': False, 'optim.schedule': 'one_cycle'})
@@ -228,6 +247,11 @@ def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -
       'diverged_at': summary['diverged_at'], 'final_lr': finite_or_none(final_lr),
       'evals': [{'step': r['step'], 'val_bpb': finite_or_none(r.get(metric))} for r in m.get('eval', [])],
       'trajectory': traj, 'controller': controller, 'wall_s': wall_s,
+      # At each sync, just before the average: the replicas' RMS distance from their mean, relative to the
+      # mean's norm (how far apart the ensemble had drifted).
+      'distance': [{'step': r['step'], 'relative': finite_or_none(
+          float(np.sqrt(np.mean(np.square(r['distance']))) / max(float(r['mean_norm']), 1e-30)))}
+                   for r in m.get('distance', [])],
   }
 
 

@@ -45,6 +45,9 @@ class ControllerState(NamedTuple):
   xtx: jax.Array         # [2G, 2G] float32 ('fit'): the regression's forgotten-over-syncs X^T X.
   xty: jax.Array         # [2G] float32 ('fit'): ... and X^T y.
   gain: jax.Array        # [G] float32 ('fit'): the last fitted step's gain, signed as that step (0: none yet).
+  asked: jax.Array       # [G] float32 ('fit'): the last fitted step, before the gain, the rise-only rule and
+                         #   the trust region (``delta`` is the step taken).
+  stderr: jax.Array      # [G] float32 ('fit'): the standard error of the last fitted slope (``velocity``).
 
 
 class ControllerUpdate(NamedTuple):
@@ -166,6 +169,8 @@ def init_controller_state(base: jax.Array, num_replicas: int, key: jax.Array,
       xtx=jnp.zeros((2 * g, 2 * g), jnp.float32),
       xty=jnp.zeros((2 * g,), jnp.float32),
       gain=jnp.zeros((g,), jnp.float32),
+      asked=jnp.zeros((g,), jnp.float32),
+      stderr=jnp.zeros((g,), jnp.float32),
   )
 
 

@@ -137,7 +137,7 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
   return new_c._replace(
       correction=keep(c.correction + step, c.correction), xtx=keep(out.xtx, c.xtx),
       xty=keep(out.xty, c.xty), delta=keep(step, c.delta), velocity=keep(out.slope, c.velocity),
-      gain=keep(gain, c.gain))
+      gain=keep(gain, c.gain), asked=keep(out.step, c.asked), stderr=keep(out.stderr, c.stderr))
 
 
 def apply_updates(params: Any, updates: Any, state, *, replica_axis: replicas.AxisName = 'data',

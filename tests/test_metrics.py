@@ -2,6 +2,7 @@
 tensorboard package) and compared number for number with the JSONL records."""
 
 import glob
+import math
 import os
 import struct
 
@@ -57,14 +58,24 @@ def _expected(recs):
       out[(f'train/base/{name}', s)] = base
       for i, x in enumerate(row):
         out[(f'train/{name}/replica_{i}', s)] = x
+  fit = recs['hyperparams'][-1].get('controller') == 'fit'
   for r in recs['controller']:
     s = r['step']
     for i, (w, l) in enumerate(zip(r['weights'], r['window_losses'])):
-      out[(f'controller/weight/replica_{i}', s)] = w
+      if not fit:  # the softmax weights are the paper's controller's; 'fit' has none
+        out[(f'controller/weight/replica_{i}', s)] = w
       out[(f'controller/window_loss/replica_{i}', s)] = l
-    for name, d, v in zip(names, r['deltas'], r['velocities']):
-      out[(f'controller/delta/{name}', s)] = d
-      out[(f'controller/velocity/{name}', s)] = v
+    for g, name in enumerate(names):
+      if fit:  # the line search's own quantities, named as in plots/controller.png
+        out[(f'controller/lr_correction/{name}', s)] = math.exp(r['corrections'][g])
+        out[(f'controller/step_asked/{name}', s)] = r['asks'][g]
+        out[(f'controller/step_taken/{name}', s)] = r['deltas'][g]
+        out[(f'controller/slope/{name}', s)] = r['velocities'][g]
+        out[(f'controller/slope_stderr/{name}', s)] = r['stderrs'][g]
+        out[(f'controller/gain/{name}', s)] = r['gains'][g]
+      else:
+        out[(f'controller/delta/{name}', s)] = r['deltas'][g]
+        out[(f'controller/velocity/{name}', s)] = r['velocities'][g]
   for r in recs['distance']:
     for i, x in enumerate(r['distance']):
       out[(f'distance/replica_{i}', r['step'])] = x
@@ -114,9 +125,32 @@ def test_trainer_event_files_hold_the_jsonl_numbers(tmp_path):
   assert len(names) == 3 and all(n.startswith('learning_rate/') for n in names)
   assert sorted({s for t, s in got if t == 'train/loss/replica_7'}) == list(range(40))
   assert sorted({s for t, s in got if t == 'controller/window_loss/replica_0'}) == [7, 15, 23, 31, 39]
+  # The tiny run's controller is 'fit': its own tags, not the paper's softmax weights or eq. 6-7 names.
+  assert recs['hyperparams'][-1]['controller'] == 'fit'
+  assert sorted({s for t, s in got if t == f'controller/step_asked/{names[2]}'}) == [7, 15, 23, 31, 39]
+  assert not any(t.startswith(('controller/weight/', 'controller/delta/', 'controller/velocity/')) for t, _ in got)
   assert sorted({s for t, s in got if t == 'distance/replica_3'}) == [7, 15, 23, 31, 39]
   assert sorted({s for t, s in got if t == 'eval/val_bits_per_byte'}) == [20, 40]
   assert len({t for t, _ in got if t.startswith(f'train/{names[0]}/replica_')}) == 8
+
+
+def test_controller_tags_follow_the_controller(tmp_path):
+  """The paper's controller keeps its eq. 4-7 tags; 'fit' gets its own (the correction as a factor)."""
+  rec = dict(step=9, weights=[0.5, 0.5], window_losses=[1.0, 2.0], deltas=[0.2], velocities=[-0.3],
+             corrections=[math.log(0.25)], asks=[0.1], stderrs=[0.05], gains=[2.0])
+  tags = {}
+  for controller in ('paper', 'fit'):
+    w = metrics.TensorBoardWriter(str(tmp_path / controller))
+    w.write('hyperparams', dict(step=0, names=['learning_rate'], controller=controller))
+    tags[controller] = w._scalars('controller', rec)  # pylint: disable=protected-access
+    w.close()
+  assert tags['paper'] == {'controller/window_loss/replica_0': 1.0, 'controller/window_loss/replica_1': 2.0,
+                           'controller/weight/replica_0': 0.5, 'controller/weight/replica_1': 0.5,
+                           'controller/delta/learning_rate': 0.2, 'controller/velocity/learning_rate': -0.3}
+  fit = {k: v for k, v in tags['fit'].items() if not k.startswith('controller/window_loss/')}
+  assert fit == {'controller/lr_correction/learning_rate': 0.25, 'controller/step_asked/learning_rate': 0.1,
+                 'controller/step_taken/learning_rate': 0.2, 'controller/slope/learning_rate': -0.3,
+                 'controller/slope_stderr/learning_rate': 0.05, 'controller/gain/learning_rate': 2.0}
 
 
 def test_tensorboard_off_writes_only_the_jsonl(tmp_path):

@@ -50,6 +50,64 @@ def test_plot_cli_redraws_from_metrics(tmp_path):
   assert usage.returncode == 2 and 'usage: python -m hdet_jax.trainer.plots WORKDIR' in usage.stderr
 
 
+def _fit_run(workdir, n=8, sync_every=10, steps=40):
+  """A 'fit' run's metrics.jsonl: a one-cycle-like schedule times a correction that starts at 0.1 and moves by
+  the recorded taken steps at each sync; returns (schedule, asks, taken, slope, stderr, gain) as recorded."""
+  w = metrics.MetricsWriter(os.path.join(workdir, 'metrics.jsonl'))
+  w.write('event', step=0, event='start', init_from=None)
+  w.write('hyperparams', step=0, names=['learning_rate'], controller='fit')
+  schedule = 1e-3 + 1e-2 * np.sin(np.pi * np.arange(steps) / steps)
+  taken = {9: 1.0, 19: 0.5, 29: 0.0, 39: 0.0}
+  asks = {9: 0.6, 19: 0.5, 29: -0.2, 39: -0.4}
+  slope, stderr, gain = {9: -0.3, 19: -0.1, 29: 0.02, 39: 0.05}, {9: 0.01, 19: 0.02, 29: 0.03, 39: 0.01}, \
+      {9: 1.0, 19: 2.0, 29: -1.0, 39: -2.0}
+  log_corr, rho = np.log(0.1), np.linspace(0.75, 1.25, n)
+  for s in range(steps):
+    base = schedule[s] * np.exp(log_corr)  # a window trains at the correction its closing sync started from
+    sync = (s + 1) % sync_every == 0
+    w.write('train', step=s, loss=5.0 - 0.01 * s + 0.01 * rho, lr=base * rho, base_lr=base, sync=sync,
+            values=[base * rho], bases=[base])
+    if sync:
+      log_corr += taken[s]
+      w.write('controller', step=s, weights=np.full(n, 1 / n), window_losses=5.0 + 0.01 * rho, delta=taken[s],
+              velocity=slope[s], base_lr=base, deltas=[taken[s]], velocities=[slope[s]], corrections=[log_corr],
+              asks=[asks[s]], stderrs=[stderr[s]], gains=[gain[s]])
+  w.close()
+  return schedule, *(np.array(list(d.values())) for d in (asks, taken, slope, stderr, gain))
+
+
+def test_fit_controller_figure_shows_its_own_quantities(tmp_path):
+  """For 'fit', controller.png draws the schedule (recovered from the base LR and the corrections), the step
+  asked and taken, the slope with two standard errors and the gain, not the paper's delta and weights."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  schedule, asks, taken, slope, stderr, gain = _fit_run(str(tmp_path))
+  run = plots._RunArrays(metrics.read_metrics(str(tmp_path / 'metrics.jsonl')), plt)  # pylint: disable=protected-access
+  fig = plots._controller_figure(run, plt)  # pylint: disable=protected-access
+  top, steps_ax, slope_ax, gain_ax = fig.axes[:4]
+  lines = {l.get_label(): l for ax in fig.axes for l in ax.get_lines()}
+  np.testing.assert_allclose(lines['the schedule alone'].get_ydata(), schedule, rtol=1e-6)
+  np.testing.assert_allclose(lines['correction after the sync'].get_ydata(), 0.1 * np.exp(np.cumsum(taken)), rtol=1e-6)
+  np.testing.assert_allclose(lines['asked (LR)'].get_ydata(), asks)
+  np.testing.assert_allclose(lines['taken (LR)'].get_ydata(), taken)
+  np.testing.assert_allclose(lines['gain (LR)'].get_ydata(), gain)
+  bars = slope_ax.containers[0]  # the errorbar: the slope, and its +-2 se segments
+  np.testing.assert_allclose(bars.lines[0].get_ydata(), slope)
+  segments = np.array([seg[:, 1] for seg in bars.lines[2][0].get_segments()])
+  np.testing.assert_allclose(segments, np.stack([slope - 2 * stderr, slope + 2 * stderr], 1), rtol=1e-6)
+  assert top.get_yscale() == 'log' and steps_ax.get_ylabel() == 'log-step' and gain_ax.get_ylabel() == 'gain (signed)'
+  assert not any('eq.' in label for label in lines)
+  plt.close(fig)
+  # The paper's controller keeps its panels.
+  (tmp_path / 'paper').mkdir()
+  _write_run(str(tmp_path / 'paper'))
+  run = plots._RunArrays(metrics.read_metrics(str(tmp_path / 'paper' / 'metrics.jsonl')), plt)  # pylint: disable=protected-access
+  fig = plots._controller_figure(run, plt)  # pylint: disable=protected-access
+  assert {'delta (eq. 6)', 'velocity (eq. 7)', 'w7'} <= {l.get_label() for ax in fig.axes for l in ax.get_lines()}
+  plt.close(fig)
+
+
 def test_a_run_without_training_steps_draws_nothing(tmp_path):
   w = metrics.MetricsWriter(str(tmp_path / 'metrics.jsonl'))
   w.write('event', step=0, event='start', init_from=None)

@@ -43,6 +43,31 @@ def straight(tmp_path_factory):
   return workdir, proc.stdout
 
 
+def test_fit_controller_records_what_it_asked_and_its_slopes_standard_error(straight):
+  """The tiny run's controller records (three per-group LRs, the plain fit in a 0.25 trust region from the
+  sync at step 16) hold each sync's fitted step and its slope's standard error as the float64 oracles compute
+  them from the record's own losses and LRs; the step taken is the asked one (no gain, inside the trust
+  region), and the correction is the sum of the steps taken. Before the controller starts all are zero."""
+  from oracles import numpy_fit, numpy_slope_stderr
+  workdir, _ = straight
+  recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  values = {r['step']: np.asarray(r['values'], np.float64) for r in recs['train']}
+  xtx, xty, correction = np.zeros((6, 6)), np.zeros(6), np.zeros(3)
+  for c in recs['controller']:
+    if c['step'] + 1 < 10:  # hdet.warmup_steps = 10: the sync at step 8 is before the controller starts
+      assert c['asks'] == c['stderrs'] == c['deltas'] == c['corrections'] == [0.0] * 3
+      continue
+    u = (values[c['step']] / values[c['step']].mean(1, keepdims=True) - 1.0).T  # [N, G]; multipliers average to 1
+    b, _, step, xtx, xty = numpy_fit(xtx, xty, c['window_losses'], u, [True] * 3, 0.5, 1.0, [0.25] * 3)
+    np.testing.assert_allclose(c['asks'], step, rtol=2e-3, atol=1e-5)
+    np.testing.assert_allclose(c['stderrs'], numpy_slope_stderr(c['window_losses'], u), rtol=2e-3, atol=1e-7)
+    np.testing.assert_allclose(c['velocities'], b, rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(c['deltas'], c['asks'], rtol=1e-6)
+    correction += np.asarray(c['deltas'])
+    np.testing.assert_allclose(c['corrections'], correction, rtol=1e-5, atol=1e-6)
+  assert any(abs(a) > 1e-3 for c in recs['controller'] for a in c['asks'])  # the fit did ask for something
+
+
 def test_end_to_end_train_py(straight):
   workdir, stdout = straight
   assert 'Run finished 40 steps.' in stdout

@@ -4,7 +4,13 @@ Records in ``WORKDIR/metrics.jsonl`` carry a ``kind``:
 
 - ``train``: one per step: ``step``, ``loss`` (each replica's), ``lr`` (each replica's), ``base_lr``,
   ``sync`` (whether this step averaged the replicas);
-- ``controller``: one per sync step: ``weights``, ``window_losses``, ``delta``, ``velocity``, ``base_lr``;
+- ``hyperparams``: at each start: ``names`` (the explored hyperparameters, ``[G]`` order) and ``controller``
+  (``'fit'``, ``'paper'``, or None without auto-LR);
+- ``controller``: one per sync step: ``weights``, ``window_losses``, ``delta``, ``velocity``, ``base_lr``, and
+  per hyperparameter ``deltas`` (the step taken: the log-correction's change for 'fit'), ``velocities`` (the
+  fitted slope for 'fit'), and the 'fit' controller's ``corrections`` (its log-correction of the schedule
+  after the step), ``asks`` (the fitted step before gain, rise-only rule and trust region), ``stderrs`` (the
+  slope's standard error) and ``gains``;
 - ``distance``: one per sync step, just before the average (runs that never average: at each log
   interval): ``distance`` (each replica's L2 distance from the replicas' mean) and ``mean_norm`` (the
   mean's L2 norm);
@@ -92,8 +98,12 @@ class TensorBoardWriter:
 
   - every step: ``train/loss/replica_<r>``, ``train/loss/mean``, ``train/<name>/replica_<r>`` (each
     replica's learning rates and explored values) and ``train/base/<name>`` (the base values);
-  - every sync: ``controller/window_loss/replica_<r>``, ``controller/weight/replica_<r>``,
-    ``controller/delta/<name>``, ``controller/velocity/<name>``; ``distance/replica_<r>`` and
+  - every sync: ``controller/window_loss/replica_<r>``; for the paper's controller
+    ``controller/weight/replica_<r>``, ``controller/delta/<name>``, ``controller/velocity/<name>``; for 'fit'
+    its own quantities, named as in ``plots/controller.png``: ``controller/lr_correction/<name>`` (the factor
+    on the schedule), ``controller/step_asked/<name>``, ``controller/step_taken/<name>``,
+    ``controller/slope/<name>``, ``controller/slope_stderr/<name>``, ``controller/gain/<name>``;
+    ``distance/replica_<r>`` and
     ``distance/mean_norm`` (also at each log interval of a run that never averages);
   - ``eval/val_loss``, ``eval/val_bits_per_byte``; ``throughput/tokens_per_s``, ``throughput/steps_per_s``.
 
@@ -117,6 +127,7 @@ class TensorBoardWriter:
     self._event_pb2, self._summary_pb2 = event_pb2, summary_pb2
     self._w = None
     self.names: list[str] = ['learning_rate']
+    self.controller: str | None = None
 
   def _writer(self, purge_step: int | None = None):
     if self._w is None:
@@ -139,6 +150,7 @@ class TensorBoardWriter:
       return
     if kind == 'hyperparams':
       self.names = list(record['names'])
+      self.controller = record.get('controller')
       return
     out = self._scalars(kind, record)
     if out and step is not None:
@@ -156,6 +168,12 @@ class TensorBoardWriter:
       for name, row in zip(self.names, np.asarray(record['values'], np.float64).tolist()):
         out.update(per_replica(f'train/{name}', row))
       return {**out, **per_name('train/base', record['bases'])}
+    if kind == 'controller' and self.controller == 'fit' and 'asks' in record:
+      return {**per_replica('controller/window_loss', record['window_losses']),
+              **per_name('controller/lr_correction', np.exp(np.asarray(record['corrections'], np.float64))),
+              **per_name('controller/step_asked', record['asks']), **per_name('controller/step_taken', record['deltas']),
+              **per_name('controller/slope', record['velocities']),
+              **per_name('controller/slope_stderr', record['stderrs']), **per_name('controller/gain', record['gains'])}
     if kind == 'controller':
       return {**per_replica('controller/window_loss', record['window_losses']),
               **per_replica('controller/weight', record['weights']),

@@ -4,8 +4,9 @@
 
 writes ``WORKDIR/plots/loss.png`` (each replica's training loss and the averaged model's
 validation loss), ``lr.png`` (each replica's LR with the sync points marked, and the base LR:
-the paper's Fig. 3), ``controller.png`` (the auto-LR controller's delta and velocity, and its
-softmax weights) and ``hyperparams.png`` (every explored hyperparameter, one panel each: the
+the paper's Fig. 3), ``controller.png`` (the auto-LR controller at each sync: for 'fit', the LR it trains
+with against the schedule, the step asked and taken, the slope with its standard error and the gain; for the
+paper's, its delta, velocity and softmax weights) and ``hyperparams.png`` (every explored hyperparameter, one panel each: the
 per-group LR schedules and any regularizer). train.py draws them at the end of a run; this
 redraws them. :func:`save_figure` is the one way figures are written, here and in ``experiments/``.
 """
@@ -123,6 +124,60 @@ def _lr_figure(run: _RunArrays, plt: Any) -> Any:
 
 
 def _controller_figure(run: _RunArrays, plt: Any) -> Any:
+  """The controller at each sync: the 'fit' controller's own quantities, or the paper's (eqs. 4-7)."""
+  hyper = run.recs.get('hyperparams', [{}])[-1]
+  if hyper.get('controller') == 'fit' and run.ctrl and 'asks' in run.ctrl[0]:
+    return _fit_controller_figure(run, plt, hyper.get('names') or ['learning_rate'])
+  return _paper_controller_figure(run, plt)
+
+
+def _fit_controller_figure(run: _RunArrays, plt: Any, names: list[str]) -> Any:
+  """The line search's quantities: the LR it trains with against the user's schedule (log scale), the step it
+  asked for and the one it took (log units), the fitted slope with two standard errors (where the band crosses
+  zero the line search has turned), and the Rprop gain."""
+  ctrl = run.ctrl
+  cs = np.array([c['step'] for c in ctrl])
+  corr, taken = np.array([c['corrections'] for c in ctrl], float), np.array([c['deltas'] for c in ctrl], float)
+  asked, slope = np.array([c['asks'] for c in ctrl], float), np.array([c['velocities'] for c in ctrl], float)
+  stderr, gain = np.array([c['stderrs'] for c in ctrl], float), np.array([c['gains'] for c in ctrl], float)
+  fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
+  ax = axes[0]
+  # The correction in effect during a window is the one before its closing sync's step: after minus taken.
+  before = corr - taken
+  window = np.searchsorted(cs, run.steps, side='left')  # the sync that closes each step's window
+  factor = np.exp(np.where(window < len(cs), before[np.minimum(window, len(cs) - 1), 0], corr[-1, 0]))
+  ax.plot(run.steps, run.base, 'k-', lw=1.5, label=f'base {names[0]} (schedule x correction)')
+  ax.plot(run.steps, run.base / factor, 'k--', lw=1.0, alpha=0.6, label='the schedule alone')
+  ax.set_yscale('log')
+  ax.set_ylabel('learning rate (log)')
+  twin = ax.twinx()
+  twin.plot(cs, np.exp(corr[:, 0]), 'o', ms=3, color='tab:red', label='correction after the sync')
+  twin.set_yscale('log')
+  twin.set_ylabel('LR correction (x schedule)', color='tab:red')
+  ax.legend(fontsize=7, loc='upper left')
+  twin.legend(fontsize=7, loc='lower right')
+  ax.set_title("The 'fit' controller at each sync: a line search along the replicas' line")
+  colors = plt.cm.tab10(np.arange(len(names)) % 10)
+  for g, name in enumerate(names):
+    label = name.replace('learning_rate', 'LR')
+    axes[1].plot(cs, asked[:, g], 'o-', ms=3, lw=0.8, color=colors[g], alpha=0.6, label=f'asked ({label})')
+    axes[1].plot(cs, taken[:, g], 'x-', ms=5, lw=1.4, color=colors[g], label=f'taken ({label})')
+    axes[2].errorbar(cs, slope[:, g], yerr=2 * stderr[:, g], fmt='o-', ms=3, lw=1.0, capsize=2, color=colors[g],
+                     label=f'slope b ± 2 se ({label})')
+    axes[3].plot(cs, gain[:, g], 'o-', ms=3, color=colors[g], label=f'gain ({label})')
+  axes[1].set_ylabel('log-step')
+  axes[2].set_ylabel('d loss / d u')
+  axes[3].set_ylabel('gain (signed)')
+  axes[3].set_xlabel('step')
+  for a in axes[1:]:
+    a.axhline(0, color='k', lw=0.5)
+    a.legend(fontsize=7, ncol=2)
+  for a in axes:
+    a.grid(alpha=0.3)
+  return fig
+
+
+def _paper_controller_figure(run: _RunArrays, plt: Any) -> Any:
   ctrl = run.ctrl
   fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
   if ctrl:

@@ -250,9 +250,12 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
 
 
 def _controller_metrics(c: Any) -> dict:
-  """The controller's state as logged: weights, window losses, delta and velocity (first and all groups)."""
+  """The controller's state as logged: weights, window losses, delta and velocity (first and all groups), and
+  the 'fit' controller's own quantities: its log-correction of the schedule, the step it asked, the slope's
+  standard error and the gain."""
   return {'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
-          'window_losses': c.window_losses, 'deltas': c.delta, 'velocities': c.velocity}
+          'window_losses': c.window_losses, 'deltas': c.delta, 'velocities': c.velocity,
+          'corrections': c.correction, 'asks': c.asked, 'stderrs': c.stderr, 'gains': c.gain}
 
 
 def _distance_metrics(params: Any, mean: Any) -> dict:

@@ -387,7 +387,8 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   else:
     params, opt_state, start = *init(jax.random.fold_in(root, _INIT_TAG)), 0
     records.writer.write('event', step=0, event='start', init_from=None)
-  records.writer.write('hyperparams', step=start, names=list(optimizer_lib.hyperparam_names(config)))
+  records.writer.write('hyperparams', step=start, names=list(optimizer_lib.hyperparam_names(config)),
+                       controller=config.hdet.controller if optimizer_lib.auto_lr_settings(config) else None)
   records.writer.flush()  # the start/resume is on record even if this start is killed before its first log interval
   rng = jax.device_put(np.asarray(jax.random.key_data(root)), mesh_lib.replicated(records.mesh))
   # The step reads its batch from a chunk of _CHUNK steps' batches at the optimizer's step count,
@@ -599,7 +600,8 @@ def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync:
   if sync:
     writer.write('controller', step=step, weights=m['weights'][0], window_losses=m['window_losses'][0],
                  delta=m['delta'][0], velocity=m['velocity'][0], base_lr=m['base_lr'][0],
-                 deltas=m['deltas'][0], velocities=m['velocities'][0])
+                 deltas=m['deltas'][0], velocities=m['velocities'][0], corrections=m['corrections'][0],
+                 asks=m['asks'][0], stderrs=m['stderrs'][0], gains=m['gains'][0])
     writer.write('distance', step=step, distance=m['distance'], mean_norm=m['mean_norm'][0])
   finite = np.isfinite(loss)
   if not finite.all() and loop.diverged_at is None:
