@@ -110,6 +110,10 @@ def get_config() -> ml_collections.ConfigDict:
   # start 100x below the best LR climbs only 10x over the warmup (results/autolr.md).
   config.hdet.step_growth = 2.0
   config.hdet.max_gain = 4.0  # 'fit': the largest gain (each step still within hdet.trust).
+  # 'fit': at a sync where the replicas' mean training loss over the window rose from the window before (or went
+  # non-finite), the LR correction steps down by hdet.trust whatever the line search asked (rise-only included):
+  # an LR past stability, which the line search cannot see and rise-only would never undo.
+  config.hdet.backoff = False
   config.hdet.smooth_decay = True  # Decay the base LR continuously within a window (False: hold it, as the reference does).
   # Per-group LRs (the paper's §3.4): embedding (byte embedding, positions), no_decay (biases, norm
   # scales) and weights (attention/MLP kernels), chosen by regex on parameter paths

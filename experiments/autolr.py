@@ -132,6 +132,10 @@ VARIANT_SETTINGS = {
     'fit_tail25': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.score_tail': 0.25},
     # The default with a milder cautious start (a third of the user's LR).
     'fit_third': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.initial_scale': 0.3},
+    # The default with the back-off (hdet.backoff): a window whose mean training loss rose steps the LR down by
+    # trust whatever the fit asked; against the overshoots that rise-only never undoes (mnist1d SGD at chance).
+    'fit_backoff': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.backoff': True},
+    'fit_K15_backoff': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.backoff': True, 'syncs': 15},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

@@ -48,6 +48,8 @@ class ControllerState(NamedTuple):
   asked: jax.Array       # [G] float32 ('fit'): the last fitted step, before the gain, the rise-only rule and
                          #   the trust region (``delta`` is the step taken).
   stderr: jax.Array      # [G] float32 ('fit'): the standard error of the last fitted slope (``velocity``).
+  train_loss: jax.Array  # [] float32 ('fit'): the replicas' mean training loss over the last window (NaN
+                         #   before the first sync): the back-off compares the next window's with it.
 
 
 class ControllerUpdate(NamedTuple):
@@ -171,6 +173,7 @@ def init_controller_state(base: jax.Array, num_replicas: int, key: jax.Array,
       gain=jnp.zeros((g,), jnp.float32),
       asked=jnp.zeros((g,), jnp.float32),
       stderr=jnp.zeros((g,), jnp.float32),
+      train_loss=jnp.full((), jnp.nan, jnp.float32),
   )
 
 

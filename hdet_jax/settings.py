@@ -68,6 +68,11 @@ class AutoLR:
       fitted one times a gain that grows by this factor per sync (Rprop; see
       :func:`hdet_jax.controller.accelerate`); a reversal resets it to 1. 1: the plain fit.
     max_gain: 'fit': the largest gain, >= 1 (each step stays within ``trust``).
+    backoff: 'fit': at a sync where the replicas' mean training loss over the window is higher than over the
+      window before (or not finite), the learning rates' correction steps down by ``trust``, whatever the fit
+      asked and whatever ``after_stop`` allows, and the gain resets. A loss that rises across a whole window is
+      an LR past stability, which the line search cannot see (short-horizon bias only ranks replicas within
+      a window, it never raises their mean) and the rise-only rule would otherwise never undo.
   """
   total_steps: int
   warmup_steps: int = 0
@@ -86,6 +91,7 @@ class AutoLR:
   after_stop: str = 'hold'
   step_growth: float = 1.0
   max_gain: float = 4.0
+  backoff: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,6 +300,8 @@ def _check_auto_lr(a, spread) -> None:
     v = getattr(a, name)
     if not (isinstance(v, (int, float)) and 1.0 <= v < math.inf):
       raise ValueError(f'auto_lr.{name} must be a number >= 1 (1: no acceleration), got {v!r}.')
+  if a.backoff not in (True, False) or (a.backoff and a.controller != 'fit'):
+    raise ValueError(f"auto_lr.backoff must be a bool, and True only with controller='fit'; got {a.backoff!r}.")
   if a.step_growth != 1.0 and a.controller != 'fit':
     raise ValueError(f"auto_lr.step_growth={a.step_growth!r} needs controller='fit'; set it to 1.0.")
   if a.initial_scale != 1.0 and a.controller != 'fit':

@@ -82,6 +82,9 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
                                    plan.replica_axis)
   new_c = c._replace(window_losses=window_losses)
   a = plan.auto_lr
+  if a is not None and a.controller == 'fit' and a.backoff:
+    train_loss = replicas.pmean(st.loss_sum / windows.window_length(plan.sync_windows, st.count), plan.replica_axis)
+    new_c = new_c._replace(train_loss=jnp.asarray(train_loss, jnp.float32).reshape(()))
   if a is not None:
     started = st.count >= plan.controller_start
     stopped = st.count > a.stop_steps if a.stop_steps is not None else jnp.zeros([], bool)
@@ -133,6 +136,11 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
   step, gain = ctrl.accelerate(out.step, c.gain, growth=a.step_growth, max_gain=a.max_gain, trust=trust,
                                confident=jnp.abs(out.slope) > 2.0 * out.stderr)
   step = jnp.where(rise_only, jnp.maximum(step, 0.0), step)
+  if a.backoff:  # the window's mean training loss rose (or went non-finite): the LRs step down by trust
+    rose = jnp.isfinite(c.train_loss) & ~(new_c.train_loss <= c.train_loss)
+    is_lr = jnp.asarray([n.startswith('learning_rate') for n in plan.names])
+    back = rose & is_lr
+    step, gain = jnp.where(back, -trust, step), jnp.where(back, -1.0, gain)
   keep = lambda new, old: jnp.where(active, new, old)
   return new_c._replace(
       correction=keep(c.correction + step, c.correction), xtx=keep(out.xtx, c.xtx),

@@ -538,3 +538,42 @@ def test_the_gain_grows_only_on_a_slope_above_twice_its_standard_error(ratio):
     np.testing.assert_allclose(grown[1] - grown[0], 2 * second, rtol=1e-4)
   else:
     np.testing.assert_allclose(grown[1], plain[1], rtol=1e-6, atol=1e-7)
+
+
+def _backoff_corrections(backoff, window_losses, rise_only=False, T=5, trust=0.5):
+  """The 'fit' correction and the recorded mean training loss after each sync of windows whose per-step
+  training loss is ``window_losses[k] + 0.01 r`` on replica r, each sync scored on a bowl in the offset u,
+  (u - 0.05)^2 (every fit asks for a larger LR)."""
+  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
+              auto_lr=H.AutoLR(total_steps=100, controller='fit', overshoot=1.0, trust=trust, memory=0.5,
+                               stop_steps=0 if rise_only else None, after_stop='rise' if rise_only else 'hold',
+                               backoff=backoff))
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.vmap(tx.init)(sp)
+  step = jax.jit(jax.vmap(lambda p, s, v: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=v, sync=False)[1],
+                          axis_name=AX))
+  end = jax.jit(jax.vmap(lambda p, s, y: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX))
+  out = []
+  for loss in window_losses:
+    for _ in range(T):
+      ss = step(sp, ss, jnp.asarray(loss + 0.01 * np.arange(N), jnp.float32))
+    u = np.asarray(ss.values[0, 0], np.float64) / float(ss.base[0, 0]) - 1.0
+    ss = end(sp, ss, jnp.asarray((u - 0.05) ** 2, jnp.float32))
+    out.append((float(ss.controller.correction[0, 0]), float(ss.controller.train_loss[0])))
+  return out
+
+
+@pytest.mark.parametrize('rise_only', [False, True])
+def test_backoff_steps_down_by_trust_where_the_window_training_loss_rose(rise_only):
+  """Windows whose mean training loss goes 2.0, 1.0, 1.5 (a rise), 1.2, NaN (non-finite): with the back-off the
+  correction moves as without it, except at the rise and the NaN, where it steps down by exactly trust
+  (rise-only or not); the first sync has nothing to compare with. The recorded loss is the replicas' mean."""
+  losses = [2.0, 1.0, 1.5, 1.2, float('nan')]
+  plain, backed = _backoff_corrections(False, losses, rise_only), _backoff_corrections(True, losses, rise_only)
+  fitted = np.diff([0.0] + [c for c, _ in plain])
+  assert np.all(fitted[:4] > 0.01)  # every fit asked up (the NaN window's scores are the bowl too)
+  taken = np.diff([0.0] + [c for c, _ in backed])
+  np.testing.assert_allclose(taken[[0, 1, 3]], fitted[[0, 1, 3]], rtol=1e-5)
+  np.testing.assert_allclose(taken[[2, 4]], [-0.5, -0.5], rtol=1e-6)
+  np.testing.assert_allclose([l for _, l in backed[:4]], np.asarray(losses[:4]) + 0.01 * (N - 1) / 2, rtol=1e-6)
+  assert np.isnan(backed[4][1]) and all(np.isnan(l) for _, l in plain)  # off: not even recorded

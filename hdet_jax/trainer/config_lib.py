@@ -24,7 +24,7 @@ RUN_FIELDS = frozenset({
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
 QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
-                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0,
+                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0}
 
 
@@ -201,6 +201,9 @@ def check_values(config: Any) -> None:
     raise ConfigError(f'hdet.warmup_steps={config.hdet.warmup_steps} must be < num_train_steps='
                       f'{config.num_train_steps} (the controller would never start); lower it or set hdet.auto_lr=False.')
   _check_early_syncs(config)
+  if config.hdet.get('backoff', False) and not (config.hdet.auto_lr and config.hdet.get('controller') == 'fit'):
+    raise ConfigError(f"hdet.backoff=True steps the 'fit' controller's LR correction down: it needs hdet.auto_lr=True "
+                      f"and hdet.controller='fit' (got {config.hdet.get('controller')!r}), or set hdet.backoff=False.")
   if config.hdet.get('score_tail', 0.0) > 0 and not (config.hdet.auto_lr and config.hdet.get('score') == 'common'):
     raise ConfigError(f"hdet.score_tail={config.hdet.score_tail} averages the parameters that the common batch "
                       "scores: it needs hdet.auto_lr=True and hdet.score='common' (or set hdet.score_tail=0).")

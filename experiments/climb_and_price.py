@@ -1,0 +1,183 @@
+"""What sets the 'fit' climb's end point, and what sets the ensemble's price: both read from cached records.
+
+    python -m experiments.climb_and_price            # results/climb_and_price.{md,json} from the committed records
+    python -m experiments.climb_and_price --quick    # the same over experiments.workloads --quick's records
+
+Nothing trains here: the records are those of ``experiments.workloads`` (and ``experiments.autolr`` for the LM).
+
+1. **The climb's end point.** At each sync the 'fit' controller asks for a step: up where the compared losses
+   fall with the LR offset, down where they rise. With the default's rise-only rule the climb ends where the
+   asks turn down. Per workload, run length and sync step, over every HDET record that compared the replicas
+   on a common batch after T=100-step windows (all starts, seeds and variants: the asks depend on where a
+   run is, not on how it got there), the LR that best splits the syncs asking up from those asking down,
+   as a multiple of the sweep's best schedule at that step (``autolr_report.ask_thresholds``). A split below
+   1 is a line search that turns short of the sweep's best LR: short-horizon bias, measured.
+2. **The ensemble's price.** HDET without its controller (the ``ensemble_a<spread>_T<T>`` variants: the
+   spread and the average only) at the sweep's best LR, against plain data parallel at that LR on the same
+   seeds (same initialisation and data order: paired), with the replicas' distance from their mean at the
+   syncs (RMS over replicas, relative to the mean's norm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np
+
+from experiments import autolr
+from experiments import autolr_report
+from experiments import workloads
+
+ENSEMBLE = re.compile(r'hdet_(ensemble_a([0-9p]+)_T(\d+))_best_s(\d+)\.json$')
+
+
+def _load(paths) -> list[dict]:
+  out = []
+  for p in sorted(paths):
+    with open(p, encoding='utf-8') as f:
+      out.append(json.load(f))
+  return out
+
+
+def _grid(folder: str, optim: str) -> dict[float, list[dict]]:
+  grid = {}
+  for r in _load(glob.glob(os.path.join(folder, optim, 'grid_*.json'))):
+    grid.setdefault(float(r['config']['optim']['max_lr']), []).append(r)
+  return grid
+
+
+def climb_end(folder: str, optim: str, min_runs: int) -> dict | None:
+  """Where the line search turns, per sync step, as multiples of the sweep's best schedule; and the geometric
+  mean of the split over the syncs from a fifth of the run on (the climb's part after the first syncs)."""
+  grid = _grid(folder, optim)
+  if not grid:
+    return None
+  lr, value = autolr_report.grid_best(grid)
+  schedule = autolr_report._best_schedule(grid, {'lr': lr})  # pylint: disable=protected-access
+  hdet = [r for r in _load(glob.glob(os.path.join(folder, optim, 'hdet_*.json'))) if r['config']['hdet'].get('auto_lr')
+          and r['config']['hdet'].get('controller') == 'fit']
+  splits = autolr_report.ask_thresholds(hdet, lambda step: schedule[step], window=100, min_runs=min_runs)
+  steps = len(schedule)
+  later = [math.sqrt(s['low'] * s['high']) for s in splits if s['step'] >= steps // 5 and s['low'] and s['high']]
+  return {'sweep_best_lr': lr, 'sweep_best': value, 'runs': len(hdet), 'splits': splits,
+          'typical_split': float(np.exp(np.mean(np.log(later)))) if later else None}
+
+
+def price(folder: str, optim: str) -> dict:
+  """Per ensemble variant: the paired difference to plain at the same LR and seed, in percent, and the
+  replicas' relative distance at the syncs."""
+  grid = _grid(folder, optim)
+  out = {}
+  for path in sorted(glob.glob(os.path.join(folder, optim, 'hdet_ensemble_*_best_s*.json'))):
+    m = ENSEMBLE.search(path)
+    rec = _load([path])[0]
+    lr, seed = float(rec['config']['optim']['max_lr']), int(m.group(4))
+    plain = next((g for g in grid.get(lr, []) if int(g['config']['seed']) == seed), None)
+    if plain is None or rec['val_bpb'] is None or plain['val_bpb'] is None:
+      continue
+    v = out.setdefault(m.group(1), {'spread': float(m.group(2).replace('p', '.')), 'T': int(m.group(3)), 'lr': lr,
+                                    'pct': [], 'seeds': [], 'distance_last': [], 'distance_mean': []})
+    v['pct'].append(100.0 * (rec['val_bpb'] / plain['val_bpb'] - 1.0))
+    v['seeds'].append(seed)
+    d = [x['relative'] for x in rec.get('distance', []) if x['relative'] is not None]
+    if d:
+      v['distance_last'].append(d[-1])
+      v['distance_mean'].append(float(np.mean(d)))
+  for v in out.values():
+    pct = np.asarray(v['pct'])
+    v['mean_pct'] = float(pct.mean())
+    v['se_pct'] = float(pct.std(ddof=1) / math.sqrt(len(pct))) if len(pct) > 1 else None
+    for k in ('distance_last', 'distance_mean'):
+      v[k] = float(np.mean(v[k])) if v[k] else None
+  return out
+
+
+def folders(quick: bool, work_root: str):
+  """(workload, steps, records folder) for every workload and run length of experiments.workloads."""
+  for w in workloads.WORKLOADS:
+    for steps in workloads.lengths(w, quick):
+      folder = workloads.records_dir(w, steps, quick, work_root)
+      if os.path.isdir(folder):
+        yield w, steps, folder
+
+
+def measure(quick: bool, work_root: str) -> dict:
+  results = {}
+  for w, steps, folder in folders(quick, work_root):
+    for optim in workloads.WORKLOADS[w][2]:
+      climb = climb_end(folder, optim, min_runs=2 if quick else 6)
+      ens = price(folder, optim)
+      if climb or ens:
+        results.setdefault(w, {}).setdefault(str(steps), {})[optim] = {'climb': climb, 'price': ens}
+  return results
+
+
+def _fmt_split(s: dict) -> str:
+  lo, hi = s['low'], s['high']
+  return (f'< {hi:.2g}' if lo is None else f'> {lo:.2g}' if hi is None else f'{lo:.2g}-{hi:.2g}') + \
+      (f' ({s["misplaced"]} of {s["n"]} misplaced)' if s['misplaced'] else f' (n={s["n"]})')
+
+
+def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
+  os.makedirs(out_dir, exist_ok=True)
+  jpath, mpath = os.path.join(out_dir, 'climb_and_price.json'), os.path.join(out_dir, 'climb_and_price.md')
+  with open(jpath, 'w', encoding='utf-8') as f:
+    json.dump(results, f, indent=1, sort_keys=True)
+  lines = ['# What sets the climb\'s end point, and the ensemble\'s price', '',
+           f'Generated by `python -m experiments.climb_and_price{" --quick" if quick else ""}` from the cached records of '
+           '`experiments.workloads`; nothing here trains. The reading is in `experiments/workloads_discussion.md`.', '',
+           '## Where the line search turns', '',
+           'Per sync step: the LR, as a multiple of the sweep\'s best schedule at that step, that splits the syncs '
+           'whose line search asked for a larger LR (below it) from those that asked for a smaller one (above it), '
+           'over every T=100 common-batch \'fit\' record of the cell (all starts, seeds and variants). "typical" is '
+           'the geometric mean of the split over the syncs from a fifth of the run on. Below 1: the asks turn '
+           'short of the sweep\'s best LR, so a climb that ends where they turn ends short of it.', '',
+           '| workload | steps | optim | sweep best | runs | split per sync step | typical |', '|---|---|---|---|---|---|---|']
+  for w, by_steps in results.items():
+    for steps, by_optim in by_steps.items():
+      for optim, r in by_optim.items():
+        c = r['climb']
+        if not c or not c['splits']:
+          continue
+        per = '; '.join(f'{s["step"] + 1}: {_fmt_split(s)}' for s in c['splits'])
+        typical = '-' if c['typical_split'] is None else f'{c["typical_split"]:.2g}x'
+        lines.append(f'| {w} | {steps} | {optim} | {c["sweep_best_lr"]:.3g} | {c["runs"]} | {per} | {typical} |')
+  lines += ['', '## The ensemble\'s price', '',
+            'HDET without its controller (spread and average only) at the sweep\'s best LR, against plain data '
+            'parallel at that LR on the same seeds (paired: the same initialisation and data order). Distance: the '
+            'replicas\' RMS distance from their mean just before a sync, relative to the mean\'s norm (the last '
+            'sync, and the mean over syncs).', '',
+            '| workload | steps | optim | spread | T | price (mean ± se over seeds) | per seed | distance last / mean |',
+            '|---|---|---|---|---|---|---|---|']
+  for w, by_steps in results.items():
+    for steps, by_optim in by_steps.items():
+      for optim, r in by_optim.items():
+        for name, v in sorted(r['price'].items(), key=lambda kv: (kv[1]['T'], kv[1]['spread'])):
+          se = '' if v['se_pct'] is None else f' ± {v["se_pct"]:.2f}'
+          dist = ('-' if v['distance_last'] is None else f'{v["distance_last"]:.3g} / {v["distance_mean"]:.3g}')
+          per = ', '.join(f'{p:+.2f}' for p in v['pct'])
+          lines.append(f'| {w} | {steps} | {optim} | {v["spread"]:g} | {v["T"]} | {v["mean_pct"]:+.2f}%{se} (n={len(v["pct"])}) '
+                       f'| {per} | {dist} |')
+  with open(mpath, 'w', encoding='utf-8') as f:
+    f.write('\n'.join(lines) + '\n')
+  return [jpath, mpath]
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p.add_argument('--quick', action='store_true', help="read experiments.workloads --quick's records")
+  p.add_argument('--workdir', default=None, help='the workloads work root (default workdirs/workloads[_quick])')
+  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  work_root = args.workdir or os.path.join(autolr.REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
+  out = work_root if args.quick else os.path.join(autolr.REPO, 'results')
+  print('\n'.join(f'  {p}' for p in write_report(out, measure(args.quick, work_root), args.quick)))
+
+
+if __name__ == '__main__':
+  main()

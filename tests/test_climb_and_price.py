@@ -1,0 +1,72 @@
+"""experiments/climb_and_price.py: where the line search turns and the ensemble's price, from designed records."""
+
+import json
+import math
+import os
+
+import numpy as np
+
+from experiments import climb_and_price as cp
+from hdet_jax.trainer import config_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RHO = np.linspace(0.75, 1.25, 8)
+
+
+def _config(**overrides):
+  c = config_lib.load_config_file(os.path.join(ROOT, 'configs', 'default.py'))
+  config_lib.with_overrides(c, {'num_train_steps': 400, 'optim.schedule': 'constant', **overrides})
+  return json.loads(c.to_json())
+
+
+def _write(folder, name, rec):
+  os.makedirs(os.path.join(folder, 'adamw'), exist_ok=True)
+  with open(os.path.join(folder, 'adamw', name + '.json'), 'w', encoding='utf-8') as f:
+    json.dump({'diverged_at': None, 'hyperparams': ['learning_rate'], **rec}, f)
+
+
+def test_the_turn_is_where_the_asks_split_and_the_price_is_paired(tmp_path):
+  """Six 'fit' runs at 0.1x ... 3.2x the sweep's best (constant) LR: those at or below 0.4x see losses fall with
+  the LR offset (asking up), those above see them rise, at every sync, so the split is 0.4x-0.8x at each sync and
+  typically sqrt(0.4 * 0.8). A T=25 run and a run of the paper's controller are left out. The price is each seed's
+  ensemble value against plain at the same LR and seed, and the distances are the records' own."""
+  folder = str(tmp_path)
+  best = 0.01
+  for lr, value in ((0.005, 2.1), (best, 2.0), (0.02, 2.05)):
+    for seed in (0, 1):
+      _write(folder, f'grid_lr{lr}_s{seed}', {'config': _config(**{'optim.max_lr': lr, 'seed': seed}),
+                                               'val_bpb': value + 0.01 * seed})
+  fit = {'hdet.auto_lr': True, 'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.sync_every': 100}
+  for i, multiple in enumerate((0.1, 0.2, 0.4, 0.8, 1.6, 3.2)):
+    slope = -0.3 if multiple <= 0.4 else 0.2
+    ctrl = [{'step': s, 'values': [list(best * multiple * RHO)], 'window_losses': list(1.0 + slope * (RHO - 1))}
+            for s in (99, 199, 299, 399)]
+    _write(folder, f'hdet_fit_{i}_s0', {'config': _config(**fit), 'val_bpb': 2.0, 'controller': ctrl})
+  for name, extra in (('t25', {'hdet.sync_every': 25}), ('paper', {'hdet.controller': 'paper'})):
+    ctrl = [{'step': s, 'values': [list(100 * best * RHO)], 'window_losses': list(1.0 - 0.3 * (RHO - 1))}
+            for s in (99, 199, 299, 399)]
+    _write(folder, f'hdet_{name}_s0', {'config': _config(**{**fit, **extra}), 'val_bpb': 2.0, 'controller': ctrl})
+  climb = cp.climb_end(folder, 'adamw', min_runs=6)
+  assert climb['sweep_best_lr'] == best and climb['runs'] == 7  # the paper's run is not a 'fit' run
+  assert [s['step'] for s in climb['splits']] == [99, 199, 299, 399]
+  for s in climb['splits']:
+    np.testing.assert_allclose([s['low'], s['high']], [0.4, 0.8], rtol=1e-6)
+    assert s['misplaced'] == 0 and s['n'] == 6 and s['up'] == 3
+  np.testing.assert_allclose(climb['typical_split'], math.sqrt(0.4 * 0.8), rtol=1e-6)
+
+  ens = {'hdet.auto_lr': False, 'hdet.spread': 0.25, 'hdet.sync_every': 100, 'optim.max_lr': best}
+  for seed, value, dist in ((0, 2.02, [0.03, 0.01]), (1, 2.0, [0.05, 0.02])):
+    _write(folder, f'hdet_ensemble_a0p25_T100_best_s{seed}',
+           {'config': _config(**{**ens, 'seed': seed}), 'val_bpb': value,
+            'distance': [{'step': 99, 'relative': dist[0]}, {'step': 199, 'relative': dist[1]}]})
+  got = cp.price(folder, 'adamw')['ensemble_a0p25_T100']
+  want = [100 * (2.02 / 2.0 - 1), 100 * (2.0 / 2.01 - 1)]
+  np.testing.assert_allclose(got['pct'], want, rtol=1e-9)
+  np.testing.assert_allclose(got['mean_pct'], np.mean(want), rtol=1e-9)
+  np.testing.assert_allclose(got['se_pct'], np.std(want, ddof=1) / math.sqrt(2), rtol=1e-9)
+  assert (got['spread'], got['T'], got['seeds']) == (0.25, 100, [0, 1])
+  np.testing.assert_allclose([got['distance_last'], got['distance_mean']], [0.015, 0.0275], rtol=1e-9)
+  paths = cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {'climb': climb, 'price': {'x': got}}}}}, False)
+  report = open(paths[1], encoding='utf-8').read()
+  assert '| lm | 400 | adamw | 0.01 | 7 | 100: 0.4-0.8 (n=6);' in report and '| 0.57x |' in report
+  assert f'| lm | 400 | adamw | 0.25 | 100 | {np.mean(want):+.2f}% ±' in report
