@@ -213,7 +213,8 @@ def _agree(ok: bool) -> bool:
 # 3: ControllerState gains the 'fit' controller's correction and regression statistics.
 # 4: ControllerState gains the Rprop gain of the 'fit' controller's steps.
 # 5: the optimizer state is a PackedState: the wrapped optimizer's state and HDET's small fields in one vector.
-# 6: ControllerState gains the 'fit' controller's asked step and its slope's standard error (for the plots).
+# 6: ControllerState gains the 'fit' controller's asked step and its slope's standard error (for the plots), and
+#    the window's mean training loss (the back-off).
 STATE_FORMAT = 6
 
 

@@ -255,7 +255,8 @@ def _controller_metrics(c: Any) -> dict:
   standard error and the gain."""
   return {'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
           'window_losses': c.window_losses, 'deltas': c.delta, 'velocities': c.velocity,
-          'corrections': c.correction, 'asks': c.asked, 'stderrs': c.stderr, 'gains': c.gain}
+          'corrections': c.correction, 'asks': c.asked, 'stderrs': c.stderr, 'gains': c.gain,
+          'train_loss': c.train_loss}
 
 
 def _distance_metrics(params: Any, mean: Any) -> dict:
