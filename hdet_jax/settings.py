@@ -300,7 +300,7 @@ def _check_auto_lr(a, spread) -> None:
     v = getattr(a, name)
     if not (isinstance(v, (int, float)) and 1.0 <= v < math.inf):
       raise ValueError(f'auto_lr.{name} must be a number >= 1 (1: no acceleration), got {v!r}.')
-  if a.backoff not in (True, False) or (a.backoff and a.controller != 'fit'):
+  if not isinstance(a.backoff, bool) or (a.backoff and a.controller != 'fit'):
     raise ValueError(f"auto_lr.backoff must be a bool, and True only with controller='fit'; got {a.backoff!r}.")
   if a.step_growth != 1.0 and a.controller != 'fit':
     raise ValueError(f"auto_lr.step_growth={a.step_growth!r} needs controller='fit'; set it to 1.0.")

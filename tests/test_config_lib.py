@@ -68,3 +68,32 @@ def test_score_tail_needs_a_common_batch_to_score(other):
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.score_tail=0\.5 .*hdet\.score=.common.') as e:
     config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.score_tail': 0.5, **other}))
   assert '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('steps,num_syncs,early,want', [
+    (1500, 15, (0, 0), (100,)), (750, 15, (0, 0), (50,)), (300, 15, (0, 0), (20,)), (1000, 15, (0, 0), (67,)),
+    (40, 0, (0, 0), (8,)), (40, 40, (0, 0), (1,)), (40, 4, (2, 4), (2, 2, 10))])
+def test_num_syncs_counts_the_windows_per_run(steps, num_syncs, early, want):
+  """hdet.num_syncs = K > 0 makes T = round(steps / K) whatever hdet.sync_every says (8 in the tiny config);
+  0 keeps hdet.sync_every; the early windows come first either way."""
+  from hdet_jax.trainer import optimizer as optimizer_lib
+  config = config_lib.with_overrides(_tiny(), {'num_train_steps': steps, 'hdet.num_syncs': num_syncs,
+                                               'hdet.early_sync_every': early[0], 'hdet.early_sync_steps': early[1]})
+  config_lib.check_values(config)
+  assert optimizer_lib.sync_windows(config) == want
+
+
+def test_more_syncs_than_steps_is_refused():
+  with pytest.raises(config_lib.ConfigError, match=r'hdet\.num_syncs=41 .*num_train_steps=40') as e:
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 41}))
+  assert '\n' not in str(e.value)
+  with pytest.raises(config_lib.ConfigError, match=r'hdet\.num_syncs'):
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': -1}))
+
+
+@pytest.mark.parametrize('other', [{'hdet.controller': 'paper'}, {'hdet.auto_lr': False}])
+def test_backoff_needs_the_fit_controller(other):
+  config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True}))
+  with pytest.raises(config_lib.ConfigError, match=r"hdet\.backoff=True .*hdet\.controller='fit'") as e:
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, **other}))
+  assert '\n' not in str(e.value)

@@ -333,6 +333,8 @@ SCHED = H.one_cycle(1e-3, 100)
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', initial_scale=0.0)), 'initial_scale'),
     (dict(auto_lr=H.AutoLR(total_steps=100, initial_scale=0.1)), "initial_scale=0.1 needs controller='fit'"),
     (dict(auto_lr=H.AutoLR(total_steps=100, after_stop='rise')), "after_stop must be 'hold' or"),
+    (dict(auto_lr=H.AutoLR(total_steps=100, backoff=True)), "backoff must be a bool, and True only with controller='fit'"),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=1)), 'backoff must be a bool'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='fall')), 'after_stop'),
 ])
 def test_bad_settings_raise_at_construction(kwargs, name):

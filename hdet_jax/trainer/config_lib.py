@@ -24,7 +24,7 @@ RUN_FIELDS = frozenset({
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
 QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
-                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False,
+                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.num_syncs': 0,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0}
 
 
@@ -140,6 +140,7 @@ _RULES = (
     ('mesh.tensor', 'int', lambda v: v >= 1, 'an integer >= 1 (1: no tensor parallelism inside a group)'),
     ('hdet.spread', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
     ('hdet.sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: never)'),
+    ('hdet.num_syncs', 'int', lambda v: v >= 0, 'an integer >= 0 (0: T is hdet.sync_every)'),
     ('hdet.early_sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: T from the start)'),
     ('hdet.early_sync_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),
     ('hdet.warmup_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),
@@ -221,6 +222,10 @@ def _check_early_syncs(config: Any) -> None:
         'windows then end exactly where the windows of hdet.sync_every begin); set both, or both to 0.')
   if steps >= config.num_train_steps:
     raise ConfigError(f'hdet.early_sync_steps={steps} must be < num_train_steps={config.num_train_steps}.')
+  k = config.hdet.get('num_syncs', 0)
+  if k > config.num_train_steps:
+    raise ConfigError(f'hdet.num_syncs={k} windows do not fit in num_train_steps={config.num_train_steps} '
+                      '(each window is at least one step): lower hdet.num_syncs, or set it to 0 and use hdet.sync_every.')
 
 
 # 'adamw', 'adam', 'sgd' take the schedule as their LR; the optax.contrib LR-free and adaptive methods

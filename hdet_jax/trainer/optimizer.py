@@ -18,10 +18,14 @@ from hdet_jax.trainer.mesh import replica_axis
 
 def sync_windows(config: Any) -> tuple[int, ...]:
   """The core's ``sync_every``: windows of ``hdet.early_sync_every`` steps for the first
-  ``hdet.early_sync_steps`` steps, then of T. ``hdet.sync_every = 0`` means never sync (plain data
-  parallel): T past the last step."""
+  ``hdet.early_sync_steps`` steps, then of T: ``hdet.sync_every``, or with ``hdet.num_syncs = K > 0``
+  ``round(num_train_steps / K)`` (windows counted per run). T = 0 means never sync (plain data parallel):
+  T past the last step."""
   h = config.hdet
-  period = int(h.sync_every) if h.sync_every > 0 else int(config.num_train_steps) + 1
+  every = int(h.sync_every)
+  if h.get('num_syncs', 0) > 0:
+    every = max(1, int(round(config.num_train_steps / h.num_syncs)))
+  period = every if every > 0 else int(config.num_train_steps) + 1
   early = int(h.get('early_sync_every', 0))
   return (early,) * (int(h.get('early_sync_steps', 0)) // early) + (period,) if early > 0 else (period,)
 
