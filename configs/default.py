@@ -71,8 +71,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.num_replicas = 8
   config.hdet.spread = 0.25  # alpha of eq. 1: the replicas' LRs span base * [1 - alpha, 1 + alpha]; 0: plain data parallel.
   config.hdet.sync_every = 100  # T: average the replicas (eq. 3) every T steps; 0: never (plain data parallel).
-  # Windows counted per run instead: K > 0 sets T = round(num_train_steps / K) (hdet.sync_every is then not
-  # used), so a short run gets as many syncs as a long one. 0: T is hdet.sync_every.
+  # Windows counted per run instead, where hdet.sync_every is 0: K > 0 sets T = round(num_train_steps / K), so a
+  # short run gets as many syncs as a long one. Both 0: never average.
   config.hdet.num_syncs = 0
   # Shorter windows at the start: average every early_sync_every steps for the first early_sync_steps steps
   # (a multiple of it), then every T; the controller compares the replicas at each of those syncs. 0: off.

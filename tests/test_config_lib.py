@@ -74,10 +74,11 @@ def test_score_tail_needs_a_common_batch_to_score(other):
     (1500, 15, (0, 0), (100,)), (750, 15, (0, 0), (50,)), (300, 15, (0, 0), (20,)), (1000, 15, (0, 0), (67,)),
     (40, 0, (0, 0), (8,)), (40, 40, (0, 0), (1,)), (40, 4, (2, 4), (2, 2, 10))])
 def test_num_syncs_counts_the_windows_per_run(steps, num_syncs, early, want):
-  """hdet.num_syncs = K > 0 makes T = round(steps / K) whatever hdet.sync_every says (8 in the tiny config);
-  0 keeps hdet.sync_every; the early windows come first either way."""
+  """With hdet.sync_every = 0, hdet.num_syncs = K > 0 makes T = round(steps / K); a sync_every > 0 wins (8 in
+  the tiny config, with K = 0 here); the early windows come first either way."""
   from hdet_jax.trainer import optimizer as optimizer_lib
   config = config_lib.with_overrides(_tiny(), {'num_train_steps': steps, 'hdet.num_syncs': num_syncs,
+                                               'hdet.sync_every': 0 if num_syncs else 8,
                                                'hdet.early_sync_every': early[0], 'hdet.early_sync_steps': early[1]})
   config_lib.check_values(config)
   assert optimizer_lib.sync_windows(config) == want
@@ -97,3 +98,11 @@ def test_backoff_needs_the_fit_controller(other):
   with pytest.raises(config_lib.ConfigError, match=r"hdet\.backoff=True .*hdet\.controller='fit'") as e:
     config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, **other}))
   assert '\n' not in str(e.value)
+
+
+def test_sync_every_wins_over_num_syncs_and_both_zero_never_syncs():
+  from hdet_jax.trainer import optimizer as optimizer_lib
+  config = config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 4})
+  assert config.hdet.sync_every == 8 and optimizer_lib.sync_windows(config) == (8,)
+  config = config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 0, 'hdet.sync_every': 0})
+  assert optimizer_lib.never_syncs(config) and optimizer_lib.sync_windows(config) == (41,)

@@ -140,7 +140,7 @@ _RULES = (
     ('mesh.tensor', 'int', lambda v: v >= 1, 'an integer >= 1 (1: no tensor parallelism inside a group)'),
     ('hdet.spread', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
     ('hdet.sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: never)'),
-    ('hdet.num_syncs', 'int', lambda v: v >= 0, 'an integer >= 0 (0: T is hdet.sync_every)'),
+    ('hdet.num_syncs', 'int', lambda v: v >= 0, 'an integer >= 0 (used where hdet.sync_every is 0)'),
     ('hdet.early_sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: T from the start)'),
     ('hdet.early_sync_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),
     ('hdet.warmup_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),

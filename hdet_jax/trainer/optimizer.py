@@ -18,12 +18,12 @@ from hdet_jax.trainer.mesh import replica_axis
 
 def sync_windows(config: Any) -> tuple[int, ...]:
   """The core's ``sync_every``: windows of ``hdet.early_sync_every`` steps for the first
-  ``hdet.early_sync_steps`` steps, then of T: ``hdet.sync_every``, or with ``hdet.num_syncs = K > 0``
-  ``round(num_train_steps / K)`` (windows counted per run). T = 0 means never sync (plain data parallel):
-  T past the last step."""
+  ``hdet.early_sync_steps`` steps, then of T: ``hdet.sync_every`` when it is > 0, else with ``hdet.num_syncs
+  = K > 0`` ``round(num_train_steps / K)`` (windows counted per run). Both 0 means never sync (plain data
+  parallel): T past the last step."""
   h = config.hdet
   every = int(h.sync_every)
-  if h.get('num_syncs', 0) > 0:
+  if every == 0 and h.get('num_syncs', 0) > 0:
     every = max(1, int(round(config.num_train_steps / h.num_syncs)))
   period = every if every > 0 else int(config.num_train_steps) + 1
   early = int(h.get('early_sync_every', 0))
