@@ -559,7 +559,8 @@ def _backoff_corrections(backoff, window_losses, rise_only=False, T=5, trust=0.5
       ss = step(sp, ss, jnp.asarray(loss + 0.01 * np.arange(N), jnp.float32))
     u = np.asarray(ss.values[0, 0], np.float64) / float(ss.base[0, 0]) - 1.0
     ss = end(sp, ss, jnp.asarray((u - 0.05) ** 2, jnp.float32))
-    out.append((float(ss.controller.correction[0, 0]), float(ss.controller.train_loss[0])))
+    out.append((float(ss.controller.correction[0, 0]), float(ss.controller.train_loss[0]),
+                float(ss.controller.asked[0, 0])))
   return out
 
 
@@ -570,10 +571,13 @@ def test_backoff_steps_down_by_trust_where_the_window_training_loss_rose(rise_on
   (rise-only or not); the first sync has nothing to compare with. The recorded loss is the replicas' mean."""
   losses = [2.0, 1.0, 1.5, 1.2, float('nan')]
   plain, backed = _backoff_corrections(False, losses, rise_only), _backoff_corrections(True, losses, rise_only)
-  fitted = np.diff([0.0] + [c for c, _ in plain])
-  assert np.all(fitted[:4] > 0.01)  # every fit asked up (the NaN window's scores are the bowl too)
-  taken = np.diff([0.0] + [c for c, _ in backed])
+  fitted = np.diff([0.0] + [c for c, _, _ in plain])
+  assert np.all(fitted > 0.01)  # every fit asked up (the NaN window's scores are the bowl too)
+  taken = np.diff([0.0] + [c for c, _, _ in backed])
   np.testing.assert_allclose(taken[[0, 1, 3]], fitted[[0, 1, 3]], rtol=1e-5)
   np.testing.assert_allclose(taken[[2, 4]], [-0.5, -0.5], rtol=1e-6)
-  np.testing.assert_allclose([l for _, l in backed[:4]], np.asarray(losses[:4]) + 0.01 * (N - 1) / 2, rtol=1e-6)
-  assert np.isnan(backed[4][1]) and all(np.isnan(l) for _, l in plain)  # off: not even recorded
+  # The controller records what the fit asked, not what was taken: up, at the back-offs too.
+  np.testing.assert_allclose([a for _, _, a in plain], fitted, rtol=1e-5)
+  np.testing.assert_allclose([a for _, _, a in backed][2], fitted[2], rtol=1e-2)
+  np.testing.assert_allclose([l for _, l, _ in backed[:4]], np.asarray(losses[:4]) + 0.01 * (N - 1) / 2, rtol=1e-6)
+  assert np.isnan(backed[4][1]) and all(np.isnan(l) for _, l, _ in plain)  # off: not even recorded
