@@ -3,10 +3,10 @@
 The main job: HDET (LR spread, periodic averaging, auto-LR) from scratch on a small byte-level
 transformer and the King James Bible, 8 replicas (8 simulated CPU devices on a CPU-only machine).
 About 2-3 minutes on a 2-core CPU, compile included. Its controller is the most robust we measured across
-three starts, two optimizers and three run lengths (results/autolr.md:
-'fit_lr_T100_cautious_riseonly_accel', a line search on a common batch every 100 steps, its steps
-amplified while they keep one direction, one LR scale that only rises, starting at a tenth of
-optim.max_lr, so give max_lr as the high end of your guess). The paper's (eqs. 4-9) is --config.hdet.controller=paper
+three workloads, three run lengths, three starts and two optimizers (results/workloads.md: 'fit_K15', a line
+search on a common batch at 15 syncs per run, every 100 steps here, its steps amplified while they keep one
+direction, one LR scale that only rises, starting at a tenth of optim.max_lr, so give max_lr as the high end of
+your guess). The paper's (eqs. 4-9) is --config.hdet.controller=paper
 --config.hdet.score=window --config.hdet.warmup_steps=750 --config.hdet.stop_fraction=1
 --config.hdet.param_groups=True --config.hdet.sync_every=25 --config.hdet.initial_scale=1
 --config.hdet.after_stop=hold --config.hdet.step_growth=1 --config.optim.max_lr=3e-3.
@@ -70,10 +70,12 @@ def get_config() -> ml_collections.ConfigDict:
   # one GPU trains the same 8-replica run as 8 devices, to rounding. 0: one replica per device.
   config.hdet.num_replicas = 8
   config.hdet.spread = 0.25  # alpha of eq. 1: the replicas' LRs span base * [1 - alpha, 1 + alpha]; 0: plain data parallel.
-  config.hdet.sync_every = 100  # T: average the replicas (eq. 3) every T steps; 0: never (plain data parallel).
-  # Windows counted per run instead, where hdet.sync_every is 0: K > 0 sets T = round(num_train_steps / K), so a
-  # short run gets as many syncs as a long one. Both 0: never average.
-  config.hdet.num_syncs = 0
+  config.hdet.sync_every = 0  # T: average the replicas (eq. 3) every T steps; 0: T from hdet.num_syncs.
+  # Windows counted per run where hdet.sync_every is 0: T = round(num_train_steps / K), 100 at this run's 1500
+  # steps, so a short run gets as many syncs (and controller decisions) as a long one: a 300-step fine-tuning
+  # run had 2 useful syncs at T=100 and ended 9-29% behind the sweep from below (results/workloads.md).
+  # Both 0: never average (plain data parallel).
+  config.hdet.num_syncs = 15
   # Shorter windows at the start: average every early_sync_every steps for the first early_sync_steps steps
   # (a multiple of it), then every T; the controller compares the replicas at each of those syncs. 0: off.
   config.hdet.early_sync_every = 0

@@ -2,7 +2,7 @@
 
 Task 'mnist1d': a small 1-D CNN classifier (the dataset's reference ConvBase, 5.2k parameters) on
 MNIST-1D (Greydanus 2020), generated offline by the PyPI package mnist1d, trained with the main job's
-HDET (spread 0.25, averaging every 100 steps, the 'fit' auto-LR controller from a tenth of
+HDET (spread 0.25, averaging 15 times per run, the 'fit' auto-LR controller from a tenth of
 optim.max_lr), 8 replicas. The metric is the averaged model's test cross-entropy (nats, lower is
 better); test accuracy beside it. Bring your own signals with --config.data.path=FILE.npz (arrays x,
 y, x_test, y_test: signals [n, L] or [n, L, C], integer labels in [0, model.num_classes)).

@@ -17,6 +17,7 @@ from hdet_jax.trainer.config_lib import sibling
 def get_config():
   config = sibling(__file__, 'hdet_full')  # HDET full's settings: 500 steps, peak LR HIGH_LR, warm start.
   config.hdet.spread = 0.0  # No LR spread: every replica trains at the base LR.
-  config.hdet.sync_every = 0  # Never average (plain data parallel: replicas share the all-reduced gradient).
+  config.hdet.sync_every = 0  # Never average (plain data parallel: replicas share the all-reduced gradient) ...
+  config.hdet.num_syncs = 0  # ... (no windows counted per run either).
   config.hdet.auto_lr = False  # No controller: the one-cycle schedule as is.
   return config

@@ -120,9 +120,9 @@ VARIANT_SETTINGS = {
     # averaging also cancels the oscillation that shows a too-high LR; the climb went on to 3-4x the sweep's
     # best and lost every start (results/autolr.md).
     'fit_lr_T100_cautious_riseonly_accel_tail50': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.score_tail': 0.5},
-    # Screens for the defaults issue (experiments/workloads.py --variant): the default with its windows
-    # counted per run (T = steps / 15: the main job's T=100 at 1500 steps), so a short run gets as many syncs
-    # as a long one (a 300-step fine-tuning run had 2 syncs at T=100).
+    # The default since the defaults issue (configs/default.py: hdet.num_syncs = 15): the controller above with its
+    # windows counted per run (T = steps / 15: T=100 at the LM's 1500 steps, the same runs as above), so a short
+    # run gets as many syncs as a long one (a 300-step fine-tuning run had 2 useful syncs at T=100).
     'fit_K15': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'syncs': 15},
     # The default aiming past the fitted best (PAL's overshoot, 1.5): the climb ends where the line search's
     # best is below 1/1.5 of the current LR instead of at it (against short-horizon bias).
@@ -145,7 +145,9 @@ VARIANT_SETTINGS = {
 }
 VARIANTS = ('fit_lr', 'paper', 'fit_lr_T100', 'fit_lr_T100_cautious', 'fit_lr_T100_cautious_rise',
             'fit_lr_T100_cautious_rise_accel', 'fit_lr_T100_cautious_riseonly_accel')  # run by default
-DEFAULT_VARIANT = 'fit_lr_T100_cautious_riseonly_accel'  # the variant reported as HDET's: the main job's controller (configs/default.py)
+# The variant reported as HDET's: the main job's controller (configs/default.py) at its 1500 steps, where its 15
+# syncs per run are T=100 (experiments/workloads.py reports it at every length as 'fit_K15').
+DEFAULT_VARIANT = 'fit_lr_T100_cautious_riseonly_accel'
 # The LR-free methods at their documented LR: the trainer's one-cycle shape peaking at it where the docs
 # recommend a schedule (prodigy, dog, D-Adaptation, Mechanic), constant for schedule-free. reduce_on_plateau
 # can only lower an LR, so adam_plateau starts from the 'high' start (10x the grid's best).
@@ -158,7 +160,7 @@ PEER_SETTINGS = {
     'adam_plateau': {'optim.max_lr': 'high', 'optim.schedule': 'constant'},
 }
 
-PLAIN = {'hdet.spread': 0.0, 'hdet.sync_every': 0, 'hdet.auto_lr': False}
+PLAIN = {'hdet.spread': 0.0, 'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.auto_lr': False}
 RUN = {'progress_bar': False, 'plots': False, 'checkpoint_every': 500, 'max_checkpoints': 1}
 QUICK = {
     'num_train_steps': 40, 'data.seq_len': 32, 'data.batch_size': 4, 'model.d_model': 32,

@@ -63,7 +63,8 @@ RUN = {'log_every': LOG, 'eval_every': 0, 'checkpoint_every': 0, 'max_checkpoint
 WARM_ROWS = ('warm_init', 'hdet_no_auto_lr', 'hdet_full')
 MECHANISM = {  # name: (the row config it changes, the changes, warm start)
     'avg_no_spread': ('baseline_high', {'hdet.sync_every': 25}, False),
-    'spread_no_avg': ('hdet_cold', {'hdet.spread': 0.25, 'hdet.sync_every': 0, 'hdet.auto_lr': False}, False),
+    'spread_no_avg': ('hdet_cold', {'hdet.spread': 0.25, 'hdet.sync_every': 0, 'hdet.num_syncs': 0,
+                                     'hdet.auto_lr': False}, False),
     'hdet_cold_no_auto_lr': ('hdet_cold', {'hdet.auto_lr': False}, False),
     'baseline_low_warm': ('baseline_low', {}, True),
 }

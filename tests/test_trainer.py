@@ -296,7 +296,7 @@ def test_warm_noisy_start_from_an_earlier_run(straight, tmp_path):
   ref, _ = straight
   workdir = str(tmp_path / 'warm')
   s = train_and_evaluate(tiny(init_from=ref, num_train_steps=10, plots=False, eval_every=0,
-                              checkpoint_every=0, **{'hdet.sync_every': 0, 'hdet.spread': 0.0,
+                              checkpoint_every=0, **{'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.spread': 0.0,
                                                     'hdet.auto_lr': False}), workdir)
   recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   start = [e for e in recs['event'] if e['event'] == 'start'][0]

@@ -1,5 +1,6 @@
 """experiments/workloads.py: each workload's --quick mode end to end, and its report against the records."""
 
+import dataclasses
 import json
 import os
 
@@ -92,3 +93,45 @@ def test_cache_keys_are_fields_the_runs_configs_hold(workload):
     flat = config_lib.flatten(workloads.base_config(workload, steps, False))
     for key, value in workloads.task_overrides(workload, steps).items():
       assert flat[key] == value, (workload, steps, key)
+
+
+@pytest.mark.parametrize('workload', list(workloads.WORKLOADS))
+def test_the_reported_variant_is_the_workloads_default_config(workload):
+  """The HDET the report calls the default trains what the workload's config trains at every run length: the same
+  sync windows, controller settings and comparison (so the tables describe `python train.py --config ...`)."""
+  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib
+  for steps in workloads.lengths(workload, False):
+    config = workloads.base_config(workload, steps, False)
+    variant = workloads.record_variant(workloads.DEFAULT_VARIANT, steps)
+    ran = config_lib.with_overrides(workloads.base_config(workload, steps, False), autolr.run_overrides(
+        'hdet', 'adamw', config.optim.max_lr, config.seed, steps, variant=variant))
+    assert optimizer_lib.sync_windows(ran) == optimizer_lib.sync_windows(config), (workload, steps)
+    first_sync = optimizer_lib.sync_windows(config)[0]
+    # A stop before the first sync makes the same decisions wherever it falls (rise-only from the first sync).
+    same = lambda a: dataclasses.replace(a, stop_steps=-1 if a.stop_steps is not None and a.stop_steps < first_sync
+                                         else a.stop_steps)
+    assert same(optimizer_lib.auto_lr_settings(ran)) == same(optimizer_lib.auto_lr_settings(config)), (workload, steps)
+    for field in ('hdet.score', 'hdet.score_tail', 'hdet.param_groups', 'hdet.spread', 'hdet.probe_windows'):
+      assert config_lib.flatten(ran)[field] == config_lib.flatten(config)[field], (workload, steps, field)
+
+
+def test_the_lm_at_1500_steps_reads_autolr_records_that_are_the_same_runs():
+  """At the main job's 1500 steps the default's 15 syncs are autolr.py's T=100: the report reads those records.
+  The one run of the default under its own name there equals that record bit for bit."""
+  assert workloads.record_variant(workloads.DEFAULT_VARIANT, 1500) == autolr.DEFAULT_VARIANT
+  assert workloads.record_variant(workloads.DEFAULT_VARIANT, 750) == workloads.DEFAULT_VARIANT
+  runs = os.path.join(autolr.REPO, 'results', 'autolr', 'runs', 'default', 'adamw')
+  own = json.load(open(os.path.join(runs, f'hdet_{workloads.DEFAULT_VARIANT}_best_s0.json'), encoding='utf-8'))
+  old = json.load(open(os.path.join(runs, f'hdet_{autolr.DEFAULT_VARIANT}_best_s0.json'), encoding='utf-8'))
+  from hdet_jax.trainer import config_lib
+  mine, theirs = config_lib.flatten(own['config']), config_lib.flatten(old['config'])
+  # The same fields, but for those added since (at the values every earlier run had) and N written as 8 instead
+  # of 0 (one replica per device, on 8 devices), and the run fields.
+  assert theirs['hdet.num_replicas'] == 0 and mine['hdet.num_replicas'] == 8
+  newer = {k for k in mine if k not in theirs}
+  assert all(mine[k] == config_lib.QUIET_DEFAULTS[k] for k in newer if k not in config_lib.RUN_FIELDS), newer
+  assert {k: v for k, v in mine.items() if k in theirs and k != 'hdet.num_replicas'} == \
+      {k: v for k, v in theirs.items() if k != 'hdet.num_replicas'}
+  for key in ('val_bpb', 'evals', 'trajectory'):
+    assert own[key] == old[key], key
+  assert [c['window_losses'] for c in own['controller']] == [c['window_losses'] for c in old['controller']]
