@@ -3,8 +3,8 @@
 The main job: HDET (LR spread, periodic averaging, auto-LR) from scratch on a small byte-level
 transformer and the King James Bible, 8 replicas (8 simulated CPU devices on a CPU-only machine).
 About 2-3 minutes on a 2-core CPU, compile included. Its controller is the most robust we measured across
-three workloads, three run lengths, three starts and two optimizers (results/workloads.md: 'fit_K15', a line
-search on a common batch at 15 syncs per run, every 100 steps here, its steps amplified while they keep one
+three workloads, three run lengths, three starts and two optimizers (results/workloads.md: 'fit_K15_cap100', a
+line search on a common batch at 15 syncs per run at most 100 steps apart, every 100 steps here, its steps amplified while they keep one
 direction, one LR scale that only rises, starting at a tenth of optim.max_lr, so give max_lr as the high end of
 your guess). The paper's (eqs. 4-9) is --config.hdet.controller=paper
 --config.hdet.score=window --config.hdet.warmup_steps=750 --config.hdet.stop_fraction=1
@@ -76,6 +76,10 @@ def get_config() -> ml_collections.ConfigDict:
   # run had 2 useful syncs at T=100 and ended 9-29% behind the sweep from below (results/workloads.md).
   # Both 0: never average (plain data parallel).
   config.hdet.num_syncs = 15
+  # ... with windows of at most this many steps (0: no cap), so a long run keeps the syncs of its first few
+  # hundred steps, where the line search still asks for more: at T=200 a 3000-step LM run climbed from 10x low
+  # to a third of the LR it reached at T=100 and ended +3.1% instead of +1.0% (experiments/workloads_discussion.md).
+  config.hdet.longest_window = 100
   # Shorter windows at the start: average every early_sync_every steps for the first early_sync_steps steps
   # (a multiple of it), then every T; the controller compares the replicas at each of those syncs. 0: off.
   config.hdet.early_sync_every = 0

@@ -120,10 +120,15 @@ VARIANT_SETTINGS = {
     # averaging also cancels the oscillation that shows a too-high LR; the climb went on to 3-4x the sweep's
     # best and lost every start (results/autolr.md).
     'fit_lr_T100_cautious_riseonly_accel_tail50': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.score_tail': 0.5},
-    # The default since the defaults issue (configs/default.py: hdet.num_syncs = 15): the controller above with its
-    # windows counted per run (T = steps / 15: T=100 at the LM's 1500 steps, the same runs as above), so a short
-    # run gets as many syncs as a long one (a 300-step fine-tuning run had 2 useful syncs at T=100).
+    # The defaults issue's screens (experiments/workloads.py --variant): the controller above with its windows
+    # counted per run (T = steps / 15: T=100 at the LM's 1500 steps, the same runs as above), so a short run gets
+    # as many syncs as a long one (a 300-step fine-tuning run had 2 useful syncs at T=100).
     'fit_K15': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'syncs': 15},
+    # ... with its windows at most 100 steps (configs/default.py: hdet.num_syncs = 15, hdet.longest_window = 100):
+    # short runs train fit_K15's runs, runs of 1500 steps and more those of the T=100 variant above (the climb's
+    # end point is set by the syncs of a run's first few hundred steps, where the asks still point up).
+    'fit_K15_cap100': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
+                       'hdet.longest_window': 100},
     # The default aiming past the fitted best (PAL's overshoot, 1.5): the climb ends where the line search's
     # best is below 1/1.5 of the current LR instead of at it (against short-horizon bias).
     'fit_k1p5': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.overshoot': 1.5},
@@ -146,7 +151,7 @@ VARIANT_SETTINGS = {
 VARIANTS = ('fit_lr', 'paper', 'fit_lr_T100', 'fit_lr_T100_cautious', 'fit_lr_T100_cautious_rise',
             'fit_lr_T100_cautious_rise_accel', 'fit_lr_T100_cautious_riseonly_accel')  # run by default
 # The variant reported as HDET's: the main job's controller (configs/default.py) at its 1500 steps, where its 15
-# syncs per run are T=100 (experiments/workloads.py reports it at every length as 'fit_K15').
+# syncs per run are T=100 (experiments/workloads.py reports it at every length as 'fit_K15_cap100').
 DEFAULT_VARIANT = 'fit_lr_T100_cautious_riseonly_accel'
 # The LR-free methods at their documented LR: the trainer's one-cycle shape peaking at it where the docs
 # recommend a schedule (prodigy, dog, D-Adaptation, Mechanic), constant for schedule-free. reduce_on_plateau

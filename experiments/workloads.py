@@ -35,8 +35,11 @@ from experiments import records
 from hdet_jax.trainer.plots import save_figure
 
 REPO = autolr.REPO
-# The main job's controller (configs/default.py): autolr.py's default with its windows counted per run (15 syncs).
-DEFAULT_VARIANT = 'fit_K15'
+# The main job's controller (configs/default.py): autolr.py's default with its windows counted per run (15 syncs,
+# each at most 100 steps).
+DEFAULT_VARIANT = 'fit_K15_cap100'
+# Variants whose records may hold another variant's runs (the same config at that length: see record_variant).
+SAME_RUNS_FROM = (autolr.DEFAULT_VARIANT, 'fit_K15')
 WORKLOADS = {  # config file, default run length, optimizers measured
     'lm': ('default.py', 1500, ('adamw',)),
     'mnist1d': ('mnist1d.py', 1000, ('adamw', 'sgd')),
@@ -104,13 +107,24 @@ def pretrained(work_root: str, quick: bool) -> str:
   return workdir
 
 
-def record_variant(variant: str, steps: int) -> str:
-  """The variant whose records hold ``variant``'s runs at ``steps``: itself, or autolr.py's default variant where
-  the two set the same fields at this length (the LM's 1500 steps: 15 syncs are T=100, the runs of
-  ``results/autolr/runs/default``, bit for bit; tests/test_workloads.py checks one)."""
-  same = all(autolr.run_overrides('hdet', o, 1.0, 0, steps, variant=variant)
-             == autolr.run_overrides('hdet', o, 1.0, 0, steps, variant=autolr.DEFAULT_VARIANT) for o in autolr.GRIDS)
-  return autolr.DEFAULT_VARIANT if same else variant
+def record_variant(variant: str, workload: str, steps: int) -> str:
+  """The variant whose records hold ``variant``'s runs of ``workload`` at ``steps``: itself, or the first of
+  SAME_RUNS_FROM that trains the same config there (the same fields but the two that set the windows, and the same
+  windows). The default's 15 syncs of at most 100 steps are fit_K15's windows below 1500 steps and autolr.py's
+  T=100 from 1500 on: those records are its runs, bit for bit (tests/test_workloads.py checks one)."""
+  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib
+
+  def trained(v, optim):
+    c = config_lib.with_overrides(base_config(workload, steps, False),
+                                  autolr.run_overrides('hdet', optim, 0.01, 0, steps, variant=v))
+    flat = {k: x for k, x in config_lib.flatten(c).items() if k not in ('hdet.sync_every', 'hdet.num_syncs',
+                                                                        'hdet.longest_window')}
+    return flat, optimizer_lib.sync_windows(c)
+
+  for other in SAME_RUNS_FROM:
+    if other != variant and all(trained(variant, o) == trained(other, o) for o in WORKLOADS[workload][2]):
+      return other
+  return variant
 
 
 def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -> dict:
@@ -130,7 +144,7 @@ def run_workload(workload: str, steps: int, args, work_root: str) -> dict:
   cache = records.RunCache(records_dir(workload, steps, args.quick, work_root),
                            os.path.join(work_root, workload, f'steps{steps}'), make_record, autolr.describe)
   grids = autolr.QUICK_GRIDS if args.quick else autolr.GRIDS
-  variant, default_steps = record_variant(args.variant, steps), WORKLOADS[workload][1]
+  variant, default_steps = record_variant(args.variant, workload, steps), WORKLOADS[workload][1]
   plain_extra = {'warm_init.nu': 0.0} if workload == 'finetune' else {}
   task = task_overrides(workload, steps)
 

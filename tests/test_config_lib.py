@@ -106,3 +106,17 @@ def test_sync_every_wins_over_num_syncs_and_both_zero_never_syncs():
   assert config.hdet.sync_every == 8 and optimizer_lib.sync_windows(config) == (8,)
   config = config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 0, 'hdet.sync_every': 0})
   assert optimizer_lib.never_syncs(config) and optimizer_lib.sync_windows(config) == (41,)
+
+
+@pytest.mark.parametrize('steps,want', [(300, 20), (750, 50), (1500, 100), (3000, 100), (1000, 67)])
+def test_longest_window_caps_the_windows_counted_per_run(steps, want):
+  """The default's 15 windows per run are at most hdet.longest_window = 100 steps; 0 lifts the cap; an explicit
+  hdet.sync_every is not capped."""
+  from hdet_jax.trainer import optimizer as optimizer_lib
+  default = config_lib.load_config_file(os.path.join(CONFIGS, 'default.py'))
+  config = config_lib.with_overrides(default, {'num_train_steps': steps})
+  assert (config.hdet.sync_every, config.hdet.num_syncs, config.hdet.longest_window) == (0, 15, 100)
+  assert optimizer_lib.sync_windows(config) == (want,)
+  uncapped = config_lib.with_overrides(config, {'hdet.longest_window': 0})
+  assert optimizer_lib.sync_windows(uncapped) == (round(steps / 15),)
+  assert optimizer_lib.sync_windows(config_lib.with_overrides(config, {'hdet.sync_every': 250})) == (250,)

@@ -102,7 +102,7 @@ def test_the_reported_variant_is_the_workloads_default_config(workload):
   from hdet_jax.trainer import config_lib, optimizer as optimizer_lib
   for steps in workloads.lengths(workload, False):
     config = workloads.base_config(workload, steps, False)
-    variant = workloads.record_variant(workloads.DEFAULT_VARIANT, steps)
+    variant = workloads.record_variant(workloads.DEFAULT_VARIANT, workload, steps)
     ran = config_lib.with_overrides(workloads.base_config(workload, steps, False), autolr.run_overrides(
         'hdet', 'adamw', config.optim.max_lr, config.seed, steps, variant=variant))
     assert optimizer_lib.sync_windows(ran) == optimizer_lib.sync_windows(config), (workload, steps)
@@ -115,13 +115,17 @@ def test_the_reported_variant_is_the_workloads_default_config(workload):
       assert config_lib.flatten(ran)[field] == config_lib.flatten(config)[field], (workload, steps, field)
 
 
-def test_the_lm_at_1500_steps_reads_autolr_records_that_are_the_same_runs():
-  """At the main job's 1500 steps the default's 15 syncs are autolr.py's T=100: the report reads those records.
-  The one run of the default under its own name there equals that record bit for bit."""
-  assert workloads.record_variant(workloads.DEFAULT_VARIANT, 1500) == autolr.DEFAULT_VARIANT
-  assert workloads.record_variant(workloads.DEFAULT_VARIANT, 750) == workloads.DEFAULT_VARIANT
+def test_the_default_reads_the_records_of_the_variants_that_train_its_runs():
+  """The default's 15 syncs of at most 100 steps train fit_K15's windows below 1500 steps and autolr.py's T=100
+  from 1500 on, so the report reads those records (and a variant that differs there reads its own). One run of
+  fit_K15 at the LM's 1500 steps (T=100 too) equals autolr.py's record bit for bit."""
+  want = {('lm', 750): 'fit_K15', ('lm', 1500): autolr.DEFAULT_VARIANT, ('lm', 3000): autolr.DEFAULT_VARIANT,
+          ('mnist1d', 500): 'fit_K15', ('mnist1d', 1000): 'fit_K15', ('mnist1d', 2000): autolr.DEFAULT_VARIANT,
+          ('finetune', 150): 'fit_K15', ('finetune', 300): 'fit_K15', ('finetune', 600): 'fit_K15'}
+  assert {k: workloads.record_variant(workloads.DEFAULT_VARIANT, *k) for k in want} == want
+  assert workloads.record_variant('fit_backoff', 'lm', 1500) == 'fit_backoff'
   runs = os.path.join(autolr.REPO, 'results', 'autolr', 'runs', 'default', 'adamw')
-  own = json.load(open(os.path.join(runs, f'hdet_{workloads.DEFAULT_VARIANT}_best_s0.json'), encoding='utf-8'))
+  own = json.load(open(os.path.join(runs, 'hdet_fit_K15_best_s0.json'), encoding='utf-8'))
   old = json.load(open(os.path.join(runs, f'hdet_{autolr.DEFAULT_VARIANT}_best_s0.json'), encoding='utf-8'))
   from hdet_jax.trainer import config_lib
   mine, theirs = config_lib.flatten(own['config']), config_lib.flatten(old['config'])

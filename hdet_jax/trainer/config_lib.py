@@ -24,7 +24,7 @@ RUN_FIELDS = frozenset({
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
 QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
-                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.num_syncs': 0,
+                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0}
 
 
@@ -141,6 +141,7 @@ _RULES = (
     ('hdet.spread', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
     ('hdet.sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: never)'),
     ('hdet.num_syncs', 'int', lambda v: v >= 0, 'an integer >= 0 (used where hdet.sync_every is 0)'),
+    ('hdet.longest_window', 'int', lambda v: v >= 0, 'an integer >= 0 (0: no cap on the windows of hdet.num_syncs)'),
     ('hdet.early_sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: T from the start)'),
     ('hdet.early_sync_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),
     ('hdet.warmup_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),

@@ -19,12 +19,14 @@ from hdet_jax.trainer.mesh import replica_axis
 def sync_windows(config: Any) -> tuple[int, ...]:
   """The core's ``sync_every``: windows of ``hdet.early_sync_every`` steps for the first
   ``hdet.early_sync_steps`` steps, then of T: ``hdet.sync_every`` when it is > 0, else with ``hdet.num_syncs
-  = K > 0`` ``round(num_train_steps / K)`` (windows counted per run). Both 0 means never sync (plain data
-  parallel): T past the last step."""
+  = K > 0`` ``round(num_train_steps / K)`` (windows counted per run), at most ``hdet.longest_window`` steps
+  (> 0). Both 0 means never sync (plain data parallel): T past the last step."""
   h = config.hdet
   every = int(h.sync_every)
   if every == 0 and h.get('num_syncs', 0) > 0:
     every = max(1, int(round(config.num_train_steps / h.num_syncs)))
+    if h.get('longest_window', 0) > 0:
+      every = min(every, int(h.longest_window))
   period = every if every > 0 else int(config.num_train_steps) + 1
   early = int(h.get('early_sync_every', 0))
   return (early,) * (int(h.get('early_sync_steps', 0)) // early) + (period,) if early > 0 else (period,)
