@@ -78,7 +78,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.num_syncs = 15
   # ... with windows of at most this many steps (0: no cap), so a long run keeps the syncs of its first few
   # hundred steps, where the line search still asks for more: at T=200 a 3000-step LM run climbed from 10x low
-  # to a third of the LR it reached at T=100 and ended +3.1% instead of +1.0% (experiments/workloads_discussion.md).
+  # to a third of the LR it reached at T=100 and ended +3.0% instead of +1.0% (experiments/workloads_discussion.md).
   config.hdet.longest_window = 100
   # Shorter windows at the start: average every early_sync_every steps for the first early_sync_steps steps
   # (a multiple of it), then every T; the controller compares the replicas at each of those syncs. 0: off.
