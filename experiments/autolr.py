@@ -132,11 +132,6 @@ VARIANT_SETTINGS = {
     # The default aiming past the fitted best (PAL's overshoot, 1.5): the climb ends where the line search's
     # best is below 1/1.5 of the current LR instead of at it (against short-horizon bias).
     'fit_k1p5': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.overshoot': 1.5},
-    # The default scoring each replica's mean iterate over its window's last quarter (less of the step noise
-    # that a larger LR adds to the last iterate; tail50 over-climbed on the LM).
-    'fit_tail25': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.score_tail': 0.25},
-    # The default with a milder cautious start (a third of the user's LR).
-    'fit_third': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.initial_scale': 0.3},
     # The default with the back-off (hdet.backoff): a window whose mean training loss rose steps the LR down by
     # trust whatever the fit asked; against the overshoots that rise-only never undoes (mnist1d SGD at chance).
     'fit_backoff': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.backoff': True},
