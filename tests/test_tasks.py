@@ -56,9 +56,10 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
   state, _ = ckpt.restore(step, abstract)
   ckpt.close()
   state['opt_state'] = jax.jit(jax.vmap(lambda p, s: programs.unpack(tx, p, s)))(state['params'], state['opt_state'])
-  # Format 6 adds two controller fields the reference predates (the fit's asked step and its slope's stderr).
+  # Format 6 adds three controller fields the reference predates (the fit's asked step, its slope's stderr and the
+  # window's training loss).
   paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-  return [f for f, p in zip(checkpoints.fingerprint(state), paths) if not p.endswith(('.asked', '.stderr'))]
+  return [f for f, p in zip(checkpoints.fingerprint(state), paths) if not p.endswith(('.asked', '.stderr', '.train_loss'))]
 
 
 def test_lm_runs_bit_for_bit_as_before_the_seam(tmp_path):

@@ -224,7 +224,7 @@ def _check_early_syncs(config: Any) -> None:
   if steps >= config.num_train_steps:
     raise ConfigError(f'hdet.early_sync_steps={steps} must be < num_train_steps={config.num_train_steps}.')
   k = config.hdet.get('num_syncs', 0)
-  if k > config.num_train_steps:
+  if config.hdet.sync_every == 0 and k > config.num_train_steps:  # (a sync_every > 0 sets T instead)
     raise ConfigError(f'hdet.num_syncs={k} windows do not fit in num_train_steps={config.num_train_steps} '
                       '(each window is at least one step): lower hdet.num_syncs, or set it to 0 and use hdet.sync_every.')
 

@@ -11,7 +11,7 @@ Records in ``WORKDIR/metrics.jsonl`` carry a ``kind``:
   fitted slope for 'fit'), and the 'fit' controller's ``corrections`` (its log-correction of the schedule
   after the step), ``asks`` (the fitted step before gain, rise-only rule and trust region), ``stderrs`` (the
   slope's standard error), ``gains`` and ``train_loss`` (the replicas' mean training loss over the window
-  with ``hdet.backoff``; NaN without);
+  with ``hdet.backoff``; absent without);
 - ``distance``: one per sync step, just before the average (runs that never average: at each log
   interval): ``distance`` (each replica's L2 distance from the replicas' mean) and ``mean_norm`` (the
   mean's L2 norm);

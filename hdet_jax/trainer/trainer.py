@@ -601,7 +601,9 @@ def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync:
     writer.write('controller', step=step, weights=m['weights'][0], window_losses=m['window_losses'][0],
                  delta=m['delta'][0], velocity=m['velocity'][0], base_lr=m['base_lr'][0],
                  deltas=m['deltas'][0], velocities=m['velocities'][0], corrections=m['corrections'][0],
-                 asks=m['asks'][0], stderrs=m['stderrs'][0], gains=m['gains'][0], train_loss=m['train_loss'][0])
+                 asks=m['asks'][0], stderrs=m['stderrs'][0], gains=m['gains'][0],
+                 # the window's mean training loss, kept by the back-off only (NaN without it: not written)
+                 **({'train_loss': m['train_loss'][0]} if np.isfinite(m['train_loss'][0]) else {}))
     writer.write('distance', step=step, distance=m['distance'], mean_norm=m['mean_norm'][0])
   finite = np.isfinite(loss)
   if not finite.all() and loop.diverged_at is None:
