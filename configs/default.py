@@ -4,9 +4,9 @@ The main job: HDET (LR spread, periodic averaging, auto-LR) from scratch on a sm
 transformer and the King James Bible, 8 replicas (8 simulated CPU devices on a CPU-only machine).
 About 2-3 minutes on a 2-core CPU, compile included. Its controller is the most robust we measured across
 three workloads, three run lengths, three starts and two optimizers (results/workloads.md: 'fit_K15_cap100', a
-line search on a common batch at 15 syncs per run at most 100 steps apart, every 100 steps here, its steps amplified while they keep one
-direction, one LR scale that only rises, starting at a tenth of optim.max_lr, so give max_lr as the high end of
-your guess). The paper's (eqs. 4-9) is --config.hdet.controller=paper
+line search on a common batch at 15 syncs per run at most 100 steps apart, every 100 steps here, its steps
+amplified while they keep one direction, one LR scale that only rises, starting at a tenth of optim.max_lr, so
+give max_lr as the high end of your guess). The paper's (eqs. 4-9) is --config.hdet.controller=paper
 --config.hdet.score=window --config.hdet.warmup_steps=750 --config.hdet.stop_fraction=1
 --config.hdet.param_groups=True --config.hdet.sync_every=25 --config.hdet.initial_scale=1
 --config.hdet.after_stop=hold --config.hdet.step_growth=1 --config.optim.max_lr=3e-3.
