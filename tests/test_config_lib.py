@@ -85,9 +85,11 @@ def test_num_syncs_counts_the_windows_per_run(steps, num_syncs, early, want):
 
 
 def test_more_syncs_than_steps_is_refused():
+  """Where hdet.num_syncs sets T (sync_every = 0) it must fit in the run; beside a sync_every > 0 it is unused."""
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.num_syncs=41 .*num_train_steps=40') as e:
-    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 41}))
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 41, 'hdet.sync_every': 0}))
   assert '\n' not in str(e.value)
+  config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 41}))
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.num_syncs'):
     config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': -1}))
 
