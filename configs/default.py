@@ -123,6 +123,14 @@ def get_config() -> ml_collections.ConfigDict:
   # non-finite), the LR correction steps down by hdet.trust whatever the line search asked (rise-only included):
   # an LR past stability, which the line search cannot see and rise-only would never undo.
   config.hdet.backoff = False
+  # With hdet.backoff: only a rise of more than this many standard errors of the two windows' difference (the noise
+  # of the window before, from its step-to-step changes) backs off; 0: any rise, however small (a flat, noisy loss
+  # then backs off every other sync).
+  config.hdet.backoff_stderrs = 0.0
+  # With hdet.backoff: a sync where the back-off fires also returns the replicas to the previous sync's parameters
+  # and wrapped optimizer state (kept on the devices: one more copy of both), so the window that blew up is undone,
+  # not only followed by a lower LR (an SGD run past its stability edge is at chance by then).
+  config.hdet.rollback = False
   config.hdet.smooth_decay = True  # Decay the base LR continuously within a window (False: hold it, as the reference does).
   # Per-group LRs (the paper's §3.4): embedding (byte embedding, positions), no_decay (biases, norm
   # scales) and weights (attention/MLP kernels), chosen by regex on parameter paths

@@ -104,6 +104,14 @@ class RunCache:
           os.remove(path)
         fcntl.flock(f, fcntl.LOCK_UN)
 
+  def write(self, name: str, rec: dict) -> None:
+    """Writes run ``name``'s record (atomically: a reader sees the old file or the whole new one)."""
+    tmp = self.path(name) + '.tmp'
+    os.makedirs(os.path.dirname(tmp), exist_ok=True)
+    with open(tmp, 'w', encoding='utf-8') as f:
+      json.dump(rec, f, indent=None, separators=(',', ':'))
+    os.replace(tmp, self.path(name))
+
   def _train(self, name: str, config: Any, keep_workdir: bool) -> dict:
     """Trains ``config`` in run ``name``'s workdir and writes its record."""
     from hdet_jax.trainer import trainer
@@ -114,11 +122,7 @@ class RunCache:
       self.log(f'  {name}: preempted; rerun to resume.')
       sys.exit(143)
     rec = self.make_record(name, config, summary, workdir, time.time() - t0)
-    tmp = self.path(name) + '.tmp'
-    os.makedirs(os.path.dirname(tmp), exist_ok=True)
-    with open(tmp, 'w', encoding='utf-8') as f:
-      json.dump(rec, f, indent=None, separators=(',', ':'))
-    os.replace(tmp, self.path(name))
+    self.write(name, rec)
     if not keep_workdir:
       shutil.rmtree(workdir, ignore_errors=True)  # the record holds what the report needs
     self.log(f'  {name}: {self.describe(rec)}', flush=True)

@@ -39,7 +39,15 @@ REPO = autolr.REPO
 # each at most 100 steps).
 DEFAULT_VARIANT = 'fit_K15_cap100'
 # Variants whose records may hold another variant's runs (the same config at that length: see record_variant).
-SAME_RUNS_FROM = (autolr.DEFAULT_VARIANT, 'fit_K15')
+SAME_RUNS_FROM = (autolr.DEFAULT_VARIANT, 'fit_K15', 'fit_backoff', 'fit_K15_backoff')
+# Variants that differ from a strict back-off variant (hdet.backoff, any rise) only in the back-off's threshold
+# (hdet.backoff_stderrs) and the rollback: where the strict variant's run never saw its window training loss rise,
+# its back-off never fired, so neither would theirs (a higher threshold fires on fewer rises, and the rollback acts
+# only where the back-off fires): they train that run bit for bit, and its record stands for theirs
+# (alias_quiet_run; tests/test_workloads.py reruns one).
+QUIET_BACKOFF_FROM = {'fit_K15_cap100_rollback_se2': 'fit_K15_cap100_backoff'}
+_BACKOFF_FIELDS = frozenset({'hdet.backoff_stderrs', 'hdet.rollback'})
+_WINDOW_FIELDS = frozenset({'hdet.sync_every', 'hdet.num_syncs', 'hdet.longest_window'})
 WORKLOADS = {  # config file, default run length, optimizers measured
     'lm': ('default.py', 1500, ('adamw',)),
     'mnist1d': ('mnist1d.py', 1000, ('adamw', 'sgd')),
@@ -109,7 +117,7 @@ def pretrained(work_root: str, quick: bool) -> str:
 
 def record_variant(variant: str, workload: str, steps: int) -> str:
   """The variant whose records hold ``variant``'s runs of ``workload`` at ``steps``: itself, or the first of
-  SAME_RUNS_FROM that trains the same config there (the same fields but the two that set the windows, and the same
+  SAME_RUNS_FROM (before it, if it is one) that trains the same config there (the same fields but the two that set the windows, and the same
   windows). The default's 15 syncs of at most 100 steps are fit_K15's windows below 1500 steps and autolr.py's
   T=100 from 1500 on: those records are its runs, bit for bit (tests/test_workloads.py checks one)."""
   from hdet_jax.trainer import config_lib, optimizer as optimizer_lib
@@ -117,14 +125,46 @@ def record_variant(variant: str, workload: str, steps: int) -> str:
   def trained(v, optim):
     c = config_lib.with_overrides(base_config(workload, steps, False),
                                   autolr.run_overrides('hdet', optim, 0.01, 0, steps, variant=v))
-    flat = {k: x for k, x in config_lib.flatten(c).items() if k not in ('hdet.sync_every', 'hdet.num_syncs',
-                                                                        'hdet.longest_window')}
+    flat = {k: x for k, x in config_lib.flatten(c).items() if k not in _WINDOW_FIELDS}
     return flat, optimizer_lib.sync_windows(c)
 
-  for other in SAME_RUNS_FROM:
-    if other != variant and all(trained(variant, o) == trained(other, o) for o in WORKLOADS[workload][2]):
+  # A variant of SAME_RUNS_FROM may read only those before it (the first to have trained a run keeps it).
+  earlier = SAME_RUNS_FROM[:SAME_RUNS_FROM.index(variant)] if variant in SAME_RUNS_FROM else SAME_RUNS_FROM
+  for other in earlier:
+    if all(trained(variant, o) == trained(other, o) for o in WORKLOADS[workload][2]):
       return other
   return variant
+
+
+def never_rose(rec: dict) -> bool:
+  """Whether a run with the back-off on saw its window training loss (the controller records' ``train_loss``)
+  never rise from one sync to the next, every window finite."""
+  losses = [c.get('train_loss') for c in rec.get('controller', [])]
+  return bool(losses) and all(x is not None and math.isfinite(x) for x in losses) and all(
+      b <= a for a, b in zip(losses, losses[1:]))
+
+
+def alias_quiet_run(cache: records.RunCache, name: str, config, sibling: str) -> bool:
+  """Writes run ``name``'s record (``config``) from the strict back-off run ``sibling``'s, where that run's loss
+  never rose and the two configs differ only in the back-off's threshold and rollback (see QUIET_BACKOFF_FROM).
+  The record keeps ``same_run_as``: the run it was read from. Returns whether it wrote one."""
+  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib
+  rec = cache.get(sibling)
+  if rec is None or os.path.exists(cache.path(name)) or not never_rose(rec):
+    return False
+  new = json.loads(config.to_json())
+  ours, theirs = config_lib.flatten(new), {**config_lib.QUIET_DEFAULTS, **config_lib.flatten(rec['config'])}
+  differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)}
+  windows = differ & _WINDOW_FIELDS  # the same windows written another way (see record_variant)
+  if windows and optimizer_lib.sync_windows(config) == optimizer_lib.sync_windows(
+      config_lib.with_overrides(config, {k: theirs[k] for k in windows})):
+    differ -= windows
+  if not differ <= _BACKOFF_FIELDS or not theirs.get('hdet.backoff') or theirs.get('hdet.backoff_stderrs', 0.0) != 0.0:
+    raise ValueError(f'{name} is not {sibling} but for the back-off threshold and rollback: {sorted(differ)}')
+  out = {**rec, 'name': name, 'config': {**rec['config'], 'hdet': {**rec['config']['hdet'], **new['hdet']}},
+         'same_run_as': rec['name']}
+  cache.write(name, out)
+  return True
 
 
 def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -> dict:
@@ -166,7 +206,12 @@ def run_workload(workload: str, steps: int, args, work_root: str) -> dict:
           o = autolr.run_overrides('hdet', optim, best * autolr.STARTS[start], seed, steps, variant=variant)
           if args.quick:
             o.pop('hdet.sync_every', None)
-          go(autolr.hdet_name(optim, variant, start, seed), o)
+          name = autolr.hdet_name(optim, variant, start, seed)
+          if variant in QUIET_BACKOFF_FROM and not args.quick:
+            sibling = autolr.hdet_name(optim, record_variant(QUIET_BACKOFF_FROM[variant], workload, steps), start, seed)
+            alias_quiet_run(cache, name, config_lib.with_overrides(base_config(workload, steps, False, init_from), o),
+                            sibling)
+          go(name, o)
     if 'peers' in args.stages and optim == 'adamw' and best is not None and (steps == default_steps or args.quick):
       for seed in args.seeds:
         for peer in args.peers:

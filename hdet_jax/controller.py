@@ -50,6 +50,10 @@ class ControllerState(NamedTuple):
   stderr: jax.Array      # [G] float32 ('fit'): the standard error of the last fitted slope (``velocity``).
   train_loss: jax.Array  # [] float32 ('fit'): the replicas' mean training loss over the last window (NaN
                          #   before the first sync): the back-off compares the next window's with it.
+  train_loss_se: jax.Array  # [] float32 ('fit'): the standard error of ``train_loss``, from its steps'
+                            #   step-to-step changes (NaN before the first sync).
+  backed_off: jax.Array  # [] bool ('fit'): whether the last sync's back-off stepped the LRs down (a
+                         #   trainer's rollback returns to the sync before it then).
 
 
 class ControllerUpdate(NamedTuple):
@@ -174,6 +178,8 @@ def init_controller_state(base: jax.Array, num_replicas: int, key: jax.Array,
       asked=jnp.zeros((g,), jnp.float32),
       stderr=jnp.zeros((g,), jnp.float32),
       train_loss=jnp.full((), jnp.nan, jnp.float32),
+      train_loss_se=jnp.full((), jnp.nan, jnp.float32),
+      backed_off=jnp.zeros((), bool),
   )
 
 

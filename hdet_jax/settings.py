@@ -73,6 +73,10 @@ class AutoLR:
       asked and whatever ``after_stop`` allows, and the gain resets. A loss that rises across a whole window is
       an LR past stability, which the line search cannot see (short-horizon bias only ranks replicas within
       a window, it never raises their mean) and the rise-only rule would otherwise never undo.
+    backoff_stderrs: 'fit' with ``backoff``: k >= 0; only a rise of more than ``k sqrt(2) se`` counts, se
+      being the standard error of the window before's mean loss, from its steps' step-to-step changes (see
+      ``hdet_jax.sync.window_train_loss``; the new window's own spread is not used: a window that blows
+      up spreads widely). 0: any rise, however small (a flat, noisy loss then backs off about every other sync).
   """
   total_steps: int
   warmup_steps: int = 0
@@ -92,6 +96,7 @@ class AutoLR:
   step_growth: float = 1.0
   max_gain: float = 4.0
   backoff: bool = False
+  backoff_stderrs: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,6 +307,9 @@ def _check_auto_lr(a, spread) -> None:
       raise ValueError(f'auto_lr.{name} must be a number >= 1 (1: no acceleration), got {v!r}.')
   if not isinstance(a.backoff, bool) or (a.backoff and a.controller != 'fit'):
     raise ValueError(f"auto_lr.backoff must be a bool, and True only with controller='fit'; got {a.backoff!r}.")
+  k = a.backoff_stderrs
+  if not (isinstance(k, (int, float)) and not isinstance(k, bool) and 0.0 <= k < math.inf) or (k > 0 and not a.backoff):
+    raise ValueError(f'auto_lr.backoff_stderrs must be a number >= 0, and > 0 only with backoff=True; got {k!r}.')
   if a.step_growth != 1.0 and a.controller != 'fit':
     raise ValueError(f"auto_lr.step_growth={a.step_growth!r} needs controller='fit'; set it to 1.0.")
   if a.initial_scale != 1.0 and a.controller != 'fit':

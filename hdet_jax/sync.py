@@ -83,8 +83,7 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
   new_c = c._replace(window_losses=window_losses)
   a = plan.auto_lr
   if a is not None and a.controller == 'fit' and a.backoff:
-    train_loss = replicas.pmean(st.loss_sum / windows.window_length(plan.sync_windows, st.count), plan.replica_axis)
-    new_c = new_c._replace(train_loss=jnp.asarray(train_loss, jnp.float32).reshape(()))
+    new_c = new_c._replace(**window_train_loss(plan, st))
   if a is not None:
     started = st.count >= plan.controller_start
     stopped = st.count > a.stop_steps if a.stop_steps is not None else jnp.zeros([], bool)
@@ -99,8 +98,19 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
       key=jax.random.key_data(key),
       perm=multipliers.draw_permutations(sub, len(plan.names), plan.num_replicas))
   return st._replace(
-      controller=new_c, loss_sum=jnp.zeros_like(st.loss_sum),
+      controller=new_c, loss_sum=jnp.zeros_like(st.loss_sum), loss_diff_sq_sum=jnp.zeros_like(st.loss_diff_sq_sum),
       sync_count=st.sync_count + 1, synced=jnp.ones([], bool))
+
+
+def window_train_loss(plan: Plan, st) -> dict[str, jax.Array]:
+  """``train_loss``, the replicas' mean training loss over the window that ends here, and ``train_loss_se``, its
+  standard error from the step-to-step changes (von Neumann's estimator, which a trend within the window
+  leaves alone): with n steps, replica r's losses x_t and its noise variance s_r^2 = sum_t (x_t - x_{t-1})^2 / 2n,
+  ``se = sqrt(mean_r s_r^2 / n)`` (the steps taken as independent)."""
+  n = windows.window_length(plan.sync_windows, st.count).astype(jnp.float32)
+  train_loss, var = replicas.pmean((st.loss_sum / n, st.loss_diff_sq_sum / (2.0 * n)), plan.replica_axis)
+  return {'train_loss': jnp.asarray(train_loss, jnp.float32).reshape(()),
+          'train_loss_se': jnp.sqrt(jnp.asarray(var, jnp.float32) / n).reshape(())}
 
 
 def _paper_controller(plan: Plan, c, new_c, window_losses, active):
@@ -136,13 +146,18 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
   step, gain = ctrl.accelerate(out.step, c.gain, growth=a.step_growth, max_gain=a.max_gain, trust=trust,
                                confident=jnp.abs(out.slope) > 2.0 * out.stderr)
   step = jnp.where(rise_only, jnp.maximum(step, 0.0), step)
+  back = jnp.zeros_like(step, bool)
   if a.backoff:  # the window's mean training loss rose (or went non-finite): the LRs step down by trust
-    rose = jnp.isfinite(c.train_loss) & ~(new_c.train_loss <= c.train_loss)
+    # With backoff_stderrs = k > 0 only a rise beyond k standard errors of the difference counts, both windows'
+    # noise taken as the window before's: a blowing-up window's own spread is the rise, not noise.
+    margin = a.backoff_stderrs * np.sqrt(2.0) * c.train_loss_se if a.backoff_stderrs > 0 else 0.0
+    rose = jnp.isfinite(c.train_loss) & ~(new_c.train_loss <= c.train_loss + margin)
     is_lr = jnp.asarray([n.startswith('learning_rate') for n in plan.names])
     back = rose & is_lr
     step, gain = jnp.where(back, -trust, step), jnp.where(back, -1.0, gain)
   keep = lambda new, old: jnp.where(active, new, old)
   return new_c._replace(
+      backed_off=jnp.logical_and(jnp.any(back), active).reshape(()),
       correction=keep(c.correction + step, c.correction), xtx=keep(out.xtx, c.xtx),
       xty=keep(out.xty, c.xty), delta=keep(step, c.delta), velocity=keep(out.slope, c.velocity),
       gain=keep(gain, c.gain), asked=keep(out.step, c.asked), stderr=keep(out.stderr, c.stderr))

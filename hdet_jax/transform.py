@@ -53,6 +53,9 @@ class HDETState(NamedTuple):
   count: jax.Array          # [] int32: updates applied so far.
   inner_state: Any          # the wrapped optimizer's state.
   loss_sum: jax.Array       # [] float32: this replica's sum of ``value`` in the current window.
+  loss_diff_sq_sum: jax.Array  # [] float32: ... and of the squared change of ``value`` from the step before
+                            #   (the back-off's noise estimate).
+  last_loss: jax.Array      # [] float32: this replica's last ``value`` (NaN before the first step).
   values: jax.Array         # [G, N] float32: every replica's value for the coming step (read them in
                             #   the forward pass for model and loss hyperparameters).
   sync_count: jax.Array     # [] int32: syncs (parameter averages) done so far.
@@ -223,6 +226,8 @@ def init(plan: Plan, params: Any) -> HDETState:
       count=jnp.zeros([], jnp.int32),
       inner_state=inner_optimizer(plan, list(start)).init(params),
       loss_sum=jnp.zeros([], jnp.float32),
+      loss_diff_sq_sum=jnp.zeros([], jnp.float32),
+      last_loss=jnp.full([], jnp.nan, jnp.float32),
       values=values_lib.replica_values(plan, start, multipliers.identity_permutations(g, n)),
       sync_count=jnp.zeros([], jnp.int32),
       finite_replicas=jnp.full([], n, jnp.int32),
@@ -270,7 +275,9 @@ def _inner_step(plan: Plan, grads, state: HDETState, params, value, extra_args) 
   loss = jnp.zeros([], jnp.float32) if value is None else jnp.asarray(value, jnp.float32)
   return updates, state._replace(
       count=state.count + 1, inner_state=inner_state, loss_sum=state.loss_sum + loss,
-      synced=jnp.zeros([], bool))
+      loss_diff_sq_sum=state.loss_diff_sq_sum + jnp.where(jnp.isnan(state.last_loss), 0.0,
+                                                           jnp.square(loss - state.last_loss)),
+      last_loss=loss, synced=jnp.zeros([], bool))
 
 
 def _check_update_args(plan: Plan, updates, params, value, sync, score) -> None:

@@ -102,6 +102,22 @@ def test_backoff_needs_the_fit_controller(other):
   assert '\n' not in str(e.value)
 
 
+@pytest.mark.parametrize('other', [{'hdet.backoff': False}, {'hdet.backoff': False, 'hdet.auto_lr': False}])
+def test_rollback_needs_the_back_off(other):
+  config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.rollback': True}))
+  with pytest.raises(config_lib.ConfigError, match=r"hdet\.rollback=.*needs hdet\.backoff=True") as e:
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.rollback': True, **other}))
+  assert '\n' not in str(e.value)
+
+
+def test_backoff_stderrs_needs_the_back_off():
+  config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': 2.0}))
+  with pytest.raises(config_lib.ConfigError, match=r"hdet\.backoff_stderrs=2\.0 .*needs hdet\.backoff=True"):
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff_stderrs': 2.0}))
+  with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_stderrs'):
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': -1.0}))
+
+
 def test_sync_every_wins_over_num_syncs_and_both_zero_never_syncs():
   from hdet_jax.trainer import optimizer as optimizer_lib
   config = config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 4})

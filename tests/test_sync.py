@@ -540,27 +540,32 @@ def test_the_gain_grows_only_on_a_slope_above_twice_its_standard_error(ratio):
     np.testing.assert_allclose(grown[1], plain[1], rtol=1e-6, atol=1e-7)
 
 
-def _backoff_corrections(backoff, window_losses, rise_only=False, T=5, trust=0.5):
+def _backoff_corrections(backoff, window_losses, rise_only=False, T=5, trust=0.5, noise=0.0, stderrs=0.0,
+                         noise_by_window=None):
   """The 'fit' correction and the recorded mean training loss after each sync of windows whose per-step
-  training loss is ``window_losses[k] + 0.01 r`` on replica r, each sync scored on a bowl in the offset u,
+  training loss is ``window_losses[k] + 0.01 r + noise * d_j`` on replica r at the window's step j
+  (d = 1, -1, 1, -1, 0: mean 0; ``noise_by_window[k]`` in place of ``noise`` if given), each sync scored on a bowl in the offset u,
   (u - 0.05)^2 (every fit asks for a larger LR)."""
   tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
               auto_lr=H.AutoLR(total_steps=100, controller='fit', overshoot=1.0, trust=trust, memory=0.5,
                                stop_steps=0 if rise_only else None, after_stop='rise' if rise_only else 'hold',
-                               backoff=backoff))
+                               backoff=backoff, backoff_stderrs=stderrs))
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
   step = jax.jit(jax.vmap(lambda p, s, v: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=v, sync=False)[1],
                           axis_name=AX))
   end = jax.jit(jax.vmap(lambda p, s, y: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX))
   out = []
-  for loss in window_losses:
-    for _ in range(T):
-      ss = step(sp, ss, jnp.asarray(loss + 0.01 * np.arange(N), jnp.float32))
+  d = [1.0, -1.0, 1.0, -1.0, 0.0]
+  for k, loss in enumerate(window_losses):
+    amp = noise if noise_by_window is None else noise_by_window[k]
+    for j in range(T):
+      ss = step(sp, ss, jnp.asarray(loss + 0.01 * np.arange(N) + amp * d[j], jnp.float32))
     u = np.asarray(ss.values[0, 0], np.float64) / float(ss.base[0, 0]) - 1.0
     ss = end(sp, ss, jnp.asarray((u - 0.05) ** 2, jnp.float32))
     out.append((float(ss.controller.correction[0, 0]), float(ss.controller.train_loss[0]),
-                float(ss.controller.asked[0, 0])))
+                float(ss.controller.asked[0, 0]), bool(ss.controller.backed_off[0]),
+                float(ss.controller.train_loss_se[0])))
   return out
 
 
@@ -571,13 +576,45 @@ def test_backoff_steps_down_by_trust_where_the_window_training_loss_rose(rise_on
   (rise-only or not); the first sync has nothing to compare with. The recorded loss is the replicas' mean."""
   losses = [2.0, 1.0, 1.5, 1.2, float('nan')]
   plain, backed = _backoff_corrections(False, losses, rise_only), _backoff_corrections(True, losses, rise_only)
-  fitted = np.diff([0.0] + [c for c, _, _ in plain])
+  fitted = np.diff([0.0] + [c for c, *_ in plain])
   assert np.all(fitted > 0.01)  # every fit asked up (the NaN window's scores are the bowl too)
-  taken = np.diff([0.0] + [c for c, _, _ in backed])
+  taken = np.diff([0.0] + [c for c, *_ in backed])
   np.testing.assert_allclose(taken[[0, 1, 3]], fitted[[0, 1, 3]], rtol=1e-5)
   np.testing.assert_allclose(taken[[2, 4]], [-0.5, -0.5], rtol=1e-6)
   # The controller records what the fit asked, not what was taken: up, at the back-offs too.
-  np.testing.assert_allclose([a for _, _, a in plain], fitted, rtol=1e-5)
-  np.testing.assert_allclose([a for _, _, a in backed][2], fitted[2], rtol=1e-2)
-  np.testing.assert_allclose([l for _, l, _ in backed[:4]], np.asarray(losses[:4]) + 0.01 * (N - 1) / 2, rtol=1e-6)
-  assert np.isnan(backed[4][1]) and all(np.isnan(l) for _, l, _ in plain)  # off: not even recorded
+  np.testing.assert_allclose([a for _, _, a, *_ in plain], fitted, rtol=1e-5)
+  np.testing.assert_allclose([a for _, _, a, *_ in backed][2], fitted[2], rtol=1e-2)
+  np.testing.assert_allclose([l for _, l, *_ in backed[:4]], np.asarray(losses[:4]) + 0.01 * (N - 1) / 2, rtol=1e-6)
+  assert np.isnan(backed[4][1]) and all(np.isnan(l) for _, l, *_ in plain)  # off: not even recorded
+  # Whether each sync backed off (what a trainer's rollback reads): exactly at the rise and the NaN.
+  assert [b for *_, b, _ in backed] == [False, False, True, False, True]
+  assert not any(b for *_, b, _ in plain)
+
+
+def _window_se_oracle(window_losses, noise, T=5):
+  """numpy: each window's standard error from its step-to-step changes (von Neumann), over the replicas' losses
+  window_losses[k] + 0.01 r + noise d_j (the first step of the run has no change before it)."""
+  d = np.asarray([1.0, -1.0, 1.0, -1.0, 0.0])
+  x = np.concatenate([w + noise * d for w in window_losses])  # the 0.01 r offsets cancel in the changes
+  changes = np.concatenate([[0.0], np.diff(x)]) ** 2
+  return [float(np.sqrt(changes[k * T:(k + 1) * T].sum() / (2 * T) / T)) for k in range(len(window_losses))]
+
+
+def test_backoff_stderrs_counts_only_a_rise_beyond_k_standard_errors_of_the_window_before():
+  """Windows of 5 steps whose losses move by +-0.1 step to step around means 1.0 then 1.0 + rise: the recorded
+  standard errors match the numpy oracle (step-to-step changes, so a trend is not noise), and with k = 2 the
+  rise must exceed 2 sqrt(2) times the first window's (0.144): 0.12 does not back off, 0.15 does; with k = 0
+  any rise does."""
+  for rise, k, backs in ((0.12, 2.0, False), (0.15, 2.0, True), (0.10, 0.0, True), (0.02, 0.0, True)):
+    out = _backoff_corrections(True, [1.0, 1.0 + rise], noise=0.1, stderrs=k)
+    se = _window_se_oracle([1.0, 1.0 + rise], 0.1)
+    assert 0.12 < 2 * np.sqrt(2) * se[0] < 0.15
+    assert [b for *_, b, _ in out] == [False, backs], (rise, k)
+    np.testing.assert_allclose([s for *_, s in out], se, rtol=1e-3)
+
+
+def test_a_window_that_blows_up_backs_off_however_widely_it_spreads():
+  """The new window's own spread does not widen the margin: means 1.0 then 1.5 with the second window's steps
+  swinging by +-3 (a blow-up) back off at k = 2, the first window being calm."""
+  out = _backoff_corrections(True, [1.0, 1.5], noise=0.0, stderrs=2.0, noise_by_window=[0.0, 3.0])
+  assert [b for *_, b, _ in out] == [False, True]

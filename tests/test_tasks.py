@@ -43,7 +43,7 @@ def _cpu() -> str:
 def unpacked_fingerprint(config, workdir, step, devices=None):
   """The fingerprint of checkpoint ``step``'s state in the layout before state format 5: the optimizer state
   an unpacked HDETState (format 5 packs HDET's small fields into one vector, bit for bit), without the fields
-  format 6 added."""
+  formats 6 and 7 added."""
   from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs
   n = config.hdet.num_replicas
   tx = optimizer_lib.make_optimizer(config, n, devices)
@@ -57,9 +57,10 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
   ckpt.close()
   state['opt_state'] = jax.jit(jax.vmap(lambda p, s: programs.unpack(tx, p, s)))(state['params'], state['opt_state'])
   # Format 6 adds three controller fields the reference predates (the fit's asked step, its slope's stderr and the
-  # window's training loss).
+  # window's training loss), format 7 the window's squared loss changes, the last loss, the training loss's stderr and the back-off flag.
+  added = ('.asked', '.stderr', '.train_loss', '.loss_diff_sq_sum', '.last_loss', '.train_loss_se', '.backed_off')
   paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-  return [f for f, p in zip(checkpoints.fingerprint(state), paths) if not p.endswith(('.asked', '.stderr', '.train_loss'))]
+  return [f for f, p in zip(checkpoints.fingerprint(state), paths) if not p.endswith(added)]
 
 
 def test_lm_runs_bit_for_bit_as_before_the_seam(tmp_path):

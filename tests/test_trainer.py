@@ -128,12 +128,12 @@ def test_end_to_end_train_py(straight):
     np.testing.assert_array_equal(emb[r], emb[0])
   np.testing.assert_allclose(np.asarray(avg['embed']['embedding']), emb[0], rtol=1e-6, atol=1e-7)
   # The optimizer and controller state travel too: HDET's small fields packed in one uint32 vector per replica
-  # (state format 5), the step count first, the sync count after the wrapped optimizer's state's loss_sum and
-  # the [G, N] values (G = 3 learning-rate groups here).
+  # (state format 5), the step count first, the sync count after the wrapped optimizer's state's loss_sum,
+  # loss_diff_sq_sum, last_loss and the [G, N] values (G = 3 learning-rate groups here).
   small = np.asarray(state['opt_state']['small'])
   assert small.dtype == np.uint32 and small.shape[0] == 8
   assert small[:, 0].view(np.int32).tolist() == [40] * 8
-  assert small[:, 1 + 1 + 3 * 8].view(np.int32).tolist() == [5] * 8
+  assert small[:, 1 + 3 + 3 * 8].view(np.int32).tolist() == [5] * 8
 
 
 def test_resume_is_bit_exact(straight, tmp_path):
@@ -504,3 +504,31 @@ def jax_mean(trees):
   """The float64 mean of same-shaped trees of arrays."""
   import jax
   return jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x, np.float64) for x in xs]), 0), *trees)
+
+
+def test_rollback_returns_to_the_last_sync_where_the_back_off_fires_and_resumes_bit_for_bit(tmp_path):
+  """hdet.rollback (tiny at max_lr 1.0: windows of 8, the second window's training loss rises): the sync that
+  backs off leaves every replica with the parameters and wrapped optimizer state of the sync before, bit for
+  bit, and the anchor every checkpoint holds is the state the last sync left. Without the rollback the same
+  back-off keeps the blown-up parameters. A run stopped inside the window before the rollback resumes bit for bit."""
+  fit = {'num_train_steps': 24, 'plots': False, 'optim.max_lr': 1.0, 'hdet.controller': 'fit', 'hdet.score': 'common',
+         'hdet.warmup_steps': 0, 'hdet.backoff': True}
+  ref, plain = str(tmp_path / 'straight'), str(tmp_path / 'backoff_only')
+  train_and_evaluate(tiny(checkpoint_every=1, max_checkpoints=0, **fit, **{'hdet.rollback': True}), ref)
+  train_and_evaluate(tiny(checkpoint_every=8, **fit), plain)
+  backed = [c['step'] for c in read_metrics(os.path.join(ref, 'metrics.jsonl'))['controller'] if c.get('backed_off')]
+  assert backed == [15] == [c['step'] for c in read_metrics(os.path.join(plain, 'metrics.jsonl'))['controller']
+                            if c.get('backed_off')]
+  state = {k: _restore_raw(ref, k)[0] for k in (8, 12, 16, 24)}
+  same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
+  assert same(state[16]['params'], state[8]['params'])
+  assert same(state[16]['opt_state']['inner_state'], state[8]['opt_state']['inner_state'])
+  assert not same(_restore_raw(plain, 16)[0]['params'], state[8]['params'])
+  for k, last_sync in ((8, 8), (12, 8), (16, 16), (24, 24)):
+    assert same(state[k]['anchor']['params'], state[last_sync]['params'])
+    assert same(state[k]['anchor']['inner'], state[last_sync]['opt_state']['inner_state'])
+  assert not same(state[12]['params'], state[8]['params'])
+  workdir = str(tmp_path / 'resumed')
+  train_and_evaluate(tiny(stop_at_step=12, **fit, **{'hdet.rollback': True}), workdir)
+  train_and_evaluate(tiny(**fit, **{'hdet.rollback': True}), workdir)
+  assert same(_restore_raw(workdir, 24)[0], state[24])

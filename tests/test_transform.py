@@ -335,6 +335,10 @@ SCHED = H.one_cycle(1e-3, 100)
     (dict(auto_lr=H.AutoLR(total_steps=100, after_stop='rise')), "after_stop must be 'hold' or"),
     (dict(auto_lr=H.AutoLR(total_steps=100, backoff=True)), "backoff must be a bool, and True only with controller='fit'"),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=1)), 'backoff must be a bool'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff_stderrs=2.0)),
+     'backoff_stderrs must be a number >= 0, and > 0 only with backoff=True'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=True, backoff_stderrs=-1.0)),
+     'backoff_stderrs must be a number >= 0'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='fall')), 'after_stop'),
 ])
 def test_bad_settings_raise_at_construction(kwargs, name):

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from experiments import autolr, workloads
+from experiments import autolr, records, workloads
 
 
 @pytest.fixture(scope='module')
@@ -139,3 +139,50 @@ def test_the_default_reads_the_records_of_the_variants_that_train_its_runs():
   for key in ('val_bpb', 'evals', 'trajectory'):
     assert own[key] == old[key], key
   assert [c['window_losses'] for c in own['controller']] == [c['window_losses'] for c in old['controller']]
+
+
+def _lm750_cache(tmp_path, *names):
+  """A RunCache in tmp_path holding copies of the LM 750-step records ``names`` (adamw)."""
+  src = workloads.records_dir('lm', 750, False, str(tmp_path))
+  cache = records.RunCache(str(tmp_path / 'records'), str(tmp_path / 'work'), workloads.make_record, autolr.describe)
+  for name in names:
+    cache.write(name, json.load(open(os.path.join(src, name + '.json'), encoding='utf-8')))
+  return cache, src
+
+
+def test_a_strict_back_off_run_whose_loss_never_rose_stands_for_the_thresholded_and_rolled_back_one(tmp_path):
+  """alias_quiet_run: the strict back-off's LM 750-step run (its window training loss fell at every sync) is
+  written as rollback_se2's, config and all; a run whose loss rose once, or a sibling that differs in another
+  field, is not. The one such run trained for real (best LR, seed 0) equals the strict run bit for bit."""
+  from hdet_jax.trainer import config_lib
+  variant = 'fit_K15_cap100_rollback_se2'
+  sibling = workloads.record_variant(workloads.QUIET_BACKOFF_FROM[variant], 'lm', 750)
+  assert sibling == 'fit_K15_backoff'
+  strict = autolr.hdet_name('adamw', sibling, 'low', 1)
+  cache, src = _lm750_cache(tmp_path, strict)
+  rec = cache.get(strict)
+  assert workloads.never_rose(rec)
+  o = autolr.run_overrides('hdet', 'adamw', 0.015 * autolr.STARTS['low'], 1, 750, variant=variant)
+  config = config_lib.with_overrides(workloads.base_config('lm', 750, False), o)
+  name = autolr.hdet_name('adamw', variant, 'low', 1)
+  assert workloads.alias_quiet_run(cache, name, config, strict)
+  alias = cache.get(name, {**workloads.task_overrides('lm', 750), **o})  # what run_workload's cache then finds
+  assert alias is not None and alias['same_run_as'] == strict and alias['val_bpb'] == rec['val_bpb']
+  assert alias['config']['hdet']['rollback'] is True and alias['config']['hdet']['backoff_stderrs'] == 2.0
+  assert not workloads.alias_quiet_run(cache, name, config, strict)  # never over an existing record
+  rose = dict(rec, controller=[dict(c) for c in rec['controller']])
+  rose['controller'][5]['train_loss'] = rose['controller'][4]['train_loss'] * 1.0001
+  assert not workloads.never_rose(rose)
+  cache.write('rose', rose)
+  assert not workloads.alias_quiet_run(cache, 'other', config, 'rose')
+  other = config_lib.with_overrides(config_lib.with_overrides(workloads.base_config('lm', 750, False), o),
+                                    {'hdet.trust': 0.5})
+  with pytest.raises(ValueError, match=r'hdet\.trust'):
+    workloads.alias_quiet_run(cache, 'other', other, strict)
+  real = json.load(open(os.path.join(src, autolr.hdet_name('adamw', variant, 'best', 0) + '.json'), encoding='utf-8'))
+  twin = json.load(open(os.path.join(src, autolr.hdet_name('adamw', sibling, 'best', 0) + '.json'), encoding='utf-8'))
+  assert 'same_run_as' not in real
+  for key in ('val_bpb', 'evals', 'trajectory'):
+    assert real[key] == twin[key], key
+  assert [c['window_losses'] for c in real['controller']] == [c['window_losses'] for c in twin['controller']]
+  assert [c['train_loss'] for c in real['controller']] == [c['train_loss'] for c in twin['controller']]

@@ -215,7 +215,9 @@ def _agree(ok: bool) -> bool:
 # 5: the optimizer state is a PackedState: the wrapped optimizer's state and HDET's small fields in one vector.
 # 6: ControllerState gains the 'fit' controller's asked step and its slope's standard error (for the plots), and
 #    the window's mean training loss (the back-off).
-STATE_FORMAT = 6
+# 7: ControllerState gains whether the last sync backed off; a run with hdet.rollback saves its anchor (the
+#    parameters and wrapped optimizer state of the last sync).
+STATE_FORMAT = 7
 
 
 def _whole_array_registry() -> ocp.type_handlers.TypeHandlerRegistry:

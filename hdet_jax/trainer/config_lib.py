@@ -24,7 +24,7 @@ RUN_FIELDS = frozenset({
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
 QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
-                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
+                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.rollback': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0}
 
 
@@ -154,6 +154,7 @@ _RULES = (
     ('hdet.initial_scale', 'real', lambda v: v > 0, 'a number > 0 (1: start at the schedule)'),
     ('hdet.step_growth', 'real', lambda v: v >= 1, 'a number >= 1 (1: no acceleration)'),
     ('hdet.max_gain', 'real', lambda v: v >= 1, 'a number >= 1'),
+    ('hdet.backoff_stderrs', 'real', lambda v: v >= 0, 'a number >= 0 (0: any rise backs off)'),
     ('hdet.stop_fraction', 'real', lambda v: 0 <= v <= 1, 'in [0, 1] (0: from the first sync; 1: never stop)'),
     ('hdet.probe_windows', 'int', lambda v: v >= 1, 'an integer >= 1'),
     ('hdet.score_tail', 'real', lambda v: 0 <= v < 1, "in [0, 1) (0: compare the last iterates)"),
@@ -206,6 +207,13 @@ def check_values(config: Any) -> None:
   if config.hdet.get('backoff', False) and not (config.hdet.auto_lr and config.hdet.get('controller') == 'fit'):
     raise ConfigError(f"hdet.backoff=True steps the 'fit' controller's LR correction down: it needs hdet.auto_lr=True "
                       f"and hdet.controller='fit' (got {config.hdet.get('controller')!r}), or set hdet.backoff=False.")
+  if config.hdet.get('backoff_stderrs', 0.0) > 0 and not config.hdet.get('backoff', False):
+    raise ConfigError(f"hdet.backoff_stderrs={config.hdet.backoff_stderrs} sets how far the window's training loss must "
+                      "rise for the back-off: it needs hdet.backoff=True, or set hdet.backoff_stderrs=0.")
+  if config.hdet.get('rollback', False) and not config.hdet.get('backoff', False):
+    raise ConfigError("hdet.rollback=True returns to the last sync's state where the "
+                      "back-off fires, so it needs hdet.backoff=True (with hdet.auto_lr=True and hdet.controller='fit'); "
+                      "or set hdet.rollback=False.")
   if config.hdet.get('score_tail', 0.0) > 0 and not (config.hdet.auto_lr and config.hdet.get('score') == 'common'):
     raise ConfigError(f"hdet.score_tail={config.hdet.score_tail} averages the parameters that the common batch "
                       "scores: it needs hdet.auto_lr=True and hdet.score='common' (or set hdet.score_tail=0).")

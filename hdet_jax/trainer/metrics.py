@@ -10,8 +10,9 @@ Records in ``WORKDIR/metrics.jsonl`` carry a ``kind``:
   per hyperparameter ``deltas`` (the step taken: the log-correction's change for 'fit'), ``velocities`` (the
   fitted slope for 'fit'), and the 'fit' controller's ``corrections`` (its log-correction of the schedule
   after the step), ``asks`` (the fitted step before gain, rise-only rule and trust region), ``stderrs`` (the
-  slope's standard error), ``gains`` and ``train_loss`` (the replicas' mean training loss over the window
-  with ``hdet.backoff``; absent without);
+  slope's standard error), ``gains``, ``train_loss`` and ``train_loss_se`` (the replicas' mean training loss
+  over the window and its standard error, with ``hdet.backoff``; absent without), and ``backed_off: true`` where the back-off stepped the LR down
+  (with ``hdet.rollback`` the replicas then returned to the previous sync's state);
 - ``distance``: one per sync step, just before the average (runs that never average: at each log
   interval): ``distance`` (each replica's L2 distance from the replicas' mean) and ``mean_norm`` (the
   mean's L2 norm);

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import hdet_jax as H
 from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer.mesh import AXIS, INNER, LOCAL, grouped, layout, replica_sharding, replicated, rules
-from hdet_jax.trainer.optimizer import common_batch, hyperparam_names
+from hdet_jax.trainer.optimizer import common_batch, hyperparam_names, score_tail
 
 def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_replicas: int) -> Callable:
   """Jitted ``key -> (params, opt_state)``: the same random init on every replica (cold start)."""
@@ -217,6 +217,10 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   it, with its own attention temperature and no dropout, computed before the average, is the score
   the controller compares (``tx.update(..., score=)``). With ``hdet.score_tail > 0`` a fourth, each
   replica's mean parameters over the window's tail (see :func:`tail_weight`), is what is scored.
+  With ``hdet.rollback`` a last argument, the anchor ``{'params', 'inner'}`` (each replica's parameters and
+  wrapped optimizer state after the previous sync), comes back as a fourth output: where this sync's back-off
+  fires the replicas return to it (the controller keeps its new, lower LR), and the anchor becomes the state
+  the sync leaves.
 
   Run it right after the non-sync step program on a sync step: it averages the replicas and runs
   the controller (``tx.update(None, ..., sync=True)``). The step is then compiled once, and the sync
@@ -227,10 +231,16 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   (computed from the parameters before and after the average: no extra communication).
   """
   probe = graphdef is not None and config is not None and common_batch(config)
+  tailed = config is not None and score_tail(config) > 0
+  anchored = config is not None and bool(config.hdet.get('rollback', False))
   task = tasks_lib.get(config)
 
   def make_window_end(axis):
-    def window_end(params, packed, windows=None, tail=None):
+    def window_end(params, packed, *extra):
+      extra = list(extra)
+      windows = extra.pop(0) if probe else None
+      tail = extra.pop(0) if tailed and len(extra) > anchored else None  # (optional: a test scores the last iterates)
+      anchor = extra.pop(0) if anchored else None
       opt_state = unpack(tx, params, packed)
       score = None
       if probe:
@@ -244,9 +254,34 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
       metrics = {**_controller_metrics(opt_state.controller), **_distance_metrics(stepped, params)}
       if packer is not None:
         metrics = packer.pack(metrics)
-      return params, H.pack_state(opt_state), metrics
+      if anchor is None:
+        return params, H.pack_state(opt_state), metrics
+      params, opt_state, anchor = _roll_back(params, opt_state, anchor)
+      return params, H.pack_state(opt_state), metrics, anchor
     return window_end
-  return jax.jit(_over_replicas(make_window_end, mesh), donate_argnums=(0, 1), **_pinned(mesh, shardings))
+  pinned = _pinned(mesh, shardings)
+  if anchored and pinned:
+    pinned = {'out_shardings': (*pinned['out_shardings'], {'params': shardings[0], 'inner': shardings[1].inner_state})}
+  donate = (0, 1) + ((2 + probe + tailed,) if anchored else ())
+  return jax.jit(_over_replicas(make_window_end, mesh), donate_argnums=donate, **pinned)
+
+
+def make_anchor(shardings: tuple[Any, Any] | None = None) -> Callable:
+  """Jitted ``(params, opt_state) -> {'params', 'inner'}``: a copy of each replica's parameters and wrapped
+  optimizer state, the rollback's anchor before the first sync (see :func:`make_window_end`)."""
+  copy = lambda p, s: jax.tree.map(jnp.copy, {'params': p, 'inner': s.inner_state})
+  out = {} if shardings is None else {'out_shardings': {'params': shardings[0], 'inner': shardings[1].inner_state}}
+  return jax.jit(copy, **out)
+
+
+def _roll_back(params: Any, opt_state: Any, anchor: dict) -> tuple[Any, Any, dict]:
+  """(params, opt_state, anchor) after a sync: the anchor's parameters and wrapped optimizer state where the
+  sync backed off (``controller.backed_off``, the same on every replica), else the sync's; the new anchor is
+  what the sync leaves."""
+  back = opt_state.controller.backed_off
+  pick = lambda old, new: jax.tree.map(lambda a, b: jnp.where(back, a, b), old, new)
+  params, inner = pick(anchor['params'], params), pick(anchor['inner'], opt_state.inner_state)
+  return params, opt_state._replace(inner_state=inner), {'params': params, 'inner': inner}
 
 
 def _controller_metrics(c: Any) -> dict:
@@ -256,7 +291,7 @@ def _controller_metrics(c: Any) -> dict:
   return {'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
           'window_losses': c.window_losses, 'deltas': c.delta, 'velocities': c.velocity,
           'corrections': c.correction, 'asks': c.asked, 'stderrs': c.stderr, 'gains': c.gain,
-          'train_loss': c.train_loss}
+          'train_loss': c.train_loss, 'train_loss_se': c.train_loss_se, 'backed_off': c.backed_off}
 
 
 def _distance_metrics(params: Any, mean: Any) -> dict:

@@ -285,6 +285,7 @@ class _Loop:
   step: int                          # steps done
   data: Any = None                   # the chunk of _CHUNK steps' batches holding this step's, on the devices
   tail: Any = None                   # [N, ...] each replica's mean parameters over its window's tail (score_tail)
+  anchor: Any = None                 # {'params', 'inner'} [N, ...]: the state the last sync left (hdet.rollback)
   pending: list = dataclasses.field(default_factory=list)  # (step, sync, metrics) fetched at the next log
   t_mark: float = 0.0                # when the current log interval started
   train_time: float = 0.0
@@ -379,9 +380,9 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   root = jax.random.key(config.seed)
   init = programs_lib.make_init(config, inputs.tx, records.mesh, inputs.n)
   restored = _restore(config, inputs, records, init, root) if inputs.resume else None
-  tail = None
+  tail = anchor = None
   if restored is not None:
-    params, opt_state, start, tail = restored
+    params, opt_state, start, tail, anchor = restored
   elif inputs.init_src is not None:
     params, opt_state, start = *_warm_start(config, inputs, records, root), 0
   else:
@@ -398,7 +399,9 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
     raise RuntimeError(f'the optimizer state counts {count} steps but training resumes at step {start}.')
   if tail is None and optimizer_lib.score_tail(config) > 0:
     tail = jax.tree.map(lambda x: x.copy(), params)  # overwritten at the first step of each window's tail
-  return _Loop(params, opt_state, rng, start=start, step=start, tail=tail)
+  if anchor is None and config.hdet.get('rollback', False):  # before the first sync: the start
+    anchor = programs_lib.make_anchor(mesh_lib.layout(records.mesh, params, opt_state, inputs.task))(params, opt_state)
+  return _Loop(params, opt_state, rng, start=start, step=start, tail=tail, anchor=anchor)
 
 
 def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, root: Any) -> tuple | None:
@@ -411,6 +414,8 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(records.mesh))
   if optimizer_lib.score_tail(config) > 0:  # a checkpoint inside a window's tail resumes its running mean
     abstract['tail'] = abstract['params']
+  if config.hdet.get('rollback', False):  # the state the last sync left, which the next one may return to
+    abstract['anchor'] = {'params': abstract['params'], 'inner': abstract['opt_state'].inner_state}
   t_restore = time.time()
   try:
     restored = records.ckpt.restore_latest(abstract, on_corrupt=corrupt)
@@ -427,7 +432,7 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
   records.writer.write('event', step=start, event='resume', restore_s=time.time() - t_restore)
   records.log(f'Resuming {inputs.workdir} from step {start}.' if start < config.num_train_steps else
               f'{inputs.workdir} already holds the finished run ({start} steps): evaluating and plotting only.')
-  return state['params'], state['opt_state'], start, state.get('tail')
+  return state['params'], state['opt_state'], start, state.get('tail'), state.get('anchor')
 
 
 def _warm_start(config: Any, inputs: _Inputs, records: _Records, root: Any) -> tuple[Any, Any]:
@@ -471,9 +476,10 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
                             chunk_steps=_CHUNK, shardings=layout).lower(params, opt_state, loop.data).compile()
   common = optimizer_lib.common_batch(config)
   tail = [loop.tail] if loop.tail is not None else []
+  anchor = [loop.anchor] if loop.anchor is not None else []
   window_end = programs_lib.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
                                   config=config, shardings=layout).lower(
-      params, opt_state, *([_probe(config, inputs, mesh, 0)] if common else []), *tail).compile()
+      params, opt_state, *([_probe(config, inputs, mesh, 0)] if common else []), *tail, *anchor).compile()
   tail_update = (programs_lib.make_tail_update(layout).lower(loop.tail, params, np.float32(1)).compile()
                  if loop.tail is not None else None)
   to_eval = programs_lib.make_eval_params(config, mesh)
@@ -536,7 +542,11 @@ def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop
   if sync:
     common = [_probe(config, inputs, mesh, step)] if programs.common else []
     tail = [loop.tail] if programs.tail_update is not None else []
-    loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common, *tail)
+    if loop.anchor is None:
+      loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common, *tail)
+    else:
+      loop.params, loop.opt_state, m_sync, loop.anchor = programs.window_end(loop.params, loop.opt_state, *common,
+                                                                              *tail, loop.anchor)
     m = (m, m_sync)
   loop.pending.append((step, sync, m))
   loop.step = step + 1
@@ -603,7 +613,10 @@ def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync:
                  deltas=m['deltas'][0], velocities=m['velocities'][0], corrections=m['corrections'][0],
                  asks=m['asks'][0], stderrs=m['stderrs'][0], gains=m['gains'][0],
                  # the window's mean training loss, kept by the back-off only (NaN without it: not written)
-                 **({'train_loss': m['train_loss'][0]} if np.isfinite(m['train_loss'][0]) else {}))
+                 **({'train_loss': m['train_loss'][0], 'train_loss_se': m['train_loss_se'][0]}
+                    if np.isfinite(m['train_loss'][0]) else {}),
+                 # the back-off fired (with hdet.rollback the replicas returned to the sync before)
+                 **({'backed_off': True} if m['backed_off'][0] else {}))
     writer.write('distance', step=step, distance=m['distance'], mean_norm=m['mean_norm'][0])
   finite = np.isfinite(loss)
   if not finite.all() and loop.diverged_at is None:
@@ -641,7 +654,8 @@ def _save(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, 
 def _checkpoint_state(loop: _Loop) -> dict:
   """What a checkpoint holds of the loop (and what setup compiles its fingerprint for): the same tree."""
   return {'params': loop.params, 'opt_state': loop.opt_state, 'rng': loop.rng,
-          **({'tail': loop.tail} if loop.tail is not None else {})}
+          **({'tail': loop.tail} if loop.tail is not None else {}),
+          **({'anchor': loop.anchor} if loop.anchor is not None else {})}
 
 
 def _param_shapes(abstract_params: Any) -> Any:
