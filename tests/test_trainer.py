@@ -514,7 +514,7 @@ def test_rollback_returns_to_the_last_sync_where_the_back_off_fires_and_resumes_
   fit = {'num_train_steps': 24, 'plots': False, 'optim.max_lr': 1.0, 'hdet.controller': 'fit', 'hdet.score': 'common',
          'hdet.warmup_steps': 0, 'hdet.backoff': True}
   ref, plain = str(tmp_path / 'straight'), str(tmp_path / 'backoff_only')
-  train_and_evaluate(tiny(checkpoint_every=1, max_checkpoints=0, **fit, **{'hdet.rollback': True}), ref)
+  train_and_evaluate(tiny(checkpoint_every=4, max_checkpoints=0, **fit, **{'hdet.rollback': True}), ref)
   train_and_evaluate(tiny(checkpoint_every=8, **fit), plain)
   backed = [c['step'] for c in read_metrics(os.path.join(ref, 'metrics.jsonl'))['controller'] if c.get('backed_off')]
   assert backed == [15] == [c['step'] for c in read_metrics(os.path.join(plain, 'metrics.jsonl'))['controller']
