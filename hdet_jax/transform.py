@@ -54,8 +54,8 @@ class HDETState(NamedTuple):
   inner_state: Any          # the wrapped optimizer's state.
   loss_sum: jax.Array       # [] float32: this replica's sum of ``value`` in the current window.
   loss_diff_sq_sum: jax.Array  # [] float32: ... and of the squared change of ``value`` from the step before
-                            #   (the back-off's noise estimate).
-  last_loss: jax.Array      # [] float32: this replica's last ``value`` (NaN before the first step).
+                            #   (the back-off's noise estimate; kept only with ``auto_lr.backoff``).
+  last_loss: jax.Array      # [] float32: this replica's last ``value`` (NaN before the first step; ditto).
   values: jax.Array         # [G, N] float32: every replica's value for the coming step (read them in
                             #   the forward pass for model and loss hyperparameters).
   sync_count: jax.Array     # [] int32: syncs (parameter averages) done so far.
@@ -273,11 +273,12 @@ def _inner_step(plan: Plan, grads, state: HDETState, params, value, extra_args) 
     extra_args = dict(extra_args, value=value)
   updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
   loss = jnp.zeros([], jnp.float32) if value is None else jnp.asarray(value, jnp.float32)
-  return updates, state._replace(
-      count=state.count + 1, inner_state=inner_state, loss_sum=state.loss_sum + loss,
-      loss_diff_sq_sum=state.loss_diff_sq_sum + jnp.where(jnp.isnan(state.last_loss), 0.0,
-                                                           jnp.square(loss - state.last_loss)),
-      last_loss=loss, synced=jnp.zeros([], bool))
+  state = state._replace(count=state.count + 1, inner_state=inner_state, loss_sum=state.loss_sum + loss,
+                         synced=jnp.zeros([], bool))
+  if plan.auto_lr is not None and plan.auto_lr.backoff:  # the back-off's noise estimate; no work without it
+    change = jnp.where(jnp.isnan(state.last_loss), 0.0, jnp.square(loss - state.last_loss))
+    state = state._replace(loss_diff_sq_sum=state.loss_diff_sq_sum + change, last_loss=loss)
+  return updates, state
 
 
 def _check_update_args(plan: Plan, updates, params, value, sync, score) -> None:

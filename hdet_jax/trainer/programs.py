@@ -261,7 +261,7 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
     return window_end
   pinned = _pinned(mesh, shardings)
   if anchored and pinned:
-    pinned = {'out_shardings': (*pinned['out_shardings'], {'params': shardings[0], 'inner': shardings[1].inner_state})}
+    pinned = {'out_shardings': (*pinned['out_shardings'], _anchor_shardings(shardings))}
   donate = (0, 1) + ((2 + probe + tailed,) if anchored else ())
   return jax.jit(_over_replicas(make_window_end, mesh), donate_argnums=donate, **pinned)
 
@@ -270,8 +270,12 @@ def make_anchor(shardings: tuple[Any, Any] | None = None) -> Callable:
   """Jitted ``(params, opt_state) -> {'params', 'inner'}``: a copy of each replica's parameters and wrapped
   optimizer state, the rollback's anchor before the first sync (see :func:`make_window_end`)."""
   copy = lambda p, s: jax.tree.map(jnp.copy, {'params': p, 'inner': s.inner_state})
-  out = {} if shardings is None else {'out_shardings': {'params': shardings[0], 'inner': shardings[1].inner_state}}
-  return jax.jit(copy, **out)
+  return jax.jit(copy, **({} if shardings is None else {'out_shardings': _anchor_shardings(shardings)}))
+
+
+def _anchor_shardings(shardings: tuple[Any, Any]) -> dict:
+  """The anchor's shardings from (params', opt_state's): its parameters and wrapped optimizer state's."""
+  return {'params': shardings[0], 'inner': shardings[1].inner_state}
 
 
 def _roll_back(params: Any, opt_state: Any, anchor: dict) -> tuple[Any, Any, dict]:

@@ -542,11 +542,10 @@ def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop
   if sync:
     common = [_probe(config, inputs, mesh, step)] if programs.common else []
     tail = [loop.tail] if programs.tail_update is not None else []
-    if loop.anchor is None:
-      loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common, *tail)
-    else:
-      loop.params, loop.opt_state, m_sync, loop.anchor = programs.window_end(loop.params, loop.opt_state, *common,
-                                                                              *tail, loop.anchor)
+    anchor = [loop.anchor] if loop.anchor is not None else []  # hdet.rollback: it comes back updated
+    loop.params, loop.opt_state, m_sync, *anchor = programs.window_end(loop.params, loop.opt_state, *common, *tail,
+                                                                       *anchor)
+    loop.anchor = anchor[0] if anchor else None
     m = (m, m_sync)
   loop.pending.append((step, sync, m))
   loop.step = step + 1
