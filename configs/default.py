@@ -131,6 +131,10 @@ def get_config() -> ml_collections.ConfigDict:
   # and wrapped optimizer state (kept on the devices: one more copy of both), so the window that blew up is undone,
   # not only followed by a lower LR (an SGD run past its stability edge is at chance by then).
   config.hdet.rollback = False
+  # 'fit' with after_stop='rise': once the climb has ended (two confident asks down in a row after the LR rose above
+  # its start, which rise-only does not take), the replicas train at the base LR with no spread and the correction
+  # holds, so the rest of the run does not pay the ensemble's price (averaging replicas trained at different LRs).
+  config.hdet.settle = False
   config.hdet.smooth_decay = True  # Decay the base LR continuously within a window (False: hold it, as the reference does).
   # Per-group LRs (the paper's §3.4): embedding (byte embedding, positions), no_decay (biases, norm
   # scales) and weights (attention/MLP kernels), chosen by regex on parameter paths

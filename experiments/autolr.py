@@ -151,6 +151,12 @@ VARIANT_SETTINGS = {
     'fit_K15_cap100_rollback_se2': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
                                     'hdet.longest_window': 100, 'hdet.backoff': True, 'hdet.rollback': True,
                                     'hdet.backoff_stderrs': 2.0},
+    # The default whose spread ends with its climb (hdet.settle): after two confident asks down in a row once the
+    # LR has risen (which rise-only does not take; in the default's LM and fine-tuning records no later sync but
+    # one, at the last syncs of a 150-step run, raised the LR), the replicas train at the base LR, so the run
+    # stops paying the ensemble's price (results/climb_and_price.md).
+    'fit_K15_cap100_settle': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
+                              'hdet.longest_window': 100, 'hdet.settle': True},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

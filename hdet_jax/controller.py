@@ -54,6 +54,8 @@ class ControllerState(NamedTuple):
                             #   step-to-step changes (NaN before the first sync).
   backed_off: jax.Array  # [] bool ('fit'): whether the last sync's back-off stepped the LRs down (a
                          #   trainer's rollback returns to the sync before it then).
+  settled: jax.Array     # [G] bool ('fit' with settle): the hyperparameter's climb has ended; its replicas
+                         #   train at the base (no spread) and its correction holds.
 
 
 class ControllerUpdate(NamedTuple):
@@ -180,6 +182,7 @@ def init_controller_state(base: jax.Array, num_replicas: int, key: jax.Array,
       train_loss=jnp.full((), jnp.nan, jnp.float32),
       train_loss_se=jnp.full((), jnp.nan, jnp.float32),
       backed_off=jnp.zeros((), bool),
+      settled=jnp.zeros((g,), bool),
   )
 
 

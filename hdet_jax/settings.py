@@ -77,6 +77,13 @@ class AutoLR:
       being the standard error of the window before's mean loss, from its steps' step-to-step changes (see
       ``hdet_jax.sync.window_train_loss``; the new window's own spread is not used: a window that blows
       up spreads widely). 0: any rise, however small (a flat, noisy loss then backs off about every other sync).
+    settle: 'fit' with ``after_stop='rise'``: a hyperparameter whose rise-only climb has ended stops spreading.
+      The climb ends at the second sync in a row, once the value has risen above its start, where the line
+      search asks for a lower value with confidence (the fitted slope more than twice its standard error, the
+      gain's test): the rise-only rule takes neither ask. (One such ask is not enough: a short, noisy climb's
+      asks can turn down once and up again.) From the next window on the hyperparameter's replicas all train
+      at the base (no spread) and its correction holds (the back-off still acts), so the run stops paying the
+      ensemble's price (averaging replicas trained at different values) for a signal it no longer uses.
   """
   total_steps: int
   warmup_steps: int = 0
@@ -97,6 +104,7 @@ class AutoLR:
   max_gain: float = 4.0
   backoff: bool = False
   backoff_stderrs: float = 0.0
+  settle: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +318,10 @@ def _check_auto_lr(a, spread) -> None:
   k = a.backoff_stderrs
   if not (isinstance(k, (int, float)) and not isinstance(k, bool) and 0.0 <= k < math.inf) or (k > 0 and not a.backoff):
     raise ValueError(f'auto_lr.backoff_stderrs must be a number >= 0, and > 0 only with backoff=True; got {k!r}.')
+  if not isinstance(a.settle, bool) or (a.settle and (a.controller != 'fit' or a.after_stop != 'rise')):
+    raise ValueError(f"auto_lr.settle must be a bool, and True only with controller='fit' and after_stop='rise' "
+                     f"(it ends a rise-only climb); got settle={a.settle!r}, controller={a.controller!r}, "
+                     f"after_stop={a.after_stop!r}.")
   if a.step_growth != 1.0 and a.controller != 'fit':
     raise ValueError(f"auto_lr.step_growth={a.step_growth!r} needs controller='fit'; set it to 1.0.")
   if a.initial_scale != 1.0 and a.controller != 'fit':

@@ -139,13 +139,21 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
   # (multiplicative) or the additive offset, under the window's permutations.
   add = np.asarray(plan.additive)
   u = jnp.where(add[:, None], jnp.take_along_axis(jnp.asarray(plan.offset), c.perm, axis=1),
-                jnp.take_along_axis(jnp.asarray(plan.scale), c.perm, axis=1) - 1.0).T  # [N, G]
+                jnp.take_along_axis(jnp.asarray(plan.scale), c.perm, axis=1) - 1.0)
+  u = jnp.where(c.settled[:, None], 0.0, u).T  # [N, G]; a settled hyperparameter did not spread
   trust = jnp.asarray([sp if ad else a.trust for sp, ad in zip(plan.spreads, plan.additive)], jnp.float32)
   out = ctrl.fit_update(c.xtx, c.xty, scores, u, jnp.asarray(~add),
                         memory=a.memory, overshoot=a.overshoot, trust=trust)
   step, gain = ctrl.accelerate(out.step, c.gain, growth=a.step_growth, max_gain=a.max_gain, trust=trust,
                                confident=jnp.abs(out.slope) > 2.0 * out.stderr)
   step = jnp.where(rise_only, jnp.maximum(step, 0.0), step)
+  settled = c.settled
+  if a.settle:  # the climb ends at a second confident ask down in a row once the value has risen above its start
+    risen = c.correction > jnp.asarray(plan.initial_correction, jnp.float32)
+    down, was_down = out.slope > 2.0 * out.stderr, c.velocity > 2.0 * c.stderr  # c: the last sync's fit
+    ends = jnp.asarray(rise_only) & risen & down & was_down
+    step, gain = jnp.where(c.settled, 0.0, step), jnp.where(c.settled, 0.0, gain)
+    settled = c.settled | (ends & active)
   back = jnp.zeros_like(step, bool)
   if a.backoff:  # the window's mean training loss rose (or went non-finite): the LRs step down by trust
     # With backoff_stderrs = k > 0 only a rise beyond k standard errors of the difference counts, both windows'
@@ -157,7 +165,7 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
     step, gain = jnp.where(back, -trust, step), jnp.where(back, -1.0, gain)
   keep = lambda new, old: jnp.where(active, new, old)
   return new_c._replace(
-      backed_off=jnp.logical_and(jnp.any(back), active).reshape(()),
+      backed_off=jnp.logical_and(jnp.any(back), active).reshape(()), settled=settled,
       correction=keep(c.correction + step, c.correction), xtx=keep(out.xtx, c.xtx),
       xty=keep(out.xty, c.xty), delta=keep(step, c.delta), velocity=keep(out.slope, c.velocity),
       gain=keep(gain, c.gain), asked=keep(out.step, c.asked), stderr=keep(out.stderr, c.stderr))

@@ -110,6 +110,14 @@ def test_rollback_needs_the_back_off(other):
   assert '\n' not in str(e.value)
 
 
+@pytest.mark.parametrize('other', [{'hdet.after_stop': 'hold'}, {'hdet.controller': 'paper'}, {'hdet.auto_lr': False}])
+def test_settle_needs_the_rise_only_fit(other):
+  config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.settle': True, 'hdet.after_stop': 'rise'}))
+  with pytest.raises(config_lib.ConfigError, match=r"hdet\.settle=True .*hdet\.after_stop='rise'") as e:
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.settle': True, 'hdet.after_stop': 'rise', **other}))
+  assert '\n' not in str(e.value)
+
+
 def test_backoff_stderrs_needs_the_back_off():
   config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': 2.0}))
   with pytest.raises(config_lib.ConfigError, match=r"hdet\.backoff_stderrs=2\.0 .*needs hdet\.backoff=True"):

@@ -104,3 +104,41 @@ def test_bad_explore(explore, match):
     H.hdet(optax.adamw, 1e-3, num_replicas=N, spread=0.25, sync_every=4, explore=explore)
 
 
+
+
+def test_settle_is_per_hyperparameter():
+  """Two rise-only climbs toward independent bowls, the LR starting 3x below its optimum and the weight decay
+  300x below its own: the LR settles first and holds its correction while the weight decay goes on climbing
+  and spreading (the LR's replicas all at its base), until it settles too, just past its optimum."""
+  explore = {'weight_decay': H.Explore(4e-6, 0.25)}
+  T, S = 5, 400
+  tx = H.hdet(optax.adamw, 1e-3, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, explore=explore,
+              auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.0, trust=0.5, memory=0.5,
+                               stop_steps=0, after_stop='rise', step_growth=2.0, max_gain=4.0, settle=True))
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.vmap(tx.init)(sp)
+
+  def step(p, s):
+    v = s.values[:, lax.axis_index(AX)]
+    u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=jnp.log(v[0] / 3e-3) ** 2 + jnp.log(v[1] / 1.2e-3) ** 2)
+    return optax.apply_updates(p, u), s
+  f = jax.jit(jax.vmap(step, axis_name=AX))
+  settled, corrections, spreads = [], [], []
+  for t in range(S):
+    sp, ss = f(sp, ss)
+    if (t + 1) % T == 0:
+      settled.append(np.asarray(ss.controller.settled[0]))
+      corrections.append(np.asarray(ss.controller.correction[0]))
+      spreads.append(np.ptp(np.asarray(ss.values[0]), axis=1))
+  settled, corrections, spreads = map(np.stack, (settled, corrections, spreads))
+  lr_at, wd_at = (int(np.argmax(settled[:, g])) for g in range(2))
+  assert settled[-1].all() and 0 < lr_at < wd_at - 3
+  assert np.all(settled[lr_at:, 0]) and np.all(settled[wd_at:, 1]) and not settled[:lr_at].any()
+  assert np.all(corrections[lr_at:, 0] == corrections[lr_at, 0])  # the LR held while the weight decay climbed
+  assert np.all(spreads[lr_at:, 0] == 0) and np.all(spreads[lr_at:wd_at, 1] > 0) and np.all(spreads[wd_at:, 1] == 0)
+  assert np.all(np.diff(corrections[lr_at:wd_at + 1, 1]) >= 0) and corrections[wd_at, 1] > corrections[lr_at, 1] + 3
+  lr, wd = 1e-3 * np.exp(corrections[-1, 0]), 4e-6 * np.exp(corrections[-1, 1])
+  # Each settles past its optimum (the ask turns down only once a window trained above it), within two trust
+  # steps (e^(2 x 0.5)): the loss is quadratic in the log of each value, the fit in its offset, so an ask can
+  # still point up one step past the optimum.
+  assert 3e-3 < lr < 3e-3 * np.e and 1.2e-3 < wd < 1.2e-3 * np.e

@@ -618,3 +618,94 @@ def test_a_window_that_blows_up_backs_off_however_widely_it_spreads():
   swinging by +-3 (a blow-up) back off at k = 2, the first window being calm."""
   out = _backoff_corrections(True, [1.0, 1.5], noise=0.0, stderrs=2.0, noise_by_window=[0.0, 3.0])
   assert [b for *_, b, _ in out] == [False, True]
+
+
+def _settle_run(start, settle, S=100, T=5, stop_steps=0):
+  """signal_run (a bowl at LR 1e-2) from a constant LR ``start``, rise-only after ``stop_steps`` (0: from the
+  first sync), with or without ``settle``."""
+  tx = H.hdet(optax.sgd, optax.constant_schedule(start), num_replicas=N, spread=0.25, sync_every=T,
+              replica_axis=AX, auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.0, trust=0.5,
+                                                memory=0.5, stop_steps=stop_steps, after_stop='rise',
+                                                step_growth=2.0, max_gain=4.0, settle=settle))
+  return signal_run(tx, S)
+
+
+def test_settle_ends_the_spread_once_two_windows_in_a_row_trained_past_the_bowls_bottom():
+  """From 10x below the bowl's bottom the climb rises until a window trains above 1e-2; the loss is exactly
+  quadratic in the offset, so that window's fit asks down with confidence, rise-only holds the LR, and the next
+  window's fit asks down again: it settles there (closed form: the sync after the first window whose base exceeds
+  1e-2). Up to that sync the run is the one without settle; from the next step every replica trains at the base
+  and the correction holds, where without settle the replicas keep spreading. A settled hyperparameter adds
+  nothing to the regression's statistics (only the forgetting factor acts)."""
+  T = 5
+  settled, plain = _settle_run(1e-3, True), _settle_run(1e-3, False)
+  syncs = list(range(T, len(settled), T))
+  window_bases = [settled[k - 1].base[0] for k in syncs]  # the base the window ending at sync k trained at
+  first_above = next(i for i, b in enumerate(window_bases) if b > 1e-2)
+  k_star = syncs[first_above + 1]
+  assert first_above >= 2 and window_bases[0] < 1e-2  # it climbed for a while first
+  assert [bool(settled[k].controller.settled[0]) for k in syncs] == [k >= k_star for k in syncs]
+  for k in range(k_star + 1):  # the same run up to the settling sync (whose state holds the next step's values)
+    chex.assert_trees_all_equal(settled[k].controller.correction, plain[k].controller.correction)
+    if k < k_star:
+      np.testing.assert_array_equal(settled[k].values, plain[k].values)
+  for k in range(k_star, len(settled)):
+    np.testing.assert_array_equal(settled[k].values[0], np.full(N, settled[k].base[0], np.float32))
+    assert settled[k].controller.correction[0] == settled[k_star].controller.correction[0]
+    xtx = settled[k].controller.xtx
+    if k > k_star and k % T == 0:  # the LR's rows of X^T X only decay: its offsets are 0 once settled
+      np.testing.assert_allclose(xtx[0, 0], 0.5 * settled[k - T].controller.xtx[0, 0], rtol=1e-6)
+  assert np.ptp(plain[-1].values[0]) > 0.4 * plain[-1].base[0]  # without settle the replicas still spread
+
+
+def test_settle_needs_a_rise_first():
+  """Started 20x above the bowl's bottom every fit asks down with confidence, but the rise-only climb never
+  raised the LR above its start: nothing settles and the replicas keep spreading."""
+  states = _settle_run(2e-1, True, S=40)
+  assert not any(bool(s.controller.settled[0]) for s in states)
+  assert states[-1].controller.correction[0] == 0.0 and np.ptp(states[-1].values[0]) > 0.4 * states[-1].base[0]
+
+
+def test_settle_waits_for_the_rise_only_climb():
+  """Before the stop the fit takes its asks both ways, so asks down in a row past the bowl's bottom are taken,
+  not a climb's end: nothing settles before the stop (here: the whole run)."""
+  states = _settle_run(1e-3, True, stop_steps=100)
+  deltas = np.array([s.controller.delta[0] for s in states[5::5]])
+  assert (deltas < -0.01).sum() >= 2 and (deltas > 0.01).any()  # it climbed and took asks down
+  assert not any(bool(s.controller.settled[0]) for s in states)
+
+
+def _settle_after(ratio, noisy_sync, T=5):
+  """Whether each of three syncs settles: the first sync's scores (u - 0.05)^2 ask up (the LR rises), the next
+  two's (u + 0.05)^2 ask down; at sync ``noisy_sync`` (1 or 2) plus noise orthogonal to 1, u and u^2 that puts
+  the fitted slope at ``ratio`` standard errors (numpy_slope_stderr)."""
+  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
+              auto_lr=H.AutoLR(total_steps=100, controller='fit', overshoot=1.0, trust=1.0, memory=0.0,
+                               stop_steps=0, after_stop='rise', settle=True))
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.vmap(tx.init)(sp)
+  step = jax.jit(jax.vmap(lambda p, s: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0, sync=False)[1],
+                          axis_name=AX))
+  end = jax.jit(jax.vmap(lambda p, s, y: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX))
+  out = []
+  for k, centre in enumerate((0.05, -0.05, -0.05)):
+    for _ in range(T):
+      ss = step(sp, ss)
+    u = np.asarray(ss.values[0, 0], np.float64) / float(ss.base[0, 0]) - 1.0
+    y = (u - centre) ** 2
+    if k == noisy_sync:
+      basis = np.stack([np.ones(N), u, u ** 2], 1)
+      e = np.random.default_rng(0).normal(size=N)
+      e -= basis @ np.linalg.lstsq(basis, e, rcond=None)[0]
+      y = y + e * (2 * 0.05) / (ratio * numpy_slope_stderr(e, u[:, None])[0])
+    ss = end(sp, ss, jnp.asarray(y, jnp.float32))
+    out.append(bool(ss.controller.settled[0, 0]))
+  return out
+
+
+@pytest.mark.parametrize('noisy_sync', [1, 2])
+@pytest.mark.parametrize('ratio', [1.5, 2.5])
+def test_settle_needs_two_asks_down_in_a_row_each_beyond_twice_its_standard_error(ratio, noisy_sync):
+  """The climb ends at the second of two asks down in a row, and only when both slopes are more than 2
+  standard errors (the gain's test): either ask at 1.5 standard errors leaves it climbing."""
+  assert _settle_after(ratio, noisy_sync) == [False, False, ratio > 2]

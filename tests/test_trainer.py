@@ -532,3 +532,33 @@ def test_rollback_returns_to_the_last_sync_where_the_back_off_fires_and_resumes_
   train_and_evaluate(tiny(stop_at_step=12, **fit, **{'hdet.rollback': True}), workdir)
   train_and_evaluate(tiny(**fit, **{'hdet.rollback': True}), workdir)
   assert same(_restore_raw(workdir, 24)[0], state[24])
+
+
+def test_settle_trains_unspread_after_the_climb_and_resumes_bit_for_bit(tmp_path):
+  """hdet.settle on the tiny run (rise-only from the first sync, a cautious start at a tenth): the LR climbs, then
+  the line search asks down with confidence at two syncs in a row (read from the records: slope > 2 standard
+  errors), and the climb settles at the second. From the next step every replica trains at one LR (before, they
+  spread) under the held correction; the records say so from that sync on. A run stopped after the settling
+  sync resumes bit for bit (the flag is part of the checkpointed state)."""
+  fit = {'num_train_steps': 64, 'plots': False, 'hdet.settle': True, 'hdet.after_stop': 'rise',
+         'hdet.stop_fraction': 0.0, 'hdet.warmup_steps': 0, 'hdet.param_groups': False, 'hdet.trust': 1.0,
+         'hdet.step_growth': 2.0, 'hdet.initial_scale': 0.1}
+  ref = str(tmp_path / 'straight')
+  train_and_evaluate(tiny(**fit), ref)
+  m = read_metrics(os.path.join(ref, 'metrics.jsonl'))
+  ctrl = [c for c in m['controller'] if 'velocities' in c]
+  down = [c['velocities'][0] > 2 * c['stderrs'][0] for c in ctrl]
+  risen = [c['corrections'][0] - c['deltas'][0] > np.log(0.1) + 1e-6 for c in ctrl]  # above the start before it
+  at = next(i for i in range(1, len(ctrl)) if down[i] and down[i - 1] and risen[i])
+  settle_step = ctrl[at]['step']
+  assert 20 < settle_step < 60 and sum(c['deltas'][0] > 0.1 for c in ctrl[:at]) >= 2  # it climbed first
+  assert [c['step'] for c in ctrl if c.get('settled')] == [c['step'] for c in ctrl[at:]]
+  assert all(c['settled'] == [True] and c['corrections'] == ctrl[at]['corrections'] for c in ctrl[at:])
+  lrs = {r['step']: np.array(r['lr']) for r in m['train']}
+  assert all(np.ptp(lrs[t]) > 0.3 * lrs[t].mean() for t in range(1, settle_step + 1))
+  assert all(np.ptp(lrs[t]) == 0 for t in range(settle_step + 1, 64))
+  workdir = str(tmp_path / 'resumed')
+  train_and_evaluate(tiny(stop_at_step=settle_step + 5, **fit), workdir)
+  train_and_evaluate(tiny(**fit), workdir)
+  a, b = _restore_raw(ref, 64)[0], _restore_raw(workdir, 64)[0]
+  assert all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))

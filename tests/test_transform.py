@@ -340,6 +340,8 @@ SCHED = H.one_cycle(1e-3, 100)
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=True, backoff_stderrs=-1.0)),
      'backoff_stderrs must be a number >= 0'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='fall')), 'after_stop'),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', settle=True)), "settle must be a bool, and True only with"),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='rise', settle=1)), 'settle must be a bool'),
 ])
 def test_bad_settings_raise_at_construction(kwargs, name):
   args = dict(learning_rate=SCHED, num_replicas=4, spread=0.25, sync_every=10)

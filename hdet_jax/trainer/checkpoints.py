@@ -217,7 +217,8 @@ def _agree(ok: bool) -> bool:
 #    the window's mean training loss (the back-off).
 # 7: ControllerState gains whether the last sync backed off; a run with hdet.rollback saves its anchor (the
 #    parameters and wrapped optimizer state of the last sync).
-STATE_FORMAT = 7
+# 8: ControllerState gains which hyperparameters have settled (hdet.settle).
+STATE_FORMAT = 8
 
 
 def _whole_array_registry() -> ocp.type_handlers.TypeHandlerRegistry:

@@ -24,7 +24,7 @@ RUN_FIELDS = frozenset({
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
 QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
-                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.rollback': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
+                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0}
 
 
@@ -210,6 +210,11 @@ def check_values(config: Any) -> None:
   if config.hdet.get('backoff_stderrs', 0.0) > 0 and not config.hdet.get('backoff', False):
     raise ConfigError(f"hdet.backoff_stderrs={config.hdet.backoff_stderrs} sets how far the window's training loss must "
                       "rise for the back-off: it needs hdet.backoff=True, or set hdet.backoff_stderrs=0.")
+  if config.hdet.get('settle', False) and not (config.hdet.auto_lr and config.hdet.get('controller') == 'fit'
+                                              and config.hdet.get('after_stop') == 'rise'):
+    raise ConfigError("hdet.settle=True ends the 'fit' controller's rise-only climb: it needs hdet.auto_lr=True, "
+                      f"hdet.controller='fit' and hdet.after_stop='rise' (got {config.hdet.get('controller')!r}, "
+                      f"{config.hdet.get('after_stop')!r}), or set hdet.settle=False.")
   if config.hdet.get('rollback', False) and not config.hdet.get('backoff', False):
     raise ConfigError("hdet.rollback=True returns to the last sync's state where the "
                       "back-off fires, so it needs hdet.backoff=True (with hdet.auto_lr=True and hdet.controller='fit'); "

@@ -295,7 +295,8 @@ def _controller_metrics(c: Any) -> dict:
   return {'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
           'window_losses': c.window_losses, 'deltas': c.delta, 'velocities': c.velocity,
           'corrections': c.correction, 'asks': c.asked, 'stderrs': c.stderr, 'gains': c.gain,
-          'train_loss': c.train_loss, 'train_loss_se': c.train_loss_se, 'backed_off': c.backed_off}
+          'train_loss': c.train_loss, 'train_loss_se': c.train_loss_se, 'backed_off': c.backed_off,
+          'settled': c.settled}
 
 
 def _distance_metrics(params: Any, mean: Any) -> dict:

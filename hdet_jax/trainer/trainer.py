@@ -615,7 +615,9 @@ def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync:
                  **({'train_loss': m['train_loss'][0], 'train_loss_se': m['train_loss_se'][0]}
                     if np.isfinite(m['train_loss'][0]) else {}),
                  # the back-off fired (with hdet.rollback the replicas returned to the sync before)
-                 **({'backed_off': True} if m['backed_off'][0] else {}))
+                 **({'backed_off': True} if m['backed_off'][0] else {}),
+                 # hdet.settle: which hyperparameters have ended their climb (written once any has)
+                 **({'settled': [bool(v) for v in m['settled'][0]]} if np.any(m['settled'][0]) else {}))
     writer.write('distance', step=step, distance=m['distance'], mean_norm=m['mean_norm'][0])
   finite = np.isfinite(loss)
   if not finite.all() and loop.diverged_at is None:
