@@ -31,8 +31,9 @@ def test_the_non_sync_step_takes_at_most_two_more_input_buffers_than_plain_and_n
   assert hdet['leaves'] - plain['leaves'] <= 2
   # Donation pairs every output with an input without a copy: no copy beyond plain's.
   assert hdet.get('copy', 0) <= plain.get('copy', 0)
-  # The HDETState's leaves as they are: 23 more input buffers (the GPU benchmark's +16, measured before state
-  # format 6 added the controller's asked step, slope error and window loss, and format 7 the window's squared
-  # loss changes, the last loss, the loss's standard error and the back-off flag), and scalar copies.
-  assert unpacked['parameter'] - plain['parameter'] == 23
+  # The HDETState's leaves as they are: 24 more input buffers (the GPU benchmark's +16, measured before state
+  # format 6 added the controller's asked step, slope error and window loss, format 7 the window's squared
+  # loss changes, the last loss, the loss's standard error and the back-off flag, and format 8 the settled
+  # flags), and scalar copies.
+  assert unpacked['parameter'] - plain['parameter'] == 24
   assert unpacked['leaves'] - plain['leaves'] == 25

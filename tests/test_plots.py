@@ -71,14 +71,16 @@ def _fit_run(workdir, n=8, sync_every=10, steps=40):
       log_corr += taken[s]
       w.write('controller', step=s, weights=np.full(n, 1 / n), window_losses=5.0 + 0.01 * rho, delta=taken[s],
               velocity=slope[s], base_lr=base, deltas=[taken[s]], velocities=[slope[s]], corrections=[log_corr],
-              asks=[asks[s]], stderrs=[stderr[s]], gains=[gain[s]])
+              asks=[asks[s]], stderrs=[stderr[s]], gains=[gain[s]],
+              **({'backed_off': True} if s == 29 else {}), **({'settled': [True]} if s == 39 else {}))
   w.close()
   return schedule, *(np.array(list(d.values())) for d in (asks, taken, slope, stderr, gain))
 
 
 def test_fit_controller_figure_shows_its_own_quantities(tmp_path):
   """For 'fit', controller.png draws the schedule (recovered from the base LR and the corrections), the step
-  asked and taken, the slope with two standard errors and the gain, not the paper's delta and weights."""
+  asked and taken, the slope with two standard errors and the gain, not the paper's delta and weights; the syncs
+  that backed off and where the climb settled are marked."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
@@ -98,6 +100,11 @@ def test_fit_controller_figure_shows_its_own_quantities(tmp_path):
   np.testing.assert_allclose(segments, np.stack([slope - 2 * stderr, slope + 2 * stderr], 1), rtol=1e-6)
   assert top.get_yscale() == 'log' and steps_ax.get_ylabel() == 'log-step' and gain_ax.get_ylabel() == 'gain (signed)'
   assert not any('eq.' in label for label in lines)
+  # The sync that backed off (29) and the one where the climb settled (39) are marked on every panel.
+  for ax in (top, steps_ax, slope_ax, gain_ax):
+    assert sorted(l.get_xdata()[0] for l in ax.get_lines() if l.get_linestyle() in (':', '--')
+                  and l.get_xdata()[0] == l.get_xdata()[-1] and l.get_label() != 'the schedule alone') == [29, 39]
+  assert lines['back-off'].get_xdata()[0] == 29 and lines['settled (LR): no spread after'].get_xdata()[0] == 39
   plt.close(fig)
   # The paper's controller keeps its panels.
   (tmp_path / 'paper').mkdir()

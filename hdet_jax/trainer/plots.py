@@ -134,7 +134,8 @@ def _controller_figure(run: _RunArrays, plt: Any) -> Any:
 def _fit_controller_figure(run: _RunArrays, plt: Any, names: list[str]) -> Any:
   """The line search's quantities: the LR it trains with against the user's schedule (log scale), the step it
   asked for and the one it took (log units), the fitted slope with two standard errors (where the band crosses
-  zero the line search has turned), and the Rprop gain."""
+  zero the line search has turned), and the Rprop gain; dotted lines mark the syncs that backed off, dashed ones
+  where a climb settled."""
   ctrl = run.ctrl
   cs = np.array([c['step'] for c in ctrl])
   corr, taken = np.array([c['corrections'] for c in ctrl], float), np.array([c['deltas'] for c in ctrl], float)
@@ -169,6 +170,18 @@ def _fit_controller_figure(run: _RunArrays, plt: Any, names: list[str]) -> Any:
   axes[2].set_ylabel('d loss / d u')
   axes[3].set_ylabel('gain (signed)')
   axes[3].set_xlabel('step')
+  # The syncs where the back-off stepped the LR down (hdet.backoff), and where each climb settled (hdet.settle).
+  backed = [c['step'] for c in ctrl if c.get('backed_off')]
+  for a in axes:
+    for i, b in enumerate(backed):
+      a.axvline(b, color='tab:red', lw=0.8, ls=':', label='back-off' if i == 0 and a is axes[1] else None)
+  settled = np.array([c.get('settled', [False] * len(names)) for c in ctrl], bool)
+  for g, name in enumerate(names):
+    if settled[:, g].any():
+      at = cs[np.argmax(settled[:, g])]
+      for a in axes:
+        a.axvline(at, color=colors[g], lw=0.8, ls='--',
+                  label=f"settled ({name.replace('learning_rate', 'LR')}): no spread after" if a is axes[1] else None)
   for a in axes[1:]:
     a.axhline(0, color='k', lw=0.5)
     a.legend(fontsize=7, ncol=2)
