@@ -157,6 +157,11 @@ VARIANT_SETTINGS = {
     # stops paying the ensemble's price (results/climb_and_price.md).
     'fit_K15_cap100_settle': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
                               'hdet.longest_window': 100, 'hdet.settle': True},
+    # ... with the rollback and the 2-standard-error back-off (the two act on different runs: settling after the
+    # climb, the rollback at a blow-up).
+    'fit_K15_cap100_rollback_se2_settle': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0,
+                                           'hdet.num_syncs': 15, 'hdet.longest_window': 100, 'hdet.backoff': True,
+                                           'hdet.rollback': True, 'hdet.backoff_stderrs': 2.0, 'hdet.settle': True},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

@@ -36,4 +36,4 @@ def test_the_non_sync_step_takes_at_most_two_more_input_buffers_than_plain_and_n
   # loss changes, the last loss, the loss's standard error and the back-off flag, and format 8 the settled
   # flags), and scalar copies.
   assert unpacked['parameter'] - plain['parameter'] == 24
-  assert unpacked['leaves'] - plain['leaves'] == 25
+  assert unpacked['leaves'] - plain['leaves'] == 26
