@@ -57,8 +57,10 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
   ckpt.close()
   state['opt_state'] = jax.jit(jax.vmap(lambda p, s: programs.unpack(tx, p, s)))(state['params'], state['opt_state'])
   # Format 6 adds three controller fields the reference predates (the fit's asked step, its slope's stderr and the
-  # window's training loss), format 7 the window's squared loss changes, the last loss, the training loss's stderr and the back-off flag.
-  added = ('.asked', '.stderr', '.train_loss', '.loss_diff_sq_sum', '.last_loss', '.train_loss_se', '.backed_off')
+  # window's training loss), format 7 the window's squared loss changes, the last loss, the training loss's stderr and the back-off flag,
+  # format 8 the settled flags.
+  added = ('.asked', '.stderr', '.train_loss', '.loss_diff_sq_sum', '.last_loss', '.train_loss_se', '.backed_off',
+           '.settled')
   paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
   return [f for f, p in zip(checkpoints.fingerprint(state), paths) if not p.endswith(added)]
 
