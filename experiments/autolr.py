@@ -61,6 +61,11 @@ _T100 = {**_FIT, 'hdet.score': 'common', 'hdet.overshoot': 1.0, 'hdet.stop_fract
 _CAUTIOUS = {**_T100, 'hdet.initial_scale': 0.1}
 _RISE = {**_CAUTIOUS, 'hdet.after_stop': 'rise'}
 _ACCEL = {**_RISE, 'hdet.step_growth': 2.0, 'hdet.max_gain': 4.0}
+# The default (configs/default.py): the above, rise-only from the first sync, with 15 windows per run of at most
+# 100 steps; and with the rollback on a 2-standard-error rise of the window's training loss.
+_K15_CAP100 = {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
+               'hdet.longest_window': 100}
+_ROLLBACK_SE2 = {'hdet.backoff': True, 'hdet.rollback': True, 'hdet.backoff_stderrs': 2.0}
 VARIANT_SETTINGS = {
     'paper': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0, **_PINNED},
     'paper_common': {'hdet.controller': 'paper', 'hdet.score': 'common', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
@@ -127,8 +132,7 @@ VARIANT_SETTINGS = {
     # ... with its windows at most 100 steps (configs/default.py: hdet.num_syncs = 15, hdet.longest_window = 100):
     # short runs train fit_K15's runs, runs of 1500 steps and more those of the T=100 variant above (the climb's
     # end point is set by the syncs of a run's first few hundred steps, where the asks still point up).
-    'fit_K15_cap100': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
-                       'hdet.longest_window': 100},
+    'fit_K15_cap100': {**_K15_CAP100},
     # The default aiming past the fitted best (PAL's overshoot, 1.5): the climb ends where the line search's
     # best is below 1/1.5 of the current LR instead of at it (against short-horizon bias).
     'fit_k1p5': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.overshoot': 1.5},
@@ -138,30 +142,23 @@ VARIANT_SETTINGS = {
     'fit_K15_backoff': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.backoff': True, 'syncs': 15},
     # ... and with the default's windows (15 syncs of at most 100 steps): fit_K15_backoff's runs below 1500 steps,
     # fit_backoff's from 1500 on.
-    'fit_K15_cap100_backoff': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
-                               'hdet.longest_window': 100, 'hdet.backoff': True},
+    'fit_K15_cap100_backoff': {**_K15_CAP100, 'hdet.backoff': True},
     # ... and a sync that backs off also returns the replicas to the previous sync's state (hdet.rollback): the
     # window past the stability edge is undone, not only followed by a lower LR.
-    'fit_K15_cap100_rollback': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
-                                'hdet.longest_window': 100, 'hdet.backoff': True, 'hdet.rollback': True},
+    'fit_K15_cap100_rollback': {**_K15_CAP100, 'hdet.backoff': True, 'hdet.rollback': True},
     # ... counting only a rise beyond 2 sqrt(2) standard errors of the window before's mean (hdet.backoff_stderrs,
     # its noise from the step-to-step changes): the plain rule fired on flat, noisy late windows (mnist1d: 0.241
     # after 0.241; fine-tuning: rises of 0.003-0.01 in 13 of 21 runs) and each firing costs a window and a
     # factor e of LR.
-    'fit_K15_cap100_rollback_se2': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
-                                    'hdet.longest_window': 100, 'hdet.backoff': True, 'hdet.rollback': True,
-                                    'hdet.backoff_stderrs': 2.0},
+    'fit_K15_cap100_rollback_se2': {**_K15_CAP100, **_ROLLBACK_SE2},
     # The default whose spread ends with its climb (hdet.settle): after two confident asks down in a row once the
     # LR has risen (which rise-only does not take; in the default's LM and fine-tuning records no later sync but
     # one, at the last syncs of a 150-step run, raised the LR), the replicas train at the base LR, so the run
     # stops paying the ensemble's price (results/climb_and_price.md).
-    'fit_K15_cap100_settle': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
-                              'hdet.longest_window': 100, 'hdet.settle': True},
+    'fit_K15_cap100_settle': {**_K15_CAP100, 'hdet.settle': True},
     # ... with the rollback and the 2-standard-error back-off (the two act on different runs: settling after the
     # climb, the rollback at a blow-up).
-    'fit_K15_cap100_rollback_se2_settle': {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0,
-                                           'hdet.num_syncs': 15, 'hdet.longest_window': 100, 'hdet.backoff': True,
-                                           'hdet.rollback': True, 'hdet.backoff_stderrs': 2.0, 'hdet.settle': True},
+    'fit_K15_cap100_rollback_se2_settle': {**_K15_CAP100, **_ROLLBACK_SE2, 'hdet.settle': True},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

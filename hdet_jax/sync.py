@@ -131,6 +131,11 @@ def _paper_controller(plan: Plan, c, new_c, window_losses, active):
       weights=keep(out.weights, c.weights), delta=keep(out.delta, c.delta))
 
 
+# A fitted slope is confident beyond this many standard errors: the gain grows only on such steps, and settle ends
+# a climb on two such asks down in a row.
+CONFIDENT_STDERRS = 2.0
+
+
 def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
   """The 'fit' controller's update of the correction (see :func:`hdet_jax.controller.fit_update`);
   ``rise_only`` (after the stop, ``after_stop='rise'``): steps that would lower a value are not taken."""
@@ -139,18 +144,20 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
   # (multiplicative) or the additive offset, under the window's permutations.
   add = np.asarray(plan.additive)
   u = jnp.where(add[:, None], jnp.take_along_axis(jnp.asarray(plan.offset), c.perm, axis=1),
-                jnp.take_along_axis(jnp.asarray(plan.scale), c.perm, axis=1) - 1.0)
-  u = jnp.where(c.settled[:, None], 0.0, u).T  # [N, G]; a settled hyperparameter did not spread
+                jnp.take_along_axis(jnp.asarray(plan.scale), c.perm, axis=1) - 1.0).T  # [N, G]
+  if a.settle:
+    u = jnp.where(c.settled[None, :], 0.0, u)  # a settled hyperparameter did not spread
   trust = jnp.asarray([sp if ad else a.trust for sp, ad in zip(plan.spreads, plan.additive)], jnp.float32)
   out = ctrl.fit_update(c.xtx, c.xty, scores, u, jnp.asarray(~add),
                         memory=a.memory, overshoot=a.overshoot, trust=trust)
   step, gain = ctrl.accelerate(out.step, c.gain, growth=a.step_growth, max_gain=a.max_gain, trust=trust,
-                               confident=jnp.abs(out.slope) > 2.0 * out.stderr)
+                               confident=jnp.abs(out.slope) > CONFIDENT_STDERRS * out.stderr)
   step = jnp.where(rise_only, jnp.maximum(step, 0.0), step)
   settled = c.settled
   if a.settle:  # the climb ends at a second confident ask down in a row once the value has risen above its start
     risen = c.correction > jnp.asarray(plan.initial_correction, jnp.float32)
-    down, was_down = out.slope > 2.0 * out.stderr, c.velocity > 2.0 * c.stderr  # c: the last sync's fit
+    down = out.slope > CONFIDENT_STDERRS * out.stderr
+    was_down = c.velocity > CONFIDENT_STDERRS * c.stderr  # c: the last sync's fit
     ends = jnp.asarray(rise_only) & risen & down & was_down
     step, gain = jnp.where(c.settled, 0.0, step), jnp.where(c.settled, 0.0, gain)
     settled = c.settled | (ends & active)

@@ -228,7 +228,7 @@ def init(plan: Plan, params: Any) -> HDETState:
       loss_sum=jnp.zeros([], jnp.float32),
       loss_diff_sq_sum=jnp.zeros([], jnp.float32),
       last_loss=jnp.full([], jnp.nan, jnp.float32),
-      values=values_lib.replica_values(plan, start, multipliers.identity_permutations(g, n), controller.settled),
+      values=values_lib.replica_values(plan, start, multipliers.identity_permutations(g, n), _settled(plan, controller)),
       sync_count=jnp.zeros([], jnp.int32),
       finite_replicas=jnp.full([], n, jnp.int32),
       replica_ok=jnp.ones([], bool),
@@ -263,7 +263,12 @@ def update(plan: Plan, updates, state: HDETState, params=None, *, value=None, sy
   # What the next step will use (after any reshuffle).
   base = values_lib.base_values(plan, state.count, state.controller)
   return updates, state._replace(
-      base=base, values=values_lib.replica_values(plan, base, state.controller.perm, state.controller.settled))
+      base=base, values=values_lib.replica_values(plan, base, state.controller.perm, _settled(plan, state.controller)))
+
+
+def _settled(plan: Plan, controller: ctrl.ControllerState) -> jax.Array | None:
+  """The settled flags where ``AutoLR.settle`` is on, else None (no per-step work for them)."""
+  return controller.settled if plan.auto_lr is not None and plan.auto_lr.settle else None
 
 
 def _inner_step(plan: Plan, grads, state: HDETState, params, value, extra_args) -> tuple[Any, HDETState]:
