@@ -159,6 +159,11 @@ VARIANT_SETTINGS = {
     # ... with the rollback and the 2-standard-error back-off (the two act on different runs: settling after the
     # climb, the rollback at a blow-up).
     'fit_K15_cap100_rollback_se2_settle': {**_K15_CAP100, **_ROLLBACK_SE2, 'hdet.settle': True},
+    # ... counting only a rise beyond 5% of the window before's loss too (hdet.backoff_fraction): where the 2-se
+    # back-off fired, mnist1d's loss had risen by 13% and more (a blow-up), the LM's with SGD by 0.9% (the bump
+    # after a climb's step up, which cost that run 10%).
+    'fit_K15_cap100_rollback_se2_f5_settle': {**_K15_CAP100, **_ROLLBACK_SE2, 'hdet.backoff_fraction': 0.05,
+                                              'hdet.settle': True},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}
@@ -167,10 +172,13 @@ VARIANT_SETTINGS = {
                  'hdet.param_groups': False, **_PINNED},
 }
 VARIANTS = ('fit_lr', 'paper', 'fit_lr_T100', 'fit_lr_T100_cautious', 'fit_lr_T100_cautious_rise',
-            'fit_lr_T100_cautious_rise_accel', 'fit_lr_T100_cautious_riseonly_accel')  # run by default
-# The variant reported as HDET's: the main job's controller (configs/default.py) at its 1500 steps, where its 15
-# syncs per run are T=100 (experiments/workloads.py reports it at every length as 'fit_K15_cap100').
-DEFAULT_VARIANT = 'fit_lr_T100_cautious_riseonly_accel'
+            'fit_lr_T100_cautious_rise_accel', 'fit_lr_T100_cautious_riseonly_accel',
+            'fit_K15_cap100_settle')  # run by default
+# The variant reported as HDET's: the main job's controller (configs/default.py, hdet.settle on where it applies)
+# at its 1500 steps, where its 15 syncs per run are T=100. experiments/workloads.py reports it at every length.
+DEFAULT_VARIANT = 'fit_K15_cap100_settle'
+# The default before hdet.settle: the same controller with its spread to the end ('fit_K15_cap100' at every length).
+PREVIOUS_DEFAULT = 'fit_lr_T100_cautious_riseonly_accel'
 # The LR-free methods at their documented LR: the trainer's one-cycle shape peaking at it where the docs
 # recommend a schedule (prodigy, dog, D-Adaptation, Mechanic), constant for schedule-free. reduce_on_plateau
 # can only lower an LR, so adam_plateau starts from the 'high' start (10x the grid's best).
@@ -217,7 +225,9 @@ def run_overrides(kind: str, optim: str, lr: float, seed: int, steps: int, *, va
     settings = dict(VARIANT_SETTINGS[variant])
     o['hdet.warmup_steps'] = int(settings.pop('warmup') * steps)
     syncs = settings.pop('syncs', None)  # windows counted per run: T = steps / syncs
-    o.update({'hdet.auto_lr': True, **settings})
+    # hdet.settle is pinned off but where a variant sets it: every variant before it was measured with its spread
+    # to the end, which configs/default.py's settle (None: on wherever it applies) would no longer train.
+    o.update({'hdet.auto_lr': True, 'hdet.settle': False, **settings})
     if syncs:
       o['hdet.sync_every'] = max(1, int(round(steps / syncs)))
   elif kind == 'peer':

@@ -54,13 +54,16 @@ def _peak_lr(r):
 
 def signal_per_sync(record: dict) -> list[dict]:
   """Per sync: the least-squares slope of the compared losses on the followed LR's offset u = rho - 1,
-  and its standard error from the residuals (the signal and its noise)."""
+  and its standard error from the residuals (the signal and its noise). A window after the followed LR
+  settled (hdet.settle: its replicas trained at one LR) carries no signal and is left out."""
   out = []
   i = lr_index(record)
+  unspread = False  # whether the window ending at this sync trained after the LR settled
   for c in record.get('controller', []):
     values = np.asarray(c.get('values', []), float)
     losses = np.asarray(c.get('window_losses', []), float)
-    if values.ndim != 2 or losses.size != values.shape[1] or not np.all(np.isfinite(losses)):
+    was_unspread, unspread = unspread, unspread or bool(c.get('settled', [False] * (i + 1))[i])
+    if was_unspread or values.ndim != 2 or losses.size != values.shape[1] or not np.all(np.isfinite(losses)):
       continue
     u = values[i] / np.mean(values[i]) - 1.0
     x = np.stack([np.ones_like(u), u - u.mean()], 1)

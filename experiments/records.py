@@ -58,8 +58,9 @@ class RunCache:
       rec = json.load(f)
     if match:
       from hdet_jax.trainer import config_lib
-      # A field added after the record was written matches at the value every run then had.
-      recorded = {**config_lib.QUIET_DEFAULTS, **config_lib.flatten(rec['config'])}
+      # A field added after the record was written matches at the value every run then had; one left at None
+      # ("wherever it applies") at what it resolved to.
+      recorded = config_lib.resolved({**config_lib.QUIET_DEFAULTS, **config_lib.flatten(rec['config'])})
       if any(k not in recorded or recorded[k] != v for k, v in match.items()):
         return None
     return rec

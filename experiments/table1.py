@@ -100,7 +100,7 @@ def experiment_config(base: str, settings: dict, *, lr: float, seed: int, init_f
 def run_key(config) -> dict:
   """The fields a cached record must match: the training fields, less the warm start's (machine's) path."""
   from hdet_jax.trainer import config_lib
-  flat = config_lib.flatten(json.loads(config.to_json()))
+  flat = config_lib.resolved(config_lib.flatten(json.loads(config.to_json())))
   return {k: v for k, v in flat.items() if k not in config_lib.RUN_FIELDS and k != 'init_from'}
 
 

@@ -35,11 +35,13 @@ from experiments import records
 from hdet_jax.trainer.plots import save_figure
 
 REPO = autolr.REPO
-# The main job's controller (configs/default.py): autolr.py's default with its windows counted per run (15 syncs,
-# each at most 100 steps).
-DEFAULT_VARIANT = 'fit_K15_cap100'
+# The main job's controller (configs/default.py): 15 syncs per run, each at most 100 steps, whose replicas stop
+# spreading once the climb has ended (hdet.settle). Its runs are its own at every length.
+DEFAULT_VARIANT = autolr.DEFAULT_VARIANT
+# The default before hdet.settle (its records: fit_K15's below 1500 steps, autolr.py's T=100 variant from 1500 on).
+PREVIOUS_DEFAULT = 'fit_K15_cap100'
 # Variants whose records may hold another variant's runs (the same config at that length: see record_variant).
-SAME_RUNS_FROM = (autolr.DEFAULT_VARIANT, 'fit_K15', 'fit_backoff', 'fit_K15_backoff')
+SAME_RUNS_FROM = (autolr.PREVIOUS_DEFAULT, 'fit_K15', 'fit_backoff', 'fit_K15_backoff')
 # Variants that differ from a strict back-off variant (hdet.backoff, any rise) only in the back-off's threshold
 # (hdet.backoff_stderrs) and the rollback: where the strict variant's run never saw its window training loss rise,
 # its back-off never fired, so neither would theirs (a higher threshold fires on fewer rises, and the rollback acts

@@ -77,6 +77,11 @@ class AutoLR:
       being the standard error of the window before's mean loss, from its steps' step-to-step changes (see
       ``hdet_jax.sync.window_train_loss``; the new window's own spread is not used: a window that blows
       up spreads widely). 0: any rise, however small (a flat, noisy loss then backs off about every other sync).
+    backoff_fraction: 'fit' with ``backoff``: f in [0, 1); only a rise of more than ``f |L|`` counts too, L being
+      the window before's mean loss (with ``backoff_stderrs``, the larger margin). A window past the stability
+      edge multiplies the loss (mnist1d: +13% to +950% where the 2-se back-off fired), while the bump a climb's
+      step up leaves in the next window is a percent or so (the LM with SGD: +0.9%, 2.2 se, which the 2-se
+      back-off took for a blow-up and lost the run by 10%). 0: off.
     settle: 'fit' with ``after_stop='rise'``: a hyperparameter whose rise-only climb has ended stops spreading.
       The climb ends at the second sync in a row, once the value has risen above its start, where the line
       search asks for a lower value with confidence (the fitted slope more than twice its standard error, the
@@ -105,6 +110,7 @@ class AutoLR:
   backoff: bool = False
   backoff_stderrs: float = 0.0
   settle: bool = False
+  backoff_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +324,9 @@ def _check_auto_lr(a, spread) -> None:
   k = a.backoff_stderrs
   if not (isinstance(k, (int, float)) and not isinstance(k, bool) and 0.0 <= k < math.inf) or (k > 0 and not a.backoff):
     raise ValueError(f'auto_lr.backoff_stderrs must be a number >= 0, and > 0 only with backoff=True; got {k!r}.')
+  f = a.backoff_fraction
+  if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0) or (f > 0 and not a.backoff):
+    raise ValueError(f'auto_lr.backoff_fraction must be a number in [0, 1), and > 0 only with backoff=True; got {f!r}.')
   if not isinstance(a.settle, bool) or (a.settle and (a.controller != 'fit' or a.after_stop != 'rise')):
     raise ValueError(f"auto_lr.settle must be a bool, and True only with controller='fit' and after_stop='rise' "
                      f"(it ends a rise-only climb); got settle={a.settle!r}, controller={a.controller!r}, "

@@ -166,6 +166,8 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
     # With backoff_stderrs = k > 0 only a rise beyond k standard errors of the difference counts, both windows'
     # noise taken as the window before's: a blowing-up window's own spread is the rise, not noise.
     margin = a.backoff_stderrs * np.sqrt(2.0) * c.train_loss_se if a.backoff_stderrs > 0 else 0.0
+    if a.backoff_fraction > 0:  # and beyond this fraction of the window before's loss: a blow-up multiplies it
+      margin = jnp.maximum(margin, a.backoff_fraction * jnp.abs(c.train_loss))
     rose = jnp.isfinite(c.train_loss) & ~(new_c.train_loss <= c.train_loss + margin)
     is_lr = jnp.asarray([n.startswith('learning_rate') for n in plan.names])
     back = rose & is_lr

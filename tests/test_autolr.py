@@ -47,6 +47,17 @@ def test_signal_per_sync_matches_a_direct_regression():
   assert sig['noise'] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_signal_per_sync_leaves_out_the_windows_after_the_lr_settled():
+  """hdet.settle: the sync that settles the LR still read a spread window (kept); the windows after it trained
+  every replica at one LR (no slope to fit: left out, not a division by their zero spread)."""
+  rho = np.array([0.75, 1.25, 1.0, 0.9, 1.1, 0.8, 1.2, 1.05])
+  spread = {'values': [list(1e-3 * rho)], 'window_losses': list(3.0 - 0.4 * (rho - 1.0))}
+  flat = {'values': [[1e-3] * 8], 'window_losses': [2.5] * 8, 'settled': [True]}
+  rec = {'hyperparams': ['learning_rate'], 'controller': [
+      {'step': 24, **spread}, {'step': 49, **spread, 'settled': [True]}, {'step': 74, **flat}, {'step': 99, **flat}]}
+  assert [s['step'] for s in R.signal_per_sync(rec)] == [24, 49]
+
+
 def test_ask_threshold_splits_where_the_asks_turn():
   """Hand-made cases: a clean split, one misplaced sync (two splits tie: the bracket spans both), and every
   sync asking one way."""
@@ -105,38 +116,58 @@ def test_grid_subset_names_the_grid_or_is_refused(capsys):
 def _replay_fit(rec):
   """Each sync's taken step of a recorded 'fit' run, recomputed in float64 from the record alone (the
   compared losses and each replica's LR) with the oracles: the fit, the Rprop gain gated on |b| > 2 se,
-  the trust region and, after the stop, 'rise' (or 'hold')."""
+  the trust region and, after the stop, 'rise' (or 'hold'); with hdet.settle, the climb settles at the second
+  ask down beyond 2 se in a row once the LR has risen, and steps nothing after. Returns the steps and, per
+  sync, whether the LR had settled after it."""
   from oracles import numpy_accelerate, numpy_fit, numpy_slope_stderr
   h, steps = rec['config']['hdet'], rec['config']['num_train_steps']
   stop = int(h['stop_fraction'] * steps) if h['stop_fraction'] < 1 else None
-  xtx, xty, fitted, sure, out = np.zeros((2, 2)), np.zeros(2), [], [], []
+  xtx, xty, fitted, sure, out, settled = np.zeros((2, 2)), np.zeros(2), [], [], [], []
+  was_down = False
   for c in rec['controller']:
     lr = np.asarray(c['values'][0], np.float64)
     u = (lr / lr.mean() - 1.0)[:, None]  # the multipliers average to 1
+    done = bool(settled and settled[-1])
+    if done:
+      u = np.zeros_like(u)  # a settled LR's replicas trained at the base
     if stop is not None and c['step'] + 1 > stop and h.get('after_stop', 'hold') == 'hold':
       out.append(out[-1] if out else 0.0)  # held: the record repeats the last step
+      settled.append(False)
       continue
     b, _, step, xtx, xty = numpy_fit(xtx, xty, c['window_losses'], u, [True], h['memory'], h['overshoot'],
                                      [h['trust']])
+    se = numpy_slope_stderr(c['window_losses'], u)[0] if not done else np.inf
     fitted.append(step[0])
-    sure.append(abs(b[0]) > 2 * numpy_slope_stderr(c['window_losses'], u)[0])
+    sure.append(abs(b[0]) > 2 * se)
     taken = numpy_accelerate(fitted, h.get('step_growth', 1.0), h.get('max_gain', 4.0), h['trust'], sure)[-1]
-    out.append(max(taken, 0.0) if stop is not None and c['step'] + 1 > stop else taken)
-  return np.asarray(out)
+    rise_only = stop is not None and c['step'] + 1 > stop
+    down = b[0] > 2 * se
+    ends = bool(h.get('settle')) and rise_only and sum(out) > 0 and down and was_down
+    out.append(0.0 if done else max(taken, 0.0) if rise_only else taken)
+    settled.append(done or ends)
+    was_down = down
+  return np.asarray(out), settled
 
 
 def test_recorded_default_controller_runs_replay_with_the_oracles():
-  """Every committed record of the default variant is the run of today's controller: its per-sync steps,
-  recomputed from the record's own losses and LRs by the float64 oracles, are the steps it took."""
+  """Every committed record of the default variant is the run of today's controller: its per-sync steps and the
+  sync where its climb settled, recomputed from the record's own losses and LRs by the float64 oracles, are the
+  steps it took and the sync it settled at."""
   runs = pathlib.Path(REPO) / 'results' / 'autolr' / 'runs' / 'default'
   paths = [p for o in ('adamw', 'sgd') for st in A.STARTS for seed in A.SEEDS
            if (p := runs / (A.hdet_name(o, A.DEFAULT_VARIANT, st, seed) + '.json')).exists()]
   assert len(paths) == 18, (f'{len(paths)} records of the default variant {A.DEFAULT_VARIANT!r}: run '
                             f'python -m experiments.autolr --stage hdet --variants {A.DEFAULT_VARIANT}')
+  settle_syncs = []
   for p in paths:
     rec = json.load(open(p))
     if rec.get('diverged_at') is not None:
       continue
-    want = _replay_fit(rec)
+    want, settled = _replay_fit(rec)
     got = np.asarray([c['delta'] for c in rec['controller']])
     np.testing.assert_allclose(got, want, atol=1e-3, err_msg=p.name)
+    # hdet.settle: the LR settles at the sync the oracle says (or, where the oracle says never, never).
+    assert [bool(c.get('settled', [False])[0]) for c in rec['controller']] == settled, p.name
+    settle_syncs.append(settled.index(True) if any(settled) else None)
+  # 17 of the 18 settle, at the 3rd-10th sync; SGD from 10x high, seed 1, never asks down twice in a row beyond 2 se.
+  assert sum(s is not None for s in settle_syncs) == 17 and all(2 <= s <= 9 for s in settle_syncs if s is not None)

@@ -118,6 +118,36 @@ def test_settle_needs_the_rise_only_fit(other):
   assert '\n' not in str(e.value)
 
 
+def test_settle_left_unset_is_on_wherever_it_applies():
+  """configs/default.py leaves hdet.settle at None: on for its rise-only 'fit' climb, off under the paper's
+  controller, without auto-LR or with after_stop='hold' (no error there, unlike settle=True); a set value wins.
+  A run's training fields, which a resume and the experiments' caches compare, hold what it resolves to."""
+  from hdet_jax.trainer import optimizer as optimizer_lib
+  default = config_lib.load_config_file(os.path.join(CONFIGS, 'default.py'))
+  assert default.hdet.settle is None and config_lib.settles(default.hdet)
+  for other, on in [({}, True), ({'hdet.controller': 'paper'}, False), ({'hdet.auto_lr': False}, False),
+                    ({'hdet.after_stop': 'hold'}, False), ({'hdet.settle': False}, False)]:
+    c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), other)
+    config_lib.check_values(c)
+    assert config_lib.settles(c.hdet) is on, other
+    auto_lr = optimizer_lib.auto_lr_settings(c)
+    assert (auto_lr.settle if auto_lr else False) is on, other
+    assert config_lib.training_fields(c, 8).get('hdet.settle', False) is on, other  # off: a quiet default, left out
+  assert config_lib.resolved({'hdet.settle': None, 'hdet.auto_lr': True, 'hdet.controller': 'fit',
+                              'hdet.after_stop': 'rise'})['hdet.settle'] is True
+  assert config_lib.resolved({'hdet.settle': False, 'hdet.auto_lr': True})['hdet.settle'] is False
+  assert not config_lib.settles(_tiny().hdet)  # the tiny run holds after its stop: its recorded traces stand
+
+
+def test_backoff_fraction_needs_the_back_off_and_is_below_one():
+  config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_fraction': 0.05}))
+  with pytest.raises(config_lib.ConfigError, match=r"hdet\.backoff_fraction=0\.05 .*needs hdet\.backoff=True") as e:
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff_fraction': 0.05}))
+  assert '\n' not in str(e.value)
+  with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_fraction'):
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_fraction': 1.5}))
+
+
 def test_backoff_stderrs_needs_the_back_off():
   config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': 2.0}))
   with pytest.raises(config_lib.ConfigError, match=r"hdet\.backoff_stderrs=2\.0 .*needs hdet\.backoff=True"):

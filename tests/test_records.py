@@ -76,3 +76,17 @@ def test_no_lock_file_is_left_behind(tmp_path):
   with cache._claim('adamw/run'):
     pass
   assert os.listdir(tmp_path / 'work' / 'adamw') == []
+
+
+def test_a_record_matches_on_its_fields_with_added_ones_at_their_quiet_defaults_and_none_resolved(tmp_path):
+  """A record written before a field existed matches that field's quiet default; one that left hdet.settle at None
+  matches what None resolves to (on for the rise-only 'fit' climb, off without auto-LR), not None itself."""
+  cache = _cache(tmp_path)
+  fit = {'auto_lr': True, 'controller': 'fit', 'after_stop': 'rise'}
+  cache.write('old', {'config': {'hdet': {'spread': 0.25}}})
+  cache.write('auto', {'config': {'hdet': {**fit, 'settle': None}}})
+  cache.write('plain', {'config': {'hdet': {**fit, 'auto_lr': False, 'settle': None}}})
+  assert cache.get('old', {'hdet.spread': 0.25, 'hdet.settle': False}) is not None
+  assert cache.get('old', {'hdet.settle': True}) is None
+  assert cache.get('auto', {'hdet.settle': True}) is not None and cache.get('auto', {'hdet.settle': False}) is None
+  assert cache.get('plain', {'hdet.settle': False}) is not None and cache.get('plain', {'hdet.settle': True}) is None

@@ -541,7 +541,7 @@ def test_the_gain_grows_only_on_a_slope_above_twice_its_standard_error(ratio):
 
 
 def _backoff_corrections(backoff, window_losses, rise_only=False, T=5, trust=0.5, noise=0.0, stderrs=0.0,
-                         noise_by_window=None):
+                         noise_by_window=None, fraction=0.0):
   """The 'fit' correction and the recorded mean training loss after each sync of windows whose per-step
   training loss is ``window_losses[k] + 0.01 r + noise * d_j`` on replica r at the window's step j
   (d = 1, -1, 1, -1, 0: mean 0; ``noise_by_window[k]`` in place of ``noise`` if given), each sync scored on a bowl in the offset u,
@@ -549,7 +549,7 @@ def _backoff_corrections(backoff, window_losses, rise_only=False, T=5, trust=0.5
   tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
               auto_lr=H.AutoLR(total_steps=100, controller='fit', overshoot=1.0, trust=trust, memory=0.5,
                                stop_steps=0 if rise_only else None, after_stop='rise' if rise_only else 'hold',
-                               backoff=backoff, backoff_stderrs=stderrs))
+                               backoff=backoff, backoff_stderrs=stderrs, backoff_fraction=fraction))
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
   step = jax.jit(jax.vmap(lambda p, s, v: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=v, sync=False)[1],
@@ -611,6 +611,20 @@ def test_backoff_stderrs_counts_only_a_rise_beyond_k_standard_errors_of_the_wind
     assert 0.12 < 2 * np.sqrt(2) * se[0] < 0.15
     assert [b for *_, b, _ in out] == [False, backs], (rise, k)
     np.testing.assert_allclose([s for *_, s in out], se, rtol=1e-3)
+
+
+def test_backoff_fraction_counts_only_a_rise_beyond_that_fraction_of_the_window_before():
+  """Means 1.0 then 1.0 + rise, steps moving by +-0.1 (2 sqrt(2) se of the first window: 0.144, oracle above):
+  with the fraction f = 0.2 the margin is the larger of 0.144 and 0.2 x 1.035 (the replicas' mean loss, their
+  0.01 r offsets included), 0.207: a rise of 0.15 (beyond 2 se) does not back off, 0.25 does; f = 0.05 leaves the
+  2-se margin (0.144 > 0.052) in charge (0.12 does not back off); alone (no stderrs) a rise of 0.06 backs off and
+  0.04 does not; a non-finite window backs off whatever f."""
+  mean0 = 1.0 + 0.01 * (N - 1) / 2
+  for rise, k, f, backs in ((0.15, 2.0, 0.2, False), (0.25, 2.0, 0.2, True), (0.12, 2.0, 0.05, False),
+                            (0.06, 0.0, 0.05, True), (0.04, 0.0, 0.05, False), (float('nan'), 2.0, 0.2, True)):
+    out = _backoff_corrections(True, [1.0, 1.0 + rise], noise=0.1, stderrs=k, fraction=f)
+    assert [b for *_, b, _ in out] == [False, backs], (rise, k, f)
+    assert (0.04 < f * mean0 < 0.06) or (0.2 < f * mean0 < 0.21)
 
 
 def test_a_window_that_blows_up_backs_off_however_widely_it_spreads():

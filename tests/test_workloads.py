@@ -116,17 +116,21 @@ def test_the_reported_variant_is_the_workloads_default_config(workload):
 
 
 def test_the_default_reads_the_records_of_the_variants_that_train_its_runs():
-  """The default's 15 syncs of at most 100 steps train fit_K15's windows below 1500 steps and autolr.py's T=100
-  from 1500 on, so the report reads those records (and a variant that differs there reads its own). One run of
-  fit_K15 at the LM's 1500 steps (T=100 too) equals autolr.py's record bit for bit."""
-  want = {('lm', 750): 'fit_K15', ('lm', 1500): autolr.DEFAULT_VARIANT, ('lm', 3000): autolr.DEFAULT_VARIANT,
-          ('mnist1d', 500): 'fit_K15', ('mnist1d', 1000): 'fit_K15', ('mnist1d', 2000): autolr.DEFAULT_VARIANT,
+  """The default before settling (15 syncs of at most 100 steps) trains fit_K15's windows below 1500 steps and
+  autolr.py's T=100 from 1500 on, so its report reads those records (and a variant that differs there reads its
+  own); today's default (settling) trains its own runs at every length. One run of fit_K15 at the LM's 1500 steps
+  (T=100 too) equals autolr.py's record bit for bit."""
+  old_default = autolr.PREVIOUS_DEFAULT
+  want = {('lm', 750): 'fit_K15', ('lm', 1500): old_default, ('lm', 3000): old_default,
+          ('mnist1d', 500): 'fit_K15', ('mnist1d', 1000): 'fit_K15', ('mnist1d', 2000): old_default,
           ('finetune', 150): 'fit_K15', ('finetune', 300): 'fit_K15', ('finetune', 600): 'fit_K15'}
-  assert {k: workloads.record_variant(workloads.DEFAULT_VARIANT, *k) for k in want} == want
+  assert {k: workloads.record_variant(workloads.PREVIOUS_DEFAULT, *k) for k in want} == want
+  assert {k: workloads.record_variant(workloads.DEFAULT_VARIANT, *k) for k in want} == dict.fromkeys(
+      want, workloads.DEFAULT_VARIANT)
   assert workloads.record_variant('fit_backoff', 'lm', 1500) == 'fit_backoff'
   runs = os.path.join(autolr.REPO, 'results', 'autolr', 'runs', 'default', 'adamw')
   own = json.load(open(os.path.join(runs, 'hdet_fit_K15_best_s0.json'), encoding='utf-8'))
-  old = json.load(open(os.path.join(runs, f'hdet_{autolr.DEFAULT_VARIANT}_best_s0.json'), encoding='utf-8'))
+  old = json.load(open(os.path.join(runs, f'hdet_{old_default}_best_s0.json'), encoding='utf-8'))
   from hdet_jax.trainer import config_lib
   mine, theirs = config_lib.flatten(own['config']), config_lib.flatten(old['config'])
   # The same fields, but for those added since (at the values every earlier run had) and N written as 8 instead

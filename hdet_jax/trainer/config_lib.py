@@ -24,7 +24,7 @@ RUN_FIELDS = frozenset({
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
 QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
-                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
+                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0}
 
 
@@ -68,9 +68,27 @@ def flatten(config: Any, prefix: str = '') -> dict[str, Any]:
   return out
 
 
+def settles(hdet: Any) -> bool:
+  """Whether ``hdet.settle`` is on: as set, or where it is left at None (the default), wherever it applies (the
+  'fit' controller's rise-only climb: ``auto_lr``, ``controller='fit'``, ``after_stop='rise'``)."""
+  get = hdet.get
+  if get('settle') is not None:
+    return bool(get('settle'))
+  return bool(get('auto_lr')) and get('controller') == 'fit' and get('after_stop') == 'rise'
+
+
+def resolved(flat: dict[str, Any]) -> dict[str, Any]:
+  """A flattened config with the fields left at None ("wherever it applies") written as what they resolve to, so
+  a run, a resumed run and a cached record compare what trains (``hdet.settle``: :func:`settles`)."""
+  if 'hdet.settle' not in flat or flat['hdet.settle'] is not None:
+    return flat
+  hdet = {k[len('hdet.'):]: v for k, v in flat.items() if k.startswith('hdet.')}
+  return {**flat, 'hdet.settle': settles(hdet)}
+
+
 def training_fields(config: Any, num_replicas: int) -> dict[str, Any]:
-  """The fields that define the trajectory (JSON-normalised), with N resolved."""
-  flat = {k: v for k, v in flatten(config).items() if k not in RUN_FIELDS}
+  """The fields that define the trajectory (JSON-normalised), with N and the fields left at None resolved."""
+  flat = {k: v for k, v in resolved(flatten(config)).items() if k not in RUN_FIELDS}
   flat = {k: v for k, v in flat.items() if k not in QUIET_DEFAULTS or v != QUIET_DEFAULTS[k]}
   flat['hdet.num_replicas'] = int(num_replicas)
   return json.loads(json.dumps(flat, default=str))
@@ -155,6 +173,7 @@ _RULES = (
     ('hdet.step_growth', 'real', lambda v: v >= 1, 'a number >= 1 (1: no acceleration)'),
     ('hdet.max_gain', 'real', lambda v: v >= 1, 'a number >= 1'),
     ('hdet.backoff_stderrs', 'real', lambda v: v >= 0, 'a number >= 0 (0: any rise backs off)'),
+    ('hdet.backoff_fraction', 'real', lambda v: 0 <= v < 1, 'a number in [0, 1) (0: off)'),
     ('hdet.stop_fraction', 'real', lambda v: 0 <= v <= 1, 'in [0, 1] (0: from the first sync; 1: never stop)'),
     ('hdet.probe_windows', 'int', lambda v: v >= 1, 'an integer >= 1'),
     ('hdet.score_tail', 'real', lambda v: 0 <= v < 1, "in [0, 1) (0: compare the last iterates)"),
@@ -210,6 +229,9 @@ def check_values(config: Any) -> None:
   if config.hdet.get('backoff_stderrs', 0.0) > 0 and not config.hdet.get('backoff', False):
     raise ConfigError(f"hdet.backoff_stderrs={config.hdet.backoff_stderrs} sets how far the window's training loss must "
                       "rise for the back-off: it needs hdet.backoff=True, or set hdet.backoff_stderrs=0.")
+  if config.hdet.get('backoff_fraction', 0.0) > 0 and not config.hdet.get('backoff', False):
+    raise ConfigError(f"hdet.backoff_fraction={config.hdet.backoff_fraction} sets how far the window's training loss "
+                      "must rise for the back-off: it needs hdet.backoff=True, or set hdet.backoff_fraction=0.")
   if config.hdet.get('settle', False) and not (config.hdet.auto_lr and config.hdet.get('controller') == 'fit'
                                               and config.hdet.get('after_stop') == 'rise'):
     raise ConfigError("hdet.settle=True ends the 'fit' controller's rise-only climb: it needs hdet.auto_lr=True, "

@@ -13,6 +13,7 @@ import optax
 
 import hdet_jax as H
 from hdet_jax import windows as window_lib
+from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer.mesh import replica_axis
 
@@ -136,7 +137,8 @@ def auto_lr_settings(config: Any) -> H.AutoLR | None:
       memory=h.get('memory', 0.5), stop_steps=None if stop >= 1 else int(stop * config.num_train_steps),
       initial_scale=h.get('initial_scale', 1.0), after_stop=h.get('after_stop', 'hold'),
       step_growth=h.get('step_growth', 1.0), max_gain=h.get('max_gain', 4.0), backoff=bool(h.get('backoff', False)),
-      backoff_stderrs=float(h.get('backoff_stderrs', 0.0)), settle=bool(h.get('settle', False)))
+      backoff_stderrs=float(h.get('backoff_stderrs', 0.0)),
+      backoff_fraction=float(h.get('backoff_fraction', 0.0)), settle=config_lib.settles(h))
 
 
 def common_batch(config: Any) -> bool:
