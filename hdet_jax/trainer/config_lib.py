@@ -71,10 +71,14 @@ def flatten(config: Any, prefix: str = '') -> dict[str, Any]:
 def settles(hdet: Any) -> bool:
   """Whether ``hdet.settle`` is on: as set, or where it is left at None (the default), wherever it applies (the
   'fit' controller's rise-only climb: ``auto_lr``, ``controller='fit'``, ``after_stop='rise'``)."""
-  get = hdet.get
-  if get('settle') is not None:
-    return bool(get('settle'))
-  return bool(get('auto_lr')) and get('controller') == 'fit' and get('after_stop') == 'rise'
+  if hdet.get('settle') is not None:
+    return bool(hdet.get('settle'))
+  return _settle_applies(hdet)
+
+
+def _settle_applies(hdet: Any) -> bool:
+  """Whether hdet.settle can act: the 'fit' controller's rise-only climb."""
+  return bool(hdet.get('auto_lr')) and hdet.get('controller') == 'fit' and hdet.get('after_stop') == 'rise'
 
 
 def resolved(flat: dict[str, Any]) -> dict[str, Any]:
@@ -226,14 +230,11 @@ def check_values(config: Any) -> None:
   if config.hdet.get('backoff', False) and not (config.hdet.auto_lr and config.hdet.get('controller') == 'fit'):
     raise ConfigError(f"hdet.backoff=True steps the 'fit' controller's LR correction down: it needs hdet.auto_lr=True "
                       f"and hdet.controller='fit' (got {config.hdet.get('controller')!r}), or set hdet.backoff=False.")
-  if config.hdet.get('backoff_stderrs', 0.0) > 0 and not config.hdet.get('backoff', False):
-    raise ConfigError(f"hdet.backoff_stderrs={config.hdet.backoff_stderrs} sets how far the window's training loss must "
-                      "rise for the back-off: it needs hdet.backoff=True, or set hdet.backoff_stderrs=0.")
-  if config.hdet.get('backoff_fraction', 0.0) > 0 and not config.hdet.get('backoff', False):
-    raise ConfigError(f"hdet.backoff_fraction={config.hdet.backoff_fraction} sets how far the window's training loss "
-                      "must rise for the back-off: it needs hdet.backoff=True, or set hdet.backoff_fraction=0.")
-  if config.hdet.get('settle', False) and not (config.hdet.auto_lr and config.hdet.get('controller') == 'fit'
-                                              and config.hdet.get('after_stop') == 'rise'):
+  for margin in ('backoff_stderrs', 'backoff_fraction'):
+    if config.hdet.get(margin, 0.0) > 0 and not config.hdet.get('backoff', False):
+      raise ConfigError(f"hdet.{margin}={config.hdet[margin]} sets how far the window's training loss must rise for "
+                        f"the back-off: it needs hdet.backoff=True, or set hdet.{margin}=0.")
+  if config.hdet.get('settle', False) and not _settle_applies(config.hdet):
     raise ConfigError("hdet.settle=True ends the 'fit' controller's rise-only climb: it needs hdet.auto_lr=True, "
                       f"hdet.controller='fit' and hdet.after_stop='rise' (got {config.hdet.get('controller')!r}, "
                       f"{config.hdet.get('after_stop')!r}), or set hdet.settle=False.")
