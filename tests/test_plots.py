@@ -50,7 +50,7 @@ def test_plot_cli_redraws_from_metrics(tmp_path):
   assert usage.returncode == 2 and 'usage: python -m hdet_jax.trainer.plots WORKDIR' in usage.stderr
 
 
-def _fit_run(workdir, n=8, sync_every=10, steps=40):
+def _fit_run(workdir, n=8, sync_every=10, steps=40, settle_at=39):
   """A 'fit' run's metrics.jsonl: a one-cycle-like schedule times a correction that starts at 0.1 and moves by
   the recorded taken steps at each sync; returns (schedule, asks, taken, slope, stderr, gain) as recorded."""
   w = metrics.MetricsWriter(os.path.join(workdir, 'metrics.jsonl'))
@@ -72,7 +72,7 @@ def _fit_run(workdir, n=8, sync_every=10, steps=40):
       w.write('controller', step=s, weights=np.full(n, 1 / n), window_losses=5.0 + 0.01 * rho, delta=taken[s],
               velocity=slope[s], base_lr=base, deltas=[taken[s]], velocities=[slope[s]], corrections=[log_corr],
               asks=[asks[s]], stderrs=[stderr[s]], gains=[gain[s]],
-              **({'backed_off': True} if s == 29 else {}), **({'settled': [True]} if s == 39 else {}))
+              **({'backed_off': True} if s == 29 else {}), **({'settled': [True]} if s >= settle_at else {}))
   w.close()
   return schedule, *(np.array(list(d.values())) for d in (asks, taken, slope, stderr, gain))
 
@@ -105,6 +105,21 @@ def test_fit_controller_figure_shows_its_own_quantities(tmp_path):
     assert sorted(l.get_xdata()[0] for l in ax.get_lines() if l.get_linestyle() in (':', '--')
                   and l.get_xdata()[0] == l.get_xdata()[-1] and l.get_label() != 'the schedule alone') == [29, 39]
   assert lines['back-off'].get_xdata()[0] == 29 and lines['settled (LR): no spread after'].get_xdata()[0] == 39
+  plt.close(fig)
+  # After a climb settles its replicas no longer spread, so the line search fits nothing new: the asked step,
+  # the slope and the gain of the syncs after the settling one are left out (NaN); the taken step stays.
+  (tmp_path / 'settled').mkdir()
+  _, asks, taken, slope, _, gain = _fit_run(str(tmp_path / 'settled'), settle_at=29)
+  run = plots._RunArrays(metrics.read_metrics(str(tmp_path / 'settled' / 'metrics.jsonl')), plt)  # pylint: disable=protected-access
+  fig = plots._controller_figure(run, plt)  # pylint: disable=protected-access
+  lines = {l.get_label(): l for ax in fig.axes for l in ax.get_lines()}
+  stale = np.array([False, False, False, True])  # syncs 9, 19, 29 (settles), 39
+  for label, recorded in (('asked (LR)', asks), ('gain (LR)', gain)):
+    np.testing.assert_array_equal(np.isnan(lines[label].get_ydata()), stale)
+    np.testing.assert_allclose(lines[label].get_ydata()[~stale], recorded[~stale])
+  np.testing.assert_array_equal(np.isnan(fig.axes[2].containers[0].lines[0].get_ydata()), stale)
+  np.testing.assert_allclose(lines['taken (LR)'].get_ydata(), taken)
+  assert lines['settled (LR): no spread after'].get_xdata()[0] == 29
   plt.close(fig)
   # The paper's controller keeps its panels.
   (tmp_path / 'paper').mkdir()

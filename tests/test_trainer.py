@@ -562,3 +562,27 @@ def test_settle_trains_unspread_after_the_climb_and_resumes_bit_for_bit(tmp_path
   train_and_evaluate(tiny(**fit), workdir)
   a, b = _restore_raw(ref, 64)[0], _restore_raw(workdir, 64)[0]
   assert all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
+
+
+def test_gpu_runs_get_xla_deterministic_ops_unless_told_otherwise(monkeypatch):
+  from hdet_jax.trainer import trainer as trainer_lib
+  flag = '--xla_gpu_deterministic_ops=true'
+  # The pure rule: only with a GPU, appended to what is there, never over the user's own setting.
+  assert trainer_lib.deterministic_xla_flags('', gpu=False) == ''
+  assert trainer_lib.deterministic_xla_flags('', gpu=True) == flag
+  assert trainer_lib.deterministic_xla_flags('--xla_dump_to=d', gpu=True) == f'--xla_dump_to=d {flag}'
+  assert trainer_lib.deterministic_xla_flags('--xla_gpu_deterministic_ops=false', gpu=True) == (
+      '--xla_gpu_deterministic_ops=false')
+  # setup_jax applies it on a CUDA install (faked here), before the backend reads XLA_FLAGS ...
+  monkeypatch.setattr(trainer_lib, 'cuda_installed', lambda: True)
+  monkeypatch.setenv('XLA_FLAGS', '--xla_dump_to=d')
+  trainer_lib.setup_jax(tiny())
+  assert os.environ['XLA_FLAGS'] == f'--xla_dump_to=d {flag}'
+  # ... and not with deterministic_gpu=False, or without CUDA (this CPU machine's own answer).
+  monkeypatch.setenv('XLA_FLAGS', '')
+  trainer_lib.setup_jax(tiny(deterministic_gpu=False))
+  assert os.environ['XLA_FLAGS'] == ''
+  monkeypatch.undo()
+  assert not trainer_lib.cuda_installed()
+  # A resumed run may change it (it steers rounding on GPUs only): not a training field.
+  assert 'deterministic_gpu' in config_lib.RUN_FIELDS

@@ -16,7 +16,7 @@ import numpy as np
 RUN_FIELDS = frozenset({
     'stop_at_step', 'log_every', 'eval_every', 'eval_windows', 'checkpoint_every',
     'max_checkpoints', 'stop_on_nan', 'plots', 'progress_bar', 'num_cpu_devices',
-    'compilation_cache', 'tensorboard', 'mesh.devices',
+    'compilation_cache', 'tensorboard', 'mesh.devices', 'deterministic_gpu',
 })
 
 
@@ -25,7 +25,8 @@ RUN_FIELDS = frozenset({
 QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
                   'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
-                  'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0}
+                  'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0,
+                  'deterministic_gpu': True}  # (no effect without CUDA, where every record so far was made)
 
 
 class ConfigError(ValueError):

@@ -135,12 +135,17 @@ def _fit_controller_figure(run: _RunArrays, plt: Any, names: list[str]) -> Any:
   """The line search's quantities: the LR it trains with against the user's schedule (log scale), the step it
   asked for and the one it took (log units), the fitted slope with two standard errors (where the band crosses
   zero the line search has turned), and the Rprop gain; dotted lines mark the syncs that backed off, dashed ones
-  where a climb settled."""
+  where a climb settled (its ask, slope and gain are not drawn after it: nothing new is fitted)."""
   ctrl = run.ctrl
   cs = np.array([c['step'] for c in ctrl])
   corr, taken = np.array([c['corrections'] for c in ctrl], float), np.array([c['deltas'] for c in ctrl], float)
   asked, slope = np.array([c['asks'] for c in ctrl], float), np.array([c['velocities'] for c in ctrl], float)
   stderr, gain = np.array([c['stderrs'] for c in ctrl], float), np.array([c['gains'] for c in ctrl], float)
+  settled = np.array([c.get('settled', [False] * len(names)) for c in ctrl], bool)
+  # After the sync where a climb settled, its replicas train unspread, so the line search fits nothing new:
+  # drawing its ask, slope and gain there would repeat a stale fit. Left out (the step taken stays).
+  stale = np.cumsum(settled, axis=0) > 1
+  asked, slope, stderr, gain = (np.where(stale, np.nan, x) for x in (asked, slope, stderr, gain))
   fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
   ax = axes[0]
   # The correction in effect during a window is the one before its closing sync's step: after minus taken.
@@ -175,7 +180,6 @@ def _fit_controller_figure(run: _RunArrays, plt: Any, names: list[str]) -> Any:
   for a in axes:
     for i, b in enumerate(backed):
       a.axvline(b, color='tab:red', lw=0.8, ls=':', label='back-off' if i == 0 and a is axes[1] else None)
-  settled = np.array([c.get('settled', [False] * len(names)) for c in ctrl], bool)
   for g, name in enumerate(names):
     if settled[:, g].any():
       at = cs[np.argmax(settled[:, g])]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -35,6 +36,35 @@ from hdet_jax.trainer.config_lib import ConfigError
 _INIT_TAG, _WARM_TAG = 1, 2  # fold_in tags of the run key: model init, warm-init noise.
 
 
+# XLA's GPU kernels that use atomics (scatter-adds, some reductions) sum in a varying order: on one H100 the
+# main job's seed-0 run ended at 2.0806, 2.0767 and 2.0759 bits/byte in three runs, and at 2.080280 twice with
+# this flag (results/benchmarks_gpu.md).
+DETERMINISTIC_GPU_FLAG = '--xla_gpu_deterministic_ops=true'
+_CUDA_PLUGINS = ('jax_cuda13_plugin', 'jax_cuda12_plugin', 'jax_plugins.xla_cuda13', 'jax_plugins.xla_cuda12')
+
+
+def deterministic_xla_flags(flags: str, gpu: bool) -> str:
+  """``flags`` (XLA_FLAGS) with XLA's deterministic GPU ops on: unchanged without a GPU, or where they already set it.
+
+  Example:
+    >>> deterministic_xla_flags('--xla_dump_to=/tmp/d', gpu=True)
+    '--xla_dump_to=/tmp/d --xla_gpu_deterministic_ops=true'
+  """
+  if not gpu or 'xla_gpu_deterministic_ops' in flags:
+    return flags
+  return f'{flags} {DETERMINISTIC_GPU_FLAG}'.strip()
+
+
+def cuda_installed() -> bool:
+  """Whether a CUDA plugin of jax is installed (read before the backend starts, as XLA_FLAGS must be set then)."""
+  def found(name):
+    try:
+      return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # 'jax_plugins' itself absent
+      return False
+  return any(found(name) for name in _CUDA_PLUGINS)
+
+
 def setup_jax(config: Any, *, coordinator_address: str | None = None, num_processes: int | None = None,
               process_id: int | None = None, heartbeat_timeout_s: int = 20) -> None:
   """Process-level JAX setup; call before any other JAX call (train.py does).
@@ -42,8 +72,11 @@ def setup_jax(config: Any, *, coordinator_address: str | None = None, num_proces
   Starts ``jax.distributed`` when a coordinator is given, or under a SLURM job step with
   several tasks (JAX reads the rest from SLURM's environment); sets the number of simulated CPU
   devices (``config.num_cpu_devices`` split over the processes, unless JAX_NUM_CPU_DEVICES or
-  XLA_FLAGS already say); turns on the persistent compilation cache.
+  XLA_FLAGS already say); turns on the persistent compilation cache; on a CUDA install, XLA's
+  deterministic GPU ops (``config.deterministic_gpu``), so a seed gives the same numbers run to run.
   """
+  if config.get('deterministic_gpu', True):
+    os.environ['XLA_FLAGS'] = deterministic_xla_flags(os.environ.get('XLA_FLAGS', ''), cuda_installed())
   slurm = int(os.environ.get('SLURM_NTASKS', '1') or 1) > 1 and 'SLURM_JOB_ID' in os.environ
   procs = num_processes or (int(os.environ['SLURM_NTASKS']) if slurm else 1)
   if ('JAX_NUM_CPU_DEVICES' not in os.environ
