@@ -89,8 +89,10 @@ def test_results_pages_include_the_files_rather_than_copy_them():
     if page.name == 'index.md':
       continue
     text = page.read_text()
-    assert re.fullmatch(r'```\{include\} \.\./\.\./results/(\w+)\.md\n:relative-images:\n```\n', text), page
-    assert (ROOT / 'results' / f'{page.stem}.md').exists()
+    # results/<page>.md, or a report written into its own folder: results/<page>/<report>.md
+    m = re.fullmatch(r'```\{include\} \.\./\.\./results/((\w+)(/\w+)?)\.md\n:relative-images:\n```\n', text)
+    assert m and m.group(2) == page.stem, page
+    assert (ROOT / 'results' / f'{m.group(1)}.md').exists()
 
 
 def test_the_stated_jax_range_is_the_pinned_one():
