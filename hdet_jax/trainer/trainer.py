@@ -47,8 +47,8 @@ def deterministic_xla_flags(flags: str, gpu: bool) -> str:
   """``flags`` (XLA_FLAGS) with XLA's deterministic GPU ops on: unchanged without a GPU, or where they already set it.
 
   Example:
-    >>> deterministic_xla_flags('--xla_dump_to=/tmp/d', gpu=True)
-    '--xla_dump_to=/tmp/d --xla_gpu_deterministic_ops=true'
+    >>> deterministic_xla_flags('--xla_dump_to=dumps', gpu=True)
+    '--xla_dump_to=dumps --xla_gpu_deterministic_ops=true'
   """
   if not gpu or 'xla_gpu_deterministic_ops' in flags:
     return flags
