@@ -38,6 +38,7 @@ import numpy as np
 
 from experiments import autolr_report
 from experiments import records
+from hdet_jax.trainer import config_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,6 +66,8 @@ _ACCEL = {**_RISE, 'hdet.step_growth': 2.0, 'hdet.max_gain': 4.0}
 # 100 steps; and with the rollback on a 2-standard-error rise of the window's training loss.
 _K15_CAP100 = {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
                'hdet.longest_window': 100}
+# The guard off (configs/default.py leaves it at None: on for the 'fit' controller).
+GUARD_OFF = {f'hdet.{k}': v for k, v in config_lib.GUARD_OFF.items()}
 _ROLLBACK_SE2 = {'hdet.backoff': True, 'hdet.rollback': True, 'hdet.backoff_stderrs': 2.0}
 VARIANT_SETTINGS = {
     'paper': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0, **_PINNED},
@@ -164,6 +167,13 @@ VARIANT_SETTINGS = {
     # after a climb's step up, which cost that run 10%).
     'fit_K15_cap100_rollback_se2_f5_settle': {**_K15_CAP100, **_ROLLBACK_SE2, 'hdet.backoff_fraction': 0.05,
                                               'hdet.settle': True},
+    # The default (with its guard) comparing each replica's mean iterate over its window's last half or quarter
+    # (hdet.score_tail): without the guard, tail means removed the short-horizon brake and the climb went on to
+    # 3-4x the sweep's best, where plain training blows up later in the run (the 'tail50' screen above); does the
+    # guard, which rolls back a window whose training loss rose, catch that overshoot?
+    **{f'fit_K15_cap100_rollback_se2_f5_settle_tail{int(100 * f)}': {
+        **_K15_CAP100, **_ROLLBACK_SE2, 'hdet.backoff_fraction': 0.05, 'hdet.settle': True, 'hdet.score_tail': f}
+       for f in (0.25, 0.5)},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}
@@ -173,10 +183,14 @@ VARIANT_SETTINGS = {
 }
 VARIANTS = ('fit_lr', 'paper', 'fit_lr_T100', 'fit_lr_T100_cautious', 'fit_lr_T100_cautious_rise',
             'fit_lr_T100_cautious_rise_accel', 'fit_lr_T100_cautious_riseonly_accel',
-            'fit_K15_cap100_settle')  # run by default
-# The variant reported as HDET's: the main job's controller (configs/default.py, hdet.settle on where it applies)
-# at its 1500 steps, where its 15 syncs per run are T=100. experiments/workloads.py reports it at every length.
-DEFAULT_VARIANT = 'fit_K15_cap100_settle'
+            'fit_K15_cap100_rollback_se2_f5_settle')  # run by default
+# The variant reported as HDET's: the main job's controller (configs/default.py: hdet.settle and the back-off's
+# guard, None, on where they apply) at its 1500 steps, where its 15 syncs per run are T=100.
+# experiments/workloads.py reports it at every length.
+DEFAULT_VARIANT = 'fit_K15_cap100_rollback_se2_f5_settle'
+# The default before the guard (hdet.backoff and the rest left at None): the same runs wherever its back-off never
+# fired (every LM and fine-tuning run; experiments/workloads_discussion.md).
+UNGUARDED_DEFAULT = 'fit_K15_cap100_settle'
 # The default before hdet.settle: the same controller with its spread to the end ('fit_K15_cap100' at every length).
 PREVIOUS_DEFAULT = 'fit_lr_T100_cautious_riseonly_accel'
 # The LR-free methods at their documented LR: the trainer's one-cycle shape peaking at it where the docs
@@ -225,9 +239,9 @@ def run_overrides(kind: str, optim: str, lr: float, seed: int, steps: int, *, va
     settings = dict(VARIANT_SETTINGS[variant])
     o['hdet.warmup_steps'] = int(settings.pop('warmup') * steps)
     syncs = settings.pop('syncs', None)  # windows counted per run: T = steps / syncs
-    # hdet.settle is pinned off but where a variant sets it: every variant before it was measured with its spread
-    # to the end, which configs/default.py's settle (None: on wherever it applies) would no longer train.
-    o.update({'hdet.auto_lr': True, 'hdet.settle': False, **settings})
+    # hdet.settle and the back-off's guard are pinned off but where a variant sets them: the variants before them
+    # were measured without, which configs/default.py's None (on wherever it applies) would no longer train.
+    o.update({'hdet.auto_lr': True, 'hdet.settle': False, **GUARD_OFF, **settings})
     if syncs:
       o['hdet.sync_every'] = max(1, int(round(steps / syncs)))
   elif kind == 'peer':

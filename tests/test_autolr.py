@@ -117,14 +117,22 @@ def _replay_fit(rec):
   """Each sync's taken step of a recorded 'fit' run, recomputed in float64 from the record alone (the
   compared losses and each replica's LR) with the oracles: the fit, the Rprop gain gated on |b| > 2 se,
   the trust region and, after the stop, 'rise' (or 'hold'); with hdet.settle, the climb settles at the second
-  ask down beyond 2 se in a row once the LR has risen, and steps nothing after. Returns the steps and, per
-  sync, whether the LR had settled after it."""
+  ask down beyond 2 se in a row once the LR has risen, and steps nothing after; with hdet.backoff, no window's
+  mean training loss rose beyond the larger of ``k sqrt(2) se`` and ``f |L|`` over the window before (the record's
+  train_loss and its se), and the record says none backed off. Returns the steps and, per sync, whether the LR had
+  settled after it."""
   from oracles import numpy_accelerate, numpy_fit, numpy_slope_stderr
   h, steps = rec['config']['hdet'], rec['config']['num_train_steps']
   stop = int(h['stop_fraction'] * steps) if h['stop_fraction'] < 1 else None
   xtx, xty, fitted, sure, out, settled = np.zeros((2, 2)), np.zeros(2), [], [], [], []
-  was_down = False
+  was_down, before = False, None
   for c in rec['controller']:
+    if h.get('backoff'):  # the guard: a rise beyond both margins over the window before (this replay: none fired)
+      loss = c['train_loss']
+      fires = before is not None and not (loss - before[0] <= max(
+          h['backoff_stderrs'] * np.sqrt(2.0) * before[1], h['backoff_fraction'] * abs(before[0])))
+      assert not fires and not c.get('backed_off', False), (c['step'], loss, before)
+      before = (loss, c['train_loss_se'])
     lr = np.asarray(c['values'][0], np.float64)
     u = (lr / lr.mean() - 1.0)[:, None]  # the multipliers average to 1
     done = bool(settled and settled[-1])
@@ -171,3 +179,21 @@ def test_recorded_default_controller_runs_replay_with_the_oracles():
     settle_syncs.append(settled.index(True) if any(settled) else None)
   # 17 of the 18 settle, at the 3rd-10th sync; SGD from 10x high, seed 1, never asks down twice in a row beyond 2 se.
   assert sum(s is not None for s in settle_syncs) == 17 and all(2 <= s <= 9 for s in settle_syncs if s is not None)
+
+
+def test_the_guard_never_fired_on_the_lm_so_its_runs_are_the_unguarded_defaults():
+  """The default's guard (back-off beyond 2 se and 5%, with rollback) is on in all 18 of its LM records and fired
+  in none: each is the run of the default before it (UNGUARDED_DEFAULT), the same validation metric and per-step
+  training trajectory, bit for bit (the guard reads the window's loss; it changes nothing until it fires)."""
+  runs = pathlib.Path(REPO) / 'results' / 'autolr' / 'runs' / 'default'
+  pairs = [(runs / (A.hdet_name(o, A.DEFAULT_VARIANT, st, seed) + '.json'),
+            runs / (A.hdet_name(o, A.UNGUARDED_DEFAULT, st, seed) + '.json'))
+           for o in ('adamw', 'sgd') for st in A.STARTS for seed in A.SEEDS]
+  assert all(a.exists() and b.exists() for a, b in pairs)
+  for a, b in pairs:
+    guarded, unguarded = json.load(open(a)), json.load(open(b))
+    h = guarded['config']['hdet']
+    assert (h['backoff'], h['rollback'], h['backoff_stderrs'], h['backoff_fraction']) == (True, True, 2.0, 0.05)
+    assert not unguarded['config']['hdet'].get('backoff', False)
+    assert not any(c.get('backed_off', False) for c in guarded['controller']), a.name
+    assert guarded['val_bpb'] == unguarded['val_bpb'] and guarded['trajectory'] == unguarded['trajectory'], a.name

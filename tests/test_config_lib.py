@@ -139,10 +139,43 @@ def test_settle_left_unset_is_on_wherever_it_applies():
   assert not config_lib.settles(_tiny().hdet)  # the tiny run holds after its stop: its recorded traces stand
 
 
+def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
+  """configs/default.py leaves the back-off's four fields at None: the 'fit' controller with auto-LR backs off on a
+  rise beyond 2 se and 5% and rolls back; the paper's controller and a run without auto-LR have it off (no error,
+  unlike backoff=True there); backoff=False turns all four off; a set field wins. A run's training fields hold what
+  they resolve to."""
+  from hdet_jax.trainer import optimizer as optimizer_lib
+  default = config_lib.load_config_file(os.path.join(CONFIGS, 'default.py'))
+  assert all(default.hdet[f] is None for f in ('backoff', 'rollback', 'backoff_stderrs', 'backoff_fraction'))
+  on = {'backoff': True, 'rollback': True, 'backoff_stderrs': 2.0, 'backoff_fraction': 0.05}
+  off = {'backoff': False, 'rollback': False, 'backoff_stderrs': 0.0, 'backoff_fraction': 0.0}
+  for other, want in [({}, on), ({'hdet.controller': 'paper'}, off), ({'hdet.auto_lr': False}, off),
+                      ({'hdet.backoff': False}, off), ({'hdet.rollback': False}, {**on, 'rollback': False}),
+                      ({'hdet.backoff_fraction': 0.1}, {**on, 'backoff_fraction': 0.1}),
+                      ({'hdet.backoff': True, 'hdet.backoff_stderrs': 0.0}, {**on, 'backoff_stderrs': 0.0})]:
+    c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), other)
+    config_lib.check_values(c)
+    assert config_lib.guard(c.hdet) == want, other
+    auto_lr = optimizer_lib.auto_lr_settings(c)
+    if auto_lr is not None:
+      assert (auto_lr.backoff, auto_lr.backoff_stderrs, auto_lr.backoff_fraction) == (
+          want['backoff'], want['backoff_stderrs'], want['backoff_fraction']), other
+    fields = config_lib.training_fields(c, 8)
+    assert {k: fields.get(f'hdet.{k}', off[k]) for k in on} == want, other  # off: quiet defaults, left out
+  # A field set where the back-off is off is an error naming it, as before.
+  for bad, name in [({'hdet.controller': 'paper', 'hdet.rollback': True}, 'rollback'),
+                    ({'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}, 'backoff_fraction')]:
+    with pytest.raises(config_lib.ConfigError, match=rf'hdet\.{name}'):
+      config_lib.check_values(config_lib.with_overrides(
+          config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), bad))
+  # A record written before the fields existed reads as off.
+  assert config_lib.guard({'auto_lr': True, 'controller': 'fit'}) == off
+
+
 def test_backoff_fraction_needs_the_back_off_and_is_below_one():
   config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_fraction': 0.05}))
   with pytest.raises(config_lib.ConfigError, match=r"hdet\.backoff_fraction=0\.05 .*needs hdet\.backoff=True") as e:
-    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff_fraction': 0.05}))
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}))
   assert '\n' not in str(e.value)
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_fraction'):
     config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_fraction': 1.5}))
@@ -151,7 +184,7 @@ def test_backoff_fraction_needs_the_back_off_and_is_below_one():
 def test_backoff_stderrs_needs_the_back_off():
   config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': 2.0}))
   with pytest.raises(config_lib.ConfigError, match=r"hdet\.backoff_stderrs=2\.0 .*needs hdet\.backoff=True"):
-    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff_stderrs': 2.0}))
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': False, 'hdet.backoff_stderrs': 2.0}))
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_stderrs'):
     config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': -1.0}))
 

@@ -84,7 +84,7 @@ def test_window_end_and_distance_measure_each_replicas_distance_from_the_mean():
 def _tail_config(**overrides):
   return config_lib.with_overrides(config_lib.load_config_file(TINY), {
       'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.score_tail': 0.5,
-      **overrides})
+      'hdet.rollback': False, **overrides})  # (no anchor: the window end's arguments are the tail's)
 
 
 def test_tail_weight_is_one_over_k_on_each_windows_last_steps():

@@ -52,9 +52,12 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
                             jax.random.key(0))
   abstract = mesh_lib.with_layout(mesh, abstract)
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(mesh))
+  if config_lib.guard(config.hdet)['rollback']:  # the rollback's anchor (format 7), which the reference predates
+    abstract['anchor'] = {'params': abstract['params'], 'inner': abstract['opt_state'].inner_state}
   ckpt = checkpoints.Checkpointer(workdir, 0)
   state, _ = ckpt.restore(step, abstract)
   ckpt.close()
+  state.pop('anchor', None)
   state['opt_state'] = jax.jit(jax.vmap(lambda p, s: programs.unpack(tx, p, s)))(state['params'], state['opt_state'])
   # Format 6 adds three controller fields the reference predates (the fit's asked step, its slope's stderr and the
   # window's training loss), format 7 the window's squared loss changes, the last loss, the training loss's stderr and the back-off flag,

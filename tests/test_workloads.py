@@ -111,6 +111,8 @@ def test_the_reported_variant_is_the_workloads_default_config(workload):
     same = lambda a: dataclasses.replace(a, stop_steps=-1 if a.stop_steps is not None and a.stop_steps < first_sync
                                          else a.stop_steps)
     assert same(optimizer_lib.auto_lr_settings(ran)) == same(optimizer_lib.auto_lr_settings(config)), (workload, steps)
+    # The back-off's guard, the rollback (a trainer setting, not the controller's) included.
+    assert config_lib.guard(ran.hdet) == config_lib.guard(config.hdet), (workload, steps)
     for field in ('hdet.score', 'hdet.score_tail', 'hdet.param_groups', 'hdet.spread', 'hdet.probe_windows'):
       assert config_lib.flatten(ran)[field] == config_lib.flatten(config)[field], (workload, steps, field)
 

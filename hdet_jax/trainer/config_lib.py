@@ -82,13 +82,43 @@ def _settle_applies(hdet: Any) -> bool:
   return bool(hdet.get('auto_lr')) and hdet.get('controller') == 'fit' and hdet.get('after_stop') == 'rise'
 
 
+# The back-off guard where its fields are left at None (configs/default.py): wherever the back-off applies, it
+# fires on a rise of the window's training loss beyond 2 standard errors and 5% and rolls back; elsewhere it is off.
+GUARD_ON = {'backoff': True, 'rollback': True, 'backoff_stderrs': 2.0, 'backoff_fraction': 0.05}
+GUARD_OFF = {'backoff': False, 'rollback': False, 'backoff_stderrs': 0.0, 'backoff_fraction': 0.0}
+
+
+def guard(hdet: Any) -> dict[str, Any]:
+  """``hdet``'s back-off fields (``backoff``, ``rollback``, ``backoff_stderrs``, ``backoff_fraction``) with those
+  left at None resolved: the back-off on wherever it applies (the 'fit' controller with ``auto_lr``), and the other
+  three at :data:`GUARD_ON` where it is on, at :data:`GUARD_OFF` where not. A field a config lacks (written before
+  it existed) reads as off. Example: ``guard(get_config().hdet)['rollback']`` is True."""
+  backoff = hdet.get('backoff', False)
+  backoff = _backoff_applies(hdet) if backoff is None else bool(backoff)
+  fallback = GUARD_ON if backoff else GUARD_OFF
+  out = {'backoff': backoff}
+  for field in ('rollback', 'backoff_stderrs', 'backoff_fraction'):
+    value = hdet.get(field, GUARD_OFF[field])
+    out[field] = fallback[field] if value is None else type(GUARD_OFF[field])(value)
+  return out
+
+
+def _backoff_applies(hdet: Any) -> bool:
+  """Whether hdet.backoff can act: the 'fit' controller with auto-LR."""
+  return bool(hdet.get('auto_lr')) and hdet.get('controller') == 'fit'
+
+
 def resolved(flat: dict[str, Any]) -> dict[str, Any]:
   """A flattened config with the fields left at None ("wherever it applies") written as what they resolve to, so
-  a run, a resumed run and a cached record compare what trains (``hdet.settle``: :func:`settles`)."""
-  if 'hdet.settle' not in flat or flat['hdet.settle'] is not None:
-    return flat
+  a run, a resumed run and a cached record compare what trains (``hdet.settle``: :func:`settles`; the back-off's
+  fields: :func:`guard`)."""
   hdet = {k[len('hdet.'):]: v for k, v in flat.items() if k.startswith('hdet.')}
-  return {**flat, 'hdet.settle': settles(hdet)}
+  out = dict(flat)
+  if 'hdet.settle' in flat and flat['hdet.settle'] is None:
+    out['hdet.settle'] = settles(hdet)
+  if any(f'hdet.{f}' in flat and flat[f'hdet.{f}'] is None for f in GUARD_OFF):
+    out.update({f'hdet.{k}': v for k, v in guard(hdet).items() if f'hdet.{k}' in flat})
+  return out
 
 
 def training_fields(config: Any, num_replicas: int) -> dict[str, Any]:
@@ -197,6 +227,8 @@ _RULES = (
     ('mesh.devices', 'int', lambda v: v >= 0, 'an integer >= 0 (0: every visible device)'),
 )
 CHECKED_FIELDS = tuple(r[0] for r in _RULES)
+# Checked fields whose None means a resolved default (:func:`guard`).
+_NONE_RESOLVES = frozenset({'hdet.backoff_stderrs', 'hdet.backoff_fraction'})
 
 
 def check_values(config: Any) -> None:
@@ -206,7 +238,7 @@ def check_values(config: Any) -> None:
   """
   for field, kind, ok, what in _RULES:
     present, v = _get(config, field)
-    if not present:
+    if not present or (v is None and field in _NONE_RESOLVES):
       continue
     good = _is_int(v) if kind == 'int' else _is_real(v)
     if not good or not ok(v):
@@ -228,21 +260,11 @@ def check_values(config: Any) -> None:
     raise ConfigError(f'hdet.warmup_steps={config.hdet.warmup_steps} must be < num_train_steps='
                       f'{config.num_train_steps} (the controller would never start); lower it or set hdet.auto_lr=False.')
   _check_early_syncs(config)
-  if config.hdet.get('backoff', False) and not (config.hdet.auto_lr and config.hdet.get('controller') == 'fit'):
-    raise ConfigError(f"hdet.backoff=True steps the 'fit' controller's LR correction down: it needs hdet.auto_lr=True "
-                      f"and hdet.controller='fit' (got {config.hdet.get('controller')!r}), or set hdet.backoff=False.")
-  for margin in ('backoff_stderrs', 'backoff_fraction'):
-    if config.hdet.get(margin, 0.0) > 0 and not config.hdet.get('backoff', False):
-      raise ConfigError(f"hdet.{margin}={config.hdet[margin]} sets how far the window's training loss must rise for "
-                        f"the back-off: it needs hdet.backoff=True, or set hdet.{margin}=0.")
+  _check_guard(config.hdet)
   if config.hdet.get('settle', False) and not _settle_applies(config.hdet):
     raise ConfigError("hdet.settle=True ends the 'fit' controller's rise-only climb: it needs hdet.auto_lr=True, "
                       f"hdet.controller='fit' and hdet.after_stop='rise' (got {config.hdet.get('controller')!r}, "
                       f"{config.hdet.get('after_stop')!r}), or set hdet.settle=False.")
-  if config.hdet.get('rollback', False) and not config.hdet.get('backoff', False):
-    raise ConfigError("hdet.rollback=True returns to the last sync's state where the "
-                      "back-off fires, so it needs hdet.backoff=True (with hdet.auto_lr=True and hdet.controller='fit'); "
-                      "or set hdet.rollback=False.")
   if config.hdet.get('score_tail', 0.0) > 0 and not (config.hdet.auto_lr and config.hdet.get('score') == 'common'):
     raise ConfigError(f"hdet.score_tail={config.hdet.score_tail} averages the parameters that the common batch "
                       "scores: it needs hdet.auto_lr=True and hdet.score='common' (or set hdet.score_tail=0).")
@@ -250,6 +272,23 @@ def check_values(config: Any) -> None:
     present, v = _get(config, field)
     if present and v is not None and not isinstance(v, str):
       raise ConfigError(f'{field} must be a path (a string) or None, got {v!r}.')
+
+
+def _check_guard(hdet: Any) -> None:
+  """The back-off's fields set where it cannot act (a field left at None resolves where it can: :func:`guard`)."""
+  if hdet.get('backoff') and not _backoff_applies(hdet):
+    raise ConfigError(f"hdet.backoff=True steps the 'fit' controller's LR correction down: it needs hdet.auto_lr=True "
+                      f"and hdet.controller='fit' (got {hdet.get('controller')!r}), or set hdet.backoff=False.")
+  on = guard(hdet)['backoff']
+  for margin in ('backoff_stderrs', 'backoff_fraction'):
+    if (hdet.get(margin) or 0.0) > 0 and not on:
+      raise ConfigError(f"hdet.{margin}={hdet[margin]} sets how far the window's training loss must rise for "
+                        f"the back-off: it needs hdet.backoff=True (or None, with the 'fit' controller), or set "
+                        f"hdet.{margin}=0.")
+  if hdet.get('rollback') and not on:
+    raise ConfigError("hdet.rollback=True returns to the last sync's state where the back-off fires, so it needs "
+                      "hdet.backoff=True or None (with hdet.auto_lr=True and hdet.controller='fit'); or set "
+                      "hdet.rollback=False.")
 
 
 def _check_early_syncs(config: Any) -> None:

@@ -130,15 +130,16 @@ def auto_lr_settings(config: Any) -> H.AutoLR | None:
   if not h.auto_lr:
     return None
   stop = h.get('stop_fraction', 1.0)
+  guard = config_lib.guard(h)  # the back-off's fields, those left at None resolved
   return H.AutoLR(
       total_steps=config.num_train_steps, warmup_steps=h.warmup_steps, temperature=h.temperature,
       lr_of_lr=h.lr_of_lr, momentum=h.momentum, smooth_decay=h.smooth_decay,
       controller=h.get('controller', 'paper'), overshoot=h.get('overshoot', 1.5), trust=h.get('trust', 0.25),
       memory=h.get('memory', 0.5), stop_steps=None if stop >= 1 else int(stop * config.num_train_steps),
       initial_scale=h.get('initial_scale', 1.0), after_stop=h.get('after_stop', 'hold'),
-      step_growth=h.get('step_growth', 1.0), max_gain=h.get('max_gain', 4.0), backoff=bool(h.get('backoff', False)),
-      backoff_stderrs=float(h.get('backoff_stderrs', 0.0)),
-      backoff_fraction=float(h.get('backoff_fraction', 0.0)), settle=config_lib.settles(h))
+      step_growth=h.get('step_growth', 1.0), max_gain=h.get('max_gain', 4.0), backoff=guard['backoff'],
+      backoff_stderrs=guard['backoff_stderrs'], backoff_fraction=guard['backoff_fraction'],
+      settle=config_lib.settles(h))
 
 
 def common_batch(config: Any) -> bool:
