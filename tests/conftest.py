@@ -22,11 +22,6 @@ import chex  # noqa: E402
 # --xla_force_host_platform_device_count=8 in XLA_FLAGS (replacing any count already there); train.py run
 # as a subprocess inherits it. chex raises if JAX's CPU backend already started with another count.
 chex.set_n_cpu_devices(8)
-# XLA:CPU aborts a worker whose device thread reaches a collective a minute late, which a loaded machine can
-# cause (hdet_jax.trainer.trainer.patient_cpu_collective_flags; train.py subprocesses get it from setup_jax).
-from hdet_jax.trainer.trainer import patient_cpu_collective_flags  # noqa: E402
-
-os.environ['XLA_FLAGS'] = patient_cpu_collective_flags(os.environ.get('XLA_FLAGS', ''))
 
 
 # The slowest test files first (their summed test times in a 2-process run, 2026-11-23: 235, 176, 112, 86,

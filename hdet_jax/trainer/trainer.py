@@ -55,27 +55,6 @@ def deterministic_xla_flags(flags: str, gpu: bool) -> str:
   return f'{flags} {DETERMINISTIC_GPU_FLAG}'.strip()
 
 
-# XLA:CPU aborts the process (SIGABRT) when one device's thread reaches a collective 60 s after the others
-# (warned at 20 s, terminated 40 s later). With 8 simulated devices on a loaded machine (several runs or test
-# processes sharing two cores) a starved thread can take that long, and a run or a test worker died mid-step
-# (an experiment of 2026-11-25: "Termination timeout for `all reduce` of 40 seconds exceeded", 7 of 8 threads
-# arrived). A real deadlock still aborts, after an hour. The flag exists in jaxlib 0.8.3, 0.10.2 and 0.12.0.1.
-CPU_COLLECTIVE_TIMEOUT_FLAG = '--xla_cpu_collective_call_terminate_timeout_seconds=3600'
-
-
-def patient_cpu_collective_flags(flags: str) -> str:
-  """``flags`` (XLA_FLAGS) with XLA:CPU's abort of a late collective after an hour instead of 40 s; unchanged
-  where they already set it.
-
-  Example:
-    >>> patient_cpu_collective_flags('--xla_force_host_platform_device_count=8')
-    '--xla_force_host_platform_device_count=8 --xla_cpu_collective_call_terminate_timeout_seconds=3600'
-  """
-  if 'xla_cpu_collective_call_terminate_timeout_seconds' in flags:
-    return flags
-  return f'{flags} {CPU_COLLECTIVE_TIMEOUT_FLAG}'.strip()
-
-
 def cuda_installed() -> bool:
   """Whether a CUDA plugin of jax is installed (read before the backend starts, as XLA_FLAGS must be set then)."""
   def found(name):
@@ -94,13 +73,10 @@ def setup_jax(config: Any, *, coordinator_address: str | None = None, num_proces
   several tasks (JAX reads the rest from SLURM's environment); sets the number of simulated CPU
   devices (``config.num_cpu_devices`` split over the processes, unless JAX_NUM_CPU_DEVICES or
   XLA_FLAGS already say); turns on the persistent compilation cache; on a CUDA install, XLA's
-  deterministic GPU ops (``config.deterministic_gpu``), so a seed gives the same numbers run to run; and lets a
-  CPU collective wait an hour for a starved device thread before XLA aborts (see
-  :func:`patient_cpu_collective_flags`).
+  deterministic GPU ops (``config.deterministic_gpu``), so a seed gives the same numbers run to run.
   """
   if config.get('deterministic_gpu', True):
     os.environ['XLA_FLAGS'] = deterministic_xla_flags(os.environ.get('XLA_FLAGS', ''), cuda_installed())
-  os.environ['XLA_FLAGS'] = patient_cpu_collective_flags(os.environ.get('XLA_FLAGS', ''))
   slurm = int(os.environ.get('SLURM_NTASKS', '1') or 1) > 1 and 'SLURM_JOB_ID' in os.environ
   procs = num_processes or (int(os.environ['SLURM_NTASKS']) if slurm else 1)
   if ('JAX_NUM_CPU_DEVICES' not in os.environ
