@@ -45,6 +45,18 @@ def _load(paths) -> list[dict]:
   return out
 
 
+def _distinct(records: list[dict]) -> list[dict]:
+  """The records with each run once: a variant that trained another's run bit for bit (e.g. one whose extra rule
+  never fired) has the same compared losses and LRs at every sync, and would count that run twice."""
+  seen, out = set(), []
+  for r in records:
+    key = json.dumps([(c['step'], c.get('window_losses'), c.get('values')) for c in r.get('controller', [])])
+    if key not in seen:
+      seen.add(key)
+      out.append(r)
+  return out
+
+
 def _grid(folder: str, optim: str) -> dict[float, list[dict]]:
   grid = {}
   for r in _load(glob.glob(os.path.join(folder, optim, 'grid_*.json'))):
@@ -60,8 +72,8 @@ def climb_end(folder: str, optim: str, min_runs: int) -> dict | None:
     return None
   lr, value = autolr_report.grid_best(grid)
   schedule = autolr_report._best_schedule(grid, {'lr': lr})  # pylint: disable=protected-access
-  hdet = [r for r in _load(glob.glob(os.path.join(folder, optim, 'hdet_*.json'))) if r['config']['hdet'].get('auto_lr')
-          and r['config']['hdet'].get('controller') == 'fit']
+  hdet = _distinct([r for r in _load(glob.glob(os.path.join(folder, optim, 'hdet_*.json')))
+                    if r['config']['hdet'].get('auto_lr') and r['config']['hdet'].get('controller') == 'fit'])
   splits = autolr_report.ask_thresholds(hdet, lambda step: schedule[step], window=100, min_runs=min_runs)
   steps = len(schedule)
   later = [math.sqrt(s['low'] * s['high']) for s in splits if s['step'] >= steps // 5 and s['low'] and s['high']]
@@ -120,7 +132,9 @@ def measure(quick: bool, work_root: str) -> dict:
 
 def _fmt_split(s: dict) -> str:
   lo, hi = s['low'], s['high']
-  return (f'< {hi:.2g}' if lo is None else f'> {lo:.2g}' if hi is None else f'{lo:.2g}-{hi:.2g}') + \
+  where = ('no split' if lo is None and hi is None else f'< {hi:.2g}' if lo is None else f'> {lo:.2g}' if hi is None
+           else f'{lo:.2g}-{hi:.2g}')  # no split: every split misplaces as many syncs (the asks carry no order)
+  return where + \
       (f' ({s["misplaced"]} of {s["n"]} misplaced)' if s['misplaced'] else f' (n={s["n"]})')
 
 

@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from experiments import autolr_report
 from experiments import climb_and_price as cp
 from hdet_jax.trainer import config_lib
 
@@ -28,7 +29,8 @@ def _write(folder, name, rec):
 def test_the_turn_is_where_the_asks_split_and_the_price_is_paired(tmp_path):
   """Six 'fit' runs at 0.1x ... 3.2x the sweep's best (constant) LR: those at or below 0.4x see losses fall with
   the LR offset (asking up), those above see them rise, at every sync, so the split is 0.4x-0.8x at each sync and
-  typically sqrt(0.4 * 0.8). A T=25 run and a run of the paper's controller are left out. The price is each seed's
+  typically sqrt(0.4 * 0.8). A T=25 run and a run of the paper's controller are left out, and a second variant's
+  record of the same run counts once. The price is each seed's
   ensemble value against plain at the same LR and seed, and the distances are the records' own."""
   folder = str(tmp_path)
   best = 0.01
@@ -42,6 +44,9 @@ def test_the_turn_is_where_the_asks_split_and_the_price_is_paired(tmp_path):
     ctrl = [{'step': s, 'values': [list(best * multiple * RHO)], 'window_losses': list(1.0 + slope * (RHO - 1))}
             for s in (99, 199, 299, 399)]
     _write(folder, f'hdet_fit_{i}_s0', {'config': _config(**fit), 'val_bpb': 2.0, 'controller': ctrl})
+    if i == 0:  # another variant's record of the same run (its extra rule never fired): counted once
+      _write(folder, f'hdet_fit_guarded_{i}_s0', {'config': _config(**fit, **{'hdet.backoff': True}), 'val_bpb': 2.0,
+                                                  'controller': [{**c, 'train_loss': 1.0} for c in ctrl]})
   for name, extra in (('t25', {'hdet.sync_every': 25}), ('paper', {'hdet.controller': 'paper'})):
     ctrl = [{'step': s, 'values': [list(100 * best * RHO)], 'window_losses': list(1.0 - 0.3 * (RHO - 1))}
             for s in (99, 199, 299, 399)]
@@ -53,6 +58,9 @@ def test_the_turn_is_where_the_asks_split_and_the_price_is_paired(tmp_path):
     np.testing.assert_allclose([s['low'], s['high']], [0.4, 0.8], rtol=1e-6)
     assert s['misplaced'] == 0 and s['n'] == 6 and s['up'] == 3
   np.testing.assert_allclose(climb['typical_split'], math.sqrt(0.4 * 0.8), rtol=1e-6)
+  # Asks with no order in the LR (one up and one down at the same LR): every split misplaces one.
+  tie = autolr_report.ask_threshold([(1.0, True), (1.0, False)])
+  assert (tie['low'], tie['high']) == (None, None) and cp._fmt_split(tie) == 'no split (1 of 2 misplaced)'
 
   ens = {'hdet.auto_lr': False, 'hdet.spread': 0.25, 'hdet.sync_every': 100, 'optim.max_lr': best}
   for seed, value, dist in ((0, 2.02, [0.03, 0.01]), (1, 2.0, [0.05, 0.02])):
