@@ -167,6 +167,10 @@ VARIANT_SETTINGS = {
     # after a climb's step up, which cost that run 10%).
     'fit_K15_cap100_rollback_se2_f5_settle': {**_K15_CAP100, **_ROLLBACK_SE2, 'hdet.backoff_fraction': 0.05,
                                               'hdet.settle': True},
+    # The default's guard without its rollback (hdet.rollback=False: no anchor, so no extra copy of the state on
+    # the devices): the back-off alone steps the LR down but keeps the window that blew up.
+    'fit_K15_cap100_backoff_se2_f5_settle': {**_K15_CAP100, 'hdet.backoff': True, 'hdet.backoff_stderrs': 2.0,
+                                             'hdet.backoff_fraction': 0.05, 'hdet.settle': True},
     # The default (with its guard) comparing each replica's mean iterate over its window's last half or quarter
     # (hdet.score_tail): without the guard, tail means removed the short-horizon brake and the climb went on to
     # 3-4x the sweep's best, where plain training blows up later in the run (the 'tail50' screen above); does the
