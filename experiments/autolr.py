@@ -69,6 +69,8 @@ _K15_CAP100 = {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet
 # The guard off (configs/default.py leaves it at None: on for the 'fit' controller).
 GUARD_OFF = {f'hdet.{k}': v for k, v in config_lib.GUARD_OFF.items()}
 _ROLLBACK_SE2 = {'hdet.backoff': True, 'hdet.rollback': True, 'hdet.backoff_stderrs': 2.0}
+# The default since the guard (configs/default.py's None fields, written out so its records stay its own).
+_GUARDED = {**_K15_CAP100, **_ROLLBACK_SE2, 'hdet.backoff_fraction': 0.05, 'hdet.settle': True}
 VARIANT_SETTINGS = {
     'paper': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0, **_PINNED},
     'paper_common': {'hdet.controller': 'paper', 'hdet.score': 'common', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
@@ -165,18 +167,15 @@ VARIANT_SETTINGS = {
     # ... counting only a rise beyond 5% of the window before's loss too (hdet.backoff_fraction): where the 2-se
     # back-off fired, mnist1d's loss had risen by 13% and more (a blow-up), the LM's with SGD by 0.9% (the bump
     # after a climb's step up, which cost that run 10%).
-    'fit_K15_cap100_rollback_se2_f5_settle': {**_K15_CAP100, **_ROLLBACK_SE2, 'hdet.backoff_fraction': 0.05,
-                                              'hdet.settle': True},
+    'fit_K15_cap100_rollback_se2_f5_settle': _GUARDED,
     # The default's guard without its rollback (hdet.rollback=False: no anchor, so no extra copy of the state on
     # the devices): the back-off alone steps the LR down but keeps the window that blew up.
-    'fit_K15_cap100_backoff_se2_f5_settle': {**_K15_CAP100, 'hdet.backoff': True, 'hdet.backoff_stderrs': 2.0,
-                                             'hdet.backoff_fraction': 0.05, 'hdet.settle': True},
+    'fit_K15_cap100_backoff_se2_f5_settle': {**_GUARDED, 'hdet.rollback': False},
     # The default (with its guard) comparing each replica's mean iterate over its window's last half or quarter
     # (hdet.score_tail): without the guard, tail means removed the short-horizon brake and the climb went on to
     # 3-4x the sweep's best, where plain training blows up later in the run (the 'tail50' screen above); does the
     # guard, which rolls back a window whose training loss rose, catch that overshoot?
-    **{f'fit_K15_cap100_rollback_se2_f5_settle_tail{int(100 * f)}': {
-        **_K15_CAP100, **_ROLLBACK_SE2, 'hdet.backoff_fraction': 0.05, 'hdet.settle': True, 'hdet.score_tail': f}
+    **{f'fit_K15_cap100_rollback_se2_f5_settle_tail{int(100 * f)}': {**_GUARDED, 'hdet.score_tail': f}
        for f in (0.25, 0.5)},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,

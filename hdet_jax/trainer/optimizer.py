@@ -147,6 +147,12 @@ def common_batch(config: Any) -> bool:
   return bool(config.hdet.auto_lr) and config.hdet.get('score', 'window') == 'common'
 
 
+def rolls_back(config: Any) -> bool:
+  """Whether a sync that backs off returns the replicas to the previous sync's state (``hdet.rollback``, resolved:
+  :func:`config_lib.guard`), so the trainer keeps that state (the anchor) on the devices."""
+  return config_lib.guard(config.hdet)['rollback']
+
+
 def score_tail(config: Any) -> float:
   """The fraction of each window over which a replica's parameters are averaged before the comparison
   (``hdet.score_tail``; 0: the comparison sees the last iterates)."""

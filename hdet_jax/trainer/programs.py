@@ -26,9 +26,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
-from hdet_jax.trainer import config_lib, tasks as tasks_lib
+from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer.mesh import AXIS, INNER, LOCAL, grouped, layout, replica_sharding, replicated, rules
-from hdet_jax.trainer.optimizer import common_batch, hyperparam_names, score_tail
+from hdet_jax.trainer.optimizer import common_batch, hyperparam_names, rolls_back, score_tail
 
 def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_replicas: int) -> Callable:
   """Jitted ``key -> (params, opt_state)``: the same random init on every replica (cold start)."""
@@ -232,7 +232,7 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   """
   probe = graphdef is not None and config is not None and common_batch(config)
   tailed = config is not None and score_tail(config) > 0
-  anchored = config is not None and config_lib.guard(config.hdet)['rollback']
+  anchored = config is not None and rolls_back(config)
   task = tasks_lib.get(config)
 
   def make_window_end(axis):

@@ -432,7 +432,7 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
     raise RuntimeError(f'the optimizer state counts {count} steps but training resumes at step {start}.')
   if tail is None and optimizer_lib.score_tail(config) > 0:
     tail = jax.tree.map(lambda x: x.copy(), params)  # overwritten at the first step of each window's tail
-  if anchor is None and config_lib.guard(config.hdet)['rollback']:  # before the first sync: the start
+  if anchor is None and optimizer_lib.rolls_back(config):  # before the first sync: the start
     anchor = programs_lib.make_anchor(mesh_lib.layout(records.mesh, params, opt_state, inputs.task))(params, opt_state)
   return _Loop(params, opt_state, rng, start=start, step=start, tail=tail, anchor=anchor)
 
@@ -447,7 +447,7 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(records.mesh))
   if optimizer_lib.score_tail(config) > 0:  # a checkpoint inside a window's tail resumes its running mean
     abstract['tail'] = abstract['params']
-  if config_lib.guard(config.hdet)['rollback']:  # the state the last sync left, which the next one may return to
+  if optimizer_lib.rolls_back(config):  # the state the last sync left, which the next one may return to
     abstract['anchor'] = {'params': abstract['params'], 'inner': abstract['opt_state'].inner_state}
   t_restore = time.time()
   try:
