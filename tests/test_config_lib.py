@@ -152,7 +152,10 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
   for other, want in [({}, on), ({'hdet.controller': 'paper'}, off), ({'hdet.auto_lr': False}, off),
                       ({'hdet.backoff': False}, off), ({'hdet.rollback': False}, {**on, 'rollback': False}),
                       ({'hdet.backoff_fraction': 0.1}, {**on, 'backoff_fraction': 0.1}),
-                      ({'hdet.backoff': True, 'hdet.backoff_stderrs': 0.0}, {**on, 'backoff_stderrs': 0.0})]:
+                      ({'hdet.backoff': True, 'hdet.backoff_stderrs': 0.0}, {**on, 'backoff_stderrs': 0.0}),
+                      # the rollback's one copy of the optimizer state needs the replicas to share it
+                      ({'hdet.low_communication': True}, {**on, 'rollback': False}),
+                      ({'hdet.low_communication': True, 'hdet.average_opt_state': True}, on)]:
     c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), other)
     config_lib.check_values(c)
     assert config_lib.guard(c.hdet) == want, other
@@ -164,7 +167,8 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
     assert {k: fields.get(f'hdet.{k}', off[k]) for k in on} == want, other  # off: quiet defaults, left out
   # A field set where the back-off is off is an error naming it, as before.
   for bad, name in [({'hdet.controller': 'paper', 'hdet.rollback': True}, 'rollback'),
-                    ({'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}, 'backoff_fraction')]:
+                    ({'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}, 'backoff_fraction'),
+                    ({'hdet.low_communication': True, 'hdet.rollback': True}, r'rollback=True .*average_opt_state=True')]:
     with pytest.raises(config_lib.ConfigError, match=rf'hdet\.{name}'):
       config_lib.check_values(config_lib.with_overrides(
           config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), bad))

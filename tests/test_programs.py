@@ -133,3 +133,37 @@ def test_window_end_scores_the_running_mean_of_the_tail():
   np.testing.assert_array_equal(np.asarray(with_tail['window_losses']), np.asarray(at_tail['window_losses']))
   assert np.ptp(np.asarray(with_tail['window_losses'])[0]) > 0  # the replicas' tails differ
   assert not np.array_equal(np.asarray(with_tail['window_losses']), np.asarray(at_last['window_losses']))
+
+
+def _device_bytes(tree, device):
+  return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
+
+
+def test_the_rollback_anchor_is_one_copy_per_device_in_the_groups_layout():
+  """make_anchor keeps one copy of the state every replica holds (each device takes its first replica's): 8
+  replicas on 1 or 2 devices hold 1/8 or 1/4 of the stacked parameters and wrapped optimizer state in it; on a
+  4 x 2 FSDP mesh each leaf keeps its group's split (the stacked spec without the replica axis), and a device
+  holds half a copy. Its values are the replicas' (all alike at the start), bit for bit."""
+  config = config_lib.load_config_file(TINY)
+  n = 8
+  for devices, fsdp in ((1, 1), (2, 1), (None, 2)):
+    mesh = mesh_lib.make_mesh(n if fsdp == 1 else 4, fsdp=fsdp, devices=devices)
+    reps = n if fsdp == 1 else 4
+    tx = optimizer_lib.make_optimizer(config, reps, devices)
+    params, opt_state = programs_lib.make_init(config, tx, mesh, reps)(jax.random.key(0))
+    if fsdp > 1:
+      layout = mesh_lib.layout(mesh, params, opt_state)
+      params, inner = jax.device_put(params, layout[0]), jax.device_put(opt_state.inner_state, layout[1].inner_state)
+      opt_state = opt_state._replace(inner_state=inner)
+    stacked = {'params': params, 'inner': opt_state.inner_state}
+    anchor = programs_lib.make_anchor(mesh, mesh_lib.unstacked_layout(mesh, stacked))(params, opt_state)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, anchor), jax.tree.map(lambda a: np.asarray(a)[0], stacked))
+    dev = mesh.devices.flat[0]
+    copies = _device_bytes(anchor, dev) / _device_bytes(stacked, dev)
+    assert copies == (1 / 8 if devices == 1 else 1 / 4 if devices == 2 else 1.0), (devices, fsdp, copies)
+    if fsdp > 1:  # each leaf split in its group as the stacked one is: half a copy per device
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      same = jax.tree.map(lambda a, s: a.sharding.is_equivalent_to(NamedSharding(mesh, P(*s.sharding.spec[1:])), a.ndim),
+                          anchor, stacked)
+      assert all(jax.tree.leaves(same))
+      assert any('fsdp' in a.sharding.spec for a in jax.tree.leaves(anchor))

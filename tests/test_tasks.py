@@ -52,8 +52,8 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
                             jax.random.key(0))
   abstract = mesh_lib.with_layout(mesh, abstract)
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(mesh))
-  if optimizer_lib.rolls_back(config):  # the rollback's anchor (format 7), which the reference predates
-    abstract['anchor'] = {'params': abstract['params'], 'inner': abstract['opt_state'].inner_state}
+  if optimizer_lib.rolls_back(config):  # the rollback's anchor (formats 7 and 9), which the reference predates
+    abstract['anchor'] = mesh_lib.anchor_shapes(mesh, abstract)
   ckpt = checkpoints.Checkpointer(workdir, 0)
   state, _ = ckpt.restore(step, abstract)
   ckpt.close()

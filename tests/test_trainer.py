@@ -510,29 +510,36 @@ def test_rollback_returns_to_the_last_sync_where_the_back_off_fires_and_resumes_
   """hdet.rollback (tiny at max_lr 1.0: windows of 8, the second window's training loss rises; the back-off on any
   rise, its margins 0): the sync that
   backs off leaves every replica with the parameters and wrapped optimizer state of the sync before, bit for
-  bit, and the anchor every checkpoint holds is the state the last sync left. Without the rollback the same
-  back-off keeps the blown-up parameters. A run stopped inside the window before the rollback resumes bit for bit."""
+  bit, and the anchor every checkpoint holds is one copy of the state the last sync left, which every replica
+  held. Without the rollback the same back-off keeps the blown-up parameters. A run stopped inside the window
+  before the rollback resumes bit for bit. The same with the 8 replicas on 2 devices (4 each, under vmap)."""
   fit = {'num_train_steps': 24, 'plots': False, 'optim.max_lr': 1.0, 'hdet.controller': 'fit', 'hdet.score': 'common',
          'hdet.warmup_steps': 0, 'hdet.backoff': True, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0}
-  ref, plain = str(tmp_path / 'straight'), str(tmp_path / 'backoff_only')
+  ref, plain, two = str(tmp_path / 'straight'), str(tmp_path / 'backoff_only'), str(tmp_path / 'two_devices')
   train_and_evaluate(tiny(checkpoint_every=4, max_checkpoints=0, **fit, **{'hdet.rollback': True}), ref)
   train_and_evaluate(tiny(checkpoint_every=8, **fit, **{'hdet.rollback': False}), plain)
-  backed = [c['step'] for c in read_metrics(os.path.join(ref, 'metrics.jsonl'))['controller'] if c.get('backed_off')]
-  assert backed == [15] == [c['step'] for c in read_metrics(os.path.join(plain, 'metrics.jsonl'))['controller']
-                            if c.get('backed_off')]
-  state = {k: _restore_raw(ref, k)[0] for k in (8, 12, 16, 24)}
+  train_and_evaluate(tiny(checkpoint_every=4, max_checkpoints=0, **{
+      **fit, 'num_train_steps': 16, 'hdet.rollback': True, 'mesh.devices': 2}), two)
+  backed = lambda w: [c['step'] for c in read_metrics(os.path.join(w, 'metrics.jsonl'))['controller']
+                      if c.get('backed_off')]
+  assert backed(ref) == [15] == backed(plain) == backed(two)
   same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
-  assert same(state[16]['params'], state[8]['params'])
-  assert same(state[16]['opt_state']['inner_state'], state[8]['opt_state']['inner_state'])
-  assert not same(_restore_raw(plain, 16)[0]['params'], state[8]['params'])
-  for k, last_sync in ((8, 8), (12, 8), (16, 16), (24, 24)):
-    assert same(state[k]['anchor']['params'], state[last_sync]['params'])
-    assert same(state[k]['anchor']['inner'], state[last_sync]['opt_state']['inner_state'])
-  assert not same(state[12]['params'], state[8]['params'])
+  every = lambda one, stacked: all(np.array_equal(np.broadcast_to(x, y.shape), y)  # one copy == every replica's
+                                   for x, y in zip(_leaves(one), _leaves(stacked)))
+  states = {w: {k: _restore_raw(w, k)[0] for k in steps} for w, steps in ((ref, (8, 12, 16, 24)), (two, (8, 12, 16)))}
+  for state in states.values():
+    assert same(state[16]['params'], state[8]['params'])
+    assert same(state[16]['opt_state']['inner_state'], state[8]['opt_state']['inner_state'])
+    assert not same(state[12]['params'], state[8]['params'])
+    for k in state:
+      last_sync = 8 * (k // 8)
+      assert every(state[k]['anchor']['params'], state[last_sync]['params'])
+      assert every(state[k]['anchor']['inner'], state[last_sync]['opt_state']['inner_state'])
+  assert not same(_restore_raw(plain, 16)[0]['params'], states[ref][8]['params'])
   workdir = str(tmp_path / 'resumed')
   train_and_evaluate(tiny(stop_at_step=12, **fit, **{'hdet.rollback': True}), workdir)
   train_and_evaluate(tiny(**fit, **{'hdet.rollback': True}), workdir)
-  assert same(_restore_raw(workdir, 24)[0], state[24])
+  assert same(_restore_raw(workdir, 24)[0], states[ref][24])
 
 
 def test_settle_trains_unspread_after_the_climb_and_resumes_bit_for_bit(tmp_path):

@@ -218,7 +218,8 @@ def _agree(ok: bool) -> bool:
 # 7: ControllerState gains whether the last sync backed off; a run with hdet.rollback saves its anchor (the
 #    parameters and wrapped optimizer state of the last sync).
 # 8: ControllerState gains which hyperparameters have settled (hdet.settle).
-STATE_FORMAT = 8
+# 9: the rollback's anchor is one copy of that state (every replica holds the same), no longer one per replica.
+STATE_FORMAT = 9
 
 
 def _whole_array_registry() -> ocp.type_handlers.TypeHandlerRegistry:

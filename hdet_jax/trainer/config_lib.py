@@ -91,11 +91,14 @@ GUARD_OFF = {'backoff': False, 'rollback': False, 'backoff_stderrs': 0.0, 'backo
 def guard(hdet: Any) -> dict[str, Any]:
   """``hdet``'s back-off fields (``backoff``, ``rollback``, ``backoff_stderrs``, ``backoff_fraction``) with those
   left at None resolved: the back-off on wherever it applies (the 'fit' controller with ``auto_lr``), and the other
-  three at :data:`GUARD_ON` where it is on, at :data:`GUARD_OFF` where not. A field a config lacks (written before
-  it existed) reads as off. Example: ``guard(get_config().hdet)['rollback']`` is True."""
+  three at :data:`GUARD_ON` where it is on, at :data:`GUARD_OFF` where not; the rollback only where the replicas
+  share their optimizer state (:func:`_shared_opt_state`). A field a config lacks (written before it existed)
+  reads as off. Example: ``guard(get_config().hdet)['rollback']`` is True."""
   backoff = hdet.get('backoff', False)
   backoff = _backoff_applies(hdet) if backoff is None else bool(backoff)
   fallback = GUARD_ON if backoff else GUARD_OFF
+  if backoff and not _shared_opt_state(hdet):  # no one copy of the optimizer state to return to
+    fallback = {**GUARD_ON, 'rollback': False}
   out = {'backoff': backoff}
   for field in ('rollback', 'backoff_stderrs', 'backoff_fraction'):
     value = hdet.get(field, GUARD_OFF[field])
@@ -106,6 +109,12 @@ def guard(hdet: Any) -> dict[str, Any]:
 def _backoff_applies(hdet: Any) -> bool:
   """Whether hdet.backoff can act: the 'fit' controller with auto-LR."""
   return bool(hdet.get('auto_lr')) and hdet.get('controller') == 'fit'
+
+
+def _shared_opt_state(hdet: Any) -> bool:
+  """Whether every replica holds the same wrapped optimizer state after a sync, so that the rollback's one copy
+  of it (its anchor) is every replica's: the shared gradient, or the low-communication mode averaging the state."""
+  return not hdet.get('low_communication', False) or bool(hdet.get('average_opt_state', False))
 
 
 def resolved(flat: dict[str, Any]) -> dict[str, Any]:
@@ -289,6 +298,10 @@ def _check_guard(hdet: Any) -> None:
     raise ConfigError("hdet.rollback=True returns to the last sync's state where the back-off fires, so it needs "
                       "hdet.backoff=True or None (with hdet.auto_lr=True and hdet.controller='fit'); or set "
                       "hdet.rollback=False.")
+  if hdet.get('rollback') and not _shared_opt_state(hdet):
+    raise ConfigError("hdet.rollback=True keeps one copy of the optimizer state for every replica to return to, but "
+                      "with hdet.low_communication=True each replica's state is its own: set "
+                      "hdet.average_opt_state=True (the replicas then share it after each sync), or hdet.rollback=False.")
 
 
 def _check_early_syncs(config: Any) -> None:

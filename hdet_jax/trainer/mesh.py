@@ -97,6 +97,24 @@ def with_layout(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None) 
           'opt_state': put(abstract['opt_state'], shardings[1])}
 
 
+def unstacked_layout(mesh: Mesh, stacked: Any, task: tasks_lib.Task | None = None) -> Any:
+  """The shardings of one copy of a stacked tree (its leading replica axis dropped), replicated over the replica
+  axis and, on a 2-D mesh, split inside each group as the stacked leaves are (e.g. the rollback's anchor).
+  ``stacked`` holds arrays or shapes."""
+  if not grouped(mesh):
+    return jax.tree.map(lambda _: replicated(mesh), stacked)
+  groups = H.group_shardings(stacked, mesh, AXIS, INNER, **rules(mesh, task))
+  return jax.tree.map(lambda s: NamedSharding(mesh, P(*s.spec[1:])), groups)
+
+
+def anchor_shapes(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None) -> dict:
+  """The rollback anchor's shapes, one copy of ``abstract``'s ``params`` and wrapped optimizer state, in the
+  layout the run keeps it in (:func:`unstacked_layout`; to restore it)."""
+  stacked = {'params': abstract['params'], 'inner': abstract['opt_state'].inner_state}
+  return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape[1:], s.dtype, sharding=h), stacked,
+                      unstacked_layout(mesh, stacked, task))
+
+
 def replica_sharding(mesh: Mesh) -> NamedSharding:
   """The core's :func:`hdet_jax.replicas.replica_sharding` on the trainer's replica axis."""
   return replicas.replica_sharding(mesh, AXIS)

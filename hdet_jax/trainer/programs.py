@@ -70,17 +70,20 @@ def make_step_count(tx: optax.GradientTransformation) -> Callable:
   return jax.jit(jax.vmap(lambda p, s: unpack(tx, p, s).count))
 
 
-def _over_replicas(make_body: Callable[[Any], Callable], mesh: Mesh, check_vma: bool = True) -> Callable:
+def _over_replicas(make_body: Callable[[Any], Callable], mesh: Mesh, check_vma: bool = True,
+                   last_replicated: bool = False) -> Callable:
   """``make_body(replica axis)`` (one replica's program) mapped over the stacked replicas of the first argument.
 
   N replicas on D devices: ``shard_map`` over ``'data'``, and for N > D ``vmap`` over each device's N / D
   replicas (replica axis ``('data', 'local')``); N read from the arguments when the program is traced.
+  ``last_replicated``: the last argument is one copy that every replica reads (not stacked).
   """
   def wrapped(*args):
     k = jax.tree.leaves(args[0])[0].shape[0] // mesh.shape[AXIS]
     axis = H.replica_axes(AXIS, k, LOCAL)
-    return H.shard_map_replicas(make_body(axis), mesh, AXIS, check_vma=check_vma, per_device=k,
-                                local_axis=LOCAL)(*args)
+    stacked = tuple(range(len(args) - 1)) if last_replicated else None
+    return H.shard_map_replicas(make_body(axis), mesh, AXIS, stacked_argnums=stacked, check_vma=check_vma,
+                                per_device=k, local_axis=LOCAL)(*args)
   return wrapped
 
 
@@ -217,10 +220,9 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   it, with its own attention temperature and no dropout, computed before the average, is the score
   the controller compares (``tx.update(..., score=)``). With ``hdet.score_tail > 0`` a fourth, each
   replica's mean parameters over the window's tail (see :func:`tail_weight`), is what is scored.
-  With ``hdet.rollback`` a last argument, the anchor ``{'params', 'inner'}`` (each replica's parameters and
-  wrapped optimizer state after the previous sync), comes back as a fourth output: where this sync's back-off
-  fires the replicas return to it (the controller keeps its new, lower LR), and the anchor becomes the state
-  the sync leaves.
+  With ``hdet.rollback`` a last argument, the anchor ``{'params', 'inner'}`` (one copy of the parameters and
+  wrapped optimizer state the previous sync left, see :func:`make_anchor`): where this sync's back-off fires
+  the replicas return to it (the controller keeps its new, lower LR). Take the next anchor from the outputs.
 
   Run it right after the non-sync step program on a sync step: it averages the replicas and runs
   the controller (``tx.update(None, ..., sync=True)``). The step is then compiled once, and the sync
@@ -254,38 +256,39 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
       metrics = {**_controller_metrics(opt_state.controller), **_distance_metrics(stepped, params)}
       if packer is not None:
         metrics = packer.pack(metrics)
-      if anchor is None:
-        return params, H.pack_state(opt_state), metrics
-      params, opt_state, anchor = _roll_back(params, opt_state, anchor)
-      return params, H.pack_state(opt_state), metrics, anchor
+      if anchor is not None:
+        params, opt_state = _roll_back(params, opt_state, anchor)
+      return params, H.pack_state(opt_state), metrics
     return window_end
-  pinned = _pinned(mesh, shardings)
-  if anchored and pinned:
-    pinned = {'out_shardings': (*pinned['out_shardings'], _anchor_shardings(shardings))}
-  donate = (0, 1) + ((2 + probe + tailed,) if anchored else ())
-  return jax.jit(_over_replicas(make_window_end, mesh), donate_argnums=donate, **pinned)
+  return jax.jit(_over_replicas(make_window_end, mesh, last_replicated=anchored), donate_argnums=(0, 1),
+                 **_pinned(mesh, shardings))
 
 
-def make_anchor(shardings: tuple[Any, Any] | None = None) -> Callable:
-  """Jitted ``(params, opt_state) -> {'params', 'inner'}``: a copy of each replica's parameters and wrapped
-  optimizer state, the rollback's anchor before the first sync (see :func:`make_window_end`)."""
-  copy = lambda p, s: jax.tree.map(jnp.copy, {'params': p, 'inner': s.inner_state})
-  return jax.jit(copy, **({} if shardings is None else {'out_shardings': _anchor_shardings(shardings)}))
+def make_anchor(mesh: Mesh, shardings: Any = None) -> Callable:
+  """Jitted ``(params, opt_state) -> {'params', 'inner'}``: one copy of the replicas' parameters and wrapped
+  optimizer state, replicated over the replica axis: the state the rollback returns to (see
+  :func:`make_window_end`), taken at the start and after every sync. ``shardings``: the copy's, from
+  :func:`hdet_jax.trainer.mesh.unstacked_layout` (needed on a 2-D mesh).
+
+  After a sync every replica holds the same parameters (the average, assigned exactly), and the wrapped
+  optimizer state is the same on every replica throughout (it sees the shared, all-reduced gradient; the
+  low-communication mode qualifies only with ``hdet.average_opt_state``, see ``config_lib.guard``). So each
+  device takes its first replica's copy, with no communication, and N replicas on one device keep one copy of
+  the state instead of N. (The map is unchecked: it declares replicated what it knows to be equal.)
+  """
+  manual = frozenset({AXIS} | {a for a, size in mesh.shape.items() if size == 1})
+  first = jax.shard_map(lambda tree: jax.tree.map(lambda a: a[0], tree), mesh=mesh, in_specs=P(AXIS),
+                        out_specs=P(), check_vma=False, axis_names=manual)
+  anchor = lambda params, opt_state: first({'params': params, 'inner': opt_state.inner_state})
+  return jax.jit(anchor, **({} if shardings is None else {'out_shardings': shardings}))
 
 
-def _anchor_shardings(shardings: tuple[Any, Any]) -> dict:
-  """The anchor's shardings from (params', opt_state's): its parameters and wrapped optimizer state's."""
-  return {'params': shardings[0], 'inner': shardings[1].inner_state}
-
-
-def _roll_back(params: Any, opt_state: Any, anchor: dict) -> tuple[Any, Any, dict]:
-  """(params, opt_state, anchor) after a sync: the anchor's parameters and wrapped optimizer state where the
-  sync backed off (``controller.backed_off``, the same on every replica), else the sync's; the new anchor is
-  what the sync leaves."""
+def _roll_back(params: Any, opt_state: Any, anchor: dict) -> tuple[Any, Any]:
+  """(params, opt_state) after a sync: the anchor's parameters and wrapped optimizer state where the sync
+  backed off (``controller.backed_off``, the same on every replica), else the sync's."""
   back = opt_state.controller.backed_off
-  pick = lambda old, new: jax.tree.map(lambda a, b: jnp.where(back, a, b), old, new)
-  params, inner = pick(anchor['params'], params), pick(anchor['inner'], opt_state.inner_state)
-  return params, opt_state._replace(inner_state=inner), {'params': params, 'inner': inner}
+  pick = lambda old, new: jax.tree.map(lambda a, b: jnp.where(back, a, b).astype(b.dtype), old, new)
+  return pick(anchor['params'], params), opt_state._replace(inner_state=pick(anchor['inner'], opt_state.inner_state))
 
 
 def _controller_metrics(c: Any) -> dict:

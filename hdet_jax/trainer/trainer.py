@@ -306,6 +306,7 @@ class _Programs(NamedTuple):
   common: bool                       # window_end takes the sync's common batch
   distance: Any                      # params -> each replica's distance from the mean: runs that never average
   tail_update: Any = None            # (tail, params, weight) -> tail: hdet.score_tail > 0 (window_end scores the tail)
+  anchor: Any = None                 # (params, opt_state) -> the rollback's anchor, one copy (hdet.rollback)
 
 
 @dataclasses.dataclass
@@ -318,7 +319,7 @@ class _Loop:
   step: int                          # steps done
   data: Any = None                   # the chunk of _CHUNK steps' batches holding this step's, on the devices
   tail: Any = None                   # [N, ...] each replica's mean parameters over its window's tail (score_tail)
-  anchor: Any = None                 # {'params', 'inner'} [N, ...]: the state the last sync left (hdet.rollback)
+  anchor: Any = None                 # {'params', 'inner'}, one copy: the state the last sync left (hdet.rollback)
   pending: list = dataclasses.field(default_factory=list)  # (step, sync, metrics) fetched at the next log
   t_mark: float = 0.0                # when the current log interval started
   train_time: float = 0.0
@@ -433,7 +434,7 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   if tail is None and optimizer_lib.score_tail(config) > 0:
     tail = jax.tree.map(lambda x: x.copy(), params)  # overwritten at the first step of each window's tail
   if anchor is None and optimizer_lib.rolls_back(config):  # before the first sync: the start
-    anchor = programs_lib.make_anchor(mesh_lib.layout(records.mesh, params, opt_state, inputs.task))(params, opt_state)
+    anchor = _anchor_program(records.mesh, params, opt_state, inputs.task)(params, opt_state)
   return _Loop(params, opt_state, rng, start=start, step=start, tail=tail, anchor=anchor)
 
 
@@ -448,7 +449,7 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
   if optimizer_lib.score_tail(config) > 0:  # a checkpoint inside a window's tail resumes its running mean
     abstract['tail'] = abstract['params']
   if optimizer_lib.rolls_back(config):  # the state the last sync left, which the next one may return to
-    abstract['anchor'] = {'params': abstract['params'], 'inner': abstract['opt_state'].inner_state}
+    abstract['anchor'] = mesh_lib.anchor_shapes(records.mesh, abstract, inputs.task)
   t_restore = time.time()
   try:
     restored = records.ckpt.restore_latest(abstract, on_corrupt=corrupt)
@@ -515,6 +516,8 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
       params, opt_state, *([_probe(config, inputs, mesh, 0)] if common else []), *tail, *anchor).compile()
   tail_update = (programs_lib.make_tail_update(layout).lower(loop.tail, params, np.float32(1)).compile()
                  if loop.tail is not None else None)
+  anchor = (_anchor_program(mesh, params, opt_state, inputs.task).lower(params, opt_state).compile()
+            if loop.anchor is not None else None)
   to_eval = programs_lib.make_eval_params(config, mesh)
   val = mesh_lib.put_stacked(inputs.data.eval_batch, mesh, batch_dim=1)
   evaluate = programs_lib.make_eval_step(inputs.graphdef, mesh, inputs.task).lower(params, val).compile()
@@ -531,7 +534,13 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   distance = programs_lib.make_distance(mesh).lower(params).compile() if optimizer_lib.never_syncs(config) else None
   release_host_memory()
   return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, common, distance,
-                   tail_update)
+                   tail_update, anchor)
+
+
+def _anchor_program(mesh: Any, params: Any, opt_state: Any, task: Any) -> Any:
+  """programs_lib.make_anchor in the run's layout: one copy of the state, split inside a group as the state is."""
+  stacked = {'params': params, 'inner': opt_state.inner_state}
+  return programs_lib.make_anchor(mesh, mesh_lib.unstacked_layout(mesh, stacked, task))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,10 +584,12 @@ def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop
   if sync:
     common = [_probe(config, inputs, mesh, step)] if programs.common else []
     tail = [loop.tail] if programs.tail_update is not None else []
-    anchor = [loop.anchor] if loop.anchor is not None else []  # hdet.rollback: it comes back updated
-    loop.params, loop.opt_state, m_sync, *anchor = programs.window_end(loop.params, loop.opt_state, *common, *tail,
-                                                                       *anchor)
-    loop.anchor = anchor[0] if anchor else None
+    anchor = [loop.anchor] if loop.anchor is not None else []  # hdet.rollback: where the back-off returns to
+    loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common, *tail, *anchor)
+    if anchor:  # the next anchor, the state this sync leaves; the last one's buffers go first (once read)
+      anchor.clear()
+      loop.anchor = None
+      loop.anchor = programs.anchor(loop.params, loop.opt_state)
     m = (m, m_sync)
   loop.pending.append((step, sync, m))
   loop.step = step + 1
