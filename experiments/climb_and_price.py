@@ -16,6 +16,9 @@ Nothing trains here: the records are those of ``experiments.workloads`` (and ``e
    spread and the average only) at the sweep's best LR, against plain data parallel at that LR on the same
    seeds (same initialisation and data order: paired), with the replicas' distance from their mean at the
    syncs (RMS over replicas, relative to the mean's norm).
+3. **Where the default's runs land.** Each of the default variant's runs by where its climb went: the peak base LR
+   as a multiple of the sweep's best LR, and whether the guard fired (it fires on a blow-up, so a run it fired
+   on climbed past the stability edge); per class, the runs' misses against the sweep's best.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from experiments import autolr_report
 from experiments import workloads
 
 ENSEMBLE = re.compile(r'hdet_(ensemble_a([0-9p]+)_T(\d+))_best_s(\d+)\.json$')
+# A run's peak base LR over the sweep's best LR: the classes of the landing table (the guard's first).
+BANDS = (('below 0.5x', 0.0, 0.5), ('0.5-2x', 0.5, 2.0), ('above 2x', 2.0, math.inf))
 
 
 def _load(paths) -> list[dict]:
@@ -110,6 +115,28 @@ def price(folder: str, optim: str) -> dict:
   return out
 
 
+def landings(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) -> dict | None:
+  """The variant's runs (every start and seed) by where the climb went: 'guard fired' (a blow-up: the climb went
+  past the stability edge), else by the peak base LR over the sweep's best LR (:data:`BANDS`). Per class the
+  number of runs and their misses against the sweep's best (percent; a diverged run counts as +inf)."""
+  grid = _grid(folder, optim)
+  pattern = re.compile(rf'hdet_{re.escape(variant)}_(low|best|high)_s\d+\.json$')
+  runs = _load(sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if pattern.search(p)))
+  if not grid or not runs:
+    return None
+  lr, value = autolr_report.grid_best(grid)
+  out = {name: [] for name in ('guard fired',) + tuple(b[0] for b in BANDS)}
+  for r in runs:
+    miss = math.inf if r['val_bpb'] is None else 100.0 * (r['val_bpb'] / value - 1.0)
+    peak = max(t['bases'][0] for t in r['trajectory']) / lr
+    fired = any(c.get('backed_off') for c in r.get('controller', []))
+    name = 'guard fired' if fired else next(b[0] for b in BANDS if b[1] <= peak < b[2])
+    out[name].append(miss)
+  return {'sweep_best_lr': lr, 'runs': len(runs), 'classes': {k: {'n': len(v), 'misses': sorted(v),
+          'median_pct': float(np.median(v)) if v else None, 'within_1pct': sum(m <= 1.0 for m in v)}
+          for k, v in out.items()}}
+
+
 def folders(quick: bool, work_root: str):
   """(workload, steps, records folder) for every workload and run length of experiments.workloads."""
   for w in workloads.WORKLOADS:
@@ -125,8 +152,10 @@ def measure(quick: bool, work_root: str) -> dict:
     for optim in workloads.WORKLOADS[w][2]:
       climb = climb_end(folder, optim, min_runs=2 if quick else 6)
       ens = price(folder, optim)
-      if climb or ens:
-        results.setdefault(w, {}).setdefault(str(steps), {})[optim] = {'climb': climb, 'price': ens}
+      landed = landings(folder, optim)
+      if climb or ens or landed:
+        results.setdefault(w, {}).setdefault(str(steps), {})[optim] = {'climb': climb, 'price': ens,
+                                                                        'landings': landed}
   return results
 
 
@@ -178,9 +207,29 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
           per = ', '.join(f'{p:+.2f}' for p in v['pct'])
           lines.append(f'| {w} | {steps} | {optim} | {v["spread"]:g} | {v["T"]} | {v["mean_pct"]:+.2f}%{se} (n={len(v["pct"])}) '
                        f'| {per} | {dist} |')
+  lines += _landing_table(results)
   with open(mpath, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines) + '\n')
   return [jpath, mpath]
+
+
+def _landing_table(results: dict) -> list[str]:
+  names = ('guard fired',) + tuple(b[0] for b in BANDS)
+  lines = ['', '## Where the default\'s runs land', '',
+           f'Each run of the default variant (`{autolr.DEFAULT_VARIANT}`; every start and seed) by where its climb '
+           'went: the guard fired (a blow-up, so the climb went past the stability edge), or else its peak base LR '
+           'as a multiple of the sweep\'s best LR. Per class: runs, the median miss against the sweep\'s best, and '
+           'how many are within 1% of it.', '',
+           '| workload | steps | optim | runs | ' + ' | '.join(names) + ' |', '|---|---|---|---|' + '---|' * len(names)]
+  cell = lambda c: '-' if not c['n'] else f'{c["n"]}: {c["median_pct"]:+.1f}%, {c["within_1pct"]} within 1%'
+  for w, by_steps in results.items():
+    for steps, by_optim in by_steps.items():
+      for optim, r in by_optim.items():
+        land = r.get('landings')
+        if land:
+          lines.append(f'| {w} | {steps} | {optim} | {land["runs"]} | ' +
+                       ' | '.join(cell(land['classes'][k]) for k in names) + ' |')
+  return lines
 
 
 def main(argv=None):

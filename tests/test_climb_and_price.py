@@ -78,3 +78,33 @@ def test_the_turn_is_where_the_asks_split_and_the_price_is_paired(tmp_path):
   report = open(paths[1], encoding='utf-8').read()
   assert '| lm | 400 | adamw | 0.01 | 7 | 100: 0.4-0.8 (n=6);' in report and '| 0.57x |' in report
   assert f'| lm | 400 | adamw | 0.25 | 100 | {np.mean(want):+.2f}% ±' in report
+
+
+def test_landings_class_the_defaults_runs_by_the_guard_and_the_peak_over_the_sweeps_best(tmp_path):
+  """The default variant's runs (another variant's, e.g. its tail screen, left out) by where the climb went: a run
+  whose guard fired is 'guard fired' whatever its peak; the others by peak base LR / the sweep's best LR (0.01,
+  the grid point with the best mean); misses against that mean (2.0), a diverged run +inf; numpy's median."""
+  from experiments import autolr
+  folder, v = str(tmp_path), autolr.DEFAULT_VARIANT
+  for lr, value in ((0.005, 2.1), (0.01, 2.0), (0.02, 2.05)):
+    _write(folder, f'grid_lr{lr}_s0', {'config': _config(**{'optim.max_lr': lr}), 'val_bpb': value})
+  runs = [('low_s0', [0.001, 0.004], False, 2.2), ('low_s1', [0.002, 0.006], False, 2.1),  # 0.4x, 0.6x
+          ('best_s0', [0.01, 0.015], False, 2.01), ('best_s1', [0.01, 0.03], True, 2.4),   # 1.5x; fired
+          ('high_s0', [0.01, 0.025], False, None)]                                          # 2.5x, diverged
+  for name, bases, fired, value in runs:
+    _write(folder, f'hdet_{v}_{name}', {'config': _config(), 'val_bpb': value,
+                                        'trajectory': [{'step': i, 'bases': [b]} for i, b in enumerate(bases)],
+                                        'controller': [{'step': 1, 'backed_off': fired}]})
+  _write(folder, f'hdet_{v}_tail25_best_s0', {'config': _config(), 'val_bpb': 9.0,
+                                              'trajectory': [{'step': 0, 'bases': [1.0]}], 'controller': []})
+  got = cp.landings(folder, 'adamw')
+  assert got['sweep_best_lr'] == 0.01 and got['runs'] == 5
+  c = got['classes']
+  assert {k: c[k]['n'] for k in c} == {'guard fired': 1, 'below 0.5x': 1, '0.5-2x': 2, 'above 2x': 1}
+  np.testing.assert_allclose(c['0.5-2x']['misses'], [0.5, 5.0], rtol=1e-9)
+  np.testing.assert_allclose([c['0.5-2x']['median_pct'], c['guard fired']['median_pct'], c['below 0.5x']['median_pct']],
+                             [2.75, 20.0, 10.0], rtol=1e-9)
+  assert c['above 2x']['misses'] == [math.inf] and c['0.5-2x']['within_1pct'] == 1
+  report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {
+      'climb': None, 'price': {}, 'landings': got}}}}, False)[1], encoding='utf-8').read()
+  assert '| lm | 400 | adamw | 5 | 1: +20.0%, 0 within 1% | 1: +10.0%, 0 within 1% | 2: +2.7%, 1 within 1% | 1: +inf%, 0 within 1% |' in report
