@@ -65,7 +65,8 @@ def label(groups: int, fsdp: int, tensor: int) -> str:
 
 
 def build(groups: int, fsdp: int, tensor: int, overrides: dict):
-  """(config, mesh, params, opt_state, step, window_end, data, probe): the trainer's programs, compiled."""
+  """(config, mesh, params, opt_state, step, window_end, data, window end's further arguments): the trainer's
+  programs, compiled."""
   config = config_for(groups, overrides)
   mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
   tx = optimizer_lib.make_optimizer(config, groups)
@@ -78,9 +79,13 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
                          mesh, batch_dim=1)
   step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config, shardings=layout).lower(
       params, opt_state, data).compile()
+  # The window end's further arguments: the common batch, and the rollback's anchor where the config rolls back.
+  stacked = {'params': params, 'inner': opt_state.inner_state}
+  anchor = ([programs_lib.make_anchor(mesh, mesh_lib.unstacked_layout(mesh, stacked))(params, opt_state)]
+            if optimizer_lib.rolls_back(config) else [])
   window_end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, config=config, shardings=layout).lower(
-      params, opt_state, probe).compile()
-  return config, mesh, params, opt_state, step, window_end, data, probe
+      params, opt_state, probe, *anchor).compile()
+  return config, mesh, params, opt_state, step, window_end, data, (probe, *anchor)
 
 
 def replica_bytes(compiled, mesh) -> int:
@@ -117,7 +122,7 @@ def step_time(step, window_end, params, opt_state, data, probe, steps: int, sync
     t0 = time.perf_counter()
     params, opt_state, m = step(params, opt_state, data)
     if (t + 1) % sync_every == 0:
-      params, opt_state, m = window_end(params, opt_state, probe)
+      params, opt_state, m = window_end(params, opt_state, *probe)
     jax.block_until_ready(m)
     times.append(time.perf_counter() - t0)
   return statistics.median(times[1:])
