@@ -177,6 +177,10 @@ VARIANT_SETTINGS = {
     # guard, which rolls back a window whose training loss rose, catch that overshoot?
     **{f'fit_K15_cap100_rollback_se2_f5_settle_tail{int(100 * f)}': {**_GUARDED, 'hdet.score_tail': f}
        for f in (0.25, 0.5)},
+    # The default with half its spread (0.125): the fan-out puts the top replica at 1 + spread times the base, and
+    # on mnist1d with SGD the best LR (0.25) lies one factor of 2 below divergence, where the guard fired in 13 of
+    # 27 runs (results/climb_and_price.md). Is that the spread's doing? (A screen, mnist1d only.)
+    'fit_K15_cap100_rollback_se2_f5_settle_a0p125': {**_GUARDED, 'hdet.spread': 0.125},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}
