@@ -142,9 +142,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.backoff_fraction = config_dict.placeholder(float)
   # With the back-off: a sync where it fires also returns the replicas to the previous sync's parameters and wrapped
   # optimizer state, so the window that blew up is undone, not only followed by a lower LR (an SGD run past its
-  # stability edge is at chance by then). The price: that state is kept on the devices, one more copy of the
-  # parameters and the wrapped optimizer state (False: no copy, the back-off alone, which left 5 of mnist1d's 54
-  # runs at chance against none with the rollback). None: on where the back-off is.
+  # stability edge is at chance by then). The price: that state is kept on the devices, one copy of the
+  # parameters and the wrapped optimizer state per device, which every replica shares (False: no copy, the
+  # back-off alone, which left 5 of mnist1d's 54 runs at chance against none with the rollback). None: on where
+  # the back-off is and the replicas share their optimizer state (AdamW, Adam, SGD; with low_communication only
+  # with average_opt_state).
   config.hdet.rollback = config_dict.placeholder(bool)
   # 'fit' with after_stop='rise': once the climb has ended (two confident asks down in a row after the LR rose above
   # its start, which rise-only does not take), the replicas train at the base LR with no spread and the correction

@@ -155,10 +155,12 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
                       ({'hdet.backoff': True, 'hdet.backoff_stderrs': 0.0}, {**on, 'backoff_stderrs': 0.0}),
                       # the rollback's one copy of the optimizer state needs the replicas to share it
                       ({'hdet.low_communication': True}, {**on, 'rollback': False}),
-                      ({'hdet.low_communication': True, 'hdet.average_opt_state': True}, on)]:
+                      ({'hdet.low_communication': True, 'hdet.average_opt_state': True}, on),
+                      ({'optim.name': 'prodigy'}, {**on, 'rollback': False}), ({'optim.name': 'sgd'}, on)]:
     c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), other)
     config_lib.check_values(c)
-    assert config_lib.guard(c.hdet) == want, other
+    assert config_lib.guard(c.hdet, c.optim.name) == want, other
+    assert optimizer_lib.rolls_back(c) is want['rollback'], other
     auto_lr = optimizer_lib.auto_lr_settings(c)
     if auto_lr is not None:
       assert (auto_lr.backoff, auto_lr.backoff_stderrs, auto_lr.backoff_fraction) == (
@@ -168,7 +170,8 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
   # A field set where the back-off is off is an error naming it, as before.
   for bad, name in [({'hdet.controller': 'paper', 'hdet.rollback': True}, 'rollback'),
                     ({'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}, 'backoff_fraction'),
-                    ({'hdet.low_communication': True, 'hdet.rollback': True}, r'rollback=True .*average_opt_state=True')]:
+                    ({'hdet.low_communication': True, 'hdet.rollback': True}, r'rollback=True .*average_opt_state=True'),
+                    ({'optim.name': 'schedule_free_adamw', 'hdet.rollback': True}, r"rollback=True .*optim.name='schedule_free_adamw'")]:
     with pytest.raises(config_lib.ConfigError, match=rf'hdet\.{name}'):
       config_lib.check_values(config_lib.with_overrides(
           config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), bad))

@@ -88,16 +88,17 @@ GUARD_ON = {'backoff': True, 'rollback': True, 'backoff_stderrs': 2.0, 'backoff_
 GUARD_OFF = {'backoff': False, 'rollback': False, 'backoff_stderrs': 0.0, 'backoff_fraction': 0.0}
 
 
-def guard(hdet: Any) -> dict[str, Any]:
+def guard(hdet: Any, optimizer: str | None = None) -> dict[str, Any]:
   """``hdet``'s back-off fields (``backoff``, ``rollback``, ``backoff_stderrs``, ``backoff_fraction``) with those
   left at None resolved: the back-off on wherever it applies (the 'fit' controller with ``auto_lr``), and the other
   three at :data:`GUARD_ON` where it is on, at :data:`GUARD_OFF` where not; the rollback only where the replicas
-  share their optimizer state (:func:`_shared_opt_state`). A field a config lacks (written before it existed)
-  reads as off. Example: ``guard(get_config().hdet)['rollback']`` is True."""
+  share their optimizer state (:func:`shared_opt_state`; ``optimizer``: ``optim.name``, None for one that does).
+  A field a config lacks (written before it existed) reads as off. Example:
+  ``guard(get_config().hdet)['rollback']`` is True."""
   backoff = hdet.get('backoff', False)
   backoff = _backoff_applies(hdet) if backoff is None else bool(backoff)
   fallback = GUARD_ON if backoff else GUARD_OFF
-  if backoff and not _shared_opt_state(hdet):  # no one copy of the optimizer state to return to
+  if backoff and not shared_opt_state(hdet, optimizer):  # no one copy of the optimizer state to return to
     fallback = {**GUARD_ON, 'rollback': False}
   out = {'backoff': backoff}
   for field in ('rollback', 'backoff_stderrs', 'backoff_fraction'):
@@ -111,9 +112,18 @@ def _backoff_applies(hdet: Any) -> bool:
   return bool(hdet.get('auto_lr')) and hdet.get('controller') == 'fit'
 
 
-def _shared_opt_state(hdet: Any) -> bool:
+# The optimizers whose state is a function of the gradients alone (moments, momentum), so that the shared gradient
+# gives every replica the same state. The LR-free ones keep LR-dependent estimates (Prodigy's and D-Adaptation's d,
+# DoG's distance, Mechanize's scale, schedule-free's z), which the replicas' own LRs set apart.
+SHARED_STATE_OPTIMIZERS = ('adamw', 'adam', 'sgd')
+
+
+def shared_opt_state(hdet: Any, optimizer: str | None = None) -> bool:
   """Whether every replica holds the same wrapped optimizer state after a sync, so that the rollback's one copy
-  of it (its anchor) is every replica's: the shared gradient, or the low-communication mode averaging the state."""
+  of it (its anchor) is every replica's: an optimizer of :data:`SHARED_STATE_OPTIMIZERS` (None: assumed one) on
+  the shared gradient, or in the low-communication mode averaging the state."""
+  if optimizer is not None and optimizer not in SHARED_STATE_OPTIMIZERS:
+    return False
   return not hdet.get('low_communication', False) or bool(hdet.get('average_opt_state', False))
 
 
@@ -126,7 +136,7 @@ def resolved(flat: dict[str, Any]) -> dict[str, Any]:
   if 'hdet.settle' in flat and flat['hdet.settle'] is None:
     out['hdet.settle'] = settles(hdet)
   if any(f'hdet.{f}' in flat and flat[f'hdet.{f}'] is None for f in GUARD_OFF):
-    out.update({f'hdet.{k}': v for k, v in guard(hdet).items() if f'hdet.{k}' in flat})
+    out.update({f'hdet.{k}': v for k, v in guard(hdet, flat.get('optim.name')).items() if f'hdet.{k}' in flat})
   return out
 
 
@@ -269,7 +279,7 @@ def check_values(config: Any) -> None:
     raise ConfigError(f'hdet.warmup_steps={config.hdet.warmup_steps} must be < num_train_steps='
                       f'{config.num_train_steps} (the controller would never start); lower it or set hdet.auto_lr=False.')
   _check_early_syncs(config)
-  _check_guard(config.hdet)
+  _check_guard(config.hdet, config.optim.get('name'))
   if config.hdet.get('settle', False) and not _settle_applies(config.hdet):
     raise ConfigError("hdet.settle=True ends the 'fit' controller's rise-only climb: it needs hdet.auto_lr=True, "
                       f"hdet.controller='fit' and hdet.after_stop='rise' (got {config.hdet.get('controller')!r}, "
@@ -283,12 +293,12 @@ def check_values(config: Any) -> None:
       raise ConfigError(f'{field} must be a path (a string) or None, got {v!r}.')
 
 
-def _check_guard(hdet: Any) -> None:
+def _check_guard(hdet: Any, optimizer: str | None = None) -> None:
   """The back-off's fields set where it cannot act (a field left at None resolves where it can: :func:`guard`)."""
   if hdet.get('backoff') and not _backoff_applies(hdet):
     raise ConfigError(f"hdet.backoff=True steps the 'fit' controller's LR correction down: it needs hdet.auto_lr=True "
                       f"and hdet.controller='fit' (got {hdet.get('controller')!r}), or set hdet.backoff=False.")
-  on = guard(hdet)['backoff']
+  on = guard(hdet, optimizer)['backoff']
   for margin in ('backoff_stderrs', 'backoff_fraction'):
     if (hdet.get(margin) or 0.0) > 0 and not on:
       raise ConfigError(f"hdet.{margin}={hdet[margin]} sets how far the window's training loss must rise for "
@@ -298,7 +308,11 @@ def _check_guard(hdet: Any) -> None:
     raise ConfigError("hdet.rollback=True returns to the last sync's state where the back-off fires, so it needs "
                       "hdet.backoff=True or None (with hdet.auto_lr=True and hdet.controller='fit'); or set "
                       "hdet.rollback=False.")
-  if hdet.get('rollback') and not _shared_opt_state(hdet):
+  if hdet.get('rollback') and optimizer is not None and optimizer not in SHARED_STATE_OPTIMIZERS:
+    raise ConfigError(f"hdet.rollback=True keeps one copy of the optimizer state for every replica to return to, but "
+                      f"optim.name={optimizer!r} keeps LR-dependent state that differs between the replicas: use one of "
+                      f"{', '.join(SHARED_STATE_OPTIMIZERS)}, or set hdet.rollback=False.")
+  if hdet.get('rollback') and not shared_opt_state(hdet):
     raise ConfigError("hdet.rollback=True keeps one copy of the optimizer state for every replica to return to, but "
                       "with hdet.low_communication=True each replica's state is its own: set "
                       "hdet.average_opt_state=True (the replicas then share it after each sync), or hdet.rollback=False.")

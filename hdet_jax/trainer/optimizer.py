@@ -150,7 +150,7 @@ def common_batch(config: Any) -> bool:
 def rolls_back(config: Any) -> bool:
   """Whether a sync that backs off returns the replicas to the previous sync's state (``hdet.rollback``, resolved:
   :func:`config_lib.guard`), so the trainer keeps that state (the anchor) on the devices."""
-  return config_lib.guard(config.hdet)['rollback']
+  return config_lib.guard(config.hdet, config.optim.get('name'))['rollback']
 
 
 def score_tail(config: Any) -> float:

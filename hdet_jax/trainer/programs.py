@@ -271,8 +271,9 @@ def make_anchor(mesh: Mesh, shardings: Any = None) -> Callable:
   :func:`hdet_jax.trainer.mesh.unstacked_layout` (needed on a 2-D mesh).
 
   After a sync every replica holds the same parameters (the average, assigned exactly), and the wrapped
-  optimizer state is the same on every replica throughout (it sees the shared, all-reduced gradient; the
-  low-communication mode qualifies only with ``hdet.average_opt_state``, see ``config_lib.guard``). So each
+  optimizer state is the same on every replica throughout (it sees the shared, all-reduced gradient, and an
+  optimizer of ``config_lib.SHARED_STATE_OPTIMIZERS`` keeps nothing else; the low-communication mode qualifies
+  only with ``hdet.average_opt_state``: see ``config_lib.guard``, which turns the rollback off elsewhere). So each
   device takes its first replica's copy, with no communication, and N replicas on one device keep one copy of
   the state instead of N. (The map is unchecked: it declares replicated what it knows to be equal.)
   """
