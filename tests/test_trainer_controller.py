@@ -1,0 +1,122 @@
+"""The trainer's controller features end to end on the tiny config: tail scoring, the guard's rollback and settling,
+each checkpointed and resumed bit for bit (kept apart from tests/test_trainer.py so that the suite's two workers
+share the trainer's runs)."""
+
+import importlib.util
+import os
+
+import numpy as np
+
+from hdet_jax.trainer import config_lib, train_and_evaluate
+from hdet_jax.trainer.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, 'configs', 'tiny.py')
+_spec = importlib.util.spec_from_file_location('hdet_chaos', os.path.join(ROOT, 'scripts', 'chaos.py'))
+chaos = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(chaos)
+_restore_raw = chaos.read_checkpoint  # a checkpoint's items as plain arrays (no target: enough to compare bits)
+
+
+def tiny(**overrides):
+  return config_lib.with_overrides(config_lib.load_config_file(TINY), overrides)
+
+
+def _leaves(tree):
+  import jax
+  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_score_tail_is_checkpointed_and_resumes_bit_for_bit(tmp_path):
+  """hdet.score_tail=0.5 (tiny: windows of 8, tails of 4): every checkpoint holds the running mean of the
+  iterates since its window's tail began (numpy oracle, from the per-step checkpoints), and a run stopped
+  inside a tail resumes bit for bit."""
+  fit = {'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.score_tail': 0.5}
+  ref = str(tmp_path / 'straight')
+  train_and_evaluate(tiny(num_train_steps=16, checkpoint_every=1, max_checkpoints=0, plots=False, **fit), ref)
+  params = {k: _restore_raw(ref, k)[0]['params'] for k in range(5, 16)}
+  for done, first in ((7, 5), (13, 13), (15, 13)):  # tails: steps done 5-8 and 13-16
+    want = jax_mean([params[k] for k in range(first, done + 1)])
+    got = _restore_raw(ref, done)[0]['tail']
+    for x, y in zip(_leaves(got), _leaves(want)):
+      np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-7)
+  workdir = str(tmp_path / 'resumed')
+  train_and_evaluate(tiny(num_train_steps=16, stop_at_step=14, plots=False, **fit), workdir)
+  train_and_evaluate(tiny(num_train_steps=16, plots=False, **fit), workdir)
+  a, b = _restore_raw(ref, 16)[0], _restore_raw(workdir, 16)[0]
+  for x, y in zip(_leaves(a), _leaves(b)):
+    np.testing.assert_array_equal(x, y)
+  ctrl = [read_metrics(os.path.join(w, 'metrics.jsonl'))['controller'] for w in (ref, workdir)]
+  assert [c['window_losses'] for c in ctrl[0]] == [c['window_losses'] for c in ctrl[1]]
+
+
+def jax_mean(trees):
+  """The float64 mean of same-shaped trees of arrays."""
+  import jax
+  return jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x, np.float64) for x in xs]), 0), *trees)
+
+
+def test_rollback_returns_to_the_last_sync_where_the_back_off_fires_and_resumes_bit_for_bit(tmp_path):
+  """hdet.rollback (tiny at max_lr 1.0: windows of 8, the second window's training loss rises; the back-off on any
+  rise, its margins 0): the sync that
+  backs off leaves every replica with the parameters and wrapped optimizer state of the sync before, bit for
+  bit, and the anchor every checkpoint holds is one copy of the state the last sync left, which every replica
+  held. Without the rollback the same back-off keeps the blown-up parameters. A run stopped inside the window
+  before the rollback resumes bit for bit. The same with the 8 replicas on 2 devices (4 each, under vmap)."""
+  fit = {'num_train_steps': 24, 'plots': False, 'optim.max_lr': 1.0, 'hdet.controller': 'fit', 'hdet.score': 'common',
+         'hdet.warmup_steps': 0, 'hdet.backoff': True, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0}
+  ref, plain, two = str(tmp_path / 'straight'), str(tmp_path / 'backoff_only'), str(tmp_path / 'two_devices')
+  train_and_evaluate(tiny(checkpoint_every=4, max_checkpoints=0, **fit, **{'hdet.rollback': True}), ref)
+  train_and_evaluate(tiny(checkpoint_every=8, **fit, **{'hdet.rollback': False}), plain)
+  train_and_evaluate(tiny(checkpoint_every=4, max_checkpoints=0, **{
+      **fit, 'num_train_steps': 16, 'hdet.rollback': True, 'mesh.devices': 2}), two)
+  backed = lambda w: [c['step'] for c in read_metrics(os.path.join(w, 'metrics.jsonl'))['controller']
+                      if c.get('backed_off')]
+  assert backed(ref) == [15] == backed(plain) == backed(two)
+  same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
+  every = lambda one, stacked: all(np.array_equal(np.broadcast_to(x, y.shape), y)  # one copy == every replica's
+                                   for x, y in zip(_leaves(one), _leaves(stacked)))
+  states = {w: {k: _restore_raw(w, k)[0] for k in steps} for w, steps in ((ref, (8, 12, 16, 24)), (two, (8, 12, 16)))}
+  for state in states.values():
+    assert same(state[16]['params'], state[8]['params'])
+    assert same(state[16]['opt_state']['inner_state'], state[8]['opt_state']['inner_state'])
+    assert not same(state[12]['params'], state[8]['params'])
+    for k in state:
+      last_sync = 8 * (k // 8)
+      assert every(state[k]['anchor']['params'], state[last_sync]['params'])
+      assert every(state[k]['anchor']['inner'], state[last_sync]['opt_state']['inner_state'])
+  assert not same(_restore_raw(plain, 16)[0]['params'], states[ref][8]['params'])
+  workdir = str(tmp_path / 'resumed')
+  train_and_evaluate(tiny(stop_at_step=12, **fit, **{'hdet.rollback': True}), workdir)
+  train_and_evaluate(tiny(**fit, **{'hdet.rollback': True}), workdir)
+  assert same(_restore_raw(workdir, 24)[0], states[ref][24])
+
+
+def test_settle_trains_unspread_after_the_climb_and_resumes_bit_for_bit(tmp_path):
+  """hdet.settle on the tiny run (rise-only from the first sync, a cautious start at a tenth): the LR climbs, then
+  the line search asks down with confidence at two syncs in a row (read from the records: slope > 2 standard
+  errors), and the climb settles at the second. From the next step every replica trains at one LR (before, they
+  spread) under the held correction; the records say so from that sync on. A run stopped after the settling
+  sync resumes bit for bit (the flag is part of the checkpointed state)."""
+  fit = {'num_train_steps': 64, 'plots': False, 'hdet.settle': True, 'hdet.after_stop': 'rise',
+         'hdet.stop_fraction': 0.0, 'hdet.warmup_steps': 0, 'hdet.param_groups': False, 'hdet.trust': 1.0,
+         'hdet.step_growth': 2.0, 'hdet.initial_scale': 0.1}
+  ref = str(tmp_path / 'straight')
+  train_and_evaluate(tiny(**fit), ref)
+  m = read_metrics(os.path.join(ref, 'metrics.jsonl'))
+  ctrl = [c for c in m['controller'] if 'velocities' in c]
+  down = [c['velocities'][0] > 2 * c['stderrs'][0] for c in ctrl]
+  risen = [c['corrections'][0] - c['deltas'][0] > np.log(0.1) + 1e-6 for c in ctrl]  # above the start before it
+  at = next(i for i in range(1, len(ctrl)) if down[i] and down[i - 1] and risen[i])
+  settle_step = ctrl[at]['step']
+  assert 20 < settle_step < 60 and sum(c['deltas'][0] > 0.1 for c in ctrl[:at]) >= 2  # it climbed first
+  assert [c['step'] for c in ctrl if c.get('settled')] == [c['step'] for c in ctrl[at:]]
+  assert all(c['settled'] == [True] and c['corrections'] == ctrl[at]['corrections'] for c in ctrl[at:])
+  lrs = {r['step']: np.array(r['lr']) for r in m['train']}
+  assert all(np.ptp(lrs[t]) > 0.3 * lrs[t].mean() for t in range(1, settle_step + 1))
+  assert all(np.ptp(lrs[t]) == 0 for t in range(settle_step + 1, 64))
+  workdir = str(tmp_path / 'resumed')
+  train_and_evaluate(tiny(stop_at_step=settle_step + 5, **fit), workdir)
+  train_and_evaluate(tiny(**fit), workdir)
+  a, b = _restore_raw(ref, 64)[0], _restore_raw(workdir, 64)[0]
+  assert all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
