@@ -51,7 +51,7 @@ def measure(config, devices: int) -> dict:
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
   dev = mesh.devices.flat[0]
-  anchor = programs_lib.make_anchor(mesh)(params, opt_state)
+  anchor = programs_lib.make_anchor(mesh, tx)(params, opt_state)
   rng = np.random.default_rng(0)
   windows = ip.probe_windows(rng.integers(0, 256, 100_000, dtype=np.uint8), config.data.seq_len,
                              config.hdet.probe_windows, config.seed, 0)

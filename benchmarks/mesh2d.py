@@ -80,8 +80,8 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config, shardings=layout).lower(
       params, opt_state, data).compile()
   # The window end's further arguments: the common batch, and the rollback's anchor where the config rolls back.
-  stacked = {'params': params, 'inner': opt_state.inner_state}
-  anchor = ([programs_lib.make_anchor(mesh, mesh_lib.unstacked_layout(mesh, stacked))(params, opt_state)]
+  shardings = mesh_lib.anchor_layout(mesh, params, opt_state.inner_state)
+  anchor = ([programs_lib.make_anchor(mesh, tx, shardings)(params, opt_state)]
             if optimizer_lib.rolls_back(config) else [])
   window_end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, config=config, shardings=layout).lower(
       params, opt_state, probe, *anchor).compile()

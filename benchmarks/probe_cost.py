@@ -71,7 +71,7 @@ def _programs(probe_windows: int):
   for score, extra in (('window', []), ('common', [probe])):
     c = _default_config(**{'hdet.score': score, 'hdet.probe_windows': probe_windows})
     name = f'window end ({"window score" if score == "window" else "common batch"})'
-    extra = extra + ([programs_lib.make_anchor(mesh)(params, opt_state)] if optimizer_lib.rolls_back(c) else [])
+    extra = extra + ([programs_lib.make_anchor(mesh, tx)(params, opt_state)] if optimizer_lib.rolls_back(c) else [])
     programs[name] = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, config=c).lower(
         params, opt_state, *extra).compile()
     inputs[name] = extra  # (the common batch, and the rollback's anchor where the config rolls back)

@@ -156,7 +156,11 @@ def test_the_rollback_anchor_is_one_copy_per_device_in_the_groups_layout():
       params, inner = jax.device_put(params, layout[0]), jax.device_put(opt_state.inner_state, layout[1].inner_state)
       opt_state = opt_state._replace(inner_state=inner)
     stacked = {'params': params, 'inner': opt_state.inner_state}
-    anchor = programs_lib.make_anchor(mesh, mesh_lib.unstacked_layout(mesh, stacked))(params, opt_state)
+    anchor = programs_lib.make_anchor(mesh, tx, mesh_lib.anchor_layout(mesh, params, opt_state.inner_state))(
+        params, opt_state)
+    c = programs_lib.unpack(tx, *jax.tree.map(lambda a: a[0], (params, opt_state))).controller
+    assert np.isnan(anchor.pop('train_loss')) and np.isnan(anchor.pop('train_loss_se'))  # no window yet
+    assert np.isnan(c.train_loss)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, anchor), jax.tree.map(lambda a: np.asarray(a)[0], stacked))
     dev = mesh.devices.flat[0]
     copies = _device_bytes(anchor, dev) / _device_bytes(stacked, dev)

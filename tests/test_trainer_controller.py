@@ -85,6 +85,11 @@ def test_rollback_returns_to_the_last_sync_where_the_back_off_fires_and_resumes_
       last_sync = 8 * (k // 8)
       assert every(state[k]['anchor']['params'], state[last_sync]['params'])
       assert every(state[k]['anchor']['inner'], state[last_sync]['opt_state']['inner_state'])
+  # The anchor's training loss is the back-off's baseline after a rollback: the window that led to the state it
+  # returned to (step 7's after the rollback at 15), else the window the sync ended.
+  window = {c['step']: c['train_loss'] for c in read_metrics(os.path.join(ref, 'metrics.jsonl'))['controller']}
+  for k, end in ((8, 7), (12, 7), (16, 7), (24, 23)):
+    np.testing.assert_array_equal(states[ref][k]['anchor']['train_loss'], np.float32(window[end]))
   assert not same(_restore_raw(plain, 16)[0]['params'], states[ref][8]['params'])
   workdir = str(tmp_path / 'resumed')
   train_and_evaluate(tiny(stop_at_step=12, **fit, **{'hdet.rollback': True}), workdir)
@@ -120,3 +125,33 @@ def test_settle_trains_unspread_after_the_climb_and_resumes_bit_for_bit(tmp_path
   train_and_evaluate(tiny(**fit), workdir)
   a, b = _restore_raw(ref, 64)[0], _restore_raw(workdir, 64)[0]
   assert all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
+
+
+def test_the_rollback_recovers_a_divergence_inside_a_window(tmp_path):
+  """tiny with SGD at a peak LR of 30 (the controller from the first sync): every replica's loss goes NaN inside a
+  window three times. With the rollback the run trains on to the window's sync, whose back-off (the window's
+  training loss is not finite) returns it to the sync before; each time against the last good window's loss, the
+  baseline the anchor keeps, so a second divergence in a row is caught too. The run ends with finite losses.
+  Without the rollback the first divergence stops the run at the next log interval, as before. At a peak LR of 300
+  the state after the first sync is already lost (NaN from its first step): after one rollback it diverges at once,
+  and the run stops there instead of rolling back to it again."""
+  sgd = {'plots': False, 'checkpoint_every': 0, 'optim.name': 'sgd', 'hdet.warmup_steps': 0}
+  events = lambda w: [(e['step'], e['event']) for e in read_metrics(os.path.join(w, 'metrics.jsonl'))['event']
+                      if e['event'] in ('diverged', 'rolled_back')]
+  runs = {}
+  for name, lr, rollback in (('rollback', 30.0, True), ('backoff_only', 30.0, False), ('lost', 300.0, True)):
+    runs[name] = str(tmp_path / name)
+    s = train_and_evaluate(tiny(**{**sgd, 'optim.max_lr': lr, 'hdet.rollback': rollback}), runs[name])
+    runs[name] = (runs[name], s)
+  w, s = runs['rollback']
+  assert events(w) == [(10, 'diverged'), (15, 'rolled_back'), (19, 'diverged'), (23, 'rolled_back'),
+                       (27, 'diverged'), (31, 'rolled_back')]
+  assert s['diverged_at'] is None and s['step'] == 40
+  m = read_metrics(os.path.join(w, 'metrics.jsonl'))
+  assert np.all(np.isfinite(m['train'][-1]['loss'])) and np.isfinite(s['final_val_loss'])
+  assert [c['step'] for c in m['controller'] if c.get('backed_off')] == [15, 23, 31, 39]
+  w, s = runs['backoff_only']
+  assert events(w) == [(10, 'diverged')] and s['diverged_at'] == 10 and s['step'] <= 15  # (its log interval)
+  w, s = runs['lost']
+  assert events(w) == [(8, 'diverged'), (15, 'rolled_back'), (16, 'diverged')]
+  assert s['diverged_at'] == 16 and s['step'] < 23

@@ -107,12 +107,23 @@ def unstacked_layout(mesh: Mesh, stacked: Any, task: tasks_lib.Task | None = Non
   return jax.tree.map(lambda s: NamedSharding(mesh, P(*s.spec[1:])), groups)
 
 
+def anchor_layout(mesh: Mesh, params: Any, inner: Any, task: tasks_lib.Task | None = None) -> dict:
+  """The rollback anchor's shardings given the stacked ``params`` and wrapped optimizer state ``inner``: one copy
+  of each (:func:`unstacked_layout`), and the training loss of the window it ends with its standard error,
+  replicated."""
+  return {**unstacked_layout(mesh, {'params': params, 'inner': inner}, task),
+          'train_loss': replicated(mesh), 'train_loss_se': replicated(mesh)}
+
+
 def anchor_shapes(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None) -> dict:
-  """The rollback anchor's shapes, one copy of ``abstract``'s ``params`` and wrapped optimizer state, in the
-  layout the run keeps it in (:func:`unstacked_layout`; to restore it)."""
-  stacked = {'params': abstract['params'], 'inner': abstract['opt_state'].inner_state}
-  return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape[1:], s.dtype, sharding=h), stacked,
-                      unstacked_layout(mesh, stacked, task))
+  """The rollback anchor's shapes in the layout the run keeps it in (:func:`anchor_layout`; to restore it)."""
+  params, inner = abstract['params'], abstract['opt_state'].inner_state
+  one = lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype)  # a replica's
+  scalar = jax.ShapeDtypeStruct((), np.float32)
+  shapes = {'params': jax.tree.map(one, params), 'inner': jax.tree.map(one, inner), 'train_loss': scalar,
+            'train_loss_se': scalar}
+  return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes,
+                      anchor_layout(mesh, params, inner, task))
 
 
 def replica_sharding(mesh: Mesh) -> NamedSharding:

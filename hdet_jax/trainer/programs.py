@@ -264,11 +264,13 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
                  **_pinned(mesh, shardings))
 
 
-def make_anchor(mesh: Mesh, shardings: Any = None) -> Callable:
-  """Jitted ``(params, opt_state) -> {'params', 'inner'}``: one copy of the replicas' parameters and wrapped
-  optimizer state, replicated over the replica axis: the state the rollback returns to (see
-  :func:`make_window_end`), taken at the start and after every sync. ``shardings``: the copy's, from
-  :func:`hdet_jax.trainer.mesh.unstacked_layout` (needed on a 2-D mesh).
+def make_anchor(mesh: Mesh, tx: optax.GradientTransformation, shardings: Any = None) -> Callable:
+  """Jitted ``(params, opt_state) -> anchor``: the state the rollback returns to (see :func:`make_window_end`),
+  taken at the start and after every sync: one copy of the replicas' parameters and wrapped optimizer state
+  (``'params'``, ``'inner'``), replicated over the replica axis, and the training loss of the window the sync
+  ended with its standard error (``'train_loss'``, ``'train_loss_se'``: after a rollback the back-off compares the
+  next window with the window that led to the state it returned to). ``shardings``: from
+  :func:`hdet_jax.trainer.mesh.anchor_layout` (needed on a 2-D mesh).
 
   After a sync every replica holds the same parameters (the average, assigned exactly), and the wrapped
   optimizer state is the same on every replica throughout (it sees the shared, all-reduced gradient, and an
@@ -277,19 +279,27 @@ def make_anchor(mesh: Mesh, shardings: Any = None) -> Callable:
   device takes its first replica's copy, with no communication, and N replicas on one device keep one copy of
   the state instead of N. (The map is unchecked: it declares replicated what it knows to be equal.)
   """
+  def first(params, packed):
+    params, packed = jax.tree.map(lambda a: a[0], (params, packed))
+    c = unpack(tx, params, packed).controller
+    return {'params': params, 'inner': packed.inner_state, 'train_loss': c.train_loss,
+            'train_loss_se': c.train_loss_se}
   manual = frozenset({AXIS} | {a for a, size in mesh.shape.items() if size == 1})
-  first = jax.shard_map(lambda tree: jax.tree.map(lambda a: a[0], tree), mesh=mesh, in_specs=P(AXIS),
-                        out_specs=P(), check_vma=False, axis_names=manual)
-  anchor = lambda params, opt_state: first({'params': params, 'inner': opt_state.inner_state})
+  anchor = jax.shard_map(first, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False, axis_names=manual)
   return jax.jit(anchor, **({} if shardings is None else {'out_shardings': shardings}))
 
 
 def _roll_back(params: Any, opt_state: Any, anchor: dict) -> tuple[Any, Any]:
-  """(params, opt_state) after a sync: the anchor's parameters and wrapped optimizer state where the sync
-  backed off (``controller.backed_off``, the same on every replica), else the sync's."""
+  """(params, opt_state) after a sync: where the sync backed off (``controller.backed_off``, the same on every
+  replica) the anchor's parameters and wrapped optimizer state, and its window's training loss as the back-off's
+  next baseline; else the sync's."""
   back = opt_state.controller.backed_off
   pick = lambda old, new: jax.tree.map(lambda a, b: jnp.where(back, a, b).astype(b.dtype), old, new)
-  return pick(anchor['params'], params), opt_state._replace(inner_state=pick(anchor['inner'], opt_state.inner_state))
+  c = opt_state.controller
+  c = c._replace(train_loss=pick(anchor['train_loss'], c.train_loss),
+                 train_loss_se=pick(anchor['train_loss_se'], c.train_loss_se))
+  return pick(anchor['params'], params), opt_state._replace(inner_state=pick(anchor['inner'], opt_state.inner_state),
+                                                            controller=c)
 
 
 def _controller_metrics(c: Any) -> dict:

@@ -319,13 +319,14 @@ class _Loop:
   step: int                          # steps done
   data: Any = None                   # the chunk of _CHUNK steps' batches holding this step's, on the devices
   tail: Any = None                   # [N, ...] each replica's mean parameters over its window's tail (score_tail)
-  anchor: Any = None                 # {'params', 'inner'}, one copy: the state the last sync left (hdet.rollback)
+  anchor: Any = None                 # the state the last sync left, one copy (hdet.rollback; programs.make_anchor)
   pending: list = dataclasses.field(default_factory=list)  # (step, sync, metrics) fetched at the next log
   t_mark: float = 0.0                # when the current log interval started
   train_time: float = 0.0
   train_steps: int = 0
   last_losses: list = dataclasses.field(default_factory=list)  # each replica's loss at the last interval's steps
   diverged_at: int | None = None
+  rolled_back_at: int | None = None  # the last sync whose rollback undid a divergence
   preempted_at: int | None = None
   val: dict = dataclasses.field(default_factory=lambda: {'val_loss': math.nan})  # the last 'eval' record's fields
 
@@ -434,7 +435,7 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   if tail is None and optimizer_lib.score_tail(config) > 0:
     tail = jax.tree.map(lambda x: x.copy(), params)  # overwritten at the first step of each window's tail
   if anchor is None and optimizer_lib.rolls_back(config):  # before the first sync: the start
-    anchor = _anchor_program(records.mesh, params, opt_state, inputs.task)(params, opt_state)
+    anchor = _anchor_program(records.mesh, inputs.tx, params, opt_state, inputs.task)(params, opt_state)
   return _Loop(params, opt_state, rng, start=start, step=start, tail=tail, anchor=anchor)
 
 
@@ -516,7 +517,7 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
       params, opt_state, *([_probe(config, inputs, mesh, 0)] if common else []), *tail, *anchor).compile()
   tail_update = (programs_lib.make_tail_update(layout).lower(loop.tail, params, np.float32(1)).compile()
                  if loop.tail is not None else None)
-  anchor = (_anchor_program(mesh, params, opt_state, inputs.task).lower(params, opt_state).compile()
+  anchor = (_anchor_program(mesh, inputs.tx, params, opt_state, inputs.task).lower(params, opt_state).compile()
             if loop.anchor is not None else None)
   to_eval = programs_lib.make_eval_params(config, mesh)
   val = mesh_lib.put_stacked(inputs.data.eval_batch, mesh, batch_dim=1)
@@ -537,10 +538,9 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
                    tail_update, anchor)
 
 
-def _anchor_program(mesh: Any, params: Any, opt_state: Any, task: Any) -> Any:
+def _anchor_program(mesh: Any, tx: Any, params: Any, opt_state: Any, task: Any) -> Any:
   """programs_lib.make_anchor in the run's layout: one copy of the state, split inside a group as the state is."""
-  stacked = {'params': params, 'inner': opt_state.inner_state}
-  return programs_lib.make_anchor(mesh, mesh_lib.unstacked_layout(mesh, stacked, task))
+  return programs_lib.make_anchor(mesh, tx, mesh_lib.anchor_layout(mesh, params, opt_state.inner_state, task))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -609,7 +609,7 @@ def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Pr
   if programs.distance is not None:
     d = mesh_lib.fetch(programs.distance(loop.params))
     writer.write('distance', step=step - 1, distance=d['distance'], mean_norm=d['mean_norm'][0])
-  if loop.diverged_at is not None and config.stop_on_nan:
+  if loop.diverged_at is not None and config.stop_on_nan and not _rollback_ahead(config, loop):
     bar.close()
     records.log(f'Training diverged: every replica\'s loss is NaN/inf at step {loop.diverged_at}. Stopping; the '
                 'last good checkpoint is kept. Lower optim.max_lr, or set --config.stop_on_nan=False to keep going.')
@@ -630,6 +630,19 @@ def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Pr
   return True
 
 
+def _rollback_ahead(config: Any, loop: _Loop) -> bool:
+  """Whether the rollback may still undo the divergence: the run rolls back (``hdet.rollback``) and the sync that
+  ends the diverged window has not run yet. Its back-off fires on the window's non-finite training loss and returns
+  the replicas to the sync before (``_write_step`` then clears ``diverged_at``); a sync that passes without it
+  (e.g. before the controller starts) leaves the divergence, and the run stops at the next interval."""
+  if not optimizer_lib.rolls_back(config) or loop.rolled_back_at == loop.diverged_at - 1:
+    return False  # (diverged at the first step after a rollback: the state it returned to is itself lost)
+  step = loop.diverged_at
+  while step < config.num_train_steps and not optimizer_lib.is_sync_step(config, step):
+    step += 1
+  return step < config.num_train_steps and loop.step <= step
+
+
 def _flush(programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, bar: metrics_lib.ProgressBar) -> None:
   """Fetches the pending steps' metrics (one transfer) and writes them; notes non-finite losses."""
   packers = programs.packers
@@ -640,13 +653,15 @@ def _flush(programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, 
     return {**packers[False].unpack(rows[0]), **packers[True].unpack(rows[1])}
   got = [unpack(sync, rows) for (_, sync, _), rows in zip(loop.pending, mesh_lib.fetch([m for _, _, m in loop.pending]))]
   for (step, sync, _), m in zip(loop.pending, got):
-    _write_step(writer, loop, step, sync, m)
+    _write_step(writer, loop, step, sync, m, rolls_back=programs.anchor is not None)
   loop.last_losses = [m['loss'] for m in got]
   bar.update(len(loop.pending), float(np.mean(loop.last_losses[-1])), float(got[-1]['base_lr'][0]))
 
 
-def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync: bool, m: dict) -> None:
-  """One step's records: 'train', on sync steps 'controller' and 'distance', and the first non-finite loss's event."""
+def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync: bool, m: dict,
+                rolls_back: bool = False) -> None:
+  """One step's records: 'train', on sync steps 'controller' and 'distance', the first non-finite loss's event, and
+  (``rolls_back``) a sync's rollback of a divergence."""
   loss = m['loss']
   writer.write('train', step=step, loss=loss, lr=m['lrs'][0], base_lr=m['base_lr'][0], sync=sync,
                values=m['values'][0], bases=m['bases'][0])
@@ -670,6 +685,9 @@ def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync:
     else:
       loop.diverged_at = step
       writer.write('event', step=step, event='diverged')
+  if rolls_back and sync and m['backed_off'][0] and loop.diverged_at is not None:  # the rollback undid it
+    writer.write('event', step=step, event='rolled_back', diverged_at=loop.diverged_at)
+    loop.diverged_at, loop.rolled_back_at = None, step
 
 
 def _evaluate(inputs: _Inputs, programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, step: int) -> None:
