@@ -1,6 +1,5 @@
 """The trainer end to end on the tiny config: train.py, metrics, plots, checkpoints, resume, bad input."""
 
-import importlib.util
 import json
 import math
 import os
@@ -14,21 +13,7 @@ from hdet_jax.trainer import ConfigError, config_lib, train_and_evaluate
 from hdet_jax.trainer.metrics import read_metrics
 from process_testing import free_port, run_two_processes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, 'configs', 'tiny.py')
-_spec = importlib.util.spec_from_file_location('hdet_chaos', os.path.join(ROOT, 'scripts', 'chaos.py'))
-chaos = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(chaos)
-_restore_raw = chaos.read_checkpoint  # a checkpoint's items as plain arrays (no target: enough to compare bits)
-
-
-def tiny(**overrides):
-  return config_lib.with_overrides(config_lib.load_config_file(TINY), overrides)
-
-
-def _leaves(tree):
-  import jax
-  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+from trainer_testing import ROOT, TINY, leaves as _leaves, restore_raw as _restore_raw, tiny
 
 
 @pytest.fixture(scope='module')

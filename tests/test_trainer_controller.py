@@ -2,29 +2,14 @@
 each checkpointed and resumed bit for bit (kept apart from tests/test_trainer.py so that the suite's two workers
 share the trainer's runs)."""
 
-import importlib.util
 import os
 
 import numpy as np
 
-from hdet_jax.trainer import config_lib, train_and_evaluate
+from hdet_jax.trainer import train_and_evaluate
 from hdet_jax.trainer.metrics import read_metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = os.path.join(ROOT, 'configs', 'tiny.py')
-_spec = importlib.util.spec_from_file_location('hdet_chaos', os.path.join(ROOT, 'scripts', 'chaos.py'))
-chaos = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(chaos)
-_restore_raw = chaos.read_checkpoint  # a checkpoint's items as plain arrays (no target: enough to compare bits)
-
-
-def tiny(**overrides):
-  return config_lib.with_overrides(config_lib.load_config_file(TINY), overrides)
-
-
-def _leaves(tree):
-  import jax
-  return [np.asarray(x) for x in jax.tree.leaves(tree)]
+from trainer_testing import leaves as _leaves, restore_raw as _restore_raw, tiny
 
 
 def test_score_tail_is_checkpointed_and_resumes_bit_for_bit(tmp_path):
