@@ -185,6 +185,11 @@ VARIANT_SETTINGS = {
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}
        for a in (0.125, 0.25, 0.5) for t in (25, 100, 400)},
+    # ... and its controls: no spread (the replicas identical, the average a no-op: what is left is not the
+    # ensemble's) and a twentieth of the default's, to see whether the price goes to 0 with the spread.
+    **{f'ensemble_a{a:g}_T100'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
+                                                   'hdet.spread': a, 'hdet.sync_every': 100}
+       for a in (0.0, 0.0125)},
     'paper_lr': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
                  'hdet.param_groups': False, **_PINNED},
 }

@@ -36,10 +36,14 @@ from hdet_jax.sync import apply_updates  # noqa: F401  (re-exported)
 class HDETState(NamedTuple):
   """The state of :func:`hdet` on one replica (G = explored hyperparameters, N = replicas).
 
-  Everything except ``loss_sum`` is identical on all replicas: the wrapped optimizer sees
-  the same all-reduced gradient everywhere, and the controller's inputs are all-gathered.
-  (In the low-communication mode, where each replica steps on its own gradient, ``inner_state``
-  differs too until a sync with ``average_opt_state=True``.)
+  The replica's own loss statistics (``loss_sum``, ``loss_diff_sq_sum``, ``last_loss``) and
+  ``replica_ok`` differ between replicas; the controller's fields are identical on all of them
+  (its inputs are all-gathered). ``inner_state`` is identical where the wrapped optimizer's state
+  is a function of the gradients alone (Adam's moments, SGD's momentum): every replica sees the
+  same all-reduced gradient. It differs where the state reads the parameters or the step taken
+  (Prodigy's and D-Adaptation's d, DoG's distance, Mechanize's scale, schedule-free's z: the
+  replicas' own LRs set them apart), and in the low-communication mode, where each replica steps
+  on its own gradient, until a sync with ``average_opt_state=True``.
 
   ``values`` and ``base`` hold what the *coming* step uses, computed at the end of the previous
   update (or by ``init``): an update reads its hyperparameters from the state instead of
