@@ -78,6 +78,18 @@ def test_the_turn_is_where_the_asks_split_and_the_price_is_paired(tmp_path):
   report = open(paths[1], encoding='utf-8').read()
   assert '| lm | 400 | adamw | 0.01 | 7 | 100: 0.4-0.8 (n=6);' in report and '| 0.57x |' in report
   assert f'| lm | 400 | adamw | 0.25 | 100 | {np.mean(want):+.2f}% ±' in report
+  # With the spread-0 control: each price less the control's, the standard errors added in quadrature.
+  _write(folder, 'hdet_ensemble_a0_T100_best_s0', {'config': _config(**{**ens, 'hdet.spread': 0.0, 'seed': 0}),
+                                                   'val_bpb': 2.001, 'distance': []})
+  _write(folder, 'hdet_ensemble_a0_T100_best_s1', {'config': _config(**{**ens, 'hdet.spread': 0.0, 'seed': 1}),
+                                                   'val_bpb': 2.012, 'distance': []})
+  both = cp.price(folder, 'adamw')
+  floor = [100 * (2.001 / 2.0 - 1), 100 * (2.012 / 2.01 - 1)]
+  assert both['ensemble_a0_T100']['spread'] == 0.0 and both['ensemble_a0_T100']['distance_last'] is None
+  report = open(cp.write_report(str(tmp_path / 'out2'), {'lm': {'400': {'adamw': {'climb': None, 'price': both}}}},
+                                False)[1], encoding='utf-8').read()
+  se = math.hypot(np.std(want, ddof=1), np.std(floor, ddof=1)) / math.sqrt(2)
+  assert f'| 0.015 / 0.0275 | {np.mean(want) - np.mean(floor):+.2f}% ± {se:.2f} |' in report
 
 
 def test_landings_class_the_defaults_runs_by_the_guard_and_the_peak_over_the_sweeps_best(tmp_path):
@@ -108,3 +120,36 @@ def test_landings_class_the_defaults_runs_by_the_guard_and_the_peak_over_the_swe
   report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {
       'climb': None, 'price': {}, 'landings': got}}}}, False)[1], encoding='utf-8').read()
   assert '| lm | 400 | adamw | 5 | 1: +20.0%, 0 within 1% | 1: +10.0%, 0 within 1% | 2: +2.7%, 1 within 1% | 1: +inf%, 0 within 1% |' in report
+
+
+def test_the_sweeps_best_is_chosen_on_its_own_seeds_and_rerun_on_fresh_ones(tmp_path):
+  """The sweep's best (LR and mean) comes from seeds 0-2 only, though seeds 3-4 ran too (and are better at 0.005,
+  which would move the choice); the fresh seeds' means per LR around it, the rerun's difference against the sweep's
+  best, and the fresh seeds' own best LR. The landing table's and the price's references stay on seeds 0-2."""
+  folder = str(tmp_path)
+  table = {0.005: ([2.10, 2.12, 2.11], [1.90, 1.92]), 0.01: ([2.00, 2.01, 1.99], [2.05, 2.07]),
+           0.02: ([2.05, 2.06, 2.04], [2.02, 2.04])}
+  for lr, (sweep, fresh) in table.items():
+    for seed, value in enumerate(sweep + fresh):
+      _write(folder, f'grid_lr{lr}_s{seed}', {'config': _config(**{'optim.max_lr': lr, 'seed': seed}),
+                                               'val_bpb': value})
+  from experiments import autolr
+  for start, values in (('low', [2.2, 2.3]), ('best', [2.06, 2.10])):  # the default's runs; another variant's not
+    for seed, value in enumerate(values):
+      _write(folder, f'hdet_{autolr.DEFAULT_VARIANT}_{start}_s{seed}', {'config': _config(), 'val_bpb': value})
+  _write(folder, f'hdet_{autolr.DEFAULT_VARIANT}_tail25_best_s0', {'config': _config(), 'val_bpb': 9.0})
+  got = cp.fresh_seeds(folder, 'adamw')
+  assert (got['sweep_best_lr'], got['n_sweep'], got['fresh_best_lr']) == (0.01, 3, 0.005)
+  np.testing.assert_allclose(got['sweep_best'], 2.0, rtol=1e-12)
+  np.testing.assert_allclose([got['fresh'][k]['mean'] for k in ('0.005', '0.01', '0.02')], [1.91, 2.06, 2.03],
+                             rtol=1e-12)
+  assert got['fresh']['0.01']['seeds'] == [3, 4]
+  np.testing.assert_allclose(got['rerun_pct'], 100 * (2.06 / 2.0 - 1), rtol=1e-9)
+  assert sorted(int(r['config']['seed']) for r in cp._grid(folder, 'adamw')[0.005]) == [0, 1, 2]
+  assert set(got['hdet']) == {'low', 'best'} and got['hdet']['best']['n'] == 2
+  np.testing.assert_allclose([got['hdet']['low']['vs_sweep_pct'], got['hdet']['best']['vs_rerun_pct']],
+                             [100 * (2.25 / 2.0 - 1), 100 * (2.08 / 2.06 - 1)], rtol=1e-9)
+  report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {
+      'climb': None, 'price': {}, 'landings': None, 'fresh': got}}}}, False)[1], encoding='utf-8').read()
+  assert ('| lm | 400 | adamw | 2 at 0.01 (n=3) | 0.005: 1.91 (n=2); 0.01: 2.06 (n=2); 0.02: 2.03 (n=2) | +3.0% | 0.005 '
+          '| +12.5% (+9.2%) / +4.0% (+1.0%) / - |') in report
