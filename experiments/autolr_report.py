@@ -55,7 +55,8 @@ def _peak_lr(r):
 def signal_per_sync(record: dict) -> list[dict]:
   """Per sync: the least-squares slope of the compared losses on the followed LR's offset u = rho - 1,
   and its standard error from the residuals (the signal and its noise). A window after the followed LR
-  settled (hdet.settle: its replicas trained at one LR) carries no signal and is left out."""
+  settled (hdet.settle: its replicas trained at one LR) carries no signal and is left out, as does one of a run
+  without a spread (its replicas' LRs all equal: e.g. the ensemble's spread-0 control)."""
   out = []
   i = lr_index(record)
   unspread = False  # whether the window ending at this sync trained after the LR settled
@@ -66,6 +67,8 @@ def signal_per_sync(record: dict) -> list[dict]:
     if was_unspread or values.ndim != 2 or losses.size != values.shape[1] or not np.all(np.isfinite(losses)):
       continue
     u = values[i] / np.mean(values[i]) - 1.0
+    if not np.ptp(u) > 0:
+      continue
     x = np.stack([np.ones_like(u), u - u.mean()], 1)
     coef, *_ = np.linalg.lstsq(x, losses, rcond=None)
     resid = losses - x @ coef

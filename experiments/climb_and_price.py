@@ -152,6 +152,20 @@ def fresh_seeds(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) 
           'fresh_best_lr': float(min(out, key=lambda k: out[k]['mean'])), 'hdet': hdet}
 
 
+def above_control(v: dict, control: dict) -> list[float]:
+  """Per seed that both ran: a price less the control's on that seed (paired: the control's noise on a seed is
+  the same draw the price's plain run made)."""
+  ctl = dict(zip(control['seeds'], control['pct']))
+  return [p - ctl[s] for s, p in zip(v['seeds'], v['pct']) if s in ctl]
+
+
+def _fmt_mean_se(diffs: list[float]) -> str:
+  if not diffs:
+    return '-'
+  se = f' ± {np.std(diffs, ddof=1) / math.sqrt(len(diffs)):.2f}' if len(diffs) > 1 else ''
+  return f'{np.mean(diffs):+.2f}%{se} (n={len(diffs)})'
+
+
 def landings(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) -> dict | None:
   """The variant's runs (every start and seed) by where the climb went: 'guard fired' (a blow-up: the climb went
   past the stability edge), else by the peak base LR over the sweep's best LR (:data:`BANDS`). Per class the
@@ -235,7 +249,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
             'replicas\' RMS distance from their mean just before a sync, relative to the mean\'s norm (the last '
             'sync, and the mean over syncs). Spread 0 is the control: identical replicas, whose average differs from '
             'each by rounding only, so what it shows is the run-to-run noise a perturbation of one ulp sets off, not '
-            'the ensemble; "above spread 0" is the price less that control\'s (se of the difference).', '',
+            'the ensemble; "above spread 0" is the price less that control\'s on the same seeds (mean ± se of the paired differences).', '',
             '| workload | steps | optim | spread | T | price (mean ± se over seeds) | per seed | distance last / mean '
             '| above spread 0 |',
             '|---|---|---|---|---|---|---|---|---|']
@@ -247,9 +261,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
           se = '' if v['se_pct'] is None else f' ± {v["se_pct"]:.2f}'
           dist = ('-' if v['distance_last'] is None else f'{v["distance_last"]:.3g} / {v["distance_mean"]:.3g}')
           per = ', '.join(f'{p:+.2f}' for p in v['pct'])
-          above = '-' if floor is None or v is floor else f'{v["mean_pct"] - floor["mean_pct"]:+.2f}%' + (
-              '' if v['se_pct'] is None or floor['se_pct'] is None else
-              f' ± {math.hypot(v["se_pct"], floor["se_pct"]):.2f}')
+          above = '-' if floor is None or v is floor else _fmt_mean_se(above_control(v, floor))
           lines.append(f'| {w} | {steps} | {optim} | {v["spread"]:g} | {v["T"]} | {v["mean_pct"]:+.2f}%{se} (n={len(v["pct"])}) '
                        f'| {per} | {dist} | {above} |')
   lines += _landing_table(results)

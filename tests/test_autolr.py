@@ -56,6 +56,10 @@ def test_signal_per_sync_leaves_out_the_windows_after_the_lr_settled():
   rec = {'hyperparams': ['learning_rate'], 'controller': [
       {'step': 24, **spread}, {'step': 49, **spread, 'settled': [True]}, {'step': 74, **flat}, {'step': 99, **flat}]}
   assert [s['step'] for s in R.signal_per_sync(rec)] == [24, 49]
+  # A run without a spread (the ensemble's spread-0 control): no window has a slope, none flagged settled.
+  control = {'hyperparams': ['learning_rate'], 'controller': [
+      {'step': s, 'values': [[1e-3] * 8], 'window_losses': list(2.5 + 0.01 * rho)} for s in (24, 49)]}
+  assert R.signal_per_sync(control) == []
 
 
 def test_ask_threshold_splits_where_the_asks_turn():

@@ -88,8 +88,11 @@ def test_the_turn_is_where_the_asks_split_and_the_price_is_paired(tmp_path):
   assert both['ensemble_a0_T100']['spread'] == 0.0 and both['ensemble_a0_T100']['distance_last'] is None
   report = open(cp.write_report(str(tmp_path / 'out2'), {'lm': {'400': {'adamw': {'climb': None, 'price': both}}}},
                                 False)[1], encoding='utf-8').read()
-  se = math.hypot(np.std(want, ddof=1), np.std(floor, ddof=1)) / math.sqrt(2)
-  assert f'| 0.015 / 0.0275 | {np.mean(want) - np.mean(floor):+.2f}% ± {se:.2f} |' in report
+  diff = np.subtract(want, floor)
+  assert f'| 0.015 / 0.0275 | {diff.mean():+.2f}% ± {diff.std(ddof=1) / math.sqrt(2):.2f} (n=2) |' in report
+  # Paired by seed: a control on seeds the price did not run is not used.
+  np.testing.assert_allclose(cp.above_control({'seeds': [0, 1, 2], 'pct': [1.0, 2.0, 3.0]},
+                                              {'seeds': [1, 2, 5], 'pct': [0.5, -1.0, 9.0]}), [1.5, 4.0])
 
 
 def test_landings_class_the_defaults_runs_by_the_guard_and_the_peak_over_the_sweeps_best(tmp_path):
