@@ -123,7 +123,8 @@ def fresh_seeds(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) 
   rerun on seeds the choice never saw, with its neighbours a factor 2 either side: per LR the mean over those
   seeds, and the sweep's best against it in percent. A positive difference is the reference's luck (the
   minimum of noisy means is biased low): the miss a rerun of the sweep's own best would show. And the variant's
-  runs per start, against the sweep's best and against its rerun."""
+  runs per start: those on the sweep's seeds against the sweep's best (``results/workloads.md``'s figure), and
+  those on the rerun's seeds against the rerun (neither chosen on the seeds it is measured on)."""
   chosen = _grid(folder, optim)
   every = _grid(folder, optim, seeds=None)
   if not chosen:
@@ -140,13 +141,15 @@ def fresh_seeds(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) 
     return None
   same = out[f'{lr:g}']
   hdet = {}
-  for start in autolr.STARTS:  # the default's runs against both references
+  for start in autolr.STARTS:  # the variant's runs on the sweep's seeds and on the rerun's
     pattern = re.compile(rf'hdet_{re.escape(variant)}_{start}_s\d+\.json$')
     runs = _load(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if pattern.search(p))
-    if runs:
-      mean = float(np.mean([math.inf if r['val_bpb'] is None else r['val_bpb'] for r in runs]))
-      hdet[start] = {'n': len(runs), 'mean': mean, 'vs_sweep_pct': 100.0 * (mean / value - 1.0),
-                     'vs_rerun_pct': 100.0 * (mean / same['mean'] - 1.0)}
+    mean = lambda rs: float(np.mean([math.inf if r['val_bpb'] is None else r['val_bpb'] for r in rs]))
+    own = [r for r in runs if int(r['config']['seed']) in autolr.SEEDS]
+    new = [r for r in runs if int(r['config']['seed']) in same['seeds']]
+    if own or new:
+      hdet[start] = {'n': len(own), 'vs_sweep_pct': 100.0 * (mean(own) / value - 1.0) if own else None,
+                     'n_fresh': len(new), 'vs_rerun_pct': 100.0 * (mean(new) / same['mean'] - 1.0) if new else None}
   return {'sweep_best_lr': lr, 'sweep_best': value, 'n_sweep': len(chosen[lr]), 'fresh': out,
           'rerun_pct': 100.0 * (same['mean'] / value - 1.0),
           'fresh_best_lr': float(min(out, key=lambda k: out[k]['mean'])), 'hdet': hdet}
@@ -172,7 +175,8 @@ def landings(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) -> 
   number of runs and their misses against the sweep's best (percent; a diverged run counts as +inf)."""
   grid = _grid(folder, optim)
   pattern = re.compile(rf'hdet_{re.escape(variant)}_(low|best|high)_s\d+\.json$')
-  runs = _load(sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if pattern.search(p)))
+  runs = [r for r in _load(sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if pattern.search(p)))
+          if int(r['config']['seed']) in autolr.SEEDS]  # the seeds of the sweep's best (fresh ones: fresh_seeds)
   if not grid or not runs:
     return None
   lr, value = autolr_report.grid_best(grid)
@@ -302,14 +306,17 @@ def _fresh_table(results: dict) -> list[str]:
            'and the sweep\'s best against it. A rerun of the sweep\'s own best would miss by "rerun", so a miss of '
            'that size is the reference\'s luck, not the method\'s.', '',
            '| workload | steps | optim | sweep best (n) | fresh seeds: LR: mean (n) | rerun | fresh seeds\' best LR '
-           '| default from 10x low / best / 10x high: against the sweep (against the rerun) |',
-           '|---|---|---|---|---|---|---|---|']
+           '| default from 10x low / best / 10x high: on the sweep\'s seeds against the sweep | on the fresh seeds '
+           'against the rerun |',
+           '|---|---|---|---|---|---|---|---|---|']
   for w, steps, optim, f in rows:
     per = '; '.join(f'{k}: {v["mean"]:.4g} (n={v["n"]})' for k, v in sorted(f['fresh'].items(), key=lambda kv: float(kv[0])))
-    hdet = ' / '.join(f'{h["vs_sweep_pct"]:+.1f}% ({h["vs_rerun_pct"]:+.1f}%)' if (h := f['hdet'].get(s)) else '-'
-                      for s in autolr.STARTS)
+    starts = [f['hdet'].get(s, {}) for s in autolr.STARTS]
+    pct = lambda h, k, n: '-' if h.get(k) is None else f'{h[k]:+.1f}% (n={h[n]})'
+    own = ' / '.join(pct(h, 'vs_sweep_pct', 'n') for h in starts)
+    new = ' / '.join(pct(h, 'vs_rerun_pct', 'n_fresh') for h in starts)
     lines.append(f'| {w} | {steps} | {optim} | {f["sweep_best"]:.4g} at {f["sweep_best_lr"]:g} (n={f["n_sweep"]}) | '
-                 f'{per} | {f["rerun_pct"]:+.1f}% | {f["fresh_best_lr"]:g} | {hdet} |')
+                 f'{per} | {f["rerun_pct"]:+.1f}% | {f["fresh_best_lr"]:g} | {own} | {new} |')
   return lines
 
 

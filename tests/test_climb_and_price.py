@@ -112,6 +112,9 @@ def test_landings_class_the_defaults_runs_by_the_guard_and_the_peak_over_the_swe
                                         'controller': [{'step': 1, 'backed_off': fired}]})
   _write(folder, f'hdet_{v}_tail25_best_s0', {'config': _config(), 'val_bpb': 9.0,
                                               'trajectory': [{'step': 0, 'bases': [1.0]}], 'controller': []})
+  # A run on a seed outside the sweep's (autolr.SEEDS) is fresh_seeds' to compare, not the landings'.
+  _write(folder, f'hdet_{v}_best_s5', {'config': _config(**{'seed': 5}), 'val_bpb': 2.0,
+                                       'trajectory': [{'step': 0, 'bases': [0.01]}], 'controller': []})
   got = cp.landings(folder, 'adamw')
   assert got['sweep_best_lr'] == 0.01 and got['runs'] == 5
   c = got['classes']
@@ -137,9 +140,11 @@ def test_the_sweeps_best_is_chosen_on_its_own_seeds_and_rerun_on_fresh_ones(tmp_
       _write(folder, f'grid_lr{lr}_s{seed}', {'config': _config(**{'optim.max_lr': lr, 'seed': seed}),
                                                'val_bpb': value})
   from experiments import autolr
-  for start, values in (('low', [2.2, 2.3]), ('best', [2.06, 2.10])):  # the default's runs; another variant's not
-    for seed, value in enumerate(values):
-      _write(folder, f'hdet_{autolr.DEFAULT_VARIANT}_{start}_s{seed}', {'config': _config(), 'val_bpb': value})
+  # The default's runs (another variant's not): 'low' on seeds 0-1 only, 'best' on 0-1 and on the fresh 3-4.
+  for start, values in (('low', {0: 2.2, 1: 2.3}), ('best', {0: 2.06, 1: 2.10, 3: 2.0, 4: 2.16})):
+    for seed, value in values.items():
+      _write(folder, f'hdet_{autolr.DEFAULT_VARIANT}_{start}_s{seed}', {'config': _config(**{'seed': seed}),
+                                                                      'val_bpb': value})
   _write(folder, f'hdet_{autolr.DEFAULT_VARIANT}_tail25_best_s0', {'config': _config(), 'val_bpb': 9.0})
   got = cp.fresh_seeds(folder, 'adamw')
   assert (got['sweep_best_lr'], got['n_sweep'], got['fresh_best_lr']) == (0.01, 3, 0.005)
@@ -149,10 +154,13 @@ def test_the_sweeps_best_is_chosen_on_its_own_seeds_and_rerun_on_fresh_ones(tmp_
   assert got['fresh']['0.01']['seeds'] == [3, 4]
   np.testing.assert_allclose(got['rerun_pct'], 100 * (2.06 / 2.0 - 1), rtol=1e-9)
   assert sorted(int(r['config']['seed']) for r in cp._grid(folder, 'adamw')[0.005]) == [0, 1, 2]
-  assert set(got['hdet']) == {'low', 'best'} and got['hdet']['best']['n'] == 2
-  np.testing.assert_allclose([got['hdet']['low']['vs_sweep_pct'], got['hdet']['best']['vs_rerun_pct']],
-                             [100 * (2.25 / 2.0 - 1), 100 * (2.08 / 2.06 - 1)], rtol=1e-9)
+  assert set(got['hdet']) == {'low', 'best'}
+  assert (got['hdet']['low']['n_fresh'], got['hdet']['low']['vs_rerun_pct']) == (0, None)
+  assert (got['hdet']['best']['n'], got['hdet']['best']['n_fresh']) == (2, 2)
+  np.testing.assert_allclose([got['hdet']['low']['vs_sweep_pct'], got['hdet']['best']['vs_sweep_pct'],
+                              got['hdet']['best']['vs_rerun_pct']],
+                             [100 * (2.25 / 2.0 - 1), 100 * (2.08 / 2.0 - 1), 100 * (2.08 / 2.06 - 1)], rtol=1e-9)
   report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {
       'climb': None, 'price': {}, 'landings': None, 'fresh': got}}}}, False)[1], encoding='utf-8').read()
   assert ('| lm | 400 | adamw | 2 at 0.01 (n=3) | 0.005: 1.91 (n=2); 0.01: 2.06 (n=2); 0.02: 2.03 (n=2) | +3.0% | 0.005 '
-          '| +12.5% (+9.2%) / +4.0% (+1.0%) / - |') in report
+          '| +12.5% (n=2) / +4.0% (n=2) / - | - / +1.0% (n=2) / - |') in report
