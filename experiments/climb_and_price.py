@@ -15,10 +15,15 @@ Nothing trains here: the records are those of ``experiments.workloads`` (and ``e
 2. **The ensemble's price.** HDET without its controller (the ``ensemble_a<spread>_T<T>`` variants: the
    spread and the average only) at the sweep's best LR, against plain data parallel at that LR on the same
    seeds (same initialisation and data order: paired), with the replicas' distance from their mean at the
-   syncs (RMS over replicas, relative to the mean's norm).
+   syncs (RMS over replicas, relative to the mean's norm). The spread-0 variant (``ensemble_a0_T100``) is the
+   control: its replicas differ by rounding only, so its "price" is the noise one ulp sets off, and each price is
+   also given less the control's on the same seeds.
 3. **Where the default's runs land.** Each of the default variant's runs by where its climb went: the peak base LR
    as a multiple of the sweep's best LR, and whether the guard fired (it fires on a blow-up, so a run it fired
    on climbed past the stability edge); per class, the runs' misses against the sweep's best.
+4. **The sweep's best on seeds it never saw.** The sweep's best LR and its neighbours rerun on seeds outside
+   ``autolr.SEEDS`` (``experiments.workloads --stage grid --seeds 3,4,5,6,7``): how far the reference itself moves
+   (a 3-seed minimum is biased and noisy), and the default's runs on those seeds against that rerun.
 """
 
 from __future__ import annotations
