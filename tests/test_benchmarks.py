@@ -37,3 +37,15 @@ def test_the_non_sync_step_takes_at_most_two_more_input_buffers_than_plain_and_n
   # flags), and scalar copies.
   assert unpacked['parameter'] - plain['parameter'] == 24
   assert unpacked['leaves'] - plain['leaves'] == 26
+
+
+def test_the_trainer_overhead_times_every_compiled_program_of_the_loop():
+  """benchmarks/trainer_overhead.py on the default config for 30 steps: T = round(30 / 15) = 2, so 15 syncs,
+  each running the window-end program and (the guard's rollback) the anchor program after the step: the timed
+  compiled calls are 30 + 15 + 15; one evaluation (the final one: eval_every is 250)."""
+  from benchmarks import trainer_overhead
+  got = trainer_overhead.measure(30)
+  assert got['calls']['step'] == 30 + 15 + 15
+  assert got['calls']['eval'] == 1
+  assert 'T=2,' in got['lines'][0] and '(T=2,' in got['rows'][2]
+  assert 0.0 < got['outside'] < 1.0
