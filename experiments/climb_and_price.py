@@ -139,8 +139,7 @@ def fresh_seeds(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) 
   for x in (lr / 2, lr, lr * 2):
     fresh = [r for r in every.get(x, []) if int(r['config']['seed']) not in autolr.SEEDS]
     if fresh:
-      vals = [math.inf if r['val_bpb'] is None else r['val_bpb'] for r in fresh]
-      out[f'{x:g}'] = {'n': len(vals), 'mean': float(np.mean(vals)),
+      out[f'{x:g}'] = {'n': len(fresh), 'mean': autolr_report.mean_bpb(fresh),
                        'seeds': sorted(int(r['config']['seed']) for r in fresh)}
   if f'{lr:g}' not in out:
     return None
@@ -149,12 +148,11 @@ def fresh_seeds(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) 
   for start in autolr.STARTS:  # the variant's runs on the sweep's seeds and on the rerun's
     pattern = re.compile(rf'hdet_{re.escape(variant)}_{start}_s\d+\.json$')
     runs = _load(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if pattern.search(p))
-    mean = lambda rs: float(np.mean([math.inf if r['val_bpb'] is None else r['val_bpb'] for r in rs]))
     own = [r for r in runs if int(r['config']['seed']) in autolr.SEEDS]
     new = [r for r in runs if int(r['config']['seed']) in same['seeds']]
     if own or new:
-      hdet[start] = {'n': len(own), 'vs_sweep_pct': 100.0 * (mean(own) / value - 1.0) if own else None,
-                     'n_fresh': len(new), 'vs_rerun_pct': 100.0 * (mean(new) / same['mean'] - 1.0) if new else None}
+      hdet[start] = {'n': len(own), 'vs_sweep_pct': 100.0 * (autolr_report.mean_bpb(own) / value - 1.0) if own else None,
+                     'n_fresh': len(new), 'vs_rerun_pct': 100.0 * (autolr_report.mean_bpb(new) / same['mean'] - 1.0) if new else None}
   return {'sweep_best_lr': lr, 'sweep_best': value, 'n_sweep': len(chosen[lr]), 'fresh': out,
           'rerun_pct': 100.0 * (same['mean'] / value - 1.0),
           'fresh_best_lr': float(min(out, key=lambda k: out[k]['mean'])), 'hdet': hdet}
