@@ -131,7 +131,9 @@ def measure(steps: int = 500) -> dict:
   other = loop_s - sum(sec.values())
   parts = ', '.join(f'{p} {sec[p]:.2f} s ({sec[p] / loop_s * 100:.1f}%)' for p in PHASES[1:])
   period = optimizer_lib.sync_windows(config)[-1]  # T (hdet.sync_every 0: counted per run)
-  head = (f'trainer[default config, {steps} steps, T={period}, log every {config.log_every}, '
+  layout = (f'{summary["num_replicas"]} replicas on {summary["num_devices"]} {jax.devices()[0].platform.upper()} '
+            f'device(s)')
+  head = (f'trainer[default config, {layout}, {steps} steps, T={period}, log every {config.log_every}, '
           f'eval every {config.eval_every}, checkpoint every {config.checkpoint_every}]')
   lines = [
       f'{head}: loop {loop_s:.2f} s (setup {summary["setup_s"]:.1f} s), inside the compiled steps {sec["step"]:.2f} s '
@@ -144,7 +146,7 @@ def measure(steps: int = 500) -> dict:
       '| run | loop wall (s) | inside the compiled steps (s) | outside | data | metrics | eval | checkpoints | other | '
       'uninstrumented loop (s) |',
       '|---|---|---|---|---|---|---|---|---|---|',
-      f'| configs/default.py, {steps} steps (T={period}, log every {config.log_every}, eval every '
+      f'| configs/default.py, {layout}, {steps} steps (T={period}, log every {config.log_every}, eval every '
       f'{config.eval_every}, checkpoint every {config.checkpoint_every}) | {loop_s:.2f} | {sec["step"]:.2f} '
       f'| **{outside * 100:.1f}%** | '
       + ' | '.join(f'{sec[p] / loop_s * 100:.1f}%' for p in PHASES[1:])

@@ -48,4 +48,5 @@ def test_the_trainer_overhead_times_every_compiled_program_of_the_loop():
   assert got['calls']['step'] == 30 + 15 + 15
   assert got['calls']['eval'] == 1
   assert 'T=2,' in got['lines'][0] and '(T=2,' in got['rows'][2]
+  assert '8 replicas on 8 CPU device(s), 30 steps' in got['lines'][0]  # the suite's 8 simulated devices
   assert 0.0 < got['outside'] < 1.0
