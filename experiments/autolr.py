@@ -181,6 +181,14 @@ VARIANT_SETTINGS = {
     # on mnist1d with SGD the best LR (0.25) lies one factor of 2 below divergence, where the guard fired in 13 of
     # 27 runs (results/climb_and_price.md). Is that the spread's doing? (A screen, mnist1d only.)
     'fit_K15_cap100_rollback_se2_f5_settle_a0p125': {**_GUARDED, 'hdet.spread': 0.125},
+    # The default with its windows halved (30 syncs per run of at most 50 steps): a climb takes about five syncs
+    # whatever T is, and the line search's turn comes at a lower LR the later in the run it comes (the LM at 1500
+    # steps from 10x low, the best and 10x high: turns at steps 599 / 499 / 299, at base LRs 0.014 / 0.017 / 0.027
+    # against the sweep's 0.03). Halving T before (T=200 -> 100 at 3000 steps, 100 -> 50 at 750) helped from below.
+    'fit_K30_cap50_rollback_se2_f5_settle': {**_GUARDED, 'hdet.num_syncs': 30, 'hdet.longest_window': 50},
+    # ... and the default with a fixed window length T at the main job's 1500 steps (15 syncs there is T=100): where
+    # does the climb end as T alone changes? (With hdet.sync_every > 0 the per-run count is not used.)
+    **{f'fit_K15_cap100_rollback_se2_f5_settle_T{t}': {**_GUARDED, 'hdet.sync_every': t} for t in (25, 50, 200)},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

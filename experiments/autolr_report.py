@@ -97,6 +97,31 @@ def ask_threshold(points: list[tuple[float, bool]]) -> dict:
           'misplaced': int(min(errors)), 'n': len(pts), 'up': int(sum(up for _, up in pts))}
 
 
+def distinct_runs(records: list[dict]) -> list[dict]:
+  """The records with each run once: a variant that trained another's run bit for bit (e.g. one whose extra rule
+  never fired, or the same windows set another way) has the same compared losses and LRs at every sync, and would
+  count that run twice."""
+  seen, out = set(), []
+  for r in records:
+    key = json.dumps([(c['step'], c.get('window_losses'), c.get('values')) for c in r.get('controller', [])])
+    if key not in seen:
+      seen.add(key)
+      out.append(r)
+  return out
+
+
+def compares_after(record: dict, window: int) -> bool:
+  """Whether the run compared its replicas on a common batch, at their last iterates, after fixed windows of
+  ``window`` steps (the records :func:`ask_thresholds` reads)."""
+  h = record['config']['hdet']
+  every = int(h.get('sync_every') or 0)
+  if every == 0 and h.get('num_syncs', 0):  # windows counted per run (hdet_jax.trainer.optimizer.sync_windows)
+    every = max(1, int(round(record['config']['num_train_steps'] / h['num_syncs'])))
+    every = min(every, int(h['longest_window'])) if h.get('longest_window', 0) else every
+  return (h.get('score') == 'common' and every == window and not h.get('early_sync_every', 0)
+          and not h.get('score_tail', 0))  # a tail's mean is another point than the last iterate: other asks
+
+
 def ask_thresholds(records: list[dict], reference, window: int = 100, min_runs: int = 6) -> list[dict]:
   """Per sync step shared by at least ``min_runs`` records that compared the replicas on a common batch after
   windows of ``window`` steps, at their last iterates (the asks depend on the horizon and on the point scored):
@@ -104,11 +129,7 @@ def ask_thresholds(records: list[dict], reference, window: int = 100, min_runs: 
   of ``reference(step)`` (the sweep's best schedule), with a sync asking up when its losses fall with the LR
   offset (the slope of :func:`signal_per_sync`)."""
   by_step = {}
-  for r in records:
-    h = r['config']['hdet']
-    if (h.get('score') != 'common' or h.get('sync_every') != window or h.get('early_sync_every', 0)
-        or h.get('score_tail', 0)):  # a tail's mean is another point than the last iterate: other asks
-      continue
+  for r in distinct_runs([r for r in records if compares_after(r, window)]):
     lrs = {c['step']: float(np.mean(np.asarray(c['values'], float)[lr_index(r)])) for c in r.get('controller', [])
            if c.get('values')}
     for sig in signal_per_sync(r):

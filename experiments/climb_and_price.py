@@ -55,18 +55,6 @@ def _load(paths) -> list[dict]:
   return out
 
 
-def _distinct(records: list[dict]) -> list[dict]:
-  """The records with each run once: a variant that trained another's run bit for bit (e.g. one whose extra rule
-  never fired) has the same compared losses and LRs at every sync, and would count that run twice."""
-  seen, out = set(), []
-  for r in records:
-    key = json.dumps([(c['step'], c.get('window_losses'), c.get('values')) for c in r.get('controller', [])])
-    if key not in seen:
-      seen.add(key)
-      out.append(r)
-  return out
-
-
 def _grid(folder: str, optim: str, seeds=autolr.SEEDS) -> dict[float, list[dict]]:
   """The sweep's records by peak LR: the seeds the sweep's best is taken over (``autolr.SEEDS``, as in
   ``results/workloads.md``), or every seed with ``seeds=None``."""
@@ -85,8 +73,9 @@ def climb_end(folder: str, optim: str, min_runs: int) -> dict | None:
     return None
   lr, value = autolr_report.grid_best(grid)
   schedule = autolr_report._best_schedule(grid, {'lr': lr})  # pylint: disable=protected-access
-  hdet = _distinct([r for r in _load(glob.glob(os.path.join(folder, optim, 'hdet_*.json')))
-                    if r['config']['hdet'].get('auto_lr') and r['config']['hdet'].get('controller') == 'fit'])
+  hdet = autolr_report.distinct_runs([r for r in _load(glob.glob(os.path.join(folder, optim, 'hdet_*.json')))
+                    if r['config']['hdet'].get('auto_lr') and r['config']['hdet'].get('controller') == 'fit'
+                    and autolr_report.compares_after(r, 100)])
   splits = autolr_report.ask_thresholds(hdet, lambda step: schedule[step], window=100, min_runs=min_runs)
   steps = len(schedule)
   later = [math.sqrt(s['low'] * s['high']) for s in splits if s['step'] >= steps // 5 and s['low'] and s['high']]
@@ -195,6 +184,58 @@ def landings(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) -> 
           for k, v in out.items()}}
 
 
+# The default and the same controller with other windows (experiments.autolr: a fixed T, or 30 syncs of at most 50).
+WINDOW_VARIANTS = re.compile(r'hdet_(' + re.escape(autolr.DEFAULT_VARIANT) + r'(?:_T\d+)?|fit_K30_cap50_rollback_se2_f5_settle)'
+                             r'_(low|best|high)_s\d+\.json$')
+
+
+def climb_turn(record: dict) -> dict | None:
+  """Where one run's climb turned: T (the first window's length), the first sync whose line search asked for a
+  smaller LR (its 1-based index, step and base LR), the sync that settled it, and the run's peak base LR; None
+  for a run without the 'fit' controller's asks."""
+  ctl = record.get('controller', [])
+  if not ctl or 'asks' not in ctl[0]:
+    return None
+  turn = next((c for c in ctl if c['asks'][0] < 0), None)
+  settle = next((c for c in ctl if c.get('settled') and c['settled'][0]), None)
+  return {'T': ctl[0]['step'] + 1, 'turn_sync': None if turn is None else ctl.index(turn) + 1,
+          'turn_step': None if turn is None else turn['step'] + 1,
+          'turn_lr': None if turn is None else float(turn['base_lr']),
+          'settle_step': None if settle is None else settle['step'] + 1,
+          'peak_lr': max(t['bases'][0] for t in record['trajectory'])}
+
+
+def window_turns(folder: str, optim: str) -> dict | None:
+  """Per window length T and start, over the default's and its window variants' runs (:data:`WINDOW_VARIANTS`,
+  each run once) on the sweep's seeds: the runs' sync of the turn (its range), the geometric means of the turn's
+  and the peak's base LR over the sweep's best LR, and the mean miss against the sweep's best (percent; a
+  diverged run +inf)."""
+  grid = _grid(folder, optim)
+  paths = sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if WINDOW_VARIANTS.search(p))
+  runs = autolr_report.distinct_runs([{**r, 'start': WINDOW_VARIANTS.search(p).group(2)} for p, r in zip(paths, _load(paths))
+                    if int(r['config']['seed']) in autolr.SEEDS])
+  if not grid or not runs:
+    return None
+  lr, value = autolr_report.grid_best(grid)
+  cells = {}
+  for r in runs:
+    t = climb_turn(r)
+    if t is None:
+      continue
+    miss = math.inf if r['val_bpb'] is None else 100.0 * (r['val_bpb'] / value - 1.0)
+    cells.setdefault((t['T'], r['start']), []).append({**t, 'miss_pct': miss})
+  gm = lambda xs: float(np.exp(np.mean(np.log(xs)))) if xs else None
+  out = []
+  for (T, start), v in sorted(cells.items(), key=lambda kv: (kv[0][0], list(autolr.STARTS).index(kv[0][1]))):
+    syncs = [c['turn_sync'] for c in v if c['turn_sync'] is not None]
+    out.append({'T': T, 'start': start, 'n': len(v), 'turned': len(syncs),
+                'turn_sync': [min(syncs), max(syncs)] if syncs else None,
+                'turn_lr_x': gm([c['turn_lr'] / lr for c in v if c['turn_lr']]),
+                'peak_lr_x': gm([c['peak_lr'] / lr for c in v]),
+                'miss_pct': float(np.mean([c['miss_pct'] for c in v]))})
+  return {'sweep_best_lr': lr, 'cells': out}
+
+
 def folders(quick: bool, work_root: str):
   """(workload, steps, records folder) for every workload and run length of experiments.workloads."""
   for w in workloads.WORKLOADS:
@@ -212,9 +253,11 @@ def measure(quick: bool, work_root: str) -> dict:
       ens = price(folder, optim)
       landed = landings(folder, optim)
       fresh = fresh_seeds(folder, optim)
-      if climb or ens or landed or fresh:
+      turns = window_turns(folder, optim)
+      if climb or ens or landed or fresh or turns:
         results.setdefault(w, {}).setdefault(str(steps), {})[optim] = {'climb': climb, 'price': ens,
-                                                                        'landings': landed, 'fresh': fresh}
+                                                                        'landings': landed, 'fresh': fresh,
+                                                                        'turns': turns}
   return results
 
 
@@ -273,6 +316,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
                        f'| {per} | {dist} | {above} |')
   lines += _landing_table(results)
   lines += _fresh_table(results)
+  lines += _turns_table(results)
   with open(mpath, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines) + '\n')
   return [jpath, mpath]
@@ -320,6 +364,30 @@ def _fresh_table(results: dict) -> list[str]:
     new = ' / '.join(pct(h, 'vs_rerun_pct', 'n_fresh') for h in starts)
     lines.append(f'| {w} | {steps} | {optim} | {f["sweep_best"]:.4g} at {f["sweep_best_lr"]:g} (n={f["n_sweep"]}) | '
                  f'{per} | {f["rerun_pct"]:+.1f}% | {f["fresh_best_lr"]:g} | {own} | {new} |')
+  return lines
+
+
+def _turns_table(results: dict) -> list[str]:
+  rows = [(w, steps, optim, c) for w, by_steps in results.items() for steps, by_optim in by_steps.items()
+          for optim, r in by_optim.items() if r.get('turns') for c in r['turns']['cells']]
+  if not rows:
+    return []
+  lines = ['', '## The climb\'s end point against the window length', '',
+           f'The default (`{autolr.DEFAULT_VARIANT}`) and the same controller with other windows: a fixed T '
+           '(`..._T25`, `_T50`, `_T200`) or 30 syncs of at most 50 steps (`fit_K30_cap50_rollback_se2_f5_settle`); '
+           'each run once (a variant that trained the same windows trained the same run). Per T and start, on the '
+           'sweep\'s seeds: the sync at which the line search first asked for a smaller LR (the turn; the range over '
+           'runs), the base LR there and the run\'s peak base LR as multiples of the sweep\'s best LR (geometric '
+           'means), and the mean miss against the sweep\'s best.', '',
+           '| workload | steps | optim | T | start | runs | turn at sync | turn LR / best | peak LR / best | miss |',
+           '|---|---|---|---|---|---|---|---|---|---|']
+  fx = lambda x: '-' if x is None else f'{x:.2g}x'
+  for w, steps, optim, c in rows:
+    at = '-' if c['turn_sync'] is None else (f'{c["turn_sync"][0]}' if c['turn_sync'][0] == c['turn_sync'][1]
+                                             else f'{c["turn_sync"][0]}-{c["turn_sync"][1]}')
+    turned = '' if c['turned'] == c['n'] else f' ({c["turned"]} turned)'
+    lines.append(f'| {w} | {steps} | {optim} | {c["T"]} | {c["start"]} | {c["n"]}{turned} | {at} | '
+                 f'{fx(c["turn_lr_x"])} | {fx(c["peak_lr_x"])} | {c["miss_pct"]:+.1f}% |')
   return lines
 
 

@@ -52,7 +52,7 @@ def test_the_turn_is_where_the_asks_split_and_the_price_is_paired(tmp_path):
             for s in (99, 199, 299, 399)]
     _write(folder, f'hdet_{name}_s0', {'config': _config(**{**fit, **extra}), 'val_bpb': 2.0, 'controller': ctrl})
   climb = cp.climb_end(folder, 'adamw', min_runs=6)
-  assert climb['sweep_best_lr'] == best and climb['runs'] == 7  # the paper's run is not a 'fit' run
+  assert climb['sweep_best_lr'] == best and climb['runs'] == 6  # the runs it pools: not the paper's, nor T=25's
   assert [s['step'] for s in climb['splits']] == [99, 199, 299, 399]
   for s in climb['splits']:
     np.testing.assert_allclose([s['low'], s['high']], [0.4, 0.8], rtol=1e-6)
@@ -76,7 +76,7 @@ def test_the_turn_is_where_the_asks_split_and_the_price_is_paired(tmp_path):
   np.testing.assert_allclose([got['distance_last'], got['distance_mean']], [0.015, 0.0275], rtol=1e-9)
   paths = cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {'climb': climb, 'price': {'x': got}}}}}, False)
   report = open(paths[1], encoding='utf-8').read()
-  assert '| lm | 400 | adamw | 0.01 | 7 | 100: 0.4-0.8 (n=6);' in report and '| 0.57x |' in report
+  assert '| lm | 400 | adamw | 0.01 | 6 | 100: 0.4-0.8 (n=6);' in report and '| 0.57x |' in report
   assert f'| lm | 400 | adamw | 0.25 | 100 | {np.mean(want):+.2f}% ±' in report
   # With the spread-0 control: each price less the control's, the standard errors added in quadrature.
   _write(folder, 'hdet_ensemble_a0_T100_best_s0', {'config': _config(**{**ens, 'hdet.spread': 0.0, 'seed': 0}),
@@ -164,3 +164,54 @@ def test_the_sweeps_best_is_chosen_on_its_own_seeds_and_rerun_on_fresh_ones(tmp_
       'climb': None, 'price': {}, 'landings': None, 'fresh': got}}}}, False)[1], encoding='utf-8').read()
   assert ('| lm | 400 | adamw | 2 at 0.01 (n=3) | 0.005: 1.91 (n=2); 0.01: 2.06 (n=2); 0.02: 2.03 (n=2) | +3.0% | 0.005 '
           '| +12.5% (n=2) / +4.0% (n=2) / - | - / +1.0% (n=2) / - |') in report
+
+
+def test_window_turns_find_the_first_ask_down_per_window_length_and_start(tmp_path):
+  """Per (T, start): the first sync whose ask is negative (1-based), its base LR and the run's peak over the sweep's
+  best LR (0.01; geometric means over runs), the mean miss against the sweep's mean (2.0); T is the first sync's
+  step + 1. A run that never turned counts in 'runs' but not in 'turned'; another variant's records (the tail
+  screen) and a duplicate of a run (the same compared losses) are left out."""
+  from experiments import autolr
+  folder, v = str(tmp_path), autolr.DEFAULT_VARIANT
+  _write(folder, 'grid_lr0.01_s0', {'config': _config(**{'optim.max_lr': 0.01}), 'val_bpb': 2.0})
+
+  def run(asks, bases, value, T):
+    ctl = [{'step': T * (i + 1) - 1, 'asks': [a], 'base_lr': b, 'window_losses': [float(i), a, b],
+            **({'settled': [True]} if i and asks[i - 1] < 0 and a <= 0 else {})} for i, (a, b) in enumerate(zip(asks, bases))]
+    return {'config': _config(), 'val_bpb': value, 'controller': ctl,
+            'trajectory': [{'step': c['step'], 'bases': [c['base_lr']]} for c in ctl]}
+
+  _write(folder, f'hdet_{v}_low_s0', run([0.5, 0.3, -0.1, -0.2], [0.001, 0.002, 0.004, 0.008], 2.02, 100))
+  _write(folder, f'hdet_{v}_low_s1', run([0.5, 0.3, 0.2, -0.3], [0.001, 0.003, 0.009, 0.009], 2.04, 100))
+  _write(folder, f'hdet_{v}_low_s2', run([0.5, 0.3, -0.1, -0.2], [0.001, 0.002, 0.004, 0.008], 2.02, 100)
+         )  # the same run again under another name
+  _write(folder, f'hdet_{v}_T50_best_s0', run([0.4, 0.1, 0.2], [0.01, 0.02, 0.05], 2.5, 50))  # never turned
+  _write(folder, f'hdet_{v}_tail25_best_s0', run([-1.0], [1.0], 9.0, 100))
+  got = cp.window_turns(folder, 'adamw')
+  assert got['sweep_best_lr'] == 0.01
+  (t50,), (t100,) = [[c for c in got['cells'] if c['T'] == t] for t in (50, 100)]
+  assert (t100['start'], t100['n'], t100['turned'], t100['turn_sync']) == ('low', 2, 2, [3, 4])
+  np.testing.assert_allclose([t100['turn_lr_x'], t100['peak_lr_x'], t100['miss_pct']],
+                             [math.sqrt(0.4 * 0.9), math.sqrt(0.8 * 0.9), 1.5], rtol=1e-9)
+  assert (t50['start'], t50['n'], t50['turned'], t50['turn_sync'], t50['turn_lr_x']) == ('best', 1, 0, None, None)
+  np.testing.assert_allclose([t50['peak_lr_x'], t50['miss_pct']], [5.0, 25.0], rtol=1e-9)
+  assert cp.climb_turn(json.load(open(os.path.join(folder, 'adamw', f'hdet_{v}_low_s0.json'))))['settle_step'] == 400
+  report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {
+      'climb': None, 'price': {}, 'turns': got}}}}, False)[1], encoding='utf-8').read()
+  assert '| lm | 400 | adamw | 100 | low | 2 | 3-4 | 0.6x | 0.85x | +1.5% |' in report
+  assert '| lm | 400 | adamw | 50 | best | 1 (0 turned) | - | - | 5x | +25.0% |' in report
+
+
+def test_compares_after_reads_the_window_the_run_trained():
+  """A fixed hdet.sync_every, or windows counted per run (round(steps / num_syncs), at most longest_window)."""
+  fixed = {'config': _config(**{'hdet.sync_every': 100, 'hdet.score': 'common'})}
+  per_run = {'config': _config(**{'num_train_steps': 1500, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
+                                  'hdet.longest_window': 100, 'hdet.score': 'common'})}
+  capped = {'config': _config(**{'num_train_steps': 3000, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
+                                 'hdet.longest_window': 100, 'hdet.score': 'common'})}
+  short = {'config': _config(**{'num_train_steps': 750, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
+                                'hdet.longest_window': 100, 'hdet.score': 'common'})}
+  window = {'config': _config(**{'hdet.sync_every': 100, 'hdet.score': 'window'})}
+  assert [autolr_report.compares_after(r, 100) for r in (fixed, per_run, capped, short, window)] == \
+      [True, True, True, False, False]
+  assert autolr_report.compares_after(short, 50)
