@@ -413,7 +413,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
   parser.add_argument('--quick', action='store_true', help='a smoke run of every stage on a tiny model')
   parser.add_argument('--stage', default='all', choices=('all', 'grid', 'hdet', 'peers', 'report'))
   parser.add_argument('--optim', default='adamw,sgd', help='comma-separated: adamw, sgd')
-  parser.add_argument('--seeds', default=','.join(map(str, SEEDS)), help='comma-separated seeds')
+  parser.add_argument('--seeds', default=','.join(map(str, SEEDS)), help='comma-separated seeds to train')
+  parser.add_argument('--report-seeds', default=None,
+                      help=f'comma-separated seeds the report averages over (default {",".join(map(str, SEEDS))}, '
+                           'whatever --seeds trained; quick: --seeds)')
   parser.add_argument('--variants', default=','.join(VARIANTS), help='comma-separated controller variants')
   parser.add_argument('--starts', default=','.join(STARTS), help='comma-separated: low, best, high')
   parser.add_argument('--grid-lrs', default='',
@@ -431,6 +434,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     args.starts = args.starts if '--starts' in rest else 'high'
     args.peers = args.peers if '--peers' in rest else 'adam_plateau'
   args.seeds = [int(x) for x in args.seeds.split(',') if x][:1 if args.quick else None]
+  args.report_seeds = (args.seeds if args.quick else list(SEEDS) if args.report_seeds is None
+                       else [int(x) for x in args.report_seeds.split(',') if x])
   args.grids = QUICK_GRIDS if args.quick else GRIDS
   args.grid_lrs = [float(x) for x in args.grid_lrs.split(',') if x]
   for optim in [o for o in args.optim.split(',') if o]:
@@ -508,7 +513,9 @@ def main(argv=None):
   # Another task's report goes beside its records, never over the default task's results/autolr.md.
   out = args.out or (work_root if args.quick else os.path.join(REPO, 'results') if tag == 'default'
                      else os.path.join(REPO, 'results', 'autolr', 'tasks', tag))
-  runs = {o: collect(cache, o, args.grids[o], tuple(VARIANT_SETTINGS), PEERS, args.seeds) for o in ('adamw', 'sgd')}
+  # The report is over the sweep's seeds whatever --seeds trained (fresh seeds are compared elsewhere:
+  # experiments.climb_and_price); --report-seeds picks others.
+  runs = {o: collect(cache, o, args.grids[o], tuple(VARIANT_SETTINGS), PEERS, args.report_seeds) for o in ('adamw', 'sgd')}
   anchors = {o: read_anchor(cache, o) for o in runs}
   paths = autolr_report.write(out, runs, anchors, default_variant=DEFAULT_VARIANT, quick=args.quick,
                               task=task_overrides)

@@ -195,14 +195,19 @@ def run_workload(workload: str, steps: int, args, work_root: str) -> dict:
     return cache.run(name, config, {**task, **overrides}, skip_busy=True)
 
   out = {}
-  for optim in [o for o in WORKLOADS[workload][2] if o in args.optim]:
+  for optim in WORKLOADS[workload][2]:  # every optimizer the workload measures is reported; --optim selects training
     lrs = grids[optim]
-    if 'grid' in args.stages:
+    trains = optim in args.optim
+    if 'grid' in args.stages and trains:
+      # The full grid only decides the anchor (HDET's starts, fixed once found): it trains for the first seed
+      # listed while there is none; every other seed, and every seed once it is fixed, trains around it.
+      anchored = autolr.read_anchor(cache, optim) is not None
       for seed in args.seeds:
-        for lr in (lrs if seed == args.seeds[0] or args.full_grid else neighbourhood(cache, optim, lrs, args.seeds[0])):
+        full = args.full_grid or (not anchored and seed == args.seeds[0])
+        for lr in (lrs if full else neighbourhood(cache, optim, lrs, args.seeds[0])):
           go(autolr.grid_name(optim, lr, seed), {**autolr.run_overrides('grid', optim, lr, seed, steps), **plain_extra})
-    best = autolr.anchor(cache, optim, lrs, args.seeds[0])
-    if 'hdet' in args.stages and best is not None:
+    best = autolr.anchor(cache, optim, lrs, args.seeds[0]) if trains else None
+    if trains and 'hdet' in args.stages and best is not None:
       for seed in args.seeds:
         for start in args.starts:
           o = autolr.run_overrides('hdet', optim, best * autolr.STARTS[start], seed, steps, variant=variant)
@@ -214,12 +219,14 @@ def run_workload(workload: str, steps: int, args, work_root: str) -> dict:
             alias_quiet_run(cache, name, config_lib.with_overrides(base_config(workload, steps, False, init_from), o),
                             sibling)
           go(name, o)
-    if 'peers' in args.stages and optim == 'adamw' and best is not None and (steps == default_steps or args.quick):
+    if trains and 'peers' in args.stages and optim == 'adamw' and best is not None and (steps == default_steps or args.quick):
       for seed in args.seeds:
         for peer in args.peers:
           go(autolr.peer_name(peer, seed), {**autolr.run_overrides('peer', optim, best, seed, steps, peer=peer),
                                              **plain_extra})
-    out[optim] = autolr.collect(cache, optim, lrs, (variant,), autolr.PEERS, autolr.SEEDS if not args.quick else args.seeds)
+    collected = autolr.collect(cache, optim, lrs, (variant,), autolr.PEERS, autolr.SEEDS if not args.quick else args.seeds)
+    if trains or collected['grid']:
+      out[optim] = collected
   return out
 
 

@@ -201,3 +201,14 @@ def test_the_guard_never_fired_on_the_lm_so_its_runs_are_the_unguarded_defaults(
     assert not unguarded['config']['hdet'].get('backoff', False)
     assert not any(c.get('backed_off', False) for c in guarded['controller']), a.name
     assert guarded['val_bpb'] == unguarded['val_bpb'] and guarded['trajectory'] == unguarded['trajectory'], a.name
+
+
+def test_the_report_averages_over_the_sweeps_seeds_whatever_trained():
+  """--seeds picks what trains; the report stays over autolr.SEEDS (fresh seeds would otherwise rewrite
+  results/autolr.md over themselves) unless --report-seeds says otherwise; a quick run reports its own seed."""
+  args, _ = A.parse_args(['--seeds', '3,4', '--report-only'])
+  assert args.seeds == [3, 4] and args.report_seeds == list(A.SEEDS)
+  args, _ = A.parse_args(['--seeds', '3,4', '--report-seeds', '3,4,5'])
+  assert args.report_seeds == [3, 4, 5]
+  args, _ = A.parse_args(['--quick', '--seeds', '2'])
+  assert args.report_seeds == [2]

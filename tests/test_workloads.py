@@ -192,3 +192,39 @@ def test_a_strict_back_off_run_whose_loss_never_rose_stands_for_the_thresholded_
     assert real[key] == twin[key], key
   assert [c['window_losses'] for c in real['controller']] == [c['window_losses'] for c in twin['controller']]
   assert [c['train_loss'] for c in real['controller']] == [c['train_loss'] for c in twin['controller']]
+
+
+def _selection(tmp_path, monkeypatch, anchored, **chosen):
+  """run_workload on mnist1d (quick, 16 steps, the full grids) with training stubbed out: the names it would
+  train, and the optimizers it reports."""
+  monkeypatch.setattr(autolr, 'QUICK_GRIDS', autolr.GRIDS)
+  trained = []
+  monkeypatch.setattr(records.RunCache, 'run', lambda self, name, *a, **k: trained.append(name))
+  d = workloads.records_dir('mnist1d', 16, True, str(tmp_path))
+  for optim in ('adamw', 'sgd'):
+    os.makedirs(os.path.join(d, optim))
+  if anchored:
+    with open(os.path.join(d, 'sgd', 'anchor.json'), 'w') as f:
+      json.dump({'lr': 0.25, 'val_bpb': 1.0, 'seed': 0}, f)
+  with open(os.path.join(d, autolr.grid_name('adamw', 0.06, 3) + '.json'), 'w') as f:  # an earlier AdamW run
+    json.dump({'config': {}, 'val_bpb': 0.1, 'diverged_at': None}, f)
+  args = dict(quick=True, stages=('grid',), optim=['sgd'], seeds=[3, 4], full_grid=False,
+              variant=autolr.DEFAULT_VARIANT, starts=['high'], peers=[])
+  import argparse
+  out = workloads.run_workload('mnist1d', 16, argparse.Namespace(**{**args, **chosen}), str(tmp_path))
+  return trained, sorted(out)
+
+
+def test_a_seed_subset_trains_around_the_fixed_anchor_and_the_report_keeps_every_optimizer(tmp_path, monkeypatch):
+  """With the anchor fixed (seed 0's sweep: 0.25), --seeds 3,4 trains only the anchor and its two neighbours on
+  each (no full grid for the first listed seed); --optim sgd still reports AdamW's records."""
+  trained, reported = _selection(tmp_path, monkeypatch, anchored=True)
+  assert trained == [autolr.grid_name('sgd', lr, s) for s in (3, 4) for lr in (0.125, 0.25, 0.5)]
+  assert reported == ['adamw', 'sgd']
+
+
+def test_without_an_anchor_the_first_listed_seed_trains_the_full_grid(tmp_path, monkeypatch):
+  trained, _ = _selection(tmp_path, monkeypatch, anchored=False)
+  assert trained == [autolr.grid_name('sgd', lr, 3) for lr in autolr.GRIDS['sgd']]  # seed 4 waits for the anchor
+  trained, _ = _selection(tmp_path / 'full', monkeypatch, anchored=True, full_grid=True)
+  assert trained == [autolr.grid_name('sgd', lr, s) for s in (3, 4) for lr in autolr.GRIDS['sgd']]
