@@ -190,16 +190,18 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
   assert not np.array_equal(other[T].controller.perm, states[T].controller.perm)
 
 
-@pytest.mark.parametrize('initial_scale,growth', [(1.0, 1.0), (0.2, 1.0), (0.2, 2.0)])
-def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth):
+@pytest.mark.parametrize('initial_scale,growth,max_gain', [(1.0, 1.0, 3.0), (0.2, 1.0, 3.0), (0.2, 2.0, 3.0),
+                                                            (1.0, 2.0, 1.5)])
+def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth, max_gain):
   """The 'fit' controller in hdet: at each sync the correction moves by the numpy fit of the window's
-  losses on the replicas' offsets (times the Rprop gain, with step_growth), and the base is the schedule
-  times exp(correction); the correction starts at log(initial_scale)."""
+  losses on the replicas' offsets (times the Rprop gain, with step_growth, capped at max_gain: the last case's
+  gain reaches its cap inside the trust region, so the cap AutoLR is given is the one applied), and the base is
+  the schedule times exp(correction); the correction starts at log(initial_scale)."""
   S, T = 60, 5
   sched = optax.linear_schedule(5e-3, 2e-3, S)
   tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
               auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.3, trust=0.2, memory=0.4,
-                               initial_scale=initial_scale, step_growth=growth, max_gain=3.0))
+                               initial_scale=initial_scale, step_growth=growth, max_gain=max_gain))
   states = signal_run(tx, S)
   np.testing.assert_allclose(states[0].base[0], initial_scale * float(sched(0)), rtol=1e-6)
   xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), np.log(initial_scale)
@@ -211,7 +213,7 @@ def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth):
     b, c, step, xtx, xty = numpy_fit(xtx, xty, after.controller.window_losses, u, [True], 0.4, 1.3, [0.2])
     fitted.append(step[0])
     sure.append(abs(b[0]) > 2 * numpy_slope_stderr(after.controller.window_losses, u)[0])
-    taken = numpy_accelerate(fitted, growth, 3.0, 0.2, sure)[-1]
+    taken = numpy_accelerate(fitted, growth, max_gain, 0.2, sure)[-1]
     corr += taken
     np.testing.assert_allclose(after.controller.correction, [corr], rtol=1e-3, atol=1e-4)
     t = k * T
