@@ -113,12 +113,11 @@ def distinct_runs(records: list[dict]) -> list[dict]:
 def compares_after(record: dict, window: int) -> bool:
   """Whether the run compared its replicas on a common batch, at their last iterates, after fixed windows of
   ``window`` steps (the records :func:`ask_thresholds` reads)."""
+  import ml_collections
+  from hdet_jax.trainer import optimizer as optimizer_lib
   h = record['config']['hdet']
-  every = int(h.get('sync_every') or 0)
-  if every == 0 and h.get('num_syncs', 0):  # windows counted per run (hdet_jax.trainer.optimizer.sync_windows)
-    every = max(1, int(round(record['config']['num_train_steps'] / h['num_syncs'])))
-    every = min(every, int(h['longest_window'])) if h.get('longest_window', 0) else every
-  return (h.get('score') == 'common' and every == window and not h.get('early_sync_every', 0)
+  windows = optimizer_lib.sync_windows(ml_collections.ConfigDict(record['config']))  # however T was set
+  return (h.get('score') == 'common' and windows == (window,)
           and not h.get('score_tail', 0))  # a tail's mean is another point than the last iterate: other asks
 
 

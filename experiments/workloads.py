@@ -206,8 +206,8 @@ def run_workload(workload: str, steps: int, args, work_root: str) -> dict:
         full = args.full_grid or (not anchored and seed == args.seeds[0])
         for lr in (lrs if full else neighbourhood(cache, optim, lrs, args.seeds[0])):
           go(autolr.grid_name(optim, lr, seed), {**autolr.run_overrides('grid', optim, lr, seed, steps), **plain_extra})
-    best = autolr.anchor(cache, optim, lrs, args.seeds[0]) if trains else None
-    if trains and 'hdet' in args.stages and best is not None:
+    best = autolr.anchor(cache, optim, lrs, args.seeds[0]) if trains else None  # None: nothing of it trains
+    if 'hdet' in args.stages and best is not None:
       for seed in args.seeds:
         for start in args.starts:
           o = autolr.run_overrides('hdet', optim, best * autolr.STARTS[start], seed, steps, variant=variant)
@@ -219,7 +219,7 @@ def run_workload(workload: str, steps: int, args, work_root: str) -> dict:
             alias_quiet_run(cache, name, config_lib.with_overrides(base_config(workload, steps, False, init_from), o),
                             sibling)
           go(name, o)
-    if trains and 'peers' in args.stages and optim == 'adamw' and best is not None and (steps == default_steps or args.quick):
+    if 'peers' in args.stages and optim == 'adamw' and best is not None and (steps == default_steps or args.quick):
       for seed in args.seeds:
         for peer in args.peers:
           go(autolr.peer_name(peer, seed), {**autolr.run_overrides('peer', optim, best, seed, steps, peer=peer),
