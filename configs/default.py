@@ -100,6 +100,11 @@ def get_config() -> ml_collections.ConfigDict:
   # instead of its last iterate. 0: off. Measured at 0.5 it also cancels the oscillation that shows a too-high
   # LR: the climb went on to 3-4x the sweep's best and lost every start (results/autolr.md).
   config.hdet.score_tail = 0.0
+  # hdet.score='common': before the comparison, each replica's copy trains this fraction of the window more, on the
+  # run's next batches, its LRs decayed linearly to 0, and the annealed copy is scored (then dropped): the loss a run
+  # annealed from here would reach, not the last iterate's, whose step noise favours low LRs. 0: off. Costs that
+  # fraction of a window's steps per sync.
+  config.hdet.score_anneal = 0.0
   config.hdet.warmup_steps = 0  # S_warm: the controller starts at the first sync at or after this step.
   # The controller makes no update at syncs after this fraction of the steps (its LR correction, or
   # base, then holds; 1: it runs to the end).

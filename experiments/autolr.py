@@ -189,6 +189,15 @@ VARIANT_SETTINGS = {
     # ... and the default with a fixed window length T at the main job's 1500 steps (15 syncs there is T=100): where
     # does the climb end as T alone changes? (With hdet.sync_every > 0 the per-run count is not used.)
     **{f'fit_K15_cap100_rollback_se2_f5_settle_T{t}': {**_GUARDED, 'hdet.sync_every': t} for t in (25, 50, 200)},
+    # The default comparing the replicas after an anneal (hdet.score_anneal): each replica's copy trains a fifth (or
+    # half) of a window more on the run's next batches, its LRs decayed linearly to 0, and the annealed copies are
+    # scored. The tenth pass found the climb's end set by T, not the data: the last iterates' step noise favours low
+    # LRs more the longer the window. Does the annealed comparison end the climb where the run's end wants it,
+    # whatever T? (With T=50 and 200 too.)
+    **{f'fit_K15_cap100_rollback_se2_f5_settle_anneal{int(100 * f)}': {**_GUARDED, 'hdet.score_anneal': f}
+       for f in (0.2, 0.5)},
+    **{f'fit_K15_cap100_rollback_se2_f5_settle_anneal20_T{t}': {**_GUARDED, 'hdet.score_anneal': 0.2,
+                                                               'hdet.sync_every': t} for t in (50, 200)},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

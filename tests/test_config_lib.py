@@ -6,6 +6,7 @@ import ml_collections
 import pytest
 
 from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import optimizer as optimizer_lib
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
 
@@ -44,7 +45,8 @@ def test_sibling_loads_the_named_config_next_to_a_file():
                                          ('hdet.warmup_steps', 40), ('optim.name', 'lion'),
                                          ('hdet.early_sync_every', -1), ('hdet.early_sync_steps', 4),
                                          ('hdet.stop_fraction', -0.1), ('hdet.stop_fraction', 1.5),
-                                         ('hdet.score_tail', 1.0)])
+                                         ('hdet.score_tail', 1.0), ('hdet.score_anneal', -0.1),
+                                         ('hdet.score_anneal', 1.5)])
 def test_check_values_names_the_field(field, value):
   config_lib.check_values(_tiny())  # the tiny config itself passes
   with pytest.raises(config_lib.ConfigError, match=field.replace('.', r'\.')) as e:
@@ -67,6 +69,23 @@ def test_score_tail_needs_a_common_batch_to_score(other):
   config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.score_tail': 0.5}))
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.score_tail=0\.5 .*hdet\.score=.common.') as e:
     config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.score_tail': 0.5, **other}))
+  assert '\n' not in str(e.value)
+
+
+@pytest.mark.parametrize('other,match', [
+    ({'hdet.score': 'window'}, r"hdet\.score_anneal=0\.2 .*hdet\.score='common'"),
+    ({'hdet.auto_lr': False}, r"hdet\.score_anneal=0\.2 .*hdet\.auto_lr=True"),
+    ({'hdet.score_tail': 0.5}, r'hdet\.score_anneal=0\.2 and hdet\.score_tail=0\.5 .*one of them to 0')])
+def test_score_anneal_needs_a_common_batch_and_no_tail(other, match):
+  """The annealed copies are what the common batch scores: refused with window losses, without a controller, or
+  together with the tail's mean (two ways to score); k = round(fraction * T) steps, at least 1."""
+  config = config_lib.with_overrides(_tiny(), {'hdet.score_anneal': 0.2})
+  config_lib.check_values(config)
+  assert optimizer_lib.anneal_steps(config) == 2  # round(0.2 * 8)
+  assert optimizer_lib.anneal_steps(config_lib.with_overrides(config, {'hdet.score_anneal': 0.01})) == 1
+  assert optimizer_lib.anneal_steps(config_lib.with_overrides(config, {'hdet.score': 'window'})) == 0
+  with pytest.raises(config_lib.ConfigError, match=match) as e:
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.score_anneal': 0.2, **other}))
   assert '\n' not in str(e.value)
 
 

@@ -135,6 +135,51 @@ def test_window_end_scores_the_running_mean_of_the_tail():
   assert not np.array_equal(np.asarray(with_tail['window_losses']), np.asarray(at_last['window_losses']))
 
 
+def test_window_end_scores_each_replica_after_an_annealed_continuation():
+  """hdet.score_anneal=0.5 at T=8: each replica's copy takes k=4 more SGD steps on the next batches at its LR times
+  1, 3/4, 1/2, 1/4, on the all-reduced gradient, and that copy is scored. Oracle: the momentum SGD written out in
+  float64 (gradients from jax.grad of the task's loss), from the state the window's 8 steps left."""
+  config = _tail_config(**{'hdet.score_tail': 0.0, 'hdet.score_anneal': 0.5, 'hdet.param_groups': False,
+                           'optim.name': 'sgd', 'optim.max_lr': 0.3})
+  assert optimizer_lib.anneal_steps(config) == 4
+  n, k = 8, 4
+  mesh = mesh_lib.make_mesh(n)
+  tx = optimizer_lib.make_optimizer(config, n)
+  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
+  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
+  data = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8)
+  batches = ip.TrainBatches(data, config.data.seq_len, config.data.batch_size, n, seed=1)
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config)
+  for t in range(8):
+    params, opt_state, _ = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh))
+  windows = ip.probe_windows(data, config.data.seq_len, config.hdet.probe_windows, config.seed, 0)
+  common = mesh_lib.put_stacked(np.broadcast_to(windows, (n,) + windows.shape), mesh, batch_dim=1)
+  ahead = batches.chunk(8, k)  # [N, k, B, L+1]
+  state = jax.vmap(lambda p, s: programs_lib.unpack(tx, p, s))(params, opt_state)
+  lrs = np.asarray(state.values)[0, 0].astype(np.float64)  # [N]: each replica's LR for the coming step
+  assert np.ptp(lrs) > 0
+  momentum = [np.asarray(x, np.float64)[0] for x in jax.tree.leaves(state.inner_state[0].trace)]
+  ps = [[np.asarray(x, np.float64)[r] for x in jax.tree.leaves(params)] for r in range(n)]
+  tree = jax.tree.structure(jax.tree.map(lambda x: x[0], params))
+  task = programs_lib.tasks_lib.get(config)
+  grad = jax.jit(jax.grad(lambda p, b: task.losses(graphdef, p, b)[0]))
+  for j in range(k):
+    g = [jax.tree.leaves(grad(jax.tree.unflatten(tree, [np.float32(x) for x in ps[r]]), ahead[r, j])) for r in range(n)]
+    gbar = [np.mean([np.asarray(g[r][i], np.float64) for r in range(n)], 0) for i in range(len(momentum))]
+    momentum = [gb + config.optim.b1 * m for gb, m in zip(gbar, momentum)]
+    ps = [[x - lrs[r] * (1 - j / k) * m for x, m in zip(ps[r], momentum)] for r in range(n)]
+  want = [float(task.loss(graphdef, jax.tree.unflatten(tree, [np.float32(x) for x in ps[r]]), windows)) for r in range(n)]
+  end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, config=config)
+  copy = lambda tree: jax.tree.map(lambda x: x.copy(), tree)
+  _, _, annealed = end(copy(params), copy(opt_state), common, mesh_lib.put_stacked(ahead, mesh, batch_dim=2))
+  got = np.asarray(annealed['window_losses'])[0]
+  np.testing.assert_allclose(got, want, rtol=2e-5)
+  last = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, config=_tail_config(**{
+      'hdet.score_tail': 0.0, 'hdet.param_groups': False, 'optim.name': 'sgd', 'optim.max_lr': 0.3}))
+  _, _, at_last = last(params, opt_state, common)
+  assert np.max(np.abs(got - np.asarray(at_last['window_losses'])[0])) > 1e-3  # the anneal moved every score
+
+
 def _device_bytes(tree, device):
   return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
 

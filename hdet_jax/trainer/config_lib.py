@@ -26,6 +26,7 @@ QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
                   'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0,
+                  'hdet.score_anneal': 0.0,
                   'deterministic_gpu': True}  # (no effect without CUDA, where every record so far was made)
 
 
@@ -231,6 +232,7 @@ _RULES = (
     ('hdet.stop_fraction', 'real', lambda v: 0 <= v <= 1, 'in [0, 1] (0: from the first sync; 1: never stop)'),
     ('hdet.probe_windows', 'int', lambda v: v >= 1, 'an integer >= 1'),
     ('hdet.score_tail', 'real', lambda v: 0 <= v < 1, "in [0, 1) (0: compare the last iterates)"),
+    ('hdet.score_anneal', 'real', lambda v: 0 <= v <= 1, "in [0, 1] (a fraction of the window; 0: no anneal)"),
     ('hdet.explore.weight_decay', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (0: off)'),
     ('hdet.explore.dropout', 'real', lambda v: v >= 0, 'a number >= 0 (0: off)'),
     ('hdet.explore.label_smoothing', 'real', lambda v: v >= 0, 'a number >= 0 (0: off)'),
@@ -287,6 +289,13 @@ def check_values(config: Any) -> None:
   if config.hdet.get('score_tail', 0.0) > 0 and not (config.hdet.auto_lr and config.hdet.get('score') == 'common'):
     raise ConfigError(f"hdet.score_tail={config.hdet.score_tail} averages the parameters that the common batch "
                       "scores: it needs hdet.auto_lr=True and hdet.score='common' (or set hdet.score_tail=0).")
+  if config.hdet.get('score_anneal', 0.0) > 0:
+    if not (config.hdet.auto_lr and config.hdet.get('score') == 'common'):
+      raise ConfigError(f"hdet.score_anneal={config.hdet.score_anneal} anneals the copies that the common batch "
+                        "scores: it needs hdet.auto_lr=True and hdet.score='common' (or set hdet.score_anneal=0).")
+    if config.hdet.get('score_tail', 0.0) > 0:
+      raise ConfigError(f"hdet.score_anneal={config.hdet.score_anneal} and hdet.score_tail={config.hdet.score_tail} "
+                        "are two ways to score the replicas: set one of them to 0.")
   for field in ('init_from', 'data.path'):
     present, v = _get(config, field)
     if present and v is not None and not isinstance(v, str):

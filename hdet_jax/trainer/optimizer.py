@@ -159,6 +159,18 @@ def score_tail(config: Any) -> float:
   return float(config.hdet.get('score_tail', 0.0)) if common_batch(config) else 0.0
 
 
+def score_anneal(config: Any) -> float:
+  """The anneal before the comparison, as a fraction of the window (``hdet.score_anneal``; 0: none)."""
+  return float(config.hdet.get('score_anneal', 0.0)) if common_batch(config) else 0.0
+
+
+def anneal_steps(config: Any) -> int:
+  """Steps of the anneal each sync runs before scoring (0: none): ``max(1, round(score_anneal * T))``, T the run's
+  repeating window (one static length, so the window end compiles once)."""
+  fraction = score_anneal(config)
+  return max(1, int(round(fraction * sync_windows(config)[-1]))) if fraction > 0 else 0
+
+
 def tail_weight(config: Any, step: int) -> float:
   """``1/k`` when step ``step`` (0-based) is the k-th of its window's averaged tail, else 0.
 

@@ -26,9 +26,10 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
+from hdet_jax.replicas import match_vma
 from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer.mesh import AXIS, INNER, LOCAL, grouped, layout, replica_sharding, replicated, rules
-from hdet_jax.trainer.optimizer import common_batch, hyperparam_names, rolls_back, score_tail
+from hdet_jax.trainer.optimizer import anneal_steps, common_batch, hyperparam_names, rolls_back, score_tail
 
 def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_replicas: int) -> Callable:
   """Jitted ``key -> (params, opt_state)``: the same random init on every replica (cold start)."""
@@ -164,20 +165,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
       batch = data
       if chunk_steps:
         batch = jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, opt_state.count % chunk_steps, keepdims=False), data)
-      if config is None:
-        reg, smoothing = tasks_lib.Regularization(), 0.0
-      else:
-        reg, smoothing = regularization(config, opt_state, axis)
-      (_, loss), grads = jax.value_and_grad(
-          lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
-      if shared:
-        grads = H.pmean_finite(grads, axis)  # the all-reduce, skipping replicas whose gradient is not finite
-      # The controller compares replicas on plain cross-entropy (see model_lib.losses).
       used = opt_state  # its values and base are what this step trains with
-      if config is not None and config.optim.name == 'adam_plateau':
-        # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
-        loss = H.pmean(loss, axis)
-      updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
+      loss, updates, opt_state = _update(task, graphdef, tx, config, params, opt_state, batch, axis, shared, sync)
       stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
       params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=sync)
       metrics = {
@@ -195,6 +184,46 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   check_vma = config is None or config.optim.name != 'adam_plateau'
   return jax.jit(_over_replicas(make_step, mesh, check_vma=check_vma), donate_argnums=(0, 1),
                  **_pinned(mesh, shardings))
+
+
+def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, config: Any, params: Any,
+            opt_state: Any, batch: Any, axis: Any, shared: bool, sync: bool) -> tuple[jax.Array, Any, Any]:
+  """One replica's (loss, updates, opt_state) of a training step on ``batch`` (the all-reduce included, if
+  ``shared``); the loss is plain cross-entropy, what the controller compares (see ``Task.losses``)."""
+  if config is None:
+    reg, smoothing = tasks_lib.Regularization(), 0.0
+  else:
+    reg, smoothing = regularization(config, opt_state, axis)
+  (_, loss), grads = jax.value_and_grad(
+      lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
+  if shared:
+    grads = H.pmean_finite(grads, axis)  # the all-reduce, skipping replicas whose gradient is not finite
+  if config is not None and config.optim.name == 'adam_plateau':
+    # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
+    loss = H.pmean(loss, axis)
+  updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
+  return loss, updates, opt_state
+
+
+def _annealed(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, config: Any, params: Any,
+              opt_state: Any, batches: Any, axis: Any, shared: bool) -> Any:
+  """This replica's parameters after ``k`` more training steps, on ``batches`` (leaves ``[k, ...]``: the run's
+  next k batches), with its learning rates decayed linearly to zero: step j trains at ``(1 - j / k)`` times the
+  replica's current LRs (its other values held). What a run annealed from here would reach, so a comparison of
+  these parameters is not tilted toward low LRs by their smaller step noise, as a comparison of the last
+  iterates is. The copies of the parameters and optimizer state are dropped afterwards.
+  """
+  k = jax.tree.leaves(batches)[0].shape[0]
+  lr = jnp.asarray([n.startswith('learning_rate') for n in hyperparam_names(config)])[:, None]
+  def body(carry, xs):
+    p, st = carry
+    j, batch = xs
+    scale = 1.0 - j.astype(jnp.float32) / k
+    st = st._replace(values=jnp.where(lr, opt_state.values * scale, opt_state.values))
+    _, updates, st = _update(task, graphdef, tx, config, p, st, batch, axis, shared, False)
+    return match_vma((optax.apply_updates(p, updates), st), carry), None  # (a flag the step resets is replica-invariant)
+  (params, _), _ = lax.scan(body, (params, opt_state), (jnp.arange(k), batches))
+  return params
 
 
 def _pinned(mesh: Mesh, shardings: tuple[Any, Any] | None) -> dict:
@@ -218,7 +247,9 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   With ``graphdef`` and a config whose ``hdet.score`` is ``'common'`` the program takes a third
   argument, the common batch ``[N, W, L+1]`` (the same windows in every row): each replica's loss on
   it, with its own attention temperature and no dropout, computed before the average, is the score
-  the controller compares (``tx.update(..., score=)``). With ``hdet.score_tail > 0`` a fourth, each
+  the controller compares (``tx.update(..., score=)``). With ``hdet.score_anneal > 0`` the next argument, the
+  run's next k batches ``[N, k, B, ...]`` (k: :func:`anneal_steps`), anneal each replica's copy before it is scored
+  (see :func:`_annealed`). With ``hdet.score_tail > 0`` the next, each
   replica's mean parameters over the window's tail (see :func:`tail_weight`), is what is scored.
   With ``hdet.rollback`` a last argument, the anchor ``{'params', 'inner'}`` (one copy of the parameters and
   wrapped optimizer state the previous sync left, see :func:`make_anchor`): where this sync's back-off fires
@@ -234,13 +265,16 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   """
   probe = graphdef is not None and config is not None and common_batch(config)
   tailed = config is not None and score_tail(config) > 0
+  annealed = probe and anneal_steps(config) > 0
   anchored = config is not None and rolls_back(config)
+  shared = config is None or not config.hdet.get('low_communication', False)
   task = tasks_lib.get(config)
 
   def make_window_end(axis):
     def window_end(params, packed, *extra):
       extra = list(extra)
       windows = extra.pop(0) if probe else None
+      anneal = extra.pop(0) if annealed else None
       tail = extra.pop(0) if tailed and len(extra) > anchored else None  # (optional: a test scores the last iterates)
       anchor = extra.pop(0) if anchored else None
       opt_state = unpack(tx, params, packed)
@@ -249,7 +283,10 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
         reg, _ = regularization(config, opt_state, axis)
         reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
         # The tail means lie on the replicas' line too (A + u_r Dbar), so the line search reads them alike.
-        score = task.loss(graphdef, params if tail is None else tail, windows, reg)
+        scored = params if tail is None else tail
+        if anneal is not None:
+          scored = _annealed(task, graphdef, tx, config, params, opt_state, anneal, axis, shared)
+        score = task.loss(graphdef, scored, windows, reg)
       updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
       stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
       params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=True)

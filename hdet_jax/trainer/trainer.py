@@ -494,10 +494,17 @@ def _upload(inputs: _Inputs, mesh: Any, step: int) -> Any:
   return mesh_lib.put_stacked(inputs.data.batches.chunk(first, _CHUNK), mesh, batch_dim=2)  # [N, K, B, ...]
 
 
-def _probe(config: Any, inputs: _Inputs, mesh: Any, step: int) -> Any:
-  """The common batch of the sync after step ``step`` (every replica gets the same windows)."""
+def _probe(config: Any, inputs: _Inputs, mesh: Any, step: int) -> list:
+  """The window end's data for the sync after step ``step``: none, or the common batch (every replica gets the same
+  windows), and with ``hdet.score_anneal`` the run's next k batches, which anneal the replicas' scored copies."""
+  if not optimizer_lib.common_batch(config):
+    return []
   w = inputs.data.probe(optimizer_lib.sync_index(config, step))
-  return mesh_lib.put_stacked(jax.tree.map(lambda a: np.broadcast_to(a, (inputs.n,) + a.shape), w), mesh, batch_dim=1)
+  out = [mesh_lib.put_stacked(jax.tree.map(lambda a: np.broadcast_to(a, (inputs.n,) + a.shape), w), mesh, batch_dim=1)]
+  k = optimizer_lib.anneal_steps(config)
+  if k:
+    out.append(mesh_lib.put_stacked(inputs.data.batches.chunk(step + 1, k), mesh, batch_dim=2))
+  return out
 
 
 def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _Programs:
@@ -514,7 +521,7 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   anchor = [loop.anchor] if loop.anchor is not None else []
   window_end = programs_lib.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
                                   config=config, shardings=layout).lower(
-      params, opt_state, *([_probe(config, inputs, mesh, 0)] if common else []), *tail, *anchor).compile()
+      params, opt_state, *_probe(config, inputs, mesh, 0), *tail, *anchor).compile()
   tail_update = (programs_lib.make_tail_update(layout).lower(loop.tail, params, np.float32(1)).compile()
                  if loop.tail is not None else None)
   anchor = (_anchor_program(mesh, inputs.tx, params, opt_state, inputs.task).lower(params, opt_state).compile()
@@ -582,7 +589,7 @@ def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop
   if weight > 0:
     loop.tail = programs.tail_update(loop.tail, loop.params, np.float32(weight))
   if sync:
-    common = [_probe(config, inputs, mesh, step)] if programs.common else []
+    common = _probe(config, inputs, mesh, step)
     tail = [loop.tail] if programs.tail_update is not None else []
     anchor = [loop.anchor] if loop.anchor is not None else []  # hdet.rollback: where the back-off returns to
     loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common, *tail, *anchor)
