@@ -174,10 +174,8 @@ def test_window_end_scores_each_replica_after_an_annealed_continuation():
   _, _, annealed = end(copy(params), copy(opt_state), common, mesh_lib.put_stacked(ahead, mesh, batch_dim=2))
   got = np.asarray(annealed['window_losses'])[0]
   np.testing.assert_allclose(got, want, rtol=2e-5)
-  last = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, config=_tail_config(**{
-      'hdet.score_tail': 0.0, 'hdet.param_groups': False, 'optim.name': 'sgd', 'optim.max_lr': 0.3}))
-  _, _, at_last = last(params, opt_state, common)
-  assert np.max(np.abs(got - np.asarray(at_last['window_losses'])[0])) > 1e-3  # the anneal moved every score
+  at_last = [float(task.loss(graphdef, jax.tree.map(lambda x: x[r], params), windows)) for r in range(n)]
+  assert np.min(np.abs(got - np.asarray(at_last))) > 3e-4  # the anneal moved every score (beyond the tolerance)
 
 
 def _device_bytes(tree, device):
