@@ -117,8 +117,8 @@ def compares_after(record: dict, window: int) -> bool:
   from hdet_jax.trainer import optimizer as optimizer_lib
   h = record['config']['hdet']
   windows = optimizer_lib.sync_windows(ml_collections.ConfigDict(record['config']))  # however T was set
-  return (h.get('score') == 'common' and windows == (window,)
-          and not h.get('score_tail', 0))  # a tail's mean is another point than the last iterate: other asks
+  return (h.get('score') == 'common' and windows == (window,)  # a tail's mean, or an annealed copy, is another
+          and not h.get('score_tail', 0) and not h.get('score_anneal', 0))  # point than the last iterate: other asks
 
 
 def ask_thresholds(records: list[dict], reference, window: int = 100, min_runs: int = 6) -> list[dict]:

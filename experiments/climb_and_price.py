@@ -185,7 +185,8 @@ def landings(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) -> 
 
 
 # The default and the same controller with other windows (experiments.autolr: a fixed T, or 30 syncs of at most 50).
-WINDOW_VARIANTS = re.compile(r'hdet_(' + re.escape(autolr.DEFAULT_VARIANT) + r'(?:_T\d+)?|fit_K30_cap50_rollback_se2_f5_settle)'
+WINDOW_VARIANTS = re.compile(r'hdet_(' + re.escape(autolr.DEFAULT_VARIANT) + r'(?:_anneal\d+)?(?:_T\d+)?|'
+                             r'fit_K30_cap50_rollback_se2_f5_settle)'
                              r'_(low|best|high)_s\d+\.json$')
 
 
@@ -206,10 +207,10 @@ def climb_turn(record: dict) -> dict | None:
 
 
 def window_turns(folder: str, optim: str) -> dict | None:
-  """Per window length T and start, over the default's and its window variants' runs (:data:`WINDOW_VARIANTS`,
-  each run once) on the sweep's seeds: the runs' sync of the turn (its range), the geometric means of the turn's
-  and the peak's base LR over the sweep's best LR, and the mean miss against the sweep's best (percent; a
-  diverged run +inf)."""
+  """Per scoring (``anneal``: the runs' ``hdet.score_anneal``, 0 for the last iterates), window length T and
+  start, over the default's and its window and anneal variants' runs (:data:`WINDOW_VARIANTS`, each run once) on
+  the sweep's seeds: the runs' sync of the turn (its range), the geometric means of the turn's and the peak's base
+  LR over the sweep's best LR, and the mean miss against the sweep's best (percent; a diverged run +inf)."""
   grid = _grid(folder, optim)
   paths = sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if WINDOW_VARIANTS.search(p))
   runs = autolr_report.distinct_runs([{**r, 'start': WINDOW_VARIANTS.search(p).group(2)} for p, r in zip(paths, _load(paths))
@@ -223,12 +224,14 @@ def window_turns(folder: str, optim: str) -> dict | None:
     if t is None:
       continue
     miss = math.inf if r['val_bpb'] is None else 100.0 * (r['val_bpb'] / value - 1.0)
-    cells.setdefault((t['T'], r['start']), []).append({**t, 'miss_pct': miss})
+    anneal = float(r['config']['hdet'].get('score_anneal', 0.0))
+    cells.setdefault((anneal, t['T'], r['start']), []).append({**t, 'miss_pct': miss})
   gm = lambda xs: float(np.exp(np.mean(np.log(xs)))) if xs else None
   out = []
-  for (T, start), v in sorted(cells.items(), key=lambda kv: (kv[0][0], list(autolr.STARTS).index(kv[0][1]))):
+  for (anneal, T, start), v in sorted(cells.items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                     list(autolr.STARTS).index(kv[0][2]))):
     syncs = [c['turn_sync'] for c in v if c['turn_sync'] is not None]
-    out.append({'T': T, 'start': start, 'n': len(v), 'turned': len(syncs),
+    out.append({'anneal': anneal, 'T': T, 'start': start, 'n': len(v), 'turned': len(syncs),
                 'turn_sync': [min(syncs), max(syncs)] if syncs else None,
                 'turn_lr_x': gm([c['turn_lr'] / lr for c in v if c['turn_lr']]),
                 'peak_lr_x': gm([c['peak_lr'] / lr for c in v]),
@@ -375,18 +378,21 @@ def _turns_table(results: dict) -> list[str]:
   lines = ['', '## The climb\'s end point against the window length', '',
            f'The default (`{autolr.DEFAULT_VARIANT}`) and the same controller with other windows: a fixed T '
            '(`..._T25`, `_T50`, `_T200`) or 30 syncs of at most 50 steps (`fit_K30_cap50_rollback_se2_f5_settle`); '
-           'each run once (a variant that trained the same windows trained the same run). Per T and start, on the '
+           'and scoring each replica after an anneal of that fraction of a window (`..._anneal20`, `_anneal20_T50`, '
+           '`_anneal20_T200`: `hdet.score_anneal`; "last": the last iterates, the default); '
+           'each run once (a variant that trained the same windows trained the same run). Per scoring, T and start, on the '
            'sweep\'s seeds: the sync at which the line search first asked for a smaller LR (the turn; the range over '
            'runs), the base LR there and the run\'s peak base LR as multiples of the sweep\'s best LR (geometric '
            'means), and the mean miss against the sweep\'s best.', '',
-           '| workload | steps | optim | T | start | runs | turn at sync | turn LR / best | peak LR / best | miss |',
-           '|---|---|---|---|---|---|---|---|---|---|']
+           '| workload | steps | optim | scored | T | start | runs | turn at sync | turn LR / best | peak LR / best | miss |',
+           '|---|---|---|---|---|---|---|---|---|---|---|']
   fx = lambda x: '-' if x is None else f'{x:.2g}x'
   for w, steps, optim, c in rows:
     at = '-' if c['turn_sync'] is None else (f'{c["turn_sync"][0]}' if c['turn_sync'][0] == c['turn_sync'][1]
                                              else f'{c["turn_sync"][0]}-{c["turn_sync"][1]}')
     turned = '' if c['turned'] == c['n'] else f' ({c["turned"]} turned)'
-    lines.append(f'| {w} | {steps} | {optim} | {c["T"]} | {c["start"]} | {c["n"]}{turned} | {at} | '
+    scored = f'anneal {c["anneal"]:g}' if c.get('anneal') else 'last'
+    lines.append(f'| {w} | {steps} | {optim} | {scored} | {c["T"]} | {c["start"]} | {c["n"]}{turned} | {at} | '
                  f'{fx(c["turn_lr_x"])} | {fx(c["peak_lr_x"])} | {c["miss_pct"]:+.1f}% |')
   return lines
 

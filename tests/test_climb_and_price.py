@@ -187,9 +187,14 @@ def test_window_turns_find_the_first_ask_down_per_window_length_and_start(tmp_pa
          )  # the same run again under another name
   _write(folder, f'hdet_{v}_T50_best_s0', run([0.4, 0.1, 0.2], [0.01, 0.02, 0.05], 2.5, 50))  # never turned
   _write(folder, f'hdet_{v}_tail25_best_s0', run([-1.0], [1.0], 9.0, 100))
+  annealed = run([0.5, 0.3, 0.2, -0.3], [0.001, 0.003, 0.009, 0.0091], 2.04, 100)
+  annealed['config']['hdet']['score_anneal'] = 0.2  # low_s1's run scored after an anneal: a cell of its own
+  _write(folder, f'hdet_{v}_anneal20_low_s1', annealed)
   got = cp.window_turns(folder, 'adamw')
   assert got['sweep_best_lr'] == 0.01
-  (t50,), (t100,) = [[c for c in got['cells'] if c['T'] == t] for t in (50, 100)]
+  (a100,) = [c for c in got['cells'] if c['anneal'] == 0.2]
+  assert (a100['T'], a100['start'], a100['n'], a100['turn_sync']) == (100, 'low', 1, [4, 4])
+  (t50,), (t100,) = [[c for c in got['cells'] if c['T'] == t and not c['anneal']] for t in (50, 100)]
   assert (t100['start'], t100['n'], t100['turned'], t100['turn_sync']) == ('low', 2, 2, [3, 4])
   np.testing.assert_allclose([t100['turn_lr_x'], t100['peak_lr_x'], t100['miss_pct']],
                              [math.sqrt(0.4 * 0.9), math.sqrt(0.8 * 0.9), 1.5], rtol=1e-9)
@@ -198,8 +203,9 @@ def test_window_turns_find_the_first_ask_down_per_window_length_and_start(tmp_pa
   assert cp.climb_turn(json.load(open(os.path.join(folder, 'adamw', f'hdet_{v}_low_s0.json'))))['settle_step'] == 400
   report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {
       'climb': None, 'price': {}, 'turns': got}}}}, False)[1], encoding='utf-8').read()
-  assert '| lm | 400 | adamw | 100 | low | 2 | 3-4 | 0.6x | 0.85x | +1.5% |' in report
-  assert '| lm | 400 | adamw | 50 | best | 1 (0 turned) | - | - | 5x | +25.0% |' in report
+  assert '| lm | 400 | adamw | last | 100 | low | 2 | 3-4 | 0.6x | 0.85x | +1.5% |' in report
+  assert '| lm | 400 | adamw | last | 50 | best | 1 (0 turned) | - | - | 5x | +25.0% |' in report
+  assert '| lm | 400 | adamw | anneal 0.2 | 100 | low | 1 | 4 | 0.91x | 0.91x | +2.0% |' in report
 
 
 def test_compares_after_reads_the_window_the_run_trained():
@@ -212,6 +218,7 @@ def test_compares_after_reads_the_window_the_run_trained():
   short = {'config': _config(**{'num_train_steps': 750, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
                                 'hdet.longest_window': 100, 'hdet.score': 'common'})}
   window = {'config': _config(**{'hdet.sync_every': 100, 'hdet.score': 'window'})}
-  assert [autolr_report.compares_after(r, 100) for r in (fixed, per_run, capped, short, window)] == \
-      [True, True, True, False, False]
+  annealed = {'config': _config(**{'hdet.sync_every': 100, 'hdet.score': 'common', 'hdet.score_anneal': 0.2})}
+  assert [autolr_report.compares_after(r, 100) for r in (fixed, per_run, capped, short, window, annealed)] == \
+      [True, True, True, False, False, False]
   assert autolr_report.compares_after(short, 50)
