@@ -99,11 +99,8 @@ def test_tail_weight_is_one_over_k_on_each_windows_last_steps():
   assert all(optimizer_lib.tail_weight(_tail_config(**{'hdet.score': 'window'}), t) == 0 for t in range(20))
 
 
-def test_window_end_scores_the_running_mean_of_the_tail():
-  """The tail update keeps the mean of each replica's iterates over the window's tail (numpy oracle), and
-  the window end then scores that mean: the same losses as a window end handed the mean as its parameters."""
-  config = _tail_config()
-  n = 8
+def _window_setup(config, n=8):
+  """(n, mesh, tx, graphdef, params, opt_state, data, batches, step program) of a tiny run on n replicas."""
   mesh = mesh_lib.make_mesh(n)
   tx = optimizer_lib.make_optimizer(config, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
@@ -111,6 +108,14 @@ def test_window_end_scores_the_running_mean_of_the_tail():
   data = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8)
   batches = ip.TrainBatches(data, config.data.seq_len, config.data.batch_size, n, seed=1)
   step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config)
+  return n, mesh, tx, graphdef, params, opt_state, data, batches, step
+
+
+def test_window_end_scores_the_running_mean_of_the_tail():
+  """The tail update keeps the mean of each replica's iterates over the window's tail (numpy oracle), and
+  the window end then scores that mean: the same losses as a window end handed the mean as its parameters."""
+  config = _tail_config()
+  n, mesh, tx, graphdef, params, opt_state, data, batches, step = _window_setup(config)
   update = programs_lib.make_tail_update()
   tail, seen = jax.tree.map(lambda x: x.copy(), params), []
   for t in range(8):  # the window's steps 4-7 are its tail
@@ -142,14 +147,8 @@ def test_window_end_scores_each_replica_after_an_annealed_continuation():
   config = _tail_config(**{'hdet.score_tail': 0.0, 'hdet.score_anneal': 0.5, 'hdet.param_groups': False,
                            'optim.name': 'sgd', 'optim.max_lr': 0.3})
   assert optimizer_lib.anneal_steps(config) == 4
-  n, k = 8, 4
-  mesh = mesh_lib.make_mesh(n)
-  tx = optimizer_lib.make_optimizer(config, n)
-  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
-  data = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8)
-  batches = ip.TrainBatches(data, config.data.seq_len, config.data.batch_size, n, seed=1)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config)
+  k = 4
+  n, mesh, tx, graphdef, params, opt_state, data, batches, step = _window_setup(config)
   for t in range(8):
     params, opt_state, _ = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh))
   windows = ip.probe_windows(data, config.data.seq_len, config.hdet.probe_windows, config.seed, 0)
