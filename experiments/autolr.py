@@ -198,6 +198,12 @@ VARIANT_SETTINGS = {
        for f in (0.2, 0.5)},
     **{f'fit_K15_cap100_rollback_se2_f5_settle_anneal20_T{t}': {**_GUARDED, 'hdet.score_anneal': 0.2,
                                                                'hdet.sync_every': t} for t in (50, 200)},
+    # ... and with the replicas on their own gradients (the low-communication mode, with the optimizer state averaged
+    # at each sync, which the rollback needs): they then no longer lie on one line along the window's shared
+    # update. Does T still set the climb's end point? (Exploratory: each replica's gradient is 8x noisier too.)
+    **{f'fit_K15_cap100_rollback_se2_f5_settle_lowcomm_T{t}': {**_GUARDED, 'hdet.low_communication': True,
+                                                              'hdet.average_opt_state': True, 'hdet.sync_every': t}
+       for t in (50, 100, 200)},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

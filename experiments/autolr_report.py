@@ -112,13 +112,14 @@ def distinct_runs(records: list[dict]) -> list[dict]:
 
 def compares_after(record: dict, window: int) -> bool:
   """Whether the run compared its replicas on a common batch, at their last iterates, after fixed windows of
-  ``window`` steps (the records :func:`ask_thresholds` reads)."""
+  ``window`` steps, trained on the shared gradient (the records :func:`ask_thresholds` reads)."""
   import ml_collections
   from hdet_jax.trainer import optimizer as optimizer_lib
   h = record['config']['hdet']
   windows = optimizer_lib.sync_windows(ml_collections.ConfigDict(record['config']))  # however T was set
   return (h.get('score') == 'common' and windows == (window,)  # a tail's mean, or an annealed copy, is another
-          and not h.get('score_tail', 0) and not h.get('score_anneal', 0))  # point than the last iterate: other asks
+          and not h.get('score_tail', 0) and not h.get('score_anneal', 0)  # point than the last iterate: other asks
+          and not h.get('low_communication', False))  # (replicas on their own gradients: another regime)
 
 
 def ask_thresholds(records: list[dict], reference, window: int = 100, min_runs: int = 6) -> list[dict]:

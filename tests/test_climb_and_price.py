@@ -219,6 +219,7 @@ def test_compares_after_reads_the_window_the_run_trained():
                                 'hdet.longest_window': 100, 'hdet.score': 'common'})}
   window = {'config': _config(**{'hdet.sync_every': 100, 'hdet.score': 'window'})}
   annealed = {'config': _config(**{'hdet.sync_every': 100, 'hdet.score': 'common', 'hdet.score_anneal': 0.2})}
-  assert [autolr_report.compares_after(r, 100) for r in (fixed, per_run, capped, short, window, annealed)] == \
-      [True, True, True, False, False, False]
+  own = {'config': _config(**{'hdet.sync_every': 100, 'hdet.score': 'common', 'hdet.low_communication': True})}
+  assert [autolr_report.compares_after(r, 100) for r in (fixed, per_run, capped, short, window, annealed, own)] == \
+      [True, True, True, False, False, False, False]
   assert autolr_report.compares_after(short, 50)
