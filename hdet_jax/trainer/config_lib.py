@@ -286,16 +286,14 @@ def check_values(config: Any) -> None:
     raise ConfigError("hdet.settle=True ends the 'fit' controller's rise-only climb: it needs hdet.auto_lr=True, "
                       f"hdet.controller='fit' and hdet.after_stop='rise' (got {config.hdet.get('controller')!r}, "
                       f"{config.hdet.get('after_stop')!r}), or set hdet.settle=False.")
-  if config.hdet.get('score_tail', 0.0) > 0 and not (config.hdet.auto_lr and config.hdet.get('score') == 'common'):
-    raise ConfigError(f"hdet.score_tail={config.hdet.score_tail} averages the parameters that the common batch "
-                      "scores: it needs hdet.auto_lr=True and hdet.score='common' (or set hdet.score_tail=0).")
-  if config.hdet.get('score_anneal', 0.0) > 0:
-    if not (config.hdet.auto_lr and config.hdet.get('score') == 'common'):
-      raise ConfigError(f"hdet.score_anneal={config.hdet.score_anneal} anneals the copies that the common batch "
-                        "scores: it needs hdet.auto_lr=True and hdet.score='common' (or set hdet.score_anneal=0).")
-    if config.hdet.get('score_tail', 0.0) > 0:
-      raise ConfigError(f"hdet.score_anneal={config.hdet.score_anneal} and hdet.score_tail={config.hdet.score_tail} "
-                        "are two ways to score the replicas: set one of them to 0.")
+  for field in ('score_tail', 'score_anneal'):  # each changes what the common batch scores
+    value = config.hdet.get(field, 0.0)
+    if value > 0 and not (config.hdet.auto_lr and config.hdet.get('score') == 'common'):
+      raise ConfigError(f"hdet.{field}={value} changes what the common batch scores: it needs hdet.auto_lr=True and "
+                        f"hdet.score='common' (or set hdet.{field}=0).")
+  if config.hdet.get('score_anneal', 0.0) > 0 and config.hdet.get('score_tail', 0.0) > 0:
+    raise ConfigError(f"hdet.score_anneal={config.hdet.score_anneal} and hdet.score_tail={config.hdet.score_tail} "
+                      "are two ways to score the replicas: set one of them to 0.")
   for field in ('init_from', 'data.path'):
     present, v = _get(config, field)
     if present and v is not None and not isinstance(v, str):

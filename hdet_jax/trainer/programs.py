@@ -156,7 +156,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   the outputs. With ``hdet.low_communication`` the gradient is not all-reduced across the replica
   axis: each group steps on its own (still averaged over its inner axis, by the partitioner).
   """
-  shared = config is None or not config.hdet.get('low_communication', False)
+  shared = _shares_gradient(config)
   task = tasks_lib.get(config)
 
   def make_step(axis):
@@ -203,6 +203,24 @@ def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformatio
     loss = H.pmean(loss, axis)
   updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
   return loss, updates, opt_state
+
+
+def _shares_gradient(config: Any) -> bool:
+  """Whether the replicas step on the all-reduced gradient (all but ``hdet.low_communication``)."""
+  return config is None or not config.hdet.get('low_communication', False)
+
+
+def _common_score(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, config: Any, params: Any,
+                  opt_state: Any, windows: Any, anneal: Any, tail: Any, axis: Any) -> jax.Array:
+  """This replica's loss on the common batch ``windows``, with its own attention temperature and no dropout: of its
+  last iterate, of its tail mean ``tail``, or, given the next batches ``anneal``, of its annealed copy."""
+  reg, _ = regularization(config, opt_state, axis)
+  reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
+  # The tail means lie on the replicas' line too (A + u_r Dbar), so the line search reads them alike.
+  scored = params if tail is None else tail
+  if anneal is not None:
+    scored = _annealed(task, graphdef, tx, config, params, opt_state, anneal, axis, _shares_gradient(config))
+  return task.loss(graphdef, scored, windows, reg)
 
 
 def _annealed(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, config: Any, params: Any,
@@ -267,7 +285,6 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   tailed = config is not None and score_tail(config) > 0
   annealed = probe and anneal_steps(config) > 0
   anchored = config is not None and rolls_back(config)
-  shared = config is None or not config.hdet.get('low_communication', False)
   task = tasks_lib.get(config)
 
   def make_window_end(axis):
@@ -280,13 +297,7 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
       opt_state = unpack(tx, params, packed)
       score = None
       if probe:
-        reg, _ = regularization(config, opt_state, axis)
-        reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
-        # The tail means lie on the replicas' line too (A + u_r Dbar), so the line search reads them alike.
-        scored = params if tail is None else tail
-        if anneal is not None:
-          scored = _annealed(task, graphdef, tx, config, params, opt_state, anneal, axis, shared)
-        score = task.loss(graphdef, scored, windows, reg)
+        score = _common_score(task, graphdef, tx, config, params, opt_state, windows, anneal, tail, axis)
       updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
       stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
       params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=True)

@@ -296,14 +296,13 @@ class _Records(NamedTuple):
 class _Programs(NamedTuple):
   """The compiled programs of the loop (nothing compiles after step 0) and what they read."""
   step: Any                          # (params, opt_state, chunk) -> (params, opt_state, packed metrics)
-  window_end: Any                    # (params, opt_state[, common batch]) -> ...: after the step on sync steps
+  window_end: Any                    # (params, opt_state, *_probe's data, ...) -> ...: after the step on sync steps
   evaluate: Any                      # (params, val windows) -> [N] losses of the averaged model
   average: Any                       # params -> the averaged model, replicated
   any_finite: Any                    # params -> whether some replica's parameters are all finite
   to_eval: Callable | None           # (params, opt_state) -> the parameters to evaluate (schedule-free)
   packers: dict                      # sync -> programs_lib.MetricsPacker of the step's (False) or window end's (True) metrics
   val: Any                           # the validation windows on the devices
-  common: bool                       # window_end takes the sync's common batch
   distance: Any                      # params -> each replica's distance from the mean: runs that never average
   tail_update: Any = None            # (tail, params, weight) -> tail: hdet.score_tail > 0 (window_end scores the tail)
   anchor: Any = None                 # (params, opt_state) -> the rollback's anchor, one copy (hdet.rollback)
@@ -516,7 +515,6 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   layout = mesh_lib.layout(mesh, params, opt_state, inputs.task)  # None on a 1-D mesh
   step = programs_lib.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, config=config, packer=packers[False],
                             chunk_steps=_CHUNK, shardings=layout).lower(params, opt_state, loop.data).compile()
-  common = optimizer_lib.common_batch(config)
   tail = [loop.tail] if loop.tail is not None else []
   anchor = [loop.anchor] if loop.anchor is not None else []
   window_end = programs_lib.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
@@ -541,7 +539,7 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   # A run that never averages measures the replicas' distance from their mean at each log interval.
   distance = programs_lib.make_distance(mesh).lower(params).compile() if optimizer_lib.never_syncs(config) else None
   release_host_memory()
-  return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, common, distance,
+  return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, distance,
                    tail_update, anchor)
 
 
