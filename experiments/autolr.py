@@ -204,6 +204,16 @@ VARIANT_SETTINGS = {
     **{f'fit_K15_cap100_rollback_se2_f5_settle_lowcomm_T{t}': {**_GUARDED, 'hdet.low_communication': True,
                                                               'hdet.average_opt_state': True, 'hdet.sync_every': t}
        for t in (50, 100, 200)},
+    # An open-loop probe of the line search (the twelfth pass): the controller fits and records its slope at every
+    # sync but moves nothing (a trust region of 1e-6, no cautious start, no guard, no settling, no memory across
+    # syncs), so every T sees the same schedule. At the same step, do windows of 25 / 50 / 100 / 200 steps agree on
+    # which way the LR should go (the time in the run sets the turn) or not (the window sets it)?
+    **{f'open_T{t}': {**_K15_CAP100, **GUARD_OFF, 'hdet.settle': False, 'hdet.initial_scale': 1.0,
+                      'hdet.trust': 1e-6, 'hdet.memory': 0.0, 'hdet.step_growth': 1.0, 'hdet.sync_every': t}
+       for t in (25, 50, 100, 200)},
+    # ... and with the default's windows (15 per run, at most 100 steps), on every workload (experiments.workloads).
+    'open_K15': {**_K15_CAP100, **GUARD_OFF, 'hdet.settle': False, 'hdet.initial_scale': 1.0, 'hdet.trust': 1e-6,
+                 'hdet.memory': 0.0, 'hdet.step_growth': 1.0},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

@@ -41,6 +41,7 @@ import numpy as np
 from experiments import autolr
 from experiments import autolr_report
 from experiments import workloads
+from hdet_jax.sync import CONFIDENT_STDERRS
 
 ENSEMBLE = re.compile(r'hdet_(ensemble_a([0-9p]+)_T(\d+))_best_s(\d+)\.json$')
 # A run's peak base LR over the sweep's best LR: the classes of the landing table (the guard's first).
@@ -239,6 +240,52 @@ def window_turns(folder: str, optim: str) -> dict | None:
   return {'sweep_best_lr': lr, 'cells': out}
 
 
+# The open-loop probe (experiments.autolr's open_T25 ... open_T200 and open_K15): the line search fits and records
+# its slope at every sync but moves nothing, so every window length sees the same schedule.
+OPEN_LOOP = re.compile(r'hdet_open_(T\d+|K15)_(low|best|high)_s\d+\.json$')
+
+
+def open_turn(record: dict) -> dict | None:
+  """Where one open-loop run's line search turned: the first of two syncs in a row whose slope asks confidently
+  for a smaller LR (beyond :data:`hdet_jax.sync.CONFIDENT_STDERRS` standard errors, the settling rule's test), the
+  step of the sync before it (the last that did not; 0 if none), and the base LR at both; None without a turn."""
+  ctl = record.get('controller', [])
+  down = [c['stderrs'][0] > 0 and c['velocities'][0] > CONFIDENT_STDERRS * c['stderrs'][0] for c in ctl]
+  i = next((i for i in range(len(ctl) - 1) if down[i] and down[i + 1]), None)
+  if i is None:
+    return None
+  before = ctl[i - 1] if i else None
+  return {'T': ctl[0]['step'] + 1, 'down_step': ctl[i]['step'] + 1, 'down_lr': float(ctl[i]['base_lr']),
+          'up_step': 0 if before is None else before['step'] + 1,
+          'up_lr': None if before is None else float(before['base_lr'])}
+
+
+def open_turns(folder: str, optim: str) -> dict | None:
+  """Per window length T and start, over the open-loop probe's runs (:data:`OPEN_LOOP`): the runs, those whose
+  line search turned (:func:`open_turn`), the range of the step of the turn and of its fraction of the run, and the
+  geometric mean of the base LR there over the sweep's best LR."""
+  grid = _grid(folder, optim)
+  paths = sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if OPEN_LOOP.search(p))
+  if not grid or not paths:
+    return None
+  lr, _ = autolr_report.grid_best(grid)
+  cells = {}
+  for p, r in zip(paths, _load(paths)):
+    t = open_turn(r)
+    T = int(r['controller'][0]['step'] + 1) if r.get('controller') else None
+    cells.setdefault((T, OPEN_LOOP.search(p).group(2)), []).append((t, int(r['config']['num_train_steps'])))
+  out = []
+  for (T, start), v in sorted(cells.items(), key=lambda kv: (kv[0][0], list(autolr.STARTS).index(kv[0][1]))):
+    turned = [(t, steps) for t, steps in v if t is not None]
+    steps_at = [t['down_step'] for t, _ in turned]
+    frac = [t['down_step'] / steps for t, steps in turned]
+    out.append({'T': T, 'start': start, 'n': len(v), 'turned': len(turned),
+                'down_step': [min(steps_at), max(steps_at)] if steps_at else None,
+                'down_fraction': [min(frac), max(frac)] if frac else None,
+                'down_lr_x': float(np.exp(np.mean([np.log(t['down_lr'] / lr) for t, _ in turned]))) if turned else None})
+  return {'sweep_best_lr': lr, 'cells': out}
+
+
 def folders(quick: bool, work_root: str):
   """(workload, steps, records folder) for every workload and run length of experiments.workloads."""
   for w in workloads.WORKLOADS:
@@ -257,10 +304,11 @@ def measure(quick: bool, work_root: str) -> dict:
       landed = landings(folder, optim)
       fresh = fresh_seeds(folder, optim)
       turns = window_turns(folder, optim)
-      if climb or ens or landed or fresh or turns:
+      opened = open_turns(folder, optim)
+      if climb or ens or landed or fresh or turns or opened:
         results.setdefault(w, {}).setdefault(str(steps), {})[optim] = {'climb': climb, 'price': ens,
                                                                         'landings': landed, 'fresh': fresh,
-                                                                        'turns': turns}
+                                                                        'turns': turns, 'open': opened}
   return results
 
 
@@ -320,6 +368,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
   lines += _landing_table(results)
   lines += _fresh_table(results)
   lines += _turns_table(results)
+  lines += _open_table(results)
   with open(mpath, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines) + '\n')
   return [jpath, mpath]
@@ -394,6 +443,29 @@ def _turns_table(results: dict) -> list[str]:
     scored = f'anneal {c["anneal"]:g}' if c.get('anneal') else 'last'
     lines.append(f'| {w} | {steps} | {optim} | {scored} | {c["T"]} | {c["start"]} | {c["n"]}{turned} | {at} | '
                  f'{fx(c["turn_lr_x"])} | {fx(c["peak_lr_x"])} | {c["miss_pct"]:+.1f}% |')
+  return lines
+
+
+def _open_table(results: dict) -> list[str]:
+  rows = [(w, steps, optim, c) for w, by_steps in results.items() for steps, by_optim in by_steps.items()
+          for optim, r in by_optim.items() if r.get('open') for c in r['open']['cells']]
+  if not rows:
+    return []
+  lines = ['', '## The line search in open loop', '',
+           'The open-loop probe (`experiments.autolr`\'s `open_T25` ... `open_T200`, and `open_K15`: the default\'s '
+           'windows, 15 per run of at most 100 steps): the line search fits and records its slope at every sync but '
+           'moves nothing (a trust region of 1e-6, no cautious start, guard or settling, no memory across syncs), so '
+           'the run trains the plain schedule at its start\'s peak LR. Per T and start: the sync step from which the '
+           'line search asks for a smaller LR (the first of two syncs in a row beyond 2 standard errors; the range over '
+           'runs), that step as a fraction of the run, and the base LR there over the sweep\'s best LR (geometric mean).',
+           '', '| workload | steps | optim | T | start | runs | asks down from step | fraction of the run | LR there / best |',
+           '|---|---|---|---|---|---|---|---|---|']
+  rng = lambda r, f: '-' if r is None else (f.format(r[0]) if r[0] == r[1] else f.format(r[0]) + '-' + f.format(r[1]))
+  for w, steps, optim, c in rows:
+    turned = '' if c['turned'] == c['n'] else f' ({c["turned"]} turned)'
+    lr = '-' if c['down_lr_x'] is None else f'{c["down_lr_x"]:.2g}x'
+    lines.append(f'| {w} | {steps} | {optim} | {c["T"]} | {c["start"]} | {c["n"]}{turned} | '
+                 f'{rng(c["down_step"], "{}")} | {rng(c["down_fraction"], "{:.2f}")} | {lr} |')
   return lines
 
 

@@ -223,3 +223,40 @@ def test_compares_after_reads_the_window_the_run_trained():
   assert [autolr_report.compares_after(r, 100) for r in (fixed, per_run, capped, short, window, annealed, own)] == \
       [True, True, True, False, False, False, False]
   assert autolr_report.compares_after(short, 50)
+
+
+def test_open_turns_find_two_confident_asks_down_in_a_row(tmp_path):
+  """The turn is the first of two syncs in a row whose slope exceeds 2 standard errors (a single confident ask down,
+  or two beyond 1.5 standard errors only, is not one); per (T, start) its step range, fraction of the run and base LR
+  over the sweep's best (0.01; geometric mean). A run that never turned counts in 'runs' only."""
+  folder = str(tmp_path)
+  _write(folder, 'grid_lr0.01_s0', {'config': _config(**{'optim.max_lr': 0.01}), 'val_bpb': 2.0})
+
+  def run(t_stats, bases, T, steps=400):
+    ctl = [{'step': T * (i + 1) - 1, 'velocities': [0.1 * t], 'stderrs': [0.1], 'base_lr': b}
+           for i, (t, b) in enumerate(zip(t_stats, bases))]
+    return {'config': _config(num_train_steps=steps), 'val_bpb': 2.1, 'controller': ctl}
+
+  lrs = [0.001, 0.002, 0.004, 0.008]
+  _write(folder, 'hdet_open_T100_best_s0', run([-5.0, 3.0, -1.0, 2.5], lrs, 100))  # no two in a row: no turn
+  _write(folder, 'hdet_open_T100_best_s1', run([-5.0, 2.1, 2.2, 9.0], lrs, 100))  # turns at step 200
+  _write(folder, 'hdet_open_T100_best_s2', run([-5.0, -1.0, 2.1, 2.2], lrs, 100))  # turns at step 300
+  _write(folder, 'hdet_open_T100_low_s0', run([1.5, 1.9, 1.9, 1.9], lrs, 100))  # never beyond 2: no turn
+  _write(folder, 'hdet_open_K15_low_s0', run([3.0, 3.0], [0.0005, 0.001], 50, steps=750))  # turns at its first sync
+  _write(folder, 'hdet_fit_K15_best_s0', run([3.0, 3.0], lrs, 100))  # not the probe: left out
+  assert cp.open_turn(json.load(open(os.path.join(folder, 'adamw', 'hdet_open_T100_best_s1.json')))) == {
+      'T': 100, 'down_step': 200, 'down_lr': 0.002, 'up_step': 100, 'up_lr': 0.001}
+  got = cp.open_turns(folder, 'adamw')
+  assert got['sweep_best_lr'] == 0.01
+  (t50,), (t100_low,), (t100_best,) = [[c for c in got['cells'] if (c['T'], c['start']) == k]
+                                       for k in ((50, 'low'), (100, 'low'), (100, 'best'))]
+  assert (t100_best['n'], t100_best['turned'], t100_best['down_step']) == (3, 2, [200, 300])
+  np.testing.assert_allclose(t100_best['down_fraction'], [0.5, 0.75])
+  np.testing.assert_allclose(t100_best['down_lr_x'], math.sqrt(0.2 * 0.4), rtol=1e-9)
+  assert (t100_low['n'], t100_low['turned'], t100_low['down_step'], t100_low['down_lr_x']) == (1, 0, None, None)
+  assert (t50['turned'], t50['down_step']) == (1, [50, 50])
+  np.testing.assert_allclose([t50['down_fraction'][0], t50['down_lr_x']], [50 / 750, 0.05], rtol=1e-9)
+  report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {
+      'climb': None, 'price': {}, 'open': got}}}}, False)[1], encoding='utf-8').read()
+  assert '| lm | 400 | adamw | 100 | best | 3 (2 turned) | 200-300 | 0.50-0.75 | 0.28x |' in report
+  assert '| lm | 400 | adamw | 50 | low | 1 | 50 | 0.07 | 0.05x |' in report
