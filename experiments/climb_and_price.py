@@ -286,6 +286,27 @@ def open_turns(folder: str, optim: str) -> dict | None:
   return {'sweep_best_lr': lr, 'cells': out}
 
 
+def sweep_leaders(folder: str, optim: str) -> dict | None:
+  """The sweep's own leader over its runs: among the peak LRs trained on every seed of ``autolr.SEEDS``, the one
+  with the lowest mean validation metric at each of the runs' evaluation steps (non-finite: last), and the sweep's
+  best over those LRs at the end. Where the leader mid-run is not the final best, ranking whole plain runs at that
+  point would have picked another LR."""
+  full = {lr: rs for lr, rs in _grid(folder, optim).items()
+          if len(rs) == len(autolr.SEEDS) and all(r.get('evals') for r in rs)}
+  if len(full) < 2:
+    return None
+  steps = [e['step'] for e in next(iter(full.values()))[0]['evals']]
+
+  def mean_at(rs, i):
+    v = [r['evals'][i]['val_bpb'] if i < len(r['evals']) and r['evals'][i]['step'] == steps[i] else None for r in rs]
+    return float(np.mean(v)) if all(x is not None and math.isfinite(x) for x in v) else math.inf
+
+  final_lr, _ = autolr_report.grid_best(full)
+  return {'lrs': sorted(full), 'final_lr': final_lr,
+          'leaders': [{'step': s, 'lr': min(sorted(full), key=lambda lr: mean_at(full[lr], i))}
+                      for i, s in enumerate(steps)]}
+
+
 def folders(quick: bool, work_root: str):
   """(workload, steps, records folder) for every workload and run length of experiments.workloads."""
   for w in workloads.WORKLOADS:
@@ -305,10 +326,12 @@ def measure(quick: bool, work_root: str) -> dict:
       fresh = fresh_seeds(folder, optim)
       turns = window_turns(folder, optim)
       opened = open_turns(folder, optim)
-      if climb or ens or landed or fresh or turns or opened:
+      leaders = sweep_leaders(folder, optim)
+      if climb or ens or landed or fresh or turns or opened or leaders:
         results.setdefault(w, {}).setdefault(str(steps), {})[optim] = {'climb': climb, 'price': ens,
                                                                         'landings': landed, 'fresh': fresh,
-                                                                        'turns': turns, 'open': opened}
+                                                                        'turns': turns, 'open': opened,
+                                                                        'leaders': leaders}
   return results
 
 
@@ -369,6 +392,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
   lines += _fresh_table(results)
   lines += _turns_table(results)
   lines += _open_table(results)
+  lines += _leaders_table(results)
   with open(mpath, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines) + '\n')
   return [jpath, mpath]
@@ -466,6 +490,24 @@ def _open_table(results: dict) -> list[str]:
     lr = '-' if c['down_lr_x'] is None else f'{c["down_lr_x"]:.2g}x'
     lines.append(f'| {w} | {steps} | {optim} | {c["T"]} | {c["start"]} | {c["n"]}{turned} | '
                  f'{rng(c["down_step"], "{}")} | {rng(c["down_fraction"], "{:.2f}")} | {lr} |')
+  return lines
+
+
+def _leaders_table(results: dict) -> list[str]:
+  rows = [(w, steps, optim, r['leaders']) for w, by_steps in results.items() for steps, by_optim in by_steps.items()
+          for optim, r in by_optim.items() if r.get('leaders')]
+  if not rows:
+    return []
+  lines = ['', '## The sweep\'s own leader over the run', '',
+           'Among the sweep\'s peak LRs trained on all of its seeds, the one with the lowest mean validation metric at '
+           'each evaluation step of the plain runs, as a multiple of the sweep\'s best at the end (1x: the final best '
+           'already leads there). A comparison of whole runs at that step would have picked the leader.', '',
+           '| workload | steps | optim | LRs (all seeds) | sweep\'s best | leader at each evaluation step |',
+           '|---|---|---|---|---|---|']
+  for w, steps, optim, c in rows:
+    per = ', '.join(f'{l["step"]}: {l["lr"] / c["final_lr"]:g}x' for l in c['leaders'])
+    lines.append(f'| {w} | {steps} | {optim} | {len(c["lrs"])} ({c["lrs"][0]:g}-{c["lrs"][-1]:g}) | '
+                 f'{c["final_lr"]:g} | {per} |')
   return lines
 
 

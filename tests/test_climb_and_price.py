@@ -260,3 +260,25 @@ def test_open_turns_find_two_confident_asks_down_in_a_row(tmp_path):
       'climb': None, 'price': {}, 'open': got}}}}, False)[1], encoding='utf-8').read()
   assert '| lm | 400 | adamw | 100 | best | 3 (2 turned) | 200-300 | 0.50-0.75 | 0.28x |' in report
   assert '| lm | 400 | adamw | 50 | low | 1 | 50 | 0.07 | 0.05x |' in report
+
+
+def test_sweep_leaders_rank_the_plain_runs_at_every_evaluation(tmp_path):
+  """At each evaluation step, the LR with the lowest mean over the sweep's 3 seeds (a non-finite value loses), among
+  the LRs trained on all 3; the final best is the last step's; an LR with fewer seeds is left out even where it
+  would lead."""
+  folder = str(tmp_path)
+  curves = {0.005: [3.0, float('nan'), 2.2], 0.01: [2.9, 2.6, 2.0], 0.02: [2.8, 2.7, 2.1]}
+  for lr, curve in curves.items():
+    for seed in (0, 1, 2):
+      evals = [{'step': 100 * (i + 1), 'val_bpb': v + 0.01 * seed} for i, v in enumerate(curve)]
+      _write(folder, f'grid_lr{lr}_s{seed}', {'config': _config(**{'optim.max_lr': lr, 'seed': seed}),
+                                              'val_bpb': evals[-1]['val_bpb'], 'evals': evals})
+  for seed in (0, 1):  # two seeds only: not ranked, though it leads everywhere
+    _write(folder, f'grid_lr0.04_s{seed}', {'config': _config(**{'optim.max_lr': 0.04, 'seed': seed}), 'val_bpb': 1.0,
+                                           'evals': [{'step': 100 * (i + 1), 'val_bpb': 1.0} for i in range(3)]})
+  got = cp.sweep_leaders(folder, 'adamw')
+  assert got['lrs'] == [0.005, 0.01, 0.02] and got['final_lr'] == 0.01
+  assert [(l['step'], l['lr']) for l in got['leaders']] == [(100, 0.02), (200, 0.01), (300, 0.01)]
+  report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'300': {'adamw': {
+      'climb': None, 'price': {}, 'leaders': got}}}}, False)[1], encoding='utf-8').read()
+  assert '| lm | 300 | adamw | 3 (0.005-0.02) | 0.01 | 100: 2x, 200: 1x, 300: 1x |' in report
