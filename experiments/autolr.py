@@ -214,6 +214,13 @@ VARIANT_SETTINGS = {
     # ... and with the default's windows (15 per run, at most 100 steps), on every workload (experiments.workloads).
     'open_K15': {**_K15_CAP100, **GUARD_OFF, 'hdet.settle': False, 'hdet.initial_scale': 1.0, 'hdet.trust': 1e-6,
                  'hdet.memory': 0.0, 'hdet.step_growth': 1.0},
+    # ... and its first window stretched to the end of the warmup (three and a third windows per run): the replicas
+    # part at step 0 and are first compared at 0.3 of the run, where the sweep's own plain runs, ranked, already put
+    # the final best in front in most cells (results/climb_and_price.md, "the sweep's own leader"). The first sync's
+    # ask (the fitted step, trust 5 so that it is not clipped short; later syncs are not read) says whether a
+    # comparison over the whole history points at the sweep's best.
+    'open_first30': {**_K15_CAP100, **GUARD_OFF, 'hdet.settle': False, 'hdet.initial_scale': 1.0, 'hdet.trust': 5.0,
+                     'hdet.memory': 0.0, 'hdet.step_growth': 1.0, 'syncs': 10 / 3},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

@@ -286,6 +286,34 @@ def open_turns(folder: str, optim: str) -> dict | None:
   return {'sweep_best_lr': lr, 'cells': out}
 
 
+# The probe's first window stretched to the end of the warmup (experiments.autolr's open_first30): only the first
+# sync is read, the comparison of replicas that have trained apart since step 0.
+OPEN_FIRST = re.compile(r'hdet_open_first30_(low|best|high)_s\d+\.json$')
+
+
+def first_asks(folder: str, optim: str) -> dict | None:
+  """Per start, over the open_first30 runs: the step of the first sync, the line search's fitted step there (its ask,
+  a log-LR step; the mean over runs), the LR it asks for (the start's peak LR times e^ask) over the sweep's best LR
+  (geometric mean), and the slope over its standard error (mean; negative: it wants a larger LR)."""
+  grid = _grid(folder, optim)
+  paths = sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if OPEN_FIRST.search(p))
+  if not grid or not paths:
+    return None
+  lr, _ = autolr_report.grid_best(grid)
+  cells = {}
+  for p, r in zip(paths, _load(paths)):
+    if r.get('controller'):
+      c = r['controller'][0]
+      t = c['velocities'][0] / c['stderrs'][0] if c['stderrs'][0] > 0 else 0.0
+      cells.setdefault(OPEN_FIRST.search(p).group(1), []).append(
+          (c['step'] + 1, c['asks'][0], float(r['config']['optim']['max_lr']), t))
+  out = [{'start': start, 'n': len(v), 'step': v[0][0], 'ask': float(np.mean([a for _, a, _, _ in v])),
+          'asked_lr_x': float(np.exp(np.mean([np.log(m / lr) + a for _, a, m, _ in v]))),
+          't': float(np.mean([t for *_, t in v]))}
+         for start, v in sorted(cells.items(), key=lambda kv: list(autolr.STARTS).index(kv[0]))]
+  return {'sweep_best_lr': lr, 'cells': out}
+
+
 def sweep_leaders(folder: str, optim: str) -> dict | None:
   """The sweep's own leader over its runs: among the peak LRs trained on every seed of ``autolr.SEEDS``, the one
   with the lowest mean validation metric at each of the runs' evaluation steps (non-finite: last), and the sweep's
@@ -327,11 +355,12 @@ def measure(quick: bool, work_root: str) -> dict:
       turns = window_turns(folder, optim)
       opened = open_turns(folder, optim)
       leaders = sweep_leaders(folder, optim)
-      if climb or ens or landed or fresh or turns or opened or leaders:
+      first = first_asks(folder, optim)
+      if climb or ens or landed or fresh or turns or opened or leaders or first:
         results.setdefault(w, {}).setdefault(str(steps), {})[optim] = {'climb': climb, 'price': ens,
                                                                         'landings': landed, 'fresh': fresh,
                                                                         'turns': turns, 'open': opened,
-                                                                        'leaders': leaders}
+                                                                        'leaders': leaders, 'first': first}
   return results
 
 
@@ -393,6 +422,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
   lines += _turns_table(results)
   lines += _open_table(results)
   lines += _leaders_table(results)
+  lines += _first_table(results)
   with open(mpath, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines) + '\n')
   return [jpath, mpath]
@@ -508,6 +538,26 @@ def _leaders_table(results: dict) -> list[str]:
     per = ', '.join(f'{l["step"]}: {l["lr"] / c["final_lr"]:g}x' for l in c['leaders'])
     lines.append(f'| {w} | {steps} | {optim} | {len(c["lrs"])} ({c["lrs"][0]:g}-{c["lrs"][-1]:g}) | '
                  f'{c["final_lr"]:g} | {per} |')
+  return lines
+
+
+def _first_table(results: dict) -> list[str]:
+  rows = [(w, steps, optim, c) for w, by_steps in results.items() for steps, by_optim in by_steps.items()
+          for optim, r in by_optim.items() if r.get('first') for c in r['first']['cells']]
+  if not rows:
+    return []
+  lines = ['', '## The line search over the whole history', '',
+           'The open-loop probe with its first window stretched to 0.3 of the run (`experiments.autolr`\'s '
+           '`open_first30`: the replicas part at step 0 and are first compared at the end of the warmup; trust 5, so '
+           'that the fitted step is not clipped short; only that first sync is read). Per start: the fitted step (its '
+           'ask, in log LR), the LR it asks for (the start\'s peak LR times e^ask) over the sweep\'s best, and the '
+           'slope over its standard error (negative: a larger LR wanted). A full trust region (+-5) is a fit without '
+           'an interior minimum.', '',
+           '| workload | steps | optim | start | runs | first sync at step | ask | asked LR / best | slope / se |',
+           '|---|---|---|---|---|---|---|---|---|']
+  for w, steps, optim, c in rows:
+    lines.append(f'| {w} | {steps} | {optim} | {c["start"]} | {c["n"]} | {c["step"]} | {c["ask"]:+.2f} | '
+                 f'{c["asked_lr_x"]:.2g}x | {c["t"]:+.1f} |')
   return lines
 
 

@@ -282,3 +282,28 @@ def test_sweep_leaders_rank_the_plain_runs_at_every_evaluation(tmp_path):
   report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'300': {'adamw': {
       'climb': None, 'price': {}, 'leaders': got}}}}, False)[1], encoding='utf-8').read()
   assert '| lm | 300 | adamw | 3 (0.005-0.02) | 0.01 | 100: 2x, 200: 1x, 300: 1x |' in report
+
+
+def test_first_asks_read_the_first_sync_of_the_stretched_probe(tmp_path):
+  """Per start: the first sync's step and fitted step (mean), the asked LR (start x e^ask) over the sweep's best (0.01;
+  geometric mean) and slope / se (mean); later syncs and other variants are not read."""
+  folder = str(tmp_path)
+  _write(folder, 'grid_lr0.01_s0', {'config': _config(**{'optim.max_lr': 0.01}), 'val_bpb': 2.0})
+
+  def run(start_lr, asks, slopes, seed):
+    ctl = [{'step': 120 * (i + 1) - 1, 'asks': [a], 'velocities': [b], 'stderrs': [0.5]} for i, (a, b) in
+           enumerate(zip(asks, slopes))]
+    return {'config': _config(**{'optim.max_lr': start_lr, 'seed': seed}), 'val_bpb': 2.1, 'controller': ctl}
+
+  _write(folder, 'hdet_open_first30_best_s0', run(0.01, [-0.2, 3.0], [1.0, -9.0], 0))
+  _write(folder, 'hdet_open_first30_best_s1', run(0.01, [0.1, -3.0], [-2.0, 9.0], 1))
+  _write(folder, 'hdet_open_first30_low_s0', run(0.001, [0.5], [-4.0], 0))
+  _write(folder, 'hdet_open_K15_high_s0', run(0.1, [-1.0], [4.0], 0))
+  got = cp.first_asks(folder, 'adamw')
+  assert [(c['start'], c['n'], c['step']) for c in got['cells']] == [('low', 1, 120), ('best', 2, 120)]
+  low, best = got['cells']
+  np.testing.assert_allclose([best['ask'], best['asked_lr_x'], best['t']], [-0.05, math.exp(-0.05), -1.0], rtol=1e-9)
+  np.testing.assert_allclose([low['ask'], low['asked_lr_x'], low['t']], [0.5, 0.1 * math.exp(0.5), -8.0], rtol=1e-9)
+  report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {
+      'climb': None, 'price': {}, 'first': got}}}}, False)[1], encoding='utf-8').read()
+  assert '| lm | 400 | adamw | best | 2 | 120 | -0.05 | 0.95x | -1.0 |' in report
