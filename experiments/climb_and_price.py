@@ -270,10 +270,11 @@ def open_turns(folder: str, optim: str) -> dict | None:
     return None
   lr, _ = autolr_report.grid_best(grid)
   cells = {}
-  for p, r in zip(paths, _load(paths)):
+  runs = autolr_report.distinct_runs([{**r, 'start': OPEN_LOOP.search(p).group(2)} for p, r in zip(paths, _load(paths))])
+  for r in runs:  # each run once: open_K15 at 1500 steps trains open_T100's windows
     t = open_turn(r)
     T = int(r['controller'][0]['step'] + 1) if r.get('controller') else None
-    cells.setdefault((T, OPEN_LOOP.search(p).group(2)), []).append((t, int(r['config']['num_train_steps'])))
+    cells.setdefault((T, r['start']), []).append((t, int(r['config']['num_train_steps'])))
   out = []
   for (T, start), v in sorted(cells.items(), key=lambda kv: (kv[0][0], list(autolr.STARTS).index(kv[0][1]))):
     turned = [(t, steps) for t, steps in v if t is not None]

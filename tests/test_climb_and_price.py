@@ -233,7 +233,7 @@ def test_open_turns_find_two_confident_asks_down_in_a_row(tmp_path):
   _write(folder, 'grid_lr0.01_s0', {'config': _config(**{'optim.max_lr': 0.01}), 'val_bpb': 2.0})
 
   def run(t_stats, bases, T, steps=400):
-    ctl = [{'step': T * (i + 1) - 1, 'velocities': [0.1 * t], 'stderrs': [0.1], 'base_lr': b}
+    ctl = [{'step': T * (i + 1) - 1, 'velocities': [0.1 * t], 'stderrs': [0.1], 'base_lr': b, 'window_losses': [t]}
            for i, (t, b) in enumerate(zip(t_stats, bases))]
     return {'config': _config(num_train_steps=steps), 'val_bpb': 2.1, 'controller': ctl}
 
@@ -244,6 +244,7 @@ def test_open_turns_find_two_confident_asks_down_in_a_row(tmp_path):
   _write(folder, 'hdet_open_T100_low_s0', run([1.5, 1.9, 1.9, 1.9], lrs, 100))  # never beyond 2: no turn
   _write(folder, 'hdet_open_K15_low_s0', run([3.0, 3.0], [0.0005, 0.001], 50, steps=750))  # turns at its first sync
   _write(folder, 'hdet_fit_K15_best_s0', run([3.0, 3.0], lrs, 100))  # not the probe: left out
+  _write(folder, 'hdet_open_K15_best_s2', run([-5.0, -1.0, 2.1, 2.2], lrs, 100))  # best_s2's run again: counted once
   assert cp.open_turn(json.load(open(os.path.join(folder, 'adamw', 'hdet_open_T100_best_s1.json')))) == {
       'T': 100, 'down_step': 200, 'down_lr': 0.002, 'up_step': 100, 'up_lr': 0.001}
   got = cp.open_turns(folder, 'adamw')
