@@ -56,6 +56,11 @@ def _load(paths) -> list[dict]:
   return out
 
 
+def _hdet_paths(folder: str, optim: str, pattern: re.Pattern) -> list[str]:
+  """The HDET records of ``folder/optim`` whose file name ``pattern`` matches, sorted."""
+  return sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if pattern.search(p))
+
+
 def _grid(folder: str, optim: str, seeds=autolr.SEEDS) -> dict[float, list[dict]]:
   """The sweep's records by peak LR: the seeds the sweep's best is taken over (``autolr.SEEDS``, as in
   ``results/workloads.md``), or every seed with ``seeds=None``."""
@@ -137,7 +142,7 @@ def fresh_seeds(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) 
   hdet = {}
   for start in autolr.STARTS:  # the variant's runs on the sweep's seeds and on the rerun's
     pattern = re.compile(rf'hdet_{re.escape(variant)}_{start}_s\d+\.json$')
-    runs = _load(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if pattern.search(p))
+    runs = _load(_hdet_paths(folder, optim, pattern))
     own = [r for r in runs if int(r['config']['seed']) in autolr.SEEDS]
     new = [r for r in runs if int(r['config']['seed']) in same['seeds']]
     if own or new:
@@ -168,7 +173,7 @@ def landings(folder: str, optim: str, variant: str = autolr.DEFAULT_VARIANT) -> 
   number of runs and their misses against the sweep's best (percent; a diverged run counts as +inf)."""
   grid = _grid(folder, optim)
   pattern = re.compile(rf'hdet_{re.escape(variant)}_(low|best|high)_s\d+\.json$')
-  runs = [r for r in _load(sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if pattern.search(p)))
+  runs = [r for r in _load(_hdet_paths(folder, optim, pattern))
           if int(r['config']['seed']) in autolr.SEEDS]  # the seeds of the sweep's best (fresh ones: fresh_seeds)
   if not grid or not runs:
     return None
@@ -213,7 +218,7 @@ def window_turns(folder: str, optim: str) -> dict | None:
   the sweep's seeds: the runs' sync of the turn (its range), the geometric means of the turn's and the peak's base
   LR over the sweep's best LR, and the mean miss against the sweep's best (percent; a diverged run +inf)."""
   grid = _grid(folder, optim)
-  paths = sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if WINDOW_VARIANTS.search(p))
+  paths = _hdet_paths(folder, optim, WINDOW_VARIANTS)
   runs = autolr_report.distinct_runs([{**r, 'start': WINDOW_VARIANTS.search(p).group(2)} for p, r in zip(paths, _load(paths))
                     if int(r['config']['seed']) in autolr.SEEDS])
   if not grid or not runs:
@@ -265,7 +270,7 @@ def open_turns(folder: str, optim: str) -> dict | None:
   line search turned (:func:`open_turn`), the range of the step of the turn and of its fraction of the run, and the
   geometric mean of the base LR there over the sweep's best LR."""
   grid = _grid(folder, optim)
-  paths = sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if OPEN_LOOP.search(p))
+  paths = _hdet_paths(folder, optim, OPEN_LOOP)
   if not grid or not paths:
     return None
   lr, _ = autolr_report.grid_best(grid)
@@ -297,7 +302,7 @@ def first_asks(folder: str, optim: str) -> dict | None:
   a log-LR step; the mean over runs), the LR it asks for (the start's peak LR times e^ask) over the sweep's best LR
   (geometric mean), and the slope over its standard error (mean; negative: it wants a larger LR)."""
   grid = _grid(folder, optim)
-  paths = sorted(p for p in glob.glob(os.path.join(folder, optim, 'hdet_*.json')) if OPEN_FIRST.search(p))
+  paths = _hdet_paths(folder, optim, OPEN_FIRST)
   if not grid or not paths:
     return None
   lr, _ = autolr_report.grid_best(grid)
@@ -349,20 +354,20 @@ def measure(quick: bool, work_root: str) -> dict:
   results = {}
   for w, steps, folder in folders(quick, work_root):
     for optim in workloads.WORKLOADS[w][2]:
-      climb = climb_end(folder, optim, min_runs=2 if quick else 6)
-      ens = price(folder, optim)
-      landed = landings(folder, optim)
-      fresh = fresh_seeds(folder, optim)
-      turns = window_turns(folder, optim)
-      opened = open_turns(folder, optim)
-      leaders = sweep_leaders(folder, optim)
-      first = first_asks(folder, optim)
-      if climb or ens or landed or fresh or turns or opened or leaders or first:
-        results.setdefault(w, {}).setdefault(str(steps), {})[optim] = {'climb': climb, 'price': ens,
-                                                                        'landings': landed, 'fresh': fresh,
-                                                                        'turns': turns, 'open': opened,
-                                                                        'leaders': leaders, 'first': first}
+      parts = {'climb': climb_end(folder, optim, min_runs=2 if quick else 6), 'price': price(folder, optim),
+               'landings': landings(folder, optim), 'fresh': fresh_seeds(folder, optim),
+               'turns': window_turns(folder, optim), 'open': open_turns(folder, optim),
+               'leaders': sweep_leaders(folder, optim), 'first': first_asks(folder, optim)}
+      if any(parts.values()):
+        results.setdefault(w, {}).setdefault(str(steps), {})[optim] = parts
   return results
+
+
+def _rows(results: dict, key: str, cells: bool = True) -> list[tuple]:
+  """(workload, steps, optim, item) for every cell whose ``key`` part was measured: each of its 'cells', or the
+  part itself (``cells=False``)."""
+  return [(w, steps, optim, c) for w, by_steps in results.items() for steps, by_optim in by_steps.items()
+          for optim, r in by_optim.items() if r.get(key) for c in (r[key]['cells'] if cells else [r[key]])]
 
 
 def _fmt_split(s: dict) -> str:
@@ -449,8 +454,7 @@ def _landing_table(results: dict) -> list[str]:
 
 
 def _fresh_table(results: dict) -> list[str]:
-  rows = [(w, steps, optim, r['fresh']) for w, by_steps in results.items() for steps, by_optim in by_steps.items()
-          for optim, r in by_optim.items() if r.get('fresh')]
+  rows = _rows(results, 'fresh', cells=False)
   if not rows:
     return []
   lines = ['', '## The sweep\'s best on seeds it never saw', '',
@@ -475,8 +479,7 @@ def _fresh_table(results: dict) -> list[str]:
 
 
 def _turns_table(results: dict) -> list[str]:
-  rows = [(w, steps, optim, c) for w, by_steps in results.items() for steps, by_optim in by_steps.items()
-          for optim, r in by_optim.items() if r.get('turns') for c in r['turns']['cells']]
+  rows = _rows(results, 'turns')
   if not rows:
     return []
   lines = ['', '## The climb\'s end point against the window length', '',
@@ -502,8 +505,7 @@ def _turns_table(results: dict) -> list[str]:
 
 
 def _open_table(results: dict) -> list[str]:
-  rows = [(w, steps, optim, c) for w, by_steps in results.items() for steps, by_optim in by_steps.items()
-          for optim, r in by_optim.items() if r.get('open') for c in r['open']['cells']]
+  rows = _rows(results, 'open')
   if not rows:
     return []
   lines = ['', '## The line search in open loop', '',
@@ -525,8 +527,7 @@ def _open_table(results: dict) -> list[str]:
 
 
 def _leaders_table(results: dict) -> list[str]:
-  rows = [(w, steps, optim, r['leaders']) for w, by_steps in results.items() for steps, by_optim in by_steps.items()
-          for optim, r in by_optim.items() if r.get('leaders')]
+  rows = _rows(results, 'leaders', cells=False)
   if not rows:
     return []
   lines = ['', '## The sweep\'s own leader over the run', '',
@@ -543,8 +544,7 @@ def _leaders_table(results: dict) -> list[str]:
 
 
 def _first_table(results: dict) -> list[str]:
-  rows = [(w, steps, optim, c) for w, by_steps in results.items() for steps, by_optim in by_steps.items()
-          for optim, r in by_optim.items() if r.get('first') for c in r['first']['cells']]
+  rows = _rows(results, 'first')
   if not rows:
     return []
   lines = ['', '## The line search over the whole history', '',
