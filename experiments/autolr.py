@@ -71,6 +71,10 @@ GUARD_OFF = {f'hdet.{k}': v for k, v in config_lib.GUARD_OFF.items()}
 _ROLLBACK_SE2 = {'hdet.backoff': True, 'hdet.rollback': True, 'hdet.backoff_stderrs': 2.0}
 # The default since the guard (configs/default.py's None fields, written out so its records stay its own).
 _GUARDED = {**_K15_CAP100, **_ROLLBACK_SE2, 'hdet.backoff_fraction': 0.05, 'hdet.settle': True}
+# The open-loop probe's base: the default's windows with nothing that moves the LR (a trust region of 1e-6, no
+# cautious start, guard, settling, gain or memory across syncs), so the line search only records its fits.
+_OPEN_LOOP = {**_K15_CAP100, **GUARD_OFF, 'hdet.settle': False, 'hdet.initial_scale': 1.0, 'hdet.trust': 1e-6,
+              'hdet.memory': 0.0, 'hdet.step_growth': 1.0}
 VARIANT_SETTINGS = {
     'paper': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0, **_PINNED},
     'paper_common': {'hdet.controller': 'paper', 'hdet.score': 'common', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
@@ -208,19 +212,15 @@ VARIANT_SETTINGS = {
     # sync but moves nothing (a trust region of 1e-6, no cautious start, no guard, no settling, no memory across
     # syncs), so every T sees the same schedule. At the same step, do windows of 25 / 50 / 100 / 200 steps agree on
     # which way the LR should go (the time in the run sets the turn) or not (the window sets it)?
-    **{f'open_T{t}': {**_K15_CAP100, **GUARD_OFF, 'hdet.settle': False, 'hdet.initial_scale': 1.0,
-                      'hdet.trust': 1e-6, 'hdet.memory': 0.0, 'hdet.step_growth': 1.0, 'hdet.sync_every': t}
-       for t in (25, 50, 100, 200)},
+    **{f'open_T{t}': {**_OPEN_LOOP, 'hdet.sync_every': t} for t in (25, 50, 100, 200)},
     # ... and with the default's windows (15 per run, at most 100 steps), on every workload (experiments.workloads).
-    'open_K15': {**_K15_CAP100, **GUARD_OFF, 'hdet.settle': False, 'hdet.initial_scale': 1.0, 'hdet.trust': 1e-6,
-                 'hdet.memory': 0.0, 'hdet.step_growth': 1.0},
+    'open_K15': _OPEN_LOOP,
     # ... and its first window stretched to the end of the warmup (three and a third windows per run): the replicas
     # part at step 0 and are first compared at 0.3 of the run, where the sweep's own plain runs, ranked, already put
     # the final best in front in most cells (results/climb_and_price.md, "the sweep's own leader"). The first sync's
     # ask (the fitted step, trust 5 so that it is not clipped short; later syncs are not read) says whether a
     # comparison over the whole history points at the sweep's best.
-    'open_first30': {**_K15_CAP100, **GUARD_OFF, 'hdet.settle': False, 'hdet.initial_scale': 1.0, 'hdet.trust': 5.0,
-                     'hdet.memory': 0.0, 'hdet.step_growth': 1.0, 'syncs': 10 / 3},
+    'open_first30': {**_OPEN_LOOP, 'hdet.trust': 5.0, 'syncs': 10 / 3},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}
