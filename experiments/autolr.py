@@ -221,6 +221,11 @@ VARIANT_SETTINGS = {
     # ask (the fitted step, trust 5 so that it is not clipped short; later syncs are not read) says whether a
     # comparison over the whole history points at the sweep's best.
     'open_first30': {**_OPEN_LOOP, 'hdet.trust': 5.0, 'syncs': 10 / 3},
+    # ... on a fan as wide as the LR sweep (hdet.fan='geometric', 8 replicas a factor 2 apart over 128x, centred on
+    # the start): the narrow fan's first sync has its best point within +-25% of the start from 10x low too. Does
+    # a fan wide enough to reach the sweep's best from 10x off put its best replica there, on the shared gradient?
+    'open_first30_wide': {**_OPEN_LOOP, 'hdet.trust': 5.0, 'syncs': 10 / 3, 'hdet.fan': 'geometric',
+                          'hdet.spread': math.sqrt(128.0) - 1.0},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

@@ -320,6 +320,44 @@ def first_asks(folder: str, optim: str) -> dict | None:
   return {'sweep_best_lr': lr, 'cells': out}
 
 
+# The same on a fan as wide as the sweep (open_first30_wide: 8 replicas a factor 2 apart around the start).
+OPEN_WIDE = re.compile(r'hdet_open_first30_wide_(low|best|high)_s\d+\.json$')
+
+
+def wide_fan(folder: str, optim: str) -> dict | None:
+  """Per start, over the open_first30_wide runs (the replicas log-spaced over 128x around the start, parted at step 0
+  on the shared gradient, first compared on a common batch at 0.3 of the run): the best-scoring replica's LR over the
+  sweep's best (the start's peak LR times its multiplier: geometric mean over runs, and the range), its multiplier
+  (geometric mean), how much worse the replica nearest the sweep's best LR scored than the best one (mean %), and
+  how many replicas' scores were not finite (all runs)."""
+  grid = _grid(folder, optim)
+  paths = _hdet_paths(folder, optim, OPEN_WIDE)
+  if not grid or not paths:
+    return None
+  lr, _ = autolr_report.grid_best(grid)
+  cells = {}
+  for p, r in zip(paths, _load(paths)):
+    if not r.get('controller'):
+      continue
+    c = r['controller'][0]
+    values, scores = np.asarray(c['values'][0], float), np.asarray(c['window_losses'], float)
+    rho = values / np.exp(np.mean(np.log(values)))
+    peak_x = float(r['config']['optim']['max_lr']) * rho / lr  # each replica's peak LR over the sweep's best
+    finite = np.isfinite(scores)
+    best = int(np.argmin(np.where(finite, scores, np.inf)))
+    near = int(np.argmin(np.abs(np.log(peak_x))))
+    gap = 100.0 * (scores[near] / scores[best] - 1.0) if finite[near] else math.inf
+    cells.setdefault(OPEN_WIDE.search(p).group(1), []).append(
+        (c['step'] + 1, peak_x[best], rho[best], gap, int(np.sum(~finite))))
+  geo = lambda xs: float(np.exp(np.mean(np.log(xs))))
+  out = [{'start': start, 'n': len(v), 'step': v[0][0], 'best_lr_x': geo([x for _, x, *_ in v]),
+          'best_lr_x_range': [float(min(x for _, x, *_ in v)), float(max(x for _, x, *_ in v))],
+          'best_rho': geo([r for _, _, r, _, _ in v]), 'gap_pct': float(np.mean([g for *_, g, _ in v])),
+          'nonfinite': sum(k for *_, k in v)}
+         for start, v in sorted(cells.items(), key=lambda kv: list(autolr.STARTS).index(kv[0]))]
+  return {'sweep_best_lr': lr, 'cells': out}
+
+
 def sweep_leaders(folder: str, optim: str) -> dict | None:
   """The sweep's own leader over its runs: among the peak LRs trained on every seed of ``autolr.SEEDS``, the one
   with the lowest mean validation metric at each of the runs' evaluation steps (non-finite: last), and the sweep's
@@ -357,7 +395,8 @@ def measure(quick: bool, work_root: str) -> dict:
       parts = {'climb': climb_end(folder, optim, min_runs=2 if quick else 6), 'price': price(folder, optim),
                'landings': landings(folder, optim), 'fresh': fresh_seeds(folder, optim),
                'turns': window_turns(folder, optim), 'open': open_turns(folder, optim),
-               'leaders': sweep_leaders(folder, optim), 'first': first_asks(folder, optim)}
+               'leaders': sweep_leaders(folder, optim), 'first': first_asks(folder, optim),
+               'wide': wide_fan(folder, optim)}
       if any(parts.values()):
         results.setdefault(w, {}).setdefault(str(steps), {})[optim] = parts
   return results
@@ -429,6 +468,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
   lines += _open_table(results)
   lines += _leaders_table(results)
   lines += _first_table(results)
+  lines += _wide_table(results)
   with open(mpath, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines) + '\n')
   return [jpath, mpath]
@@ -559,6 +599,28 @@ def _first_table(results: dict) -> list[str]:
   for w, steps, optim, c in rows:
     lines.append(f'| {w} | {steps} | {optim} | {c["start"]} | {c["n"]} | {c["step"]} | {c["ask"]:+.2f} | '
                  f'{c["asked_lr_x"]:.2g}x | {c["t"]:+.1f} |')
+  return lines
+
+
+def _wide_table(results: dict) -> list[str]:
+  rows = _rows(results, 'wide')
+  if not rows:
+    return []
+  lines = ['', '## A fan as wide as the sweep, compared once', '',
+           '`open_first30_wide`: `open_first30` with the replicas log-spaced over 128x around the start '
+           '(`hdet.fan = \'geometric\'`: 8 replicas a factor 2 apart, like the sweep\'s grid), parted at step 0 on the '
+           'shared gradient and first compared on a common batch at 0.3 of the run. Per start: the best-scoring '
+           'replica\'s LR over the sweep\'s best (geometric mean over runs, and the range), its multiplier of the start, '
+           'how much worse the replica nearest the sweep\'s best scored, and the replicas whose score was not finite. '
+           'A fan that brackets would put the best replica near 1x from every start; a best multiplier near 1 from '
+           'every start means the line the replicas share has its best point where the run already is.', '',
+           '| workload | steps | optim | start | runs | compared at step | best replica\'s LR / best (range) '
+           '| its multiplier | replica nearest the best: worse by | not finite |',
+           '|---|---|---|---|---|---|---|---|---|---|']
+  for w, steps, optim, c in rows:
+    lo, hi = c['best_lr_x_range']
+    lines.append(f'| {w} | {steps} | {optim} | {c["start"]} | {c["n"]} | {c["step"]} | {c["best_lr_x"]:.2g}x '
+                 f'({lo:.2g}-{hi:.2g}) | {c["best_rho"]:.2g} | {c["gap_pct"]:+.1f}% | {c["nonfinite"]} |')
   return lines
 
 

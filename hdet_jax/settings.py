@@ -173,6 +173,7 @@ class Plan(NamedTuple):
   guard_nonfinite: bool                # non-finite replicas sit the average out.
   seed: int                            # seeds the permutation key.
   average_opt_state: bool = False      # a sync averages the wrapped optimizer's state too (low-communication mode).
+  log_offsets: tuple[bool, ...] = ()   # [G] the fan is geometric: the 'fit' line search reads log rho as the offset.
 
 
 def is_learning_rate(name: str) -> bool:
@@ -193,11 +194,11 @@ def hyperparam_names(*, param_groups: dict[str, str] | None = None,
 
 def make_plan(optimizer, learning_rate, *, num_replicas, spread, sync_every, replica_axis, auto_lr,
               exact_sync, seed, explore, param_groups, guard_nonfinite, optimizer_kwargs,
-              average_opt_state=False) -> Plan:
+              average_opt_state=False, fan='linear') -> Plan:
   """Validates every ``hdet`` argument eagerly and returns the frozen plan."""
   extra = _explored(explore, optimizer_kwargs)
   groups = _param_groups(param_groups)
-  _check_replicas(num_replicas, spread, replica_axis)
+  _check_replicas(num_replicas, spread, replica_axis, fan)
   sync_windows = windows.as_windows(sync_every)
   lr = Explore(learning_rate, float(spread), low=None, high=None)
   names = hyperparam_names(param_groups=dict(groups), explore=dict(extra))
@@ -212,7 +213,8 @@ def make_plan(optimizer, learning_rate, *, num_replicas, spread, sync_every, rep
         f'got {optimizer!r}. To wrap an existing instance use lambda learning_rate: ...')
   spreads = tuple(float(h.spread) for _, h in hps)
   additive = tuple(bool(h.additive) for _, h in hps)
-  scale, offset = _spread_tables(int(num_replicas), spreads, additive)
+  geometric = tuple(fan == 'geometric' and is_learning_rate(name) for name in names)
+  scale, offset = _spread_tables(int(num_replicas), spreads, additive, geometric)
   return Plan(
       optimizer=optimizer, optimizer_kwargs=dict(optimizer_kwargs), names=names,
       schedules=tuple(h.value for _, h in hps), spreads=spreads, additive=additive, lows=lows,
@@ -220,7 +222,8 @@ def make_plan(optimizer, learning_rate, *, num_replicas, spread, sync_every, rep
       to_optimizer=tuple(h.to_optimizer for _, h in hps), scale=scale, offset=offset, groups=groups,
       num_replicas=int(num_replicas), sync_windows=sync_windows, replica_axis=replica_axis,
       auto_lr=auto_lr, **controlled, exact_sync=bool(exact_sync),
-      guard_nonfinite=bool(guard_nonfinite), seed=seed, average_opt_state=_flag('average_opt_state', average_opt_state))
+      guard_nonfinite=bool(guard_nonfinite), seed=seed, average_opt_state=_flag('average_opt_state', average_opt_state),
+      log_offsets=geometric)
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -254,10 +257,19 @@ def _param_groups(param_groups) -> tuple[tuple[str, str], ...]:
   return groups
 
 
-def _check_replicas(num_replicas, spread, replica_axis) -> None:
+FANS = ('linear', 'geometric')
+
+
+def _check_replicas(num_replicas, spread, replica_axis, fan='linear') -> None:
   if not _is_int(num_replicas) or num_replicas < 1:
     raise ValueError(f'num_replicas must be a positive integer (the replica axis size), got {num_replicas!r}.')
-  if not isinstance(spread, (int, float)) or not 0.0 <= spread < 1.0:
+  if fan not in FANS:
+    raise ValueError(f"fan must be 'linear' (eq. 1) or 'geometric' (log-spaced), got {fan!r}.")
+  if fan == 'geometric':
+    if not isinstance(spread, (int, float)) or not (math.isfinite(spread) and spread >= 0):
+      raise ValueError(f"spread must be a finite number >= 0 with fan='geometric' (the learning rates span "
+                       f"[1 / (1 + spread), 1 + spread] times the base); got {spread!r}.")
+  elif not isinstance(spread, (int, float)) or not 0.0 <= spread < 1.0:
     raise ValueError(
         f'spread (alpha) must be in [0, 1): the lowest multiplier 1 - spread must stay positive; got {spread!r}.')
   names = (replica_axis,) if isinstance(replica_axis, str) else replica_axis
@@ -407,11 +419,14 @@ def _decays(a: AutoLR, hps, firsts, finals, num_syncs: float) -> tuple[float, ..
       for (name, h), v0, v1 in zip(hps, firsts, finals))
 
 
-def _spread_tables(n: int, spreads, additive) -> tuple[np.ndarray, np.ndarray]:
-  """[G, N] multipliers rho (1 when additive) and [G, N] additive offsets (0 when multiplicative)."""
+def _spread_tables(n: int, spreads, additive, geometric=None) -> tuple[np.ndarray, np.ndarray]:
+  """[G, N] multipliers rho (1 when additive; log-spaced where ``geometric``) and [G, N] additive offsets (0 when
+  multiplicative)."""
   unit = multipliers.unit_offsets(n)
-  scale = np.asarray([np.ones(n) if add else multipliers.spread_multipliers(n, sp)
-                      for sp, add in zip(spreads, additive)], np.float32)
+  geometric = geometric or (False,) * len(spreads)
+  fans = lambda sp, geo: multipliers.geometric_multipliers(n, sp) if geo else multipliers.spread_multipliers(n, sp)
+  scale = np.asarray([np.ones(n) if add else fans(sp, geo)
+                      for sp, add, geo in zip(spreads, additive, geometric)], np.float32)
   offset = np.asarray([sp * unit if add else np.zeros(n) for sp, add in zip(spreads, additive)], np.float32)
   return scale, offset
 

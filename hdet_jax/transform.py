@@ -95,6 +95,7 @@ def hdet(
     param_groups: dict[str, str] | None = None,
     guard_nonfinite: bool = True,
     average_opt_state: bool = False,
+    fan: str = 'linear',
     **optimizer_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Hyperparameter-Divergent Ensemble Training around an optax optimizer.
@@ -172,6 +173,10 @@ def hdet(
       state's size at each sync (twice the parameters' bytes for Adam, so three times the
       sync's traffic). With the shared gradient the states are already equal and this is
       a no-op up to rounding.
+    fan: ``'linear'`` (eq. 1, ``spread`` in [0, 1)) or ``'geometric'``: the learning rates' multipliers
+      log-spaced, ``rho_r = (1 + spread) ** u_r`` over ``[1 / (1 + spread), 1 + spread]`` (any ``spread >= 0``;
+      :func:`hdet_jax.multipliers.geometric_multipliers`), a fan wide enough to bracket an LR that is off by
+      a factor of several; the 'fit' controller then fits in ``log rho``. Explored hyperparameters keep eq. 1.
     **optimizer_kwargs: passed to ``optimizer`` (e.g. ``weight_decay=0.1``).
 
   Returns:
@@ -195,7 +200,7 @@ def hdet(
       optimizer, learning_rate, num_replicas=num_replicas, spread=spread, sync_every=sync_every,
       replica_axis=replica_axis, auto_lr=auto_lr, exact_sync=exact_sync, seed=seed, explore=explore,
       param_groups=param_groups, guard_nonfinite=guard_nonfinite, optimizer_kwargs=optimizer_kwargs,
-      average_opt_state=average_opt_state)
+      average_opt_state=average_opt_state, fan=fan)
 
   def init_fn(params):
     return init(plan, params)

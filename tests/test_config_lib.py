@@ -46,7 +46,7 @@ def test_sibling_loads_the_named_config_next_to_a_file():
                                          ('hdet.early_sync_every', -1), ('hdet.early_sync_steps', 4),
                                          ('hdet.stop_fraction', -0.1), ('hdet.stop_fraction', 1.5),
                                          ('hdet.score_tail', 1.0), ('hdet.score_anneal', -0.1),
-                                         ('hdet.score_anneal', 1.5)])
+                                         ('hdet.score_anneal', 1.5), ('hdet.fan', 'log')])
 def test_check_values_names_the_field(field, value):
   config_lib.check_values(_tiny())  # the tiny config itself passes
   with pytest.raises(config_lib.ConfigError, match=field.replace('.', r'\.')) as e:
@@ -235,3 +235,17 @@ def test_longest_window_caps_the_windows_counted_per_run(steps, want):
   uncapped = config_lib.with_overrides(config, {'hdet.longest_window': 0})
   assert optimizer_lib.sync_windows(uncapped) == (round(steps / 15),)
   assert optimizer_lib.sync_windows(config_lib.with_overrides(config, {'hdet.sync_every': 250})) == (250,)
+
+
+def test_a_spread_of_1_or_more_needs_the_geometric_fan():
+  """hdet.spread >= 1 would make eq. 1's lowest multiplier <= 0: refused on the linear fan, naming hdet.fan as the way
+  out; the geometric fan takes any spread >= 0 and builds a fan a factor 1 + spread either side of the base."""
+  wide = {'hdet.spread': 10.3, 'hdet.fan': 'geometric'}
+  config_lib.check_values(config_lib.with_overrides(_tiny(), wide))
+  with pytest.raises(config_lib.ConfigError, match=r"hdet\.spread=10\.3 must be in \[0, 1\) .*hdet\.fan='geometric'"):
+    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.spread': 10.3}))
+  import jax.numpy as jnp
+  import numpy as np
+  config = config_lib.with_overrides(_tiny(), {**wide, 'hdet.spread': 128 ** 0.5 - 1, 'hdet.param_groups': False})
+  lrs = np.asarray(optimizer_lib.make_optimizer(config, 8).init({'w': jnp.zeros(3)}).values[0])
+  np.testing.assert_allclose(lrs[1:] / lrs[:-1], 2.0, rtol=1e-5)  # the trainer's replicas a factor 2 apart

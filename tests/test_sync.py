@@ -725,3 +725,35 @@ def test_settle_needs_two_asks_down_in_a_row_each_beyond_twice_its_standard_erro
   """The climb ends at the second of two asks down in a row, and only when both slopes are more than 2
   standard errors (the gain's test): either ask at 1.5 standard errors leaves it climbing."""
   assert _settle_after(ratio, noisy_sync) == [False, False, ratio > 2]
+
+
+def test_geometric_fan_spreads_the_lr_log_spaced_and_the_fit_reads_log_rho():
+  """fan='geometric': replica r trains at base * (1 + spread) ** u_r under its permutation, and the 'fit' controller
+  regresses the losses on log rho, its fitted best taken as the log-step itself (no overshoot): the numpy fit with
+  offsets log rho, additive. On the bowl at LR 1e-2 from 8x above, a fan over 64x puts replicas on both sides."""
+  S, T, spread = 30, 5, 7.0
+  sched = optax.constant_schedule(8e-2)
+  tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=spread, sync_every=T, replica_axis=AX, fan='geometric',
+              auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.0, trust=3.0, memory=0.0))
+  states = signal_run(tx, S)
+  rho = H.multipliers.geometric_multipliers(N, spread)
+  corr = 0.0
+  for k in range(1, S // T + 1):
+    before, after = states[(k - 1) * T], states[k * T]
+    np.testing.assert_allclose(before.values[0], before.base[0] * rho[before.controller.perm[0]], rtol=1e-5)
+    u = np.log(rho[before.controller.perm[0]])[:, None]
+    _, _, step, _, _ = numpy_fit(np.zeros((2, 2)), np.zeros(2), after.controller.window_losses, u, [False], 0.0,
+                                 1.0, [3.0])
+    corr += step[0]
+    np.testing.assert_allclose(after.controller.correction, [corr], rtol=1e-3, atol=1e-4)
+  # From 8x above it came down by more than 5x within the 6 syncs (the quadratic in log rho fits a bowl quadratic in
+  # the LR only roughly: it lands within 4x of the bottom, below it).
+  assert states[-1].base[0] < 0.2 * states[0].base[0] and states[-1].base[0] > 0.25e-2
+
+
+@pytest.mark.parametrize('fan,spread,match', [('log', 0.25, "fan must be 'linear'"),
+                                              ('linear', 1.5, r'spread \(alpha\) must be in \[0, 1\)'),
+                                              ('geometric', -1.0, "spread must be a finite number >= 0 with fan")])
+def test_bad_fan_names_the_parameter(fan, spread, match):
+  with pytest.raises(ValueError, match=match):
+    H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=spread, sync_every=5, replica_axis=AX, fan=fan)

@@ -26,7 +26,7 @@ QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
                   'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0,
-                  'hdet.score_anneal': 0.0,
+                  'hdet.score_anneal': 0.0, 'hdet.fan': 'linear',
                   'deterministic_gpu': True}  # (no effect without CUDA, where every record so far was made)
 
 
@@ -211,7 +211,7 @@ _RULES = (
     ('mesh.replicas', 'int', lambda v: v >= 0, 'an integer >= 0 (0: devices / mesh.fsdp)'),
     ('mesh.fsdp', 'int', lambda v: v >= 1, 'an integer >= 1 (1: no FSDP inside a group)'),
     ('mesh.tensor', 'int', lambda v: v >= 1, 'an integer >= 1 (1: no tensor parallelism inside a group)'),
-    ('hdet.spread', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('hdet.spread', 'real', lambda v: v >= 0, "a number >= 0 (in [0, 1) unless hdet.fan='geometric')"),
     ('hdet.sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: never)'),
     ('hdet.num_syncs', 'int', lambda v: v >= 0, 'an integer >= 0 (used where hdet.sync_every is 0)'),
     ('hdet.longest_window', 'int', lambda v: v >= 0, 'an integer >= 0 (0: no cap on the windows of hdet.num_syncs)'),
@@ -272,6 +272,12 @@ def check_values(config: Any) -> None:
     present, v = _get(config, field)
     if present and v not in choices:
       raise ConfigError(f'{field} must be one of {", ".join(map(repr, choices))}, got {v!r}.')
+  fan = config.hdet.get('fan', 'linear')
+  if fan not in FANS:
+    raise ConfigError(f'hdet.fan must be one of {", ".join(map(repr, FANS))}, got {fan!r}.')
+  if fan == 'linear' and config.hdet.spread >= 1:
+    raise ConfigError(f"hdet.spread={config.hdet.spread} must be in [0, 1) with hdet.fan='linear' (the lowest "
+                      "multiplier 1 - spread must stay positive); lower it, or set hdet.fan='geometric'.")
   from hdet_jax.trainer import tasks  # the task's own fields (flax: imported only here)
   try:
     tasks.get(config).check(config)
@@ -347,3 +353,4 @@ SCHEDULES = ('one_cycle', 'constant')
 CONTROLLERS = ('paper', 'fit')
 SCORES = ('window', 'common')
 AFTER_STOP = ('hold', 'rise')
+FANS = ('linear', 'geometric')

@@ -121,7 +121,7 @@ def make_optimizer(config: Any, num_replicas: int, devices: int | None = None) -
       factory, schedule(config), num_replicas=num_replicas, spread=h.spread,
       sync_every=sync_windows(config), replica_axis=replica_axis(num_replicas, devices or num_replicas), auto_lr=auto_lr_settings(config), exact_sync=True,
       seed=config.seed, param_groups=param_groups(config), explore=explored(config) or None,
-      average_opt_state=bool(h.get('average_opt_state', False)))
+      average_opt_state=bool(h.get('average_opt_state', False)), fan=h.get('fan', 'linear'))
 
 
 def auto_lr_settings(config: Any) -> H.AutoLR | None:
