@@ -74,7 +74,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.hdet.spread = 0.25  # alpha of eq. 1: the replicas' LRs span base * [1 - alpha, 1 + alpha]; 0: plain data parallel.
   # 'linear' (eq. 1) or 'geometric': the replicas' LRs log-spaced over base * [1 / (1 + alpha), 1 + alpha], any
   # alpha >= 0 (a wide fan, e.g. alpha = sqrt(128) - 1: 8 replicas a factor 2 apart, like the LR sweep's grid).
-  # For probes (experiments.autolr's open_first30_wide: does a wide fan's best replica bracket the sweep's best?).
+  # For probes: on the shared gradient the replicas lie on one line, and a wide fan's best replica follows the start,
+  # not the sweep's best (experiments/workloads_discussion.md, thirteenth pass).
   config.hdet.fan = 'linear'
   config.hdet.sync_every = 0  # T: average the replicas (eq. 3) every T steps; 0: T from hdet.num_syncs.
   # Windows counted per run where hdet.sync_every is 0: T = round(num_train_steps / K), 100 at this run's 1500

@@ -226,6 +226,11 @@ VARIANT_SETTINGS = {
     # a fan wide enough to reach the sweep's best from 10x off put its best replica there, on the shared gradient?
     'open_first30_wide': {**_OPEN_LOOP, 'hdet.trust': 5.0, 'syncs': 10 / 3, 'hdet.fan': 'geometric',
                           'hdet.spread': math.sqrt(128.0) - 1.0},
+    # ... with each replica on its own gradient (the low-communication mode: no all-reduce, so 8 runs apart on an
+    # eighth of the batch each until the first sync): on the shared gradient the replicas lie on one line, and what
+    # the comparison ranks is points of that line, not LRs. Apart, the comparison is a short sweep at batch B/8.
+    'open_first30_wide_lowcomm': {**_OPEN_LOOP, 'hdet.trust': 5.0, 'syncs': 10 / 3, 'hdet.fan': 'geometric',
+                                  'hdet.spread': math.sqrt(128.0) - 1.0, 'hdet.low_communication': True},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

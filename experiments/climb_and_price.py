@@ -321,12 +321,13 @@ def first_asks(folder: str, optim: str) -> dict | None:
 
 
 # The same on a fan as wide as the sweep (open_first30_wide: 8 replicas a factor 2 apart around the start).
-OPEN_WIDE = re.compile(r'hdet_open_first30_wide_(low|best|high)_s\d+\.json$')
+OPEN_WIDE = re.compile(r'hdet_open_first30_wide(_lowcomm)?_(low|best|high)_s\d+\.json$')
 
 
 def wide_fan(folder: str, optim: str) -> dict | None:
-  """Per start, over the open_first30_wide runs (the replicas log-spaced over 128x around the start, parted at step 0
-  on the shared gradient, first compared on a common batch at 0.3 of the run): the best-scoring replica's LR over the
+  """Per gradient (``'shared'``; ``'own'``: the ``_lowcomm`` runs, each replica on its own eighth of the batch) and
+  start, over the open_first30_wide runs (the replicas log-spaced over 128x around the start, parted at step 0, first
+  compared on a common batch at 0.3 of the run): the best-scoring replica's LR over the
   sweep's best (the start's peak LR times its multiplier: geometric mean over runs, and the range), its multiplier
   (geometric mean), how much worse the replica nearest the sweep's best LR scored than the best one (mean %), and
   how many replicas' scores were not finite (all runs)."""
@@ -347,14 +348,16 @@ def wide_fan(folder: str, optim: str) -> dict | None:
     best = int(np.argmin(np.where(finite, scores, np.inf)))
     near = int(np.argmin(np.abs(np.log(peak_x))))
     gap = 100.0 * (scores[near] / scores[best] - 1.0) if finite[near] else math.inf
-    cells.setdefault(OPEN_WIDE.search(p).group(1), []).append(
+    m = OPEN_WIDE.search(p)
+    cells.setdefault(('own' if m.group(1) else 'shared', m.group(2)), []).append(
         (c['step'] + 1, peak_x[best], rho[best], gap, int(np.sum(~finite))))
   geo = lambda xs: float(np.exp(np.mean(np.log(xs))))
-  out = [{'start': start, 'n': len(v), 'step': v[0][0], 'best_lr_x': geo([x for _, x, *_ in v]),
+  out = [{'gradients': grads, 'start': start, 'n': len(v), 'step': v[0][0], 'best_lr_x': geo([x for _, x, *_ in v]),
           'best_lr_x_range': [float(min(x for _, x, *_ in v)), float(max(x for _, x, *_ in v))],
           'best_rho': geo([r for _, _, r, _, _ in v]), 'gap_pct': float(np.mean([g for *_, g, _ in v])),
           'nonfinite': sum(k for *_, k in v)}
-         for start, v in sorted(cells.items(), key=lambda kv: list(autolr.STARTS).index(kv[0]))]
+         for (grads, start), v in sorted(cells.items(), key=lambda kv: (kv[0][0] == 'own',
+                                                                        list(autolr.STARTS).index(kv[0][1])))]
   return {'sweep_best_lr': lr, 'cells': out}
 
 
@@ -609,17 +612,18 @@ def _wide_table(results: dict) -> list[str]:
   lines = ['', '## A fan as wide as the sweep, compared once', '',
            '`open_first30_wide`: `open_first30` with the replicas log-spaced over 128x around the start '
            '(`hdet.fan = \'geometric\'`: 8 replicas a factor 2 apart, like the sweep\'s grid), parted at step 0 on the '
-           'shared gradient and first compared on a common batch at 0.3 of the run. Per start: the best-scoring '
+           'shared gradient and first compared on a common batch at 0.3 of the run; "own": `open_first30_wide_lowcomm`, '
+           'each replica on its own gradient (an eighth of the batch, no all-reduce) until then. Per start: the best-scoring '
            'replica\'s LR over the sweep\'s best (geometric mean over runs, and the range), its multiplier of the start, '
            'how much worse the replica nearest the sweep\'s best scored, and the replicas whose score was not finite. '
            'A fan that brackets would put the best replica near 1x from every start; a best multiplier near 1 from '
            'every start means the line the replicas share has its best point where the run already is.', '',
-           '| workload | steps | optim | start | runs | compared at step | best replica\'s LR / best (range) '
+           '| workload | steps | optim | gradients | start | runs | compared at step | best replica\'s LR / best (range) '
            '| its multiplier | replica nearest the best: worse by | not finite |',
-           '|---|---|---|---|---|---|---|---|---|---|']
+           '|---|---|---|---|---|---|---|---|---|---|---|']
   for w, steps, optim, c in rows:
     lo, hi = c['best_lr_x_range']
-    lines.append(f'| {w} | {steps} | {optim} | {c["start"]} | {c["n"]} | {c["step"]} | {c["best_lr_x"]:.2g}x '
+    lines.append(f'| {w} | {steps} | {optim} | {c["gradients"]} | {c["start"]} | {c["n"]} | {c["step"]} | {c["best_lr_x"]:.2g}x '
                  f'({lo:.2g}-{hi:.2g}) | {c["best_rho"]:.2g} | {c["gap_pct"]:+.1f}% | {c["nonfinite"]} |')
   return lines
 

@@ -311,7 +311,7 @@ def test_first_asks_read_the_first_sync_of_the_stretched_probe(tmp_path):
 
 
 def test_wide_fan_reads_the_best_replica_of_the_first_sync(tmp_path):
-  """Per start, over open_first30_wide runs: the best replica's peak LR (start x its multiplier, the multiplier being
+  """Per gradient and start, over open_first30_wide runs (own gradients: the _lowcomm ones): the best replica's peak LR (start x its multiplier, the multiplier being
   its LR over the fan's geometric centre) over the sweep's best (0.01), the replica nearest 0.01 scored against the
   best (%), the non-finite scores; the narrow probe's runs are not read."""
   folder = str(tmp_path)
@@ -328,9 +328,12 @@ def test_wide_fan_reads_the_best_replica_of_the_first_sync(tmp_path):
   _write(folder, 'hdet_open_first30_wide_low_s1', run(0.001, [3.0, 2.5, 2.2, 2.0, 2.1, 2.2, 2.3, 2.4], 1, base=7.0))
   _write(folder, 'hdet_open_first30_wide_best_s0', run(0.012, [2.5, 2.4, 2.3, 2.2, 2.0, 2.1, 2.2, 2.3], 0))
   _write(folder, 'hdet_open_first30_best_s0', run(0.01, [1.0] * 8, 0))
+  _write(folder, 'hdet_open_first30_wide_lowcomm_low_s0', run(0.001, [3.0, 2.9, 2.8, 2.7, 2.6, 2.5, 2.4, 2.3], 0))
   got = cp.wide_fan(folder, 'adamw')
-  assert [(c['start'], c['n'], c['step']) for c in got['cells']] == [('low', 2, 120), ('best', 1, 120)]
-  lo, best = got['cells']
+  assert [(c['gradients'], c['start'], c['n'], c['step']) for c in got['cells']] == [
+      ('shared', 'low', 2, 120), ('shared', 'best', 1, 120), ('own', 'low', 1, 120)]
+  lo, best, own = got['cells']
+  np.testing.assert_allclose([own['best_lr_x'], own['gap_pct']], [0.1 * 2 ** 3.5, 0.0], rtol=1e-9)
   # low: best replicas at 0.1 x 2**0.5 and 0.1 x 2**-0.5, geometric mean 0.1; the replica nearest the sweep's best
   # (0.1 x 2**3.5 = 1.13x) is NaN in s0 (gap inf) and scored 2.4 against 2.0 in s1.
   np.testing.assert_allclose([lo['best_lr_x'], lo['best_rho']], [0.1, 1.0], rtol=1e-9)
@@ -340,4 +343,4 @@ def test_wide_fan_reads_the_best_replica_of_the_first_sync(tmp_path):
   np.testing.assert_allclose([best['best_lr_x'], best['gap_pct']], [1.2 * 2 ** 0.5, 10.0], rtol=1e-9)
   report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {
       'climb': None, 'price': {}, 'wide': got}}}}, False)[1], encoding='utf-8').read()
-  assert '| lm | 400 | adamw | best | 1 | 120 | 1.7x (1.7-1.7) | 1.4 | +10.0% | 0 |' in report
+  assert '| lm | 400 | adamw | shared | best | 1 | 120 | 1.7x (1.7-1.7) | 1.4 | +10.0% | 0 |' in report
