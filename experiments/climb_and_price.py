@@ -324,6 +324,26 @@ def first_asks(folder: str, optim: str) -> dict | None:
 OPEN_WIDE = re.compile(r'hdet_open_first30_wide(_lowcomm)?_(low|best|high)_s\d+\.json$')
 
 
+def sweep_at(grid: dict[float, list[dict]], lr: float) -> float | None:
+  """The sweep's final metric at peak LR ``lr``: each grid point's mean over its seeds, interpolated linearly in log LR
+  between the two points around ``lr`` (inf where either is not finite); None outside the grid."""
+  pts = sorted((k, autolr_report.mean_bpb(v)) for k, v in grid.items() if v)
+  xs, x = np.log([k for k, _ in pts]), math.log(lr)
+  if x < xs[0] - 1e-9 or x > xs[-1] + 1e-9:
+    return None
+  i = int(np.clip(np.searchsorted(xs, x), 1, len(xs) - 1))
+  (x0, y0), (x1, y1) = (xs[i - 1], pts[i - 1][1]), (xs[i], pts[i][1])
+  w = float(np.clip((x - x0) / (x1 - x0), 0.0, 1.0))
+  if (w < 1 and not math.isfinite(y0)) or (w > 0 and not math.isfinite(y1)):
+    return math.inf
+  return (1 - w) * y0 + w * y1 if 0 < w < 1 else (y0 if w == 0 else y1)
+
+
+# The batch rule that carries an LR from batch B/N to B: Adam's square root (Malladi et al., 2022), SGD's linear.
+def batch_rule(optim: str, n: int) -> float:
+  return float(n) if optim == 'sgd' else math.sqrt(n)
+
+
 def wide_fan(folder: str, optim: str) -> dict | None:
   """Per gradient (``'shared'``; ``'own'``: the ``_lowcomm`` runs, each replica on its own eighth of the batch) and
   start, over the open_first30_wide runs (the replicas log-spaced over 128x around the start, parted at step 0, first
@@ -335,7 +355,7 @@ def wide_fan(folder: str, optim: str) -> dict | None:
   paths = _hdet_paths(folder, optim, OPEN_WIDE)
   if not grid or not paths:
     return None
-  lr, _ = autolr_report.grid_best(grid)
+  lr, best_val = autolr_report.grid_best(grid)
   cells = {}
   for p, r in zip(paths, _load(paths)):
     if not r.get('controller'):
@@ -349,13 +369,22 @@ def wide_fan(folder: str, optim: str) -> dict | None:
     near = int(np.argmin(np.abs(np.log(peak_x))))
     gap = 100.0 * (scores[near] / scores[best] - 1.0) if finite[near] else math.inf
     m = OPEN_WIDE.search(p)
+    scaled = peak_x[best] * batch_rule(optim, len(values)) if m.group(1) else None
+    at = sweep_at(grid, lr * scaled) if scaled else None
     cells.setdefault(('own' if m.group(1) else 'shared', m.group(2)), []).append(
-        (c['step'] + 1, peak_x[best], rho[best], gap, int(np.sum(~finite))))
+        (c['step'] + 1, peak_x[best], rho[best], gap, int(np.sum(~finite)), scaled,
+         None if at is None else 100.0 * (at / best_val - 1.0)))
   geo = lambda xs: float(np.exp(np.mean(np.log(xs))))
-  out = [{'gradients': grads, 'start': start, 'n': len(v), 'step': v[0][0], 'best_lr_x': geo([x for _, x, *_ in v]),
-          'best_lr_x_range': [float(min(x for _, x, *_ in v)), float(max(x for _, x, *_ in v))],
-          'best_rho': geo([r for _, _, r, _, _ in v]), 'gap_pct': float(np.mean([g for *_, g, _ in v])),
-          'nonfinite': sum(k for *_, k in v)}
+  def scaled(v):  # own gradients: the winner carried to the full batch, and the sweep's final there (None: off-grid)
+    if v[0][5] is None:
+      return {}
+    pct = [x[6] for x in v]
+    return {'scaled_lr_x': geo([x[5] for x in v]),
+            'sweep_at_scaled_pct': None if any(p is None for p in pct) else float(np.mean(pct))}
+  out = [{'gradients': grads, 'start': start, 'n': len(v), 'step': v[0][0], 'best_lr_x': geo([x[1] for x in v]),
+          'best_lr_x_range': [float(min(x[1] for x in v)), float(max(x[1] for x in v))],
+          'best_rho': geo([x[2] for x in v]), 'gap_pct': float(np.mean([x[3] for x in v])),
+          'nonfinite': sum(x[4] for x in v), **scaled(v)}
          for (grads, start), v in sorted(cells.items(), key=lambda kv: (kv[0][0] == 'own',
                                                                         list(autolr.STARTS).index(kv[0][1])))]
   return {'sweep_best_lr': lr, 'cells': out}
@@ -605,6 +634,13 @@ def _first_table(results: dict) -> list[str]:
   return lines
 
 
+def _fmt_scaled(c: dict) -> str:
+  if 'scaled_lr_x' not in c:
+    return '- | -'
+  pct = c['sweep_at_scaled_pct']
+  return f'{c["scaled_lr_x"]:.2g}x | ' + ('off the grid' if pct is None else f'{pct:+.1f}%')
+
+
 def _wide_table(results: dict) -> list[str]:
   rows = _rows(results, 'wide')
   if not rows:
@@ -617,14 +653,18 @@ def _wide_table(results: dict) -> list[str]:
            'replica\'s LR over the sweep\'s best (geometric mean over runs, and the range), its multiplier of the start, '
            'how much worse the replica nearest the sweep\'s best scored, and the replicas whose score was not finite. '
            'A fan that brackets would put the best replica near 1x from every start; a best multiplier near 1 from '
-           'every start means the line the replicas share has its best point where the run already is.', '',
+           'every start means the line the replicas share has its best point where the run already is. Own gradients: '
+           'the winner carried from batch B/N to B by the batch rule (Adam: x sqrt(N); SGD: x N; geometric mean over '
+           'runs) and the sweep\'s final at that LR against its best (mean over runs; each grid point\'s seed mean, '
+           'interpolated in log LR): an estimate of a plain run restarted there, not a run.', '',
            '| workload | steps | optim | gradients | start | runs | compared at step | best replica\'s LR / best (range) '
-           '| its multiplier | replica nearest the best: worse by | not finite |',
-           '|---|---|---|---|---|---|---|---|---|---|---|']
+           '| its multiplier | replica nearest the best: worse by | not finite | own: winner x batch rule | the sweep there |',
+           '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
   for w, steps, optim, c in rows:
     lo, hi = c['best_lr_x_range']
     lines.append(f'| {w} | {steps} | {optim} | {c["gradients"]} | {c["start"]} | {c["n"]} | {c["step"]} | {c["best_lr_x"]:.2g}x '
-                 f'({lo:.2g}-{hi:.2g}) | {c["best_rho"]:.2g} | {c["gap_pct"]:+.1f}% | {c["nonfinite"]} |')
+                 f'({lo:.2g}-{hi:.2g}) | {c["best_rho"]:.2g} | {c["gap_pct"]:+.1f}% | {c["nonfinite"]} | '
+                 f'{_fmt_scaled(c)} |')
   return lines
 
 

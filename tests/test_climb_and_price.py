@@ -329,11 +329,19 @@ def test_wide_fan_reads_the_best_replica_of_the_first_sync(tmp_path):
   _write(folder, 'hdet_open_first30_wide_best_s0', run(0.012, [2.5, 2.4, 2.3, 2.2, 2.0, 2.1, 2.2, 2.3], 0))
   _write(folder, 'hdet_open_first30_best_s0', run(0.01, [1.0] * 8, 0))
   _write(folder, 'hdet_open_first30_wide_lowcomm_low_s0', run(0.001, [3.0, 2.9, 2.8, 2.7, 2.6, 2.5, 2.4, 2.3], 0))
+  for lr, val in ((0.02, 2.2), (0.04, 2.6)):
+    _write(folder, f'grid_lr{lr}_s0', {'config': _config(**{'optim.max_lr': lr}), 'val_bpb': val})
   got = cp.wide_fan(folder, 'adamw')
   assert [(c['gradients'], c['start'], c['n'], c['step']) for c in got['cells']] == [
       ('shared', 'low', 2, 120), ('shared', 'best', 1, 120), ('own', 'low', 1, 120)]
   lo, best, own = got['cells']
   np.testing.assert_allclose([own['best_lr_x'], own['gap_pct']], [0.1 * 2 ** 3.5, 0.0], rtol=1e-9)
+  # Own gradients: the winner (1.13x) times sqrt(8) is 3.2x = 0.032, 0.678 of the way (in log LR) from 0.02 (2.2) to
+  # 0.04 (2.6): the sweep there 2.471, +23.6% against its best (2.0). The shared rows carry no such estimate.
+  w = math.log(1.6) / math.log(2.0)
+  np.testing.assert_allclose([own['scaled_lr_x'], own['sweep_at_scaled_pct']],
+                             [0.1 * 2 ** 3.5 * math.sqrt(8), 100 * ((2.2 + 0.4 * w) / 2.0 - 1)], rtol=1e-9)
+  assert 'scaled_lr_x' not in lo and 'scaled_lr_x' not in best
   # low: best replicas at 0.1 x 2**0.5 and 0.1 x 2**-0.5, geometric mean 0.1; the replica nearest the sweep's best
   # (0.1 x 2**3.5 = 1.13x) is NaN in s0 (gap inf) and scored 2.4 against 2.0 in s1.
   np.testing.assert_allclose([lo['best_lr_x'], lo['best_rho']], [0.1, 1.0], rtol=1e-9)
@@ -344,3 +352,15 @@ def test_wide_fan_reads_the_best_replica_of_the_first_sync(tmp_path):
   report = open(cp.write_report(str(tmp_path / 'out'), {'lm': {'400': {'adamw': {
       'climb': None, 'price': {}, 'wide': got}}}}, False)[1], encoding='utf-8').read()
   assert '| lm | 400 | adamw | shared | best | 1 | 120 | 1.7x (1.7-1.7) | 1.4 | +10.0% | 0 |' in report
+
+
+def test_sweep_at_interpolates_the_seed_means_in_log_lr():
+  """Each grid point's seed mean, linear in log LR between neighbours; exact at a point; None off the grid; inf next to
+  a diverged point; the batch rule is sqrt(N) for Adam, N for SGD."""
+  rec = lambda v: {'val_bpb': v, 'diverged_at': None}
+  grid = {0.01: [rec(2.0), rec(2.2)], 0.02: [rec(1.8)], 0.04: [rec(float('inf'))]}
+  assert cp.sweep_at(grid, 0.01) == 2.1 and cp.sweep_at(grid, 0.02) == 1.8
+  np.testing.assert_allclose(cp.sweep_at(grid, 0.01 * 2 ** 0.25), 2.1 - 0.25 * 0.3, rtol=1e-12)
+  assert cp.sweep_at(grid, 0.005) is None and cp.sweep_at(grid, 0.05) is None
+  assert cp.sweep_at(grid, 0.03) == math.inf
+  assert (cp.batch_rule('adamw', 8), cp.batch_rule('sgd', 8)) == (math.sqrt(8), 8.0)
