@@ -297,22 +297,29 @@ def open_turns(folder: str, optim: str) -> dict | None:
 OPEN_FIRST = re.compile(r'hdet_open_first30_(low|best|high)_s\d+\.json$')
 
 
+def _first_syncs(folder: str, optim: str, pattern: re.Pattern):
+  """(the sweep's records by peak LR, [(the file name's match, the record, its first sync's controller record)]) for
+  the runs ``pattern`` names that reached a sync; None without a sweep or such runs."""
+  grid = _grid(folder, optim)
+  paths = _hdet_paths(folder, optim, pattern)
+  if not grid or not paths:
+    return None
+  return grid, [(pattern.search(p), r, r['controller'][0]) for p, r in zip(paths, _load(paths)) if r.get('controller')]
+
+
 def first_asks(folder: str, optim: str) -> dict | None:
   """Per start, over the open_first30 runs: the step of the first sync, the line search's fitted step there (its ask,
   a log-LR step; the mean over runs), the LR it asks for (the start's peak LR times e^ask) over the sweep's best LR
   (geometric mean), and the slope over its standard error (mean; negative: it wants a larger LR)."""
-  grid = _grid(folder, optim)
-  paths = _hdet_paths(folder, optim, OPEN_FIRST)
-  if not grid or not paths:
+  found = _first_syncs(folder, optim, OPEN_FIRST)
+  if found is None:
     return None
+  grid, runs = found
   lr, _ = autolr_report.grid_best(grid)
   cells = {}
-  for p, r in zip(paths, _load(paths)):
-    if r.get('controller'):
-      c = r['controller'][0]
-      t = c['velocities'][0] / c['stderrs'][0] if c['stderrs'][0] > 0 else 0.0
-      cells.setdefault(OPEN_FIRST.search(p).group(1), []).append(
-          (c['step'] + 1, c['asks'][0], float(r['config']['optim']['max_lr']), t))
+  for m, r, c in runs:
+    t = c['velocities'][0] / c['stderrs'][0] if c['stderrs'][0] > 0 else 0.0
+    cells.setdefault(m.group(1), []).append((c['step'] + 1, c['asks'][0], float(r['config']['optim']['max_lr']), t))
   out = [{'start': start, 'n': len(v), 'step': v[0][0], 'ask': float(np.mean([a for _, a, _, _ in v])),
           'asked_lr_x': float(np.exp(np.mean([np.log(m / lr) + a for _, a, m, _ in v]))),
           't': float(np.mean([t for *_, t in v]))}
@@ -351,16 +358,13 @@ def wide_fan(folder: str, optim: str) -> dict | None:
   sweep's best (the start's peak LR times its multiplier: geometric mean over runs, and the range), its multiplier
   (geometric mean), how much worse the replica nearest the sweep's best LR scored than the best one (mean %), and
   how many replicas' scores were not finite (all runs)."""
-  grid = _grid(folder, optim)
-  paths = _hdet_paths(folder, optim, OPEN_WIDE)
-  if not grid or not paths:
+  found = _first_syncs(folder, optim, OPEN_WIDE)
+  if found is None:
     return None
+  grid, runs = found
   lr, best_val = autolr_report.grid_best(grid)
   cells = {}
-  for p, r in zip(paths, _load(paths)):
-    if not r.get('controller'):
-      continue
-    c = r['controller'][0]
+  for m, r, c in runs:
     values, scores = np.asarray(c['values'][0], float), np.asarray(c['window_losses'], float)
     rho = values / np.exp(np.mean(np.log(values)))
     peak_x = float(r['config']['optim']['max_lr']) * rho / lr  # each replica's peak LR over the sweep's best
@@ -368,7 +372,6 @@ def wide_fan(folder: str, optim: str) -> dict | None:
     best = int(np.argmin(np.where(finite, scores, np.inf)))
     near = int(np.argmin(np.abs(np.log(peak_x))))
     gap = 100.0 * (scores[near] / scores[best] - 1.0) if finite[near] else math.inf
-    m = OPEN_WIDE.search(p)
     scaled = peak_x[best] * batch_rule(optim, len(values)) if m.group(1) else None
     at = sweep_at(grid, lr * scaled) if scaled else None
     cells.setdefault(('own' if m.group(1) else 'shared', m.group(2)), []).append(
