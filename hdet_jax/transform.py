@@ -175,7 +175,7 @@ def hdet(
       a no-op up to rounding.
     fan: ``'linear'`` (eq. 1, ``spread`` in [0, 1)) or ``'geometric'``: the learning rates' multipliers
       log-spaced, ``rho_r = (1 + spread) ** u_r`` over ``[1 / (1 + spread), 1 + spread]`` (any ``spread >= 0``;
-      :func:`hdet_jax.multipliers.geometric_multipliers`), a fan wide enough to bracket an LR that is off by
+      :func:`hdet_jax.geometric_multipliers`), a fan wide enough to bracket an LR that is off by
       a factor of several; the 'fit' controller then fits in ``log rho``. Explored hyperparameters keep eq. 1.
     **optimizer_kwargs: passed to ``optimizer`` (e.g. ``weight_decay=0.1``).
 

@@ -736,7 +736,7 @@ def test_geometric_fan_spreads_the_lr_log_spaced_and_the_fit_reads_log_rho():
   tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=spread, sync_every=T, replica_axis=AX, fan='geometric',
               auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.0, trust=3.0, memory=0.0))
   states = signal_run(tx, S)
-  rho = H.multipliers.geometric_multipliers(N, spread)
+  rho = H.geometric_multipliers(N, spread)
   corr = 0.0
   for k in range(1, S // T + 1):
     before, after = states[(k - 1) * T], states[k * T]
