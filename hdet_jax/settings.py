@@ -419,11 +419,10 @@ def _decays(a: AutoLR, hps, firsts, finals, num_syncs: float) -> tuple[float, ..
       for (name, h), v0, v1 in zip(hps, firsts, finals))
 
 
-def _spread_tables(n: int, spreads, additive, geometric=None) -> tuple[np.ndarray, np.ndarray]:
+def _spread_tables(n: int, spreads, additive, geometric) -> tuple[np.ndarray, np.ndarray]:
   """[G, N] multipliers rho (1 when additive; log-spaced where ``geometric``) and [G, N] additive offsets (0 when
   multiplicative)."""
   unit = multipliers.unit_offsets(n)
-  geometric = geometric or (False,) * len(spreads)
   fans = lambda sp, geo: multipliers.geometric_multipliers(n, sp) if geo else multipliers.spread_multipliers(n, sp)
   scale = np.asarray([np.ones(n) if add else fans(sp, geo)
                       for sp, add, geo in zip(spreads, additive, geometric)], np.float32)

@@ -144,7 +144,7 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
   # (multiplicative) or the additive offset, under the window's permutations.
   # On a geometric fan the offset is log rho, and the fitted best is itself the log-step (no overshoot).
   add = np.asarray(plan.additive)
-  log_u = np.asarray(plan.log_offsets or (False,) * len(plan.names))
+  log_u = np.asarray(plan.log_offsets)
   rho = jnp.take_along_axis(jnp.asarray(plan.scale), c.perm, axis=1)
   u = jnp.where(add[:, None], jnp.take_along_axis(jnp.asarray(plan.offset), c.perm, axis=1),
                 jnp.where(log_u[:, None], jnp.log(rho), rho - 1.0)).T  # [N, G]
