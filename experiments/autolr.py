@@ -75,6 +75,10 @@ _GUARDED = {**_K15_CAP100, **_ROLLBACK_SE2, 'hdet.backoff_fraction': 0.05, 'hdet
 # cautious start, guard, settling, gain or memory across syncs), so the line search only records its fits.
 _OPEN_LOOP = {**_K15_CAP100, **GUARD_OFF, 'hdet.settle': False, 'hdet.initial_scale': 1.0, 'hdet.trust': 1e-6,
               'hdet.memory': 0.0, 'hdet.step_growth': 1.0}
+# ... with its first window stretched to 0.3 of the run (trust 5: the first sync's ask is not clipped short), and that
+# on a fan as wide as the sweep's grid (8 replicas a factor 2 apart, 128x).
+_FIRST30 = {**_OPEN_LOOP, 'hdet.trust': 5.0, 'syncs': 10 / 3}
+_FIRST30_WIDE = {**_FIRST30, 'hdet.fan': 'geometric', 'hdet.spread': math.sqrt(128.0) - 1.0}
 VARIANT_SETTINGS = {
     'paper': {'hdet.controller': 'paper', 'hdet.score': 'window', 'warmup': 0.5, 'hdet.stop_fraction': 1.0, **_PINNED},
     'paper_common': {'hdet.controller': 'paper', 'hdet.score': 'common', 'warmup': 0.5, 'hdet.stop_fraction': 1.0,
@@ -220,17 +224,15 @@ VARIANT_SETTINGS = {
     # the final best in front in most cells (results/climb_and_price.md, "the sweep's own leader"). The first sync's
     # ask (the fitted step, trust 5 so that it is not clipped short; later syncs are not read) says whether a
     # comparison over the whole history points at the sweep's best.
-    'open_first30': {**_OPEN_LOOP, 'hdet.trust': 5.0, 'syncs': 10 / 3},
+    'open_first30': _FIRST30,
     # ... on a fan as wide as the LR sweep (hdet.fan='geometric', 8 replicas a factor 2 apart over 128x, centred on
     # the start): the narrow fan's first sync has its best point within +-25% of the start from 10x low too. Does
     # a fan wide enough to reach the sweep's best from 10x off put its best replica there, on the shared gradient?
-    'open_first30_wide': {**_OPEN_LOOP, 'hdet.trust': 5.0, 'syncs': 10 / 3, 'hdet.fan': 'geometric',
-                          'hdet.spread': math.sqrt(128.0) - 1.0},
+    'open_first30_wide': _FIRST30_WIDE,
     # ... with each replica on its own gradient (the low-communication mode: no all-reduce, so 8 runs apart on an
     # eighth of the batch each until the first sync): on the shared gradient the replicas lie on one line, and what
     # the comparison ranks is points of that line, not LRs. Apart, the comparison is a short sweep at batch B/8.
-    'open_first30_wide_lowcomm': {**_OPEN_LOOP, 'hdet.trust': 5.0, 'syncs': 10 / 3, 'hdet.fan': 'geometric',
-                                  'hdet.spread': math.sqrt(128.0) - 1.0, 'hdet.low_communication': True},
+    'open_first30_wide_lowcomm': {**_FIRST30_WIDE, 'hdet.low_communication': True},
     # The ensemble's price: HDET with no controller (spread and average only) at the sweep's best LR.
     **{f'ensemble_a{a:g}_T{t}'.replace('.', 'p'): {**_PINNED, 'warmup': 0.0, 'hdet.auto_lr': False,
                                                    'hdet.spread': a, 'hdet.sync_every': t}

@@ -346,6 +346,35 @@ def sweep_at(grid: dict[float, list[dict]], lr: float) -> float | None:
   return (1 - w) * y0 + w * y1 if 0 < w < 1 else (y0 if w == 0 else y1)
 
 
+def _wide_run(c: dict, start_x: float) -> dict:
+  """One run's first sync (``c``; ``start_x``: its peak LR over the sweep's best): the best-scoring replica's peak LR
+  over the sweep's best and its multiplier (its LR over the fan's geometric centre), how much worse (%) the replica
+  nearest the sweep's best scored, and the non-finite scores."""
+  values, scores = np.asarray(c['values'][0], float), np.asarray(c['window_losses'], float)
+  rho = values / np.exp(np.mean(np.log(values)))
+  peak_x = start_x * rho  # each replica's peak LR over the sweep's best
+  finite = np.isfinite(scores)
+  best = int(np.argmin(np.where(finite, scores, np.inf)))
+  near = int(np.argmin(np.abs(np.log(peak_x))))
+  return {'step': c['step'] + 1, 'best_x': float(peak_x[best]), 'rho': float(rho[best]),
+          'gap': 100.0 * (scores[near] / scores[best] - 1.0) if finite[near] else math.inf,
+          'nonfinite': int(np.sum(~finite))}
+
+
+def _wide_cell(runs: list[dict]) -> dict:
+  """A start's runs (:func:`_wide_run`) summed up: geometric means of the LRs, means of the percentages."""
+  geo = lambda xs: float(np.exp(np.mean(np.log(xs))))
+  out = {'step': runs[0]['step'], 'best_lr_x': geo([r['best_x'] for r in runs]),
+         'best_lr_x_range': [min(r['best_x'] for r in runs), max(r['best_x'] for r in runs)],
+         'best_rho': geo([r['rho'] for r in runs]), 'gap_pct': float(np.mean([r['gap'] for r in runs])),
+         'nonfinite': sum(r['nonfinite'] for r in runs)}
+  if 'scaled' in runs[0]:
+    pct = [r['pct'] for r in runs]
+    out.update(scaled_lr_x=geo([r['scaled'] for r in runs]),
+               sweep_at_scaled_pct=None if None in pct else float(np.mean(pct)))
+  return out
+
+
 # The batch rule that carries an LR from batch B/N to B: Adam's square root (Malladi et al., 2022), SGD's linear.
 def batch_rule(optim: str, n: int) -> float:
   return float(n) if optim == 'sgd' else math.sqrt(n)
@@ -365,29 +394,13 @@ def wide_fan(folder: str, optim: str) -> dict | None:
   lr, best_val = autolr_report.grid_best(grid)
   cells = {}
   for m, r, c in runs:
-    values, scores = np.asarray(c['values'][0], float), np.asarray(c['window_losses'], float)
-    rho = values / np.exp(np.mean(np.log(values)))
-    peak_x = float(r['config']['optim']['max_lr']) * rho / lr  # each replica's peak LR over the sweep's best
-    finite = np.isfinite(scores)
-    best = int(np.argmin(np.where(finite, scores, np.inf)))
-    near = int(np.argmin(np.abs(np.log(peak_x))))
-    gap = 100.0 * (scores[near] / scores[best] - 1.0) if finite[near] else math.inf
-    scaled = peak_x[best] * batch_rule(optim, len(values)) if m.group(1) else None
-    at = sweep_at(grid, lr * scaled) if scaled else None
-    cells.setdefault(('own' if m.group(1) else 'shared', m.group(2)), []).append(
-        (c['step'] + 1, peak_x[best], rho[best], gap, int(np.sum(~finite)), scaled,
-         None if at is None else 100.0 * (at / best_val - 1.0)))
-  geo = lambda xs: float(np.exp(np.mean(np.log(xs))))
-  def scaled(v):  # own gradients: the winner carried to the full batch, and the sweep's final there (None: off-grid)
-    if v[0][5] is None:
-      return {}
-    pct = [x[6] for x in v]
-    return {'scaled_lr_x': geo([x[5] for x in v]),
-            'sweep_at_scaled_pct': None if any(p is None for p in pct) else float(np.mean(pct))}
-  out = [{'gradients': grads, 'start': start, 'n': len(v), 'step': v[0][0], 'best_lr_x': geo([x[1] for x in v]),
-          'best_lr_x_range': [float(min(x[1] for x in v)), float(max(x[1] for x in v))],
-          'best_rho': geo([x[2] for x in v]), 'gap_pct': float(np.mean([x[3] for x in v])),
-          'nonfinite': sum(x[4] for x in v), **scaled(v)}
+    run = _wide_run(c, float(r['config']['optim']['max_lr']) / lr)
+    if m.group(1):  # own gradients: the winner carried to the full batch, and the sweep's final there
+      run['scaled'] = run['best_x'] * batch_rule(optim, len(c['values'][0]))
+      at = sweep_at(grid, lr * run['scaled'])
+      run['pct'] = None if at is None else 100.0 * (at / best_val - 1.0)
+    cells.setdefault(('own' if m.group(1) else 'shared', m.group(2)), []).append(run)
+  out = [{'gradients': grads, 'start': start, 'n': len(v), **_wide_cell(v)}
          for (grads, start), v in sorted(cells.items(), key=lambda kv: (kv[0][0] == 'own',
                                                                         list(autolr.STARTS).index(kv[0][1])))]
   return {'sweep_best_lr': lr, 'cells': out}
