@@ -202,6 +202,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.warm_init.nu = 0.01  # nu of eq. 10: noise std is nu * ||theta_0|| / sqrt(d) (used only with init_from).
 
   config.log_every = 25  # Steps between metric flushes (JSONL, progress bar); also the NaN check interval.
+  # Log each step's gradient noise scale sums (the replicas' mean |g_r|^2 and the all-reduced |g|^2; see
+  # hdet_jax.noise_scale): one scalar all-reduce a step more. Shared-gradient runs only; trains the same either way.
+  config.log_noise_scale = False
   config.eval_every = 250  # Steps between validations of the averaged model (and one at the end); 0: only at the end.
   config.eval_windows = 512  # Validation windows per evaluation (0: the whole validation split).
   config.checkpoint_every = 500  # Steps between checkpoints (and one at the end); 0: only at the end.

@@ -213,3 +213,39 @@ def test_the_rollback_anchor_is_one_copy_per_device_in_the_groups_layout():
                           anchor, stacked)
       assert all(jax.tree.leaves(same))
       assert any('fsdp' in a.sharding.spec for a in jax.tree.leaves(anchor))
+
+
+def test_log_noise_scale_logs_the_replicas_and_the_all_reduced_squared_norms():
+  """With ``log_noise_scale`` a step also returns the replicas' mean |g_r|^2 and the all-reduced gradient's |g|^2:
+  against each replica's gradient computed apart (plain jax.grad on its own batch and parameters, the replicas
+  fanned out by two steps), and the run trains bit for bit as without the logging."""
+  from hdet_jax.trainer import tasks as tasks_lib
+  n = 8
+  out = {}
+  for flag in (False, True):
+    config = config_lib.with_overrides(config_lib.load_config_file(TINY), {'log_noise_scale': flag})
+    mesh = mesh_lib.make_mesh(n)
+    tx = optimizer_lib.make_optimizer(config, n)
+    graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
+    params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
+    batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8),
+                              config.data.seq_len, config.data.batch_size, n, seed=1)
+    step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config)
+    for t in range(3):
+      if t == 2:
+        before = jax.tree.map(np.asarray, params)
+      params, opt_state, m = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh))
+    out[flag] = (jax.tree.map(np.asarray, params), m)
+  chex.assert_trees_all_equal(out[True][0], out[False][0])
+  assert 'grad_sq' not in out[False][1]
+
+  task = tasks_lib.get(config)
+  data = batches.batch(2)
+  grads = [jax.grad(lambda p, r=r: task.losses(graphdef, p, data[r])[0])(jax.tree.map(lambda x, r=r: x[r], before))
+           for r in range(n)]
+  flat = np.stack([np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(g)]) for g in grads])
+  assert np.ptp(_tree_rows_norm(before)) > 0  # the replicas were apart
+  m = out[True][1]
+  np.testing.assert_allclose(np.asarray(m['grad_sq']), np.full(n, (flat ** 2).sum(1).mean()), rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(m['mean_grad_sq']), np.full(n, (flat.mean(0) ** 2).sum()), rtol=1e-4)
+  assert (flat ** 2).sum(1).mean() > 1.05 * (flat.mean(0) ** 2).sum()  # the two differ (the batch noise)

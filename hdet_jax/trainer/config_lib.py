@@ -16,7 +16,7 @@ import numpy as np
 RUN_FIELDS = frozenset({
     'stop_at_step', 'log_every', 'eval_every', 'eval_windows', 'checkpoint_every',
     'max_checkpoints', 'stop_on_nan', 'plots', 'progress_bar', 'num_cpu_devices',
-    'compilation_cache', 'tensorboard', 'mesh.devices', 'deterministic_gpu',
+    'compilation_cache', 'tensorboard', 'mesh.devices', 'deterministic_gpu', 'log_noise_scale',
 })
 
 

@@ -26,6 +26,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
+from hdet_jax import noise_scale as noise_lib
 from hdet_jax.replicas import match_vma
 from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer.mesh import AXIS, INNER, LOCAL, grouped, layout, replica_sharding, replicated, rules
@@ -166,12 +167,12 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
       if chunk_steps:
         batch = jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, opt_state.count % chunk_steps, keepdims=False), data)
       used = opt_state  # its values and base are what this step trains with
-      loss, updates, opt_state = _update(task, graphdef, tx, config, params, opt_state, batch, axis, shared, sync)
+      loss, updates, opt_state, noise = _update(task, graphdef, tx, config, params, opt_state, batch, axis, shared, sync)
       stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
       params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=sync)
       metrics = {
           'loss': loss, 'lrs': used.learning_rates, 'base_lr': used.base_learning_rate,
-          'values': used.values, 'bases': used.base, **_controller_metrics(opt_state.controller),
+          'values': used.values, 'bases': used.base, **_controller_metrics(opt_state.controller), **noise,
       }
       if sync:
         metrics.update(_distance_metrics(stepped, params))
@@ -188,21 +189,26 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
 
 def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, config: Any, params: Any,
             opt_state: Any, batch: Any, axis: Any, shared: bool, sync: bool) -> tuple[jax.Array, Any, Any]:
-  """One replica's (loss, updates, opt_state) of a training step on ``batch`` (the all-reduce included, if
-  ``shared``); the loss is plain cross-entropy, what the controller compares (see ``Task.losses``)."""
+  """One replica's (loss, updates, opt_state, noise) of a training step on ``batch`` (the all-reduce included, if
+  ``shared``); the loss is plain cross-entropy, what the controller compares (see ``Task.losses``). ``noise``: with
+  ``log_noise_scale`` on the shared gradient, the gradient noise scale's two sums, else empty."""
   if config is None:
     reg, smoothing = tasks_lib.Regularization(), 0.0
   else:
     reg, smoothing = regularization(config, opt_state, axis)
   (_, loss), grads = jax.value_and_grad(
       lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
+  noise = {}
   if shared:
+    local_sq = noise_lib.squared_norm(grads) if config is not None and config.get('log_noise_scale') else None
     grads = H.pmean_finite(grads, axis)  # the all-reduce, skipping replicas whose gradient is not finite
+    if local_sq is not None:  # the noise scale's two sums (hdet_jax.noise_scale): replicas' mean |g_r|^2, |g_B|^2
+      noise = {'grad_sq': H.pmean(local_sq, axis), 'mean_grad_sq': noise_lib.squared_norm(grads)}
   if config is not None and config.optim.name == 'adam_plateau':
     # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
     loss = H.pmean(loss, axis)
   updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
-  return loss, updates, opt_state
+  return loss, updates, opt_state, noise
 
 
 def _shares_gradient(config: Any) -> bool:
@@ -238,7 +244,7 @@ def _annealed(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformat
     j, batch = xs
     scale = 1.0 - j.astype(jnp.float32) / k
     st = st._replace(values=jnp.where(lr, opt_state.values * scale, opt_state.values))
-    _, updates, st = _update(task, graphdef, tx, config, p, st, batch, axis, shared, False)
+    _, updates, st, _ = _update(task, graphdef, tx, config, p, st, batch, axis, shared, False)
     return match_vma((optax.apply_updates(p, updates), st), carry), None  # (a flag the step resets is replica-invariant)
   (params, _), _ = lax.scan(body, (params, opt_state), (jnp.arange(k), batches))
   return params

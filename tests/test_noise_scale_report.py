@@ -1,0 +1,63 @@
+"""experiments/noise_scale.py: the noise scale read from a run's stored blocks, its quick run, and the report's carry."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from experiments import noise_scale as exp
+from hdet_jax import noise_scale as ns
+
+
+def _record(blocks, steps=100, b=8, big=64):
+  return {'config': {'num_train_steps': steps},
+          'noise': {'local_batch': b, 'global_batch': big, 'blocks': blocks}}
+
+
+def test_measure_noise_weights_the_blocks_within_the_window_by_their_steps():
+  blocks = [{'end': 25, 'steps': 25, 'grad_sq': 3.0, 'mean_grad_sq': 1.0},
+            {'end': 30, 'steps': 5, 'grad_sq': 9.0, 'mean_grad_sq': 2.0},
+            {'end': 55, 'steps': 25, 'grad_sq': 100.0, 'mean_grad_sq': 50.0}]
+  rec = _record(blocks)
+  # The first 0.3 of 100 steps: the first two blocks, 25 and 5 steps.
+  local, mean = (25 * 3.0 + 5 * 9.0) / 30, (25 * 1.0 + 5 * 2.0) / 30
+  trace = (local - mean) / (1 / 8 - 1 / 64)
+  assert exp.measure_noise(rec, 0.3) == pytest.approx(trace / (mean - trace / 64))
+  assert exp.measure_noise(rec, 0.2) is None  # no whole block ends by step 20
+  rec['noise']['blocks'][1]['grad_sq'] = None
+  assert exp.measure_noise(rec, 0.3) is None
+
+
+def test_the_record_keeps_block_means_of_every_steps_sums(tmp_path):
+  """make_record's blocks: the means of each 25 steps' logged sums (the last block shorter), from a metrics file."""
+  from hdet_jax.trainer import config_lib
+  config = config_lib.with_overrides(config_lib.load_config_file(exp.os.path.join(exp.REPO, 'configs', 'tiny.py')),
+                                     {'num_train_steps': 60, 'log_noise_scale': True})
+  rng = np.random.default_rng(0)
+  local, mean = rng.uniform(2, 3, 60), rng.uniform(0.5, 1, 60)
+  with open(tmp_path / 'metrics.jsonl', 'w', encoding='utf-8') as f:
+    for s in range(60):
+      f.write(json.dumps({'kind': 'train', 'step': s, 'loss': [1.0] * 8, 'bases': [[0.01]], 'values': [[0.01] * 8],
+                          'grad_sq': local[s], 'mean_grad_sq': mean[s]}) + '\n')
+  summary = {'final_val_bits_per_byte': 1.0, 'final_train_loss': 1.0, 'diverged_at': None}
+  rec = exp.make_record('adamw/noise_best_s0', config, summary, str(tmp_path), 1.0)
+  blocks = rec['noise']['blocks']
+  assert [(b['end'], b['steps']) for b in blocks] == [(25, 25), (50, 25), (60, 10)]
+  np.testing.assert_allclose([b['grad_sq'] for b in blocks], [local[:25].mean(), local[25:50].mean(), local[50:].mean()])
+  np.testing.assert_allclose([b['mean_grad_sq'] for b in blocks], [mean[:25].mean(), mean[25:50].mean(), mean[50:].mean()])
+  assert (rec['noise']['local_batch'], rec['noise']['global_batch']) == (4, 32)  # tiny: 4 windows x 8 replicas
+  want = ns.noise_scale(local.mean(), mean.mean(), 4, 32)
+  assert exp.measure_noise(rec, 1.0) == pytest.approx(want, rel=1e-9)
+
+
+def test_quick_run_records_the_sums(tmp_path):
+  exp.main(['--quick', '--workload', 'lm', '--seeds', '0', '--workdir', str(tmp_path)])
+  rec = json.loads((tmp_path / 'lm' / 'noise_records' / 'adamw' / 'noise_best_s0.json').read_text())
+  blocks = rec['noise']['blocks']
+  assert rec['config']['log_noise_scale'] is True and rec['noise']['global_batch'] == 8 * rec['noise']['local_batch']
+  assert sum(b['steps'] for b in blocks) == rec['config']['num_train_steps']
+  assert all(b['grad_sq'] > b['mean_grad_sq'] > 0 for b in blocks)  # mean |g_r|^2 >= |mean g_r|^2, always
+  assert math.isfinite(exp.measure_noise(rec, 1.0))
+  assert os.path.exists(tmp_path / 'noise_scale.md')
