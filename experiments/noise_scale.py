@@ -37,6 +37,9 @@ REPO = autolr.REPO
 # applied there could have measured; the whole run is reported beside it.
 WINDOWS = (('first 0.3', 0.3), ('whole run', 1.0))
 BLOCK = 25  # steps per stored block of the two sums (their means: any window of whole blocks can be re-read)
+# The logged sums: plain, and (Adam) preconditioned by the second moment, each the replicas' mean |g_r|^2 and |g_B|^2.
+SUMS = ('grad_sq', 'mean_grad_sq', 'pre_grad_sq', 'pre_mean_grad_sq')
+KINDS = {'plain': '', 'pre': 'pre_'}
 
 
 def run_name(optim: str, seed: int) -> str:
@@ -54,23 +57,25 @@ def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -
   for start in range(0, len(steps), BLOCK):
     chunk = [by_step[s] for s in steps[start:start + BLOCK]]
     blocks.append({'end': chunk[-1]['step'] + 1, 'steps': len(chunk),
-                   'grad_sq': records.finite_or_none(np.mean([r['grad_sq'] for r in chunk])),
-                   'mean_grad_sq': records.finite_or_none(np.mean([r['mean_grad_sq'] for r in chunk]))})
-  rec['noise'] = {'local_batch': int(config.data.batch_size), 'global_batch': int(config.data.batch_size) * int(
-      config.hdet.num_replicas or 8), 'blocks': blocks}
+                   **{k: records.finite_or_none(np.mean([r[k] for r in chunk])) for k in SUMS if k in chunk[0]}})
+  if blocks:
+    rec['noise'] = {'local_batch': int(config.data.batch_size), 'global_batch': int(config.data.batch_size) * int(
+        config.hdet.num_replicas or 8), 'blocks': blocks}
   return rec
 
 
-def measure_noise(rec: dict, fraction: float) -> float | None:
-  """``B_noise`` of a record over its blocks ending by ``fraction`` of the run (None: none there, or not finite)."""
+def measure_noise(rec: dict, fraction: float, kind: str = 'plain') -> float | None:
+  """``B_noise`` of a record over its blocks ending by ``fraction`` of the run, from its plain or (``kind='pre'``)
+  its Adam-preconditioned sums (None: none there, or not finite)."""
   n = rec['noise']
   steps = rec['config']['num_train_steps']
+  local_key, mean_key = KINDS[kind] + 'grad_sq', KINDS[kind] + 'mean_grad_sq'
   blocks = [b for b in n['blocks'] if b['end'] <= fraction * steps + 1e-9]
-  if not blocks or any(b['grad_sq'] is None or b['mean_grad_sq'] is None for b in blocks):
+  if not blocks or any(b.get(local_key) is None or b.get(mean_key) is None for b in blocks):
     return None
   w = np.asarray([b['steps'] for b in blocks], float)
-  local = float(np.sum(w * [b['grad_sq'] for b in blocks]) / w.sum())
-  mean = float(np.sum(w * [b['mean_grad_sq'] for b in blocks]) / w.sum())
+  local = float(np.sum(w * [b[local_key] for b in blocks]) / w.sum())
+  mean = float(np.sum(w * [b[mean_key] for b in blocks]) / w.sum())
   return noise_lib.noise_scale(local, mean, n['local_batch'], n['global_batch'])
 
 
@@ -89,13 +94,14 @@ def cell_report(noise_recs: list[dict], folder: str, optim: str) -> dict | None:
   big, small = n['global_batch'], n['local_batch']
   replicas = big // small
   out = {'global_batch': big, 'local_batch': small, 'seeds': len(noise_recs), 'windows': {}}
-  for label, fraction in WINDOWS:
-    b = [measure_noise(r, fraction) for r in noise_recs]
-    b = [x for x in b if x is not None and math.isfinite(x) and x > 0]
-    if b:
-      geo = float(np.exp(np.mean(np.log(b))))
-      out['windows'][label] = {'b_noise': geo, 'range': [min(b), max(b)],
-                               'factor': noise_lib.batch_factor(geo, big, replicas, rule(optim))}
+  for kind in KINDS:
+    for label, fraction in WINDOWS:
+      b = [measure_noise(r, fraction, kind) for r in noise_recs]
+      b = [x for x in b if x is not None and math.isfinite(x) and x > 0]
+      if b:
+        geo = float(np.exp(np.mean(np.log(b))))
+        out['windows'][label if kind == 'plain' else f'{label}, preconditioned'] = {
+            'b_noise': geo, 'range': [min(b), max(b)], 'factor': noise_lib.batch_factor(geo, big, replicas, rule(optim))}
   found = climb_and_price._first_syncs(folder, optim, climb_and_price.OPEN_WIDE)  # pylint: disable=protected-access
   if found is None:
     return out
@@ -152,22 +158,111 @@ def run_cell(workload: str, steps: int, optim: str, seeds, quick: bool, work_roo
   return out
 
 
+def small_name(optim: str, lr: float, seed: int) -> str:
+  return f'{optim}/small_lr{lr:g}_s{seed}'
+
+
+def run_small(workload: str, steps: int, optim: str, seeds, quick: bool, work_root: str,
+              train: bool) -> dict[float, list[dict]]:
+  """The plain sweep at batch B/N (``data.batch_size`` divided by the N replicas; everything else the sweep's): the
+  grid on the first seed, the other seeds on its best and the two neighbours. Returns the records by peak LR."""
+  from hdet_jax.trainer import config_lib
+  cache = noise_cache(workload, steps, quick, work_root)
+  init_from = workloads.pretrained(work_root, quick) if workload == 'finetune' and train else None
+  plain_extra = {'warm_init.nu': 0.0} if workload == 'finetune' else {}
+  lrs = (autolr.QUICK_GRIDS if quick else autolr.GRIDS)[optim]
+  base = workloads.base_config(workload, steps, quick)
+  replicas = int(base.hdet.num_replicas or 8)
+  if base.data.batch_size % replicas and not quick:  # (quick: the tiny batch's floor, at least one)
+    raise ValueError(f'data.batch_size={base.data.batch_size} does not divide by the {replicas} replicas.')
+
+  def get(lr, seed):
+    name = small_name(optim, lr, seed)
+    if not train:
+      return cache.get(name)
+    o = {**autolr.run_overrides('grid', optim, lr, seed, steps), **plain_extra,
+         'data.batch_size': max(1, base.data.batch_size // replicas)}
+    if quick:
+      o.pop('hdet.sync_every', None)
+    return cache.run(name, config_lib.with_overrides(workloads.base_config(workload, steps, quick, init_from), o),
+                     skip_busy=True)
+  grid = {}
+  for i, seed in enumerate(seeds):
+    if i == 0:
+      todo = lrs
+    else:
+      first = {lr: [grid[lr][0]] for lr in lrs if grid.get(lr)}
+      if len(first) < len(lrs):
+        break  # (the first seed's grid is not complete: another worker has it)
+      k = lrs.index(autolr_report.grid_best(first)[0])
+      todo = lrs[max(0, k - 1):k + 2]
+    for lr in todo:
+      rec = get(lr, seed)
+      if rec is not None:
+        grid.setdefault(lr, []).append(rec)
+  return grid
+
+
+def optimum(grid: dict[float, list[dict]]) -> dict | None:
+  """The sweep's best peak LR: the grid point with the lowest seed mean (over the seeds every point of the three
+  around it has) and the vertex of the parabola in log LR through those three means (kept between the outer two;
+  the grid point where a neighbour is missing or not finite, or the parabola opens downward)."""
+  if not grid:
+    return None
+  lrs = sorted(grid)
+  means = {lr: autolr_report.mean_bpb(grid[lr]) for lr in lrs}
+  k = lrs.index(min(lrs, key=lambda lr: means[lr]))
+  out = {'grid_lr': lrs[k], 'lr': lrs[k], 'value': means[lrs[k]], 'seeds': len(grid[lrs[k]])}
+  if 0 < k < len(lrs) - 1:
+    x = np.log(lrs[k - 1:k + 2])
+    y = np.asarray([means[lr] for lr in lrs[k - 1:k + 2]])
+    if np.all(np.isfinite(y)):
+      a, b, _ = np.polyfit(x, y, 2)
+      if a > 0:
+        out['lr'] = float(np.exp(np.clip(-b / (2 * a), x[0], x[2])))
+  return out
+
+
+def small_report(small: dict[float, list[dict]], folder: str, optim: str, cell: dict) -> dict | None:
+  """The whole-run factor lr*(B) / lr*(B/N) (each sweep's :func:`optimum`, the parabola's vertex), against the
+  batch rule, the noise rules' predictions and the own-gradient winners' implied factor."""
+  big, little = optimum(climb_and_price._grid(folder, optim)), optimum(small)  # pylint: disable=protected-access
+  if big is None or little is None:
+    return None
+  return {'b': big, 'b_over_n': little, 'factor': big['lr'] / little['lr'],
+          'grid_factor': big['grid_lr'] / little['grid_lr'], 'runs': sum(len(v) for v in small.values()),
+          'grid': {f'{lr:g}': autolr_report.mean_bpb(rs) for lr, rs in sorted(small.items())}}
+
+
 def measure(args, work_root: str) -> dict:
   results = {}
   for w in args.workload:
     for steps in (args.steps or workloads.lengths(w, args.quick)):
       for optim in workloads.WORKLOADS[w][2]:
-        recs = run_cell(w, steps, optim, args.seeds, args.quick, work_root, train=not args.report_only)
+        recs = run_cell(w, steps, optim, args.seeds, args.quick, work_root,
+                        train='noise' in args.stages and not args.report_only)
         folder = workloads.records_dir(w, steps, args.quick, work_root)
         cell = cell_report(recs, folder, optim)
         if cell:
           cell['same_as_sweep'] = [r['same_as_sweep'] for r in recs]
+          if 'small' in args.stages and steps == (workloads.lengths(w, True)[0] if args.quick else
+                                                  workloads.WORKLOADS[w][1]):
+            cell['small_batch'] = small_report(run_small(w, steps, optim, args.seeds, args.quick, work_root,
+                                                         train=not args.report_only), folder, optim, cell)
           results.setdefault(w, {}).setdefault(str(steps), {})[optim] = cell
   return results
 
 
 def _fmt_pct(p) -> str:
   return 'off the grid' if p is None else f'{p:+.1f}%'
+
+
+_LABELS = ('first 0.3', 'whole run', 'first 0.3, preconditioned', 'whole run, preconditioned')
+
+
+def _cells(results: dict):
+  return [(w, steps, optim, c) for w, by_steps in results.items()
+          for steps, by_optim in sorted(by_steps.items(), key=lambda kv: int(kv[0])) for optim, c in by_optim.items()]
 
 
 def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
@@ -177,36 +272,65 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
     json.dump(results, f, indent=1, sort_keys=True)
   lines = ['# The gradient noise scale and the batch factor', '',
            f'Generated by `python -m experiments.noise_scale{" --quick" if quick else ""}`; the reading is in '
-           '`experiments/workloads_discussion.md` (fourteenth pass). B_noise: the simple noise scale (tr Sigma / |G|^2, '
-           'from the replicas\' own and the all-reduced gradients: `hdet_jax.noise_scale`) along plain data-parallel '
-           'runs at the sweep\'s anchor, in the batch\'s units (LM: windows; mnist1d: examples), over the first 0.3 '
-           'of the run and over all of it (geometric mean over seeds, and the range). "implied": the sweep\'s best '
-           'over the own-gradient winner at 0.3 of the run (`open_first30_wide_lowcomm`, from 10x low and the best; '
-           'geometric mean over runs). "predicted": lr*(B) / lr*(B/N) from B_noise (Adam: Li et al. 2024; SGD: '
-           'McCandlish et al. 2018). "sweep there": the sweep\'s final at the winner times the factor, against its '
-           'best (each grid point\'s seed mean interpolated in log LR; mean over runs): an estimate of a plain run '
-           'restarted there, not a run. "same as the sweep": the logging runs ended bit for bit as the sweep\'s runs '
-           'of the same config.', '',
-           '| workload | steps | optim | B | B_noise, first 0.3 (range) | B_noise, whole run | implied factor | '
-           'x sqrt(N) or N: sweep there | predicted factor (first 0.3): sweep there | predicted (whole run): sweep there '
-           '| same as the sweep |',
-           '|---|---|---|---|---|---|---|---|---|---|---|']
-  for w, by_steps in results.items():
-    for steps, by_optim in sorted(by_steps.items(), key=lambda kv: int(kv[0])):
-      for optim, c in by_optim.items():
-        ws = c['windows']
-        first, whole = ws.get('first 0.3'), ws.get('whole run')
-        fmt_b = lambda x: '-' if x is None else f'{x["b_noise"]:.3g} ({x["range"][0]:.3g}-{x["range"][1]:.3g})'
-        fmt_p = lambda x: '-' if x is None or 'sweep_pct' not in x else f'{x["factor"]:.2f}: {_fmt_pct(x["sweep_pct"])}'
-        rule_cell = ('-' if 'batch_rule' not in c else
-                     f'{c["batch_rule"]["factor"]:.2f}: {_fmt_pct(c["batch_rule"]["sweep_pct"])}')
-        same = c.get('same_as_sweep', [])
-        lines.append(f'| {w} | {steps} | {optim} | {c["global_batch"]} | {fmt_b(first)} | {fmt_b(whole)} | '
-                     f'{c.get("implied_factor", float("nan")):.2f} | {rule_cell} | {fmt_p(first)} | {fmt_p(whole)} | '
-                     f'{sum(1 for s in same if s)} of {len(same)} |')
+           '`experiments/workloads_discussion.md` (fourteenth pass).', '',
+           '## The noise scale along the sweep\'s runs', '',
+           'B_noise: the simple noise scale (tr Sigma / |G|^2, from the replicas\' own and the all-reduced gradients: '
+           '`hdet_jax.noise_scale`), in the batch\'s units (LM and fine-tuning: windows; mnist1d: examples), along '
+           'plain data-parallel runs at the sweep\'s anchor (`log_noise_scale` on), over the first 0.3 of the run and '
+           'over all of it; "preconditioned": the same of the gradients divided as Adam\'s update divides them '
+           '(`g / (sqrt(nu) + 1e-8)`). Geometric mean over seeds (range). "same as the sweep": the logging runs '
+           'ended bit for bit as the sweep\'s runs of the same config.', '',
+           '| workload | steps | optim | B | B_noise, first 0.3 | whole run | preconditioned, first 0.3 | whole run '
+           '| same as the sweep |', '|---|---|---|---|---|---|---|---|---|']
+  fmt_b = lambda x: '-' if x is None else f'{x["b_noise"]:.3g} ({x["range"][0]:.3g}-{x["range"][1]:.3g})'
+  for w, steps, optim, c in _cells(results):
+    same = c.get('same_as_sweep', [])
+    lines.append(f'| {w} | {steps} | {optim} | {c["global_batch"]} | '
+                 + ' | '.join(fmt_b(c['windows'].get(k)) for k in _LABELS) + f' | {sum(1 for s in same if s)} of {len(same)} |')
+  lines += ['', '## The factor from B/N to B, and where it carries the winners', '',
+            '"implied": the sweep\'s best over the own-gradient winner at 0.3 of the run (`open_first30_wide_lowcomm`, '
+            'from 10x low and the best; geometric mean over runs). Each rule\'s factor lr*(B) / lr*(B/N): the batch '
+            'rule (Adam sqrt(N), SGD N); from B_noise (Adam-style: Li et al. 2024, lr* ~ 1 / (sqrt(B_noise / B) + '
+            'sqrt(B / B_noise)); SGD: McCandlish et al. 2018, lr* ~ 1 / (1 + B_noise / B)). After the colon: the '
+            'sweep\'s final at the winner times that factor, against its best (each grid point\'s seed mean '
+            'interpolated in log LR; mean over runs): an estimate of a plain run restarted there, not a run.', '',
+            '| workload | steps | optim | implied | batch rule | B_noise, first 0.3 | whole run | preconditioned, '
+            'first 0.3 | whole run |', '|---|---|---|---|---|---|---|---|---|']
+  fmt_p = lambda x: '-' if x is None else f'{x["factor"]:.2f}' + (
+      f': {_fmt_pct(x["sweep_pct"])}' if 'sweep_pct' in x else '')
+  for w, steps, optim, c in _cells(results):
+    implied = f'{c["implied_factor"]:.2f}' if 'implied_factor' in c else '-'
+    lines.append(f'| {w} | {steps} | {optim} | {implied} | {fmt_p(c.get("batch_rule"))} | '
+                 + ' | '.join(fmt_p(c['windows'].get(k)) for k in _LABELS) + ' |')
+  lines += _small_table(results)
   with open(mpath, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines) + '\n')
   return [jpath, mpath]
+
+
+def _small_table(results: dict) -> list[str]:
+  rows = [r for r in _cells(results) if r[3].get('small_batch')]
+  if not rows:
+    return []
+  lines = ['', '## The factor from whole runs at B/N', '',
+           'The plain sweep again at batch B/N (each replica on an Nth of its batch: `data.batch_size / N`; the same '
+           'grid, steps and schedule; the first seed on every point, the others on its best and the two neighbours), '
+           'at each workload\'s default length. Each sweep\'s best peak LR is the vertex of the parabola in log LR '
+           'through its best seed mean and the two neighbours (in brackets the grid point). "whole runs": the '
+           'factor between the two sweeps\' bests, free of the comparison\'s horizon; beside it the batch rule, the '
+           'noise rules from B_noise (first 0.3 / whole run) and the own-gradient winners\' implied factor.', '',
+           '| workload | steps | optim | best at B (grid point) | best at B/N (grid point), runs | factor, whole runs | '
+           'batch rule | noise rule: first 0.3 / whole run / preconditioned first 0.3 / whole run | implied by the '
+           'winners at 0.3 |',
+           '|---|---|---|---|---|---|---|---|---|']
+  for w, steps, optim, c in rows:
+    sb, ws = c['small_batch'], c['windows']
+    noise = ' / '.join('-' if k not in ws else f'{ws[k]["factor"]:.2f}' for k in _LABELS)
+    implied = f'{c["implied_factor"]:.2f}' if 'implied_factor' in c else '-'
+    lines.append(f'| {w} | {steps} | {optim} | {sb["b"]["lr"]:.3g} ({sb["b"]["grid_lr"]:g}) | {sb["b_over_n"]["lr"]:.3g} '
+                 f'({sb["b_over_n"]["grid_lr"]:g}), {sb["runs"]} | {sb["factor"]:.2f} | '
+                 f'{c.get("batch_rule", {}).get("factor", float("nan")):.2f} | {noise} | {implied} |')
+  return lines
 
 
 def main(argv=None):
@@ -215,6 +339,8 @@ def main(argv=None):
   p.add_argument('--steps', default='', help='comma-separated run lengths (default: each workload\'s three)')
   p.add_argument('--seeds', default='0,1,2', help='comma-separated seeds')
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny configs, 16 steps')
+  p.add_argument('--stages', default='noise,small', help='noise: the sweep\'s runs at its anchor with the sums '
+                 'logged (every length); small: the plain sweep at batch B/N (each workload\'s default length)')
   p.add_argument('--report-only', action='store_true', help='train nothing; redraw the report from the records')
   p.add_argument('--workdir', default=None, help='the workloads work root (default workdirs/workloads[_quick])')
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -224,6 +350,9 @@ def main(argv=None):
     p.error(f'--workload: {bad} not among {list(workloads.WORKLOADS)}')
   args.steps = [int(s) for s in args.steps.split(',') if s]
   args.seeds = [int(s) for s in args.seeds.split(',') if s]
+  args.stages = {x for x in args.stages.split(',') if x}
+  if args.stages - {'noise', 'small'}:
+    p.error(f'--stages: {sorted(args.stages - {"noise", "small"})} not among noise, small')
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
   from hdet_jax.trainer import trainer
   trainer.setup_jax(workloads.base_config('lm', 16, args.quick))  # 8 CPU devices, as the sweep's runs had

@@ -26,6 +26,11 @@ def test_measure_noise_weights_the_blocks_within_the_window_by_their_steps():
   trace = (local - mean) / (1 / 8 - 1 / 64)
   assert exp.measure_noise(rec, 0.3) == pytest.approx(trace / (mean - trace / 64))
   assert exp.measure_noise(rec, 0.2) is None  # no whole block ends by step 20
+  assert exp.measure_noise(rec, 0.3, 'pre') is None  # (no preconditioned sums in these blocks)
+  for blk in blocks:
+    blk['pre_grad_sq'], blk['pre_mean_grad_sq'] = 2 * blk['grad_sq'], blk['mean_grad_sq']
+  pre_trace = (2 * local - mean) / (1 / 8 - 1 / 64)
+  assert exp.measure_noise(rec, 0.3, 'pre') == pytest.approx(pre_trace / (mean - pre_trace / 64))
   rec['noise']['blocks'][1]['grad_sq'] = None
   assert exp.measure_noise(rec, 0.3) is None
 
@@ -59,5 +64,24 @@ def test_quick_run_records_the_sums(tmp_path):
   assert rec['config']['log_noise_scale'] is True and rec['noise']['global_batch'] == 8 * rec['noise']['local_batch']
   assert sum(b['steps'] for b in blocks) == rec['config']['num_train_steps']
   assert all(b['grad_sq'] > b['mean_grad_sq'] > 0 for b in blocks)  # mean |g_r|^2 >= |mean g_r|^2, always
+  assert all(b['pre_grad_sq'] > b['pre_mean_grad_sq'] > 0 for b in blocks)  # (AdamW: preconditioned too)
+  pre = exp.measure_noise(rec, 1.0, 'pre')  # (inf where the preconditioned signal's estimate is not positive)
+  assert pre is not None and pre > 0 and pre != exp.measure_noise(rec, 1.0)
   assert math.isfinite(exp.measure_noise(rec, 1.0))
   assert os.path.exists(tmp_path / 'noise_scale.md')
+  # The small-batch sweep: the quick grid on seed 0, one window per replica.
+  small = sorted(os.listdir(tmp_path / 'lm' / 'noise_records' / 'adamw'))
+  assert small == ['noise_best_s0.json', 'small_lr0.003_s0.json', 'small_lr0.03_s0.json'], small
+  rec = json.loads((tmp_path / 'lm' / 'noise_records' / 'adamw' / 'small_lr0.03_s0.json').read_text())
+  assert rec['config']['data']['batch_size'] == 1 and 'noise' not in rec
+
+
+def test_optimum_is_the_parabolas_vertex_in_log_lr():
+  lrs = [0.01 * 2.0 ** k for k in range(6)]
+  value = lambda lr: 1.0 + (math.log(lr) - math.log(0.05)) ** 2  # a parabola in log LR with its vertex at 0.05
+  grid = {lr: [{'val_bpb': value(lr), 'diverged_at': None}] for lr in lrs}
+  got = exp.optimum(grid)
+  assert got['grid_lr'] == 0.04 and got['lr'] == pytest.approx(0.05, rel=1e-9)
+  grid[0.08] = [{'val_bpb': None, 'diverged_at': 10}]  # a neighbour diverged: the grid point
+  assert exp.optimum(grid)['lr'] == 0.04
+  assert exp.optimum({0.01: grid[0.01]})['lr'] == 0.01

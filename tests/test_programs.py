@@ -223,7 +223,8 @@ def test_log_noise_scale_logs_the_replicas_and_the_all_reduced_squared_norms():
   n = 8
   out = {}
   for flag in (False, True):
-    config = config_lib.with_overrides(config_lib.load_config_file(TINY), {'log_noise_scale': flag})
+    config = config_lib.with_overrides(config_lib.load_config_file(TINY), {'log_noise_scale': flag,
+                                                                           'hdet.param_groups': False})
     mesh = mesh_lib.make_mesh(n)
     tx = optimizer_lib.make_optimizer(config, n)
     graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
@@ -235,7 +236,7 @@ def test_log_noise_scale_logs_the_replicas_and_the_all_reduced_squared_norms():
       if t == 2:
         before = jax.tree.map(np.asarray, params)
       params, opt_state, m = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh))
-    out[flag] = (jax.tree.map(np.asarray, params), m)
+    out[flag] = (jax.tree.map(np.asarray, params), m, opt_state)
   chex.assert_trees_all_equal(out[True][0], out[False][0])
   assert 'grad_sq' not in out[False][1]
 
@@ -249,3 +250,12 @@ def test_log_noise_scale_logs_the_replicas_and_the_all_reduced_squared_norms():
   np.testing.assert_allclose(np.asarray(m['grad_sq']), np.full(n, (flat ** 2).sum(1).mean()), rtol=1e-4)
   np.testing.assert_allclose(np.asarray(m['mean_grad_sq']), np.full(n, (flat.mean(0) ** 2).sum()), rtol=1e-4)
   assert (flat ** 2).sum(1).mean() > 1.05 * (flat.mean(0) ** 2).sum()  # the two differ (the batch noise)
+  # Preconditioned as Adam's update divides them: by sqrt(nu) + 1e-8, nu the second moment after this step.
+  import optax
+  row = lambda tree: jax.tree.map(lambda x: np.asarray(x)[0], tree)
+  state = programs_lib.unpack(tx, row(out[True][0]), row(out[True][2]))
+  (_, nu), = optax.tree_utils.tree_get_all_with_path(state, 'nu')
+  scale = np.concatenate([np.ravel(1.0 / (np.sqrt(np.asarray(v, np.float64)) + 1e-8)) for v in jax.tree.leaves(nu)])
+  pre = flat * scale
+  np.testing.assert_allclose(np.asarray(m['pre_grad_sq']), np.full(n, (pre ** 2).sum(1).mean()), rtol=1e-3)
+  np.testing.assert_allclose(np.asarray(m['pre_mean_grad_sq']), np.full(n, (pre.mean(0) ** 2).sum()), rtol=1e-3)

@@ -198,17 +198,30 @@ def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformatio
     reg, smoothing = regularization(config, opt_state, axis)
   (_, loss), grads = jax.value_and_grad(
       lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
-  noise = {}
+  logs_noise = shared and config is not None and bool(config.get('log_noise_scale'))
+  local = grads
   if shared:
-    local_sq = noise_lib.squared_norm(grads) if config is not None and config.get('log_noise_scale') else None
     grads = H.pmean_finite(grads, axis)  # the all-reduce, skipping replicas whose gradient is not finite
-    if local_sq is not None:  # the noise scale's two sums (hdet_jax.noise_scale): replicas' mean |g_r|^2, |g_B|^2
-      noise = {'grad_sq': H.pmean(local_sq, axis), 'mean_grad_sq': noise_lib.squared_norm(grads)}
   if config is not None and config.optim.name == 'adam_plateau':
     # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
     loss = H.pmean(loss, axis)
   updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
-  return loss, updates, opt_state, noise
+  return loss, updates, opt_state, (_noise_sums(local, grads, opt_state, axis) if logs_noise else {})
+
+
+def _noise_sums(local: Any, shared: Any, opt_state: Any, axis: Any) -> dict:
+  """The gradient noise scale's sums (``hdet_jax.noise_scale``): the replicas' mean ``|g_r|^2`` and the all-reduced
+  ``|g_B|^2``; with an Adam second moment in the state (one ``nu`` shaped as the gradient), the same of the gradients
+  preconditioned as that step's update divides them, ``g / (sqrt(nu) + 1e-8)`` (McCandlish et al. 2018, app. A: for
+  Adam the noise that matters is the preconditioned gradient's)."""
+  out = {'grad_sq': H.pmean(noise_lib.squared_norm(local), axis), 'mean_grad_sq': noise_lib.squared_norm(shared)}
+  found = optax.tree_utils.tree_get_all_with_path(opt_state, 'nu')
+  if len(found) == 1 and jax.tree.structure(found[0][1]) == jax.tree.structure(shared):
+    scale = jax.tree.map(lambda v: 1.0 / (jnp.sqrt(v.astype(jnp.float32)) + 1e-8), found[0][1])
+    pre = lambda g: jax.tree.map(lambda x, w: x * w, g, scale)
+    out.update(pre_grad_sq=H.pmean(noise_lib.squared_norm(pre(local)), axis),
+               pre_mean_grad_sq=noise_lib.squared_norm(pre(shared)))
+  return out
 
 
 def _shares_gradient(config: Any) -> bool:
