@@ -25,12 +25,13 @@ from benchmarks.probe_cost import _cost, _default_config, _median_times  # noqa:
 def _programs():
   """({name: compiled step}, {name: a call running it once to completion}), without and with the logging."""
   from hdet_jax.trainer import input_pipeline, model as model_lib, mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
-  n = jax.device_count()
-  mesh = mesh_lib.make_mesh(n)
+  n = 8  # replicas: one per device on 8 (CPU) devices, all 8 under vmap on one GPU (the trainer's per-device mode)
+  devices = min(n, jax.device_count())
+  mesh = mesh_lib.make_mesh(n, devices=devices)
   programs, states, data = {}, {}, None
   for flag in (False, True):
     config = _default_config(log_noise_scale=flag)
-    tx = optimizer_lib.make_optimizer(config, n)
+    tx = optimizer_lib.make_optimizer(config, n, devices)
     graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
     params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
     if data is None:
@@ -58,8 +59,9 @@ def main(argv=None):
   programs, calls = _programs()
   med = _median_times(calls, args.rounds)
   costs = {k: _cost(p) for k, p in programs.items()}
-  n = jax.device_count()
-  print(f'# {n} replicas on {n} {jax.devices()[0].platform} devices; default model (AdamW); {args.rounds} interleaved rounds')
+  d = min(8, jax.device_count())
+  print(f'# 8 replicas on {d} {jax.devices()[0].platform} device(s) ({jax.devices()[0].device_kind}); default model '
+        f'(AdamW); {args.rounds} interleaved rounds')
   print('| program | XLA flops (per device) | XLA bytes | median time (ms) |')
   print('|---|---|---|---|')
   for k, (f, b) in costs.items():

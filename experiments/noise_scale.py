@@ -66,11 +66,15 @@ def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -
 
 def measure_noise(rec: dict, fraction: float, kind: str = 'plain') -> float | None:
   """``B_noise`` of a record over its blocks ending by ``fraction`` of the run, from its plain or (``kind='pre'``)
-  its Adam-preconditioned sums (None: none there, or not finite)."""
+  its Adam-preconditioned sums (None: none there, or not finite). The preconditioned sums are read from the first
+  block that starts after Adam's second moment has averaged over its horizon, ``1 / (1 - b2)`` steps: before, it
+  holds a few gradients, and a replica's own gradient divided by it is heavy-tailed (the first steps' sums are
+  10^3-10^5 times the later ones')."""
   n = rec['noise']
   steps = rec['config']['num_train_steps']
   local_key, mean_key = KINDS[kind] + 'grad_sq', KINDS[kind] + 'mean_grad_sq'
-  blocks = [b for b in n['blocks'] if b['end'] <= fraction * steps + 1e-9]
+  after = 1.0 / (1.0 - float(rec['config']['optim']['b2'])) if kind == 'pre' else 0.0
+  blocks = [b for b in n['blocks'] if b['end'] <= fraction * steps + 1e-9 and b['end'] - b['steps'] >= after]
   if not blocks or any(b.get(local_key) is None or b.get(mean_key) is None for b in blocks):
     return None
   w = np.asarray([b['steps'] for b in blocks], float)

@@ -12,7 +12,7 @@ from hdet_jax import noise_scale as ns
 
 
 def _record(blocks, steps=100, b=8, big=64):
-  return {'config': {'num_train_steps': steps},
+  return {'config': {'num_train_steps': steps, 'optim': {'b2': 0.95}},
           'noise': {'local_batch': b, 'global_batch': big, 'blocks': blocks}}
 
 
@@ -28,9 +28,12 @@ def test_measure_noise_weights_the_blocks_within_the_window_by_their_steps():
   assert exp.measure_noise(rec, 0.2) is None  # no whole block ends by step 20
   assert exp.measure_noise(rec, 0.3, 'pre') is None  # (no preconditioned sums in these blocks)
   for blk in blocks:
-    blk['pre_grad_sq'], blk['pre_mean_grad_sq'] = 2 * blk['grad_sq'], blk['mean_grad_sq']
-  pre_trace = (2 * local - mean) / (1 / 8 - 1 / 64)
-  assert exp.measure_noise(rec, 0.3, 'pre') == pytest.approx(pre_trace / (mean - pre_trace / 64))
+    blk['pre_grad_sq'], blk['pre_mean_grad_sq'] = 1.5 * blk['grad_sq'], blk['mean_grad_sq']
+  # Preconditioned: from the first block starting after 1 / (1 - b2) = 20 steps (the second one, steps 25-29).
+  pre_trace = (1.5 * 9.0 - 2.0) / (1 / 8 - 1 / 64)
+  assert exp.measure_noise(rec, 0.3, 'pre') == pytest.approx(pre_trace / (2.0 - pre_trace / 64))
+  rec['config']['optim']['b2'] = 0.9  # a horizon of 10 steps: still the second block on
+  assert exp.measure_noise(rec, 0.3, 'pre') == pytest.approx(pre_trace / (2.0 - pre_trace / 64))
   rec['noise']['blocks'][1]['grad_sq'] = None
   assert exp.measure_noise(rec, 0.3) is None
 

@@ -50,17 +50,23 @@ def _tree_rows_norm(tree):
   return np.sqrt(sum((x ** 2).sum(1) for x in leaves))
 
 
-def test_window_end_and_distance_measure_each_replicas_distance_from_the_mean():
-  """The window end's `distance` is each replica's L2 distance from the average it assigns, measured on the
-  replicas just before it; make_distance (runs that never average) measures the same without averaging."""
-  config = config_lib.load_config_file(TINY)
-  n = 8
+def _tiny_start(config, n):
+  """(mesh, tx, graphdef, params, opt_state, batches): ``n`` replicas of ``config`` at step 0, on random bytes."""
   mesh = mesh_lib.make_mesh(n)
   tx = optimizer_lib.make_optimizer(config, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
   batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8),
                             config.data.seq_len, config.data.batch_size, n, seed=1)
+  return mesh, tx, graphdef, params, opt_state, batches
+
+
+def test_window_end_and_distance_measure_each_replicas_distance_from_the_mean():
+  """The window end's `distance` is each replica's L2 distance from the average it assigns, measured on the
+  replicas just before it; make_distance (runs that never average) measures the same without averaging."""
+  config = config_lib.load_config_file(TINY)
+  n = 8
+  mesh, tx, graphdef, params, opt_state, batches = _tiny_start(config, n)
   step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config)
   for t in range(8):  # tiny syncs after step 7: the replicas have drifted apart for 8 steps
     params, opt_state, _ = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh))
@@ -225,12 +231,7 @@ def test_log_noise_scale_logs_the_replicas_and_the_all_reduced_squared_norms():
   for flag in (False, True):
     config = config_lib.with_overrides(config_lib.load_config_file(TINY), {'log_noise_scale': flag,
                                                                            'hdet.param_groups': False})
-    mesh = mesh_lib.make_mesh(n)
-    tx = optimizer_lib.make_optimizer(config, n)
-    graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-    params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
-    batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8),
-                              config.data.seq_len, config.data.batch_size, n, seed=1)
+    mesh, tx, graphdef, params, opt_state, batches = _tiny_start(config, n)
     step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config)
     for t in range(3):
       if t == 2:
@@ -250,12 +251,15 @@ def test_log_noise_scale_logs_the_replicas_and_the_all_reduced_squared_norms():
   np.testing.assert_allclose(np.asarray(m['grad_sq']), np.full(n, (flat ** 2).sum(1).mean()), rtol=1e-4)
   np.testing.assert_allclose(np.asarray(m['mean_grad_sq']), np.full(n, (flat.mean(0) ** 2).sum()), rtol=1e-4)
   assert (flat ** 2).sum(1).mean() > 1.05 * (flat.mean(0) ** 2).sum()  # the two differ (the batch noise)
-  # Preconditioned as Adam's update divides them: by sqrt(nu) + 1e-8, nu the second moment after this step.
+  # Preconditioned as Adam's update divides them: by sqrt(nu / (1 - b2^t)) + 1e-8, nu the second moment after this step.
   import optax
   row = lambda tree: jax.tree.map(lambda x: np.asarray(x)[0], tree)
   state = programs_lib.unpack(tx, row(out[True][0]), row(out[True][2]))
-  (_, nu), = optax.tree_utils.tree_get_all_with_path(state, 'nu')
-  scale = np.concatenate([np.ravel(1.0 / (np.sqrt(np.asarray(v, np.float64)) + 1e-8)) for v in jax.tree.leaves(nu)])
+  (_, adam), = optax.tree_utils.tree_get_all_with_path(state, 'ScaleByAdamState')
+  assert int(adam.count) == 3
+  correction = 1 - config.optim.b2 ** 3  # (bias-corrected, as the update uses it)
+  scale = np.concatenate([np.ravel(1.0 / (np.sqrt(np.asarray(v, np.float64) / correction) + 1e-8))
+                          for v in jax.tree.leaves(adam.nu)])
   pre = flat * scale
   np.testing.assert_allclose(np.asarray(m['pre_grad_sq']), np.full(n, (pre ** 2).sum(1).mean()), rtol=1e-3)
   np.testing.assert_allclose(np.asarray(m['pre_mean_grad_sq']), np.full(n, (pre.mean(0) ** 2).sum()), rtol=1e-3)
