@@ -38,7 +38,7 @@ REPO = autolr.REPO
 WINDOWS = (('first 0.3', 0.3), ('whole run', 1.0))
 BLOCK = 25  # steps per stored block of the two sums (their means: any window of whole blocks can be re-read)
 # The logged sums: plain, and (Adam) preconditioned by the second moment, each the replicas' mean |g_r|^2 and |g_B|^2.
-SUMS = ('grad_sq', 'mean_grad_sq', 'pre_grad_sq', 'pre_mean_grad_sq')
+SUMS = ('grad_sq', 'mean_grad_sq', 'pre_grad_sq', 'pre_mean_grad_sq')  # (hdet_jax.trainer.metrics.NOISE_SUMS)
 KINDS = {'plain': '', 'pre': 'pre_'}
 
 
@@ -169,7 +169,8 @@ def small_name(optim: str, lr: float, seed: int) -> str:
 def run_small(workload: str, steps: int, optim: str, seeds, quick: bool, work_root: str,
               train: bool) -> dict[float, list[dict]]:
   """The plain sweep at batch B/N (``data.batch_size`` divided by the N replicas; everything else the sweep's): the
-  grid on the first seed, the other seeds on its best and the two neighbours. Returns the records by peak LR."""
+  grid on the first seed, extended by one point (a factor 2) past an end where its best lies there, and the other
+  seeds on its best and the two points either side. Returns the records by peak LR."""
   from hdet_jax.trainer import config_lib
   cache = noise_cache(workload, steps, quick, work_root)
   init_from = workloads.pretrained(work_root, quick) if workload == 'finetune' and train else None
@@ -191,26 +192,34 @@ def run_small(workload: str, steps: int, optim: str, seeds, quick: bool, work_ro
     return cache.run(name, config_lib.with_overrides(workloads.base_config(workload, steps, quick, init_from), o),
                      skip_busy=True)
   grid = {}
-  for i, seed in enumerate(seeds):
-    if i == 0:
-      todo = lrs
-    else:
-      first = {lr: [grid[lr][0]] for lr in lrs if grid.get(lr)}
-      if len(first) < len(lrs):
-        break  # (the first seed's grid is not complete: another worker has it)
-      k = lrs.index(autolr_report.grid_best(first)[0])
-      todo = lrs[max(0, k - 1):k + 2]
+
+  def train_seed(seed, todo):
     for lr in todo:
       rec = get(lr, seed)
       if rec is not None:
         grid.setdefault(lr, []).append(rec)
+  for i, seed in enumerate(seeds):
+    todo = list(lrs)
+    if i > 0:
+      first = {lr: [grid[lr][0]] for lr in grid}
+      if any(lr not in first for lr in lrs):
+        break  # (the first seed's grid is not complete: another worker has it)
+      ext = sorted(first)
+      k = ext.index(autolr_report.grid_best(first)[0])
+      todo = ext[max(0, k - 2):k + 3]
+    train_seed(seed, todo)
+    if i == 0 and all(lr in grid for lr in lrs):  # the best at an end: one more point past it
+      best = autolr_report.grid_best({lr: grid[lr] for lr in lrs})[0]
+      edge = {lrs[0]: lrs[0] / 2, lrs[-1]: lrs[-1] * 2}.get(best)
+      if edge is not None:
+        train_seed(seed, [edge])
   return grid
 
 
 def optimum(grid: dict[float, list[dict]]) -> dict | None:
-  """The sweep's best peak LR: the grid point with the lowest seed mean (over the seeds every point of the three
-  around it has) and the vertex of the parabola in log LR through those three means (kept between the outer two;
-  the grid point where a neighbour is missing or not finite, or the parabola opens downward)."""
+  """The sweep's best peak LR: the grid point with the lowest seed mean, and the vertex of the parabola in log LR
+  through its and its two neighbours' means over the seeds all three have (kept between the outer two; the grid
+  point where a neighbour is missing, no seed is common or a mean is not finite, or the parabola opens downward)."""
   if not grid:
     return None
   lrs = sorted(grid)
@@ -218,8 +227,12 @@ def optimum(grid: dict[float, list[dict]]) -> dict | None:
   k = lrs.index(min(lrs, key=lambda lr: means[lr]))
   out = {'grid_lr': lrs[k], 'lr': lrs[k], 'value': means[lrs[k]], 'seeds': len(grid[lrs[k]])}
   if 0 < k < len(lrs) - 1:
-    x = np.log(lrs[k - 1:k + 2])
-    y = np.asarray([means[lr] for lr in lrs[k - 1:k + 2]])
+    three = lrs[k - 1:k + 2]
+    common = set.intersection(*({int(r['config']['seed']) for r in grid[lr]} for lr in three))
+    x = np.log(three)
+    y = np.asarray([autolr_report.mean_bpb([r for r in grid[lr] if int(r['config']['seed']) in common]) if common
+                    else math.nan for lr in three])
+    out['parabola_seeds'] = len(common)
     if np.all(np.isfinite(y)):
       a, b, _ = np.polyfit(x, y, 2)
       if a > 0:

@@ -671,7 +671,7 @@ def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync:
   writer.write('train', step=step, loss=loss, lr=m['lrs'][0], base_lr=m['base_lr'][0], sync=sync,
                values=m['values'][0], bases=m['bases'][0],
                # log_noise_scale: the replicas' mean |g_r|^2 and the all-reduced |g_B|^2, plain and Adam-preconditioned
-               **{k: m[k][0] for k in ('grad_sq', 'mean_grad_sq', 'pre_grad_sq', 'pre_mean_grad_sq') if k in m})
+               **{k: m[k][0] for k in metrics_lib.NOISE_SUMS if k in m})
   if sync:
     writer.write('controller', step=step, weights=m['weights'][0], window_losses=m['window_losses'][0],
                  delta=m['delta'][0], velocity=m['velocity'][0], base_lr=m['base_lr'][0],
