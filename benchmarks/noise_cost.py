@@ -5,7 +5,7 @@
 
 ``log_noise_scale`` adds, per step, the squared norms of each replica's own and the all-reduced gradient (and, with
 Adam, of both divided by its second moment's root) and one scalar all-reduce per sum
-(``hdet_jax.trainer.programs._noise_sums``). This prints XLA's counted flops and bytes of the trainer's step program
+(``hdet_jax.trainer.programs._noise_sums``). This prints XLA's counted flops, bytes, fusions (kernels) and all-reduces of the trainer's step program
 (25 steps' batches uploaded at once, as the trainer does) with and without it, and their times (medians of
 interleaved rounds, each call timed to completion).
 """
@@ -19,6 +19,7 @@ os.environ.setdefault('JAX_NUM_CPU_DEVICES', '8')
 
 import jax  # noqa: E402
 
+from benchmarks.common import hlo_counts  # noqa: E402
 from benchmarks.probe_cost import _cost, _default_config, _median_times  # noqa: E402
 
 
@@ -62,10 +63,13 @@ def main(argv=None):
   d = min(8, jax.device_count())
   print(f'# 8 replicas on {d} {jax.devices()[0].platform} device(s) ({jax.devices()[0].device_kind}); default model '
         f'(AdamW); {args.rounds} interleaved rounds')
-  print('| program | XLA flops (per device) | XLA bytes | median time (ms) |')
-  print('|---|---|---|---|')
+  kernels = {k: hlo_counts(p) for k, p in programs.items()}
+  print('| program | XLA flops (per device) | XLA bytes | fusions | all-reduces | median time (ms) |')
+  print('|---|---|---|---|---|---|')
   for k, (f, b) in costs.items():
-    print(f'| {k} | {f:,.0f} | {b:,.0f} | {1e3 * med[k]:.2f} |')
+    c = kernels[k]
+    print(f'| {k} | {f:,.0f} | {b:,.0f} | {c.get("fusion", 0)} | {c.get("all-reduce", 0) + c.get("all-reduce-start", 0)} '
+          f'| {1e3 * med[k]:.2f} |')
   (f0, b0), (f1, b1) = costs['step'], costs['step, noise sums logged']
   print(f'Logging: {100 * (f1 / f0 - 1):+.2f}% counted flops, {100 * (b1 / b0 - 1):+.2f}% bytes, '
         f'{100 * (med["step, noise sums logged"] / med["step"] - 1):+.1f}% median step time.')

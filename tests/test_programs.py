@@ -263,3 +263,31 @@ def test_log_noise_scale_logs_the_replicas_and_the_all_reduced_squared_norms():
   pre = flat * scale
   np.testing.assert_allclose(np.asarray(m['pre_grad_sq']), np.full(n, (pre ** 2).sum(1).mean()), rtol=1e-3)
   np.testing.assert_allclose(np.asarray(m['pre_mean_grad_sq']), np.full(n, (pre.mean(0) ** 2).sum()), rtol=1e-3)
+
+
+def test_noise_sums_are_the_same_over_one_vector_and_leaf_by_leaf():
+  """_noise_sums' two layouts (one vector where leaves are whole, per leaf on grouped meshes) against numpy."""
+  import optax
+  rng = np.random.default_rng(0)
+  params = {'a': np.zeros((3, 4), np.float32), 'b': np.zeros((5,), np.float32)}
+  tx = optax.adam(0.1, b2=0.9)
+  state = tx.init(params)
+  local = {k: rng.normal(size=(4,) + v.shape).astype(np.float32) for k, v in params.items()}  # 4 replicas
+  shared = jax.tree.map(lambda x: x.mean(0), local)
+  _, state = tx.update(shared, state, params)
+  state = tx.update(shared, state, params)[1]  # count 2
+  got = {}
+  for flat in (True, False):
+    f = jax.vmap(lambda g, flat=flat: programs_lib._noise_sums(g, shared, state, 'r', 0.9, flat), axis_name='r')
+    got[flat] = jax.tree.map(lambda x: np.asarray(x)[0], f(local))  # pylint: disable=protected-access
+  vec = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+  g_r = np.stack([vec(jax.tree.map(lambda x, r=r: x[r], local)) for r in range(4)])
+  g_b = vec(shared)
+  (_, adam), = optax.tree_utils.tree_get_all_with_path(state, 'ScaleByAdamState')
+  w = 1.0 / (np.sqrt(vec(adam.nu) / (1 - 0.9 ** 2)) + 1e-8)
+  want = {'grad_sq': (g_r ** 2).sum(1).mean(), 'mean_grad_sq': (g_b ** 2).sum(),
+          'pre_grad_sq': ((g_r * w) ** 2).sum(1).mean(), 'pre_mean_grad_sq': ((g_b * w) ** 2).sum()}
+  for flat in (True, False):
+    assert set(got[flat]) == set(want)
+    for k, v in want.items():
+      np.testing.assert_allclose(got[flat][k], v, rtol=1e-5, err_msg=f'{k}, flat={flat}')

@@ -206,25 +206,32 @@ def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformatio
     # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
     loss = H.pmean(loss, axis)
   updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
-  return loss, updates, opt_state, (_noise_sums(local, grads, opt_state, axis, config.optim.b2) if logs_noise else {})
+  flat = logs_noise and config.mesh.get('fsdp', 1) == 1 and config.mesh.get('tensor', 1) == 1
+  return loss, updates, opt_state, (_noise_sums(local, grads, opt_state, axis, config.optim.b2, flat)
+                                    if logs_noise else {})
 
 
-def _noise_sums(local: Any, shared: Any, opt_state: Any, axis: Any, b2: float) -> dict:
+def _noise_sums(local: Any, shared: Any, opt_state: Any, axis: Any, b2: float, flat: bool = False) -> dict:
   """The gradient noise scale's sums (``hdet_jax.noise_scale``): the replicas' mean ``|g_r|^2`` and the all-reduced
   ``|g_B|^2``; with an Adam state (one ``ScaleByAdamState``, ``nu`` shaped as the gradient), the same of the
   gradients preconditioned as that step's update divides them, ``g / (sqrt(nu / (1 - b2^t)) + 1e-8)`` (McCandlish et
   al. 2018, app. A: for Adam the noise that matters is the preconditioned gradient's)."""
-  out = {'grad_sq': H.pmean(noise_lib.squared_norm(local), axis), 'mean_grad_sq': noise_lib.squared_norm(shared)}
+  # Unsharded leaves (a 1-D mesh): each tree as one vector, so the sums are a few kernels rather than a few per leaf
+  # (on a grouped mesh the leaves stay apart: one vector would gather the group's shards).
+  as_one = (lambda tree: [jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])]) if flat else jax.tree.leaves
+  sq = lambda xs: sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in xs), jnp.zeros((), jnp.float32))
+  g_r, g_b = as_one(local), as_one(shared)
+  sums, names = [sq(g_r), sq(g_b)], ['grad_sq', 'mean_grad_sq']
   found = optax.tree_utils.tree_get_all_with_path(opt_state, 'ScaleByAdamState')
   if len(found) == 1 and jax.tree.structure(found[0][1].nu) == jax.tree.structure(shared):
     adam = found[0][1]
     # Bias-corrected, as the update uses it: the sums of early steps are then on the scale of later ones.
     correction = 1.0 - jnp.asarray(b2, jnp.float32) ** adam.count.astype(jnp.float32)
-    scale = jax.tree.map(lambda v: 1.0 / (jnp.sqrt(v.astype(jnp.float32) / correction) + 1e-8), adam.nu)
-    pre = lambda g: jax.tree.map(lambda x, w: x * w, g, scale)
-    out.update(pre_grad_sq=H.pmean(noise_lib.squared_norm(pre(local)), axis),
-               pre_mean_grad_sq=noise_lib.squared_norm(pre(shared)))
-  return out
+    scale = [1.0 / (jnp.sqrt(v.astype(jnp.float32) / correction) + 1e-8) for v in as_one(adam.nu)]
+    sums += [sq([x * w for x, w in zip(g_r, scale)]), sq([x * w for x, w in zip(g_b, scale)])]
+    names += ['pre_grad_sq', 'pre_mean_grad_sq']
+  local_mean = H.pmean(jnp.stack(sums[0::2]), axis)  # one all-reduce: the replicas' own gradients' sums
+  return {**dict(zip(names[0::2], local_mean)), **dict(zip(names[1::2], sums[1::2]))}
 
 
 def _shares_gradient(config: Any) -> bool:
