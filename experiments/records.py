@@ -34,6 +34,17 @@ def finite_or_none(x: Any) -> float | None:
   return x if math.isfinite(x) else None
 
 
+def write_report(out_dir: str, stem: str, results: dict, lines: list[str]) -> list[str]:
+  """An experiment's report: ``results`` as ``out_dir/stem.json`` and ``lines`` as ``out_dir/stem.md``; their paths."""
+  os.makedirs(out_dir, exist_ok=True)
+  jpath, mpath = os.path.join(out_dir, stem + '.json'), os.path.join(out_dir, stem + '.md')
+  with open(jpath, 'w', encoding='utf-8') as f:
+    json.dump(results, f, indent=1, sort_keys=True)
+  with open(mpath, 'w', encoding='utf-8') as f:
+    f.write('\n'.join(lines) + '\n')
+  return [jpath, mpath]
+
+
 class RunCache:
   """Finished runs as JSON records under ``records_dir``; each run trains in ``work_root/<name>``."""
 
