@@ -414,7 +414,10 @@ def test_a_dead_process_makes_the_others_exit_not_hang(tmp_path, victim):
   print(f'process {victim} killed: process {1 - victim} exited after {exit_s:.1f}s with status '
         f'{survivor.returncode} (heartbeat timeout {heartbeat}s)')
   assert survivor.returncode != 0
-  assert 'Terminating process because the JAX distributed service detected fatal errors' in out, out[-3000:]
+  # Either path ends it: the distributed service's heartbeat, or (killed mid-collective) the CPU collectives'
+  # transport failing on the dead peer's half-sent data (seen once in CI: gloo's 'Received data size doesn't match').
+  assert ('Terminating process because the JAX distributed service detected fatal errors' in out
+          or "terminate called after throwing an instance of 'gloo::" in out), out[-3000:]
   assert exit_s < heartbeat + 30
 
 
