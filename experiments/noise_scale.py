@@ -37,7 +37,6 @@ REPO = autolr.REPO
 WINDOWS = (('first 0.3', 0.3), ('whole run', 1.0))
 BLOCK = 25  # steps per stored block of the two sums (their means: any window of whole blocks can be re-read)
 # The logged sums: plain, and (Adam) preconditioned by the second moment, each the replicas' mean |g_r|^2 and |g_B|^2.
-SUMS = ('grad_sq', 'mean_grad_sq', 'pre_grad_sq', 'pre_mean_grad_sq')  # (hdet_jax.trainer.metrics.NOISE_SUMS)
 KINDS = {'plain': '', 'pre': 'pre_'}
 
 
@@ -56,7 +55,8 @@ def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -
   for start in range(0, len(steps), BLOCK):
     chunk = [by_step[s] for s in steps[start:start + BLOCK]]
     blocks.append({'end': chunk[-1]['step'] + 1, 'steps': len(chunk),
-                   **{k: records.finite_or_none(np.mean([r[k] for r in chunk])) for k in SUMS if k in chunk[0]}})
+                   **{k: records.finite_or_none(np.mean([r[k] for r in chunk])) for k in metrics_lib.NOISE_SUMS
+                      if k in chunk[0]}})
   if blocks:
     rec['noise'] = {'local_batch': int(config.data.batch_size), 'global_batch': int(config.data.batch_size) * int(
         config.hdet.num_replicas or 8), 'blocks': blocks}
@@ -135,25 +135,36 @@ def noise_cache(workload: str, steps: int, quick: bool, work_root: str) -> recor
                           autolr.describe)
 
 
+def _plain_runs(workload: str, steps: int, optim: str, quick: bool, work_root: str, train: bool):
+  """``(name, lr, seed, extra) -> record``: the sweep's plain run at ``lr`` with the ``extra`` fields, from this
+  experiment's cache, trained there unless cached (and ``train``; None where another process trains it)."""
+  from hdet_jax.trainer import config_lib
+  cache = noise_cache(workload, steps, quick, work_root)
+  init_from = workloads.pretrained(work_root, quick) if workload == 'finetune' and train else None
+  plain_extra = {'warm_init.nu': 0.0} if workload == 'finetune' else {}  # (the sweep's plain fine-tuning)
+
+  def run(name, lr, seed, extra):
+    if not train:
+      return cache.get(name)
+    o = {**autolr.run_overrides('grid', optim, lr, seed, steps), **plain_extra, **extra}
+    if quick:
+      o.pop('hdet.sync_every', None)
+    return cache.run(name, config_lib.with_overrides(workloads.base_config(workload, steps, quick, init_from), o),
+                     skip_busy=True)
+  return run
+
+
 def run_cell(workload: str, steps: int, optim: str, seeds, quick: bool, work_root: str, train: bool) -> list[dict]:
   """The plain runs at the workload's anchor with ``log_noise_scale`` on (trained unless cached and ``train``)."""
-  from hdet_jax.trainer import config_lib
   sweep = records.RunCache(workloads.records_dir(workload, steps, quick, work_root),
                            os.path.join(work_root, workload, f'steps{steps}'), workloads.make_record, autolr.describe)
   lr = autolr.read_anchor(sweep, optim) or (autolr.QUICK_GRIDS[optim][-1] if quick else None)
   if lr is None:  # (quick: no sweep needed, the smoke run trains at the quick grid's top)
     return []
-  cache = noise_cache(workload, steps, quick, work_root)
-  init_from = workloads.pretrained(work_root, quick) if workload == 'finetune' and train else None
-  plain_extra = {'warm_init.nu': 0.0} if workload == 'finetune' else {}
+  plain = _plain_runs(workload, steps, optim, quick, work_root, train)
   out = []
   for seed in seeds:
-    o = {**autolr.run_overrides('grid', optim, lr, seed, steps), **plain_extra, 'log_noise_scale': True}
-    if quick:
-      o.pop('hdet.sync_every', None)
-    name = run_name(optim, seed)
-    rec = cache.get(name) if not train else cache.run(
-        name, config_lib.with_overrides(workloads.base_config(workload, steps, quick, init_from), o), skip_busy=True)
+    rec = plain(run_name(optim, seed), lr, seed, {'log_noise_scale': True})
     if rec is not None:
       twin = sweep.get(autolr.grid_name(optim, lr, seed))  # the sweep's run of the same config, without the logging
       rec = {**rec, 'same_as_sweep': None if twin is None else rec['val_bpb'] == twin['val_bpb']}
@@ -170,26 +181,14 @@ def run_small(workload: str, steps: int, optim: str, seeds, quick: bool, work_ro
   """The plain sweep at batch B/N (``data.batch_size`` divided by the N replicas; everything else the sweep's): the
   grid on the first seed, extended by one point (a factor 2) past an end where its best lies there, and the other
   seeds on its best and the two points either side. Returns the records by peak LR."""
-  from hdet_jax.trainer import config_lib
-  cache = noise_cache(workload, steps, quick, work_root)
-  init_from = workloads.pretrained(work_root, quick) if workload == 'finetune' and train else None
-  plain_extra = {'warm_init.nu': 0.0} if workload == 'finetune' else {}
   lrs = (autolr.QUICK_GRIDS if quick else autolr.GRIDS)[optim]
   base = workloads.base_config(workload, steps, quick)
   replicas = int(base.hdet.num_replicas or 8)
   if base.data.batch_size % replicas and not quick:  # (quick: the tiny batch's floor, at least one)
     raise ValueError(f'data.batch_size={base.data.batch_size} does not divide by the {replicas} replicas.')
-
-  def get(lr, seed):
-    name = small_name(optim, lr, seed)
-    if not train:
-      return cache.get(name)
-    o = {**autolr.run_overrides('grid', optim, lr, seed, steps), **plain_extra,
-         'data.batch_size': max(1, base.data.batch_size // replicas)}
-    if quick:
-      o.pop('hdet.sync_every', None)
-    return cache.run(name, config_lib.with_overrides(workloads.base_config(workload, steps, quick, init_from), o),
-                     skip_busy=True)
+  plain = _plain_runs(workload, steps, optim, quick, work_root, train)
+  get = lambda lr, seed: plain(small_name(optim, lr, seed), lr, seed,
+                               {'data.batch_size': max(1, base.data.batch_size // replicas)})
   grid = {}
 
   def train_seed(seed, todo):

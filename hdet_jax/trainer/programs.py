@@ -159,6 +159,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   """
   shared = _shares_gradient(config)
   task = tasks_lib.get(config)
+  logs_noise = shared and config is not None and bool(config.get('log_noise_scale'))
 
   def make_step(axis):
     def step(params, packed, data):
@@ -167,7 +168,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
       if chunk_steps:
         batch = jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, opt_state.count % chunk_steps, keepdims=False), data)
       used = opt_state  # its values and base are what this step trains with
-      loss, updates, opt_state, noise = _update(task, graphdef, tx, config, params, opt_state, batch, axis, shared, sync)
+      loss, updates, opt_state, noise = _update(task, graphdef, tx, config, params, opt_state, batch, axis, shared, sync,
+                                                log_noise=logs_noise)
       stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
       params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=sync)
       metrics = {
@@ -188,17 +190,18 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
 
 
 def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, config: Any, params: Any,
-            opt_state: Any, batch: Any, axis: Any, shared: bool, sync: bool) -> tuple[jax.Array, Any, Any]:
+            opt_state: Any, batch: Any, axis: Any, shared: bool, sync: bool,
+            log_noise: bool = False) -> tuple[jax.Array, Any, Any, dict]:
   """One replica's (loss, updates, opt_state, noise) of a training step on ``batch`` (the all-reduce included, if
   ``shared``); the loss is plain cross-entropy, what the controller compares (see ``Task.losses``). ``noise``: with
-  ``log_noise_scale`` on the shared gradient, the gradient noise scale's two sums, else empty."""
+  ``log_noise`` (the step's ``log_noise_scale`` on the shared gradient), the gradient noise scale's sums
+  (:func:`_noise_sums`), else empty."""
   if config is None:
     reg, smoothing = tasks_lib.Regularization(), 0.0
   else:
     reg, smoothing = regularization(config, opt_state, axis)
   (_, loss), grads = jax.value_and_grad(
       lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
-  logs_noise = shared and config is not None and bool(config.get('log_noise_scale'))
   local = grads
   if shared:
     grads = H.pmean_finite(grads, axis)  # the all-reduce, skipping replicas whose gradient is not finite
@@ -206,9 +209,10 @@ def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformatio
     # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
     loss = H.pmean(loss, axis)
   updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
-  flat = logs_noise and config.mesh.get('fsdp', 1) == 1 and config.mesh.get('tensor', 1) == 1
-  return loss, updates, opt_state, (_noise_sums(local, grads, opt_state, axis, config.optim.b2, flat)
-                                    if logs_noise else {})
+  if not log_noise:
+    return loss, updates, opt_state, {}
+  flat = config.mesh.get('fsdp', 1) == 1 and config.mesh.get('tensor', 1) == 1
+  return loss, updates, opt_state, _noise_sums(local, grads, opt_state, axis, config.optim.b2, flat)
 
 
 def _noise_sums(local: Any, shared: Any, opt_state: Any, axis: Any, b2: float, flat: bool = False) -> dict:
@@ -219,7 +223,7 @@ def _noise_sums(local: Any, shared: Any, opt_state: Any, axis: Any, b2: float, f
   # Unsharded leaves (a 1-D mesh): each tree as one vector, so the sums are a few kernels rather than a few per leaf
   # (on a grouped mesh the leaves stay apart: one vector would gather the group's shards).
   as_one = (lambda tree: [jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])]) if flat else jax.tree.leaves
-  sq = lambda xs: sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in xs), jnp.zeros((), jnp.float32))
+  sq = noise_lib.squared_norm
   g_r, g_b = as_one(local), as_one(shared)
   sums, names = [sq(g_r), sq(g_b)], ['grad_sq', 'mean_grad_sq']
   found = optax.tree_utils.tree_get_all_with_path(opt_state, 'ScaleByAdamState')
