@@ -1,0 +1,204 @@
+"""A bracket apart at the full batch, decided early: what the route the fourteenth pass left would cost and give.
+
+The defaults issue's thirteenth and fourteenth passes left one way to find the best LR inside a run that does not
+follow the start: replicas trained apart at the full batch, compared once, the winner kept (an early-stopped sweep,
+successive halving's first rung). It needs no new run to be measured: the sweep's own runs are such a bracket's
+replicas. At one seed every grid run draws the same batches, so at step ``f * steps`` their training losses compare
+on common batches; the bracket keeps the lowest, and that run goes on to the end unchanged (the schedule is its own
+from step 0), so the bracket's final is the sweep's run's own. Its compute: 8 runs to ``f``, one on, ``1 + 7 f``
+runs (the sweep: 8; HDET: 1).
+
+Each cell is read on the seeds whose grid is complete (seed 0 everywhere; the LM at 750 / 1500 steps seeds 0-2;
+mnist1d and fine-tuning at 300 steps seeds 0 and 3): a bracket over fewer points would be told the answer. The gap is
+paired: the kept run's final against the same seed's run at the sweep's best grid point (its 3-seed mean's).
+
+    python -m experiments.early_bracket           # reads the records, trains nothing (results/early_bracket.{md,json})
+    python -m experiments.early_bracket --quick   # the quick sweep's records (experiments.workloads --quick first)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+import numpy as np
+
+from experiments import autolr
+from experiments import autolr_report
+from experiments import climb_and_price
+from experiments import records
+from experiments import workloads
+
+REPO = autolr.REPO
+FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)  # when a single comparison is made, as fractions of the run
+# Successive halving (rungs of (fraction, runs kept)), each ending at 0.3 of the run: the end of the one-cycle warmup
+# (optim.pct_start), where every run reaches its peak LR.
+HALVING = {'8-4-1 at 0.1 / 0.3': ((0.1, 4), (0.3, 1)), '8-2-1 at 0.1 / 0.3': ((0.1, 2), (0.3, 1)),
+           '8-4-2-1 at 0.1 / 0.2 / 0.3': ((0.1, 4), (0.2, 2), (0.3, 1)), '8-4-1 at 0.2 / 0.3': ((0.2, 4), (0.3, 1))}
+_GRID = re.compile(r'grid_lr[^/]*_s(\d+)\.json$')
+
+
+def loss_at(rec: dict, fraction: float) -> float | None:
+  """The run's training loss over its last logged block ending by ``fraction`` of the run (None: no block ends by
+  then; inf: the loss is not finite or the run had diverged by then, so it cannot win)."""
+  steps = rec['config']['num_train_steps']
+  blocks = [b for b in rec['trajectory'] if b['step'] + 1 <= fraction * steps + 1e-9]
+  if not blocks:
+    return None
+  b = blocks[-1]
+  if rec.get('diverged_at') is not None and rec['diverged_at'] <= b['step'] + 1:
+    return math.inf
+  loss = records.finite_or_none(b['loss'])
+  return math.inf if loss is None else loss
+
+
+def final(rec: dict) -> float:
+  return autolr_report.mean_bpb([rec])
+
+
+def bracket(runs: dict[float, dict], rungs) -> float | None:
+  """Successive halving over ``runs`` (peak LR -> record): at each rung ``(fraction, keep)`` the ``keep`` runs with
+  the lowest training loss at that fraction go on; the peak LR of the last one left (None: a rung has no block to
+  compare; ties go to the lower LR)."""
+  alive = dict(runs)
+  for fraction, keep in rungs:
+    losses = {lr: loss_at(r, fraction) for lr, r in alive.items()}
+    if any(v is None for v in losses.values()):
+      return None
+    alive = {lr: alive[lr] for lr in sorted(sorted(losses), key=lambda lr: losses[lr])[:keep]}
+  return min(alive)
+
+
+def pick(runs: dict[float, dict], fraction: float) -> float | None:
+  """The peak LR whose run has the lowest training loss at ``fraction`` of the run: a single rung."""
+  return bracket(runs, [(fraction, 1)])
+
+
+def compute_runs(rungs, n: int = 8) -> float:
+  """A bracket's compute in runs: each rung's survivors train to the next, the last one to the end."""
+  total, alive, start = 0.0, n, 0.0
+  for fraction, keep in rungs:
+    total += alive * (fraction - start)
+    alive, start = keep, fraction
+  return total + alive * (1.0 - start)
+
+
+def full_grids(folder: str, optim: str, lrs) -> dict[int, dict[float, dict]]:
+  """Per seed, the sweep's runs by peak LR, for the seeds that have every point of ``lrs``."""
+  by_seed = {}
+  for path in glob.glob(os.path.join(folder, optim, 'grid_lr*_s*.json')):
+    if _GRID.search(path):
+      with open(path, encoding='utf-8') as f:
+        rec = json.load(f)
+      by_seed.setdefault(int(rec['config']['seed']), {})[float(rec['config']['optim']['max_lr'])] = rec
+  return {s: g for s, g in sorted(by_seed.items()) if all(lr in g for lr in lrs)}
+
+
+def cell_report(folder: str, optim: str, lrs) -> dict | None:
+  """One workload, length and optimizer: per decision fraction, each complete seed's kept LR (as a multiple of the
+  sweep's best grid point) and the paired gap of its final to that seed's run at the best point."""
+  grid = climb_and_price._grid(folder, optim)  # pylint: disable=protected-access
+  seeds = full_grids(folder, optim, lrs)
+  if not grid or not seeds:
+    return None
+  best_lr, best = autolr_report.grid_best(grid)
+  out = {'best_lr': best_lr, 'best': best, 'seeds': sorted(seeds), 'fractions': {}, 'halving': {}}
+  schedules = {'fractions': {f'{f:g}': ((f, 1),) for f in FRACTIONS}, 'halving': HALVING}
+  for table, by_name in schedules.items():
+    for name, rungs in by_name.items():
+      kept = {s: bracket(g, rungs) for s, g in seeds.items()}
+      if any(lr is None for lr in kept.values()):
+        continue
+      gaps = [100.0 * (final(seeds[s][lr]) / final(seeds[s][best_lr]) - 1.0) for s, lr in kept.items()]
+      out[table][name] = {'compute_runs': compute_runs(rungs), 'kept_x': [kept[s] / best_lr for s in sorted(kept)],
+                          'gaps_pct': [records.finite_or_none(g) for g in gaps],
+                          'kept_best': sum(1 for lr in kept.values() if lr == best_lr)}
+  return out
+
+
+def measure(quick: bool, work_root: str) -> dict:
+  results = {}
+  for w in workloads.WORKLOADS:
+    for steps in workloads.lengths(w, quick):
+      folder = workloads.records_dir(w, steps, quick, work_root)
+      for optim in workloads.WORKLOADS[w][2]:
+        c = cell_report(folder, optim, (autolr.QUICK_GRIDS if quick else autolr.GRIDS)[optim])
+        if c:
+          results.setdefault(w, {}).setdefault(str(steps), {})[optim] = c
+  return results
+
+
+def _fmt(x: dict | None) -> str:
+  if x is None:
+    return '-'
+  gaps = [math.inf if g is None else g for g in x['gaps_pct']]
+  mean = '+inf' if not math.isfinite(np.mean(gaps)) else f'{np.mean(gaps):+.1f}%'
+  return f'{mean} ({x["kept_best"]}/{len(gaps)})'
+
+
+def _tally(cells) -> list[str]:
+  """Over every complete seed of every cell: how many brackets ended within 1% of the seed's run at the best point."""
+  rows = []
+  for table, names in (('fractions', [f'{f:g}' for f in FRACTIONS]), ('halving', list(HALVING))):
+    for name in names:
+      gaps = [math.inf if g is None else g for *_, c in cells if name in c[table] for g in c[table][name]['gaps_pct']]
+      if gaps:
+        label = f'one comparison at f = {name}' if table == 'fractions' else name
+        rows.append(f'| {label} | {compute_runs(HALVING[name] if table == "halving" else ((float(name), 1),)):.2g} | '
+                    f'{sum(1 for g in gaps if g <= 1.0)} of {len(gaps)} | {np.median(gaps):+.2f}% | {max(gaps):+.1f}% |')
+  return ['', '## Over all cells', '', 'Per seed and cell: within 1% of the same seed\'s run at the sweep\'s best '
+          'grid point, the median and the largest gap.', '',
+          '| bracket | compute (runs) | within 1% | median | largest |', '|---|---|---|---|---|'] + rows
+
+
+def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
+  cells = [(w, s, o, c) for w, by_steps in results.items() for s, by_optim in by_steps.items()
+           for o, c in by_optim.items()]
+  lines = ['# A bracket apart at the full batch, decided early', '',
+           f'Generated by `python -m experiments.early_bracket{" --quick" if quick else ""}` from the sweep\'s records '
+           '(nothing trained); the reading is in `experiments/workloads_discussion.md` (fifteenth pass).', '',
+           'The sweep\'s 8 runs (peak LRs a factor 2 apart) compared once at a fraction f of the run by their training '
+           'loss on the same batches (the last 25-step block ending by then), the lowest kept and run on: its final '
+           'against the same seed\'s run at the sweep\'s best grid point (paired; mean over the seeds whose grid is '
+           'complete), and in brackets how many of them kept the best point. Compute: 1 + 7 f runs (HDET 1, the '
+           'sweep 8). Diverged runs lose.', '',
+           '| workload | steps | optim | seeds | ' + ' | '.join(f'f = {f:g} ({1 + 7 * f:.2g} runs)' for f in FRACTIONS)
+           + ' |', '|---|---|---|---|' + '---|' * len(FRACTIONS)]
+  for w, steps, optim, c in cells:
+    lines.append(f'| {w} | {steps} | {optim} | {",".join(map(str, c["seeds"]))} | '
+                 + ' | '.join(_fmt(c['fractions'].get(f'{f:g}')) for f in FRACTIONS) + ' |')
+  lines += ['', '## Successive halving, ending at the warmup\'s end', '',
+            'Rungs: at each fraction the runs with the lowest training loss go on (8 -> 4 -> 1: the best 4 at 0.1 of '
+            'the run, the best of those at 0.3); compute in runs. The schedules shown are all that were computed.', '',
+            '| workload | steps | optim | ' + ' | '.join(f'{n} ({compute_runs(r):.2g} runs)' for n, r in HALVING.items())
+            + ' |', '|---|---|---|' + '---|' * len(HALVING)]
+  for w, steps, optim, c in cells:
+    lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(_fmt(c['halving'].get(n)) for n in HALVING) + ' |')
+  lines += _tally(cells)
+  lines += ['', 'The LR kept, as multiples of the sweep\'s best grid point (per seed):', '',
+            '| workload | steps | optim | ' + ' | '.join(f'f = {f:g}' for f in FRACTIONS) + ' |',
+            '|---|---|---|' + '---|' * len(FRACTIONS)]
+  for w, steps, optim, c in cells:
+    lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(
+        '-' if f'{f:g}' not in c['fractions'] else ' '.join(f'{x:g}' for x in c['fractions'][f'{f:g}']['kept_x'])
+        for f in FRACTIONS) + ' |')
+  return records.write_report(out_dir, 'early_bracket', results, lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p.add_argument('--quick', action='store_true', help='the quick sweep\'s records (run experiments.workloads --quick)')
+  p.add_argument('--workdir', default=None, help='the workloads work root (default workdirs/workloads[_quick])')
+  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
+  out = work_root if args.quick else os.path.join(REPO, 'results')
+  print('\n'.join(f'  {path}' for path in write_report(out, measure(args.quick, work_root), args.quick)))
+
+
+if __name__ == '__main__':
+  main()
