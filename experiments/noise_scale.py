@@ -38,6 +38,11 @@ WINDOWS = (('first 0.3', 0.3), ('whole run', 1.0))
 BLOCK = 25  # steps per stored block of the two sums (their means: any window of whole blocks can be re-read)
 # The logged sums: plain, and (Adam) preconditioned by the second moment, each the replicas' mean |g_r|^2 and |g_B|^2.
 KINDS = {'plain': '', 'pre': 'pre_'}
+STAGES = {'noise', 'small', 'ladder'}
+# The fifteenth pass's ladder: the plain sweep again at batch B/4 and B/2 (divisors of the global batch), so that the
+# best LR is known at B/8, B/4, B/2 and B, and a factor measured between two small batches can be extrapolated.
+LADDER = (4, 2)
+LADDER_BASE = 8  # the B/N sweep's divisor (the replicas)
 
 
 def run_name(optim: str, seed: int) -> str:
@@ -105,27 +110,38 @@ def cell_report(noise_recs: list[dict], folder: str, optim: str) -> dict | None:
         geo = float(np.exp(np.mean(np.log(b))))
         out['windows'][label if kind == 'plain' else f'{label}, preconditioned'] = {
             'b_noise': geo, 'range': [min(b), max(b)], 'factor': noise_lib.batch_factor(geo, big, replicas, rule(optim))}
-  found = climb_and_price._first_syncs(folder, optim, climb_and_price.OPEN_WIDE)  # pylint: disable=protected-access
+  found = own_winners(folder, optim)
   if found is None:
     return out
+  out['winner_x'] = float(np.exp(np.mean(np.log([w['best_x'] for w in found[3]]))))
+  out['runs'] = len(found[3])
+  out['implied_factor'] = 1.0 / out['winner_x']
+  out['batch_rule'] = {'factor': climb_and_price.batch_rule(optim, replicas),
+                       'sweep_pct': carried(found, climb_and_price.batch_rule(optim, replicas))}
+  for w in out['windows'].values():
+    w['sweep_pct'] = carried(found, w['factor'])
+  return out
+
+
+def own_winners(folder: str, optim: str):
+  """The sweep's grid, its best (peak LR, value) and the own-gradient winners at 0.3 of the run (from 10x low and
+  the best) as ``(grid, lr, value, winners)``; None where there are none."""
+  found = climb_and_price._first_syncs(folder, optim, climb_and_price.OPEN_WIDE)  # pylint: disable=protected-access
+  if found is None:
+    return None
   grid, runs = found
   lr, best_val = autolr_report.grid_best(grid)
   own = [climb_and_price._wide_run(c, float(r['config']['optim']['max_lr']) / lr)  # pylint: disable=protected-access
          for m, r, c in runs if m.group(1) and m.group(2) in ('low', 'best')]
-  if not own:
-    return out
+  return (grid, lr, best_val, own) if own else None
 
-  def carried(factor):
-    pct = [climb_and_price.sweep_at(grid, lr * w['best_x'] * factor) for w in own]
-    return None if None in pct else float(np.mean([100.0 * (p / best_val - 1.0) for p in pct]))
-  out['winner_x'] = float(np.exp(np.mean(np.log([w['best_x'] for w in own]))))
-  out['runs'] = len(own)
-  out['implied_factor'] = 1.0 / out['winner_x']
-  out['batch_rule'] = {'factor': climb_and_price.batch_rule(optim, replicas),
-                       'sweep_pct': carried(climb_and_price.batch_rule(optim, replicas))}
-  for w in out['windows'].values():
-    w['sweep_pct'] = carried(w['factor'])
-  return out
+
+def carried(found, factor: float) -> float | None:
+  """The sweep's final at each own-gradient winner times ``factor``, against its best (climb_and_price.sweep_at:
+  each grid point's seed mean, interpolated in log LR; mean over the winners, in %)."""
+  grid, lr, best_val, own = found
+  pct = [climb_and_price.sweep_at(grid, lr * w['best_x'] * factor) for w in own]
+  return None if None in pct else float(np.mean([100.0 * (p / best_val - 1.0) for p in pct]))
 
 
 def noise_cache(workload: str, steps: int, quick: bool, work_root: str) -> records.RunCache:
@@ -172,23 +188,26 @@ def run_cell(workload: str, steps: int, optim: str, seeds, quick: bool, work_roo
   return out
 
 
-def small_name(optim: str, lr: float, seed: int) -> str:
-  return f'{optim}/small_lr{lr:g}_s{seed}'
+def small_name(optim: str, lr: float, seed: int, divisor: int | None = None) -> str:
+  """The B/N sweep's runs keep their first names; other divisors (the ladder) carry theirs."""
+  return f'{optim}/small{"" if divisor is None else f"_div{divisor}"}_lr{lr:g}_s{seed}'
 
 
 def run_small(workload: str, steps: int, optim: str, seeds, quick: bool, work_root: str,
-              train: bool) -> dict[float, list[dict]]:
-  """The plain sweep at batch B/N (``data.batch_size`` divided by the N replicas; everything else the sweep's): the
-  grid on the first seed, extended by one point (a factor 2) past an end where its best lies there, and the other
-  seeds on its best and the two points either side. Returns the records by peak LR."""
+              train: bool, divisor: int | None = None) -> dict[float, list[dict]]:
+  """The plain sweep at batch B/m (``data.batch_size`` divided by ``divisor`` m, by default the N replicas;
+  everything else the sweep's): the grid on the first seed, extended by one point (a factor 2) past an end where its
+  best lies there, and the other seeds on its best and the two points either side. Returns the records by peak LR."""
   lrs = (autolr.QUICK_GRIDS if quick else autolr.GRIDS)[optim]
   base = workloads.base_config(workload, steps, quick)
   replicas = int(base.hdet.num_replicas or 8)
-  if base.data.batch_size % replicas and not quick:  # (quick: the tiny batch's floor, at least one)
-    raise ValueError(f'data.batch_size={base.data.batch_size} does not divide by the {replicas} replicas.')
+  m = replicas if divisor is None else divisor
+  if base.data.batch_size % m and not quick:  # (quick: the tiny batch's floor, at least one)
+    raise ValueError(f'data.batch_size={base.data.batch_size} does not divide by {m}.')
   plain = _plain_runs(workload, steps, optim, quick, work_root, train)
-  get = lambda lr, seed: plain(small_name(optim, lr, seed), lr, seed,
-                               {'data.batch_size': max(1, base.data.batch_size // replicas)})
+  tag = None if m == replicas else m
+  get = lambda lr, seed: plain(small_name(optim, lr, seed, tag), lr, seed,
+                               {'data.batch_size': max(1, base.data.batch_size // m)})
   grid = {}
 
   def train_seed(seed, todo):
@@ -249,6 +268,56 @@ def small_report(small: dict[float, list[dict]], folder: str, optim: str, cell: 
           'grid': {f'{lr:g}': autolr_report.mean_bpb(rs) for lr, rs in sorted(small.items())}}
 
 
+def surge_fit(batches, lrs) -> tuple[float, float] | None:
+  """Adam's law ``lr*(B) = c / (sqrt(B_noise / B) + sqrt(B / B_noise))`` (Li et al., 2024) fitted by least squares
+  in log LR to the points: ``(c, B_noise)``, B_noise searched over a log grid 1/64 to 64 times the batches' range
+  (c in closed form for each); None with fewer than two points."""
+  if len(lrs) < 2:
+    return None
+  b, y = np.asarray(batches, float), np.log(np.asarray(lrs, float))
+  best = None
+  for bn in np.geomspace(b.min() / 64, b.max() * 64, 2001):
+    shape = -np.log(np.sqrt(bn / b) + np.sqrt(b / bn))
+    log_c = float(np.mean(y - shape))
+    sse = float(np.sum((y - shape - log_c) ** 2))
+    if best is None or sse < best[0] - 1e-15:
+      best = (sse, math.exp(log_c), float(bn))
+  return best[1], best[2]
+
+
+def surge_lr(c: float, b_noise: float, batch: float) -> float:
+  return c / (math.sqrt(b_noise / batch) + math.sqrt(batch / b_noise))
+
+
+def ladder_report(small, rungs, folder, optim) -> dict | None:
+  """The best LR at B/8, B/4, B/2 and B (each sweep's :func:`optimum`) and the factor B/8 -> B that each law read
+  from the small batches alone would predict: the power law through B/8 and B/4 (its factor cubed), through B/8 and
+  B/2 (to the power 3/2), through all three (least squares in log-log), and Adam's surge law fitted to the three;
+  each with the own-gradient winners carried by it (:func:`carried`)."""
+  sweeps = {1: climb_and_price._grid(folder, optim), **rungs, LADDER_BASE: small}  # pylint: disable=protected-access
+  opt = {m: optimum(g) for m, g in sweeps.items()}
+  if any(o is None for o in opt.values()):
+    return None
+  lr = {m: opt[m]['lr'] for m in opt}
+  small_ms = sorted((m for m in lr if m > 1), reverse=True)  # B/8, B/4, B/2
+  slope, _ = np.polyfit(np.log([1.0 / m for m in small_ms]), np.log([lr[m] for m in small_ms]), 1)
+  fit = surge_fit([1.0 / m for m in small_ms], [lr[m] for m in small_ms])
+  base = LADDER_BASE
+  predicted = {'power law through B/8, B/4': (lr[4] / lr[base]) ** 3,
+               'power law through B/8, B/2': (lr[2] / lr[base]) ** 1.5,
+               'power law through B/8, B/4, B/2': float(base ** slope),
+               'Adam surge law through B/8, B/4, B/2': surge_lr(*fit, 1.0) / surge_lr(*fit, 1.0 / base)}
+  found = own_winners(folder, optim)
+  out = {'optima': {str(m): opt[m] for m in sorted(opt)}, 'lr': {str(m): lr[m] for m in sorted(lr)},
+         'doubling': [lr[m // 2] / lr[m] for m in (8, 4, 2)], 'factor': lr[1] / lr[base],
+         'surge_b_noise': fit[1], 'runs': {str(m): sum(len(v) for v in sweeps[m].values()) for m in small_ms},
+         'predicted': {k: {'factor': float(v), 'sweep_pct': None if found is None else carried(found, v)}
+                       for k, v in predicted.items()}}
+  if found is not None:
+    out['measured_sweep_pct'] = carried(found, out['factor'])
+  return out
+
+
 def measure(args, work_root: str) -> dict:
   results = {}
   for w in args.workload:
@@ -260,10 +329,15 @@ def measure(args, work_root: str) -> dict:
         cell = cell_report(recs, folder, optim)
         if cell:
           cell['same_as_sweep'] = [r['same_as_sweep'] for r in recs]
-          if 'small' in args.stages and steps == (workloads.lengths(w, True)[0] if args.quick else
-                                                  workloads.WORKLOADS[w][1]):
-            cell['small_batch'] = small_report(run_small(w, steps, optim, args.seeds, args.quick, work_root,
-                                                         train=not args.report_only), folder, optim, cell)
+          default_length = steps == (workloads.lengths(w, True)[0] if args.quick else workloads.WORKLOADS[w][1])
+          if default_length and args.stages & {'small', 'ladder'}:
+            small = run_small(w, steps, optim, args.seeds, args.quick, work_root,
+                              train='small' in args.stages and not args.report_only)
+            cell['small_batch'] = small_report(small, folder, optim, cell)
+          if default_length and 'ladder' in args.stages:
+            rungs = {m: run_small(w, steps, optim, args.seeds, args.quick, work_root, train=not args.report_only,
+                                  divisor=m) for m in LADDER}
+            cell['ladder'] = ladder_report(small, rungs, folder, optim)
           results.setdefault(w, {}).setdefault(str(steps), {})[optim] = cell
   return results
 
@@ -313,7 +387,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
     implied = f'{c["implied_factor"]:.2f}' if 'implied_factor' in c else '-'
     lines.append(f'| {w} | {steps} | {optim} | {implied} | {fmt_p(c.get("batch_rule"))} | '
                  + ' | '.join(fmt_p(c['windows'].get(k)) for k in _LABELS) + ' |')
-  lines += _small_table(results)
+  lines += _small_table(results) + _ladder_table(results)
   return records.write_report(out_dir, 'noise_scale', results, lines)
 
 
@@ -342,6 +416,33 @@ def _small_table(results: dict) -> list[str]:
   return lines
 
 
+def _ladder_table(results: dict) -> list[str]:
+  rows = [r for r in _cells(results) if r[3].get('ladder')]
+  if not rows:
+    return []
+  names = list(rows[0][3]['ladder']['predicted'])
+  lines = ['', '## The batch ladder: is the factor one power law? (fifteenth pass)', '',
+           'The plain sweep again at B/4 and B/2 (`--stages ladder`; the same grid, seeds and parabola as at B/N = B/8). '
+           'The best peak LR at each batch (the parabola\'s vertex), the factor per doubling of the batch, the '
+           'factor from B/8 to B measured, and what each law read from the small batches alone predicts for it: a '
+           'power law through two of them (B/8 and B/4: their factor cubed; B/8 and B/2: to the power 3/2), one '
+           'fitted to all three (log-log least squares), Adam\'s surge law fitted to the three. After the colon: the '
+           'own-gradient winners at 0.3 of the run carried by that factor, the sweep\'s final there against its best '
+           '(interpolated: an estimate, not a run; "measured": carried by the measured factor itself).', '',
+           '| workload | steps | optim | best LR at B/8, B/4, B/2, B | per doubling | measured B/8 -> B | '
+           + ' | '.join(names) + ' | runs at B/4, B/2 |', '|---|---|---|---|---|---|' + '---|' * (len(names) + 1)]
+  pct = lambda x: '' if x is None else f': {_fmt_pct(x)}'
+  for w, steps, optim, c in rows:
+    lad = c['ladder']
+    lines.append(f'| {w} | {steps} | {optim} | ' + ', '.join(f'{lad["lr"][m]:.3g}' for m in ('8', '4', '2', '1'))
+                 + ' | ' + ' / '.join(f'{x:.2f}' for x in lad['doubling'])
+                 + f' | {lad["factor"]:.2f}{pct(lad.get("measured_sweep_pct"))} | '
+                 + ' | '.join(f'{lad["predicted"][n]["factor"]:.2f}{pct(lad["predicted"][n]["sweep_pct"])}'
+                              for n in names)
+                 + f' | {lad["runs"]["4"]}, {lad["runs"]["2"]} |')
+  return lines
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--workload', default=','.join(workloads.WORKLOADS), help='comma-separated workloads')
@@ -349,7 +450,8 @@ def main(argv=None):
   p.add_argument('--seeds', default='0,1,2', help='comma-separated seeds')
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny configs, 16 steps')
   p.add_argument('--stages', default='noise,small', help='noise: the sweep\'s runs at its anchor with the sums '
-                 'logged (every length); small: the plain sweep at batch B/N (each workload\'s default length)')
+                 'logged (every length); small: the plain sweep at batch B/N (each workload\'s default length); '
+                 'ladder: the same at B/4 and B/2 (not in the default)')
   p.add_argument('--report-only', action='store_true', help='train nothing; redraw the report from the records')
   p.add_argument('--workdir', default=None, help='the workloads work root (default workdirs/workloads[_quick])')
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -360,8 +462,8 @@ def main(argv=None):
   args.steps = [int(s) for s in args.steps.split(',') if s]
   args.seeds = [int(s) for s in args.seeds.split(',') if s]
   args.stages = {x for x in args.stages.split(',') if x}
-  if args.stages - {'noise', 'small'}:
-    p.error(f'--stages: {sorted(args.stages - {"noise", "small"})} not among noise, small')
+  if args.stages - STAGES:
+    p.error(f'--stages: {sorted(args.stages - STAGES)} not among {", ".join(sorted(STAGES))}')
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
   from hdet_jax.trainer import trainer
   trainer.setup_jax(workloads.base_config('lm', 16, args.quick))  # 8 CPU devices, as the sweep's runs had

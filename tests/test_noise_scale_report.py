@@ -98,3 +98,51 @@ def test_optimum_is_the_parabolas_vertex_in_log_lr():
   grid[0.08] = [{'val_bpb': None, 'diverged_at': 10, 'config': {'seed': 0}}]  # a neighbour diverged: the grid point
   assert exp.optimum(grid)['lr'] == 0.04
   assert exp.optimum({0.01: grid[0.01]})['lr'] == 0.01
+
+
+def test_surge_fit_recovers_the_law_from_three_batches():
+  c, b_noise = 0.3, 40.0
+  batches = [8.0, 16.0, 32.0]
+  lrs = [exp.surge_lr(c, b_noise, b) for b in batches]
+  got_c, got_bn = exp.surge_fit(batches, lrs)
+  assert got_bn == pytest.approx(b_noise, rel=0.01) and got_c == pytest.approx(c, rel=0.01)
+  # The law by hand: c / (sqrt(B_noise / B) + sqrt(B / B_noise)), peaking at B = B_noise with c / 2.
+  assert exp.surge_lr(c, b_noise, b_noise) == pytest.approx(c / 2)
+  assert exp.surge_lr(c, b_noise, 10.0) == pytest.approx(c / (2.0 + 0.5))
+  assert exp.surge_fit([8.0], [0.1]) is None
+
+
+def _parabola_grid(folder, prefix, vertex, seeds=(0,)):
+  """Records of a sweep whose seed-mean final is a parabola in log LR with its vertex at ``vertex``."""
+  os.makedirs(os.path.join(folder, 'adamw'), exist_ok=True)
+  grid = {}
+  for k in range(8):
+    lr = 0.00375 * 2.0 ** k
+    for seed in seeds:
+      rec = {'name': f'adamw/{prefix}_lr{lr:g}_s{seed}', 'val_bpb': 2.0 + (math.log(lr) - math.log(vertex)) ** 2,
+             'diverged_at': None, 'config': {'seed': seed, 'optim': {'max_lr': lr}}}
+      with open(os.path.join(folder, rec['name'] + '.json'), 'w', encoding='utf-8') as f:
+        json.dump(rec, f)
+      grid.setdefault(lr, []).append(rec)
+  return grid
+
+
+def test_ladder_report_predicts_the_factor_from_the_small_batches(tmp_path):
+  folder = str(tmp_path / 'sweep')
+  _parabola_grid(folder, 'grid', 0.04)  # the sweep at B: its best at 0.04
+  small = _parabola_grid(str(tmp_path / 'b8'), 'small', 0.01)
+  rungs = {4: _parabola_grid(str(tmp_path / 'b4'), 'small4', 0.015), 2: _parabola_grid(str(tmp_path / 'b2'), 's2', 0.0225)}
+  lad = exp.ladder_report(small, rungs, folder, 'adamw')
+  assert lad['lr'] == pytest.approx({'8': 0.01, '4': 0.015, '2': 0.0225, '1': 0.04})
+  assert lad['doubling'] == pytest.approx([1.5, 1.5, 0.04 / 0.0225])
+  assert lad['factor'] == pytest.approx(4.0)
+  pred = {k: v['factor'] for k, v in lad['predicted'].items()}
+  # One power law through the small batches (exponent log2 1.5): 1.5 per doubling, three doublings to B.
+  for name in ('power law through B/8, B/4', 'power law through B/8, B/2', 'power law through B/8, B/4, B/2'):
+    assert pred[name] == pytest.approx(1.5 ** 3)
+  # 1.5 per doubling is steeper than the surge law can rise (sqrt(2) per doubling, far below its noise scale): fitted
+  # to these points it predicts at most sqrt(8).
+  assert pred['Adam surge law through B/8, B/4, B/2'] <= math.sqrt(8) + 1e-6
+  assert all(v['sweep_pct'] is None for v in lad['predicted'].values())  # (no own-gradient winners here)
+  lines = exp._ladder_table({'lm': {'1500': {'adamw': {'ladder': lad}}}})  # pylint: disable=protected-access
+  assert '| lm | 1500 | adamw | 0.01, 0.015, 0.0225, 0.04 | 1.50 / 1.50 / 1.78 | 4.00 |' in lines[-1]
