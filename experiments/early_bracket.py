@@ -8,12 +8,15 @@ on common batches; the bracket keeps the lowest, and that run goes on to the end
 from step 0), so the bracket's final is the sweep's run's own. Its compute: 8 runs to ``f``, one on, ``1 + 7 f``
 runs (the sweep: 8; HDET: 1).
 
-Each cell is read on the seeds whose grid is complete (seed 0 everywhere; the LM at 750 / 1500 steps seeds 0-2;
-mnist1d and fine-tuning at 300 steps seeds 0 and 3): a bracket over fewer points would be told the answer. The gap is
-paired: the kept run's final against the same seed's run at the sweep's best grid point (its 3-seed mean's).
+Each cell is read on the seeds whose grid is complete: a bracket over fewer points would be told the answer. The
+sweep trains its whole grid on seed 0 (the LM at 750 / 1500 steps on seeds 0-2) and the other seeds near its best
+only; ``--train`` trains the rest of the grid for the seeds asked (records in ``results/early_bracket/runs/``, the
+sweep's own runs where it has them). The gap is paired: the kept run's final against the same seed's run at the
+sweep's best grid point (its 3-seed mean's).
 
-    python -m experiments.early_bracket           # reads the records, trains nothing (results/early_bracket.{md,json})
-    python -m experiments.early_bracket --quick   # the quick sweep's records (experiments.workloads --quick first)
+    python -m experiments.early_bracket                      # reads the records (results/early_bracket.{md,json})
+    python -m experiments.early_bracket --train --workload finetune,mnist1d   # complete seeds 0-2 (cached, resumable)
+    python -m experiments.early_bracket --quick --train       # a smoke run over the quick sweep's records
 """
 
 from __future__ import annotations
@@ -88,10 +91,14 @@ def compute_runs(rungs, n: int = 8) -> float:
   return total + alive * (1.0 - start)
 
 
-def full_grids(folder: str, optim: str, lrs) -> dict[int, dict[float, dict]]:
-  """Per seed, the sweep's runs by peak LR, for the seeds that have every point of ``lrs``."""
+def full_grids(folder: str, optim: str, lrs, extra: str | None = None) -> dict[int, dict[float, dict]]:
+  """Per seed, the sweep's runs by peak LR (and this experiment's in ``extra``), for the seeds that have every
+  point of ``lrs``."""
   by_seed = {}
-  for path in glob.glob(os.path.join(folder, optim, 'grid_lr*_s*.json')):
+  paths = glob.glob(os.path.join(folder, optim, 'grid_lr*_s*.json'))
+  if extra:
+    paths += glob.glob(os.path.join(extra, optim, 'grid_lr*_s*.json'))
+  for path in sorted(paths):
     if _GRID.search(path):
       with open(path, encoding='utf-8') as f:
         rec = json.load(f)
@@ -99,11 +106,35 @@ def full_grids(folder: str, optim: str, lrs) -> dict[int, dict[float, dict]]:
   return {s: g for s, g in sorted(by_seed.items()) if all(lr in g for lr in lrs)}
 
 
-def cell_report(folder: str, optim: str, lrs) -> dict | None:
+def extra_dir(workload: str, steps: int, quick: bool, work_root: str) -> str:
+  """Where this experiment keeps the grid runs the sweep does not have."""
+  if quick:
+    return os.path.join(work_root, workload, 'bracket_records')
+  return os.path.join(REPO, 'results', 'early_bracket', 'runs', workload, f'steps{steps}')
+
+
+def complete_grids(workload: str, steps: int, optim: str, seeds, quick: bool, work_root: str) -> int:
+  """Trains the sweep's grid points that ``seeds`` lack (the sweep's own config; cached, resumable; several
+  processes share the list). Returns how many runs it trained or found cached here."""
+  folder = workloads.records_dir(workload, steps, quick, work_root)
+  cache = records.RunCache(extra_dir(workload, steps, quick, work_root),
+                           os.path.join(work_root, workload, f'bracket_steps{steps}'), workloads.make_record,
+                           autolr.describe)
+  run = workloads.plain_runner(cache, workload, steps, optim, quick, work_root, train=True)
+  n = 0
+  for seed in seeds:
+    for lr in (autolr.QUICK_GRIDS if quick else autolr.GRIDS)[optim]:
+      name = autolr.grid_name(optim, lr, seed)
+      if not os.path.exists(os.path.join(folder, name + '.json')):
+        n += run(name, lr, seed, {}) is not None
+  return n
+
+
+def cell_report(folder: str, optim: str, lrs, extra: str | None = None) -> dict | None:
   """One workload, length and optimizer: per decision fraction, each complete seed's kept LR (as a multiple of the
   sweep's best grid point) and the paired gap of its final to that seed's run at the best point."""
   grid = climb_and_price._grid(folder, optim)  # pylint: disable=protected-access
-  seeds = full_grids(folder, optim, lrs)
+  seeds = full_grids(folder, optim, lrs, extra)
   if not grid or not seeds:
     return None
   best_lr, best = autolr_report.grid_best(grid)
@@ -121,13 +152,16 @@ def cell_report(folder: str, optim: str, lrs) -> dict | None:
   return out
 
 
-def measure(quick: bool, work_root: str) -> dict:
+def measure(args, work_root: str) -> dict:
   results = {}
   for w in workloads.WORKLOADS:
-    for steps in workloads.lengths(w, quick):
-      folder = workloads.records_dir(w, steps, quick, work_root)
+    for steps in workloads.lengths(w, args.quick):
+      folder = workloads.records_dir(w, steps, args.quick, work_root)
       for optim in workloads.WORKLOADS[w][2]:
-        c = cell_report(folder, optim, (autolr.QUICK_GRIDS if quick else autolr.GRIDS)[optim])
+        if args.train and w in args.workload and (not args.steps or steps in args.steps):
+          complete_grids(w, steps, optim, args.seeds, args.quick, work_root)
+        c = cell_report(folder, optim, (autolr.QUICK_GRIDS if args.quick else autolr.GRIDS)[optim],
+                        extra_dir(w, steps, args.quick, work_root))
         if c:
           results.setdefault(w, {}).setdefault(str(steps), {})[optim] = c
   return results
@@ -194,10 +228,23 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--quick', action='store_true', help='the quick sweep\'s records (run experiments.workloads --quick)')
   p.add_argument('--workdir', default=None, help='the workloads work root (default workdirs/workloads[_quick])')
+  p.add_argument('--train', action='store_true', help='train the grid points the seeds lack (else read records only)')
+  p.add_argument('--workload', default=','.join(workloads.WORKLOADS), help='comma-separated workloads to train')
+  p.add_argument('--steps', default='', help='comma-separated run lengths to train (default: every length)')
+  p.add_argument('--seeds', default='0,1,2', help='comma-separated seeds whose grids --train completes')
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  args.workload = [w for w in args.workload.split(',') if w]
+  bad = [w for w in args.workload if w not in workloads.WORKLOADS]
+  if bad:
+    p.error(f'--workload: {bad} not among {list(workloads.WORKLOADS)}')
+  args.steps = [int(x) for x in args.steps.split(',') if x]
+  args.seeds = [int(x) for x in args.seeds.split(',') if x]
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
+  if args.train:
+    from hdet_jax.trainer import trainer
+    trainer.setup_jax(workloads.base_config('lm', 16, args.quick))  # 8 CPU devices, as the sweep's runs had
   out = work_root if args.quick else os.path.join(REPO, 'results')
-  print('\n'.join(f'  {path}' for path in write_report(out, measure(args.quick, work_root), args.quick)))
+  print('\n'.join(f'  {path}' for path in write_report(out, measure(args, work_root), args.quick)))
 
 
 if __name__ == '__main__':

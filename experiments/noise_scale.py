@@ -152,22 +152,9 @@ def noise_cache(workload: str, steps: int, quick: bool, work_root: str) -> recor
 
 
 def _plain_runs(workload: str, steps: int, optim: str, quick: bool, work_root: str, train: bool):
-  """``(name, lr, seed, extra) -> record``: the sweep's plain run at ``lr`` with the ``extra`` fields, from this
-  experiment's cache, trained there unless cached (and ``train``; None where another process trains it)."""
-  from hdet_jax.trainer import config_lib
-  cache = noise_cache(workload, steps, quick, work_root)
-  init_from = workloads.pretrained(work_root, quick) if workload == 'finetune' and train else None
-  plain_extra = {'warm_init.nu': 0.0} if workload == 'finetune' else {}  # (the sweep's plain fine-tuning)
-
-  def run(name, lr, seed, extra):
-    if not train:
-      return cache.get(name)
-    o = {**autolr.run_overrides('grid', optim, lr, seed, steps), **plain_extra, **extra}
-    if quick:
-      o.pop('hdet.sync_every', None)
-    return cache.run(name, config_lib.with_overrides(workloads.base_config(workload, steps, quick, init_from), o),
-                     skip_busy=True)
-  return run
+  """``(name, lr, seed, extra) -> record``: the sweep's plain run from this experiment's cache (workloads.plain_runner)."""
+  return workloads.plain_runner(noise_cache(workload, steps, quick, work_root), workload, steps, optim, quick,
+                                work_root, train)
 
 
 def run_cell(workload: str, steps: int, optim: str, seeds, quick: bool, work_root: str, train: bool) -> list[dict]:

@@ -117,6 +117,25 @@ def pretrained(work_root: str, quick: bool) -> str:
   return workdir
 
 
+def plain_runner(cache: records.RunCache, workload: str, steps: int, optim: str, quick: bool, work_root: str,
+                 train: bool):
+  """``(name, lr, seed, extra) -> record``: the sweep's plain run at peak LR ``lr`` with the ``extra`` fields, read
+  from ``cache`` and trained there unless cached (and ``train``; None where another process trains it). For the
+  experiments that train more of the sweep's runs than the sweep keeps."""
+  from hdet_jax.trainer import config_lib
+  init_from = pretrained(work_root, quick) if workload == 'finetune' and train else None
+  plain_extra = {'warm_init.nu': 0.0} if workload == 'finetune' else {}  # (the sweep's plain fine-tuning)
+
+  def run(name, lr, seed, extra):
+    if not train:
+      return cache.get(name)
+    o = {**autolr.run_overrides('grid', optim, lr, seed, steps), **plain_extra, **extra}
+    if quick:
+      o.pop('hdet.sync_every', None)
+    return cache.run(name, config_lib.with_overrides(base_config(workload, steps, quick, init_from), o), skip_busy=True)
+  return run
+
+
 def record_variant(variant: str, workload: str, steps: int) -> str:
   """The variant whose records hold ``variant``'s runs of ``workload`` at ``steps``: itself, or the first of
   SAME_RUNS_FROM (before it, if it is one) that trains the same config there (the same fields but the two that set the windows, and the same

@@ -98,3 +98,25 @@ def test_the_report_runs_over_the_quick_folders(tmp_path):
   assert cell['fractions']['0.5']['gaps_pct'][0] == pytest.approx(100 * (len(lrs) - 1) / 2.0)
   md = (tmp_path / 'early_bracket.md').read_text()
   assert '| lm |' in md and 'within 1%' in md
+
+
+def test_complete_grids_trains_only_the_points_the_sweep_lacks(tmp_path):
+  w, optim = 'mnist1d', 'adamw'
+  steps = workloads.lengths(w, True)[0]
+  lrs = autolr.QUICK_GRIDS[optim]
+  folder = workloads.records_dir(w, steps, True, str(tmp_path))
+  have = _run(lrs[0], 0, [1.0], 1.0, steps=steps)
+  have['name'] = autolr.grid_name(optim, lrs[0], 0)
+  _write(folder, have)
+  assert exp.complete_grids(w, steps, optim, [0], True, str(tmp_path)) == 1
+  extra = exp.extra_dir(w, steps, True, str(tmp_path))
+  trained = sorted(os.listdir(os.path.join(extra, optim)))
+  assert trained == [os.path.basename(autolr.grid_name(optim, lrs[1], 0)) + '.json']
+  with open(os.path.join(extra, optim, trained[0]), encoding='utf-8') as f:
+    rec = json.load(f)
+  assert rec['config']['optim']['max_lr'] == lrs[1] and rec['config']['seed'] == 0 and rec['config']['task'] == w
+  # The sweep's plain run: no spread, no controller.
+  assert rec['config']['hdet']['spread'] == 0.0 and rec['config']['hdet']['auto_lr'] is False
+  # The seed's grid is complete now, across both folders.
+  assert sorted(exp.full_grids(folder, optim, lrs, extra)[0]) == sorted(lrs)
+  assert exp.full_grids(folder, optim, lrs) == {}
