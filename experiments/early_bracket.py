@@ -41,6 +41,12 @@ REPO = autolr.REPO
 FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)  # when a single comparison is made, as fractions of the run
 # Successive halving (rungs of (fraction, runs kept)), each ending at 0.3 of the run: the end of the one-cycle warmup
 # (optim.pct_start), where every run reaches its peak LR.
+WARMUP_END = 0.3  # the trainer's one-cycle schedule peaks there (optim.pct_start)
+# A fan as wide as the sweep (8 replicas a factor 2 apart: 128x) centred on a start 10x below, at or 10x above the
+# sweep's best: the bracket then holds the sweep's points within its span (points of the fan outside the sweep's
+# grid are not trained; at the warmup's end no kept LR lies below a quarter of the best, so they would not win).
+FAN_SPAN = 128.0
+STARTS = {'10x low': 0.1, 'best': 1.0, '10x high': 10.0}
 HALVING = {'8-4-1 at 0.1 / 0.3': ((0.1, 4), (0.3, 1)), '8-2-1 at 0.1 / 0.3': ((0.1, 2), (0.3, 1)),
            '8-4-2-1 at 0.1 / 0.2 / 0.3': ((0.1, 4), (0.2, 2), (0.3, 1)), '8-4-1 at 0.2 / 0.3': ((0.2, 4), (0.3, 1))}
 _GRID = re.compile(r'grid_lr[^/]*_s(\d+)\.json$')
@@ -138,18 +144,30 @@ def cell_report(folder: str, optim: str, lrs, extra: str | None = None) -> dict 
   if not grid or not seeds:
     return None
   best_lr, best = autolr_report.grid_best(grid)
-  out = {'best_lr': best_lr, 'best': best, 'seeds': sorted(seeds), 'fractions': {}, 'halving': {}}
+  out = {'best_lr': best_lr, 'best': best, 'seeds': sorted(seeds), 'fractions': {}, 'halving': {}, 'starts': {}}
   schedules = {'fractions': {f'{f:g}': ((f, 1),) for f in FRACTIONS}, 'halving': HALVING}
   for table, by_name in schedules.items():
     for name, rungs in by_name.items():
-      kept = {s: bracket(g, rungs) for s, g in seeds.items()}
-      if any(lr is None for lr in kept.values()):
-        continue
-      gaps = [100.0 * (final(seeds[s][lr]) / final(seeds[s][best_lr]) - 1.0) for s, lr in kept.items()]
-      out[table][name] = {'compute_runs': compute_runs(rungs), 'kept_x': [kept[s] / best_lr for s in sorted(kept)],
-                          'gaps_pct': [records.finite_or_none(g) for g in gaps],
-                          'kept_best': sum(1 for lr in kept.values() if lr == best_lr)}
+      got = _kept(seeds, rungs, best_lr)
+      if got:
+        out[table][name] = {'compute_runs': compute_runs(rungs), **got}
+  for start, x in STARTS.items():  # one comparison at the warmup's end, over the points a fan around the start spans
+    span = {s: {lr: r for lr, r in g.items() if abs(math.log(lr / (best_lr * x))) <= math.log(FAN_SPAN) / 2 + 1e-9}
+            for s, g in seeds.items()}
+    got = _kept(span, ((WARMUP_END, 1),), best_lr)
+    if got:
+      out['starts'][start] = {'points': [len(g) for g in span.values()], **got}
   return out
+
+
+def _kept(seeds: dict[int, dict[float, dict]], rungs, best_lr: float) -> dict | None:
+  """Each seed's bracket: the kept LR as a multiple of ``best_lr`` and the paired gap to that seed's run there."""
+  kept = {s: bracket(g, rungs) for s, g in seeds.items()}
+  if any(lr is None for lr in kept.values()):
+    return None
+  gaps = [100.0 * (final(seeds[s][lr]) / final(seeds[s][best_lr]) - 1.0) for s, lr in kept.items()]
+  return {'kept_x': [kept[s] / best_lr for s in sorted(kept)], 'gaps_pct': [records.finite_or_none(g) for g in gaps],
+          'kept_best': sum(1 for lr in kept.values() if lr == best_lr)}
 
 
 def measure(args, work_root: str) -> dict:
@@ -213,6 +231,15 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
             + ' |', '|---|---|---|' + '---|' * len(HALVING)]
   for w, steps, optim, c in cells:
     lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(_fmt(c['halving'].get(n)) for n in HALVING) + ' |')
+  lines += ['', '## From each start: one comparison at the warmup\'s end over a 128x fan around it', '',
+            'The sweep\'s points within a factor sqrt(128) of the start (10x below, at or 10x above the sweep\'s best; '
+            'a fan of 8 a factor 2 apart spans 128x), compared at 0.3 of the run; in brackets the seeds that kept the '
+            'best point and the points per seed.', '',
+            '| workload | steps | optim | ' + ' | '.join(STARTS) + ' |', '|---|---|---|' + '---|' * len(STARTS)]
+  for w, steps, optim, c in cells:
+    lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(
+        _fmt(c['starts'].get(k)) + ('' if k not in c['starts'] else f', {min(c["starts"][k]["points"])} points')
+        for k in STARTS) + ' |')
   lines += _tally(cells)
   lines += ['', 'The LR kept, as multiples of the sweep\'s best grid point (per seed):', '',
             '| workload | steps | optim | ' + ' | '.join(f'f = {f:g}' for f in FRACTIONS) + ' |',

@@ -80,6 +80,10 @@ def test_cell_report_reads_complete_seeds_and_pairs_the_gap(tmp_path):
   assert c['halving']['8-4-1 at 0.1 / 0.3']['kept_x'] == [1.0, 1.0]
   assert c['halving']['8-2-1 at 0.1 / 0.3']['kept_x'] == [4.0, 4.0]
   assert c['halving']['8-2-1 at 0.1 / 0.3']['gaps_pct'] == pytest.approx([20.0, 20.0])
+  # From each start, the points within sqrt(128) = 11.3x of it: 10x low (0.0002) spans up to 0.00226, 10x high
+  # (0.02) down to 0.00177.
+  assert [c['starts'][k]['points'] for k in ('10x low', 'best', '10x high')] == [[2, 2], [5, 5], [4, 4]]
+  assert all(c['starts'][k]['kept_x'] == [1.0, 1.0] for k in exp.STARTS)
 
 
 def test_the_report_runs_over_the_quick_folders(tmp_path):
