@@ -260,12 +260,7 @@ def main(argv=None):
   p.add_argument('--steps', default='', help='comma-separated run lengths to train (default: every length)')
   p.add_argument('--seeds', default='0,1,2', help='comma-separated seeds whose grids --train completes')
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
-  args.workload = [w for w in args.workload.split(',') if w]
-  bad = [w for w in args.workload if w not in workloads.WORKLOADS]
-  if bad:
-    p.error(f'--workload: {bad} not among {list(workloads.WORKLOADS)}')
-  args.steps = [int(x) for x in args.steps.split(',') if x]
-  args.seeds = [int(x) for x in args.seeds.split(',') if x]
+  workloads.parse_cells(p, args)
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
   if args.train:
     from hdet_jax.trainer import trainer

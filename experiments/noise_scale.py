@@ -442,12 +442,7 @@ def main(argv=None):
   p.add_argument('--report-only', action='store_true', help='train nothing; redraw the report from the records')
   p.add_argument('--workdir', default=None, help='the workloads work root (default workdirs/workloads[_quick])')
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
-  args.workload = [w for w in args.workload.split(',') if w]
-  bad = [w for w in args.workload if w not in workloads.WORKLOADS]
-  if bad:
-    p.error(f'--workload: {bad} not among {list(workloads.WORKLOADS)}')
-  args.steps = [int(s) for s in args.steps.split(',') if s]
-  args.seeds = [int(s) for s in args.seeds.split(',') if s]
+  workloads.parse_cells(p, args)
   args.stages = {x for x in args.stages.split(',') if x}
   if args.stages - STAGES:
     p.error(f'--stages: {sorted(args.stages - STAGES)} not among {", ".join(sorted(STAGES))}')

@@ -415,6 +415,17 @@ def conclusion(results: dict) -> list[str]:
 # The command
 # ---------------------------------------------------------------------------------------------
 
+def parse_cells(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+  """The comma-separated ``--workload``, ``--steps`` and ``--seeds`` of an experiment on the workloads' records as
+  lists, in place (an unknown workload is a parser error naming the known ones)."""
+  args.workload = [w for w in args.workload.split(',') if w]
+  bad = [w for w in args.workload if w not in WORKLOADS]
+  if bad:
+    p.error(f'--workload: {bad} not among {list(WORKLOADS)}')
+  args.steps = [int(s) for s in args.steps.split(',') if s]
+  args.seeds = [int(s) for s in args.seeds.split(',') if s]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--quick', action='store_true', help='a smoke run of every workload on tiny models')
