@@ -279,7 +279,7 @@ def surge_lr(c: float, b_noise: float, batch: float) -> float:
 def ladder_report(small, rungs, folder, optim) -> dict | None:
   """The best LR at B/8, B/4, B/2 and B (each sweep's :func:`optimum`) and the factor B/8 -> B that each law read
   from the small batches alone would predict: the power law through B/8 and B/4 (its factor cubed), through B/8 and
-  B/2 (to the power 3/2), through all three (least squares in log-log), and Adam's surge law fitted to the three;
+  B/2 (to the power 3/2), and Adam's surge law fitted to the three;
   each with the own-gradient winners carried by it (:func:`carried`)."""
   sweeps = {1: climb_and_price._grid(folder, optim), **rungs, LADDER_BASE: small}  # pylint: disable=protected-access
   opt = {m: optimum(g) for m, g in sweeps.items()}
@@ -287,12 +287,11 @@ def ladder_report(small, rungs, folder, optim) -> dict | None:
     return None
   lr = {m: opt[m]['lr'] for m in opt}
   small_ms = sorted((m for m in lr if m > 1), reverse=True)  # B/8, B/4, B/2
-  slope, _ = np.polyfit(np.log([1.0 / m for m in small_ms]), np.log([lr[m] for m in small_ms]), 1)
+  # (A power law fitted to all three in log-log has the outer two's slope: the points are equally spaced in log B.)
   fit = surge_fit([1.0 / m for m in small_ms], [lr[m] for m in small_ms])
   base = LADDER_BASE
   predicted = {'power law through B/8, B/4': (lr[4] / lr[base]) ** 3,
                'power law through B/8, B/2': (lr[2] / lr[base]) ** 1.5,
-               'power law through B/8, B/4, B/2': float(base ** slope),
                'Adam surge law through B/8, B/4, B/2': surge_lr(*fit, 1.0) / surge_lr(*fit, 1.0 / base)}
   found = own_winners(folder, optim)
   out = {'optima': {str(m): opt[m] for m in sorted(opt)}, 'lr': {str(m): lr[m] for m in sorted(lr)},
@@ -412,8 +411,9 @@ def _ladder_table(results: dict) -> list[str]:
            'The plain sweep again at B/4 and B/2 (`--stages ladder`; the same grid, seeds and parabola as at B/N = B/8). '
            'The best peak LR at each batch (the parabola\'s vertex), the factor per doubling of the batch, the '
            'factor from B/8 to B measured, and what each law read from the small batches alone predicts for it: a '
-           'power law through two of them (B/8 and B/4: their factor cubed; B/8 and B/2: to the power 3/2), one '
-           'fitted to all three (log-log least squares), Adam\'s surge law fitted to the three. After the colon: the '
+           'power law through two of them (B/8 and B/4: their factor cubed; B/8 and B/2: to the power 3/2; fitted to '
+           'all three in log-log it is the latter, the points being equally spaced), Adam\'s surge law fitted to the '
+           'three. After the colon: the '
            'own-gradient winners at 0.3 of the run carried by that factor, the sweep\'s final there against its best '
            '(interpolated: an estimate, not a run; "measured": carried by the measured factor itself).', '',
            '| workload | steps | optim | best LR at B/8, B/4, B/2, B | per doubling | measured B/8 -> B | '
