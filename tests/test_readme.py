@@ -33,6 +33,7 @@ class _OneStepInFlight:
     for item in self.items:
       jax.block_until_ready(globals().get('params'))
       yield item
+    jax.block_until_ready(globals().get('params'))  # (the last step too, before the example averages)
 batches = _OneStepInFlight([(_x, _y)] * 200)
 '''
 
