@@ -49,6 +49,8 @@ FAN_SPAN = 128.0
 STARTS = {'10x low': 0.1, 'best': 1.0, '10x high': 10.0}
 HALVING = {'8-4-1 at 0.1 / 0.3': ((0.1, 4), (0.3, 1)), '8-2-1 at 0.1 / 0.3': ((0.1, 2), (0.3, 1)),
            '8-4-2-1 at 0.1 / 0.2 / 0.3': ((0.1, 4), (0.2, 2), (0.3, 1)), '8-4-1 at 0.2 / 0.3': ((0.2, 4), (0.3, 1))}
+# Every bracket the report reads, by table: single comparisons (named by their fraction) and the halving schedules.
+SCHEDULES = {'fractions': {f'{f:g}': ((f, 1),) for f in FRACTIONS}, 'halving': HALVING}
 _GRID = re.compile(r'grid_lr[^/]*_s(\d+)\.json$')
 
 
@@ -145,8 +147,7 @@ def cell_report(folder: str, optim: str, lrs, extra: str | None = None) -> dict 
     return None
   best_lr, best = autolr_report.grid_best(grid)
   out = {'best_lr': best_lr, 'best': best, 'seeds': sorted(seeds), 'fractions': {}, 'halving': {}, 'starts': {}}
-  schedules = {'fractions': {f'{f:g}': ((f, 1),) for f in FRACTIONS}, 'halving': HALVING}
-  for table, by_name in schedules.items():
+  for table, by_name in SCHEDULES.items():
     for name, rungs in by_name.items():
       got = _kept(seeds, rungs, best_lr)
       if got:
@@ -196,12 +197,12 @@ def _fmt(x: dict | None) -> str:
 def _tally(cells) -> list[str]:
   """Over every complete seed of every cell: how many brackets ended within 1% of the seed's run at the best point."""
   rows = []
-  for table, names in (('fractions', [f'{f:g}' for f in FRACTIONS]), ('halving', list(HALVING))):
-    for name in names:
+  for table, by_name in SCHEDULES.items():
+    for name, rungs in by_name.items():
       gaps = [math.inf if g is None else g for *_, c in cells if name in c[table] for g in c[table][name]['gaps_pct']]
       if gaps:
         label = f'one comparison at f = {name}' if table == 'fractions' else name
-        rows.append(f'| {label} | {compute_runs(HALVING[name] if table == "halving" else ((float(name), 1),)):.2g} | '
+        rows.append(f'| {label} | {compute_runs(rungs):.2g} | '
                     f'{sum(1 for g in gaps if g <= 1.0)} of {len(gaps)} | {np.median(gaps):+.2f}% | {max(gaps):+.1f}% |')
   return ['', '## Over all cells', '', 'Per seed and cell: within 1% of the same seed\'s run at the sweep\'s best '
           'grid point, the median and the largest gap.', '',
@@ -219,7 +220,8 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
            'against the same seed\'s run at the sweep\'s best grid point (paired; mean over the seeds whose grid is '
            'complete), and in brackets how many of them kept the best point. Compute: 1 + 7 f runs (HDET 1, the '
            'sweep 8). Diverged runs lose.', '',
-           '| workload | steps | optim | seeds | ' + ' | '.join(f'f = {f:g} ({1 + 7 * f:.2g} runs)' for f in FRACTIONS)
+           '| workload | steps | optim | seeds | '
+           + ' | '.join(f'f = {n} ({compute_runs(r):.2g} runs)' for n, r in SCHEDULES['fractions'].items())
            + ' |', '|---|---|---|---|' + '---|' * len(FRACTIONS)]
   for w, steps, optim, c in cells:
     lines.append(f'| {w} | {steps} | {optim} | {",".join(map(str, c["seeds"]))} | '
