@@ -57,7 +57,9 @@ def get_config() -> ml_collections.ConfigDict:
   # hdet.initial_scale times it and the controller raises it: give the high end of your guess (the
   # line search can raise a too-low LR, it cannot see a too-high one's damage coming).
   config.optim.max_lr = 3e-2
-  config.optim.schedule = 'one_cycle'  # 'one_cycle' (the fields below) or 'constant' (max_lr throughout).
+  # 'one_cycle' (torch's OneCycleLR: cosine up, cosine down), 'warmup_cosine' (linear up, cosine down; both with the
+  # fields below) or 'constant' (max_lr throughout).
+  config.optim.schedule = 'one_cycle'
   config.optim.pct_start = 0.3  # Fraction of the steps spent warming the LR up to max_lr.
   config.optim.div_factor = 25.0  # The schedule starts at max_lr / div_factor.
   config.optim.final_div_factor = 10.0  # ... and ends at max_lr / (div_factor * final_div_factor).

@@ -346,7 +346,7 @@ def _check_early_syncs(config: Any) -> None:
 # take it as the LR their documentation sets (1.0 for prodigy, dog, dadapt_adamw and mechanize's adam).
 OPTIMIZERS = ('adamw', 'adam', 'sgd', 'prodigy', 'dog', 'dadapt_adamw', 'mechanize_adam',
               'schedule_free_adamw', 'adam_plateau')
-SCHEDULES = ('one_cycle', 'constant')
+SCHEDULES = ('one_cycle', 'warmup_cosine', 'constant')
 CONTROLLERS = ('paper', 'fit')
 SCORES = ('window', 'common')
 AFTER_STOP = ('hold', 'rise')

@@ -49,9 +49,18 @@ def is_sync_step(config: Any, step: int) -> bool:
 
 
 def schedule(config: Any) -> optax.Schedule:
+  """The base schedule: torch's one-cycle (cosine up over pct_start of the run, then down), a linear warmup over
+  pct_start of the run then a cosine decay (the usual LM schedule; both from max_lr / div_factor to max_lr, ending
+  at max_lr / (div_factor * final_div_factor) on the last step), or max_lr throughout."""
   o = config.optim
-  if o.get('schedule', 'one_cycle') == 'constant':
+  name = o.get('schedule', 'one_cycle')
+  if name == 'constant':
     return optax.constant_schedule(o.max_lr)
+  if name == 'warmup_cosine':
+    initial = o.max_lr / o.div_factor
+    return optax.warmup_cosine_decay_schedule(
+        init_value=initial, peak_value=o.max_lr, warmup_steps=int(round(o.pct_start * config.num_train_steps)),
+        decay_steps=config.num_train_steps - 1, end_value=initial / o.final_div_factor)
   return H.one_cycle(max_lr=o.max_lr, total_steps=config.num_train_steps, pct_start=o.pct_start,
                      div_factor=o.div_factor, final_div_factor=o.final_div_factor)
 

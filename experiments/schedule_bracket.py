@@ -1,0 +1,264 @@
+"""Another schedule: does the bracket's "compare at the peak", and the default controller, carry to a linear warmup
+and cosine decay?
+
+The fifteenth pass found one comparison of runs apart at the full batch keeping a run within 1% of the sweep's best in
+32 of 43 seed-cells when made at 0.3 of the run, which is where the one-cycle schedule (the only one the workloads
+used) peaks. Whether the rule is "at the schedule's peak" or "at 0.3 of the run" could not be told apart there. This
+trains the sweep again under the usual LM schedule, ``optim.schedule='warmup_cosine'`` with its peak at
+``optim.pct_start = 0.05`` of the run, on one length of every workload (3 seeds, the whole grid each), and the default
+HDET controller (``workloads.DEFAULT_VARIANT``) from 10x below, at and 10x above the first seed's best.
+
+Runs record their training loss at every step (mean over the replicas), so a comparison reads the mean of the
+``COMPARE_STEPS`` steps before it, on batches common to the grid at one seed (every grid run draws the same batches).
+
+    python -m experiments.schedule_bracket              # train what is missing (cached, resumable), then report
+    python -m experiments.schedule_bracket --report-only
+    python -m experiments.schedule_bracket --quick      # a smoke run: the tiny LM, two grid points, one start
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+from experiments import autolr
+from experiments import autolr_report
+from experiments import climb_and_price
+from experiments import early_bracket
+from experiments import records
+from experiments import workloads
+
+REPO = autolr.REPO
+PEAK = 0.05  # the warmup's end, where every run of the sweep reaches its peak LR
+SCHEDULE = {'optim.schedule': 'warmup_cosine', 'optim.pct_start': PEAK}
+# One length per workload (the LM at 750 steps: the length where the default misses most, at half its compute).
+CELLS = (('lm', 750, 'adamw'), ('finetune', 300, 'adamw'), ('mnist1d', 1000, 'adamw'), ('mnist1d', 1000, 'sgd'))
+QUICK_CELLS = (('lm', 16, 'adamw'),)
+FRACTIONS = (PEAK, 0.1, 0.2, 0.3, 0.5, 1.0)
+HALVING = {'8-4-1 at 0.1 / 0.3': ((0.1, 4), (0.3, 1)), '8-4-1 at 0.05 / 0.1': ((0.05, 4), (0.1, 1))}
+SCHEDULES = {'fractions': {f'{f:g}': ((f, 1),) for f in FRACTIONS}, 'halving': HALVING}
+COMPARE_STEPS = 10  # a comparison reads the mean training loss of this many steps before it
+SEEDS = (0, 1, 2)
+MAX_EXTEND = 2  # grid points the sweep may add past an edge (see grid_lrs)
+
+
+def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -> dict:
+  """The sweep's record plus the training loss at every step (mean over the replicas, 6 significant digits)."""
+  from hdet_jax.trainer import metrics as metrics_lib
+  rec = workloads.make_record(name, config, summary, workdir, wall_s)
+  train = metrics_lib.read_metrics(os.path.join(workdir, 'metrics.jsonl')).get('train', [])
+  rec['step_loss'] = [records.finite_or_none(float(f'{np.mean(r["loss"]):.6g}')) for r in train]
+  return rec
+
+
+def loss_before(rec: dict, fraction: float) -> float | None:
+  """The mean training loss over the ``COMPARE_STEPS`` steps before ``fraction`` of the run (those completed by
+  then; None: none is; inf: one is not finite or the run had diverged, so it cannot win)."""
+  end = int(math.floor(fraction * rec['config']['num_train_steps'] + 1e-9))
+  if end < 1:
+    return None
+  window = rec['step_loss'][max(0, end - COMPARE_STEPS):end]
+  if len(window) < min(end, COMPARE_STEPS):
+    return None
+  if any(x is None for x in window) or (rec.get('diverged_at') is not None and rec['diverged_at'] < end):
+    return math.inf
+  return float(np.mean(window))
+
+
+def cache_for(workload: str, steps: int, quick: bool, work_root: str) -> records.RunCache:
+  folder = (os.path.join(work_root, 'schedule_bracket', workload, f'steps{steps}') if quick else
+            os.path.join(REPO, 'results', 'schedule_bracket', 'runs', workload, f'steps{steps}'))
+  return records.RunCache(folder, os.path.join(work_root, workload, f'cosine_steps{steps}'), make_record,
+                          autolr.describe)
+
+
+def train_cell(workload: str, steps: int, optim: str, args, work_root: str, stage: str) -> None:
+  """The cell's grid on every seed (``stage='grid'``) or the default HDET from each start (``'hdet'``, once the first
+  seed's grid fixes its anchor); cached, and shared with other processes running the same list."""
+  from hdet_jax.trainer import config_lib
+  cache = cache_for(workload, steps, args.quick, work_root)
+  if stage == 'grid':
+    run = workloads.plain_runner(cache, workload, steps, optim, args.quick, work_root, train=True)
+    while True:  # the first seed's grid, extended while its best sits at an edge
+      lrs, settled = grid_lrs(cache, optim, args.quick, args.seeds[0])
+      todo = [lr for lr in lrs if cache.get(autolr.grid_name(optim, lr, args.seeds[0])) is None]
+      trained = [run(autolr.grid_name(optim, lr, args.seeds[0]), lr, args.seeds[0], SCHEDULE) for lr in todo]
+      if settled or not any(trained):  # (nothing trained here: the rest is another process's; a rerun extends)
+        break
+    for seed in args.seeds[1:]:
+      for lr in lrs:
+        run(autolr.grid_name(optim, lr, seed), lr, seed, SCHEDULE)
+    return
+  lrs, settled = grid_lrs(cache, optim, args.quick, args.seeds[0])
+  best = autolr.anchor(cache, optim, lrs, args.seeds[0]) if settled else None
+  if best is None:
+    return
+  init_from = workloads.pretrained(work_root, args.quick) if workload == 'finetune' else None
+  for seed in args.seeds:
+    for start in args.starts:
+      o = {**autolr.run_overrides('hdet', optim, best * autolr.STARTS[start], seed, steps,
+                                  variant=workloads.DEFAULT_VARIANT), **SCHEDULE}
+      if args.quick:
+        o.pop('hdet.sync_every', None)
+      config = config_lib.with_overrides(workloads.base_config(workload, steps, args.quick, init_from), o)
+      cache.run(autolr.hdet_name(optim, workloads.DEFAULT_VARIANT, start, seed), config, skip_busy=True)
+
+
+def grids(quick: bool) -> dict:
+  return autolr.QUICK_GRIDS if quick else autolr.GRIDS
+
+
+def grid_lrs(cache: records.RunCache, optim: str, quick: bool, seed: int) -> tuple[list[float], bool]:
+  """The sweep's grid (``autolr.GRIDS``), extended by a factor 2 past an edge where ``seed``'s best sits (at most
+  ``MAX_EXTEND`` points), and whether it is settled: that seed's runs all recorded and its best inside the grid or
+  the extension used up. Under this schedule the LM's best can fall below the grid's lowest point."""
+  lrs, extend = list(grids(quick)[optim]), 0 if quick else MAX_EXTEND  # (the smoke run's grid stays as it is)
+  for _ in range(extend + 1):
+    recs = {lr: cache.get(autolr.grid_name(optim, lr, seed)) for lr in lrs}
+    if any(r is None for r in recs.values()):
+      return lrs, False
+    best = min(lrs, key=lambda lr: autolr_report.mean_bpb([recs[lr]]))
+    if len(lrs) - len(grids(quick)[optim]) >= extend or lrs[0] < best < lrs[-1]:
+      return lrs, True
+    if best == lrs[0]:
+      lrs.insert(0, lrs[0] / 2)
+    else:
+      lrs.append(lrs[-1] * 2)
+  return lrs, True
+
+
+def cell_report(cache: records.RunCache, optim: str, lrs, seeds, one_cycle_folder: str | None) -> dict | None:
+  """One cell: the sweep's best under this schedule (and under one-cycle, from the workloads' records), each bracket's
+  kept LR and paired gap per complete seed, and the default HDET's gap from each start (means over seeds)."""
+  by_seed = {s: {lr: r for lr in lrs if (r := cache.get(autolr.grid_name(optim, lr, s)))} for s in seeds}
+  by_seed = {s: g for s, g in by_seed.items() if len(g) == len(lrs)}
+  if not by_seed:
+    return None
+  grid = {lr: [g[lr] for g in by_seed.values()] for lr in lrs}
+  best_lr, best = autolr_report.grid_best(grid)
+  out = {'best_lr': best_lr, 'best': best, 'seeds': sorted(by_seed), 'points': len(lrs), 'fractions': {}, 'halving': {}, 'hdet': {},
+         'grid': {f'{lr:.4g}': autolr_report.mean_bpb(rs) for lr, rs in grid.items()}}
+  if one_cycle_folder:
+    oc = climb_and_price._grid(one_cycle_folder, optim)  # pylint: disable=protected-access
+    if oc:
+      out['one_cycle_best_lr'], out['one_cycle_best'] = autolr_report.grid_best(oc)
+  for table, by_name in SCHEDULES.items():
+    for name, rungs in by_name.items():
+      got = early_bracket.kept_by_seed(by_seed, rungs, best_lr, loss_before)
+      if got:
+        out[table][name] = {'compute_runs': early_bracket.compute_runs(rungs, len(lrs)), **got}
+  for start in autolr.STARTS:
+    recs = [r for s in seeds if (r := cache.get(autolr.hdet_name(optim, workloads.DEFAULT_VARIANT, start, s)))]
+    if recs:
+      v = autolr_report.mean_bpb(recs)
+      out['hdet'][start] = {'value': v, 'gap_pct': records.finite_or_none(100.0 * (v / best - 1.0)), 'n': len(recs),
+                            'final_lr_x': [r['final_lr'] / best_lr if r.get('final_lr') else None for r in recs]}
+  return out
+
+
+def one_cycle_hdet(workload: str, steps: int, optim: str) -> dict:
+  """The default's gaps under one-cycle at the same cell (results/workloads.json), by start."""
+  path = os.path.join(REPO, 'results', 'workloads.json')
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding='utf-8') as f:
+    cell = json.load(f).get(workload, {}).get(str(steps), {}).get(optim, {})
+  best = (cell.get('grid_best') or {}).get('value')
+  return {s: 100.0 * (h['value'] / best - 1.0) for s, h in cell.get('hdet', {}).items()
+          if best and h.get('value') is not None}
+
+
+def measure(args, work_root: str) -> dict:
+  cells = QUICK_CELLS if args.quick else CELLS
+  if not args.report_only:
+    for stage in ('grid', 'hdet'):  # every cell's grids first: the HDET runs need their anchors
+      for workload, steps, optim in cells:
+        train_cell(workload, steps, optim, args, work_root, stage)
+  results = {}
+  for workload, steps, optim in cells:
+    folder = None if args.quick else workloads.records_dir(workload, steps, False, work_root)
+    cache = cache_for(workload, steps, args.quick, work_root)
+    c = cell_report(cache, optim, grid_lrs(cache, optim, args.quick, args.seeds[0])[0], args.seeds, folder)
+    if c:
+      c['one_cycle_hdet_gap_pct'] = {} if args.quick else one_cycle_hdet(workload, steps, optim)
+      results.setdefault(workload, {}).setdefault(str(steps), {})[optim] = c
+  return results
+
+
+def _fmt(x: dict | None) -> str:
+  return early_bracket._fmt(x)  # pylint: disable=protected-access
+
+
+def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
+  cells = [(w, s, o, c) for w, by_steps in results.items() for s, by_optim in by_steps.items()
+           for o, c in by_optim.items()]
+  lines = ['# Another schedule: linear warmup to 0.05 of the run, cosine decay', '',
+           f'Generated by `python -m experiments.schedule_bracket{" --quick" if quick else ""}`; the reading is in '
+           '`experiments/workloads_discussion.md` (sixteenth pass). Every run: `optim.schedule=warmup_cosine`, '
+           f'`optim.pct_start={PEAK}` (the peak LR at {PEAK:g} of the run), the rest as in `results/workloads.md`.', '',
+           '## The sweep and the default HDET', '',
+           'The sweep\'s best grid point (mean of the seeds) under this schedule and under one-cycle (the workloads\' '
+           'sweep); the default HDET (3-seed means) from 10x below, at and 10x above the first seed\'s best, against '
+           'this sweep\'s best, and the same cell\'s gaps under one-cycle (`results/workloads.md`).', '',
+           '| workload | steps | optim | best LR (cosine) | best (cosine) | best LR (one-cycle) | HDET low / best / '
+           'high (cosine) | one-cycle |', '|---|---|---|---|---|---|---|---|']
+  for w, steps, optim, c in cells:
+    h = ' / '.join('-' if k not in c['hdet'] else
+                   ('+inf' if c['hdet'][k]['gap_pct'] is None else f'{c["hdet"][k]["gap_pct"]:+.1f}%')
+                   for k in autolr.STARTS)
+    oc = ' / '.join(f'{c["one_cycle_hdet_gap_pct"][k]:+.1f}%' if k in c['one_cycle_hdet_gap_pct'] else '-'
+                    for k in autolr.STARTS)
+    lines.append(f'| {w} | {steps} | {optim} | {c["best_lr"]:g} | {c["best"]:.4g} | '
+                 f'{c.get("one_cycle_best_lr", math.nan):g} | {h} | {oc} |')
+  lines += ['', '## One comparison, and successive halving', '',
+            f'The grid\'s runs compared by their mean training loss over the {COMPARE_STEPS} steps before a fraction '
+            'f of the run (common batches), the lowest kept: its final against the same seed\'s run at the sweep\'s '
+            'best grid point (paired, mean over seeds; in brackets the seeds that kept the best point). Compute in '
+            f'runs for 8 points (a grid extended past an edge holds more: see `points` in the JSON). f = {PEAK:g} is '
+            'this schedule\'s peak; 0.3 is one-cycle\'s.', '',
+            '| workload | steps | optim | '
+            + ' | '.join(f'{n} ({early_bracket.compute_runs(r):.2g} runs)' for by in SCHEDULES.values()
+                         for n, r in by.items()) + ' |',
+            '|---|---|---|' + '---|' * sum(len(by) for by in SCHEDULES.values())]
+  for w, steps, optim, c in cells:
+    lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(
+        _fmt(c[t].get(n)) for t, by in SCHEDULES.items() for n in by) + ' |')
+  lines += early_bracket._tally(cells, SCHEDULES)  # pylint: disable=protected-access
+  lines += ['', 'The LR kept, as multiples of the sweep\'s best grid point (per seed):', '',
+            '| workload | steps | optim | ' + ' | '.join(f'f = {f:g}' for f in FRACTIONS) + ' |',
+            '|---|---|---|' + '---|' * len(FRACTIONS)]
+  for w, steps, optim, c in cells:
+    lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(
+        '-' if f'{f:g}' not in c['fractions'] else ' '.join(f'{x:g}' for x in c['fractions'][f'{f:g}']['kept_x'])
+        for f in FRACTIONS) + ' |')
+  return records.write_report(out_dir, 'schedule_bracket', results, lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p.add_argument('--quick', action='store_true', help='a smoke run (the tiny LM, two grid points, one seed and start)')
+  p.add_argument('--workdir', default=None, help='where runs train (default workdirs/workloads[_quick])')
+  p.add_argument('--report-only', action='store_true', help='only redraw the report from the records')
+  p.add_argument('--seeds', default=None, help='comma-separated seeds (default 0,1,2; --quick: 0)')
+  p.add_argument('--starts', default=None, help='comma-separated HDET starts: low, best, high (--quick: best)')
+  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  args.seeds = [int(s) for s in (args.seeds or ('0' if args.quick else '0,1,2')).split(',')]
+  args.starts = (args.starts or ('best' if args.quick else ','.join(autolr.STARTS))).split(',')
+  for s in args.starts:
+    if s not in autolr.STARTS:
+      p.error(f'--starts: {s!r} is not one of {", ".join(autolr.STARTS)}')
+  work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
+  if not args.report_only:
+    from hdet_jax.trainer import trainer
+    trainer.setup_jax(workloads.base_config('lm', 16, args.quick))  # 8 CPU devices, as the sweep's runs had
+  out = work_root if args.quick else os.path.join(REPO, 'results')
+  print('\n'.join(f'  {path}' for path in write_report(out, measure(args, work_root), args.quick)))
+
+
+if __name__ == '__main__':
+  main()
