@@ -39,6 +39,9 @@ SCHEDULE = {'optim.schedule': 'warmup_cosine', 'optim.pct_start': PEAK}
 # One length per workload (the LM at 750 steps: the length where the default misses most, at half its compute).
 CELLS = (('lm', 750, 'adamw'), ('finetune', 300, 'adamw'), ('mnist1d', 1000, 'adamw'), ('mnist1d', 1000, 'sgd'))
 QUICK_CELLS = (('lm', 16, 'adamw'),)
+# Cells trained on a lent GPU (``--device``), each a sweep of its own there (records under runs_<device>/): the LM at
+# the main job's 1500 steps on one NVIDIA H200, 8 replicas on the one GPU.
+DEVICE_CELLS = {'h200': (('lm', 1500, 'adamw'),)}
 FRACTIONS = (PEAK, 0.1, 0.2, 0.3, 0.5, 1.0)
 HALVING = {'8-4-1 at 0.1 / 0.3': ((0.1, 4), (0.3, 1)), '8-4-1 at 0.05 / 0.1': ((0.05, 4), (0.1, 1))}
 SCHEDULES = {'fractions': {f'{f:g}': ((f, 1),) for f in FRACTIONS}, 'halving': HALVING}
@@ -70,9 +73,10 @@ def loss_before(rec: dict, fraction: float) -> float | None:
   return float(np.mean(window))
 
 
-def cache_for(workload: str, steps: int, quick: bool, work_root: str) -> records.RunCache:
+def cache_for(workload: str, steps: int, quick: bool, work_root: str, device: str = 'cpu') -> records.RunCache:
   folder = (os.path.join(work_root, 'schedule_bracket', workload, f'steps{steps}') if quick else
-            os.path.join(REPO, 'results', 'schedule_bracket', 'runs', workload, f'steps{steps}'))
+            os.path.join(REPO, 'results', 'schedule_bracket', 'runs' if device == 'cpu' else f'runs_{device}',
+                         workload, f'steps{steps}'))
   return records.RunCache(folder, os.path.join(work_root, workload, f'cosine_steps{steps}'), make_record,
                           autolr.describe)
 
@@ -81,7 +85,7 @@ def train_cell(workload: str, steps: int, optim: str, args, work_root: str, stag
   """The cell's grid on every seed (``stage='grid'``) or the default HDET from each start (``'hdet'``, once the first
   seed's grid fixes its anchor); cached, and shared with other processes running the same list."""
   from hdet_jax.trainer import config_lib
-  cache = cache_for(workload, steps, args.quick, work_root)
+  cache = cache_for(workload, steps, args.quick, work_root, args.device)
   if stage == 'grid':
     run = workloads.plain_runner(cache, workload, steps, optim, args.quick, work_root, train=True)
     while True:  # the first seed's grid, extended while its best sits at an edge
@@ -174,20 +178,27 @@ def one_cycle_hdet(workload: str, steps: int, optim: str) -> dict:
 
 
 def measure(args, work_root: str) -> dict:
-  cells = QUICK_CELLS if args.quick else CELLS
+  own = QUICK_CELLS if args.quick else CELLS if args.device == 'cpu' else DEVICE_CELLS[args.device]
   if not args.report_only:
     for stage in ('grid', 'hdet'):  # every cell's grids first: the HDET runs need their anchors
-      for workload, steps, optim in cells:
+      for workload, steps, optim in own:
         train_cell(workload, steps, optim, args, work_root, stage)
+  cells = [(*c, 'cpu') for c in (QUICK_CELLS if args.quick else CELLS)]
+  cells += [] if args.quick else [(*c, d) for d, cs in DEVICE_CELLS.items() for c in cs]
   results = {}
-  for workload, steps, optim in cells:
+  for workload, steps, optim, device in cells:
     folder = None if args.quick else workloads.records_dir(workload, steps, False, work_root)
-    cache = cache_for(workload, steps, args.quick, work_root)
+    cache = cache_for(workload, steps, args.quick, work_root, device)
     c = cell_report(cache, optim, grid_lrs(cache, optim, args.quick, args.seeds[0])[0], args.seeds, folder)
     if c:
+      c['device'] = device
       c['one_cycle_hdet_gap_pct'] = {} if args.quick else one_cycle_hdet(workload, steps, optim)
       results.setdefault(workload, {}).setdefault(str(steps), {})[optim] = c
   return results
+
+
+def _label(workload: str, cell: dict) -> str:
+  return workload if cell.get('device', 'cpu') == 'cpu' else f'{workload} ({cell["device"].upper()})'
 
 
 def _fmt(x: dict | None) -> str:
@@ -204,7 +215,8 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
            '## The sweep and the default HDET', '',
            'The sweep\'s best grid point (mean of the seeds) under this schedule and under one-cycle (the workloads\' '
            'sweep); the default HDET (3-seed means) from 10x below, at and 10x above the first seed\'s best, against '
-           'this sweep\'s best, and the same cell\'s gaps under one-cycle (`results/workloads.md`).', '',
+           'this sweep\'s best, and the same cell\'s gaps under one-cycle (`results/workloads.md`, this machine\'s CPU). '
+           'Cells marked with a GPU were trained there (sweep and HDET alike); the rest on the CPU.', '',
            '| workload | steps | optim | best LR (cosine) | best (cosine) | best LR (one-cycle) | HDET low / best / '
            'high (cosine) | one-cycle |', '|---|---|---|---|---|---|---|---|']
   for w, steps, optim, c in cells:
@@ -213,7 +225,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
                    for k in autolr.STARTS)
     oc = ' / '.join(f'{c["one_cycle_hdet_gap_pct"][k]:+.1f}%' if k in c['one_cycle_hdet_gap_pct'] else '-'
                     for k in autolr.STARTS)
-    lines.append(f'| {w} | {steps} | {optim} | {c["best_lr"]:g} | {c["best"]:.4g} | '
+    lines.append(f'| {_label(w, c)} | {steps} | {optim} | {c["best_lr"]:g} | {c["best"]:.4g} | '
                  f'{c.get("one_cycle_best_lr", math.nan):g} | {h} | {oc} |')
   lines += ['', '## One comparison, and successive halving', '',
             f'The grid\'s runs compared by their mean training loss over the {COMPARE_STEPS} steps before a fraction '
@@ -226,14 +238,14 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
                          for n, r in by.items()) + ' |',
             '|---|---|---|' + '---|' * sum(len(by) for by in SCHEDULES.values())]
   for w, steps, optim, c in cells:
-    lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(
+    lines.append(f'| {_label(w, c)} | {steps} | {optim} | ' + ' | '.join(
         _fmt(c[t].get(n)) for t, by in SCHEDULES.items() for n in by) + ' |')
   lines += early_bracket._tally(cells, SCHEDULES)  # pylint: disable=protected-access
   lines += ['', 'The LR kept, as multiples of the sweep\'s best grid point (per seed):', '',
             '| workload | steps | optim | ' + ' | '.join(f'f = {f:g}' for f in FRACTIONS) + ' |',
             '|---|---|---|' + '---|' * len(FRACTIONS)]
   for w, steps, optim, c in cells:
-    lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(
+    lines.append(f'| {_label(w, c)} | {steps} | {optim} | ' + ' | '.join(
         '-' if f'{f:g}' not in c['fractions'] else ' '.join(f'{x:g}' for x in c['fractions'][f'{f:g}']['kept_x'])
         for f in FRACTIONS) + ' |')
   return records.write_report(out_dir, 'schedule_bracket', results, lines)
@@ -246,6 +258,8 @@ def main(argv=None):
   p.add_argument('--report-only', action='store_true', help='only redraw the report from the records')
   p.add_argument('--seeds', default=None, help='comma-separated seeds (default 0,1,2; --quick: 0)')
   p.add_argument('--starts', default=None, help='comma-separated HDET starts: low, best, high (--quick: best)')
+  p.add_argument('--device', default='cpu', choices=('cpu', *DEVICE_CELLS),
+                 help='which cells to train: this machine\'s CPU ones, or those of a lent GPU (DEVICE_CELLS)')
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
   args.seeds = [int(s) for s in (args.seeds or ('0' if args.quick else '0,1,2')).split(',')]
   args.starts = (args.starts or ('best' if args.quick else ','.join(autolr.STARTS))).split(',')
