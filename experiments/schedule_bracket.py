@@ -215,18 +215,23 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
            '## The sweep and the default HDET', '',
            'The sweep\'s best grid point (mean of the seeds) under this schedule and under one-cycle (the workloads\' '
            'sweep); the default HDET (3-seed means) from 10x below, at and 10x above the first seed\'s best, against '
-           'this sweep\'s best, and the same cell\'s gaps under one-cycle (`results/workloads.md`, this machine\'s CPU). '
+           'this sweep\'s best and against the one-cycle sweep\'s best (same device only), and the same cell\'s gaps under '
+           'one-cycle (`results/workloads.md`, this machine\'s CPU). '
            'Cells marked with a GPU were trained there (sweep and HDET alike); the rest on the CPU.', '',
-           '| workload | steps | optim | best LR (cosine) | best (cosine) | best LR (one-cycle) | HDET low / best / '
-           'high (cosine) | one-cycle |', '|---|---|---|---|---|---|---|---|']
+           '| workload | steps | optim | best LR (cosine) | best (cosine) | best LR / best (one-cycle, CPU) | HDET low / best / '
+           'high (cosine) | against one-cycle\'s best | HDET under one-cycle |', '|---|---|---|---|---|---|---|---|---|']
   for w, steps, optim, c in cells:
     h = ' / '.join('-' if k not in c['hdet'] else
                    ('+inf' if c['hdet'][k]['gap_pct'] is None else f'{c["hdet"][k]["gap_pct"]:+.1f}%')
                    for k in autolr.STARTS)
+    same = c.get('device', 'cpu') == 'cpu' and c.get('one_cycle_best')  # one-cycle's sweep is the CPU's
+    vs = ' / '.join(f'{100 * (c["hdet"][k]["value"] / c["one_cycle_best"] - 1):+.1f}%'
+                    if same and k in c['hdet'] and c['hdet'][k]['gap_pct'] is not None else '-' for k in autolr.STARTS)
     oc = ' / '.join(f'{c["one_cycle_hdet_gap_pct"][k]:+.1f}%' if k in c['one_cycle_hdet_gap_pct'] else '-'
                     for k in autolr.STARTS)
     lines.append(f'| {_label(w, c)} | {steps} | {optim} | {c["best_lr"]:g} | {c["best"]:.4g} | '
-                 f'{c.get("one_cycle_best_lr", math.nan):g} | {h} | {oc} |')
+                 f'{c.get("one_cycle_best_lr", math.nan):g} / {c.get("one_cycle_best", math.nan):.4g} | {h} | {vs} | '
+                 f'{oc} |')
   lines += ['', '## One comparison, and successive halving', '',
             f'The grid\'s runs compared by their mean training loss over the {COMPARE_STEPS} steps before a fraction '
             'f of the run (common batches), the lowest kept: its final against the same seed\'s run at the sweep\'s '
