@@ -13,7 +13,8 @@ from experiments import workloads
 
 def _run(lr, seed, step_loss, final, diverged_at=None, name=None):
   return {'name': name or autolr.grid_name('adamw', lr, seed),
-          'config': {'num_train_steps': len(step_loss), 'seed': seed, 'optim': {'max_lr': lr}},
+          'config': {'num_train_steps': len(step_loss), 'seed': seed,
+                     'optim': {'max_lr': lr, 'div_factor': 25.0, 'final_div_factor': 10.0}},
           'step_loss': list(step_loss), 'val_bpb': final, 'diverged_at': diverged_at, 'final_lr': lr / 250}
 
 
@@ -44,7 +45,7 @@ def test_cell_report_picks_at_each_fraction_pairs_the_gap_and_reads_hdet(tmp_pat
   for start, gap in (('low', 0.03), ('best', 0.0), ('high', math.inf)):
     for seed in (0, 1):
       name = autolr.hdet_name('adamw', workloads.DEFAULT_VARIANT, start, seed)
-      cache.write(name, _run(0.002, seed, [1.0] * 100, (2.0 + seed) * (1 + gap),
+      cache.write(name, _run(0.004, seed, [1.0] * 100, (2.0 + seed) * (1 + gap),  # ends on the schedule of 0.004
                              diverged_at=5 if math.isinf(gap) else None, name=name))
   c = exp.cell_report(cache, 'adamw', lrs, (0, 1, 2), None)
   assert c['seeds'] == [0, 1] and c['best_lr'] == 0.002 and c['best'] == pytest.approx(2.5)
@@ -58,6 +59,7 @@ def test_cell_report_picks_at_each_fraction_pairs_the_gap_and_reads_hdet(tmp_pat
   # HDET: the mean of its seeds against the sweep's best (3-seed... here 2-seed) mean; a diverged run is +inf.
   assert c['hdet']['low']['gap_pct'] == pytest.approx(3.0) and c['hdet']['best']['gap_pct'] == pytest.approx(0.0)
   assert c['hdet']['high']['gap_pct'] is None and c['hdet']['low']['n'] == 2
+  assert c['hdet']['low']['scale_x'] == pytest.approx([2.0, 2.0])  # its last LR 0.004 / 250, x 250 / the best 0.002
 
 
 def test_grid_extends_past_the_edge_where_the_first_seeds_best_sits(tmp_path, monkeypatch):
