@@ -195,7 +195,7 @@ def _fmt(x: dict | None) -> str:
   return f'{mean} ({x["kept_best"]}/{len(gaps)})'
 
 
-def _tally(cells, schedules=None) -> list[str]:
+def tally(cells, schedules=None) -> list[str]:
   """Over every complete seed of every cell: how many brackets ended within 1% of the seed's run at the best point."""
   rows = []
   for table, by_name in (schedules or SCHEDULES).items():
@@ -244,15 +244,20 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
     lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(
         _fmt(c['starts'].get(k)) + ('' if k not in c['starts'] else f', {min(c["starts"][k]["points"])} points')
         for k in STARTS) + ' |')
-  lines += _tally(cells)
-  lines += ['', 'The LR kept, as multiples of the sweep\'s best grid point (per seed):', '',
-            '| workload | steps | optim | ' + ' | '.join(f'f = {f:g}' for f in FRACTIONS) + ' |',
-            '|---|---|---|' + '---|' * len(FRACTIONS)]
-  for w, steps, optim, c in cells:
-    lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(
-        '-' if f'{f:g}' not in c['fractions'] else ' '.join(f'{x:g}' for x in c['fractions'][f'{f:g}']['kept_x'])
-        for f in FRACTIONS) + ' |')
+  lines += tally(cells) + kept_table(cells, FRACTIONS)
   return records.write_report(out_dir, 'early_bracket', results, lines)
+
+
+def kept_table(cells, fractions, label=lambda workload, cell: workload) -> list[str]:
+  """The report's last table: the LR each single comparison kept per seed, as multiples of the sweep's best."""
+  lines = ['', 'The LR kept, as multiples of the sweep\'s best grid point (per seed):', '',
+           '| workload | steps | optim | ' + ' | '.join(f'f = {f:g}' for f in fractions) + ' |',
+           '|---|---|---|' + '---|' * len(fractions)]
+  for w, steps, optim, c in cells:
+    lines.append(f'| {label(w, c)} | {steps} | {optim} | ' + ' | '.join(
+        '-' if f'{f:g}' not in c['fractions'] else ' '.join(f'{x:g}' for x in c['fractions'][f'{f:g}']['kept_x'])
+        for f in fractions) + ' |')
+  return lines
 
 
 def main(argv=None):

@@ -44,6 +44,9 @@ QUICK_CELLS = (('lm', 16, 'adamw'),)
 DEVICE_CELLS = {'h200': (('lm', 1500, 'adamw'),)}
 # A control for the warmup's length: the LM at 750 steps under the same cosine decay, warmed up over 0.3 of the run
 # (one-cycle's) instead of 0.05, at the one-cycle sweep's best and its two neighbours (3 seeds).
+# A control for the default's cautious start (hdet.initial_scale = 0.1: the run starts at a tenth of its schedule and
+# climbs), which under a short warmup may act as the warmup the schedule lacks: the default without it, on the LM.
+HDET_CONTROLS = {('lm', 750, 'adamw'): {'start1': {'hdet.initial_scale': 1.0}}}
 WARMUP_CONTROL = ('lm', 750, 'adamw', (0.0075, 0.015, 0.03), {**SCHEDULE, 'optim.pct_start': 0.3})
 FRACTIONS = (PEAK, 0.1, 0.2, 0.3, 0.5, 1.0)
 HALVING = {'8-4-1 at 0.1 / 0.3': ((0.1, 4), (0.3, 1)), '8-4-1 at 0.05 / 0.1': ((0.05, 4), (0.1, 1))}
@@ -106,14 +109,21 @@ def train_cell(workload: str, steps: int, optim: str, args, work_root: str, stag
   if best is None:
     return
   init_from = workloads.pretrained(work_root, args.quick) if workload == 'finetune' else None
-  for seed in args.seeds:
-    for start in args.starts:
-      o = {**autolr.run_overrides('hdet', optim, best * autolr.STARTS[start], seed, steps,
-                                  variant=workloads.DEFAULT_VARIANT), **SCHEDULE}
-      if args.quick:
-        o.pop('hdet.sync_every', None)
-      config = config_lib.with_overrides(workloads.base_config(workload, steps, args.quick, init_from), o)
-      cache.run(autolr.hdet_name(optim, workloads.DEFAULT_VARIANT, start, seed), config, skip_busy=True)
+  variants = {'': {}, **({} if args.quick else HDET_CONTROLS.get((workload, steps, optim), {}))}
+  for suffix, extra in variants.items():  # the default, then its controls
+    for seed in args.seeds:
+      for start in args.starts:
+        o = {**autolr.run_overrides('hdet', optim, best * autolr.STARTS[start], seed, steps,
+                                    variant=workloads.DEFAULT_VARIANT), **SCHEDULE, **extra}
+        if args.quick:
+          o.pop('hdet.sync_every', None)
+        config = config_lib.with_overrides(workloads.base_config(workload, steps, args.quick, init_from), o)
+        cache.run(hdet_run_name(optim, suffix, start, seed), config, skip_busy=True)
+
+
+def hdet_run_name(optim: str, control: str, start: str, seed: int) -> str:
+  """The default HDET's run (``control=''``) or one of its controls' (``HDET_CONTROLS``)."""
+  return autolr.hdet_name(optim, workloads.DEFAULT_VARIANT + (f'_{control}' if control else ''), start, seed)
 
 
 def grids(quick: bool) -> dict:
@@ -159,12 +169,15 @@ def cell_report(cache: records.RunCache, optim: str, lrs, seeds, one_cycle_folde
       got = early_bracket.kept_by_seed(by_seed, rungs, best_lr, loss_before)
       if got:
         out[table][name] = {'compute_runs': early_bracket.compute_runs(rungs, len(lrs)), **got}
-  for start in autolr.STARTS:
-    recs = [r for s in seeds if (r := cache.get(autolr.hdet_name(optim, workloads.DEFAULT_VARIANT, start, s)))]
-    if recs:
-      v = autolr_report.mean_bpb(recs)
-      out['hdet'][start] = {'value': v, 'gap_pct': records.finite_or_none(100.0 * (v / best - 1.0)), 'n': len(recs),
-                            'scale_x': [_scale_x(r, best_lr) for r in recs]}
+  controls = sorted({n for c in HDET_CONTROLS.values() for n in c})
+  for control in [''] + controls:
+    for start in autolr.STARTS:
+      recs = [r for s in seeds if (r := cache.get(hdet_run_name(optim, control, start, s)))]
+      if recs:
+        v = autolr_report.mean_bpb(recs)
+        row = {'value': v, 'gap_pct': records.finite_or_none(100.0 * (v / best - 1.0)), 'n': len(recs),
+               'scale_x': [_scale_x(r, best_lr) for r in recs]}
+        (out['hdet'] if not control else out.setdefault('controls', {}).setdefault(control, {}))[start] = row
   return out
 
 
@@ -268,6 +281,13 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
                  f'{c.get("one_cycle_best_lr", math.nan):g} / {c.get("one_cycle_best", math.nan):.4g} | {h} | {scale} | '
                  f'{vs} | '
                  f'{oc} |')
+  for w, steps, optim, c in cells:
+    for control, by_start in c.get('controls', {}).items():
+      lines += ['', f'The default without its cautious start (`{control}`: {HDET_CONTROLS[(w, int(steps), optim)][control]}), '
+                f'{_label(w, c)} at {steps} steps, from 10x low / the best / 10x high against this sweep\'s best: '
+                + ' / '.join('-' if k not in by_start or by_start[k]['gap_pct'] is None else
+                             f'{by_start[k]["gap_pct"]:+.1f}% (scale {np.mean([x for x in by_start[k]["scale_x"] if x]):.2g}, '
+                             f'{by_start[k]["n"]} seeds)' for k in autolr.STARTS) + '.']
   control = results.get('warmup_control')
   if control:
     lines += ['', f'The warmup\'s length (a control): the {control["workload"].upper()} at {control["steps"]} steps under '
@@ -287,14 +307,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
   for w, steps, optim, c in cells:
     lines.append(f'| {_label(w, c)} | {steps} | {optim} | ' + ' | '.join(
         _fmt(c[t].get(n)) for t, by in SCHEDULES.items() for n in by) + ' |')
-  lines += early_bracket._tally(cells, SCHEDULES)  # pylint: disable=protected-access
-  lines += ['', 'The LR kept, as multiples of the sweep\'s best grid point (per seed):', '',
-            '| workload | steps | optim | ' + ' | '.join(f'f = {f:g}' for f in FRACTIONS) + ' |',
-            '|---|---|---|' + '---|' * len(FRACTIONS)]
-  for w, steps, optim, c in cells:
-    lines.append(f'| {_label(w, c)} | {steps} | {optim} | ' + ' | '.join(
-        '-' if f'{f:g}' not in c['fractions'] else ' '.join(f'{x:g}' for x in c['fractions'][f'{f:g}']['kept_x'])
-        for f in FRACTIONS) + ' |')
+  lines += early_bracket.tally(cells, SCHEDULES) + early_bracket.kept_table(cells, FRACTIONS, _label)
   return records.write_report(out_dir, 'schedule_bracket', results, lines)
 
 

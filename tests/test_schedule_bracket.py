@@ -47,7 +47,13 @@ def test_cell_report_picks_at_each_fraction_pairs_the_gap_and_reads_hdet(tmp_pat
       name = autolr.hdet_name('adamw', workloads.DEFAULT_VARIANT, start, seed)
       cache.write(name, _run(0.004, seed, [1.0] * 100, (2.0 + seed) * (1 + gap),  # ends on the schedule of 0.004
                              diverged_at=5 if math.isinf(gap) else None, name=name))
+  control = exp.hdet_run_name('adamw', 'start1', 'best', 0)
+  assert control == autolr.hdet_name('adamw', workloads.DEFAULT_VARIANT + '_start1', 'best', 0)
+  cache.write(control, _run(0.001, 0, [1.0] * 100, 2.0 * 1.05, name=control))
   c = exp.cell_report(cache, 'adamw', lrs, (0, 1, 2), None)
+  assert set(c['controls']) == {'start1'} and set(c['controls']['start1']) == {'best'}
+  assert c['controls']['start1']['best']['gap_pct'] == pytest.approx(100 * (2.1 / 2.5 - 1))  # one seed, its mean
+  assert c['controls']['start1']['best']['scale_x'] == pytest.approx([0.5])
   assert c['seeds'] == [0, 1] and c['best_lr'] == 0.002 and c['best'] == pytest.approx(2.5)
   assert c['fractions']['0.05']['kept_x'] == [4.0, 4.0]  # step 5: the highest LR leads
   assert c['fractions']['0.05']['gaps_pct'] == pytest.approx([20.0, 20.0])  # 0.008 ends 1.2x the seed's best
