@@ -36,8 +36,10 @@ from experiments import workloads
 REPO = autolr.REPO
 PEAK = 0.05  # the warmup's end, where every run of the sweep reaches its peak LR
 SCHEDULE = {'optim.schedule': 'warmup_cosine', 'optim.pct_start': PEAK}
-# One length per workload (the LM at 750 steps: the length where the default misses most, at half its compute).
-CELLS = (('lm', 750, 'adamw'), ('finetune', 300, 'adamw'), ('mnist1d', 1000, 'adamw'), ('mnist1d', 1000, 'sgd'))
+# The LM at 750 steps (the length where the default misses most, at half its compute), fine-tuning at every length,
+# mnist1d at 500 and 1000 (the LM at 1500 is DEVICE_CELLS').
+CELLS = (('lm', 750, 'adamw'), ('finetune', 300, 'adamw'), ('mnist1d', 1000, 'adamw'), ('mnist1d', 1000, 'sgd'),
+         ('finetune', 150, 'adamw'), ('finetune', 600, 'adamw'), ('mnist1d', 500, 'adamw'), ('mnist1d', 500, 'sgd'))
 QUICK_CELLS = (('lm', 16, 'adamw'),)
 # Cells trained on a lent GPU (``--device``), each a sweep of its own there (records under runs_<device>/): the LM at
 # the main job's 1500 steps on one NVIDIA H200, 8 replicas on the one GPU.

@@ -113,6 +113,27 @@ def test_more_syncs_than_steps_is_refused():
     config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': -1}))
 
 
+@pytest.mark.parametrize('schedule, pct, steps, ok', [
+    ('warmup_cosine', 0.05, 40, True), ('warmup_cosine', 0.99, 40, False), ('warmup_cosine', 0.3, 2, False),
+    ('warmup_cosine', 0.3, 3, True), ('warmup_cosine', 0.5, 3, False), ('one_cycle', 0.3, 40, True), ('one_cycle', 0.01, 40, False),
+    ('one_cycle', 0.5, 2, False)])
+def test_a_warmup_that_leaves_no_decay_is_refused_before_any_work(schedule, pct, steps, ok):
+  # warmup_cosine: round(0.99 * 40) = 40 warmup steps reach past the last step (39): no decay; one_cycle: its warmup
+  # ends at step 0.01 * 40 - 1 < 0. Each one error naming the fields, before the schedule is built.
+  config = config_lib.with_overrides(_tiny(), {'optim.schedule': schedule, 'optim.pct_start': pct,
+                                               'num_train_steps': steps, 'hdet.num_syncs': 0, 'hdet.sync_every': 0,
+                                               'hdet.warmup_steps': 0})
+  if ok:
+    config_lib.check_values(config)
+    from hdet_jax.trainer import optimizer as optimizer_lib
+    optimizer_lib.schedule(config)(0)  # builds
+    return
+  with pytest.raises(config_lib.ConfigError, match=rf"optim\.pct_start={pct} with num_train_steps={steps} .*"
+                                                   rf"optim\.schedule='{schedule}'") as e:
+    config_lib.check_values(config)
+  assert '\n' not in str(e.value)
+
+
 @pytest.mark.parametrize('other', [{'hdet.controller': 'paper'}, {'hdet.auto_lr': False}])
 def test_backoff_needs_the_fit_controller(other):
   config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.backoff': True}))

@@ -280,6 +280,7 @@ def check_values(config: Any) -> None:
     tasks.get(config).check(config)
   except tasks.TaskError as e:
     raise ConfigError(str(e)) from None
+  _check_schedule(config)
   if config.hdet.auto_lr and config.hdet.spread > 0 and config.hdet.warmup_steps >= config.num_train_steps:
     raise ConfigError(f'hdet.warmup_steps={config.hdet.warmup_steps} must be < num_train_steps='
                       f'{config.num_train_steps} (the controller would never start); lower it or set hdet.auto_lr=False.')
@@ -326,6 +327,21 @@ def _check_guard(hdet: Any, optimizer: str | None = None) -> None:
     raise ConfigError("hdet.rollback=True keeps one copy of the optimizer state for every replica to return to, but "
                       "with hdet.low_communication=True each replica's state is its own: set "
                       "hdet.average_opt_state=True (the replicas then share it after each sync), or hdet.rollback=False.")
+
+
+def _check_schedule(config: Any) -> None:
+  """The warmup must leave a decay: one-cycle's phases each at least a step, warmup_cosine's warmup ending before
+  the last step."""
+  o, total = config.optim, config.num_train_steps
+  name, pct = o.get('schedule', 'one_cycle'), o.pct_start
+  if name == 'warmup_cosine' and not round(pct * total) < total - 1:
+    raise ConfigError(f"optim.pct_start={pct} with num_train_steps={total} leaves optim.schedule='warmup_cosine' no "
+                      f'step to decay over (its warmup is round(pct_start * num_train_steps) = {round(pct * total)} '
+                      'steps, which must end before the last step); lower optim.pct_start or raise num_train_steps.')
+  if name == 'one_cycle' and not (pct * total - 1 > 0 and total - 1 > pct * total - 1):
+    raise ConfigError(f"optim.pct_start={pct} with num_train_steps={total} leaves optim.schedule='one_cycle' an empty "
+                      'phase (its warmup ends at step pct_start * num_train_steps - 1, which must lie inside the run); '
+                      'move optim.pct_start away from 0 and 1 or raise num_train_steps.')
 
 
 def _check_early_syncs(config: Any) -> None:
