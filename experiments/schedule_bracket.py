@@ -73,10 +73,12 @@ def loss_before(rec: dict, fraction: float) -> float | None:
   end = int(math.floor(fraction * rec['config']['num_train_steps'] + 1e-9))
   if end < 1:
     return None
+  if rec.get('diverged_at') is not None and rec['diverged_at'] < end:
+    return math.inf  # (its record may stop at the divergence)
   window = rec['step_loss'][max(0, end - COMPARE_STEPS):end]
   if len(window) < min(end, COMPARE_STEPS):
     return None
-  if any(x is None for x in window) or (rec.get('diverged_at') is not None and rec['diverged_at'] < end):
+  if any(x is None for x in window):
     return math.inf
   return float(np.mean(window))
 

@@ -29,6 +29,8 @@ def test_loss_before_is_the_mean_of_the_steps_completed_by_then():
   assert exp.loss_before(bad, 0.2) == pytest.approx(100 - 14.5) and exp.loss_before(bad, 0.3) == math.inf
   assert exp.loss_before(_run(0.1, 0, losses, 1.0, diverged_at=28), 0.3) == math.inf
   assert exp.loss_before(_run(0.1, 0, losses, 1.0, diverged_at=30), 0.3) == pytest.approx(100 - 24.5)
+  stopped = {**_run(0.1, 0, losses[:13], 1.0, diverged_at=12), 'config': r['config']}  # the trainer stopped there
+  assert exp.loss_before(stopped, 0.3) == math.inf and exp.loss_before(stopped, 0.1) == pytest.approx(100 - 4.5)
   assert exp.loss_before(_run(0.1, 0, losses[:20], 1.0), 0.3) is not None  # its own length: 0.3 of 20 steps
 
 
