@@ -3,6 +3,7 @@
 import os
 
 import ml_collections
+import numpy as np
 import pytest
 
 from hdet_jax.trainer import config_lib
@@ -113,6 +114,24 @@ def test_more_syncs_than_steps_is_refused():
     config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': -1}))
 
 
+def test_trainer_warmup_cosine_schedule_matches_its_closed_form():
+  """optim.schedule='warmup_cosine': linear from max_lr / d to max_lr over round(pct_start S) steps, then a cosine
+  down to max_lr / (d f) at the last step S - 1 (and held there)."""
+  total, max_lr, pct, d, f = 200, 0.3, 0.05, 25.0, 10.0
+  config = ml_collections.ConfigDict({'num_train_steps': total, 'optim': {
+      'schedule': 'warmup_cosine', 'max_lr': max_lr, 'pct_start': pct, 'div_factor': d, 'final_div_factor': f}})
+  sched = optimizer_lib.schedule(config)
+  lo, end, warm = max_lr / d, max_lr / (d * f), 10
+  t = np.arange(total + 5, dtype=np.float64)
+  up = lo + (max_lr - lo) * t / warm
+  q = np.clip((t - warm) / (total - 1 - warm), 0.0, 1.0)
+  down = end + (max_lr - end) * 0.5 * (1.0 + np.cos(np.pi * q))
+  expected = np.where(t < warm, up, down)
+  got = np.array([float(sched(int(k))) for k in t])
+  np.testing.assert_allclose(got, expected, rtol=1e-5)  # float32
+  assert got.argmax() == warm and got[total - 1] == pytest.approx(end, rel=1e-6)
+
+
 @pytest.mark.parametrize('schedule, pct, steps, ok', [
     ('warmup_cosine', 0.05, 40, True), ('warmup_cosine', 0.99, 40, False), ('warmup_cosine', 0.3, 2, False),
     ('warmup_cosine', 0.3, 3, True), ('warmup_cosine', 0.5, 3, False), ('one_cycle', 0.3, 40, True), ('one_cycle', 0.01, 40, False),
@@ -125,7 +144,6 @@ def test_a_warmup_that_leaves_no_decay_is_refused_before_any_work(schedule, pct,
                                                'hdet.warmup_steps': 0})
   if ok:
     config_lib.check_values(config)
-    from hdet_jax.trainer import optimizer as optimizer_lib
     optimizer_lib.schedule(config)(0)  # builds
     return
   with pytest.raises(config_lib.ConfigError, match=rf"optim\.pct_start={pct} with num_train_steps={steps} .*"

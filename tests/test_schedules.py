@@ -67,23 +67,3 @@ def test_matches_reference_trace_before_auto_lr():
 def test_bad_arguments(kw, name):
   with pytest.raises(ValueError, match=name):
     H.one_cycle(**kw)
-
-
-def test_trainer_warmup_cosine_schedule_matches_its_closed_form():
-  """optim.schedule='warmup_cosine': linear from max_lr / d to max_lr over round(pct_start S) steps, then a cosine
-  down to max_lr / (d f) at the last step S - 1 (and held there)."""
-  import ml_collections
-  from hdet_jax.trainer import optimizer as optimizer_lib
-  total, max_lr, pct, d, f = 200, 0.3, 0.05, 25.0, 10.0
-  config = ml_collections.ConfigDict({'num_train_steps': total, 'optim': {
-      'schedule': 'warmup_cosine', 'max_lr': max_lr, 'pct_start': pct, 'div_factor': d, 'final_div_factor': f}})
-  sched = optimizer_lib.schedule(config)
-  lo, end, warm = max_lr / d, max_lr / (d * f), 10
-  t = np.arange(total + 5, dtype=np.float64)
-  up = lo + (max_lr - lo) * t / warm
-  q = np.clip((t - warm) / (total - 1 - warm), 0.0, 1.0)
-  down = end + (max_lr - end) * 0.5 * (1.0 + np.cos(np.pi * q))
-  expected = np.where(t < warm, up, down)
-  got = np.array([float(sched(int(k))) for k in t])
-  np.testing.assert_allclose(got, expected, rtol=1e-5)  # float32
-  assert got.argmax() == warm and got[total - 1] == pytest.approx(end, rel=1e-6)
