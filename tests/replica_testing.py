@@ -27,6 +27,12 @@ def quad_problem(dim=5, seed=0):
   return {'w': jnp.zeros((dim,))}, c
 
 
+def one_in_flight(f):
+  """``f`` that waits for its results. XLA:CPU's in-process all-reduce can wait forever for a participant when several
+  multi-device programs are queued (README, "Known XLA:CPU limit"), so loops over them keep one in flight."""
+  return lambda *args: jax.block_until_ready(f(*args))
+
+
 def quad_step(tx, sync=None, pmean_grads=True, exact=False):
   def step(p, s, c):
     loss, g = jax.value_and_grad(lambda p: 0.5 * jnp.sum((p['w'] - c) ** 2))(p)
@@ -49,9 +55,9 @@ def run(mesh, tx, steps, params, data, backend="shard_map", exact=False, record=
     f = jax.pmap(step, axis_name=AX)
   else:
     f = jax.jit(jax.vmap(step, axis_name=AX))
-  trace = []
+  trace, call = [], one_in_flight(f)
   for _ in range(steps):
-    sp, ss, loss = f(sp, ss, data)
+    sp, ss, loss = call(sp, ss, data)
     if record:
       trace.append((np.asarray(sp['w']), jax.tree.map(np.asarray, ss)))
   return sp, ss, trace, f

@@ -15,7 +15,7 @@ import hdet_jax as H
 
 from oracles import numpy_accelerate, numpy_controller, numpy_fit, numpy_slope_stderr
 from jax.sharding import NamedSharding, PartitionSpec as P
-from replica_testing import AX, N, make_mesh, put, quad_problem, quad_step, run, signal_run
+from replica_testing import AX, N, make_mesh, one_in_flight, put, quad_problem, quad_step, run, signal_run
 
 
 @pytest.fixture(scope='module')
@@ -325,7 +325,7 @@ def _run(mesh, tx, loss_fn, steps, params, guard, inject=None, exact=False):
   ss = jax.jit(jax.vmap(tx.init))(sp)
   sharding = NamedSharding(mesh, P(AX))
   sp, ss = jax.device_put((sp, ss), sharding)
-  f = jax.jit(H.shard_map_replicas(step, mesh, AX, stacked_argnums=(0, 1)))
+  f = one_in_flight(jax.jit(H.shard_map_replicas(step, mesh, AX, stacked_argnums=(0, 1))))
   history = []
   for t in range(steps):
     sp, ss, loss = f(sp, ss, jnp.int32(t))

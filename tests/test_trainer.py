@@ -490,3 +490,18 @@ def test_gpu_runs_get_xla_deterministic_ops_unless_told_otherwise(monkeypatch):
   assert not trainer_lib.cuda_installed()
   # A resumed run may change it (it steers rounding on GPUs only): not a training field.
   assert 'deterministic_gpu' in config_lib.RUN_FIELDS
+
+
+def test_the_loop_keeps_one_program_in_flight_on_several_cpu_devices(monkeypatch, tmp_path):
+  """On CPU devices, where more than one take part, the loop waits for each step before the next (XLA:CPU's
+  in-process all-reduce can deadlock with several multi-device programs queued); on one device it dispatches ahead."""
+  import jax
+  from jax.sharding import Mesh
+  from hdet_jax.trainer import trainer as trainer_lib
+  assert trainer_lib.one_program_in_flight(Mesh(np.array(jax.devices()[:8]), ('data',)))
+  assert not trainer_lib.one_program_in_flight(Mesh(np.array(jax.devices()[:1]), ('data',)))
+  waited = []
+  real = jax.block_until_ready
+  monkeypatch.setattr(trainer_lib.jax, 'block_until_ready', lambda x: waited.append(1) or real(x))
+  train_and_evaluate(tiny(), str(tmp_path / 'run'))  # 40 steps
+  assert len(waited) >= 40  # every step waited (the loop's own waits; other calls may add more)

@@ -10,7 +10,7 @@ import pytest
 from jax import lax
 
 import hdet_jax as H
-from replica_testing import AX, N, make_mesh, put, quad_problem, quad_step, run
+from replica_testing import AX, N, make_mesh, one_in_flight, put, quad_problem, quad_step, run
 
 
 @pytest.fixture(scope='module')
@@ -43,7 +43,7 @@ def test_alpha_zero_equals_plain_data_parallel_bitwise(mesh, name):
     return optax.apply_updates(p, u), s, loss
   pp = put(mesh, H.stack_replicas(params, N))
   ps = jax.jit(jax.vmap(plain.init))(pp)
-  f = jax.jit(H.shard_map_replicas(plain_step, mesh, AX))
+  f = one_in_flight(jax.jit(H.shard_map_replicas(plain_step, mesh, AX)))
   for t in range(24):
     pp, ps, _ = f(pp, ps, put(mesh, c))
     np.testing.assert_array_equal(trace[t][0], np.asarray(pp['w']))  # bit for bit, every step
@@ -68,7 +68,7 @@ def test_alpha_zero_updates_equal_wrapped_optimizer_bitwise_under_cond(mesh, nam
     return optax.apply_updates(p, u), s, ps, u, u_plain
   sp = put(mesh, H.stack_replicas(params, N))
   ss, ps = jax.jit(jax.vmap(tx.init))(sp), jax.jit(jax.vmap(plain.init))(sp)
-  f = jax.jit(H.shard_map_replicas(step, mesh, AX))
+  f = one_in_flight(jax.jit(H.shard_map_replicas(step, mesh, AX)))
   for _ in range(24):
     sp, ss, ps, u, u_plain = f(sp, ss, ps, put(mesh, c))
     np.testing.assert_array_equal(np.asarray(u['w']), np.asarray(u_plain['w']))
@@ -255,7 +255,7 @@ def test_multi_transform_both_ways(mesh):
       return optax.apply_updates(p, u), s, loss
     sp = put(mesh, H.stack_replicas(params, N))
     ss = jax.jit(jax.vmap(tx.init))(sp)
-    f = jax.jit(H.shard_map_replicas(step, mesh, AX))
+    f = one_in_flight(jax.jit(H.shard_map_replicas(step, mesh, AX)))
     outs = []
     for _ in range(6):
       sp, ss, _ = f(sp, ss, put(mesh, c))

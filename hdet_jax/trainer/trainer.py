@@ -328,6 +328,8 @@ class _Loop:
   rolled_back_at: int | None = None  # the last sync whose rollback undid a divergence
   preempted_at: int | None = None
   val: dict = dataclasses.field(default_factory=lambda: {'val_loss': math.nan})  # the last 'eval' record's fields
+  # Wait for each step's programs before dispatching the next (see one_program_in_flight).
+  wait_each_step: bool = False
 
 
 def train_and_evaluate(config: Any, workdir: str) -> dict:
@@ -435,7 +437,20 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
     tail = jax.tree.map(lambda x: x.copy(), params)  # overwritten at the first step of each window's tail
   if anchor is None and optimizer_lib.rolls_back(config):  # before the first sync: the start
     anchor = _anchor_program(records.mesh, inputs.tx, params, opt_state, inputs.task)(params, opt_state)
-  return _Loop(params, opt_state, rng, start=start, step=start, tail=tail, anchor=anchor)
+  return _Loop(params, opt_state, rng, start=start, step=start, tail=tail, anchor=anchor,
+               wait_each_step=one_program_in_flight(records.mesh))
+
+
+def one_program_in_flight(mesh: Any) -> bool:
+  """Whether the loop waits for each step before dispatching the next: on CPU devices, where more than one take part.
+
+  XLA:CPU runs an in-process collective's participants on a shared pool of threads; with several multi-device
+  programs queued (the loop dispatches ahead), we saw its all-reduce wait for a participant that never came and
+  abort the process ("Termination timeout ... only 7 of them arrived"; README, "Known XLA:CPU limit"): in long runs,
+  and in the test suite. One program in flight leaves every device's thread to that program. On CPU the steps take
+  tens of milliseconds, so the host's work that waiting no longer overlaps is small against them.
+  """
+  return mesh.devices.size > 1 and all(d.platform == 'cpu' for d in mesh.devices.flat)
 
 
 def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, root: Any) -> tuple | None:
@@ -598,6 +613,8 @@ def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop
     m = (m, m_sync)
   loop.pending.append((step, sync, m))
   loop.step = step + 1
+  if loop.wait_each_step:
+    jax.block_until_ready((loop.params, loop.opt_state, m, loop.tail, loop.anchor))
 
 
 def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
