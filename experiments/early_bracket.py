@@ -187,7 +187,7 @@ def measure(args, work_root: str) -> dict:
   return results
 
 
-def _fmt(x: dict | None) -> str:
+def fmt(x: dict | None) -> str:
   if x is None:
     return '-'
   gaps = [math.inf if g is None else g for g in x['gaps_pct']]
@@ -227,14 +227,14 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
            + ' |', '|---|---|---|---|' + '---|' * len(FRACTIONS)]
   for w, steps, optim, c in cells:
     lines.append(f'| {w} | {steps} | {optim} | {",".join(map(str, c["seeds"]))} | '
-                 + ' | '.join(_fmt(c['fractions'].get(f'{f:g}')) for f in FRACTIONS) + ' |')
+                 + ' | '.join(fmt(c['fractions'].get(f'{f:g}')) for f in FRACTIONS) + ' |')
   lines += ['', '## Successive halving, ending at the warmup\'s end', '',
             'Rungs: at each fraction the runs with the lowest training loss go on (8 -> 4 -> 1: the best 4 at 0.1 of '
             'the run, the best of those at 0.3); compute in runs. The schedules shown are all that were computed.', '',
             '| workload | steps | optim | ' + ' | '.join(f'{n} ({compute_runs(r):.2g} runs)' for n, r in HALVING.items())
             + ' |', '|---|---|---|' + '---|' * len(HALVING)]
   for w, steps, optim, c in cells:
-    lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(_fmt(c['halving'].get(n)) for n in HALVING) + ' |')
+    lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(fmt(c['halving'].get(n)) for n in HALVING) + ' |')
   lines += ['', '## From each start: one comparison at the warmup\'s end over a 128x fan around it', '',
             'The sweep\'s points within a factor sqrt(128) of the start (10x below, at or 10x above the sweep\'s best; '
             'a fan of 8 a factor 2 apart spans 128x), compared at 0.3 of the run; in brackets the seeds that kept the '
@@ -242,7 +242,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
             '| workload | steps | optim | ' + ' | '.join(STARTS) + ' |', '|---|---|---|' + '---|' * len(STARTS)]
   for w, steps, optim, c in cells:
     lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(
-        _fmt(c['starts'].get(k)) + ('' if k not in c['starts'] else f', {min(c["starts"][k]["points"])} points')
+        fmt(c['starts'].get(k)) + ('' if k not in c['starts'] else f', {min(c["starts"][k]["points"])} points')
         for k in STARTS) + ' |')
   lines += tally(cells) + kept_table(cells, FRACTIONS)
   return records.write_report(out_dir, 'early_bracket', results, lines)

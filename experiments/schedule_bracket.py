@@ -249,8 +249,43 @@ def _label(workload: str, cell: dict) -> str:
   return workload if cell.get('device', 'cpu') == 'cpu' else f'{workload} ({cell["device"].upper()})'
 
 
-def _fmt(x: dict | None) -> str:
-  return early_bracket._fmt(x)  # pylint: disable=protected-access
+def _mean_scale(row: dict) -> float:
+  """The mean over seeds of the scale an HDET start's runs ended on (runs without a final LR left out)."""
+  return float(np.mean([x for x in row['scale_x'] if x]))
+
+
+def hdet_rows(cells) -> list[str]:
+  """The first table's rows: each cell's sweep under both schedules and the default HDET's gaps, scale and
+  one-cycle comparison."""
+  lines = []
+  for w, steps, optim, c in cells:
+    h = ' / '.join('-' if k not in c['hdet'] else
+                   ('+inf' if c['hdet'][k]['gap_pct'] is None else f'{c["hdet"][k]["gap_pct"]:+.1f}%')
+                   for k in autolr.STARTS)
+    same = c.get('device', 'cpu') == 'cpu' and c.get('one_cycle_best')  # one-cycle's sweep is the CPU's
+    vs = ' / '.join(f'{100 * (c["hdet"][k]["value"] / c["one_cycle_best"] - 1):+.1f}%'
+                    if same and k in c['hdet'] and c['hdet'][k]['gap_pct'] is not None else '-' for k in autolr.STARTS)
+    oc = ' / '.join(f'{c["one_cycle_hdet_gap_pct"][k]:+.1f}%' if k in c['one_cycle_hdet_gap_pct'] else '-'
+                    for k in autolr.STARTS)
+    scale = ' / '.join('-' if k not in c['hdet'] else f'{_mean_scale(c["hdet"][k]):.2g}' for k in autolr.STARTS)
+    lines.append(f'| {_label(w, c)} | {steps} | {optim} | {c["best_lr"]:g} | {c["best"]:.4g} | '
+                 f'{c.get("one_cycle_best_lr", math.nan):g} / {c.get("one_cycle_best", math.nan):.4g} | {h} | {scale} | '
+                 f'{vs} | '
+                 f'{oc} |')
+  return lines
+
+
+def control_lines(cells) -> list[str]:
+  """One line per HDET control run (HDET_CONTROLS): its gaps from each start and the scale it ended on."""
+  lines = []
+  for w, steps, optim, c in cells:
+    for control, by_start in c.get('controls', {}).items():
+      lines += ['', f'The default without its cautious start (`{control}`: {HDET_CONTROLS[(w, int(steps), optim)][control]}), '
+                f'{_label(w, c)} at {steps} steps, from 10x low / the best / 10x high against this sweep\'s best: '
+                + ' / '.join('-' if k not in by_start or by_start[k]['gap_pct'] is None else
+                             f'{by_start[k]["gap_pct"]:+.1f}% (scale {_mean_scale(by_start[k]):.2g}, '
+                             f'{by_start[k]["n"]} seeds)' for k in autolr.STARTS) + '.']
+  return lines
 
 
 def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
@@ -270,28 +305,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
            '| workload | steps | optim | best LR (cosine) | best (cosine) | best LR / best (one-cycle, CPU) | HDET low / best / '
            'high (cosine) | its scale at the end (x best LR) | against one-cycle\'s best | HDET under one-cycle |',
            '|---|---|---|---|---|---|---|---|---|---|']
-  for w, steps, optim, c in cells:
-    h = ' / '.join('-' if k not in c['hdet'] else
-                   ('+inf' if c['hdet'][k]['gap_pct'] is None else f'{c["hdet"][k]["gap_pct"]:+.1f}%')
-                   for k in autolr.STARTS)
-    same = c.get('device', 'cpu') == 'cpu' and c.get('one_cycle_best')  # one-cycle's sweep is the CPU's
-    vs = ' / '.join(f'{100 * (c["hdet"][k]["value"] / c["one_cycle_best"] - 1):+.1f}%'
-                    if same and k in c['hdet'] and c['hdet'][k]['gap_pct'] is not None else '-' for k in autolr.STARTS)
-    oc = ' / '.join(f'{c["one_cycle_hdet_gap_pct"][k]:+.1f}%' if k in c['one_cycle_hdet_gap_pct'] else '-'
-                    for k in autolr.STARTS)
-    scale = ' / '.join('-' if k not in c['hdet'] else f'{np.mean([x for x in c["hdet"][k]["scale_x"] if x]):.2g}'
-                       for k in autolr.STARTS)
-    lines.append(f'| {_label(w, c)} | {steps} | {optim} | {c["best_lr"]:g} | {c["best"]:.4g} | '
-                 f'{c.get("one_cycle_best_lr", math.nan):g} / {c.get("one_cycle_best", math.nan):.4g} | {h} | {scale} | '
-                 f'{vs} | '
-                 f'{oc} |')
-  for w, steps, optim, c in cells:
-    for control, by_start in c.get('controls', {}).items():
-      lines += ['', f'The default without its cautious start (`{control}`: {HDET_CONTROLS[(w, int(steps), optim)][control]}), '
-                f'{_label(w, c)} at {steps} steps, from 10x low / the best / 10x high against this sweep\'s best: '
-                + ' / '.join('-' if k not in by_start or by_start[k]['gap_pct'] is None else
-                             f'{by_start[k]["gap_pct"]:+.1f}% (scale {np.mean([x for x in by_start[k]["scale_x"] if x]):.2g}, '
-                             f'{by_start[k]["n"]} seeds)' for k in autolr.STARTS) + '.']
+  lines += hdet_rows(cells) + control_lines(cells)
   control = results.get('warmup_control')
   if control:
     lines += ['', f'The warmup\'s length (a control): the {control["workload"].upper()} at {control["steps"]} steps under '
@@ -310,7 +324,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
             '|---|---|---|' + '---|' * sum(len(by) for by in SCHEDULES.values())]
   for w, steps, optim, c in cells:
     lines.append(f'| {_label(w, c)} | {steps} | {optim} | ' + ' | '.join(
-        _fmt(c[t].get(n)) for t, by in SCHEDULES.items() for n in by) + ' |')
+        early_bracket.fmt(c[t].get(n)) for t, by in SCHEDULES.items() for n in by) + ' |')
   lines += early_bracket.tally(cells, SCHEDULES) + early_bracket.kept_table(cells, FRACTIONS, _label)
   return records.write_report(out_dir, 'schedule_bracket', results, lines)
 

@@ -614,7 +614,9 @@ def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop
   loop.pending.append((step, sync, m))
   loop.step = step + 1
   if loop.wait_each_step:
-    jax.block_until_ready((loop.params, loop.opt_state, m, loop.tail, loop.anchor))
+    # The step's (and window end's) metrics are outputs of the programs that also return the state, so they are
+    # ready when those programs have finished; the tail and the anchor come from programs of their own.
+    jax.block_until_ready((m, loop.tail, loop.anchor))
 
 
 def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
