@@ -2,6 +2,7 @@
 
     python train.py --config configs/default.py --workdir workdirs/default
     python train.py --config configs/hdet_full.py --config.hdet.spread=0.2 --workdir workdirs/hdet_full
+    python train.py --config configs/bracket.py --workdir workdirs/bracket   # an LR bracket: 8 plain runs, halved
 
 Rerunning a command with the same workdir resumes from its latest complete, verified checkpoint
 (SIGTERM or Ctrl-C writes one before exiting with status 143; see results/reliability.md). Several processes
@@ -62,18 +63,24 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}')
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
   from hdet_jax import trainer  # after flag parsing: JAX must start after setup_jax's settings.
+  from hdet_jax.trainer import bracket
   config = FLAGS.config
   trainer.setup_jax(config, coordinator_address=FLAGS.coordinator_address,
                     num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
                     heartbeat_timeout_s=FLAGS.heartbeat_timeout)
   try:
-    summary = trainer.train_and_evaluate(config, FLAGS.workdir)
+    if config.bracket.points > 0:  # an LR bracket: several plain runs, the worse stopped early
+      summary = bracket.run_bracket(config, FLAGS.workdir)
+    else:
+      summary = trainer.train_and_evaluate(config, FLAGS.workdir)
   except trainer.ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
   import jax
   if jax.process_index() == 0:
     print(trainer.format_summary(summary), flush=True)
+    if 'bracket' in summary:
+      print(bracket.format_bracket(summary['bracket']), flush=True)
   if summary['diverged_at'] is not None:
     print(f'error: training diverged at step {summary["diverged_at"]} (every replica\'s loss is NaN/inf); '
           'the last good checkpoint is kept.', file=sys.stderr)

@@ -200,6 +200,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh.tensor = 1  # K devices per group splitting its kernels (tensor parallel; divides the heads' and MLP widths); 1: none.
   config.mesh.devices = 0  # D: train on the first D devices (1-D meshes; N a multiple of D); 0: as many as N needs, up to all.
 
+  # An LR bracket instead of one run (configs/bracket.py; hdet_jax/trainer/bracket.py): bracket.points plain runs at
+  # peak LRs optim.max_lr * factor ** (k - (points - 1) / 2), trained apart at the full batch on the same batches,
+  # the worse stopped early (successive halving); the last one left runs to the end. 0: off (one run).
+  config.bracket = ml_collections.ConfigDict()
+  config.bracket.points = 0
+  config.bracket.factor = 2.0  # The ratio of neighbouring points' peak LRs (8 points at 2: a 128x span).
+  # 'fraction:kept,...': at each fraction of the run the runs still going are ranked and the best `kept` go on; the
+  # last rung keeps 1. Compute: 8 points at '0.1:4,0.3:1' train 2.3 runs' steps.
+  config.bracket.rungs = '0.1:4,0.3:1'
+  config.bracket.compare_steps = 10  # A rung ranks the runs by their mean training loss over this many steps before it.
+
   config.warm_init = ml_collections.ConfigDict()
   config.warm_init.nu = 0.01  # nu of eq. 10: noise std is nu * ||theta_0|| / sqrt(d) (used only with init_from).
 

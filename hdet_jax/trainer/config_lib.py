@@ -27,7 +27,9 @@ QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.
                   'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0,
                   'hdet.score_anneal': 0.0, 'hdet.fan': 'linear',
-                  'deterministic_gpu': True}  # (no effect without CUDA, where every record so far was made)
+                  'deterministic_gpu': True,  # (no effect without CUDA, where every record so far was made)
+                  # The LR bracket's fields (hdet_jax.trainer.bracket): its runs are one-run configs with points 0.
+                  'bracket.points': 0, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10}
 
 
 class ConfigError(ValueError):
@@ -246,6 +248,9 @@ _RULES = (
     ('stop_at_step', 'int', lambda v: v >= 0, 'an integer >= 0 (0: run to the end)'),
     ('num_cpu_devices', 'int', lambda v: v >= 0, 'an integer >= 0'),
     ('mesh.devices', 'int', lambda v: v >= 0, 'an integer >= 0 (0: every visible device)'),
+    ('bracket.points', 'int', lambda v: v == 0 or v >= 2, 'an integer >= 2, or 0 (off: one run)'),
+    ('bracket.factor', 'real', lambda v: v > 1, 'a number > 1'),
+    ('bracket.compare_steps', 'int', lambda v: v >= 1, 'an integer >= 1'),
 )
 CHECKED_FIELDS = tuple(r[0] for r in _RULES)
 # Checked fields whose None means a resolved default (:func:`guard`).
@@ -281,6 +286,7 @@ def check_values(config: Any) -> None:
   except tasks.TaskError as e:
     raise ConfigError(str(e)) from None
   _check_schedule(config)
+  _check_bracket(config)
   if config.hdet.auto_lr and config.hdet.spread > 0 and config.hdet.warmup_steps >= config.num_train_steps:
     raise ConfigError(f'hdet.warmup_steps={config.hdet.warmup_steps} must be < num_train_steps='
                       f'{config.num_train_steps} (the controller would never start); lower it or set hdet.auto_lr=False.')
@@ -342,6 +348,50 @@ def _check_schedule(config: Any) -> None:
     raise ConfigError(f"optim.pct_start={pct} with num_train_steps={total} leaves optim.schedule='one_cycle' an empty "
                       'phase (its warmup ends at step pct_start * num_train_steps - 1, which must lie inside the run); '
                       'move optim.pct_start away from 0 and 1 or raise num_train_steps.')
+
+
+def bracket_rungs(text: str) -> list[tuple[float, int]]:
+  """``bracket.rungs`` parsed: ``'0.1:4,0.3:1'`` -> ``[(0.1, 4), (0.3, 1)]`` (fraction of the run, runs kept);
+  raises ValueError on anything else."""
+  rungs = []
+  for part in str(text).split(','):
+    fraction, sep, kept = part.strip().partition(':')
+    if not sep:
+      raise ValueError(f'{part.strip()!r} is not fraction:kept')
+    rungs.append((float(fraction), int(kept)))
+  return rungs
+
+
+def bracket_steps(rungs: list[tuple[float, int]], total: int) -> list[int]:
+  """The step each rung compares at (and its runs stop at): floor(fraction * total)."""
+  return [int(math.floor(f * total + 1e-9)) for f, _ in rungs]
+
+
+def _check_bracket(config: Any) -> None:
+  """An LR bracket's rungs must fit the run and narrow it down to one run; its runs must train at a fixed LR."""
+  b = config.get('bracket')
+  if b is None or b.points == 0:
+    return
+  try:
+    rungs = bracket_rungs(b.rungs)
+  except ValueError as e:
+    raise ConfigError(f"bracket.rungs={b.rungs!r} must be 'fraction:kept,...' (e.g. '0.1:4,0.3:1'): {e}.") from None
+  steps, kept = bracket_steps(rungs, config.num_train_steps), [k for _, k in rungs]
+  alive = [b.points] + kept
+  if not (0 < steps[0] and all(a < c for a, c in zip(steps, steps[1:])) and steps[-1] < config.num_train_steps
+          and all(a > c >= 1 for a, c in zip(alive, alive[1:])) and kept[-1] == 1):
+    raise ConfigError(
+        f'bracket.rungs={b.rungs!r} with bracket.points={b.points} and num_train_steps={config.num_train_steps} '
+        f'(rung steps {steps}) must compare at increasing steps inside the run (0 < fraction * num_train_steps < '
+        'num_train_steps) and keep fewer runs at each rung, the last keeping 1; e.g. '
+        f"'0.1:{max(1, b.points // 2)},0.3:1'.")
+  if config.hdet.auto_lr:
+    raise ConfigError('bracket.points > 0 looks for the LR by comparing runs trained apart at fixed LRs, but '
+                      'hdet.auto_lr=True would move each run\'s LR too: set hdet.auto_lr=False (configs/bracket.py '
+                      'trains plain data parallel), or bracket.points=0 for one HDET run.')
+  if config.stop_at_step > 0:
+    raise ConfigError(f'stop_at_step={config.stop_at_step} cannot stop an LR bracket, which stops its runs at its '
+                      'rungs itself: set stop_at_step=0 (a preempted bracket resumes where it stopped).')
 
 
 def _check_early_syncs(config: Any) -> None:

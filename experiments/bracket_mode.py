@@ -1,0 +1,190 @@
+"""The LR bracket as a user runs it (``configs/bracket.py``, hdet_jax/trainer/bracket.py) against the sweep and the
+default HDET controller, on the workloads of ``results/workloads.md``.
+
+The fifteenth and sixteenth passes of the defaults issue read an early-stopped bracket from the sweep's own runs:
+its points were the sweep's grid. Here the mode trains its own: 8 plain runs a factor 2 apart centred on a start
+10x below, at, or 10x above the one-cycle sweep's best peak LR (the first seed's, as the default HDET's starts), so
+its points are not the sweep's (from 10x low they reach 1.13x the best; from the best 0.088-11.3x; from 10x high
+0.88-113x), halved at 0.1 (4 kept) and 0.3 (1 kept) of the run, ranked by the mean training loss of the 10 steps
+before. 2.3 runs of compute. Each bracket's final metric is compared, as 3-seed means, with the sweep's best
+3-seed mean and with the default HDET's from the same start (``results/workloads.json``).
+
+    python -m experiments.bracket_mode                  # train what is missing (cached, resumable), then report
+    python -m experiments.bracket_mode --cells lm:750:adamw --report-only
+    python -m experiments.bracket_mode --quick          # a smoke run: the tiny LM, 4 points, one start and seed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+from experiments import autolr
+from experiments import records
+from experiments import workloads
+
+REPO = autolr.REPO
+CELLS = ('lm:750:adamw', 'finetune:300:adamw', 'mnist1d:1000:adamw', 'mnist1d:1000:sgd', 'lm:1500:adamw')
+STARTS = {'low': 0.1, 'best': 1.0, 'high': 10.0}  # the bracket's centre, as a multiple of the sweep's best LR
+SEEDS = (0, 1, 2)
+BRACKET = {'bracket.points': 8, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10}
+QUICK_BRACKET = {**BRACKET, 'bracket.points': 4, 'bracket.rungs': '0.25:2,0.5:1', 'bracket.compare_steps': 3}
+
+
+def parse_cell(text: str) -> tuple[str, int, str]:
+  workload, steps, optim = text.split(':')
+  return workload, int(steps), optim
+
+
+def record_path(cell: str, start: str, seed: int, quick: bool, work_root: str) -> str:
+  workload, steps, optim = parse_cell(cell)
+  root = os.path.join(work_root, 'bracket_mode_quick') if quick else os.path.join(REPO, 'results', 'bracket_mode', 'runs')
+  return os.path.join(root, workload, f'steps{steps}', optim, f'{start}_s{seed}.json')
+
+
+def sweep_cell(cell: str) -> dict:
+  """The cell's one-cycle sweep and default HDET, as ``results/workloads.json`` has them."""
+  workload, steps, optim = parse_cell(cell)
+  with open(os.path.join(REPO, 'results', 'workloads.json'), encoding='utf-8') as f:
+    return json.load(f)[workload][str(steps)][optim]
+
+
+def anchor_lr(cell: str, quick: bool) -> float:
+  """The start's reference: the sweep's best LR of its first seed (where the default HDET's starts are anchored)."""
+  if quick:
+    return 0.01
+  workload, steps, optim = parse_cell(cell)
+  with open(os.path.join(workloads.records_dir(workload, steps, False, ''), optim, 'anchor.json'), encoding='utf-8') as f:
+    return float(json.load(f)['lr'])
+
+
+def config_for(cell: str, start: str, seed: int, quick: bool, work_root: str):
+  from hdet_jax.trainer import config_lib
+  workload, steps, optim = parse_cell(cell)
+  init_from = workloads.pretrained(os.path.join(REPO, 'workdirs', 'workloads'), quick) if workload == 'finetune' else None
+  centre = anchor_lr(cell, quick) * STARTS[start]
+  o = {**autolr.run_overrides('grid', optim, centre, seed, steps), **(QUICK_BRACKET if quick else BRACKET)}
+  if workload == 'finetune':
+    o['warm_init.nu'] = 0.0  # (the sweep's plain fine-tuning)
+  if quick:
+    o.pop('hdet.sync_every', None)
+  return config_lib.with_overrides(workloads.base_config(workload, steps, quick, init_from), o)
+
+
+def train_one(cell: str, start: str, seed: int, quick: bool, work_root: str) -> dict:
+  """One bracket (cached: its record; resumable: its workdir until the record is written)."""
+  from hdet_jax.trainer import bracket
+  path = record_path(cell, start, seed, quick, work_root)
+  if os.path.exists(path):
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  workload, steps, optim = parse_cell(cell)
+  workdir = os.path.join(work_root, 'bracket_mode', workload, f'steps{steps}', f'{optim}_{start}_s{seed}')
+  config = config_for(cell, start, seed, quick, work_root)
+  t0 = time.time()
+  summary = bracket.run_bracket(config, workdir)
+  if summary['preempted']:
+    sys.exit(143)
+  state = summary['bracket']
+  rec = {'cell': cell, 'start': start, 'seed': seed, 'centre_lr': config.optim.max_lr, 'anchor_lr': anchor_lr(cell, quick),
+         'lrs': state['lrs'], 'rungs': state['rungs'], 'compute_runs': state['compute_runs'],
+         'kept_lr': state['winner']['lr'], 'final_metric': records.finite_or_none(summary['final_metric']),
+         'diverged_at': summary['diverged_at'], 'wall_s': time.time() - t0}
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    json.dump(rec, f, indent=1)
+  os.replace(path + '.tmp', path)
+  shutil.rmtree(workdir, ignore_errors=True)
+  print(f'  {cell} {start} s{seed}: kept {rec["kept_lr"]:.4g} ({rec["kept_lr"] / rec["anchor_lr"]:.2f}x), '
+        f'final {rec["final_metric"]}, {rec["wall_s"]:.0f}s', flush=True)
+  return rec
+
+
+def cell_rows(cell: str, recs: dict, quick: bool) -> dict:
+  """Per start: the bracket's 3-seed mean, its gap to the sweep's best, the default HDET's gap, the kept LRs."""
+  sweep = None if quick else sweep_cell(cell)
+  out = {}
+  for start in STARTS:
+    got = [recs[(start, s)] for s in SEEDS if (start, s) in recs]
+    if not got:
+      continue
+    finals = [r['final_metric'] if r['final_metric'] is not None else float('inf') for r in got]
+    row = {'n': len(got), 'value': float(np.mean(finals)), 'finals': finals,
+           'kept_x': [r['kept_lr'] / r['anchor_lr'] for r in got], 'wall_s': float(np.mean([r['wall_s'] for r in got]))}
+    if sweep is not None:
+      best = sweep['grid_best']['value']
+      row['gap'] = row['value'] / best - 1
+      hdet = sweep['hdet'].get(start)
+      row['hdet_gap'] = None if hdet is None else hdet['value'] / best - 1
+    out[start] = row
+  return out
+
+
+def _pct(x) -> str:
+  return 'n/a' if x is None else f'{100 * x:+.1f}%'
+
+
+def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
+  lines = ['# The LR bracket as a mode: 8 plain runs, halved at 0.1 and 0.3 of the run (2.3 runs)', '',
+           'Made by `python -m experiments.bracket_mode` (records in `results/bracket_mode/runs/`). Each row: the '
+           'bracket centred 10x below, at or 10x above the one-cycle sweep\'s best peak LR (its first seed\'s), '
+           '3 seeds; the gap is its 3-seed mean final metric against the sweep\'s best 3-seed mean '
+           '(`results/workloads.json`); the default HDET\'s gap from the same start beside it. Kept: the peak LR '
+           'the bracket kept, per seed, as a multiple of the sweep\'s best.', '',
+           '| cell | start | bracket gap | default HDET gap | kept LR (x best), per seed | wall per bracket |',
+           '|---|---|---|---|---|---|']
+  within, hdet_within, total = 0, 0, 0
+  for cell, rows in results.items():
+    for start, row in rows.items():
+      kept = ' / '.join(f'{x:.3g}' for x in row['kept_x'])
+      n = f' (n={row["n"]})' if row['n'] < len(SEEDS) else ''
+      lines.append(f'| {cell} | {start} | {_pct(row.get("gap"))}{n} | {_pct(row.get("hdet_gap"))} | {kept} | '
+                   f'{row["wall_s"]:.0f} s |')
+      if row.get('gap') is not None and row['n'] == len(SEEDS):
+        total += 1
+        within += row['gap'] <= 0.01
+        hdet_within += row['hdet_gap'] is not None and row['hdet_gap'] <= 0.01
+  lines += ['', f'Within 1% of the sweep\'s best (3-seed means): the bracket in {within} of {total} cell-starts, the '
+            f'default HDET in {hdet_within} of the same {total}.']
+  return records.write_report(out_dir, 'bracket_mode', results | {'_tally': {'within': within,
+                              'hdet_within': hdet_within, 'total': total}} if not quick else results, lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--cells', default=','.join(CELLS), help='workload:steps:optim,... (default: every cell)')
+  p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
+  p.add_argument('--quick', action='store_true', help='a smoke run: the tiny LM, 4 points, one start and seed')
+  p.add_argument('--workdir', default=None, help='where the brackets train (default: workdirs/bracket_mode)')
+  args = p.parse_args(argv)
+  work_root = args.workdir or os.path.join(REPO, 'workdirs', 'bracket_mode_quick' if args.quick else 'workloads')
+  cells = ['lm:16:adamw'] if args.quick else args.cells.split(',')
+  starts, seeds = (['best'], [0]) if args.quick else (list(STARTS), list(SEEDS))
+  if not args.report_only:
+    from hdet_jax import trainer
+    trainer.setup_jax(workloads.base_config('lm', 16, True))
+  results = {}
+  for cell in cells:
+    recs = {}
+    for seed in seeds:
+      for start in starts:
+        path = record_path(cell, start, seed, args.quick, work_root)
+        if args.report_only:
+          if os.path.exists(path):
+            with open(path, encoding='utf-8') as f:
+              recs[(start, seed)] = json.load(f)
+        else:
+          recs[(start, seed)] = train_one(cell, start, seed, args.quick, work_root)
+    results[cell] = cell_rows(cell, recs, args.quick)
+  out = work_root if args.quick else os.path.join(REPO, 'results')
+  print('\n'.join(write_report(out, results, args.quick)))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,172 @@
+"""An LR bracket: plain runs apart at the full batch, the worse ones stopped early (successive halving).
+
+``python train.py --config configs/bracket.py --workdir W`` trains ``bracket.points`` runs of the config at peak
+LRs a factor ``bracket.factor`` apart, centred (geometrically) on ``optim.max_lr``:
+
+    lr_k = max_lr * factor ** (k - (points - 1) / 2),    k = 0 .. points - 1.
+
+Every run has the same seed, so the same initial parameters and the same batches. At each rung ``(fraction, kept)``
+of ``bracket.rungs`` the runs still going stop at ``s = floor(fraction * num_train_steps)`` and are ranked by their
+mean training loss over the steps ``s - compare_steps .. s - 1`` (mean over replicas; every run saw those batches);
+the ``kept`` lowest go on (ties to the lower LR; a run that diverged, or whose loss there is not finite, loses), each
+resumed bit for bit from its own checkpoint, and the last rung's one goes on to the end. Its schedule is its own from
+step 0, so the bracket's result is that of a plain run at the kept LR. Compute, in runs of the config:
+
+    points * f_1 + kept_1 * (f_2 - f_1) + ... + 1 * (1 - f_last)      (8 points, '0.1:4,0.3:1': 2.3 runs).
+
+Why: one HDET run's comparisons, on the shared gradient, rank points of one line and follow the start, not the
+sweep's best; runs apart at the full batch, compared at a fifth to a third of the run, kept a run within 1% of the
+sweep's best in 20-23 of 27 (warmup-cosine) and 32 of 43 (one-cycle) seed-cells (experiments/workloads_discussion.md,
+thirteenth to sixteenth passes; results/bracket_mode.md for this mode's own runs).
+
+Each run lives in ``W/bracket/point<k>_lr<lr>/`` (a workdir of its own, resumable); ``W/bracket.json`` records the
+LRs, every rung's losses and decisions, the winner and the compute, and is rewritten after each rung. Rerunning
+the same command resumes; a rung already decided is not trained again. One process only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import metrics as metrics_lib
+from hdet_jax.trainer import trainer as trainer_lib
+from hdet_jax.trainer.config_lib import ConfigError
+
+STATE_FILE = 'bracket.json'
+
+
+def point_lrs(max_lr: float, points: int, factor: float) -> list[float]:
+  """The bracket's peak LRs, lowest first: ``max_lr * factor ** (k - (points - 1) / 2)``."""
+  return [float(max_lr * factor ** (k - (points - 1) / 2)) for k in range(points)]
+
+
+def compute_runs(points: int, rungs: list[tuple[float, int]], total: int) -> float:
+  """The steps the bracket trains, in runs of ``total`` steps (each rung's survivors from the rung before on)."""
+  steps = config_lib.bracket_steps(rungs, total) + [total]
+  alive = [points] + [k for _, k in rungs]
+  return sum(n * (b - a) for n, a, b in zip(alive, [0] + steps[:-1], steps)) / total
+
+
+def survivors(losses: dict[float, float], kept: int) -> list[float]:
+  """The ``kept`` LRs with the lowest loss (NaN counts as inf; ties go to the lower LR), lowest LR first."""
+  key = lambda lr: (math.inf if not np.isfinite(losses[lr]) else losses[lr], lr)
+  return sorted(sorted(losses, key=key)[:kept])
+
+
+def window_loss(metrics_path: str, step: int, compare_steps: int, diverged_at: int | None) -> float:
+  """A run's mean training loss over the steps ``step - compare_steps .. step - 1`` (inf: it diverged by then, or a
+  loss there is not finite); each step's loss is the mean over the replicas, as last logged."""
+  if diverged_at is not None and diverged_at < step:
+    return math.inf
+  logged = {r['step']: float(np.mean(r['loss'])) for r in metrics_lib.read_metrics(metrics_path).get('train', [])}
+  window = [logged.get(s, math.nan) for s in range(max(0, step - compare_steps), step)]
+  if any(s not in logged for s in range(max(0, step - compare_steps), step)):
+    raise RuntimeError(f'{metrics_path} lacks the training loss of steps before {step}: the run did not reach them.')
+  return float(np.mean(window)) if all(np.isfinite(window)) else math.inf
+
+
+def _fields(config: Any) -> dict:
+  """What defines the bracket: its runs' training fields (at the centre LR) and the bracket's own."""
+  return {'training': config_lib.training_fields(config, config.hdet.num_replicas),
+          'bracket': config.bracket.to_dict()}
+
+
+def _run_config(config: Any, lr: float, stop_at_step: int) -> Any:
+  # (plots only for the run that ends: a rung's stop would draw every run's)
+  return config_lib.with_overrides(config.copy_and_resolve_references(), {
+      'optim.max_lr': lr, 'stop_at_step': stop_at_step, 'bracket.points': 0,
+      'plots': bool(config.plots and stop_at_step == 0)})
+
+
+def _point_dir(workdir: str, k: int, lr: float) -> str:
+  return os.path.join(workdir, 'bracket', f'point{k}_lr{lr:.6g}')
+
+
+def _load_state(workdir: str, fields: dict) -> dict | None:
+  """The bracket recorded in ``workdir`` (None: none); raises if the workdir holds anything else."""
+  path = os.path.join(workdir, STATE_FILE)
+  if os.path.exists(path):
+    with open(path, encoding='utf-8') as f:
+      state = json.load(f)
+    if state['fields'] != fields:
+      diff = config_lib.differences(config_lib.flatten(state['fields']), config_lib.flatten(fields))
+      raise ConfigError(f'workdir {workdir} holds an LR bracket of a different config ({diff}); rerun with the same '
+                        'config to resume it, or pass a new --workdir.')
+    return state
+  for name in ('checkpoints', 'metrics.jsonl', 'summary.json', 'bracket'):
+    if os.path.exists(os.path.join(workdir, name)):
+      raise ConfigError(f'workdir {workdir} holds {name!r} but no {STATE_FILE}: it is not an LR bracket\'s (a single '
+                        'run\'s, or another tool\'s). Pass a new --workdir; nothing in this one was changed.')
+  return None
+
+
+def run_bracket(config: Any, workdir: str) -> dict:
+  """Trains the LR bracket of ``config`` (``bracket.points > 0``) in ``workdir``; returns the kept run's summary with
+  a ``'bracket'`` entry (the record written to ``workdir/bracket.json``). Resumes a bracket already there."""
+  import jax
+  config_lib.check_values(config)
+  if config.bracket.points == 0:
+    raise ConfigError('run_bracket needs bracket.points > 0 (e.g. --config.bracket.points=8); 0 trains one run.')
+  if jax.process_count() > 1:
+    raise ConfigError(f'an LR bracket runs in one process (it ranks its runs from their metrics files); got '
+                      f'{jax.process_count()} processes: run it with one, or train the points as single runs.')
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  b, total = config.bracket, config.num_train_steps
+  rungs = config_lib.bracket_rungs(b.rungs)
+  steps = config_lib.bracket_steps(rungs, total)
+  fields = _fields(config)
+  state = _load_state(workdir, fields) or {
+      'fields': fields, 'lrs': point_lrs(config.optim.max_lr, b.points, b.factor),
+      'compute_runs': compute_runs(b.points, rungs, total), 'rungs': [], 'winner': None}
+  dirs = {lr: _point_dir(workdir, k, lr) for k, lr in enumerate(state['lrs'])}
+  alive = list(state['lrs'])
+  for decided in state['rungs']:
+    alive = decided['kept']
+  for (fraction, kept), step in list(zip(rungs, steps))[len(state['rungs']):]:
+    losses = {}
+    for lr in alive:
+      summary = trainer_lib.train_and_evaluate(_run_config(config, lr, step), dirs[lr])
+      if summary['preempted']:
+        return {**summary, 'bracket': state}
+      losses[lr] = window_loss(summary['metrics'], step, b.compare_steps, summary['diverged_at'])
+    if not any(np.isfinite(list(losses.values()))):
+      raise RuntimeError(f'every run of the LR bracket diverged by step {step} (LRs {alive}); lower optim.max_lr.')
+    alive = survivors(losses, kept)
+    state['rungs'].append({'fraction': fraction, 'step': step, 'losses': {f'{lr:.6g}': v for lr, v in losses.items()},
+                           'kept': alive})
+    _write_state(workdir, state)
+  (lr,) = alive
+  summary = trainer_lib.train_and_evaluate(_run_config(config, lr, 0), dirs[lr])
+  if not summary['preempted']:
+    state['winner'] = {'lr': lr, 'workdir': dirs[lr], 'final_metric': summary['final_metric'],
+                       'diverged_at': summary['diverged_at']}
+    _write_state(workdir, state)
+  return {**summary, 'bracket': state}
+
+
+def _write_state(workdir: str, state: dict) -> None:
+  os.makedirs(workdir, exist_ok=True)
+  tmp = os.path.join(workdir, STATE_FILE + '.tmp')
+  with open(tmp, 'w', encoding='utf-8') as f:
+    json.dump(metrics_lib.to_json_safe(state), f, indent=1)
+  os.replace(tmp, os.path.join(workdir, STATE_FILE))
+
+
+def format_bracket(state: dict) -> str:
+  """The bracket's rungs and winner as a few human lines."""
+  lrs = ', '.join(f'{lr:.4g}' for lr in state['lrs'])
+  lines = [f'LR bracket over {len(state["lrs"])} peak LRs ({lrs}); compute {state["compute_runs"]:.2f} runs.']
+  for r in state['rungs']:
+    ranked = ', '.join(f'{lr} {v:.4f}' for lr, v in sorted(r['losses'].items(), key=lambda kv: float(kv[0])))
+    lines.append(f'  step {r["step"]} ({r["fraction"]:g} of the run): training loss {ranked}; kept '
+                 f'{", ".join(f"{lr:.4g}" for lr in r["kept"])}')
+  if state.get('winner'):
+    w = state['winner']
+    lines.append(f'  kept run: peak LR {w["lr"]:.4g}, final metric {w["final_metric"]:.4f} ({w["workdir"]})')
+  return '\n'.join(lines)

@@ -1,0 +1,145 @@
+"""The LR bracket (hdet_jax/trainer/bracket.py): its LRs, rung arithmetic and ranking against closed forms, its
+refusals, and a tiny bracket end to end against the same runs trained straight."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from hdet_jax.trainer import bracket
+from hdet_jax.trainer import config_lib
+from hdet_jax.trainer.config_lib import ConfigError
+from trainer_testing import tiny
+
+PLAIN = {'hdet.spread': 0.0, 'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.auto_lr': False,
+         'hdet.param_groups': False, 'plots': False, 'eval_windows': 16, 'checkpoint_every': 0}
+
+
+def test_point_lrs_are_geometric_around_max_lr():
+  lrs = bracket.point_lrs(0.01, 8, 2.0)
+  np.testing.assert_allclose(lrs, [0.01 * 2.0 ** (k - 3.5) for k in range(8)], rtol=1e-12)
+  np.testing.assert_allclose(math.sqrt(lrs[3] * lrs[4]), 0.01, rtol=1e-12)  # centred: the middle pair's mean
+  np.testing.assert_allclose(lrs[-1] / lrs[0], 128.0, rtol=1e-12)
+  np.testing.assert_allclose(bracket.point_lrs(0.3, 3, 10.0), [0.03, 0.3, 3.0], rtol=1e-12)
+
+
+def test_compute_in_runs():
+  # 8 to 0.1, 4 from 0.1 to 0.3, 1 from 0.3 to 1: 0.8 + 0.8 + 0.7
+  assert bracket.compute_runs(8, [(0.1, 4), (0.3, 1)], 1000) == pytest.approx(2.3)
+  assert bracket.compute_runs(8, [(0.3, 1)], 1000) == pytest.approx(1 + 7 * 0.3)  # one comparison: 1 + 7 f
+  # floor(0.1 * 15) = 1, floor(0.3 * 15) = 4: 8 * 1 + 4 * 3 + 11 steps
+  assert bracket.compute_runs(8, [(0.1, 4), (0.3, 1)], 15) == pytest.approx((8 + 12 + 11) / 15)
+
+
+def test_rungs_parse_and_steps():
+  assert config_lib.bracket_rungs('0.1:4, 0.3:1') == [(0.1, 4), (0.3, 1)]
+  assert config_lib.bracket_steps([(0.1, 4), (0.3, 1)], 750) == [75, 225]
+  assert config_lib.bracket_steps([(0.3, 1)], 40) == [12]  # 0.3 * 40 = 11.999...: not 11
+  with pytest.raises(ValueError):
+    config_lib.bracket_rungs('0.1-4')
+
+
+def test_survivors_rank_by_loss_ties_to_the_lower_lr_and_nonfinite_loses():
+  losses = {0.1: 2.0, 0.2: 1.5, 0.4: 1.5, 0.8: math.inf, 1.6: math.nan, 0.05: 1.7}
+  assert bracket.survivors(losses, 1) == [0.2]  # a tie goes to the lower LR
+  assert bracket.survivors(losses, 3) == [0.05, 0.2, 0.4]  # returned lowest LR first
+  assert bracket.survivors({0.1: math.nan, 0.2: math.inf, 0.4: 9.0}, 1) == [0.4]
+
+
+def test_window_loss_reads_the_steps_before_the_rung(tmp_path):
+  path = str(tmp_path / 'metrics.jsonl')
+  rows = [{'kind': 'train', 'step': s, 'loss': [float(s), float(s) + 2]} for s in range(12)]
+  rows.append({'kind': 'train', 'step': 9, 'loss': [100.0, 100.0]})  # re-logged after a resume: the last one counts
+  with open(path, 'w') as f:
+    f.write(''.join(json.dumps(r) + '\n' for r in rows))
+  # steps 7, 8, 9 (9 re-logged) before step 10, each the mean over replicas: 8, 9, 100
+  assert bracket.window_loss(path, 10, 3, None) == pytest.approx((8 + 9 + 100) / 3)
+  assert bracket.window_loss(path, 2, 5, None) == pytest.approx((1 + 2) / 2)  # steps 0 and 1 only
+  assert bracket.window_loss(path, 10, 3, 8) == math.inf  # diverged inside the window
+  assert bracket.window_loss(path, 10, 3, 10) == pytest.approx((8 + 9 + 100) / 3)  # diverged after it
+  with pytest.raises(RuntimeError, match='lacks'):
+    bracket.window_loss(path, 20, 3, None)
+
+
+@pytest.mark.parametrize('over, names', [
+    ({'bracket.points': 1}, 'bracket.points'),
+    ({'bracket.factor': 1.0}, 'bracket.factor'),
+    ({'bracket.compare_steps': 0}, 'bracket.compare_steps'),
+    ({'bracket.rungs': '0.1'}, 'bracket.rungs'),
+    ({'bracket.rungs': '0.3:4,0.1:1'}, 'bracket.rungs'),  # not increasing
+    ({'bracket.rungs': '0.1:4,0.3:2'}, 'bracket.rungs'),  # the last does not keep 1
+    ({'bracket.rungs': '0.1:8,0.3:1'}, 'bracket.rungs'),  # keeps all 8
+    ({'bracket.rungs': '0.01:4,0.3:1'}, 'bracket.rungs'),  # floor(0.01 * 40) = 0: before any step
+    ({'bracket.rungs': '0.5:4,1.0:1'}, 'bracket.rungs'),  # at the end: nothing left to run
+    ({'hdet.auto_lr': True}, 'hdet.auto_lr'),
+    ({'stop_at_step': 10}, 'stop_at_step'),
+])
+def test_bad_bracket_settings_are_refused_naming_the_field(over, names):
+  config = tiny(**{**PLAIN, 'bracket.points': 8, **over})
+  with pytest.raises(ConfigError, match=names.replace('.', r'\.')):
+    config_lib.check_values(config)
+
+
+def test_default_config_is_one_run_and_its_bracket_fields_stay_out_of_the_record():
+  config = tiny()
+  assert config.bracket.points == 0
+  config_lib.check_values(config)
+  assert not any(k.startswith('bracket.') for k in config_lib.training_fields(config, 8))
+
+
+def test_a_workdir_of_another_kind_is_refused_untouched(tmp_path):
+  workdir = tmp_path / 'w'
+  workdir.mkdir()
+  (workdir / 'metrics.jsonl').write_text('{"kind": "train", "step": 0, "loss": [1.0]}\n')
+  config = tiny(**PLAIN, **{'bracket.points': 4, 'bracket.rungs': '0.5:1'})
+  with pytest.raises(ConfigError, match='not an LR bracket'):
+    bracket.run_bracket(config, str(workdir))
+  assert sorted(os.listdir(workdir)) == ['metrics.jsonl']
+
+
+def _train_losses(workdir):
+  from hdet_jax.trainer.metrics import read_metrics
+  return {r['step']: float(np.mean(r['loss'])) for r in read_metrics(os.path.join(workdir, 'metrics.jsonl'))['train']}
+
+
+def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path):
+  """4 points a factor 8 apart, 16 steps, rungs at 0.25 (keep 2) and 0.5 (keep 1), compared over 3 steps: the picks
+  are those the same LRs' straight 16-step runs give, and the kept run ends bit for bit as its straight run."""
+  from hdet_jax.trainer import train_and_evaluate
+  over = {**PLAIN, 'num_train_steps': 16, 'optim.max_lr': 0.01, 'log_every': 4, 'eval_every': 0}
+  config = tiny(**over, **{'bracket.points': 4, 'bracket.factor': 8.0, 'bracket.rungs': '0.25:2,0.5:1',
+                           'bracket.compare_steps': 3})
+  summary = bracket.run_bracket(config, str(tmp_path / 'b'))
+  state = summary['bracket']
+  lrs = [0.01 * 8.0 ** (k - 1.5) for k in range(4)]
+  np.testing.assert_allclose(state['lrs'], lrs, rtol=1e-12)
+  # The oracle: each LR trained straight to the end in a workdir of its own, ranked by numpy.
+  straight = {lr: tiny(**{**over, 'optim.max_lr': lr}) for lr in state['lrs']}
+  losses = {lr: _train_losses(train_and_evaluate(c, str(tmp_path / f's{k}'))['workdir'])
+            for k, (lr, c) in enumerate(straight.items())}
+  at4 = {lr: np.mean([losses[lr][s] for s in (1, 2, 3)]) for lr in lrs}
+  kept4 = sorted(sorted(lrs, key=lambda lr: at4[lr])[:2])
+  at8 = {lr: np.mean([losses[lr][s] for s in (5, 6, 7)]) for lr in kept4}
+  winner = min(kept4, key=lambda lr: at8[lr])
+  assert [r['step'] for r in state['rungs']] == [4, 8]
+  np.testing.assert_allclose([state['rungs'][0]['losses'][f'{lr:.6g}'] for lr in lrs], [at4[lr] for lr in lrs],
+                             rtol=1e-6)
+  np.testing.assert_allclose(state['rungs'][0]['kept'], kept4, rtol=1e-12)
+  np.testing.assert_allclose(state['rungs'][1]['kept'], [winner], rtol=1e-12)
+  assert state['winner']['lr'] == pytest.approx(winner, rel=1e-12)
+  assert summary['step'] == 16 and not summary['stopped_early']
+  want = train_and_evaluate(tiny(**{**over, 'optim.max_lr': winner}), str(tmp_path / 'again'))
+  assert summary['final_metric'] == want['final_metric']  # bit for bit: resumed at its rungs, the same run
+  assert state['compute_runs'] == pytest.approx((4 * 4 + 2 * 4 + 8) / 16)
+  # Each point stopped where the bracket left it: the losers at their rung, the winner at the end.
+  stopped = {lr: max(_train_losses(bracket._point_dir(str(tmp_path / 'b'), k, lr))) + 1 for k, lr in enumerate(lrs)}
+  assert sorted(stopped.values()) == [4, 4, 8, 16]
+  # Rerun: resumes the finished bracket, trains nothing, reports the same.
+  again = bracket.run_bracket(config, str(tmp_path / 'b'))
+  assert again['bracket']['rungs'] == json.loads(json.dumps(state['rungs']))
+  assert again['final_metric'] == summary['final_metric']
+  with pytest.raises(ConfigError, match='different config'):
+    bracket.run_bracket(tiny(**over, **{'bracket.points': 4, 'bracket.factor': 4.0, 'bracket.rungs': '0.25:2,0.5:1',
+                                        'bracket.compare_steps': 3}), str(tmp_path / 'b'))
