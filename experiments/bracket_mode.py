@@ -11,7 +11,7 @@ before. 2.3 runs of compute. Each bracket's final metric is compared, as 3-seed 
 
     python -m experiments.bracket_mode                  # train what is missing (cached, resumable), then report
     python -m experiments.bracket_mode --cells lm:750:adamw --report-only
-    python -m experiments.bracket_mode --quick          # a smoke run: the tiny LM, 4 points, one start and seed
+    python -m experiments.bracket_mode --quick          # a smoke run: the tiny LM, 3 points, one start and seed
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ CELLS = ('lm:750:adamw', 'finetune:300:adamw', 'mnist1d:1000:adamw', 'mnist1d:10
 STARTS = {'low': 0.1, 'best': 1.0, 'high': 10.0}  # the bracket's centre, as a multiple of the sweep's best LR
 SEEDS = (0, 1, 2)
 BRACKET = {'bracket.points': 8, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10}
-QUICK_BRACKET = {**BRACKET, 'bracket.points': 4, 'bracket.rungs': '0.25:2,0.5:1', 'bracket.compare_steps': 3}
+QUICK_BRACKET = {**BRACKET, 'bracket.points': 3, 'bracket.factor': 4.0, 'bracket.rungs': '0.5:1', 'bracket.compare_steps': 3}
 
 
 def parse_cell(text: str) -> tuple[str, int, str]:
@@ -160,7 +160,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--cells', default=','.join(CELLS), help='workload:steps:optim,... (default: every cell)')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
-  p.add_argument('--quick', action='store_true', help='a smoke run: the tiny LM, 4 points, one start and seed')
+  p.add_argument('--quick', action='store_true', help='a smoke run: the tiny LM, 3 points, one start and seed')
   p.add_argument('--workdir', default=None, help='where the brackets train (default: workdirs/bracket_mode)')
   args = p.parse_args(argv)
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'bracket_mode_quick' if args.quick else 'workloads')
@@ -183,7 +183,9 @@ def main(argv=None):
           recs[(start, seed)] = train_one(cell, start, seed, args.quick, work_root)
     results[cell] = cell_rows(cell, recs, args.quick)
   out = work_root if args.quick else os.path.join(REPO, 'results')
-  print('\n'.join(write_report(out, results, args.quick)))
+  _, md = write_report(out, results, args.quick)
+  with open(md, encoding='utf-8') as f:
+    print(f.read())
 
 
 if __name__ == '__main__':

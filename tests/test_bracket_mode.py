@@ -1,0 +1,57 @@
+"""experiments/bracket_mode.py: the LR bracket mode against the sweep and the default HDET."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from experiments import bracket_mode as exp
+
+
+def _rec(start, seed, kept_x, final, anchor=0.015):
+  return {'start': start, 'seed': seed, 'kept_lr': kept_x * anchor, 'anchor_lr': anchor, 'final_metric': final,
+          'wall_s': 100.0 + seed}
+
+
+def test_rows_compare_the_three_seed_mean_with_the_sweep_and_hdet():
+  with open(os.path.join(exp.REPO, 'results', 'workloads.json')) as f:
+    cell = json.load(f)['lm']['750']['adamw']
+  best = cell['grid_best']['value']
+  recs = {('low', s): _rec('low', s, 1.13, best * (1 + 0.01 * s)) for s in (0, 1, 2)}
+  recs.update({('high', s): _rec('high', s, 0.88, None if s == 2 else best) for s in (0, 1, 2)})  # one diverged
+  recs[('best', 0)] = _rec('best', 0, 0.5, best * 0.99)
+  rows = exp.cell_rows('lm:750:adamw', recs, quick=False)
+  assert rows['low']['gap'] == pytest.approx(0.01)  # mean of +0 / +1 / +2%
+  assert rows['low']['hdet_gap'] == pytest.approx(cell['hdet']['low']['value'] / best - 1)
+  assert rows['low']['kept_x'] == pytest.approx([1.13] * 3) and rows['low']['n'] == 3
+  assert rows['high']['gap'] == float('inf')  # a diverged bracket counts as lost
+  assert rows['best']['n'] == 1 and rows['best']['gap'] == pytest.approx(-0.01)
+
+
+def test_tally_counts_only_complete_cells_within_one_percent(tmp_path):
+  rows = {'a': {'low': {'n': 3, 'value': 1.0, 'finals': [1.0] * 3, 'kept_x': [1.0] * 3, 'wall_s': 1.0, 'gap': 0.009,
+                        'hdet_gap': 0.02},
+                'best': {'n': 3, 'value': 1.0, 'finals': [1.0] * 3, 'kept_x': [1.0] * 3, 'wall_s': 1.0, 'gap': 0.011,
+                         'hdet_gap': 0.005},
+                'high': {'n': 2, 'value': 1.0, 'finals': [1.0] * 2, 'kept_x': [1.0] * 2, 'wall_s': 1.0, 'gap': 0.0,
+                         'hdet_gap': 0.0}}}
+  exp.write_report(str(tmp_path), rows, quick=False)
+  lines = open(tmp_path / 'bracket_mode.md').read().splitlines()
+  assert lines[-1].endswith('the bracket in 1 of 2 cell-starts, the default HDET in 1 of the same 2.')
+  saved = json.load(open(tmp_path / 'bracket_mode.json'))
+  assert saved['_tally'] == {'within': 1, 'hdet_within': 1, 'total': 2}
+
+
+def test_quick_trains_a_bracket_and_reports_it(tmp_path):
+  exp.main(['--quick', '--workdir', str(tmp_path)])
+  path = exp.record_path('lm:16:adamw', 'best', 0, True, str(tmp_path))
+  rec = json.load(open(path))
+  np.testing.assert_allclose(rec['lrs'], [0.01 / 4, 0.01, 0.04], rtol=1e-12)
+  assert rec['kept_lr'] in rec['lrs'] and rec['rungs'][0]['step'] == 8 and rec['rungs'][0]['kept'] == [rec['kept_lr']]
+  losses = {float(k): v for k, v in rec['rungs'][0]['losses'].items()}
+  assert min(losses, key=losses.get) == pytest.approx(rec['kept_lr'], rel=1e-5)
+  assert rec['compute_runs'] == pytest.approx((3 * 8 + 8) / 16)
+  assert np.isfinite(rec['final_metric'])
+  assert not os.path.exists(os.path.join(str(tmp_path), 'bracket_mode', 'lm', 'steps16', 'adamw_best_s0'))
+  assert 'lm:16:adamw | best' in open(tmp_path / 'bracket_mode.md').read()
