@@ -158,7 +158,8 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--cells', default=','.join(CELLS), help='workload:steps:optim,... (default: every cell)')
+  p.add_argument('--cells', default=','.join(CELLS), help='workload:steps:optim,... to train (default: every cell; the report reads every cell)')
+  p.add_argument('--seeds', default=','.join(map(str, SEEDS)), help='seeds to train (the report reads them all)')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny LM, 3 points, one start and seed')
   p.add_argument('--workdir', default=None, help='where the brackets train (default: workdirs/bracket_mode)')
@@ -166,22 +167,26 @@ def main(argv=None):
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'bracket_mode_quick' if args.quick else 'workloads')
   cells = ['lm:16:adamw'] if args.quick else args.cells.split(',')
   starts, seeds = (['best'], [0]) if args.quick else (list(STARTS), list(SEEDS))
+  train_seeds = [int(x) for x in args.seeds.split(',')]
   if not args.report_only:
     from hdet_jax import trainer
     trainer.setup_jax(workloads.base_config('lm', 16, True))
-  results = {}
-  for cell in cells:
+  if not args.report_only:  # train the selection (cached)
+    for cell in cells:
+      for seed in (seeds if args.quick else train_seeds):
+        for start in starts:
+          train_one(cell, start, seed, args.quick, work_root)
+  results = {}  # the report reads every cell's records, whatever was selected
+  for cell in (cells if args.quick else CELLS):
     recs = {}
     for seed in seeds:
       for start in starts:
         path = record_path(cell, start, seed, args.quick, work_root)
-        if args.report_only:
-          if os.path.exists(path):
-            with open(path, encoding='utf-8') as f:
-              recs[(start, seed)] = json.load(f)
-        else:
-          recs[(start, seed)] = train_one(cell, start, seed, args.quick, work_root)
-    results[cell] = cell_rows(cell, recs, args.quick)
+        if os.path.exists(path):
+          with open(path, encoding='utf-8') as f:
+            recs[(start, seed)] = json.load(f)
+    if recs:
+      results[cell] = cell_rows(cell, recs, args.quick)
   out = work_root if args.quick else os.path.join(REPO, 'results')
   _, md = write_report(out, results, args.quick)
   with open(md, encoding='utf-8') as f:
