@@ -143,3 +143,27 @@ def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path):
   with pytest.raises(ConfigError, match='different config'):
     bracket.run_bracket(tiny(**over, **{'bracket.points': 4, 'bracket.factor': 4.0, 'bracket.rungs': '0.25:2,0.5:1',
                                         'bracket.compare_steps': 3}), str(tmp_path / 'b'))
+
+
+def test_a_bad_bracket_on_the_command_line_is_one_error_line_and_writes_nothing(tmp_path):
+  import subprocess
+  import sys
+  from trainer_testing import ROOT, chaos
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config', os.path.join(ROOT, 'configs',
+                         'bracket.py'), '--workdir', str(tmp_path / 'w'), '--config.bracket.rungs=0.3:4,0.1:1'],
+                        cwd=ROOT, env=chaos._env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2, proc.stderr
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: bracket.rungs=') and 'Traceback' not in proc.stderr
+  assert not os.path.exists(tmp_path / 'w')
+
+
+def test_format_bracket_lists_each_rung_and_the_kept_run():
+  state = {'lrs': [0.01, 0.02, 0.04], 'compute_runs': 1.6,
+           'rungs': [{'fraction': 0.3, 'step': 30, 'losses': {'0.01': 2.5, '0.02': 2.25, '0.04': math.inf},
+                      'kept': [0.02]}],
+           'winner': {'lr': 0.02, 'final_metric': 2.125, 'workdir': 'W/bracket/point1_lr0.02'}}
+  lines = bracket.format_bracket(state).splitlines()
+  assert lines[0] == 'LR bracket over 3 peak LRs (0.01, 0.02, 0.04); compute 1.60 runs.'
+  assert lines[1] == '  step 30 (0.3 of the run): training loss 0.01 2.5000, 0.02 2.2500, 0.04 inf; kept 0.02'
+  assert lines[2] == '  kept run: peak LR 0.02, final metric 2.1250 (W/bracket/point1_lr0.02)'

@@ -55,3 +55,12 @@ def test_quick_trains_a_bracket_and_reports_it(tmp_path):
   assert np.isfinite(rec['final_metric'])
   assert not os.path.exists(os.path.join(str(tmp_path), 'bracket_mode', 'lm', 'steps16', 'adamw_best_s0'))
   assert 'lm:16:adamw | best' in open(tmp_path / 'bracket_mode.md').read()
+
+
+def test_the_lm_cell_from_the_best_is_configs_bracket_py():
+  """The report's LM row at 1500 steps from the best is what ``python train.py --config configs/bracket.py`` trains."""
+  from hdet_jax.trainer import config_lib
+  mine = config_lib.load_config_file(os.path.join(exp.REPO, 'configs', 'bracket.py'))
+  theirs = exp.config_for('lm:1500:adamw', 'best', 0, False, '/unused')
+  assert config_lib.training_fields(theirs, 8) == config_lib.training_fields(mine, 8)
+  assert mine.optim.max_lr == exp.anchor_lr('lm:1500:adamw', False)
