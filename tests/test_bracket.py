@@ -104,14 +104,23 @@ def _train_losses(workdir):
   return {r['step']: float(np.mean(r['loss'])) for r in read_metrics(os.path.join(workdir, 'metrics.jsonl'))['train']}
 
 
-def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path):
+def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path, monkeypatch):
   """4 points a factor 8 apart, 16 steps, rungs at 0.25 (keep 2) and 0.5 (keep 1), compared over 3 steps: the picks
   are those the same LRs' straight 16-step runs give, and the kept run ends bit for bit as its straight run."""
   from hdet_jax.trainer import train_and_evaluate
   over = {**PLAIN, 'num_train_steps': 16, 'optim.max_lr': 0.01, 'log_every': 4, 'eval_every': 0}
   config = tiny(**over, **{'bracket.points': 4, 'bracket.factor': 8.0, 'bracket.rungs': '0.25:2,0.5:1',
                            'bracket.compare_steps': 3})
-  summary = bracket.run_bracket(config, str(tmp_path / 'b'))
+
+  def killed(run_config, workdir):  # a bracket killed inside its first run, before any rung was decided
+    os.makedirs(os.path.join(workdir, 'checkpoints'))
+    raise KeyboardInterrupt
+  with monkeypatch.context() as m:
+    m.setattr(bracket.trainer_lib, 'train_and_evaluate', killed)
+    with pytest.raises(KeyboardInterrupt):
+      bracket.run_bracket(config, str(tmp_path / 'b'))
+  assert json.load(open(tmp_path / 'b' / 'bracket.json'))['rungs'] == []  # recorded before any training
+  summary = bracket.run_bracket(config, str(tmp_path / 'b'))  # resumes it (the workdir is the bracket's own)
   state = summary['bracket']
   lrs = [0.01 * 8.0 ** (k - 1.5) for k in range(4)]
   np.testing.assert_allclose(state['lrs'], lrs, rtol=1e-12)

@@ -121,9 +121,11 @@ def run_bracket(config: Any, workdir: str) -> dict:
   rungs = config_lib.bracket_rungs(b.rungs)
   steps = config_lib.bracket_steps(rungs, total)
   fields = _fields(config)
-  state = _load_state(workdir, fields) or {
-      'fields': fields, 'lrs': point_lrs(config.optim.max_lr, b.points, b.factor),
-      'compute_runs': compute_runs(b.points, rungs, total), 'rungs': [], 'winner': None}
+  state = _load_state(workdir, fields)
+  if state is None:  # a new bracket: its record first, so that a bracket stopped before its first rung resumes
+    state = {'fields': fields, 'lrs': point_lrs(config.optim.max_lr, b.points, b.factor),
+             'compute_runs': compute_runs(b.points, rungs, total), 'rungs': [], 'winner': None}
+    _write_state(workdir, state)
   dirs = {lr: _point_dir(workdir, k, lr) for k, lr in enumerate(state['lrs'])}
   alive = list(state['lrs'])
   for decided in state['rungs']:
