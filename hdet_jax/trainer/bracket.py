@@ -65,9 +65,10 @@ def window_loss(metrics_path: str, step: int, compare_steps: int, diverged_at: i
   if diverged_at is not None and diverged_at < step:
     return math.inf
   logged = {r['step']: float(np.mean(r['loss'])) for r in metrics_lib.read_metrics(metrics_path).get('train', [])}
-  window = [logged.get(s, math.nan) for s in range(max(0, step - compare_steps), step)]
-  if any(s not in logged for s in range(max(0, step - compare_steps), step)):
+  steps = range(max(0, step - compare_steps), step)
+  if any(s not in logged for s in steps):
     raise RuntimeError(f'{metrics_path} lacks the training loss of steps before {step}: the run did not reach them.')
+  window = [logged[s] for s in steps]
   return float(np.mean(window)) if all(np.isfinite(window)) else math.inf
 
 
@@ -127,9 +128,7 @@ def run_bracket(config: Any, workdir: str) -> dict:
              'compute_runs': compute_runs(b.points, rungs, total), 'rungs': [], 'winner': None}
     _write_state(workdir, state)
   dirs = {lr: _point_dir(workdir, k, lr) for k, lr in enumerate(state['lrs'])}
-  alive = list(state['lrs'])
-  for decided in state['rungs']:
-    alive = decided['kept']
+  alive = state['rungs'][-1]['kept'] if state['rungs'] else list(state['lrs'])  # (a resumed bracket's last picks)
   for (fraction, kept), step in list(zip(rungs, steps))[len(state['rungs']):]:
     losses = {}
     for lr in alive:
@@ -154,10 +153,7 @@ def run_bracket(config: Any, workdir: str) -> dict:
 
 def _write_state(workdir: str, state: dict) -> None:
   os.makedirs(workdir, exist_ok=True)
-  tmp = os.path.join(workdir, STATE_FILE + '.tmp')
-  with open(tmp, 'w', encoding='utf-8') as f:
-    json.dump(metrics_lib.to_json_safe(state), f, indent=1)
-  os.replace(tmp, os.path.join(workdir, STATE_FILE))
+  trainer_lib._write_json_atomic(os.path.join(workdir, STATE_FILE), metrics_lib.to_json_safe(state), indent=1)
 
 
 def format_bracket(state: dict) -> str:
