@@ -17,6 +17,7 @@ before. 2.3 runs of compute. Each bracket's final metric is compared, as 3-seed 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -26,11 +27,16 @@ import time
 import numpy as np
 
 from experiments import autolr
+from experiments import heldout_corpus as heldout_corpus_lib
 from experiments import records
 from experiments import workloads
 
 REPO = autolr.REPO
 CELLS = ('lm:750:adamw', 'finetune:300:adamw', 'mnist1d:1000:adamw', 'mnist1d:1000:sgd', 'lm:1500:adamw')
+# A corpus neither the defaults nor the bracket's rungs were chosen on: the LM task on Python's standard library source
+# (experiments.heldout_corpus), whose sweep and default HDET are results/heldout/autolr.json's.
+HELDOUT = {'pystdlib': os.path.join('workdirs', 'pystdlib.txt')}
+HELDOUT_CELLS = ('pystdlib:1500:adamw', 'pystdlib:1500:sgd')
 STARTS = {'low': 0.1, 'best': 1.0, 'high': 10.0}  # the bracket's centre, as a multiple of the sweep's best LR
 SEEDS = (0, 1, 2)
 BRACKET = {'bracket.points': 8, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10}
@@ -49,8 +55,14 @@ def record_path(cell: str, start: str, seed: int, quick: bool, work_root: str) -
 
 
 def sweep_cell(cell: str) -> dict:
-  """The cell's one-cycle sweep and default HDET, as ``results/workloads.json`` has them."""
+  """The cell's one-cycle sweep and default HDET, as ``results/workloads.json`` has them (a held-out corpus's:
+  ``results/heldout/autolr.json``'s, in the same shape)."""
   workload, steps, optim = parse_cell(cell)
+  if workload in HELDOUT:
+    h = _heldout(optim)
+    default = h['variants'][h['default_variant']]
+    return {'grid_best': {'value': h['grid_best']['val_bpb'], 'lr': h['grid_best']['lr']},
+            'hdet': {start: {'value': row['val_bpb']} for start, row in default.items()}}
   with open(os.path.join(REPO, 'results', 'workloads.json'), encoding='utf-8') as f:
     return json.load(f)[workload][str(steps)][optim]
 
@@ -60,13 +72,37 @@ def anchor_lr(cell: str, quick: bool) -> float:
   if quick:
     return 0.01
   workload, steps, optim = parse_cell(cell)
+  if workload in HELDOUT:
+    return float(_heldout(optim)['anchor_lr'])
   with open(os.path.join(workloads.records_dir(workload, steps, False, ''), optim, 'anchor.json'), encoding='utf-8') as f:
     return float(json.load(f)['lr'])
+
+
+def _heldout(optim: str) -> dict:
+  with open(os.path.join(REPO, 'results', 'heldout', 'autolr.json'), encoding='utf-8') as f:
+    return json.load(f)[optim]
+
+
+def heldout_corpus(workload: str) -> str:
+  """The held-out corpus's path, checked to be the recorded sweep's file (another Python builds another one)."""
+  path = os.path.join(REPO, HELDOUT[workload])
+  if not os.path.exists(path):
+    raise SystemExit(f'error: {path} is missing: build it with python -m experiments.heldout_corpus --out {path}')
+  with open(path, 'rb') as f:
+    sha = hashlib.sha256(f.read()).hexdigest()
+  if sha != heldout_corpus_lib.RECORDED_SHA256:
+    raise SystemExit(f'error: {path} is not the corpus the sweep was run on (sha256 {sha}); build it with CPython '
+                     '3.11.7 (experiments/heldout_corpus.py).')
+  return path
 
 
 def config_for(cell: str, start: str, seed: int, quick: bool, work_root: str):
   from hdet_jax.trainer import config_lib
   workload, steps, optim = parse_cell(cell)
+  if workload in HELDOUT:
+    o = {**autolr.run_overrides('grid', optim, anchor_lr(cell, quick) * STARTS[start], seed, steps), **BRACKET,
+         'data.path': heldout_corpus(workload)}
+    return config_lib.with_overrides(workloads.base_config('lm', steps, quick), o)
   init_from = workloads.pretrained(os.path.join(REPO, 'workdirs', 'workloads'), quick) if workload == 'finetune' else None
   centre = anchor_lr(cell, quick) * STARTS[start]
   o = {**autolr.run_overrides('grid', optim, centre, seed, steps), **(QUICK_BRACKET if quick else BRACKET)}

@@ -1,0 +1,196 @@
+"""A model size the defaults were never chosen on: the LM at about 15x the parameters, one seed.
+
+Every default (the HDET controller's, the LR bracket's rungs) was chosen on the 120k-parameter LM, mnist1d's 5k CNN
+and the fine-tuning task (``results/workloads.md``). This checks both on a wider and deeper LM (d_model 192, 4
+layers, 1.8M parameters; the same data, batch and 1500 steps): the plain one-cycle sweep (8 peak LRs a factor 2
+apart), then from 10x below, at and 10x above the sweep's best the default HDET run (``configs/default.py``) and the
+LR bracket (``configs/bracket.py``'s fields: 8 plain runs a factor 2 apart, halved at 0.1 and 0.3 of the run).
+One seed: the LM's sweep repeats to about 0.3% across seeds at the small size (``results/workloads.md``); here
+that is not measured.
+
+Each run is one record (``results/model_size/runs/<name>.json``: cached; a rerun trains only what is missing).
+``--jobs N`` trains N runs at once, each in its own process (a GPU's host loop, not its compute, bounds these
+small models, so runs side by side fill it).
+
+    python -m experiments.model_size --jobs 3        # train what is missing, then report (results/model_size.md)
+    python -m experiments.model_size --report-only
+    python -m experiments.model_size --quick         # a smoke run: the tiny LM, 2 grid points, the best start
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from experiments import autolr
+from experiments import bracket_mode
+from experiments import records
+from experiments import workloads
+
+REPO = autolr.REPO
+MODEL = {'model.d_model': 192, 'model.num_layers': 4, 'model.num_heads': 4}  # ~15x the default's parameters
+STEPS, SEED, OPTIM = 1500, 0, 'adamw'
+STARTS = bracket_mode.STARTS
+
+
+def grid_lrs(quick: bool) -> tuple:
+  return (autolr.QUICK_GRIDS if quick else autolr.GRIDS)[OPTIM]
+
+
+def job_names(quick: bool) -> tuple[list[str], list[str]]:
+  """The sweep's runs, then those that start from its best (HDET and the bracket, from each start)."""
+  starts = ['best'] if quick else list(STARTS)
+  return ([f'grid_lr{records.lr_tag(lr, 4)}' for lr in grid_lrs(quick)],
+          [f'{kind}_{start}' for kind in ('hdet', 'bracket') for start in starts])
+
+
+def record_dir(quick: bool, work_root: str) -> str:
+  return os.path.join(work_root, 'records') if quick else os.path.join(REPO, 'results', 'model_size', 'runs')
+
+
+def load(name: str, quick: bool, work_root: str) -> dict | None:
+  path = os.path.join(record_dir(quick, work_root), name + '.json')
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
+
+
+def sweep_best(quick: bool, work_root: str) -> tuple[float, float] | None:
+  """The sweep's best peak LR and its final metric (None: a grid run is missing)."""
+  recs = [load(n, quick, work_root) for n in job_names(quick)[0]]
+  if any(r is None for r in recs):
+    return None
+  finals = [(r['final_metric'] if r['final_metric'] is not None else float('inf'), r['lr']) for r in recs]
+  value, lr = min(finals)
+  return lr, value
+
+
+def config_for(name: str, quick: bool, work_root: str):
+  """The run's config: the LM (quick: the tiny one) at the larger size, with the grid's or the start's peak LR."""
+  from hdet_jax.trainer import config_lib
+  base = workloads.base_config('lm', 16 if quick else STEPS, quick)
+  if not quick:
+    config_lib.with_overrides(base, MODEL)
+  kind, _, tag = name.partition('_')
+  if kind == 'grid':
+    lr = dict(zip(job_names(quick)[0], grid_lrs(quick)))[name]
+  else:
+    lr = sweep_best(quick, work_root)[0] * STARTS[tag]
+  if kind == 'hdet':  # configs/default.py's HDET as it stands: only the peak LR and the seed set here
+    o = {'seed': SEED, 'optim.max_lr': lr}
+  else:
+    o = autolr.run_overrides('grid', OPTIM, lr, SEED, base.num_train_steps)
+    if kind == 'bracket':
+      o.update(bracket_mode.QUICK_BRACKET if quick else bracket_mode.BRACKET)
+  if quick:
+    o = {k: v for k, v in o.items() if k != 'hdet.sync_every'}
+  return config_lib.with_overrides(base, o)
+
+
+def train_job(name: str, quick: bool, work_root: str) -> dict:
+  """One run (or one bracket), in this process; its record."""
+  import jax
+  from hdet_jax import trainer
+  from hdet_jax.trainer import bracket
+  path = os.path.join(record_dir(quick, work_root), name + '.json')
+  if os.path.exists(path):
+    return load(name, quick, work_root)
+  config = config_for(name, quick, work_root)
+  trainer.setup_jax(config)
+  workdir = os.path.join(work_root, 'runs', name)
+  t0 = time.time()
+  summary = (bracket.run_bracket if name.startswith('bracket') else trainer.train_and_evaluate)(config, workdir)
+  if summary['preempted']:
+    sys.exit(143)
+  rec = {'name': name, 'lr': config.optim.max_lr, 'final_metric': records.finite_or_none(summary['final_metric']),
+         'diverged_at': summary['diverged_at'], 'wall_s': time.time() - t0, 'num_params': summary['num_params'],
+         'device': f'{jax.devices()[0].device_kind} x{jax.device_count()}'}
+  if 'bracket' in summary:
+    rec['kept_lr'], rec['rungs'] = summary['bracket']['winner']['lr'], summary['bracket']['rungs']
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    json.dump(rec, f, indent=1)
+  os.replace(path + '.tmp', path)
+  shutil.rmtree(workdir, ignore_errors=True)
+  return rec
+
+
+def run_jobs(names: list[str], quick: bool, work_root: str, jobs: int) -> None:
+  """Trains the missing ``names``, ``jobs`` at a time, each in a process of its own."""
+  todo = [n for n in names if load(n, quick, work_root) is None]
+  cmd = [sys.executable, '-m', 'experiments.model_size', '--workdir', work_root] + (['--quick'] if quick else [])
+
+  def one(name):
+    t0 = time.time()
+    done = subprocess.run(cmd + ['--job', name], cwd=REPO, capture_output=True, text=True)
+    if done.returncode:
+      raise RuntimeError(f'{name} failed ({done.returncode}):\n{done.stderr[-3000:]}')
+    print(f'  {name}: {load(name, quick, work_root)["final_metric"]} ({time.time() - t0:.0f} s)', flush=True)
+
+  with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+    list(pool.map(one, todo))
+
+
+def report(quick: bool, work_root: str) -> list[str]:
+  best = sweep_best(quick, work_root)
+  if best is None:
+    raise SystemExit('error: the sweep is incomplete; train it first (without --report-only).')
+  best_lr, best_value = best
+  grid, after = job_names(quick)
+  recs = {n: load(n, quick, work_root) for n in grid + after}
+  anyrec = next(r for r in recs.values() if r)
+  size = 'the quick tiny LM' if quick else 'd_model 192, 4 layers'
+  lines = ['# A model size the defaults were never chosen on: the LM at 15x the parameters', '',
+           f'Made by `python -m experiments.model_size` (records in `results/model_size/runs/`): the LM task at {size} '
+           f'({anyrec["num_params"]:,} parameters; the default 120,576), {STEPS} steps, AdamW, seed {SEED}, '
+           f'on {anyrec["device"]}. One seed: gaps under about 0.5% are not resolved.', '',
+           '| run | peak LR (start) | final val bits/byte | vs the sweep\'s best | kept LR (x best) | wall |',
+           '|---|---|---|---|---|---|']
+  for n in grid + after:
+    r = recs[n]
+    if r is None:
+      lines.append(f'| {n} | | not trained | | | |')
+      continue
+    v = r['final_metric']
+    gap = 'diverged' if v is None else f'{100 * (v / best_value - 1):+.1f}%'
+    kept = f'{r["kept_lr"] / best_lr:.3g}' if 'kept_lr' in r else ''
+    lines.append(f'| {n} | {r["lr"]:.4g} | {"-" if v is None else f"{v:.4f}"} | {gap} | {kept} | {r["wall_s"]:.0f} s |')
+  lines += ['', f'The sweep\'s best: {best_value:.4f} at {best_lr:g}. HDET: one run of compute; the bracket 2.3 runs; '
+            'the sweep 8. Walls were taken with runs side by side (`--jobs`), so they are rough.']
+  results = {'best_lr': best_lr, 'best': best_value, 'runs': recs}
+  out = work_root if quick else os.path.join(REPO, 'results')
+  records.write_report(out, 'model_size', results, lines)
+  return lines
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--jobs', type=int, default=1, help='runs trained at once, each in its own process')
+  p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
+  p.add_argument('--quick', action='store_true', help='a smoke run: the tiny LM, 2 grid points, the best start')
+  p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/model_size)')
+  p.add_argument('--job', default=None, help=argparse.SUPPRESS)  # one run, in this process (run_jobs' workers)
+  args = p.parse_args(argv)
+  if args.jobs < 1:
+    p.error(f'--jobs must be >= 1, got {args.jobs}')
+  work_root = os.path.abspath(args.workdir or os.path.join(REPO, 'workdirs', 'model_size_quick' if args.quick
+                                                           else 'model_size'))
+  if args.job:
+    train_job(args.job, args.quick, work_root)
+    return
+  if not args.report_only:
+    grid, after = job_names(args.quick)
+    run_jobs(grid, args.quick, work_root, args.jobs)
+    run_jobs(after, args.quick, work_root, args.jobs)
+  print('\n'.join(report(args.quick, work_root)))
+
+
+if __name__ == '__main__':
+  main()
