@@ -30,7 +30,7 @@ def test_rows_compare_the_three_seed_mean_with_the_sweep_and_hdet():
 
 
 def test_tally_counts_only_complete_cells_within_one_percent(tmp_path):
-  rows = {'a': {'low': {'n': 3, 'value': 1.0, 'finals': [1.0] * 3, 'kept_x': [1.0] * 3, 'wall_s': 1.0, 'gap': 0.009,
+  rows = {'lm:750:adamw': {'low': {'n': 3, 'value': 1.0, 'finals': [1.0] * 3, 'kept_x': [1.0] * 3, 'wall_s': 1.0, 'gap': 0.009,
                         'hdet_gap': 0.02},
                 'best': {'n': 3, 'value': 1.0, 'finals': [1.0] * 3, 'kept_x': [1.0] * 3, 'wall_s': 1.0, 'gap': 0.011,
                          'hdet_gap': 0.005},
@@ -65,3 +65,38 @@ def test_the_lm_cell_from_the_best_is_configs_bracket_py():
   theirs = exp.config_for('lm:1500:adamw', 'best', 0, False, '/unused')
   assert config_lib.training_fields(theirs, 8) == config_lib.training_fields(mine, 8)
   assert mine.optim.max_lr == exp.anchor_lr('lm:1500:adamw', False)
+
+
+def test_heldout_cells_read_the_heldout_sweep_and_default_hdet():
+  with open(os.path.join(exp.REPO, 'results', 'heldout', 'autolr.json')) as f:
+    h = json.load(f)['sgd']
+  cell = exp.sweep_cell('pystdlib:1500:sgd')
+  assert cell['grid_best'] == {'value': h['grid_best']['val_bpb'], 'lr': 1.0}
+  default = h['variants']['fit_K15_cap100_rollback_se2_f5_settle']
+  assert {s: r['value'] for s, r in cell['hdet'].items()} == {s: default[s]['val_bpb'] for s in ('low', 'best', 'high')}
+  assert exp.anchor_lr('pystdlib:1500:sgd', quick=False) == 0.5  # the first seed's best, as HDET's starts
+  recs = {('low', s): _rec('low', s, 1.0, h['grid_best']['val_bpb'] * 1.02, anchor=0.5) for s in (0, 1, 2)}
+  row = exp.cell_rows('pystdlib:1500:sgd', recs, quick=False)['low']
+  assert row['gap'] == pytest.approx(0.02) and row['kept_x'] == pytest.approx([0.5] * 3)  # x the 3-seed best, 1.0
+
+
+def test_heldout_corpus_refuses_another_file(tmp_path, monkeypatch):
+  fake = tmp_path / 'pystdlib.txt'
+  monkeypatch.setitem(exp.HELDOUT, 'pystdlib', str(fake))
+  with pytest.raises(SystemExit, match='is missing'):
+    exp.heldout_corpus('pystdlib')
+  fake.write_text('print(1)\n')
+  with pytest.raises(SystemExit, match='not the corpus the sweep was run on'):
+    exp.heldout_corpus('pystdlib')
+
+
+def test_heldout_cells_are_tallied_apart(tmp_path):
+  row = lambda gap: {'n': 3, 'value': 1.0, 'finals': [1.0] * 3, 'kept_x': [1.0] * 3, 'wall_s': 1.0, 'gap': gap,
+                     'hdet_gap': 0.03}
+  exp.write_report(str(tmp_path), {'lm:750:adamw': {'low': row(0.005)},
+                                   'pystdlib:1500:adamw': {'low': row(0.002), 'best': row(0.02)}}, quick=False)
+  saved = json.load(open(tmp_path / 'bracket_mode.json'))
+  assert saved['_tally'] == {'within': 1, 'hdet_within': 0, 'total': 1,
+                             'heldout': {'within': 1, 'hdet_within': 0, 'total': 2}}
+  md = open(tmp_path / 'bracket_mode.md').read()
+  assert md.index('| lm:750:adamw |') < md.index('## On a corpus') < md.index('| pystdlib:1500:adamw |')
