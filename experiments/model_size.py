@@ -15,6 +15,7 @@ Each run is one record (``results/model_size/runs/<name>.json``: cached; a rerun
 small models, so runs side by side fill it).
 
     python -m experiments.model_size --jobs 3        # train what is missing, then report (results/model_size.md)
+    python -m experiments.model_size --jobs 3 --seeds ''   # seed 0 alone
     python -m experiments.model_size --report-only
     python -m experiments.model_size --quick         # a smoke run: the tiny LM, 2 grid points, the best start
 """
@@ -58,6 +59,23 @@ def job_names(quick: bool) -> tuple[list[str], list[str]]:
           [f'{kind}_{start}' for kind in ('hdet', 'bracket') for start in starts])
 
 
+def seed_names(seed: int, quick: bool, work_root: str) -> list[str]:
+  """Another seed's runs: the sweep's best grid point and its two neighbours (seed 0's best), the default HDET and
+  the bracket from that best (None before seed 0's sweep is complete)."""
+  best = sweep_best(quick, work_root)
+  if best is None:
+    return []
+  grid = [lr for lr in grid_lrs(quick) if best[0] / 2.01 < lr < best[0] * 2.01]
+  return [f'grid_lr{records.lr_tag(lr, 4)}_s{seed}' for lr in grid] + [f'hdet_best_s{seed}', f'bracket_best_s{seed}']
+
+
+def split_name(name: str) -> tuple[str, str, int]:
+  """'grid_lr0.03' -> ('grid', 'lr0.03', 0); 'bracket_best_s1' -> ('bracket', 'best', 1)."""
+  kind, _, rest = name.partition('_')
+  tag, _, seed = rest.partition('_s')
+  return kind, tag, int(seed or SEED)
+
+
 def record_dir(quick: bool, work_root: str) -> str:
   return os.path.join(work_root, 'records') if quick else os.path.join(REPO, 'results', 'model_size', 'runs')
 
@@ -69,9 +87,10 @@ def load(name: str, quick: bool, work_root: str) -> dict | None:
     return None
   with open(path, encoding='utf-8') as f:
     rec = json.load(f)
-  if not name.startswith('grid'):
+  kind, tag, _ = split_name(name)
+  if kind != 'grid':
     best = sweep_best(quick, work_root)
-    if best is None or not math.isclose(rec['lr'], best[0] * STARTS[name.partition('_')[2]], rel_tol=1e-9):
+    if best is None or not math.isclose(rec['lr'], best[0] * STARTS[tag], rel_tol=1e-9):
       return None
   return rec
 
@@ -92,15 +111,15 @@ def config_for(name: str, quick: bool, work_root: str):
   base = workloads.base_config('lm', 16 if quick else STEPS, quick)
   if not quick:
     config_lib.with_overrides(base, {**MODEL, 'data.path': bracket_mode.heldout_corpus('pystdlib')})
-  kind, _, tag = name.partition('_')
+  kind, tag, seed = split_name(name)
   if kind == 'grid':
-    lr = dict(zip(job_names(quick)[0], grid_lrs(quick)))[name]
+    lr = {records.lr_tag(lr, 4): lr for lr in grid_lrs(quick)}[tag[2:]]
   else:
     lr = sweep_best(quick, work_root)[0] * STARTS[tag]
   if kind == 'hdet':  # configs/default.py's HDET as it stands: only the peak LR and the seed set here
-    o = {'seed': SEED, 'optim.max_lr': lr}
+    o = {'seed': seed, 'optim.max_lr': lr}
   else:
-    o = autolr.run_overrides('grid', OPTIM, lr, SEED, base.num_train_steps)
+    o = autolr.run_overrides('grid', OPTIM, lr, seed, base.num_train_steps)
     if kind == 'bracket':
       o.update(bracket_mode.QUICK_BRACKET if quick else bracket_mode.BRACKET)
   if quick:
@@ -155,7 +174,7 @@ def run_jobs(names: list[str], quick: bool, work_root: str, jobs: int) -> None:
     list(pool.map(one, todo))
 
 
-def report(quick: bool, work_root: str) -> list[str]:
+def report(quick: bool, work_root: str, seeds=()) -> list[str]:
   best = sweep_best(quick, work_root)
   if best is None:
     raise SystemExit('error: the sweep is incomplete; train it first (without --report-only).')
@@ -182,6 +201,27 @@ def report(quick: bool, work_root: str) -> list[str]:
     lines.append(f'| {n} | {r["lr"]:.4g} | {"-" if v is None else f"{v:.4f}"} | {gap} | {kept} | {r["wall_s"]:.0f} s |')
   lines += ['', f'The sweep\'s best: {best_value:.4f} at {best_lr:g}. HDET: one run of compute; the bracket 2.3 runs; '
             'the sweep 8. Walls were taken with runs side by side (`--jobs`), so they are rough.']
+  for seed in seeds:
+    names = seed_names(seed, quick, work_root)
+    got = {n: load(n, quick, work_root) for n in names}
+    recs.update(got)
+    grid_got = [r['final_metric'] for n, r in got.items() if r and n.startswith('grid') and r['final_metric'] is not None]
+    if not grid_got:
+      continue
+    seed_best = min(grid_got)
+    lines += ['', f'## Seed {seed}', '', f'The sweep\'s best grid point and its neighbours on seed {seed}, then the default '
+              f'HDET and the bracket from the best (seed {SEED}\'s); each against the best of those grid points on '
+              f'seed {seed} ({seed_best:.4f}).', '',
+              '| run | peak LR (start) | final val bits/byte | vs that seed\'s best | kept LR (x best) | wall |',
+              '|---|---|---|---|---|---|']
+    for n, r in got.items():
+      if r is None:
+        lines.append(f'| {n} | | not trained | | | |')
+        continue
+      v = r['final_metric']
+      gap = 'diverged' if v is None else f'{100 * (v / seed_best - 1):+.1f}%'
+      kept = f'{r["kept_lr"] / best_lr:.3g}' if 'kept_lr' in r else ''
+      lines.append(f'| {n} | {r["lr"]:.4g} | {"-" if v is None else f"{v:.4f}"} | {gap} | {kept} | {r["wall_s"]:.0f} s |')
   results = {'best_lr': best_lr, 'best': best_value, 'runs': recs}
   out = work_root if quick else os.path.join(REPO, 'results')
   records.write_report(out, 'model_size', results, lines)
@@ -194,6 +234,8 @@ def main(argv=None):
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny LM, 2 grid points, the best start')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/model_size)')
+  p.add_argument('--seeds', default=None, help='seeds besides 0 that rerun the best, its neighbours, HDET and the '
+                 'bracket from the best (default: 1; with --quick none; empty: none)')
   p.add_argument('--job', default=None, help=argparse.SUPPRESS)  # one run, in this process (run_jobs' workers)
   args = p.parse_args(argv)
   if args.jobs < 1:
@@ -203,11 +245,13 @@ def main(argv=None):
   if args.job:
     train_job(args.job, args.quick, work_root)
     return
+  seeds = [int(x) for x in (args.seeds if args.seeds is not None else '' if args.quick else '1').split(',') if x]
   if not args.report_only:
     grid, after = job_names(args.quick)
     run_jobs(grid, args.quick, work_root, args.jobs)
-    run_jobs(after, args.quick, work_root, args.jobs)
-  print('\n'.join(report(args.quick, work_root)))
+    run_jobs(after + [n for seed in seeds for n in seed_names(seed, args.quick, work_root)], args.quick, work_root,
+             args.jobs)
+  print('\n'.join(report(args.quick, work_root, seeds)))
 
 
 if __name__ == '__main__':
