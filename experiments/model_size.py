@@ -186,8 +186,8 @@ def report(quick: bool, work_root: str, seeds=()) -> list[str]:
   lines = ['# A model size and a corpus the defaults were never chosen on: the LM at 15x the parameters', '',
            f'Made by `python -m experiments.model_size` (records in `results/model_size/runs/`): the LM task at {size} '
            f'({anyrec["num_params"]:,} parameters; the default 120,576) on the held-out corpus of Python source, {STEPS} '
-           f'steps, AdamW, seed {SEED}, '
-           f'on {anyrec["device"]}. One seed: gaps under about 0.5% are not resolved.', '',
+           f'steps, AdamW, seed {SEED} (other seeds near the best below), 8 replicas on {anyrec["device"]}. One seed: '
+           'gaps under about 0.5% are not resolved.', '',
            '| run | peak LR (start) | final val bits/byte | vs the sweep\'s best | kept LR (x best) | wall |',
            '|---|---|---|---|---|---|']
   for n in grid + after:

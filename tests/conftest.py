@@ -32,7 +32,7 @@ chex.set_n_cpu_devices(8)
 _SLOWEST_FIRST = ('test_reliability.py', 'test_trainer.py', 'test_workloads.py', 'test_sync.py', 'test_autolr.py',
                   'test_explore_trainer.py', 'test_transform.py', 'test_explore.py', 'test_trainer_mesh2d.py',
                   'test_mesh2d.py', 'test_packaging.py', 'test_tasks.py', 'test_examples.py', 'test_docs.py',
-                  'test_bracket.py', 'test_bracket_mode.py')
+                  'test_bracket.py', 'test_bracket_mode.py', 'test_model_size.py')
 
 
 def pytest_collection_modifyitems(config, items):
