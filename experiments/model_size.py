@@ -61,7 +61,7 @@ def job_names(quick: bool) -> tuple[list[str], list[str]]:
 
 def seed_names(seed: int, quick: bool, work_root: str) -> list[str]:
   """Another seed's runs: the sweep's best grid point and its two neighbours (seed 0's best), the default HDET and
-  the bracket from that best (None before seed 0's sweep is complete)."""
+  the bracket from that best (none before seed 0's sweep is complete)."""
   best = sweep_best(quick, work_root)
   if best is None:
     return []
@@ -174,7 +174,18 @@ def run_jobs(names: list[str], quick: bool, work_root: str, jobs: int) -> None:
     list(pool.map(one, todo))
 
 
+def _row(name: str, rec: dict | None, reference: float, best_lr: float) -> str:
+  """A run's line: its final against ``reference``, a bracket's kept LR as a multiple of ``best_lr``."""
+  if rec is None:
+    return f'| {name} | | not trained | | | |'
+  v = rec['final_metric']
+  gap = 'diverged' if v is None else f'{100 * (v / reference - 1):+.1f}%'
+  kept = f'{rec["kept_lr"] / best_lr:.3g}' if 'kept_lr' in rec else ''
+  return f'| {name} | {rec["lr"]:.4g} | {"-" if v is None else f"{v:.4f}"} | {gap} | {kept} | {rec["wall_s"]:.0f} s |'
+
+
 def report(quick: bool, work_root: str, seeds=()) -> list[str]:
+  """Writes ``model_size.{md,json}`` (the full run's under results/, a quick one's in ``work_root``); its lines."""
   best = sweep_best(quick, work_root)
   if best is None:
     raise SystemExit('error: the sweep is incomplete; train it first (without --report-only).')
@@ -190,15 +201,7 @@ def report(quick: bool, work_root: str, seeds=()) -> list[str]:
            'gaps under about 0.5% are not resolved.', '',
            '| run | peak LR (start) | final val bits/byte | vs the sweep\'s best | kept LR (x best) | wall |',
            '|---|---|---|---|---|---|']
-  for n in grid + after:
-    r = recs[n]
-    if r is None:
-      lines.append(f'| {n} | | not trained | | | |')
-      continue
-    v = r['final_metric']
-    gap = 'diverged' if v is None else f'{100 * (v / best_value - 1):+.1f}%'
-    kept = f'{r["kept_lr"] / best_lr:.3g}' if 'kept_lr' in r else ''
-    lines.append(f'| {n} | {r["lr"]:.4g} | {"-" if v is None else f"{v:.4f}"} | {gap} | {kept} | {r["wall_s"]:.0f} s |')
+  lines += [_row(n, recs[n], best_value, best_lr) for n in grid + after]
   lines += ['', f'The sweep\'s best: {best_value:.4f} at {best_lr:g}. HDET: one run of compute; the bracket 2.3 runs; '
             'the sweep 8. Walls were taken with runs side by side (`--jobs`), so they are rough.']
   for seed in seeds:
@@ -214,14 +217,7 @@ def report(quick: bool, work_root: str, seeds=()) -> list[str]:
               f'seed {seed} ({seed_best:.4f}).', '',
               '| run | peak LR (start) | final val bits/byte | vs that seed\'s best | kept LR (x best) | wall |',
               '|---|---|---|---|---|---|']
-    for n, r in got.items():
-      if r is None:
-        lines.append(f'| {n} | | not trained | | | |')
-        continue
-      v = r['final_metric']
-      gap = 'diverged' if v is None else f'{100 * (v / seed_best - 1):+.1f}%'
-      kept = f'{r["kept_lr"] / best_lr:.3g}' if 'kept_lr' in r else ''
-      lines.append(f'| {n} | {r["lr"]:.4g} | {"-" if v is None else f"{v:.4f}"} | {gap} | {kept} | {r["wall_s"]:.0f} s |')
+    lines += [_row(n, r, seed_best, best_lr) for n, r in got.items()]
   results = {'best_lr': best_lr, 'best': best_value, 'runs': recs}
   out = work_root if quick else os.path.join(REPO, 'results')
   records.write_report(out, 'model_size', results, lines)
