@@ -33,7 +33,8 @@ from experiments import records
 from experiments import workloads
 
 REPO = autolr.REPO
-CELLS = ('lm:750:adamw', 'finetune:300:adamw', 'mnist1d:1000:adamw', 'mnist1d:1000:sgd', 'lm:1500:adamw')
+CELLS = ('lm:750:adamw', 'finetune:300:adamw', 'mnist1d:1000:adamw', 'mnist1d:1000:sgd', 'lm:1500:adamw',
+         'finetune:150:adamw', 'finetune:600:adamw')  # (the last two: the eighteenth pass)
 # A corpus neither the defaults nor the bracket's rungs were chosen on: the LM task on Python's standard library source
 # (experiments.heldout_corpus), whose sweep and default HDET are results/heldout/autolr.json's.
 HELDOUT = {'pystdlib': os.path.join('workdirs', 'pystdlib.txt')}
