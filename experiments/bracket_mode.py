@@ -101,13 +101,11 @@ def heldout_corpus(workload: str) -> str:
 def config_for(cell: str, start: str, seed: int, quick: bool, work_root: str):
   from hdet_jax.trainer import config_lib
   workload, steps, optim = parse_cell(cell)
-  if workload in HELDOUT:
-    o = {**autolr.run_overrides('grid', optim, anchor_lr(cell, quick) * STARTS[start], seed, steps), **BRACKET,
-         'data.path': heldout_corpus(workload)}
-    return config_lib.with_overrides(workloads.base_config('lm', steps, quick), o)
-  init_from = workloads.pretrained(os.path.join(REPO, 'workdirs', 'workloads'), quick) if workload == 'finetune' else None
   centre = anchor_lr(cell, quick) * STARTS[start]
   o = {**autolr.run_overrides('grid', optim, centre, seed, steps), **(QUICK_BRACKET if quick else BRACKET)}
+  if workload in HELDOUT:  # the LM task on the held-out corpus
+    return config_lib.with_overrides(workloads.base_config('lm', steps, quick), {**o, 'data.path': heldout_corpus(workload)})
+  init_from = workloads.pretrained(os.path.join(REPO, 'workdirs', 'workloads'), quick) if workload == 'finetune' else None
   if workload == 'finetune':
     o['warm_init.nu'] = 0.0  # (the sweep's plain fine-tuning)
   if quick:
@@ -171,6 +169,10 @@ def _pct(x) -> str:
   return 'n/a' if x is None else f'{100 * x:+.1f}%'
 
 
+_TABLE_HEADER = ('| cell | sweep best | start | bracket (3-seed mean) | gap | default HDET gap | kept LR (x best), per seed | '
+                 'wall per bracket |', '|---|---|---|---|---|---|---|---|')
+
+
 def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
   lines = ['# The LR bracket as a mode: 8 plain runs, halved at 0.1 and 0.3 of the run (2.3 runs)', '',
            'Made by `python -m experiments.bracket_mode` (records in `results/bracket_mode/runs/`). Each row: the '
@@ -178,9 +180,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
            '3 seeds; the gap is its 3-seed mean final metric against the sweep\'s best 3-seed mean '
            '(`results/workloads.json`); the default HDET\'s gap from the same start beside it. Kept: the peak LR '
            'the bracket kept, per seed, as a multiple of the sweep\'s best.', '',
-           '| cell | sweep best | start | bracket (3-seed mean) | gap | default HDET gap | kept LR (x best), per seed | '
-           'wall per bracket |',
-           '|---|---|---|---|---|---|---|---|']
+           *_TABLE_HEADER]
   main = {c: r for c, r in results.items() if parse_cell(c)[0] not in HELDOUT}
   heldout = {c: r for c, r in results.items() if parse_cell(c)[0] in HELDOUT}
   table, (within, hdet_within, total) = _rows(main)
@@ -200,8 +200,7 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
               'which is half its 3-seed best there (AdamW 0.015 against 0.03, SGD 0.5 against 1), as the default HDET\'s '
               'starts are (`results/heldout/autolr.json`, whose sweep and default HDET rows these are; that sweep\'s '
               '3-seed sd is 0.4-1.8% near its best).', '',
-              '| cell | sweep best | start | bracket (3-seed mean) | gap | default HDET gap | kept LR (x best), per '
-              'seed | wall per bracket |', '|---|---|---|---|---|---|---|---|'] + table
+              *_TABLE_HEADER] + table
     lines += ['', f'Within 1% there: the bracket in {h_within} of {h_total} cell-starts, the default HDET in {h_hdet} '
               f'of the same {h_total}.']
     tally['heldout'] = {'within': h_within, 'hdet_within': h_hdet, 'total': h_total}
