@@ -154,6 +154,31 @@ def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path, monkeypa
                                         'bracket.compare_steps': 3}), str(tmp_path / 'b'))
 
 
+@pytest.mark.skipif(not os.environ.get('HDET_MULTIPROCESS_TESTS'),
+                    reason='a bracket in one process, then in two x 4 CPU devices: about a minute; set HDET_MULTIPROCESS_TESTS=1')
+def test_two_processes_run_the_bracket_one_process_runs(tmp_path):
+  """train.py as 2 processes x 4 CPU devices (jax.distributed on localhost): 3 points a factor 8 apart, one rung at
+  half of 16 steps. Both processes rank the same losses and keep the same run as the bracket in one process of 8
+  devices; the losses differ only by the cross-process all-reduce's order: a float32 ulp at the rung (measured
+  2e-7 relative), grown by the kept run's high LR to 2e-4 in its final metric by step 16."""
+  from process_testing import run_two_processes
+  from trainer_testing import ROOT
+  over = {**PLAIN, 'num_train_steps': 16, 'optim.max_lr': 0.01, 'log_every': 4, 'eval_every': 0,
+          'bracket.points': 3, 'bracket.factor': 8.0, 'bracket.rungs': '0.5:1', 'bracket.compare_steps': 3}
+  one = bracket.run_bracket(tiny(**over), str(tmp_path / 'one'))['bracket']
+  two_dir = str(tmp_path / 'two')
+  outs = run_two_processes(os.path.join(ROOT, 'configs', 'tiny.py'), two_dir,
+                           [f'--config.{k}={v}' for k, v in over.items()])
+  assert 'LR bracket over 3 peak LRs' in outs[0] and 'LR bracket over' not in outs[1]  # (process 0 reports)
+  two = json.load(open(os.path.join(two_dir, 'bracket.json')))
+  assert two['lrs'] == one['lrs'] and [r['kept'] for r in two['rungs']] == [r['kept'] for r in one['rungs']]
+  a, b = one['rungs'][0]['losses'], two['rungs'][0]['losses']
+  assert sorted(a) == sorted(b) and len(set(a.values())) == 3  # (three distinct losses to rank)
+  np.testing.assert_allclose([b[k] for k in sorted(a)], [a[k] for k in sorted(a)], rtol=2e-6)
+  np.testing.assert_allclose(two['winner']['final_metric'], one['winner']['final_metric'], rtol=1e-3)
+  assert two['winner']['lr'] == one['winner']['lr'] and two['winner']['workdir'].startswith(two_dir)
+
+
 def test_a_bad_bracket_on_the_command_line_is_one_error_line_and_writes_nothing(tmp_path):
   import subprocess
   import sys

@@ -21,7 +21,12 @@ thirteenth to sixteenth passes; results/bracket_mode.md for this mode's own runs
 
 Each run lives in ``W/bracket/point<k>_lr<lr>/`` (a workdir of its own, resumable); ``W/bracket.json`` records the
 LRs, every rung's losses and decisions, the winner and the compute, and is rewritten after each rung. Rerunning
-the same command resumes; a rung already decided is not trained again. One process only.
+the same command resumes; a rung already decided is not trained again.
+
+With several processes (``jax.distributed``) every process runs this same loop: each run is a multi-process run,
+process 0 writes the metrics and ``bracket.json``, and after each run every process reads that run's metrics file
+(a barrier first), so all rank the same float64 losses and keep the same runs. The workdir must be one directory
+that every process sees, as a multi-process run's checkpoints already need.
 """
 
 from __future__ import annotations
@@ -114,15 +119,13 @@ def run_bracket(config: Any, workdir: str) -> dict:
   config_lib.check_values(config)
   if config.bracket.points == 0:
     raise ConfigError('run_bracket needs bracket.points > 0 (e.g. --config.bracket.points=8); 0 trains one run.')
-  if jax.process_count() > 1:
-    raise ConfigError(f'an LR bracket runs in one process (it ranks its runs from their metrics files); got '
-                      f'{jax.process_count()} processes: run it with one, or train the points as single runs.')
   workdir = os.path.abspath(os.path.expanduser(workdir))
   b, total = config.bracket, config.num_train_steps
   rungs = config_lib.bracket_rungs(b.rungs)
   steps = config_lib.bracket_steps(rungs, total)
   fields = _fields(config)
   state = _load_state(workdir, fields)
+  _barrier('hdet_bracket_loaded')  # every process has read the workdir before process 0 writes to it
   if state is None:  # a new bracket: its record first, so that a bracket stopped before its first rung resumes
     state = {'fields': fields, 'lrs': point_lrs(config.optim.max_lr, b.points, b.factor),
              'compute_runs': compute_runs(b.points, rungs, total), 'rungs': [], 'winner': None}
@@ -135,6 +138,7 @@ def run_bracket(config: Any, workdir: str) -> dict:
       summary = trainer_lib.train_and_evaluate(_run_config(config, lr, step), dirs[lr])
       if summary['preempted']:
         return {**summary, 'bracket': state}
+      _barrier(f'hdet_bracket_{step}_{lr:.6g}')  # process 0 has written the run's metrics
       losses[lr] = window_loss(summary['metrics'], step, b.compare_steps, summary['diverged_at'])
     if not any(np.isfinite(list(losses.values()))):
       raise RuntimeError(f'every run of the LR bracket diverged by step {step} (LRs {alive}); lower optim.max_lr.')
@@ -152,8 +156,19 @@ def run_bracket(config: Any, workdir: str) -> dict:
 
 
 def _write_state(workdir: str, state: dict) -> None:
-  os.makedirs(workdir, exist_ok=True)
-  trainer_lib._write_json_atomic(os.path.join(workdir, STATE_FILE), metrics_lib.to_json_safe(state), indent=1)
+  """Process 0 writes the record (every process holds the same); the others go on at once."""
+  import jax
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    trainer_lib._write_json_atomic(os.path.join(workdir, STATE_FILE), metrics_lib.to_json_safe(state), indent=1)
+
+
+def _barrier(name: str) -> None:
+  """Every process waits here for the others (a no-op with one process)."""
+  import jax
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
 
 
 def format_bracket(state: dict) -> str:
