@@ -133,10 +133,7 @@ def train_one(cell: str, start: str, seed: int, quick: bool, work_root: str) -> 
          'lrs': state['lrs'], 'rungs': state['rungs'], 'compute_runs': state['compute_runs'],
          'kept_lr': state['winner']['lr'], 'final_metric': records.finite_or_none(summary['final_metric']),
          'diverged_at': summary['diverged_at'], 'wall_s': time.time() - t0}
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + '.tmp', 'w', encoding='utf-8') as f:
-    json.dump(rec, f, indent=1)
-  os.replace(path + '.tmp', path)
+  records.write_json(path, rec, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   print(f'  {cell} {start} s{seed}: kept {rec["kept_lr"]:.4g} ({rec["kept_lr"] / rec["anchor_lr"]:.2f}x), '
         f'final {rec["final_metric"]}, {rec["wall_s"]:.0f}s', flush=True)

@@ -147,10 +147,7 @@ def train_job(name: str, quick: bool, work_root: str) -> dict:
          'device': f'{jax.devices()[0].device_kind} x{jax.device_count()}'}
   if 'bracket' in summary:
     rec['kept_lr'], rec['rungs'] = summary['bracket']['winner']['lr'], summary['bracket']['rungs']
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + '.tmp', 'w', encoding='utf-8') as f:
-    json.dump(rec, f, indent=1)
-  os.replace(path + '.tmp', path)
+  records.write_json(path, rec, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   return rec
 

@@ -34,6 +34,15 @@ def finite_or_none(x: Any) -> float | None:
   return x if math.isfinite(x) else None
 
 
+def write_json(path: str, obj: Any, **dump_kwargs) -> None:
+  """Writes ``obj`` to ``path`` (its folder made) through a temporary file and a rename: a reader, or a run killed
+  midway, sees the old file or the whole new one."""
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  with open(path + '.tmp', 'w', encoding='utf-8') as f:
+    json.dump(obj, f, **dump_kwargs)
+  os.replace(path + '.tmp', path)
+
+
 def write_report(out_dir: str, stem: str, results: dict, lines: list[str]) -> list[str]:
   """An experiment's report: ``results`` as ``out_dir/stem.json`` and ``lines`` as ``out_dir/stem.md``; their paths."""
   os.makedirs(out_dir, exist_ok=True)
@@ -118,11 +127,7 @@ class RunCache:
 
   def write(self, name: str, rec: dict) -> None:
     """Writes run ``name``'s record (atomically: a reader sees the old file or the whole new one)."""
-    tmp = self.path(name) + '.tmp'
-    os.makedirs(os.path.dirname(tmp), exist_ok=True)
-    with open(tmp, 'w', encoding='utf-8') as f:
-      json.dump(rec, f, indent=None, separators=(',', ':'))
-    os.replace(tmp, self.path(name))
+    write_json(self.path(name), rec, indent=None, separators=(',', ':'))
 
   def _train(self, name: str, config: Any, keep_workdir: bool) -> dict:
     """Trains ``config`` in run ``name``'s workdir and writes its record."""
