@@ -35,7 +35,8 @@ from experiments import workloads
 REPO = autolr.REPO
 CELLS = ('lm:750:adamw', 'finetune:300:adamw', 'mnist1d:1000:adamw', 'mnist1d:1000:sgd', 'lm:1500:adamw',
          'finetune:150:adamw', 'finetune:600:adamw',  # (these two: the eighteenth pass)
-         'lm:3000:adamw')  # (the nineteenth pass: twice the main job's length, the rungs' steps 300 and 900)
+         'lm:3000:adamw',  # (the nineteenth pass: twice the main job's length, the rungs' steps 300 and 900)
+         'mnist1d:500:adamw', 'mnist1d:500:sgd', 'mnist1d:2000:adamw', 'mnist1d:2000:sgd')  # (nineteenth: seed 0)
 # A corpus neither the defaults nor the bracket's rungs were chosen on: the LM task on Python's standard library source
 # (experiments.heldout_corpus), whose sweep and default HDET are results/heldout/autolr.json's.
 HELDOUT = {'pystdlib': os.path.join('workdirs', 'pystdlib.txt')}
