@@ -37,10 +37,9 @@ def finite_or_none(x: Any) -> float | None:
 def write_json(path: str, obj: Any, **dump_kwargs) -> None:
   """Writes ``obj`` to ``path`` (its folder made) through a temporary file and a rename: a reader, or a run killed
   midway, sees the old file or the whole new one."""
+  from hdet_jax.trainer import trainer  # (imported here: a report that only reads records needs no jax)
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  with open(path + '.tmp', 'w', encoding='utf-8') as f:
-    json.dump(obj, f, **dump_kwargs)
-  os.replace(path + '.tmp', path)
+  trainer.write_json_atomic(path, obj, **dump_kwargs)
 
 
 def write_report(out_dir: str, stem: str, results: dict, lines: list[str]) -> list[str]:

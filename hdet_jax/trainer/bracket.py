@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import mesh as mesh_lib
 from hdet_jax.trainer import metrics as metrics_lib
 from hdet_jax.trainer import trainer as trainer_lib
 from hdet_jax.trainer.config_lib import ConfigError
@@ -115,7 +116,6 @@ def _load_state(workdir: str, fields: dict) -> dict | None:
 def run_bracket(config: Any, workdir: str) -> dict:
   """Trains the LR bracket of ``config`` (``bracket.points > 0``) in ``workdir``; returns the kept run's summary with
   a ``'bracket'`` entry (the record written to ``workdir/bracket.json``). Resumes a bracket already there."""
-  import jax
   config_lib.check_values(config)
   if config.bracket.points == 0:
     raise ConfigError('run_bracket needs bracket.points > 0 (e.g. --config.bracket.points=8); 0 trains one run.')
@@ -125,7 +125,7 @@ def run_bracket(config: Any, workdir: str) -> dict:
   steps = config_lib.bracket_steps(rungs, total)
   fields = _fields(config)
   state = _load_state(workdir, fields)
-  _barrier('hdet_bracket_loaded')  # every process has read the workdir before process 0 writes to it
+  mesh_lib.barrier('hdet_bracket_loaded')  # every process has read the workdir before process 0 writes to it
   if state is None:  # a new bracket: its record first, so that a bracket stopped before its first rung resumes
     state = {'fields': fields, 'lrs': point_lrs(config.optim.max_lr, b.points, b.factor),
              'compute_runs': compute_runs(b.points, rungs, total), 'rungs': [], 'winner': None}
@@ -138,7 +138,7 @@ def run_bracket(config: Any, workdir: str) -> dict:
       summary = trainer_lib.train_and_evaluate(_run_config(config, lr, step), dirs[lr])
       if summary['preempted']:
         return {**summary, 'bracket': state}
-      _barrier(f'hdet_bracket_{step}_{lr:.6g}')  # process 0 has written the run's metrics
+      mesh_lib.barrier(f'hdet_bracket_{step}_{lr:.6g}')  # process 0 has written the run's metrics
       losses[lr] = window_loss(summary['metrics'], step, b.compare_steps, summary['diverged_at'])
     if not any(np.isfinite(list(losses.values()))):
       raise RuntimeError(f'every run of the LR bracket diverged by step {step} (LRs {alive}); lower optim.max_lr.')
@@ -160,15 +160,7 @@ def _write_state(workdir: str, state: dict) -> None:
   import jax
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
-    trainer_lib._write_json_atomic(os.path.join(workdir, STATE_FILE), metrics_lib.to_json_safe(state), indent=1)
-
-
-def _barrier(name: str) -> None:
-  """Every process waits here for the others (a no-op with one process)."""
-  import jax
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices(name)
+    trainer_lib.write_json_atomic(os.path.join(workdir, STATE_FILE), metrics_lib.to_json_safe(state), indent=1)
 
 
 def format_bracket(state: dict) -> str:

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from hdet_jax.trainer import mesh as mesh_lib
+
 STATE, AVG, META = 'state', 'avg_params', 'meta'
 TRASH, CORRUPT = 'trash', 'corrupt'  # subdirectories of checkpoints/ (not step names: orbax ignores them)
 
@@ -332,9 +334,7 @@ class Checkpointer:
         suffix += 1
       dst += f'-{suffix}' if suffix else ''
       os.rename(src, dst)
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils
-      multihost_utils.sync_global_devices(f'hdet_quarantine_{step}')
+    mesh_lib.barrier(f'hdet_quarantine_{step}')
     self._mngr.reload()
     return dst
 

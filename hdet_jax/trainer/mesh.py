@@ -149,6 +149,13 @@ def put_stacked(x: Any, mesh: Mesh, batch_dim: int | None = None) -> Any:
   return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
 
+def barrier(name: str) -> None:
+  """Every process waits here until all have reached ``name`` (a no-op with one process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
 def fetch(tree: Any) -> Any:
   """Global arrays to host numpy, gathering across processes when needed."""
   leaves = jax.tree.leaves(tree)

@@ -242,7 +242,7 @@ def _any_process(flag: bool) -> bool:
   return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 
 
-def _write_json_atomic(path: str, obj: Any, **kwargs) -> None:
+def write_json_atomic(path: str, obj: Any, **kwargs) -> None:
   """Writes ``path`` via a temporary file and a rename: a kill leaves the old file or the new one."""
   tmp = f'{path}.tmp-{os.getpid()}'
   with open(tmp, 'w', encoding='utf-8') as f:
@@ -385,11 +385,9 @@ def _check(config: Any, workdir: str) -> _Inputs:
   resume = _check_workdir(workdir, fields)
   graphdef, abstract_params = task.abstract_model(config)
   init_src = _check_init_from(config, abstract_params) if not resume else None
-  if jax.process_count() > 1:
-    # Every process has read the workdir before process 0 creates checkpoints/ in it: a process that got
-    # here late would otherwise see that directory, open it, and run orbax's collectives out of step.
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices('hdet_workdir_checked')
+  # Every process has read the workdir before process 0 creates checkpoints/ in it: a process that got
+  # here late would otherwise see that directory, open it, and run orbax's collectives out of step.
+  mesh_lib.barrier('hdet_workdir_checked')
   return _Inputs(workdir, n, devices, task, data, tx, fields, resume, graphdef, abstract_params, init_src,
                  n * config.data.batch_size * task.predictions_per_example(config))
 
@@ -400,7 +398,7 @@ def _open_records(config: Any, inputs: _Inputs) -> _Records:
   lead = jax.process_index() == 0
   config_path = os.path.join(inputs.workdir, 'config.json')
   if lead and not os.path.exists(config_path):
-    _write_json_atomic(config_path, {'training_fields': inputs.fields, 'config': json.loads(config.to_json())},
+    write_json_atomic(config_path, {'training_fields': inputs.fields, 'config': json.loads(config.to_json())},
                        indent=1)
   mesh = mesh_lib.make_mesh(inputs.n, _fsdp(config), _tensor(config), devices=inputs.devices)
   ckpt = checkpoints.Checkpointer(inputs.workdir, config.max_checkpoints)
@@ -789,7 +787,7 @@ def _finish(config: Any, inputs: _Inputs, records: _Records, programs: _Programs
     summary['plots'] = plots.plot_workdir(inputs.workdir)
   summary['wall_s'] = time.time() - t0
   if records.lead:
-    _write_json_atomic(os.path.join(inputs.workdir, 'summary.json'), metrics_lib.to_json_safe(summary), indent=1)
+    write_json_atomic(os.path.join(inputs.workdir, 'summary.json'), metrics_lib.to_json_safe(summary), indent=1)
   return summary
 
 
