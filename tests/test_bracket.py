@@ -155,7 +155,7 @@ def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path, monkeypa
 
 
 @pytest.mark.skipif(not os.environ.get('HDET_MULTIPROCESS_TESTS'),
-                    reason='a bracket in one process, then in two x 4 CPU devices: about a minute; set HDET_MULTIPROCESS_TESTS=1')
+                    reason='a bracket in one process, then in two x 4 CPU devices: 1-2 minutes; set HDET_MULTIPROCESS_TESTS=1')
 def test_two_processes_run_the_bracket_one_process_runs(tmp_path):
   """train.py as 2 processes x 4 CPU devices (jax.distributed on localhost): 3 points a factor 8 apart, one rung at
   half of 16 steps. Both processes rank the same losses and keep the same run as the bracket in one process of 8
