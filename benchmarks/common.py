@@ -14,12 +14,11 @@ import re
 import statistics
 import time
 import types
-from typing import Any, Callable
+from typing import Any
 
 os.environ.setdefault('JAX_NUM_CPU_DEVICES', '8')
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax import lax  # noqa: E402

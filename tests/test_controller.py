@@ -3,7 +3,6 @@
 import json
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -73,7 +72,6 @@ def test_against_reference_traces(run):
   np.testing.assert_array_equal(d[f'{run}/perms_rank'], np.broadcast_to(perms, d[f'{run}/perms_rank'].shape))
   lr_after = d[f'{run}/lr_after']
   g = lr_after.shape[-1]
-  v = jnp.zeros(g, jnp.float32)
   checked = 0
   for k, step in enumerate(steps):
     j = sync_steps.index(step)

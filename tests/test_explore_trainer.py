@@ -98,7 +98,6 @@ def test_common_batch_score_removes_the_dropout_bias(tmp_path, score):
   train_and_evaluate(config, workdir)
   recs = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
   names = [r for r in recs if r['kind'] == 'hyperparams'][0]['names']
-  values = {r['step']: np.asarray(r['values']) for r in recs if r['kind'] == 'train'}
   syncs = [r for r in recs if r['kind'] == 'controller']
   assert [r['step'] for r in syncs] == [7, 15]
   d = names.index('dropout')

@@ -18,7 +18,7 @@ def _write(root, name, lr, final):
 
 
 def test_a_starts_run_from_another_sweep_best_is_not_read(tmp_path):
-  (low, high), (hdet_best, bracket_best) = exp.grid_lrs(True), exp.job_names(True)[1]
+  (low, high), (hdet_best, _) = exp.grid_lrs(True), exp.job_names(True)[1]
   _write(tmp_path, exp.job_names(True)[0][0], low, 2.0)
   assert exp.sweep_best(True, str(tmp_path)) is None  # the sweep is incomplete
   _write(tmp_path, exp.job_names(True)[0][1], high, None)  # diverged: loses

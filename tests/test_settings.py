@@ -5,7 +5,6 @@ import math
 
 import numpy as np
 import optax
-import pytest
 from hypothesis import given, settings, strategies as st
 
 import hdet_jax as H

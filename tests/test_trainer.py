@@ -134,6 +134,8 @@ def test_resume_is_bit_exact(straight, tmp_path):
   workdir = str(tmp_path / 'resumed')
   first = train_and_evaluate(tiny(stop_at_step=20, plots=False), workdir)
   assert first['step'] == 20 and first['stopped_early']
+  # Stopped as if preempted: no final evaluation (it comes at the run's end, below).
+  assert np.isnan(first['final_metric']) and 'eval' not in read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['20']
   state, _, meta = _restore_raw(workdir, 20)
   emb = np.asarray(state['params']['embed']['embedding'])
@@ -141,6 +143,8 @@ def test_resume_is_bit_exact(straight, tmp_path):
   assert meta['data_position'] == {'epoch': 0, 'batch_in_epoch': 20}
   second = train_and_evaluate(tiny(plots=False), workdir)
   assert second['step'] == 40 and not second['stopped_early']
+  assert [r['step'] for r in read_metrics(os.path.join(workdir, 'metrics.jsonl'))['eval']] == [40]
+  assert second['final_metric'] == json.load(open(os.path.join(ref, 'summary.json'), encoding='utf-8'))['final_metric']
   a_state, a_avg, _ = _restore_raw(ref, 40)
   b_state, b_avg, _ = _restore_raw(workdir, 40)
   for x, y in zip(_leaves(a_state), _leaves(b_state)):

@@ -83,8 +83,7 @@ def test_alpha_zero_with_syncs_stays_within_rounding(mesh):
   plain = optax.adam(sched)
   p, s = params, plain.init(params)
   for _ in range(20):
-    g = jax.tree.map(lambda w: w - c.mean(0), p)  # the same mean gradient, computed once
-    u, s = plain.update({'w': (jnp.mean(p['w'][None] - c, 0))}, s, p)
+    u, s = plain.update({'w': jnp.mean(p['w'][None] - c, 0)}, s, p)  # the replicas' mean gradient
     p = optax.apply_updates(p, u)
   np.testing.assert_allclose(np.asarray(sp['w'][0]), np.asarray(p['w']), rtol=1e-6, atol=1e-7)
 
@@ -298,7 +297,6 @@ def test_nnx_optimizer_under_vmap():
   for _ in range(7):
     stacked, loss = f(stacked, x)
     losses.append(np.asarray(loss).mean())
-  kernels = np.asarray(jax.tree.leaves(stacked)[0]) if False else None
   _, st = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], stacked))
   hstate = st.opt_state.value if hasattr(st.opt_state, 'value') else st.opt_state
   assert int(np.asarray(jax.tree.leaves(nnx.state(st))[0]).size) > 0

@@ -10,7 +10,7 @@ the parameters and the bytes, which is how the averaged model is evaluated.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -758,7 +758,11 @@ def _finish(config: Any, inputs: _Inputs, records: _Records, programs: _Programs
             setup_s: float) -> dict:
   """The final evaluation and checkpoint, the summary (also summary.json) and the plots."""
   step, writer = loop.step, records.writer
-  if loop.preempted_at is None:  # a preempted run has little time left: the checkpoint is what matters
+  # A preempted run has little time left: the checkpoint is what matters. A run stopped at ``stop_at_step`` stops
+  # as if preempted (an LR bracket's runs stop at its rungs, which rank training losses, not validation): it is
+  # evaluated when it reaches its end.
+  stopped = 0 < config.stop_at_step <= step < config.num_train_steps
+  if loop.preempted_at is None and not stopped:
     _evaluate(inputs, programs, writer, loop, step)
   if loop.diverged_at is None and step > loop.start and records.ckpt.latest_step() != step:
     _save(config, inputs, records, programs, loop, step)
