@@ -24,15 +24,16 @@ import chex  # noqa: E402
 chex.set_n_cpu_devices(8)
 
 
-# The slowest test files first (their summed test times in a 2-process run, 2026-11-23: 235, 176, 112, 86,
-# 82, 77, 66, 62, 56 and 37 s; every other file under 31 s; the two bracket files, added 2026-11-26, about 40 and
-# 25 s). pytest-xdist's --dist loadfile hands whole
-# files to the processes in collection order, so the long ones first leave only short ones for the end and
-# the two processes finish together (longest-processing-time-first scheduling).
-_SLOWEST_FIRST = ('test_reliability.py', 'test_trainer.py', 'test_workloads.py', 'test_sync.py', 'test_autolr.py',
-                  'test_explore_trainer.py', 'test_transform.py', 'test_explore.py', 'test_trainer_mesh2d.py',
-                  'test_mesh2d.py', 'test_packaging.py', 'test_tasks.py', 'test_examples.py', 'test_docs.py',
-                  'test_bracket.py', 'test_bracket_mode.py', 'test_model_size.py')
+# The slowest test files first, in the order of their summed test times in a 2-process run (2026-11-26, with a
+# bracket training beside it: 259, 224, 210, 133, 105, 101, 77, 62, 57, 57, 55, 51, 50, 48, 47, 43, 41, 41, 39 and
+# 38 s; the suite's sum 1946 s). pytest-xdist's --dist loadfile hands whole files to the processes in collection
+# order, so the long ones first leave only short ones for the end and the two processes finish together
+# (longest-processing-time-first scheduling).
+_SLOWEST_FIRST = ('test_trainer.py', 'test_reliability.py', 'test_trainer_controller.py', 'test_sync.py',
+                  'test_workloads.py', 'test_programs.py', 'test_bracket.py', 'test_explore_trainer.py',
+                  'test_transform.py', 'test_mesh2d.py', 'test_explore.py', 'test_model_size.py', 'test_autolr.py',
+                  'test_tasks.py', 'test_trainer_mesh2d.py', 'test_examples.py', 'test_noise_scale_report.py',
+                  'test_schedule_bracket.py', 'test_bracket_mode.py', 'test_benchmarks.py')
 
 
 def pytest_collection_modifyitems(config, items):
