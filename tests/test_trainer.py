@@ -11,6 +11,7 @@ import pytest
 
 from hdet_jax.trainer import ConfigError, config_lib, train_and_evaluate
 from hdet_jax.trainer.metrics import read_metrics
+from hdet_jax.trainer.trainer import format_summary
 from process_testing import free_port, run_two_processes
 
 from trainer_testing import ROOT, TINY, leaves as _leaves, restore_raw as _restore_raw, tiny
@@ -136,6 +137,7 @@ def test_resume_is_bit_exact(straight, tmp_path):
   assert first['step'] == 20 and first['stopped_early']
   # Stopped as if preempted: no final evaluation (it comes at the run's end, below).
   assert np.isnan(first['final_metric']) and 'eval' not in read_metrics(os.path.join(workdir, 'metrics.jsonl'))
+  assert '  validation: none before the stop (the run is evaluated at its end)\n' in format_summary(first)
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['20']
   state, _, meta = _restore_raw(workdir, 20)
   emb = np.asarray(state['params']['embed']['embedding'])
@@ -145,6 +147,7 @@ def test_resume_is_bit_exact(straight, tmp_path):
   assert second['step'] == 40 and not second['stopped_early']
   assert [r['step'] for r in read_metrics(os.path.join(workdir, 'metrics.jsonl'))['eval']] == [40]
   assert second['final_metric'] == json.load(open(os.path.join(ref, 'summary.json'), encoding='utf-8'))['final_metric']
+  assert f'  final validation loss of the averaged model {second["final_val_loss"]:.4f} nats' in format_summary(second)
   a_state, a_avg, _ = _restore_raw(ref, 40)
   b_state, b_avg, _ = _restore_raw(workdir, 40)
   for x, y in zip(_leaves(a_state), _leaves(b_state)):

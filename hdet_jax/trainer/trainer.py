@@ -815,10 +815,15 @@ def format_summary(s: dict) -> str:
   def more(prefix):  # the task's other figures beside a loss: '1.234 bits/byte', 'accuracy 0.941'
     extra = [(k[len(prefix):], v) for k, v in s.items() if k.startswith(prefix) and k != prefix + 'loss']
     return ''.join(f', {v:.3f} bits/byte' if k == 'bits_per_byte' else f', {k} {v:.4f}' for k, v in extra)
+  stopped = s['diverged_at'] is None and (s.get('preempted') or s['stopped_early'])
+  # A stopped run is not evaluated at the stop (as a preempted one): its figure is the last interval evaluation's.
+  val = ('  validation: none before the stop (the run is evaluated at its end)' if stopped and math.isnan(s['final_val_loss'])
+         else f'  {"last" if stopped else "final"} validation loss of the averaged model {s["final_val_loss"]:.4f} '
+              f'nats{more("final_val_")}')
   lines = [
       f'Run {status}.',
       f'  final train loss {s["final_train_loss"]:.4f} nats{more("final_train_")} (mean over replicas, last log interval)',
-      f'  final validation loss of the averaged model {s["final_val_loss"]:.4f} nats{more("final_val_")}',
+      val,
       f'  {s["tokens_per_s"]:,.0f} {s.get("unit", "tokens")}/s over {s["num_replicas"]} replicas; wall time {s["wall_s"]:.1f}s '
       f'(setup and compile {s["setup_s"]:.1f}s)',
       f'  metrics: {s["metrics"]}',
