@@ -115,3 +115,15 @@ def test_fingerprint_sees_a_single_bit():
   swapped[[3, 4]] = swapped[[4, 3]]
   assert checkpoints.fingerprint(tree) != checkpoints.fingerprint({'a': jnp.asarray(swapped), 'k': tree['k']})
   assert checkpoints.fingerprint(tree) == checkpoints.fingerprint({'a': jnp.asarray(x.copy()), 'k': tree['k']})
+
+
+def test_reading_checkpoints_logs_no_read_only_warnings(tmp_path, caplog):
+  """Every read of a workdir's checkpoints opens a read-only orbax manager, for which orbax logged two warnings
+  ('... read_only=True, setting save_interval_steps=0.' and 'Given directory is read only=...'): six per warm start.
+  Neither is logged now; other absl warnings still are."""
+  from absl import logging as absl_logging
+  os.makedirs(checkpoints.checkpoint_dir(str(tmp_path)))
+  with caplog.at_level('WARNING'):
+    assert checkpoints.all_steps(str(tmp_path)) == [] and checkpoints.latest_step(str(tmp_path)) is None
+    absl_logging.warning('another warning')
+  assert [r.getMessage() for r in caplog.records] == ['another warning']

@@ -25,6 +25,7 @@ What a kill at any moment can leave, and what is loaded:
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -41,6 +42,17 @@ STATE, AVG, META = 'state', 'avg_params', 'meta'
 TRASH, CORRUPT = 'trash', 'corrupt'  # subdirectories of checkpoints/ (not step names: orbax ignores them)
 
 
+class _ReadOnlyNotice(logging.Filter):
+  """Drops orbax's warning that a manager opened read-only is read-only: every read of a checkpoint (a resume, a
+  warm start, a bracket's rungs) opens one, and 'WARNING ... read only' at each would read as a fault."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith('Given directory is read only')
+
+
+logging.getLogger('absl').addFilter(_ReadOnlyNotice())
+
+
 class CorruptCheckpoint(Exception):
   """A checkpoint step that cannot be read back, or reads back other bits than were saved."""
 
@@ -54,6 +66,7 @@ def _manager(directory: str, max_to_keep: int | None = None, *, read_only: bool 
   """An orbax manager of a workdir's checkpoints; ``whole``: the arrays go through :class:`_WholeArrays`."""
   options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep, create=not read_only, read_only=read_only,
+      save_interval_steps=0 if read_only else 1,  # (orbax sets 0 itself when read-only, with a warning)
       # Unfinished saves of an earlier, killed run (``<step>.orbax-checkpoint-tmp-*``) go away.
       cleanup_tmp_directories=not read_only,
       # Old steps are renamed into trash/ (atomic) before being deleted.
