@@ -75,8 +75,12 @@ def cell_row(cell: str, seeds: list[int], quick: bool, work_root: str) -> dict:
   if not quick:
     sweep = bracket_mode.sweep_cell(cell)
     row['sweep_best'] = sweep['grid_best']['value']
-    kept = [bracket_mode.record_path(cell, 'best', s, False, work_root) for s in SEEDS]
-    brackets = [json.load(open(p, encoding='utf-8')) for p in kept if os.path.exists(p)]
+    brackets = []
+    for seed in SEEDS:
+      p = bracket_mode.record_path(cell, 'best', seed, False, work_root)
+      if os.path.exists(p):
+        with open(p, encoding='utf-8') as f:
+          brackets.append(json.load(f))
     row['bracket_best_start'] = {'kept_x': [r['kept_lr'] / r['anchor_lr'] for r in brackets],
                                  'mean': float(np.mean([r['final_metric'] for r in brackets])) if brackets else None}
   return row
