@@ -68,6 +68,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim.weight_decay = 0.1  # AdamW's decoupled weight decay, on matrices only (not biases/norms).
   config.optim.grad_clip_norm = 0.0  # Clip the all-reduced gradient to this global norm (0: no clipping).
   config.optim.label_smoothing = 0.0  # Label smoothing of the training loss (base value if explored).
+  # Build the programs for max_lr's mantissa (in [0.5, 1)) and apply its power of two at run time: the numbers
+  # are bit for bit those of the plain build, and runs whose max_lr differ by a power of two (an LR bracket, a
+  # factor-2 sweep) compile once through the persistent cache. Needs hdet.auto_lr=False. The bracket sets it.
+  config.optim.runtime_lr_scale = False
 
   config.hdet = ml_collections.ConfigDict()
   # N replicas, whatever the device count D: each device trains N / D of them (N a multiple of D), so

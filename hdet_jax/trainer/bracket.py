@@ -19,6 +19,11 @@ sweep's best; runs apart at the full batch, compared at a fifth to a third of th
 sweep's best in 20-23 of 27 (warmup-cosine) and 32 of 43 (one-cycle) seed-cells (experiments/workloads_discussion.md,
 thirteenth to sixteenth passes; results/bracket_mode.md for this mode's own runs).
 
+Every run is built with ``optim.runtime_lr_scale``: its programs are those of the LR's mantissa, its power of two
+applied at run time, so the runs of a bracket whose factor is a power of two (2 by default) share one set of compiled
+programs through the persistent compilation cache, with the numbers of runs built apart bit for bit
+(``optimizer.lr_unit``; ``results/bracket_compiles.md``).
+
 Each run lives in ``W/bracket/point<k>_lr<lr>/`` (a workdir of its own, resumable); ``W/bracket.json`` records the
 LRs, every rung's losses and decisions, the winner and the compute, and is rewritten after each rung. Rerunning
 the same command resumes; a rung already decided is not trained again.
@@ -85,9 +90,10 @@ def _fields(config: Any) -> dict:
 
 
 def _run_config(config: Any, lr: float, stop_at_step: int) -> Any:
-  # (plots only for the run that ends: a rung's stop would draw every run's)
+  # (plots only for the run that ends: a rung's stop would draw every run's; the LR's power of two applied at run
+  # time, so that points a power of two apart share their compiled programs: optimizer.lr_unit)
   return config_lib.with_overrides(config.copy_and_resolve_references(), {
-      'optim.max_lr': lr, 'stop_at_step': stop_at_step, 'bracket.points': 0,
+      'optim.max_lr': lr, 'stop_at_step': stop_at_step, 'bracket.points': 0, 'optim.runtime_lr_scale': True,
       'plots': bool(config.plots and stop_at_step == 0)})
 
 

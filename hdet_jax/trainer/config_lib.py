@@ -26,7 +26,7 @@ QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
                   'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0,
-                  'hdet.score_anneal': 0.0, 'hdet.fan': 'linear',
+                  'hdet.score_anneal': 0.0, 'hdet.fan': 'linear', 'optim.runtime_lr_scale': False,
                   'deterministic_gpu': True,  # (no effect without CUDA, where every record so far was made)
                   # The LR bracket's fields (hdet_jax.trainer.bracket): its runs are one-run configs with points 0.
                   'bracket.points': 0, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10}
@@ -287,6 +287,7 @@ def check_values(config: Any) -> None:
     raise ConfigError(str(e)) from None
   _check_schedule(config)
   _check_bracket(config)
+  _check_runtime_lr_scale(config)
   if config.hdet.auto_lr and config.hdet.spread > 0 and config.hdet.warmup_steps >= config.num_train_steps:
     raise ConfigError(f'hdet.warmup_steps={config.hdet.warmup_steps} must be < num_train_steps='
                       f'{config.num_train_steps} (the controller would never start); lower it or set hdet.auto_lr=False.')
@@ -365,6 +366,17 @@ def bracket_rungs(text: str) -> list[tuple[float, int]]:
 def bracket_steps(rungs: list[tuple[float, int]], total: int) -> list[int]:
   """The step each rung compares at (and its runs stop at): floor(fraction * total)."""
   return [int(math.floor(f * total + 1e-9)) for f, _ in rungs]
+
+
+def _check_runtime_lr_scale(config: Any) -> None:
+  """``optim.runtime_lr_scale`` is a bool, for runs whose learning rates no controller sets."""
+  on = config.optim.get('runtime_lr_scale', False)
+  if not isinstance(on, (bool, np.bool_)):
+    raise ConfigError(f'optim.runtime_lr_scale must be True or False, got {on!r}.')
+  if on and config.hdet.auto_lr:
+    raise ConfigError('optim.runtime_lr_scale=True applies the learning rate\'s power of two outside the programs, '
+                      'where the auto-LR controller would not see it: set hdet.auto_lr=False, or '
+                      'optim.runtime_lr_scale=False.')
 
 
 def _check_bracket(config: Any) -> None:

@@ -5,7 +5,8 @@ parameter groups and explorable model hyperparameters are attributes of its :cla
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,21 +49,70 @@ def is_sync_step(config: Any, step: int) -> bool:
   return H.is_sync_step(sync_windows(config), step)
 
 
-def schedule(config: Any) -> optax.Schedule:
+def schedule(config: Any, max_lr: float | None = None) -> optax.Schedule:
   """The base schedule: torch's one-cycle (cosine up over pct_start of the run, then down), a linear warmup over
   pct_start of the run then a cosine decay (the usual LM schedule; both from max_lr / div_factor to max_lr, ending
-  at max_lr / (div_factor * final_div_factor) on the last step), or max_lr throughout."""
+  at max_lr / (div_factor * final_div_factor) on the last step), or max_lr throughout. ``max_lr``: another peak
+  than ``optim.max_lr`` (the programs' own under ``optim.runtime_lr_scale``: :func:`lr_unit`)."""
   o = config.optim
+  peak = o.max_lr if max_lr is None else max_lr
   name = o.get('schedule', 'one_cycle')
   if name == 'constant':
-    return optax.constant_schedule(o.max_lr)
+    return optax.constant_schedule(peak)
   if name == 'warmup_cosine':
-    initial = o.max_lr / o.div_factor
+    initial = peak / o.div_factor
     return optax.warmup_cosine_decay_schedule(
-        init_value=initial, peak_value=o.max_lr, warmup_steps=int(round(o.pct_start * config.num_train_steps)),
+        init_value=initial, peak_value=peak, warmup_steps=int(round(o.pct_start * config.num_train_steps)),
         decay_steps=config.num_train_steps - 1, end_value=initial / o.final_div_factor)
-  return H.one_cycle(max_lr=o.max_lr, total_steps=config.num_train_steps, pct_start=o.pct_start,
+  return H.one_cycle(max_lr=peak, total_steps=config.num_train_steps, pct_start=o.pct_start,
                      div_factor=o.div_factor, final_div_factor=o.final_div_factor)
+
+
+def lr_unit(config: Any) -> float:
+  """The power of two ``2**e`` that ``optim.runtime_lr_scale`` applies at run time (1.0 when it is off).
+
+  ``optim.max_lr = m * 2**e`` with ``m`` in [0.5, 1) (``math.frexp``, exact): the programs are built for the peak
+  ``m`` and every learning rate is multiplied by ``2**e`` when the optimizer uses it. A product with a power of two
+  is exact in floating point (away from overflow and subnormals), and every schedule here is linear in its peak, so
+  the run's learning rates, and so its numbers, are the plain build's bit for bit; runs whose ``max_lr`` differ by
+  a power of two (an LR bracket or sweep a factor 2 apart) build identical programs, and the persistent compilation
+  cache compiles them once.
+  """
+  if not config.optim.get('runtime_lr_scale', False):
+    return 1.0
+  return math.ldexp(1.0, math.frexp(config.optim.max_lr)[1])
+
+
+class RuntimeScaleState(NamedTuple):
+  """The state of :func:`with_runtime_lr_scale`'s optimizer."""
+  scale: jax.Array  # [] float32: the factor on the learning rate (1 from init; :func:`set_runtime_lr_scale`).
+  inner: Any        # the wrapped optimizer's state.
+
+
+def with_runtime_lr_scale(factory: Callable[..., optax.GradientTransformation]) -> Callable[..., Any]:
+  """An optax factory like ``factory`` whose learning rate is multiplied by a factor held in its state.
+
+  ``with_runtime_lr_scale(optax.adamw)(lr)`` updates as ``optax.adamw(lr * s)`` with ``s`` its state's ``scale``:
+  a run-time value, so one compiled program serves every ``s``. ``init`` sets ``s = 1``; a run sets its own with
+  :func:`set_runtime_lr_scale` before the first step (a checkpoint keeps it).
+  """
+  def make(learning_rate, **kwargs):
+    def init(params):
+      return RuntimeScaleState(jnp.ones([], jnp.float32), factory(learning_rate, **kwargs).init(params))
+
+    def update(updates, state, params=None, **extra_args):
+      inner = optax.with_extra_args_support(factory(learning_rate * state.scale, **kwargs))
+      updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
+      return updates, state._replace(inner=inner_state)
+    return optax.GradientTransformationExtraArgs(init, update)
+  return make
+
+
+def set_runtime_lr_scale(opt_state: Any, scale: jax.Array) -> Any:
+  """``opt_state`` with every :class:`RuntimeScaleState`'s ``scale`` set to ``scale`` (a jit argument)."""
+  is_scaled = lambda x: isinstance(x, RuntimeScaleState)
+  return jax.tree.map(lambda x: x._replace(scale=jnp.full_like(x.scale, scale)) if is_scaled(x) else x,
+                      opt_state, is_leaf=is_scaled)
 
 
 def _decay_mask(params: Any) -> Any:
@@ -121,13 +171,15 @@ def make_optimizer(config: Any, num_replicas: int, devices: int | None = None) -
   if h.explore.weight_decay > 0 and o.name != 'adamw':
     raise ValueError(f'hdet.explore.weight_decay needs optim.name=adamw, got {o.name!r}.')
   base = factories[o.name]
+  if o.get('runtime_lr_scale', False):
+    base = with_runtime_lr_scale(base)
   if o.grad_clip_norm > 0:
     factory = lambda learning_rate, **kw: optax.chain(
         optax.clip_by_global_norm(o.grad_clip_norm), base(learning_rate, **kw))
   else:
     factory = base
   return H.hdet(
-      factory, schedule(config), num_replicas=num_replicas, spread=h.spread,
+      factory, schedule(config, config.optim.max_lr / lr_unit(config)), num_replicas=num_replicas, spread=h.spread,
       sync_every=sync_windows(config), replica_axis=replica_axis(num_replicas, devices or num_replicas), auto_lr=auto_lr_settings(config), exact_sync=True,
       seed=config.seed, param_groups=param_groups(config), explore=explored(config) or None,
       average_opt_state=bool(h.get('average_opt_state', False)), fan=h.get('fan', 'linear'))

@@ -306,6 +306,8 @@ class _Programs(NamedTuple):
   distance: Any                      # params -> each replica's distance from the mean: runs that never average
   tail_update: Any = None            # (tail, params, weight) -> tail: hdet.score_tail > 0 (window_end scores the tail)
   anchor: Any = None                 # (params, opt_state) -> the rollback's anchor, one copy (hdet.rollback)
+  lr_unit: float = 1.0               # optim.runtime_lr_scale's factor: the state's LRs are the run's / lr_unit
+  lr_rows: tuple[int, ...] = ()      # ... the rows of the logged [G] values that are learning rates
 
 
 @dataclasses.dataclass
@@ -422,6 +424,8 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   else:
     params, opt_state, start = *init(jax.random.fold_in(root, _INIT_TAG)), 0
     records.writer.write('event', step=0, event='start', init_from=None)
+  if restored is None and optimizer_lib.lr_unit(config) != 1.0:  # (a checkpoint holds its own)
+    opt_state = _set_lr_scale(opt_state, optimizer_lib.lr_unit(config))
   records.writer.write('hyperparams', step=start, names=list(optimizer_lib.hyperparam_names(config)),
                        controller=config.hdet.controller if optimizer_lib.auto_lr_settings(config) else None)
   records.writer.flush()  # the start/resume is on record even if this start is killed before its first log interval
@@ -437,6 +441,13 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
     anchor = _anchor_program(records.mesh, inputs.tx, params, opt_state, inputs.task)(params, opt_state)
   return _Loop(params, opt_state, rng, start=start, step=start, tail=tail, anchor=anchor,
                wait_each_step=one_program_in_flight(records.mesh))
+
+
+def _set_lr_scale(opt_state: Any, unit: float) -> Any:
+  """``opt_state`` with ``optim.runtime_lr_scale``'s factor set (a jit argument: one program for every unit)."""
+  shardings = jax.tree.map(lambda x: x.sharding, opt_state)
+  return jax.jit(optimizer_lib.set_runtime_lr_scale, donate_argnums=0, out_shardings=shardings)(
+      opt_state, np.float32(unit))
 
 
 def one_program_in_flight(mesh: Any) -> bool:
@@ -552,8 +563,9 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   # A run that never averages measures the replicas' distance from their mean at each log interval.
   distance = programs_lib.make_distance(mesh).lower(params).compile() if optimizer_lib.never_syncs(config) else None
   release_host_memory()
+  lr_rows = tuple(g for g, name in enumerate(optimizer_lib.hyperparam_names(config)) if name.startswith('learning_rate'))
   return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, distance,
-                   tail_update, anchor)
+                   tail_update, anchor, optimizer_lib.lr_unit(config), lr_rows)
 
 
 def _anchor_program(mesh: Any, tx: Any, params: Any, opt_state: Any, task: Any) -> Any:
@@ -674,10 +686,21 @@ def _flush(programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, 
       return packers[False].unpack(rows)
     return {**packers[False].unpack(rows[0]), **packers[True].unpack(rows[1])}
   got = [unpack(sync, rows) for (_, sync, _), rows in zip(loop.pending, mesh_lib.fetch([m for _, _, m in loop.pending]))]
+  if programs.lr_unit != 1.0:
+    got = [_in_run_lrs(m, programs.lr_unit, programs.lr_rows) for m in got]
   for (step, sync, _), m in zip(loop.pending, got):
     _write_step(writer, loop, step, sync, m, rolls_back=programs.anchor is not None)
   loop.last_losses = [m['loss'] for m in got]
   bar.update(len(loop.pending), float(np.mean(loop.last_losses[-1])), float(got[-1]['base_lr'][0]))
+
+
+def _in_run_lrs(m: dict, unit: float, rows: tuple[int, ...]) -> dict:
+  """A step's metrics with the state's learning rates (``optim.runtime_lr_scale``: the run's / ``unit``) times
+  ``unit``, the run's own: a power of two, so exactly the plain build's."""
+  values, bases = np.array(m['values']), np.array(m['bases'])  # [N, G, N] and [N, G] (each replica's row)
+  values[:, list(rows)] *= unit
+  bases[:, list(rows)] *= unit
+  return {**m, 'lrs': m['lrs'] * unit, 'base_lr': m['base_lr'] * unit, 'values': values, 'bases': bases}
 
 
 def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync: bool, m: dict,
