@@ -31,6 +31,7 @@ def _train_points(config_path: str, points: int, steps: int, runtime: bool) -> l
   import jax
   from jax import monitoring
   from hdet_jax.trainer import bracket, config_lib, train_and_evaluate
+  from hdet_jax.trainer import trainer
   from hdet_jax.trainer.trainer import setup_jax
   counts, seconds = collections.Counter(), collections.Counter()
   monitoring.register_event_listener(lambda event, **kw: counts.update([event]))
@@ -44,6 +45,14 @@ def _train_points(config_path: str, points: int, steps: int, runtime: bool) -> l
       'num_train_steps': steps, 'plots': False, 'tensorboard': False, 'progress_bar': False, 'checkpoint_every': 0,
       'eval_every': 0, 'compilation_cache': os.environ['JAX_COMPILATION_CACHE_DIR']})
   setup_jax(base)  # as train.py does: the persistent cache keeps every program, however short its compile
+  compile_programs, step_costs = trainer._compile, []
+
+  def compile_and_count(*args, **kwargs):  # XLA's count of the step program's work, per run
+    programs = compile_programs(*args, **kwargs)
+    cost = programs.step.cost_analysis()
+    step_costs.append(cost[0] if isinstance(cost, list) else cost)
+    return programs
+  trainer._compile = compile_and_count
   rows = []
   with tempfile.TemporaryDirectory() as work:
     for k, lr in enumerate(bracket.point_lrs(base.optim.max_lr, points, 2.0)):
@@ -57,7 +66,8 @@ def _train_points(config_path: str, points: int, steps: int, runtime: bool) -> l
                    # (a program loaded from the cache is timed as a compile too)
                    'compiled': counts['/jax/core/compile/backend_compile_duration'] - counts['/jax/compilation_cache/cache_hits'],
                    'loaded': counts['/jax/compilation_cache/cache_hits'],
-                   'compile_s': seconds['/jax/core/compile/backend_compile_duration']})
+                   'compile_s': seconds['/jax/core/compile/backend_compile_duration'],
+                   'step_flops': step_costs[-1].get('flops'), 'step_bytes': step_costs[-1].get('bytes accessed')})
   return rows
 
 
@@ -81,6 +91,11 @@ def report(builds: dict, config_path: str, points: int, steps: int) -> str:
     lines.append(f'| {name} | {sum(r["compiled"] for r in rows)} | {sum(r["loaded"] for r in rows)} | '
                  f'{sum(r["compile_s"] for r in rows):.1f} | {sum(r["wall_s"] for r in rows):.1f} | '
                  f'{rows[0]["wall_s"]:.1f} | {later[len(later) // 2]:.1f} |')
+  lines += ['', 'The step program, XLA\'s cost analysis of the compiled step (per run; listed once where every run of the '
+            'build has the same):', '']
+  for name, rows in builds.items():
+    costs = sorted({(r['step_flops'], r['step_bytes']) for r in rows})
+    lines.append(f'- {name}: ' + '; '.join(f'{f:,.0f} flops, {b:,.0f} bytes accessed' for f, b in costs))
   lines += ['', 'Per run (LR: programs compiled / loaded, wall s):', '']
   for name, rows in builds.items():
     lines.append(f'- {name}: ' + ', '.join(f'{r["lr"]:.3g}: {r["compiled"]}/{r["loaded"]}, {r["wall_s"]:.1f}'

@@ -133,3 +133,15 @@ def test_runtime_lr_scale_is_refused_under_the_controller_and_must_be_a_bool():
     config_lib.check_values(config)
   config_lib.check_values(tiny(**PLAIN, **{'optim.runtime_lr_scale': True}))
   assert 'optim.runtime_lr_scale' not in config_lib.training_fields(tiny(), 8)  # off: no record's fields change
+
+
+def test_a_workdir_is_not_resumed_with_the_flag_flipped(tmp_path):
+  """The flag changes the optimizer state's structure (its factor), so the checkpoint of one build cannot resume in
+  the other: the workdir check names the field before any work, and the workdir is left as it was."""
+  from hdet_jax.trainer import train_and_evaluate
+  over = {**PLAIN, 'optim.max_lr': 0.02, 'stop_at_step': 4}
+  train_and_evaluate(tiny(**over, **{'optim.runtime_lr_scale': True}), str(tmp_path / 'w'))
+  before = sorted(p.name for p in (tmp_path / 'w').rglob('*'))
+  with pytest.raises(config_lib.ConfigError, match=r'optim\.runtime_lr_scale'):
+    train_and_evaluate(tiny(**over, **{'optim.runtime_lr_scale': False}), str(tmp_path / 'w'))
+  assert sorted(p.name for p in (tmp_path / 'w').rglob('*')) == before
