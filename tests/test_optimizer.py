@@ -145,3 +145,26 @@ def test_a_workdir_is_not_resumed_with_the_flag_flipped(tmp_path):
   with pytest.raises(config_lib.ConfigError, match=r'optim\.runtime_lr_scale'):
     train_and_evaluate(tiny(**over, **{'optim.runtime_lr_scale': False}), str(tmp_path / 'w'))
   assert sorted(p.name for p in (tmp_path / 'w').rglob('*')) == before
+
+
+@pytest.mark.parametrize('fsdp', [1, 2])
+def test_setting_the_factor_keeps_every_leaf_and_its_layout(fsdp):
+  """The trainer's setter on a fresh state, one replica per device and in groups of 2 devices (FSDP): the factor
+  leaves, one per replica, take the value; every other leaf keeps its bits; every leaf keeps its sharding."""
+  from hdet_jax.trainer import mesh as mesh_lib, programs as programs_lib, trainer
+  n = 8 // fsdp
+  config = tiny(**PLAIN, **{'optim.runtime_lr_scale': True, 'mesh.fsdp': fsdp})
+  mesh = mesh_lib.make_mesh(n, fsdp)
+  _, opt_state = programs_lib.make_init(config, optimizer_lib.make_optimizer(config, n), mesh, n)(jax.random.key(0))
+  is_scaled = lambda x: isinstance(x, optimizer_lib.RuntimeScaleState)
+  before = [(np.array(x), x.sharding) for x in jax.tree.leaves(opt_state)]  # (copies: the setter donates)
+  factors = [x.scale for x in jax.tree.leaves(opt_state, is_leaf=is_scaled) if is_scaled(x)]
+  assert len(factors) == 1 and factors[0].shape == (n,) and np.all(np.asarray(factors[0]) == 1.0)
+  after = trainer._set_lr_scale(opt_state, 0.25)
+  new_factors = [x.scale for x in jax.tree.leaves(after, is_leaf=is_scaled) if is_scaled(x)]
+  np.testing.assert_array_equal(np.asarray(new_factors[0]), np.full(n, 0.25, np.float32))
+  changed = 0
+  for (old, sharding), leaf in zip(before, jax.tree.leaves(after), strict=True):
+    assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    changed += not np.array_equal(np.asarray(leaf), old, equal_nan=True)
+  assert changed == 1  # the factor alone
