@@ -4,7 +4,9 @@ Issue 26, twentieth pass. Centred on the one-cycle sweep's best peak LR, the LR 
 trains 8 points a factor 2 apart, so its two nearest the best are 0.71x and 1.41x: it cannot keep the best itself.
 On mnist1d with AdamW it kept 1.41x on every seed at every length and missed by 5-28%. This trains both neighbours
 as plain runs, as the sweep trains its grid (3 seeds), to tell apart the two readings: the rungs took the worse
-neighbour, or both neighbours end as far from the best (the grid's offset on a sharp optimum).
+neighbour, or both neighbours end as far from the best (the grid's offset on a sharp optimum). Then (twenty-first
+pass) the lower one is trained as the bracket trains it, to its last rung: the bracket cut it at the first, and
+its loss at the last says which of the two that rung would have kept.
 
     python -m experiments.bracket_straddle            # train what is missing (cached, resumable), then report
     python -m experiments.bracket_straddle --report-only
@@ -14,8 +16,11 @@ neighbour, or both neighbours end as far from the best (the grid's offset on a s
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import shutil
+import sys
 
 import numpy as np
 
@@ -57,6 +62,57 @@ def train_cell(cell: str, seeds: list[int], quick: bool, work_root: str) -> None
       run(f'{side}_s{seed}', lr, seed, {})
 
 
+def probe_path(cell: str, seed: int, quick: bool, work_root: str) -> str:
+  return os.path.join(records_dir(cell, quick, work_root), f'rungs_below_s{seed}.json')
+
+
+def train_probe(cell: str, seeds: list[int], quick: bool, work_root: str) -> None:
+  """The point below the centre as the bracket from the best trains it (its config, its seed), to the bracket's last
+  rung, with its loss at every rung (the bracket's own statistic). The bracket cut it at the first rung, so its
+  records hold its loss there only; this says what the later rung would have seen (cached records)."""
+  from hdet_jax.trainer import bracket, config_lib, trainer
+  for seed in seeds:
+    path = probe_path(cell, seed, quick, work_root)
+    if os.path.exists(path):
+      continue
+    config = bracket_mode.config_for(cell, 'best', seed, quick, work_root)
+    steps = config_lib.bracket_steps(config_lib.bracket_rungs(config.bracket.rungs), config.num_train_steps)
+    lr = neighbour_lrs(bracket_mode.anchor_lr(cell, quick))['below']
+    workload, total, optim = bracket_mode.parse_cell(cell)
+    workdir = os.path.join(work_root, 'bracket_straddle_probe', workload, f'steps{total}', f'{optim}_below_s{seed}')
+    summary = trainer.train_and_evaluate(bracket.point_config(config, lr, steps[-1]), workdir)
+    if summary['preempted']:
+      sys.exit(143)
+    losses = [bracket.window_loss(summary['metrics'], step, config.bracket.compare_steps, summary['diverged_at'])
+              for step in steps]
+    records.write_json(path, {'cell': cell, 'seed': seed, 'lr': lr, 'rung_steps': steps, 'losses': losses}, indent=1)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def probe_rows(cell: str, quick: bool, work_root: str) -> list[dict]:
+  """Per seed: the probe's loss at each rung beside the bracket's recorded losses there (its own at the first rung,
+  which it must reproduce; the kept point's at the last), and which point the last rung would have kept."""
+  out = []
+  for seed in ([0] if quick else SEEDS):
+    path, bracket_path = probe_path(cell, seed, quick, work_root), bracket_mode.record_path(cell, 'best', seed, quick, work_root)
+    if not os.path.exists(path):
+      continue
+    with open(path, encoding='utf-8') as f:
+      probe = json.load(f)
+    row = {'seed': seed, 'lr': probe['lr'], 'losses': probe['losses'], 'bracket': None}
+    if os.path.exists(bracket_path):
+      with open(bracket_path, encoding='utf-8') as f:
+        b = json.load(f)
+      first, last = b['rungs'][0], b['rungs'][-1]
+      (kept,) = last['kept']
+      row['bracket'] = {'first_loss': first['losses'].get(f'{probe["lr"]:.6g}'), 'first_kept_x': [x / b['anchor_lr'] for x in first['kept']],
+                        'kept_lr': kept, 'kept_x': kept / b['anchor_lr'], 'kept_last_loss': last['losses'][f'{kept:.6g}']}
+      row['first_reproduced'] = probe['losses'][0] == row['bracket']['first_loss']  # (bit for bit, or it is not the point)
+      row['last_rung_keeps'] = 'below' if probe['losses'][-1] < row['bracket']['kept_last_loss'] else 'kept'
+    out.append(row)
+  return out
+
+
 def cell_row(cell: str, seeds: list[int], quick: bool, work_root: str) -> dict:
   """Per neighbour its LR (x the anchor), per-seed final metrics and mean; the sweep's best and the bracket's
   from-the-best mean beside them (not in quick mode)."""
@@ -90,13 +146,66 @@ def _gap(value, best) -> str:
   return '-' if value is None or best is None else f'{100 * (value / best - 1):+.1f}%'
 
 
+def edge_counts() -> dict:
+  """Over every committed bracket record (``results/bracket_mode/runs``): per start, in how many the kept point is the
+  lowest, an inner or the highest of the first rung's survivors."""
+  counts = {}
+  for path in sorted(glob.glob(os.path.join(REPO, 'results', 'bracket_mode', 'runs', '*', '*', '*', '*.json'))):
+    with open(path, encoding='utf-8') as f:
+      r = json.load(f)
+    first = sorted(r['rungs'][0]['kept'])
+    where = 'lowest' if r['kept_lr'] == first[0] else 'highest' if r['kept_lr'] == first[-1] else 'inner'
+    by_start = counts.setdefault(r['start'], {'lowest': 0, 'inner': 0, 'highest': 0})
+    by_start[where] += 1
+  return counts
+
+
+def _probe_lines(rows: list[dict]) -> list[str]:
+  lines = ['', '## What the first rung cut: the point below the centre, trained as the bracket trains it', '',
+           'The bracket from the best cut 0.71x at its first rung. Here that point is trained as the bracket trains it '
+           '(its config and seed, stopped at the last rung; the statistic is the bracket\'s: the mean training loss '
+           'of the 10 steps before the rung) and its loss at each rung set beside the bracket\'s records: at the first '
+           'rung it is the bracket\'s own for that point, bit for bit (else marked), at the last the kept point\'s. "Ends lower": the '
+           'plain runs of the table above, trained to the end.', '',
+           '| cell, seed | first rung kept (x the best) | 0.71x at the first rung: here / bracket | 0.71x at the last '
+           'rung | kept point there | the last rung would keep | ends lower |', '|---|---|---|---|---|---|---|']
+  for r in rows:
+    for p in r.get('probe', []):
+      b = p['bracket']
+      if b is None:
+        lines.append(f'| {r["cell"]}, {p["seed"]} | - | {p["losses"][0]:.4f} / - | {p["losses"][-1]:.4f} | - | - | - |')
+        continue
+      values = {side: r['neighbours'][side]['values'] for side in NEIGHBOURS}
+      i = SEEDS.index(p['seed'])
+      lower = ('0.71x' if values['below'][i] < values['above'][i] else '1.41x') if all(
+          len(v) > i and v[i] is not None for v in values.values()) else '-'
+      first = f'{b["first_loss"]:.4f}{"" if p["first_reproduced"] else " (differs)"}' if b['first_loss'] is not None else '-'
+      keeps = '0.71x' if p['last_rung_keeps'] == 'below' else f'{b["kept_x"]:.2f}x'
+      survivors = ', '.join(f'{x:.2f}' for x in b['first_kept_x'])
+      lines.append(f'| {r["cell"]}, {p["seed"]} | {survivors} | {p["losses"][0]:.4f} / {first} | '
+                   f'{p["losses"][-1]:.4f} | {b["kept_x"]:.2f}x: {b["kept_last_loss"]:.4f} | {keeps} | {lower} |')
+  return lines
+
+
+def _edge_lines(counts: dict) -> list[str]:
+  lines = ['', '## Every bracket: where its kept point sits among the first rung\'s survivors', '',
+           'All committed brackets (`results/bracket_mode/runs`: every cell, start and seed): the point the last rung '
+           'kept, against the four the first rung kept.', '', '| start | the lowest survivor | an inner one | the highest |',
+           '|---|---|---|---|']
+  for start in ('low', 'best', 'high'):
+    c = counts.get(start)
+    if c:
+      lines.append(f'| {start} | {c["lowest"]} | {c["inner"]} | {c["highest"]} |')
+  return lines
+
+
 def write_report(out_dir: str, rows: list[dict], quick: bool) -> str:
   lines = ['# The bracket\'s two points nearest the sweep\'s best, trained to the end', '',
            f'Made by `python -m experiments.bracket_straddle{" --quick" if quick else ""}` (records in '
            '`results/bracket_straddle/runs/`). A bracket centred on the sweep\'s best (its first seed\'s) holds 8 '
            'points a factor 2 apart, so its two nearest the best are 0.71x and 1.41x. Each is trained here as a plain '
            'one-cycle run, as the sweep trains its grid; gaps are 3-seed means against the sweep\'s best 3-seed mean. '
-           'The reading is in `experiments/workloads_discussion.md` (twentieth pass).', '',
+           'The reading is in `experiments/workloads_discussion.md` (twentieth and twenty-first passes).', '',
            '| cell | sweep best | 0.71x per seed | 0.71x gap | 1.41x per seed | 1.41x gap | bracket from the best: kept, gap |',
            '|---|---|---|---|---|---|---|']
   for r in rows:
@@ -108,6 +217,9 @@ def write_report(out_dir: str, rows: list[dict], quick: bool) -> str:
     lines.append(f'| {r["cell"]} | {"-" if best is None else f"{best:.4g}"} | {per_seed(below)} | '
                  f'{_gap(below["mean"], best)} | {per_seed(above)} | {_gap(above["mean"], best)} | '
                  f'{kept}, {_gap(b.get("mean"), best)} |')
+  lines += _probe_lines(rows)
+  if not quick:
+    lines += _edge_lines(edge_counts())
   os.makedirs(out_dir, exist_ok=True)
   records.write_json(os.path.join(out_dir, 'bracket_straddle.json'), rows, indent=1)
   md = os.path.join(out_dir, 'bracket_straddle.md')
@@ -132,7 +244,10 @@ def main(argv=None):
     trainer.setup_jax(workloads.base_config('lm', 16, True))
     for cell in cells:
       train_cell(cell, seeds, args.quick, work_root)
+      train_probe(cell, seeds, args.quick, work_root)
   rows = [cell_row(c, [0] if args.quick else list(SEEDS), args.quick, work_root) for c in (cells if args.quick else CELLS)]
+  for row in rows:
+    row['probe'] = probe_rows(row['cell'], args.quick, work_root)
   md = write_report(work_root if args.quick else os.path.join(REPO, 'results'), rows, args.quick)
   with open(md, encoding='utf-8') as f:
     print(f.read())

@@ -31,6 +31,12 @@ def test_quick_trains_both_neighbours_and_reports_their_records(tmp_path):
                                                                                    [recs['above']['val_bpb']]]
   row = [l for l in open(tmp_path / 'bracket_straddle.md', encoding='utf-8') if l.startswith('| lm:16:adamw |')]
   assert row == [f'| lm:16:adamw | - | {recs["below"]["val_bpb"]:.4g} | - | {recs["above"]["val_bpb"]:.4g} | - | -, - |\n']
+  # The probe: the point below the centre under the quick bracket's config, to its one rung, and its loss there
+  # recomputed from the run's own metrics by the bracket's statistic (a 3-step mean) in the probe's record.
+  probe = json.load(open(exp.probe_path('lm:16:adamw', 0, True, str(tmp_path)), encoding='utf-8'))
+  assert probe['lr'] == want['below'] and probe['rung_steps'] == [8] and len(probe['losses']) == 1
+  assert math.isfinite(probe['losses'][0]) and saved[0]['probe'][0]['losses'] == probe['losses']
+  assert f'| lm:16:adamw, 0 | - | {probe["losses"][0]:.4f} / - |' in open(tmp_path / 'bracket_straddle.md').read()
   exp.main(['--quick', '--workdir', str(tmp_path)])  # cached: nothing trains again, the same report
   assert json.load(open(tmp_path / 'bracket_straddle.json', encoding='utf-8')) == saved
 
@@ -48,3 +54,15 @@ def test_the_brackets_kept_runs_are_the_plain_runs_bit_for_bit():
         plain = json.load(f)
       assert kept['kept_lr'] == plain['config']['optim']['max_lr'] == exp.neighbour_lrs(kept['anchor_lr'])['above']
       assert kept['final_metric'] == plain['val_bpb'], (cell, seed)
+
+
+def test_every_committed_bracket_is_counted_once_by_where_it_kept_among_the_first_rungs_survivors():
+  counts = exp.edge_counts()
+  files = {}
+  for path in exp.glob.glob(os.path.join(exp.REPO, 'results', 'bracket_mode', 'runs', '*', '*', '*', '*.json')):
+    start = os.path.basename(path).rsplit('_s', 1)[0]
+    files[start] = files.get(start, 0) + 1
+  assert {start: sum(c.values()) for start, c in counts.items()} == files
+  # mnist1d with AdamW from the best: its first rung kept 1.41-11.3x and the last the lowest of them, 1.41x (9 seeds
+  # and lengths; the table of tests above reads the same records).
+  assert counts['best']['lowest'] >= 9

@@ -89,7 +89,8 @@ def _fields(config: Any) -> dict:
           'bracket': config.bracket.to_dict()}
 
 
-def _run_config(config: Any, lr: float, stop_at_step: int) -> Any:
+def point_config(config: Any, lr: float, stop_at_step: int) -> Any:
+  """The config of the bracket's run at peak LR ``lr``, stopped at ``stop_at_step`` (0: trained to the end)."""
   # (plots only for the run that ends: a rung's stop would draw every run's; the LR's power of two applied at run
   # time, so that points a power of two apart share their compiled programs: optimizer.lr_unit)
   return config_lib.with_overrides(config.copy_and_resolve_references(), {
@@ -141,7 +142,7 @@ def run_bracket(config: Any, workdir: str) -> dict:
   for (fraction, kept), step in list(zip(rungs, steps))[len(state['rungs']):]:
     losses = {}
     for lr in alive:
-      summary = trainer_lib.train_and_evaluate(_run_config(config, lr, step), dirs[lr])
+      summary = trainer_lib.train_and_evaluate(point_config(config, lr, step), dirs[lr])
       if summary['preempted']:
         return {**summary, 'bracket': state}
       mesh_lib.barrier(f'hdet_bracket_{step}_{lr:.6g}')  # process 0 has written the run's metrics
@@ -153,7 +154,7 @@ def run_bracket(config: Any, workdir: str) -> dict:
                            'kept': alive})
     _write_state(workdir, state)
   (lr,) = alive
-  summary = trainer_lib.train_and_evaluate(_run_config(config, lr, 0), dirs[lr])
+  summary = trainer_lib.train_and_evaluate(point_config(config, lr, 0), dirs[lr])
   if not summary['preempted']:
     state['winner'] = {'lr': lr, 'workdir': dirs[lr], 'final_metric': summary['final_metric'],
                        'diverged_at': summary['diverged_at']}
