@@ -146,16 +146,25 @@ def _gap(value, best) -> str:
   return '-' if value is None or best is None else f'{100 * (value / best - 1):+.1f}%'
 
 
+EDGES = ('bracket_low', 'cut_below', 'inner', 'cut_above', 'bracket_high')
+
+
 def edge_counts() -> dict:
-  """Over every committed bracket record (``results/bracket_mode/runs``): per start, in how many the kept point is the
-  lowest, an inner or the highest of the first rung's survivors."""
+  """Over every committed bracket record (``results/bracket_mode/runs``): per start, where the kept point sits among
+  the first rung's survivors: the bracket's own lowest point, the lowest survivor with a cut point below it, an inner
+  survivor, the highest with a cut point above it, or the bracket's own highest point."""
   counts = {}
   for path in sorted(glob.glob(os.path.join(REPO, 'results', 'bracket_mode', 'runs', '*', '*', '*', '*.json'))):
     with open(path, encoding='utf-8') as f:
       r = json.load(f)
-    first = sorted(r['rungs'][0]['kept'])
-    where = 'lowest' if r['kept_lr'] == first[0] else 'highest' if r['kept_lr'] == first[-1] else 'inner'
-    by_start = counts.setdefault(r['start'], {'lowest': 0, 'inner': 0, 'highest': 0})
+    first, lrs, kept = sorted(r['rungs'][0]['kept']), sorted(r['lrs']), r['kept_lr']
+    if kept == first[0]:
+      where = 'bracket_low' if kept == lrs[0] else 'cut_below'
+    elif kept == first[-1]:
+      where = 'bracket_high' if kept == lrs[-1] else 'cut_above'
+    else:
+      where = 'inner'
+    by_start = counts.setdefault(r['start'], dict.fromkeys(EDGES, 0))
     by_start[where] += 1
   return counts
 
@@ -190,12 +199,14 @@ def _probe_lines(rows: list[dict]) -> list[str]:
 def _edge_lines(counts: dict) -> list[str]:
   lines = ['', '## Every bracket: where its kept point sits among the first rung\'s survivors', '',
            'All committed brackets (`results/bracket_mode/runs`: every cell, start and seed): the point the last rung '
-           'kept, against the four the first rung kept.', '', '| start | the lowest survivor | an inner one | the highest |',
-           '|---|---|---|---|']
+           'kept, against the four the first rung kept. "Next to a cut" means a point the first rung cut lies just '
+           'beyond it; "the bracket\'s end" that no point of the bracket does.', '',
+           '| start | the bracket\'s lowest point | lowest survivor, next to a cut | an inner survivor | highest survivor, '
+           'next to a cut | the bracket\'s highest point |', '|---|---|---|---|---|---|']
   for start in ('low', 'best', 'high'):
     c = counts.get(start)
     if c:
-      lines.append(f'| {start} | {c["lowest"]} | {c["inner"]} | {c["highest"]} |')
+      lines.append(f'| {start} | ' + ' | '.join(str(c[e]) for e in EDGES) + ' |')
   return lines
 
 
