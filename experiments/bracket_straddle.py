@@ -62,22 +62,45 @@ def train_cell(cell: str, seeds: list[int], quick: bool, work_root: str) -> None
       run(f'{side}_s{seed}', lr, seed, {})
 
 
+PROBE_CELLS = bracket_mode.CELLS  # (the held-out corpus's cells are left out: kept held out)
+
+
 def probe_path(cell: str, seed: int, quick: bool, work_root: str) -> str:
   return os.path.join(records_dir(cell, quick, work_root), f'rungs_below_s{seed}.json')
 
 
+def _bracket_record(cell: str, seed: int, quick: bool, work_root: str) -> dict | None:
+  path = bracket_mode.record_path(cell, 'best', seed, quick, work_root)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
+
+
+def probe_lr(cell: str, seed: int, quick: bool, work_root: str) -> float | None:
+  """The bracket's point just below the one its bracket from the best kept, where its first rung cut that point
+  (None where the kept point is not the lowest survivor, or is the bracket's lowest); without a bracket record (quick
+  mode) the point below the centre."""
+  b = _bracket_record(cell, seed, quick, work_root)
+  if b is None:
+    return neighbour_lrs(bracket_mode.anchor_lr(cell, quick))['below']
+  lrs, first, kept = sorted(b['lrs']), sorted(b['rungs'][0]['kept']), b['kept_lr']
+  k = lrs.index(kept)
+  return lrs[k - 1] if kept == first[0] and k > 0 else None
+
+
 def train_probe(cell: str, seeds: list[int], quick: bool, work_root: str) -> None:
-  """The point below the centre as the bracket from the best trains it (its config, its seed), to the bracket's last
-  rung, with its loss at every rung (the bracket's own statistic). The bracket cut it at the first rung, so its
-  records hold its loss there only; this says what the later rung would have seen (cached records)."""
+  """The point the bracket from the best cut just below its kept one (:func:`probe_lr`), trained as that bracket
+  trains it (its config, its seed) to the bracket's last rung, with its loss at every rung (the bracket's own
+  statistic). The bracket's records hold its loss at the first rung only; this says what the last rung would have
+  seen (cached records)."""
   from hdet_jax.trainer import bracket, config_lib, trainer
   for seed in seeds:
-    path = probe_path(cell, seed, quick, work_root)
-    if os.path.exists(path):
+    path, lr = probe_path(cell, seed, quick, work_root), probe_lr(cell, seed, quick, work_root)
+    if lr is None or os.path.exists(path):
       continue
     config = bracket_mode.config_for(cell, 'best', seed, quick, work_root)
     steps = config_lib.bracket_steps(config_lib.bracket_rungs(config.bracket.rungs), config.num_train_steps)
-    lr = neighbour_lrs(bracket_mode.anchor_lr(cell, quick))['below']
     workload, total, optim = bracket_mode.parse_cell(cell)
     workdir = os.path.join(work_root, 'bracket_straddle_probe', workload, f'steps{total}', f'{optim}_below_s{seed}')
     summary = trainer.train_and_evaluate(bracket.point_config(config, lr, steps[-1]), workdir)
@@ -89,26 +112,57 @@ def train_probe(cell: str, seeds: list[int], quick: bool, work_root: str) -> Non
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+def ends_path(cell: str, which: str, seed: int, quick: bool, work_root: str) -> str:
+  return os.path.join(records_dir(cell, quick, work_root), f'ends_{which}_s{seed}.json')
+
+
+def train_ends(cell: str, seeds: list[int], quick: bool, work_root: str) -> None:
+  """Where the last rung would have kept the cut point, both it and the kept point trained to the end here, as the
+  bracket trains its winner (cached records); the straddle's own cells have their plain runs already."""
+  from hdet_jax.trainer import bracket, trainer
+  if cell in CELLS:
+    return
+  for row in probe_rows(cell, quick, work_root):
+    if row['seed'] not in seeds or row.get('last_rung_keeps') != 'below':
+      continue
+    config = bracket_mode.config_for(cell, 'best', row['seed'], quick, work_root)
+    for which, lr in (('cut', row['lr']), ('kept', row['bracket']['kept_lr'])):
+      path = ends_path(cell, which, row['seed'], quick, work_root)
+      if os.path.exists(path):
+        continue
+      workload, total, optim = bracket_mode.parse_cell(cell)
+      workdir = os.path.join(work_root, 'bracket_straddle_ends', workload, f'steps{total}', f'{optim}_{which}_s{row["seed"]}')
+      summary = trainer.train_and_evaluate(bracket.point_config(config, lr, 0), workdir)
+      if summary['preempted']:
+        sys.exit(143)
+      records.write_json(path, {'cell': cell, 'seed': row['seed'], 'lr': lr, 'final_metric': summary['final_metric']},
+                         indent=1)
+      shutil.rmtree(workdir, ignore_errors=True)
+
+
 def probe_rows(cell: str, quick: bool, work_root: str) -> list[dict]:
   """Per seed: the probe's loss at each rung beside the bracket's recorded losses there (its own at the first rung,
-  which it must reproduce; the kept point's at the last), and which point the last rung would have kept."""
+  which it reproduces or not; the kept point's at the last), and which point the last rung would have kept."""
   out = []
   for seed in ([0] if quick else SEEDS):
-    path, bracket_path = probe_path(cell, seed, quick, work_root), bracket_mode.record_path(cell, 'best', seed, quick, work_root)
+    path = probe_path(cell, seed, quick, work_root)
     if not os.path.exists(path):
       continue
     with open(path, encoding='utf-8') as f:
       probe = json.load(f)
-    row = {'seed': seed, 'lr': probe['lr'], 'losses': probe['losses'], 'bracket': None}
-    if os.path.exists(bracket_path):
-      with open(bracket_path, encoding='utf-8') as f:
-        b = json.load(f)
+    row = {'cell': cell, 'seed': seed, 'lr': probe['lr'], 'losses': probe['losses'], 'bracket': None}
+    b = _bracket_record(cell, seed, quick, work_root)
+    if b is not None:
       first, last = b['rungs'][0], b['rungs'][-1]
       (kept,) = last['kept']
       row['bracket'] = {'first_loss': first['losses'].get(f'{probe["lr"]:.6g}'), 'first_kept_x': [x / b['anchor_lr'] for x in first['kept']],
-                        'kept_lr': kept, 'kept_x': kept / b['anchor_lr'], 'kept_last_loss': last['losses'][f'{kept:.6g}']}
+                        'probe_x': probe['lr'] / b['anchor_lr'], 'kept_lr': kept, 'kept_x': kept / b['anchor_lr'],
+                        'kept_last_loss': last['losses'][f'{kept:.6g}']}
       row['first_reproduced'] = probe['losses'][0] == row['bracket']['first_loss']  # (bit for bit, or it is not the point)
       row['last_rung_keeps'] = 'below' if probe['losses'][-1] < row['bracket']['kept_last_loss'] else 'kept'
+      ends = [ends_path(cell, w, seed, quick, work_root) for w in ('cut', 'kept')]
+      if all(os.path.exists(e) for e in ends):  # (both trained here, on one CPU)
+        row['ends'] = [json.load(open(e, encoding='utf-8'))['final_metric'] for e in ends]
     out.append(row)
   return out
 
@@ -169,30 +223,45 @@ def edge_counts() -> dict:
   return counts
 
 
-def _probe_lines(rows: list[dict]) -> list[str]:
-  lines = ['', '## What the first rung cut: the point below the centre, trained as the bracket trains it', '',
-           'The bracket from the best cut 0.71x at its first rung. Here that point is trained as the bracket trains it '
-           '(its config and seed, stopped at the last rung; the statistic is the bracket\'s: the mean training loss '
-           'of the 10 steps before the rung) and its loss at each rung set beside the bracket\'s records: at the first '
-           'rung it is the bracket\'s own for that point, bit for bit (else marked), at the last the kept point\'s. "Ends lower": the '
-           'plain runs of the table above, trained to the end.', '',
-           '| cell, seed | first rung kept (x the best) | 0.71x at the first rung: here / bracket | 0.71x at the last '
-           'rung | kept point there | the last rung would keep | ends lower |', '|---|---|---|---|---|---|---|']
-  for r in rows:
-    for p in r.get('probe', []):
-      b = p['bracket']
-      if b is None:
-        lines.append(f'| {r["cell"]}, {p["seed"]} | - | {p["losses"][0]:.4f} / - | {p["losses"][-1]:.4f} | - | - | - |')
-        continue
-      values = {side: r['neighbours'][side]['values'] for side in NEIGHBOURS}
-      i = SEEDS.index(p['seed'])
-      lower = ('0.71x' if values['below'][i] < values['above'][i] else '1.41x') if all(
-          len(v) > i and v[i] is not None for v in values.values()) else '-'
-      first = f'{b["first_loss"]:.4f}{"" if p["first_reproduced"] else " (differs)"}' if b['first_loss'] is not None else '-'
-      keeps = '0.71x' if p['last_rung_keeps'] == 'below' else f'{b["kept_x"]:.2f}x'
-      survivors = ', '.join(f'{x:.2f}' for x in b['first_kept_x'])
-      lines.append(f'| {r["cell"]}, {p["seed"]} | {survivors} | {p["losses"][0]:.4f} / {first} | '
-                   f'{p["losses"][-1]:.4f} | {b["kept_x"]:.2f}x: {b["kept_last_loss"]:.4f} | {keeps} | {lower} |')
+def _probe_lines(probes: list[dict], rows: list[dict]) -> list[str]:
+  ends = {r['cell']: r['neighbours'] for r in rows}
+  lines = ['', '## What the first rung cut: the point just below the kept one, trained as the bracket trains it', '',
+           'Where the bracket from the best kept the lowest of its first rung\'s survivors, the point just below it was '
+           'cut there. Here that point is trained as the bracket trains it (its config and seed, stopped at the last '
+           'rung; the statistic is the bracket\'s: the mean training loss of the 10 steps before the rung) and its loss '
+           'at each rung set beside the bracket\'s records: at the first rung the bracket\'s own for that point (bit '
+           'for bit, else marked "differs": a record made on another CPU rounds differently), at the last the kept '
+           'point\'s. "Ends lower": of the cut and the kept point trained to the end, the straddle\'s plain runs above or, where '
+           'the last rung would have kept the cut point, both trained here as the bracket trains its winner (cut / kept).', '',
+           '| cell, seed | first rung kept (x the best) | cut point | its first-rung loss: here / bracket | its last-rung '
+           'loss | kept point there | the last rung would keep | ends lower |', '|---|---|---|---|---|---|---|---|']
+  for p in probes:
+    b, cell = p['bracket'], p['cell']
+    if b is None:
+      lines.append(f'| {cell}, {p["seed"]} | - | - | {p["losses"][0]:.4f} / - | {p["losses"][-1]:.4f} | - | - | - |')
+      continue
+    lower, i = '-', SEEDS.index(p['seed'])
+    if 'ends' in p:
+      cut_end, kept_end = p['ends']
+      p['cut_ends_lower'] = cut_end < kept_end
+      lower = (f'{b["probe_x"]:.2f}x' if cut_end < kept_end else f'{b["kept_x"]:.2f}x') + f' ({cut_end:.4f} / {kept_end:.4f})'
+    elif cell in ends:
+      values = {side: ends[cell][side]['values'] for side in NEIGHBOURS}
+      if all(len(v) > i and v[i] is not None for v in values.values()):
+        p['cut_ends_lower'] = values['below'][i] < values['above'][i]  # (the cut point is 0.71x in these cells)
+        lower = '0.71x' if values['below'][i] < values['above'][i] else '1.41x'
+    first = f'{b["first_loss"]:.4f}{"" if p["first_reproduced"] else " (differs)"}' if b['first_loss'] is not None else '-'
+    keeps = f'{b["probe_x"]:.2f}x' if p['last_rung_keeps'] == 'below' else f'{b["kept_x"]:.2f}x'
+    survivors = ', '.join(f'{x:.2f}' for x in b['first_kept_x'])
+    lines.append(f'| {cell}, {p["seed"]} | {survivors} | {b["probe_x"]:.2f}x | {p["losses"][0]:.4f} / {first} | '
+                 f'{p["losses"][-1]:.4f} | {b["kept_x"]:.2f}x: {b["kept_last_loss"]:.4f} | {keeps} | {lower} |')
+  kept = [p for p in probes if p['bracket'] is not None]
+  if kept:
+    would = [p for p in kept if p['last_rung_keeps'] == 'below']
+    known = [p for p in would if 'cut_ends_lower' in p]
+    lines += ['', f'The last rung would have kept the cut point in {len(would)} of {len(kept)}; of those the cut point '
+              f'ends lower in {sum(p["cut_ends_lower"] for p in known)} of the {len(known)} with both ends trained. The '
+              f'first-rung loss is reproduced bit for bit in {sum(p["first_reproduced"] for p in kept)} of {len(kept)}.']
   return lines
 
 
@@ -210,7 +279,7 @@ def _edge_lines(counts: dict) -> list[str]:
   return lines
 
 
-def write_report(out_dir: str, rows: list[dict], quick: bool) -> str:
+def write_report(out_dir: str, rows: list[dict], quick: bool, probes: list[dict] = ()) -> str:
   lines = ['# The bracket\'s two points nearest the sweep\'s best, trained to the end', '',
            f'Made by `python -m experiments.bracket_straddle{" --quick" if quick else ""}` (records in '
            '`results/bracket_straddle/runs/`). A bracket centred on the sweep\'s best (its first seed\'s) holds 8 '
@@ -228,11 +297,11 @@ def write_report(out_dir: str, rows: list[dict], quick: bool) -> str:
     lines.append(f'| {r["cell"]} | {"-" if best is None else f"{best:.4g}"} | {per_seed(below)} | '
                  f'{_gap(below["mean"], best)} | {per_seed(above)} | {_gap(above["mean"], best)} | '
                  f'{kept}, {_gap(b.get("mean"), best)} |')
-  lines += _probe_lines(rows)
+  lines += _probe_lines(probes, rows)
   if not quick:
     lines += _edge_lines(edge_counts())
   os.makedirs(out_dir, exist_ok=True)
-  records.write_json(os.path.join(out_dir, 'bracket_straddle.json'), rows, indent=1)
+  records.write_json(os.path.join(out_dir, 'bracket_straddle.json'), {'cells': rows, 'probes': list(probes)}, indent=1)
   md = os.path.join(out_dir, 'bracket_straddle.md')
   with open(md, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines) + '\n')
@@ -243,6 +312,8 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--cells', default=','.join(CELLS), help='workload:steps:optim,... to train')
   p.add_argument('--seeds', default=','.join(map(str, SEEDS)), help='seeds to train (the report reads them all)')
+  p.add_argument('--probe-cells', default=','.join(PROBE_CELLS),
+                 help='cells whose brackets from the best get their cut point probed (default: every cell but the held-out)')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny LM, 16 steps, one seed')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/workloads)')
@@ -255,11 +326,12 @@ def main(argv=None):
     trainer.setup_jax(workloads.base_config('lm', 16, True))
     for cell in cells:
       train_cell(cell, seeds, args.quick, work_root)
+    for cell in cells if args.quick else args.probe_cells.split(','):
       train_probe(cell, seeds, args.quick, work_root)
+      train_ends(cell, seeds, args.quick, work_root)
   rows = [cell_row(c, [0] if args.quick else list(SEEDS), args.quick, work_root) for c in (cells if args.quick else CELLS)]
-  for row in rows:
-    row['probe'] = probe_rows(row['cell'], args.quick, work_root)
-  md = write_report(work_root if args.quick else os.path.join(REPO, 'results'), rows, args.quick)
+  probes = [p for c in (cells if args.quick else PROBE_CELLS) for p in probe_rows(c, args.quick, work_root)]
+  md = write_report(work_root if args.quick else os.path.join(REPO, 'results'), rows, args.quick, probes)
   with open(md, encoding='utf-8') as f:
     print(f.read())
 

@@ -27,7 +27,7 @@ def test_quick_trains_both_neighbours_and_reports_their_records(tmp_path):
     assert rec['config']['optim']['max_lr'] == want[side] and rec['config']['hdet']['spread'] == 0.0
     assert math.isfinite(rec['val_bpb'])
   saved = json.load(open(tmp_path / 'bracket_straddle.json', encoding='utf-8'))
-  assert [r['neighbours'][s]['values'] for r in saved for s in exp.NEIGHBOURS] == [[recs['below']['val_bpb']],
+  assert [r['neighbours'][s]['values'] for r in saved['cells'] for s in exp.NEIGHBOURS] == [[recs['below']['val_bpb']],
                                                                                    [recs['above']['val_bpb']]]
   row = [l for l in open(tmp_path / 'bracket_straddle.md', encoding='utf-8') if l.startswith('| lm:16:adamw |')]
   assert row == [f'| lm:16:adamw | - | {recs["below"]["val_bpb"]:.4g} | - | {recs["above"]["val_bpb"]:.4g} | - | -, - |\n']
@@ -35,8 +35,8 @@ def test_quick_trains_both_neighbours_and_reports_their_records(tmp_path):
   # recomputed from the run's own metrics by the bracket's statistic (a 3-step mean) in the probe's record.
   probe = json.load(open(exp.probe_path('lm:16:adamw', 0, True, str(tmp_path)), encoding='utf-8'))
   assert probe['lr'] == want['below'] and probe['rung_steps'] == [8] and len(probe['losses']) == 1
-  assert math.isfinite(probe['losses'][0]) and saved[0]['probe'][0]['losses'] == probe['losses']
-  assert f'| lm:16:adamw, 0 | - | {probe["losses"][0]:.4f} / - |' in open(tmp_path / 'bracket_straddle.md').read()
+  assert math.isfinite(probe['losses'][0]) and saved['probes'][0]['losses'] == probe['losses']
+  assert f'| lm:16:adamw, 0 | - | - | {probe["losses"][0]:.4f} / - |' in open(tmp_path / 'bracket_straddle.md').read()
   exp.main(['--quick', '--workdir', str(tmp_path)])  # cached: nothing trains again, the same report
   assert json.load(open(tmp_path / 'bracket_straddle.json', encoding='utf-8')) == saved
 
@@ -67,3 +67,15 @@ def test_every_committed_bracket_is_counted_once_by_where_it_kept_among_the_firs
   # 0.71x cut just below (9 seeds and lengths; the test above reads the same records).
   assert counts['best']['cut_below'] >= 9
   assert all(set(c) == set(exp.EDGES) for c in counts.values())
+
+
+def test_the_probe_is_the_point_just_below_a_kept_lowest_survivor_and_nothing_else():
+  """From the committed brackets: mnist1d AdamW at 1000 steps kept 1.41x, the lowest of 1.41-11.3x, so the probe is
+  0.71x; the LM at 1500 steps, seed 0, kept an inner survivor (0.71x of 0.35-2.83x): no probe; seed 1 kept 0.71x, the
+  lowest of 0.71-5.66x: the probe is 0.35x."""
+  anchor = exp.bracket_mode.anchor_lr('mnist1d:1000:adamw', False)
+  assert exp.probe_lr('mnist1d:1000:adamw', 0, False, '') == exp.neighbour_lrs(anchor)['below']
+  assert exp.probe_lr('lm:1500:adamw', 0, False, '') is None
+  lm = exp.bracket_mode.anchor_lr('lm:1500:adamw', False)
+  assert math.isclose(exp.probe_lr('lm:1500:adamw', 1, False, ''), lm * 2.0 ** -1.5, rel_tol=1e-12)
+  assert exp.probe_lr('lm:1500:adamw', 1, False, '') in bracket.point_lrs(lm, 8, 2.0)
