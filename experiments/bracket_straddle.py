@@ -63,75 +63,81 @@ def train_cell(cell: str, seeds: list[int], quick: bool, work_root: str) -> None
 
 
 PROBE_CELLS = bracket_mode.CELLS  # (the held-out corpus's cells are left out: kept held out)
+PROBE_STARTS = ('best', 'high')  # (from 10x low the kept point is never the lowest survivor next to a cut)
 
 
-def probe_path(cell: str, seed: int, quick: bool, work_root: str) -> str:
-  return os.path.join(records_dir(cell, quick, work_root), f'rungs_below_s{seed}.json')
+def _tag(start: str, seed: int) -> str:
+  return f's{seed}' if start == 'best' else f'{start}_s{seed}'
 
 
-def _bracket_record(cell: str, seed: int, quick: bool, work_root: str) -> dict | None:
-  path = bracket_mode.record_path(cell, 'best', seed, quick, work_root)
+def probe_path(cell: str, seed: int, quick: bool, work_root: str, start: str = 'best') -> str:
+  return os.path.join(records_dir(cell, quick, work_root), f'rungs_below_{_tag(start, seed)}.json')
+
+
+def _bracket_record(cell: str, seed: int, quick: bool, work_root: str, start: str = 'best') -> dict | None:
+  path = bracket_mode.record_path(cell, start, seed, quick, work_root)
   if not os.path.exists(path):
     return None
   with open(path, encoding='utf-8') as f:
     return json.load(f)
 
 
-def probe_lr(cell: str, seed: int, quick: bool, work_root: str) -> float | None:
+def probe_lr(cell: str, seed: int, quick: bool, work_root: str, start: str = 'best') -> float | None:
   """The bracket's point just below the one its bracket from the best kept, where its first rung cut that point
   (None where the kept point is not the lowest survivor, or is the bracket's lowest); without a bracket record (quick
   mode) the point below the centre."""
-  b = _bracket_record(cell, seed, quick, work_root)
+  b = _bracket_record(cell, seed, quick, work_root, start)
   if b is None:
-    return neighbour_lrs(bracket_mode.anchor_lr(cell, quick))['below']
+    return neighbour_lrs(bracket_mode.anchor_lr(cell, quick))['below'] if start == 'best' else None
   lrs, first, kept = sorted(b['lrs']), sorted(b['rungs'][0]['kept']), b['kept_lr']
   k = lrs.index(kept)
   return lrs[k - 1] if kept == first[0] and k > 0 else None
 
 
-def train_probe(cell: str, seeds: list[int], quick: bool, work_root: str) -> None:
+def train_probe(cell: str, seeds: list[int], quick: bool, work_root: str, start: str = 'best') -> None:
   """The point the bracket from the best cut just below its kept one (:func:`probe_lr`), trained as that bracket
   trains it (its config, its seed) to the bracket's last rung, with its loss at every rung (the bracket's own
   statistic). The bracket's records hold its loss at the first rung only; this says what the last rung would have
   seen (cached records)."""
   from hdet_jax.trainer import bracket, config_lib, trainer
   for seed in seeds:
-    path, lr = probe_path(cell, seed, quick, work_root), probe_lr(cell, seed, quick, work_root)
+    path, lr = probe_path(cell, seed, quick, work_root, start), probe_lr(cell, seed, quick, work_root, start)
     if lr is None or os.path.exists(path):
       continue
-    config = bracket_mode.config_for(cell, 'best', seed, quick, work_root)
+    config = bracket_mode.config_for(cell, start, seed, quick, work_root)
     steps = config_lib.bracket_steps(config_lib.bracket_rungs(config.bracket.rungs), config.num_train_steps)
     workload, total, optim = bracket_mode.parse_cell(cell)
-    workdir = os.path.join(work_root, 'bracket_straddle_probe', workload, f'steps{total}', f'{optim}_below_s{seed}')
+    workdir = os.path.join(work_root, 'bracket_straddle_probe', workload, f'steps{total}', f'{optim}_below_{_tag(start, seed)}')
     summary = trainer.train_and_evaluate(bracket.point_config(config, lr, steps[-1]), workdir)
     if summary['preempted']:
       sys.exit(143)
     losses = [bracket.window_loss(summary['metrics'], step, config.bracket.compare_steps, summary['diverged_at'])
               for step in steps]
-    records.write_json(path, {'cell': cell, 'seed': seed, 'lr': lr, 'rung_steps': steps, 'losses': losses}, indent=1)
+    records.write_json(path, {'cell': cell, 'start': start, 'seed': seed, 'lr': lr, 'rung_steps': steps, 'losses': losses},
+                       indent=1)
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def ends_path(cell: str, which: str, seed: int, quick: bool, work_root: str) -> str:
-  return os.path.join(records_dir(cell, quick, work_root), f'ends_{which}_s{seed}.json')
+def ends_path(cell: str, which: str, seed: int, quick: bool, work_root: str, start: str = 'best') -> str:
+  return os.path.join(records_dir(cell, quick, work_root), f'ends_{which}_{_tag(start, seed)}.json')
 
 
-def train_ends(cell: str, seeds: list[int], quick: bool, work_root: str) -> None:
+def train_ends(cell: str, seeds: list[int], quick: bool, work_root: str, start: str = 'best') -> None:
   """Where the last rung would have kept the cut point, both it and the kept point trained to the end here, as the
   bracket trains its winner (cached records); the straddle's own cells have their plain runs already."""
   from hdet_jax.trainer import bracket, trainer
-  if cell in CELLS:
+  if cell in CELLS and start == 'best':
     return
-  for row in probe_rows(cell, quick, work_root):
+  for row in probe_rows(cell, quick, work_root, start):
     if row['seed'] not in seeds or row.get('last_rung_keeps') != 'below':
       continue
-    config = bracket_mode.config_for(cell, 'best', row['seed'], quick, work_root)
+    config = bracket_mode.config_for(cell, start, row['seed'], quick, work_root)
     for which, lr in (('cut', row['lr']), ('kept', row['bracket']['kept_lr'])):
-      path = ends_path(cell, which, row['seed'], quick, work_root)
+      path = ends_path(cell, which, row['seed'], quick, work_root, start)
       if os.path.exists(path):
         continue
       workload, total, optim = bracket_mode.parse_cell(cell)
-      workdir = os.path.join(work_root, 'bracket_straddle_ends', workload, f'steps{total}', f'{optim}_{which}_s{row["seed"]}')
+      workdir = os.path.join(work_root, 'bracket_straddle_ends', workload, f'steps{total}', f'{optim}_{which}_{_tag(start, row["seed"])}')
       summary = trainer.train_and_evaluate(bracket.point_config(config, lr, 0), workdir)
       if summary['preempted']:
         sys.exit(143)
@@ -140,18 +146,18 @@ def train_ends(cell: str, seeds: list[int], quick: bool, work_root: str) -> None
       shutil.rmtree(workdir, ignore_errors=True)
 
 
-def probe_rows(cell: str, quick: bool, work_root: str) -> list[dict]:
+def probe_rows(cell: str, quick: bool, work_root: str, start: str = 'best') -> list[dict]:
   """Per seed: the probe's loss at each rung beside the bracket's recorded losses there (its own at the first rung,
   which it reproduces or not; the kept point's at the last), and which point the last rung would have kept."""
   out = []
   for seed in ([0] if quick else SEEDS):
-    path = probe_path(cell, seed, quick, work_root)
+    path = probe_path(cell, seed, quick, work_root, start)
     if not os.path.exists(path):
       continue
     with open(path, encoding='utf-8') as f:
       probe = json.load(f)
-    row = {'cell': cell, 'seed': seed, 'lr': probe['lr'], 'losses': probe['losses'], 'bracket': None}
-    b = _bracket_record(cell, seed, quick, work_root)
+    row = {'cell': cell, 'start': start, 'seed': seed, 'lr': probe['lr'], 'losses': probe['losses'], 'bracket': None}
+    b = _bracket_record(cell, seed, quick, work_root, start)
     if b is not None:
       first, last = b['rungs'][0], b['rungs'][-1]
       (kept,) = last['kept']
@@ -160,7 +166,7 @@ def probe_rows(cell: str, quick: bool, work_root: str) -> list[dict]:
                         'kept_last_loss': last['losses'][f'{kept:.6g}']}
       row['first_reproduced'] = probe['losses'][0] == row['bracket']['first_loss']  # (bit for bit, or it is not the point)
       row['last_rung_keeps'] = 'below' if probe['losses'][-1] < row['bracket']['kept_last_loss'] else 'kept'
-      ends = [ends_path(cell, w, seed, quick, work_root) for w in ('cut', 'kept')]
+      ends = [ends_path(cell, w, seed, quick, work_root, start) for w in ('cut', 'kept')]
       if all(os.path.exists(e) for e in ends):  # (both trained here, on one CPU)
         row['ends'] = [json.load(open(e, encoding='utf-8'))['final_metric'] for e in ends]
     out.append(row)
@@ -226,26 +232,26 @@ def edge_counts() -> dict:
 def _probe_lines(probes: list[dict], rows: list[dict]) -> list[str]:
   ends = {r['cell']: r['neighbours'] for r in rows}
   lines = ['', '## What the first rung cut: the point just below the kept one, trained as the bracket trains it', '',
-           'Where the bracket from the best kept the lowest of its first rung\'s survivors, the point just below it was '
-           'cut there. Here that point is trained as the bracket trains it (its config and seed, stopped at the last '
+           'Where a bracket from the best or from 10x high kept the lowest of its first rung\'s survivors, the point just '
+           'below it was cut there. Here that point is trained as the bracket trains it (its config and seed, stopped at the last '
            'rung; the statistic is the bracket\'s: the mean training loss of the 10 steps before the rung) and its loss '
            'at each rung set beside the bracket\'s records: at the first rung the bracket\'s own for that point (bit '
            'for bit, else marked "differs": a record made on another CPU rounds differently), at the last the kept '
            'point\'s. "Ends lower": of the cut and the kept point trained to the end, the straddle\'s plain runs above or, where '
            'the last rung would have kept the cut point, both trained here as the bracket trains its winner (cut / kept).', '',
-           '| cell, seed | first rung kept (x the best) | cut point | its first-rung loss: here / bracket | its last-rung '
+           '| cell, start, seed | first rung kept (x the best) | cut point | its first-rung loss: here / bracket | its last-rung '
            'loss | kept point there | the last rung would keep | ends lower |', '|---|---|---|---|---|---|---|---|']
   for p in probes:
     b, cell = p['bracket'], p['cell']
     if b is None:
-      lines.append(f'| {cell}, {p["seed"]} | - | - | {p["losses"][0]:.4f} / - | {p["losses"][-1]:.4f} | - | - | - |')
+      lines.append(f'| {cell}, {p["start"]}, {p["seed"]} | - | - | {p["losses"][0]:.4f} / - | {p["losses"][-1]:.4f} | - | - | - |')
       continue
     lower, i = '-', SEEDS.index(p['seed'])
     if 'ends' in p:
       cut_end, kept_end = p['ends']
       p['cut_ends_lower'] = cut_end < kept_end
       lower = (f'{b["probe_x"]:.2f}x' if cut_end < kept_end else f'{b["kept_x"]:.2f}x') + f' ({cut_end:.4f} / {kept_end:.4f})'
-    elif cell in ends:
+    elif cell in ends and p['start'] == 'best':
       values = {side: ends[cell][side]['values'] for side in NEIGHBOURS}
       if all(len(v) > i and v[i] is not None for v in values.values()):
         p['cut_ends_lower'] = values['below'][i] < values['above'][i]  # (the cut point is 0.71x in these cells)
@@ -253,15 +259,17 @@ def _probe_lines(probes: list[dict], rows: list[dict]) -> list[str]:
     first = f'{b["first_loss"]:.4f}{"" if p["first_reproduced"] else " (differs)"}' if b['first_loss'] is not None else '-'
     keeps = f'{b["probe_x"]:.2f}x' if p['last_rung_keeps'] == 'below' else f'{b["kept_x"]:.2f}x'
     survivors = ', '.join(f'{x:.2f}' for x in b['first_kept_x'])
-    lines.append(f'| {cell}, {p["seed"]} | {survivors} | {b["probe_x"]:.2f}x | {p["losses"][0]:.4f} / {first} | '
+    lines.append(f'| {cell}, {p["start"]}, {p["seed"]} | {survivors} | {b["probe_x"]:.2f}x | {p["losses"][0]:.4f} / {first} | '
                  f'{p["losses"][-1]:.4f} | {b["kept_x"]:.2f}x: {b["kept_last_loss"]:.4f} | {keeps} | {lower} |')
-  kept = [p for p in probes if p['bracket'] is not None]
-  if kept:
-    would = [p for p in kept if p['last_rung_keeps'] == 'below']
-    known = [p for p in would if 'cut_ends_lower' in p]
-    lines += ['', f'The last rung would have kept the cut point in {len(would)} of {len(kept)}; of those the cut point '
-              f'ends lower in {sum(p["cut_ends_lower"] for p in known)} of the {len(known)} with both ends trained. The '
-              f'first-rung loss is reproduced bit for bit in {sum(p["first_reproduced"] for p in kept)} of {len(kept)}.']
+  for start in ('best', 'high'):
+    kept = [p for p in probes if p['bracket'] is not None and p['start'] == start]
+    if kept:
+      would = [p for p in kept if p['last_rung_keeps'] == 'below']
+      known = [p for p in would if 'cut_ends_lower' in p]
+      lines += ['', f'From {"the best" if start == "best" else "10x high"}: the last rung would have kept the cut point in '
+                f'{len(would)} of {len(kept)}; of those the cut point ends lower in {sum(p["cut_ends_lower"] for p in known)} '
+                f'of the {len(known)} with both ends trained. The first-rung loss is reproduced bit for bit in '
+                f'{sum(p["first_reproduced"] for p in kept)} of {len(kept)}.']
   return lines
 
 
@@ -327,10 +335,12 @@ def main(argv=None):
     for cell in cells:
       train_cell(cell, seeds, args.quick, work_root)
     for cell in cells if args.quick else args.probe_cells.split(','):
-      train_probe(cell, seeds, args.quick, work_root)
-      train_ends(cell, seeds, args.quick, work_root)
+      for start in PROBE_STARTS:
+        train_probe(cell, seeds, args.quick, work_root, start)
+        train_ends(cell, seeds, args.quick, work_root, start)
   rows = [cell_row(c, [0] if args.quick else list(SEEDS), args.quick, work_root) for c in (cells if args.quick else CELLS)]
-  probes = [p for c in (cells if args.quick else PROBE_CELLS) for p in probe_rows(c, args.quick, work_root)]
+  probes = [p for start in PROBE_STARTS for c in (cells if args.quick else PROBE_CELLS)
+            for p in probe_rows(c, args.quick, work_root, start)]
   md = write_report(work_root if args.quick else os.path.join(REPO, 'results'), rows, args.quick, probes)
   with open(md, encoding='utf-8') as f:
     print(f.read())

@@ -36,7 +36,7 @@ def test_quick_trains_both_neighbours_and_reports_their_records(tmp_path):
   probe = json.load(open(exp.probe_path('lm:16:adamw', 0, True, str(tmp_path)), encoding='utf-8'))
   assert probe['lr'] == want['below'] and probe['rung_steps'] == [8] and len(probe['losses']) == 1
   assert math.isfinite(probe['losses'][0]) and saved['probes'][0]['losses'] == probe['losses']
-  assert f'| lm:16:adamw, 0 | - | - | {probe["losses"][0]:.4f} / - |' in open(tmp_path / 'bracket_straddle.md').read()
+  assert f'| lm:16:adamw, best, 0 | - | - | {probe["losses"][0]:.4f} / - |' in open(tmp_path / 'bracket_straddle.md').read()
   exp.main(['--quick', '--workdir', str(tmp_path)])  # cached: nothing trains again, the same report
   assert json.load(open(tmp_path / 'bracket_straddle.json', encoding='utf-8')) == saved
 
@@ -79,3 +79,8 @@ def test_the_probe_is_the_point_just_below_a_kept_lowest_survivor_and_nothing_el
   lm = exp.bracket_mode.anchor_lr('lm:1500:adamw', False)
   assert math.isclose(exp.probe_lr('lm:1500:adamw', 1, False, ''), lm * 2.0 ** -1.5, rel_tol=1e-12)
   assert exp.probe_lr('lm:1500:adamw', 1, False, '') in bracket.point_lrs(lm, 8, 2.0)
+  # From 10x high, mnist1d AdamW at 1000 steps kept its second-lowest point, the lowest survivor: the probe is the
+  # bracket's lowest point; the LM at 1500 steps kept its lowest point itself: nothing below to probe.
+  high = bracket.point_lrs(anchor * 10.0, 8, 2.0)
+  assert exp.probe_lr('mnist1d:1000:adamw', 0, False, '', 'high') == high[0]
+  assert exp.probe_lr('lm:1500:adamw', 0, False, '', 'high') is None
