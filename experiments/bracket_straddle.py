@@ -94,12 +94,22 @@ def probe_lr(cell: str, seed: int, quick: bool, work_root: str, start: str = 'be
   return lrs[k - 1] if kept == first[0] and k > 0 else None
 
 
+def _train_point(config, lr: float, stop_at_step: int, workdir: str) -> dict:
+  """The bracket's run at ``lr`` (``bracket.point_config``) in a scratch workdir, removed afterwards; a preempted run
+  exits 143 (rerun to resume)."""
+  from hdet_jax.trainer import bracket, trainer
+  summary = trainer.train_and_evaluate(bracket.point_config(config, lr, stop_at_step), workdir)
+  if summary['preempted']:
+    sys.exit(143)
+  return summary
+
+
 def train_probe(cell: str, seeds: list[int], quick: bool, work_root: str, start: str = 'best') -> None:
   """The point the bracket from the best cut just below its kept one (:func:`probe_lr`), trained as that bracket
   trains it (its config, its seed) to the bracket's last rung, with its loss at every rung (the bracket's own
   statistic). The bracket's records hold its loss at the first rung only; this says what the last rung would have
   seen (cached records)."""
-  from hdet_jax.trainer import bracket, config_lib, trainer
+  from hdet_jax.trainer import bracket, config_lib
   for seed in seeds:
     path, lr = probe_path(cell, seed, quick, work_root, start), probe_lr(cell, seed, quick, work_root, start)
     if lr is None or os.path.exists(path):
@@ -108,9 +118,7 @@ def train_probe(cell: str, seeds: list[int], quick: bool, work_root: str, start:
     steps = config_lib.bracket_steps(config_lib.bracket_rungs(config.bracket.rungs), config.num_train_steps)
     workload, total, optim = bracket_mode.parse_cell(cell)
     workdir = os.path.join(work_root, 'bracket_straddle_probe', workload, f'steps{total}', f'{optim}_below_{_tag(start, seed)}')
-    summary = trainer.train_and_evaluate(bracket.point_config(config, lr, steps[-1]), workdir)
-    if summary['preempted']:
-      sys.exit(143)
+    summary = _train_point(config, lr, steps[-1], workdir)
     losses = [bracket.window_loss(summary['metrics'], step, config.bracket.compare_steps, summary['diverged_at'])
               for step in steps]
     records.write_json(path, {'cell': cell, 'start': start, 'seed': seed, 'lr': lr, 'rung_steps': steps, 'losses': losses},
@@ -125,9 +133,9 @@ def ends_path(cell: str, which: str, seed: int, quick: bool, work_root: str, sta
 def train_ends(cell: str, seeds: list[int], quick: bool, work_root: str, start: str = 'best') -> None:
   """Where the last rung would have kept the cut point, both it and the kept point trained to the end here, as the
   bracket trains its winner (cached records); the straddle's own cells have their plain runs already."""
-  from hdet_jax.trainer import bracket, trainer
   if cell in CELLS and start == 'best':
     return
+  workload, total, optim = bracket_mode.parse_cell(cell)
   for row in probe_rows(cell, quick, work_root, start):
     if row['seed'] not in seeds or row.get('last_rung_keeps') != 'below':
       continue
@@ -136,11 +144,8 @@ def train_ends(cell: str, seeds: list[int], quick: bool, work_root: str, start: 
       path = ends_path(cell, which, row['seed'], quick, work_root, start)
       if os.path.exists(path):
         continue
-      workload, total, optim = bracket_mode.parse_cell(cell)
       workdir = os.path.join(work_root, 'bracket_straddle_ends', workload, f'steps{total}', f'{optim}_{which}_{_tag(start, row["seed"])}')
-      summary = trainer.train_and_evaluate(bracket.point_config(config, lr, 0), workdir)
-      if summary['preempted']:
-        sys.exit(143)
+      summary = _train_point(config, lr, 0, workdir)
       records.write_json(path, {'cell': cell, 'seed': row['seed'], 'lr': lr, 'final_metric': summary['final_metric']},
                          indent=1)
       shutil.rmtree(workdir, ignore_errors=True)
@@ -168,7 +173,10 @@ def probe_rows(cell: str, quick: bool, work_root: str, start: str = 'best') -> l
       row['last_rung_keeps'] = 'below' if probe['losses'][-1] < row['bracket']['kept_last_loss'] else 'kept'
       ends = [ends_path(cell, w, seed, quick, work_root, start) for w in ('cut', 'kept')]
       if all(os.path.exists(e) for e in ends):  # (both trained here, on one CPU)
-        row['ends'] = [json.load(open(e, encoding='utf-8'))['final_metric'] for e in ends]
+        row['ends'] = []
+        for e in ends:
+          with open(e, encoding='utf-8') as f:
+            row['ends'].append(json.load(f)['final_metric'])
     out.append(row)
   return out
 
@@ -229,8 +237,23 @@ def edge_counts() -> dict:
   return counts
 
 
-def _probe_lines(probes: list[dict], rows: list[dict]) -> list[str]:
-  ends = {r['cell']: r['neighbours'] for r in rows}
+def mark_ends(probes: list[dict], rows: list[dict]) -> None:
+  """Sets each probe's ``cut_ends_lower`` where both points' ends are known: trained here (``ends``), or, in the
+  straddle's own cells from the best, its plain runs (the cut point is 0.71x there, the kept one 1.41x)."""
+  neighbours = {r['cell']: r['neighbours'] for r in rows}
+  for p in probes:
+    if p['bracket'] is None:
+      continue
+    if 'ends' in p:
+      p['cut_ends_lower'] = p['ends'][0] < p['ends'][1]
+    elif p['cell'] in neighbours and p['start'] == 'best':
+      i, values = SEEDS.index(p['seed']), neighbours[p['cell']]
+      below, above = (values[side]['values'] for side in NEIGHBOURS)
+      if len(below) > i and len(above) > i and below[i] is not None and above[i] is not None:
+        p['cut_ends_lower'] = below[i] < above[i]
+
+
+def _probe_lines(probes: list[dict]) -> list[str]:
   lines = ['', '## What the first rung cut: the point just below the kept one, trained as the bracket trains it', '',
            'Where a bracket from the best or from 10x high kept the lowest of its first rung\'s survivors, the point just '
            'below it was cut there. Here that point is trained as the bracket trains it (its config and seed, stopped at the last '
@@ -246,16 +269,11 @@ def _probe_lines(probes: list[dict], rows: list[dict]) -> list[str]:
     if b is None:
       lines.append(f'| {cell}, {p["start"]}, {p["seed"]} | - | - | {p["losses"][0]:.4f} / - | {p["losses"][-1]:.4f} | - | - | - |')
       continue
-    lower, i = '-', SEEDS.index(p['seed'])
-    if 'ends' in p:
-      cut_end, kept_end = p['ends']
-      p['cut_ends_lower'] = cut_end < kept_end
-      lower = (f'{b["probe_x"]:.2f}x' if cut_end < kept_end else f'{b["kept_x"]:.2f}x') + f' ({cut_end:.4f} / {kept_end:.4f})'
-    elif cell in ends and p['start'] == 'best':
-      values = {side: ends[cell][side]['values'] for side in NEIGHBOURS}
-      if all(len(v) > i and v[i] is not None for v in values.values()):
-        p['cut_ends_lower'] = values['below'][i] < values['above'][i]  # (the cut point is 0.71x in these cells)
-        lower = '0.71x' if values['below'][i] < values['above'][i] else '1.41x'
+    lower = '-'
+    if 'cut_ends_lower' in p:
+      lower = f'{b["probe_x"]:.2f}x' if p['cut_ends_lower'] else f'{b["kept_x"]:.2f}x'
+      if 'ends' in p:
+        lower += f' ({p["ends"][0]:.4f} / {p["ends"][1]:.4f})'
     first = f'{b["first_loss"]:.4f}{"" if p["first_reproduced"] else " (differs)"}' if b['first_loss'] is not None else '-'
     keeps = f'{b["probe_x"]:.2f}x' if p['last_rung_keeps'] == 'below' else f'{b["kept_x"]:.2f}x'
     survivors = ', '.join(f'{x:.2f}' for x in b['first_kept_x'])
@@ -305,7 +323,7 @@ def write_report(out_dir: str, rows: list[dict], quick: bool, probes: list[dict]
     lines.append(f'| {r["cell"]} | {"-" if best is None else f"{best:.4g}"} | {per_seed(below)} | '
                  f'{_gap(below["mean"], best)} | {per_seed(above)} | {_gap(above["mean"], best)} | '
                  f'{kept}, {_gap(b.get("mean"), best)} |')
-  lines += _probe_lines(probes, rows)
+  lines += _probe_lines(probes)
   if not quick:
     lines += _edge_lines(edge_counts())
   os.makedirs(out_dir, exist_ok=True)
@@ -341,6 +359,7 @@ def main(argv=None):
   rows = [cell_row(c, [0] if args.quick else list(SEEDS), args.quick, work_root) for c in (cells if args.quick else CELLS)]
   probes = [p for start in PROBE_STARTS for c in (cells if args.quick else PROBE_CELLS)
             for p in probe_rows(c, args.quick, work_root, start)]
+  mark_ends(probes, rows)
   md = write_report(work_root if args.quick else os.path.join(REPO, 'results'), rows, args.quick, probes)
   with open(md, encoding='utf-8') as f:
     print(f.read())
