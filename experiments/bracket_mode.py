@@ -100,11 +100,12 @@ def heldout_corpus(workload: str) -> str:
   return path
 
 
-def config_for(cell: str, start: str, seed: int, quick: bool, work_root: str):
+def config_for(cell: str, start: str, seed: int, quick: bool, work_root: str, bracket: dict | None = None):
+  """The bracket's config (``bracket``: its ``bracket.*`` fields, default ``BRACKET``, or ``QUICK_BRACKET``)."""
   from hdet_jax.trainer import config_lib
   workload, steps, optim = parse_cell(cell)
   centre = anchor_lr(cell, quick) * STARTS[start]
-  o = {**autolr.run_overrides('grid', optim, centre, seed, steps), **(QUICK_BRACKET if quick else BRACKET)}
+  o = {**autolr.run_overrides('grid', optim, centre, seed, steps), **(bracket or (QUICK_BRACKET if quick else BRACKET))}
   if workload in HELDOUT:  # the LM task on the held-out corpus
     return config_lib.with_overrides(workloads.base_config('lm', steps, quick), {**o, 'data.path': heldout_corpus(workload)})
   init_from = workloads.pretrained(os.path.join(REPO, 'workdirs', 'workloads'), quick) if workload == 'finetune' else None
@@ -115,8 +116,9 @@ def config_for(cell: str, start: str, seed: int, quick: bool, work_root: str):
   return config_lib.with_overrides(workloads.base_config(workload, steps, quick, init_from), o)
 
 
-def train_one(cell: str, start: str, seed: int, quick: bool, work_root: str) -> dict:
-  """One bracket (cached: its record; resumable: its workdir until the record is written)."""
+def train_one(cell: str, start: str, seed: int, quick: bool, work_root: str, bracket_fields: dict | None = None) -> dict:
+  """One bracket (cached: its record; resumable: its workdir until the record is written); ``bracket_fields`` as
+  :func:`config_for`'s ``bracket``."""
   from hdet_jax.trainer import bracket
   path = record_path(cell, start, seed, quick, work_root)
   if os.path.exists(path):
@@ -124,7 +126,7 @@ def train_one(cell: str, start: str, seed: int, quick: bool, work_root: str) -> 
       return json.load(f)
   workload, steps, optim = parse_cell(cell)
   workdir = os.path.join(work_root, 'bracket_mode', workload, f'steps{steps}', f'{optim}_{start}_s{seed}')
-  config = config_for(cell, start, seed, quick, work_root)
+  config = config_for(cell, start, seed, quick, work_root, bracket_fields)
   t0 = time.time()
   summary = bracket.run_bracket(config, workdir)
   if summary['preempted']:
