@@ -23,6 +23,7 @@ the wider rung and checks it against the composition.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -215,10 +216,26 @@ def check(spec: str, quick: bool, work_root: str) -> dict:
   summary = bracket.run_bracket(config, workdir)
   shutil.rmtree(workdir, ignore_errors=True)
   composed = compose(cell, start, seed, quick, work_root, train=True)['wider'][str(k)]
-  return {'cell': cell, 'start': start, 'seed': seed, 'rungs': config.bracket.rungs,
-          'bracket': {'kept_lr': summary['bracket']['winner']['lr'], 'final_metric': summary['final_metric']},
-          'composed': composed,
-          'equal': summary['bracket']['winner']['lr'] == composed['kept_lr'] and summary['final_metric'] == composed['final_metric']}
+  got = {'cell': cell, 'start': start, 'seed': seed, 'rungs': config.bracket.rungs,
+         'bracket': {'kept_lr': summary['bracket']['winner']['lr'], 'final_metric': summary['final_metric']},
+         'composed': composed,
+         'equal': summary['bracket']['winner']['lr'] == composed['kept_lr'] and summary['final_metric'] == composed['final_metric']}
+  records.write_json(check_path(cell, start, seed, quick, work_root), got, indent=1)
+  return got
+
+
+def check_path(cell: str, start: str, seed: int, quick: bool, work_root: str) -> str:
+  return os.path.join(runs_dir(cell, quick, work_root), f'check_{start}_s{seed}.json')
+
+
+def checks(quick: bool, work_root: str) -> list[dict]:
+  """Every ``--check`` recorded."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(runs_dir(QUICK_CELL, quick, work_root))))
+  out = []
+  for path in sorted(glob.glob(os.path.join(root, '*', '*', '*', 'check_*.json'))):
+    with open(path, encoding='utf-8') as f:
+      out.append(json.load(f))
+  return out
 
 
 def _mean(values: list) -> float | None:
@@ -267,13 +284,19 @@ def write_report(out_dir: str, rows: dict, quick: bool) -> str:
            '3-seed mean. "Changed": seeds whose kept point moved. "Footing": "here" where a probe\'s first-rung loss is '
            'not the record\'s bit for bit (the kept point is then retrained to the last rung here, and to the end where '
            'it is replaced: that end is the "kept, here" figure). The reading is in `experiments/workloads_discussion.md` '
-           '(twenty-second pass).', '',
-           f'| cell | start | sweep best | {name(0)} gap | {name(k1)} gap (changed) | {name(k2)} gap (changed) | {name(k2)} kept (x best), '
+           '(twenty-second pass).', '']
+  header = [f'| cell | start | sweep best | {name(0)} gap | {name(k1)} gap (changed) | {name(k2)} gap (changed) | {name(k2)} kept (x best), '
            'per seed | footing | kept point\'s end: record / here, where replaced |',
-           '|---|---|---|---|---|---|---|---|---|']
-  tally = {0: 0, k1: 0, k2: 0}
-  total = 0
+            '|---|---|---|---|---|---|---|---|---|']
+  lines += header
+  tallies = {}
   for cell, starts in rows.items():
+    group = 'heldout' if bracket_mode.parse_cell(cell)[0] in bracket_mode.HELDOUT else 'cells'
+    if group == 'heldout' and 'heldout' not in tallies:
+      lines += ['', '## On the held-out corpus', '', 'The LM on Python\'s standard library source (`experiments.heldout_corpus`), '
+                'which neither the bracket\'s rungs nor this pass were chosen on; its sweep as in `results/bracket_mode.md`.', '',
+                *header]
+    t = tallies.setdefault(group, {'total': 0, **{name(k): 0 for k in (0,) + EXTRA}})
     for start, r in starts.items():
       seeds = r['seeds']
       kept = ' / '.join(f'{s["wider"][str(k2)]["kept_lr"] / s["anchor_lr"]:.3g}' for s in seeds)
@@ -285,14 +308,22 @@ def write_report(out_dir: str, rows: dict, quick: bool) -> str:
                    f'({r[f"wider{k1}_changed"]}) | {_pct(r[f"wider{k2}_gap"])} ({r[f"wider{k2}_changed"]}) | {kept} | '
                    f'{footing} | {here} |')
       if r['base_gap'] is not None:
-        total += 1
+        t['total'] += 1
         for k, key in ((0, 'base_gap'), (k1, f'wider{k1}_gap'), (k2, f'wider{k2}_gap')):
-          tally[k] += r[key] is not None and r[key] <= 0.01
-  lines += ['', f'Within 1% of the sweep\'s best (3-seed means), of {total} cell-starts: {name(0)} {tally[0]}, '
-            f'{name(k1)} {tally[k1]}, {name(k2)} {tally[k2]}.']
+          t[name(k)] += r[key] is not None and r[key] <= 0.01
+  for group, t in tallies.items():
+    where = ' on the held-out corpus' if group == 'heldout' else ''
+    lines += ['', f'Within 1% of the sweep\'s best (3-seed means){where}, of {t["total"]} cell-starts: '
+              + ', '.join(f'{name(k)} {t[name(k)]}' for k in (0,) + EXTRA) + '.']
+  done = checks(quick, out_dir)
+  if done:
+    lines += ['', f'Checked (`--check`): a real bracket with the widest rung trained in full equals its composition bit for bit '
+              f'(kept LR and final metric) in {sum(c["equal"] for c in done)} of {len(done)}: ' + '; '.join(
+                  f'{c["cell"]} from {c["start"]}, seed {c["seed"]} (rungs {c["rungs"]}): kept '
+                  f'{c["bracket"]["kept_lr"]:.4g}, final {c["bracket"]["final_metric"]:.6g}' for c in done) + '.']
   os.makedirs(out_dir, exist_ok=True)
   records.write_json(os.path.join(out_dir, 'wider_rung.json'),
-                     {'rows': rows, 'tally': {'total': total, **{name(k): v for k, v in tally.items()}},
+                     {'rows': rows, 'tally': tallies,
                       'compute_runs': {name(k): v for k, v in c.items()}}, indent=1)
   md = os.path.join(out_dir, 'wider_rung.md')
   with open(md, 'w', encoding='utf-8') as f:
@@ -338,7 +369,8 @@ def main(argv=None):
     for start in ['best'] if args.quick else TRAIN_ORDER:
       for cell in cells:
         train_start(cell, start, seeds, args.quick, work_root)
-  rows = {c: cell_rows(c, args.quick, work_root) for c in ([QUICK_CELL] if args.quick else bracket_mode.CELLS)}
+  rows = {c: cell_rows(c, args.quick, work_root)
+          for c in ([QUICK_CELL] if args.quick else bracket_mode.CELLS + bracket_mode.HELDOUT_CELLS)}
   md = write_report(work_root if args.quick else os.path.join(REPO, 'results'), {c: r for c, r in rows.items() if r},
                     args.quick)
   with open(md, encoding='utf-8') as f:
