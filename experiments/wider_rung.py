@@ -242,6 +242,19 @@ def _mean(values: list) -> float | None:
   return None if not values or any(v is None for v in values) else float(np.mean(values))
 
 
+def paired_final(seed: dict, k: int) -> float | None:
+  """A wider bracket's final metric on the committed record's footing: its own where its kept point is the
+  record's or its probes reproduce the record; else the record's plus the difference of the two points' ends, both
+  trained here (one CPU, one checkpoint), so that another CPU's rounding (about as large as the seed's noise over a
+  run) does not enter the gap."""
+  w = seed['wider'][str(k)]
+  if w['kept_lr'] == seed['kept_lr'] or seed['reproduced']:
+    return w['final_metric']
+  if None in (w['final_metric'], seed['final_metric'], seed['kept_end_here']):
+    return None
+  return seed['final_metric'] + w['final_metric'] - seed['kept_end_here']
+
+
 def cell_rows(cell: str, quick: bool, work_root: str) -> dict:
   """Per start (3 seeds composed): the 3-seed mean final of the committed bracket and of each wider one, their
   gaps to the sweep's best, and per seed the kept points and whether the kept point changed."""
@@ -255,7 +268,7 @@ def cell_rows(cell: str, quick: bool, work_root: str) -> dict:
     row = {'seeds': seeds, 'sweep_best': best, 'base': _mean([s['final_metric'] for s in seeds])}
     row['base_gap'] = gap(row['base'])
     for k in EXTRA:
-      finals = [s['wider'][str(k)]['final_metric'] for s in seeds]
+      finals = [paired_final(s, k) for s in seeds]
       row[f'wider{k}'] = _mean(finals)
       row[f'wider{k}_gap'] = gap(row[f'wider{k}'])
       row[f'wider{k}_changed'] = sum(s['wider'][str(k)]['kept_lr'] != s['kept_lr'] for s in seeds)
@@ -282,8 +295,10 @@ def write_report(out_dir: str, rows: dict, quick: bool) -> str:
            'committed records plus the points the first rung ranked next, trained to the last '
            'rung and, where one then beats the kept point, to the end. Gaps are 3-seed means against the sweep\'s best '
            '3-seed mean. "Changed": seeds whose kept point moved. "Footing": "here" where a probe\'s first-rung loss is '
-           'not the record\'s bit for bit (the kept point is then retrained to the last rung here, and to the end where '
-           'it is replaced: that end is the "kept, here" figure). The reading is in `experiments/workloads_discussion.md` '
+           'not the record\'s bit for bit (a record made on another CPU; fine-tuning\'s pretrained checkpoint, retrained '
+           'here): the kept point is then retrained to the last rung here, and where it is replaced, to the end too, '
+           'and the new point\'s final enters as the record\'s plus the difference of the two ends trained here (the '
+           'last column: the kept point\'s end as recorded and as trained here). The reading is in `experiments/workloads_discussion.md` '
            '(twenty-second pass).', '']
   header = [f'| cell | start | sweep best | {name(0)} gap | {name(k1)} gap (changed) | {name(k2)} gap (changed) | {name(k2)} kept (x best), '
            'per seed | footing | kept point\'s end: record / here, where replaced |',

@@ -77,3 +77,12 @@ def test_committed_records_compose_from_their_probes():
               assert got['final_metric'] == json.load(f)['final_metric']
         n += 1
   assert n >= 36
+
+
+def test_a_replaced_point_enters_on_the_records_footing():
+  seed = {'kept_lr': 0.4, 'final_metric': 2.0, 'reproduced': False, 'kept_end_here': 1.9,
+          'wider': {'1': {'kept_lr': 0.4, 'final_metric': 2.0}, '2': {'kept_lr': 0.2, 'final_metric': 1.85}}}
+  assert exp.paired_final(seed, 1) == 2.0  # unchanged: the record's own
+  assert abs(exp.paired_final(seed, 2) - (2.0 - 0.05)) < 1e-12  # the record's + (new end - kept end), both here
+  seed['reproduced'] = True  # one footing already: the new point's own end
+  assert exp.paired_final(seed, 2) == 1.85
