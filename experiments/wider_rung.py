@@ -300,7 +300,7 @@ def write_report(out_dir: str, rows: dict, quick: bool) -> str:
            'and the new point\'s final enters as the record\'s plus the difference of the two ends trained here (the '
            'last column: the kept point\'s end as recorded and as trained here). The reading is in `experiments/workloads_discussion.md` '
            '(twenty-second pass).', '']
-  header = [f'| cell | start | sweep best | {name(0)} gap | {name(k1)} gap (changed) | {name(k2)} gap (changed) | {name(k2)} kept (x best), '
+  header = [f'| cell | start | sweep best | {name(0)} gap | {name(k1)} gap (changed) | {name(k2)} gap (changed) | {name(k2)} kept (x the sweep\'s first-seed best), '
            'per seed | footing | kept point\'s end: record / here, where replaced |',
             '|---|---|---|---|---|---|---|---|---|']
   lines += header
