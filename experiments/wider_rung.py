@@ -104,12 +104,13 @@ def _scratch(cell: str, start: str, seed: int, lr: float, what: str, work_root: 
   return os.path.join(work_root, 'wider_rung', workload, f'steps{steps}', f'{optim}_{start}_s{seed}_{what}_lr{lr:.6g}')
 
 
-def probe(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: str) -> dict:
-  """The bracket's point at ``lr`` trained to its last rung, with its loss at every rung (cached)."""
+def probe(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: str, train: bool = True) -> dict | None:
+  """The bracket's point at ``lr`` trained to its last rung, with its loss at every rung (cached; None where it is
+  not recorded and ``train`` is off)."""
   from hdet_jax.trainer import bracket, config_lib
   path = probe_path(cell, start, seed, lr, quick, work_root)
   got = _load(path)
-  if got is not None:
+  if got is not None or not train:
     return got
   straddle = _straddle_probe(cell, start, seed, lr, quick, work_root)
   if straddle is not None:  # (its probe of the same point: reused, marked)
@@ -128,18 +129,19 @@ def probe(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: s
   return got
 
 
-def end(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: str) -> float | None:
-  """The bracket's point at ``lr`` trained to the end, as the bracket trains its winner (cached)."""
+def end(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: str, train: bool = True) -> dict | None:
+  """The bracket's point at ``lr`` trained to the end, as the bracket trains its winner: its record (cached; None
+  where it is not recorded and ``train`` is off)."""
   path = end_path(cell, start, seed, lr, quick, work_root)
   got = _load(path)
-  if got is None:
+  if got is None and train:
     config = config_for(cell, start, seed, quick, work_root)
     workdir = _scratch(cell, start, seed, lr, 'end', work_root)
     summary = bracket_straddle._train_point(config, lr, 0, workdir)
     got = {'cell': cell, 'start': start, 'seed': seed, 'lr': lr, 'final_metric': records.finite_or_none(summary['final_metric'])}
     records.write_json(path, got, indent=1)
     shutil.rmtree(workdir, ignore_errors=True)
-  return got['final_metric']
+  return got
 
 
 def compose(cell: str, start: str, seed: int, quick: bool, work_root: str, train: bool) -> dict | None:
@@ -156,51 +158,50 @@ def compose(cell: str, start: str, seed: int, quick: bool, work_root: str, train
     if _key({lr: first}, lr)[0] == math.inf:  # (it diverged by the first rung: inf at every later one, untrained)
       last[lr] = math.inf
       continue
-    if not train and _load(probe_path(cell, start, seed, lr, quick, work_root)) is None:
+    p = probe(cell, start, seed, lr, quick, work_root, train)
+    if p is None:
       return None
-    p = probe(cell, start, seed, lr, quick, work_root)
     last[lr] = p['losses'][-1]
     reproduced &= p['losses'][0] == first
   if not reproduced:  # (the kept point's last rung on the probes' footing: this CPU)
-    if not train and _load(probe_path(cell, start, seed, kept, quick, work_root)) is None:
+    p = probe(cell, start, seed, kept, quick, work_root, train)
+    if p is None:
       return None
-    last[kept] = probe(cell, start, seed, kept, quick, work_root)['losses'][-1]
+    last[kept] = p['losses'][-1]
   out = {'cell': cell, 'start': start, 'seed': seed, 'anchor_lr': rec['anchor_lr'], 'kept_lr': kept,
          'final_metric': rec['final_metric'], 'extras': extras, 'last_rung': {f'{lr:.6g}': v for lr, v in last.items()},
          'reproduced': reproduced, 'wider': {}}
   for k in EXTRA:
     pool = [kept] + extras[:k]
     winner = min(pool, key=lambda lr: _key(last, lr))
-    if winner == kept:
-      final = rec['final_metric']
-    elif train or _load(end_path(cell, start, seed, winner, quick, work_root)) is not None:
-      final = end(cell, start, seed, winner, quick, work_root)
-    else:
+    e = {'final_metric': rec['final_metric']} if winner == kept else end(cell, start, seed, winner, quick, work_root, train)
+    if e is None:
       return None
-    out['wider'][str(k)] = {'kept_lr': winner, 'final_metric': final}
+    out['wider'][str(k)] = {'kept_lr': winner, 'final_metric': e['final_metric']}
   if not reproduced and any(w['kept_lr'] != kept for w in out['wider'].values()):
     # (the kept point's end on the same footing as the new winner's: both trained here)
-    if not train and _load(end_path(cell, start, seed, kept, quick, work_root)) is None:
+    e = end(cell, start, seed, kept, quick, work_root, train)
+    if e is None:
       return None
-    out['kept_end_here'] = end(cell, start, seed, kept, quick, work_root)
+    out['kept_end_here'] = e['final_metric']
   return out
 
 
+def wider_rungs(k: int, quick: bool) -> list[tuple[float, int]]:
+  """The bracket's rungs with the first keeping ``k`` more."""
+  from hdet_jax.trainer import config_lib
+  (fraction, kept), *rest = config_lib.bracket_rungs(bracket_fields(quick)['bracket.rungs'])
+  return [(fraction, kept + k)] + rest
+
+
 def compute_runs(cell: str, k: int, quick: bool) -> float:
-  from hdet_jax.trainer import bracket, config_lib
-  b = bracket_fields(quick)
-  rungs = config_lib.bracket_rungs(b['bracket.rungs'])
-  rungs = [(rungs[0][0], rungs[0][1] + k)] + rungs[1:]
-  return bracket.compute_runs(b['bracket.points'], rungs, bracket_mode.parse_cell(cell)[1])
+  from hdet_jax.trainer import bracket
+  return bracket.compute_runs(bracket_fields(quick)['bracket.points'], wider_rungs(k, quick), bracket_mode.parse_cell(cell)[1])
 
 
 def rungs_text(k: int, quick: bool) -> str:
   """The wider bracket's ``bracket.rungs``."""
-  from hdet_jax.trainer import config_lib
-  b = bracket_fields(quick)
-  rungs = config_lib.bracket_rungs(b['bracket.rungs'])
-  rungs = [(rungs[0][0], rungs[0][1] + k)] + rungs[1:]
-  return ','.join(f'{f:g}:{n}' for f, n in rungs)
+  return ','.join(f'{f:g}:{n}' for f, n in wider_rungs(k, quick))
 
 
 def check(spec: str, quick: bool, work_root: str) -> dict:
@@ -280,6 +281,20 @@ def _pct(x) -> str:
   return '-' if x is None else f'{100 * x:+.1f}%'
 
 
+def _row_line(cell: str, start: str, r: dict) -> str:
+  """One cell-start's table row (``cell_rows``'s entry)."""
+  k1, k2 = EXTRA
+  seeds = r['seeds']
+  kept = ' / '.join(f'{s["wider"][str(k2)]["kept_lr"] / s["anchor_lr"]:.3g}' for s in seeds)
+  footing = 'record' if all(s['reproduced'] for s in seeds) else 'here (' + ', '.join(
+      f's{s["seed"]}' for s in seeds if not s['reproduced']) + ')'
+  here = ', '.join(f's{s["seed"]} {s["final_metric"]:.4g} / {s["kept_end_here"]:.4g}' for s in seeds if 'kept_end_here' in s) or '-'
+  best = '-' if r['sweep_best'] is None else f'{r["sweep_best"]:.4g}'
+  return (f'| {cell} | {start} | {best} | {_pct(r["base_gap"])} | {_pct(r[f"wider{k1}_gap"])} '
+          f'({r[f"wider{k1}_changed"]}) | {_pct(r[f"wider{k2}_gap"])} ({r[f"wider{k2}_changed"]}) | {kept} | '
+          f'{footing} | {here} |')
+
+
 def write_report(out_dir: str, rows: dict, quick: bool) -> str:
   from hdet_jax.trainer import config_lib
   k1, k2 = EXTRA
@@ -313,15 +328,7 @@ def write_report(out_dir: str, rows: dict, quick: bool) -> str:
                 *header]
     t = tallies.setdefault(group, {'total': 0, **{name(k): 0 for k in (0,) + EXTRA}})
     for start, r in starts.items():
-      seeds = r['seeds']
-      kept = ' / '.join(f'{s["wider"][str(k2)]["kept_lr"] / s["anchor_lr"]:.3g}' for s in seeds)
-      footing = 'record' if all(s['reproduced'] for s in seeds) else 'here (' + ', '.join(
-          f's{s["seed"]}' for s in seeds if not s['reproduced']) + ')'
-      here = ', '.join(f's{s["seed"]} {s["final_metric"]:.4g} / {s["kept_end_here"]:.4g}' for s in seeds if 'kept_end_here' in s) or '-'
-      best = '-' if r['sweep_best'] is None else f'{r["sweep_best"]:.4g}'
-      lines.append(f'| {cell} | {start} | {best} | {_pct(r["base_gap"])} | {_pct(r[f"wider{k1}_gap"])} '
-                   f'({r[f"wider{k1}_changed"]}) | {_pct(r[f"wider{k2}_gap"])} ({r[f"wider{k2}_changed"]}) | {kept} | '
-                   f'{footing} | {here} |')
+      lines.append(_row_line(cell, start, r))
       if r['base_gap'] is not None:
         t['total'] += 1
         for k, key in ((0, 'base_gap'), (k1, f'wider{k1}_gap'), (k2, f'wider{k2}_gap')):
