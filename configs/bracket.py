@@ -1,11 +1,12 @@
 """python train.py --config configs/bracket.py --workdir workdirs/bracket
 
 An LR bracket on the main job's LM instead of one HDET run: 8 plain data-parallel runs at peak LRs a factor 2
-apart, centred on optim.max_lr (here 2.65e-3 to 0.34), trained on the same batches; at 0.1 of the run the 4 with
-the lowest training loss (mean of the 10 steps before) go on, at 0.3 the best of those runs to the end. 2.3 runs
-of compute (hdet_jax/trainer/bracket.py). Use it where the LR is unknown within about 10x either way and 2.3 runs
+apart, centred on optim.max_lr (here 2.65e-3 to 0.34), trained on the same batches; at 0.1 of the run the 5 with
+the lowest training loss (mean of the 10 steps before) go on, at 0.3 the best of those runs to the end. 2.5 runs
+of compute (hdet_jax/trainer/bracket.py). Use it where the LR is unknown within about 10x either way and 2.5 runs
 are affordable: one HDET run's controller does not find the sweep's best from every start
-(experiments/workloads_discussion.md); this mode's own runs against the sweep are in results/bracket_mode.md.
+(experiments/workloads_discussion.md); this mode's own runs against the sweep are in results/bracket_mode.md
+(rungs '0.1:4,0.3:1', 2.3 runs) and results/wider_rung.md (these rungs).
 """
 
 from hdet_jax.trainer.config_lib import sibling

@@ -101,7 +101,7 @@ def run_key(config) -> dict:
   """The fields a cached record must match: the training fields, less the warm start's (machine's) path."""
   from hdet_jax.trainer import config_lib
   flat = config_lib.resolved(config_lib.flatten(json.loads(config.to_json())))
-  return {k: v for k, v in flat.items() if k not in config_lib.RUN_FIELDS and k != 'init_from'}
+  return {k: v for k, v in flat.items() if config_lib.defines_a_run(k) and k != 'init_from'}
 
 
 def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -> dict:

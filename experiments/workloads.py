@@ -175,9 +175,9 @@ def alias_quiet_run(cache: records.RunCache, name: str, config, sibling: str) ->
     return False
   new = json.loads(config.to_json())
   ours, theirs = config_lib.flatten(new), {**config_lib.QUIET_DEFAULTS, **config_lib.flatten(rec['config'])}
-  # (run fields, e.g. log_noise_scale, steer logging only: a record made before one existed still trains the same)
-  differ = {k for k in set(ours) | set(theirs)
-            if ours.get(k) != theirs.get(k) and k not in config_lib.RUN_FIELDS}
+  # (run fields, e.g. log_noise_scale, steer logging only, and a bracket's fields are not read by one run: a record
+  # made before one existed, or changed, still trains the same)
+  differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k) and config_lib.defines_a_run(k)}
   windows = differ & _WINDOW_FIELDS  # the same windows written another way (see record_variant)
   if windows and optimizer_lib.sync_windows(config) == optimizer_lib.sync_windows(
       config_lib.with_overrides(config, {k: theirs[k] for k in windows})):

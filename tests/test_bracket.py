@@ -86,7 +86,33 @@ def test_default_config_is_one_run_and_its_bracket_fields_stay_out_of_the_record
   config = tiny()
   assert config.bracket.points == 0
   config_lib.check_values(config)
-  assert not any(k.startswith('bracket.') for k in config_lib.training_fields(config, 8))
+  fields = config_lib.training_fields(config, 8)
+  assert not any(k.startswith('bracket.') for k in fields)
+  # A bracket's runs never read bracket.*: no value of them changes a run's identity (its resume, its records).
+  for over in ({'bracket.rungs': '0.1:4,0.3:1'}, {'bracket.points': 8}, {'bracket.factor': 4.0},
+               {'bracket.compare_steps': 3}):
+    assert config_lib.training_fields(tiny(**over), 8) == fields, over
+  assert config_lib.training_fields(tiny(**{'seed': 1}), 8) != fields
+
+
+def test_the_default_rungs_keep_5_then_1_for_2_5_runs():
+  """The default bracket (configs/bracket.py): 8 points, 5 kept at 0.1 of the run, 1 at 0.3: 0.8 + 1.0 + 0.7 runs."""
+  from trainer_testing import ROOT
+  config = config_lib.load_config_file(os.path.join(ROOT, 'configs', 'bracket.py'))
+  assert (config.bracket.points, config.bracket.factor) == (8, 2.0)
+  assert config_lib.bracket_rungs(config.bracket.rungs) == [(0.1, 5), (0.3, 1)]
+  assert bracket.compute_runs(8, config_lib.bracket_rungs(config.bracket.rungs), 1500) == pytest.approx(2.5)
+
+
+def test_a_workdir_whose_recorded_fields_hold_bracket_fields_still_resumes(tmp_path):
+  """A run written before bracket.* left a run's identity recorded them where not at their defaults."""
+  from hdet_jax.trainer import trainer as trainer_lib
+  fields = config_lib.training_fields(tiny(), 8)
+  old = {**fields, 'bracket.rungs': '0.1:5,0.3:1', 'bracket.factor': 4.0}
+  (tmp_path / 'config.json').write_text(json.dumps({'training_fields': old}))
+  assert trainer_lib._check_workdir(str(tmp_path), fields) is False  # (no checkpoints: nothing to resume yet)
+  with pytest.raises(ConfigError, match=r'different config \(seed: 0 -> 1\)'):
+    trainer_lib._check_workdir(str(tmp_path), config_lib.training_fields(tiny(seed=1), 8))
 
 
 def test_a_workdir_of_another_kind_is_refused_untouched(tmp_path):
@@ -145,7 +171,12 @@ def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path, monkeypa
   # Each point stopped where the bracket left it: the losers at their rung, the winner at the end.
   stopped = {lr: max(_train_losses(bracket._point_dir(str(tmp_path / 'b'), k, lr))) + 1 for k, lr in enumerate(lrs)}
   assert sorted(stopped.values()) == [4, 4, 8, 16]
-  # Rerun: resumes the finished bracket, trains nothing, reports the same.
+  # Rerun: resumes the finished bracket, trains nothing, reports the same; also where its record was written by a
+  # version that kept bracket.* among its runs' training fields.
+  path = tmp_path / 'b' / 'bracket.json'
+  old = json.load(open(path))
+  old['fields']['training'].update({'bracket.points': 4, 'bracket.factor': 8.0, 'bracket.rungs': '0.25:2,0.5:1'})
+  path.write_text(json.dumps(old))
   again = bracket.run_bracket(config, str(tmp_path / 'b'))
   assert again['bracket']['rungs'] == json.loads(json.dumps(state['rungs']))
   assert again['final_metric'] == summary['final_metric']

@@ -59,12 +59,20 @@ def test_quick_trains_a_bracket_and_reports_it(tmp_path):
 
 
 def test_the_lm_cell_from_the_best_is_configs_bracket_py():
-  """The report's LM row at 1500 steps from the best is what ``python train.py --config configs/bracket.py`` trains."""
+  """The report's LM row at 1500 steps from the best is what ``python train.py --config configs/bracket.py`` trains:
+  the same runs; the default rungs keep 5 at 0.1 where the report's kept 4, and on that cell the fifth point changed
+  no seed's kept run (results/wider_rung.json), so the same kept LR and final metric."""
   from hdet_jax.trainer import config_lib
   mine = config_lib.load_config_file(os.path.join(exp.REPO, 'configs', 'bracket.py'))
   theirs = exp.config_for('lm:1500:adamw', 'best', 0, False, '/unused')
   assert config_lib.training_fields(theirs, 8) == config_lib.training_fields(mine, 8)
   assert mine.optim.max_lr == exp.anchor_lr('lm:1500:adamw', False)
+  assert {**theirs.bracket.to_dict(), 'rungs': '0.1:5,0.3:1'} == mine.bracket.to_dict()
+  assert theirs.bracket.rungs == '0.1:4,0.3:1'
+  with open(os.path.join(exp.REPO, 'results', 'wider_rung.json'), encoding='utf-8') as f:
+    seeds = json.load(f)['rows']['lm:1500:adamw']['best']['seeds']
+  assert len(seeds) == 3 and all(s['wider']['1']['kept_lr'] == s['kept_lr'] for s in seeds)
+  assert all(s['wider']['1']['final_metric'] == s['final_metric'] for s in seeds)
 
 
 def test_heldout_cells_read_the_heldout_sweep_and_default_hdet():

@@ -12,7 +12,7 @@ the ``kept`` lowest go on (ties to the lower LR; a run that diverged, or whose l
 resumed bit for bit from its own checkpoint, and the last rung's one goes on to the end. Its schedule is its own from
 step 0, so the bracket's result is that of a plain run at the kept LR. Compute, in runs of the config:
 
-    points * f_1 + kept_1 * (f_2 - f_1) + ... + 1 * (1 - f_last)      (8 points, '0.1:4,0.3:1': 2.3 runs).
+    points * f_1 + kept_1 * (f_2 - f_1) + ... + 1 * (1 - f_last)      (8 points, '0.1:5,0.3:1': 2.5 runs).
 
 Why: one HDET run's comparisons, on the shared gradient, rank points of one line and follow the start, not the
 sweep's best; runs apart at the full batch, compared at a fifth to a third of the run, kept a run within 1% of the
@@ -108,6 +108,8 @@ def _load_state(workdir: str, fields: dict) -> dict | None:
   if os.path.exists(path):
     with open(path, encoding='utf-8') as f:
       state = json.load(f)
+    state['fields']['training'] = {k: v for k, v in state['fields']['training'].items()  # (see trainer._check_workdir)
+                                   if config_lib.defines_a_run(k)}
     if state['fields'] != fields:
       diff = config_lib.differences(config_lib.flatten(state['fields']), config_lib.flatten(fields))
       raise ConfigError(f'workdir {workdir} holds an LR bracket of a different config ({diff}); rerun with the same '

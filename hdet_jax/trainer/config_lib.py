@@ -28,7 +28,8 @@ QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0,
                   'hdet.score_anneal': 0.0, 'hdet.fan': 'linear', 'optim.runtime_lr_scale': False,
                   'deterministic_gpu': True,  # (no effect without CUDA, where every record so far was made)
-                  # The LR bracket's fields (hdet_jax.trainer.bracket): its runs are one-run configs with points 0.
+                  # The LR bracket's fields (hdet_jax.trainer.bracket), as records made before it existed would
+                  # read (its rungs' default until 8-5-1): outside every run's training fields (defines_a_run).
                   'bracket.points': 0, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10}
 
 
@@ -143,9 +144,15 @@ def resolved(flat: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def defines_a_run(field: str) -> bool:
+  """Whether a (dotted) field can change one run's trajectory: not a run field, not the LR bracket's (a bracket's
+  runs are one-run configs that never read ``bracket.*``; ``bracket.json`` records the bracket's own fields)."""
+  return field not in RUN_FIELDS and not field.startswith('bracket.')
+
+
 def training_fields(config: Any, num_replicas: int) -> dict[str, Any]:
   """The fields that define the trajectory (JSON-normalised), with N and the fields left at None resolved."""
-  flat = {k: v for k, v in resolved(flatten(config)).items() if k not in RUN_FIELDS}
+  flat = {k: v for k, v in resolved(flatten(config)).items() if defines_a_run(k)}
   flat = {k: v for k, v in flat.items() if k not in QUIET_DEFAULTS or v != QUIET_DEFAULTS[k]}
   flat['hdet.num_replicas'] = int(num_replicas)
   return json.loads(json.dumps(flat, default=str))
