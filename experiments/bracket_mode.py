@@ -6,7 +6,8 @@ its points were the sweep's grid. Here the mode trains its own: 8 plain runs a f
 10x below, at, or 10x above the one-cycle sweep's best peak LR (the first seed's, as the default HDET's starts), so
 its points are not the sweep's (from 10x low they reach 1.13x the best; from the best 0.088-11.3x; from 10x high
 0.88-113x), halved at 0.1 (4 kept) and 0.3 (1 kept) of the run, ranked by the mean training loss of the 10 steps
-before. 2.3 runs of compute. Each bracket's final metric is compared, as 3-seed means, with the sweep's best
+before. 2.3 runs of compute. (``configs/bracket.py``'s rungs then; since the twenty-third pass it keeps 5 at 0.1,
+whose brackets ``experiments.wider_rung`` composes from these.) Each bracket's final metric is compared, as 3-seed means, with the sweep's best
 3-seed mean and with the default HDET's from the same start (``results/workloads.json``).
 
     python -m experiments.bracket_mode                  # train what is missing (cached, resumable), then report

@@ -6,7 +6,8 @@ layers, 1.8M parameters; the same batch and 1500 steps) trained on the held-out 
 (``experiments.heldout_corpus``, where the small LM's sweep, default HDET and bracket are measured:
 ``results/heldout/autolr.md``, ``results/bracket_mode.md``): the plain one-cycle sweep (8 peak LRs a factor 2
 apart), then from 10x below, at and 10x above the sweep's best the default HDET run (``configs/default.py``) and the
-LR bracket (``configs/bracket.py``'s fields: 8 plain runs a factor 2 apart, halved at 0.1 and 0.3 of the run).
+LR bracket (``bracket_mode.BRACKET``: 8 plain runs a factor 2 apart, 4 kept at 0.1 of the run and 1 at 0.3, the
+default then; ``configs/bracket.py`` now keeps 5 at 0.1).
 One seed: the LM's sweep repeats to about 0.3% across seeds at the small size on the KJV (``results/workloads.md``),
 to 0.4-1.8% on this corpus (``results/heldout/autolr.md``); here that is not measured.
 
