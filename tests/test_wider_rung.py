@@ -5,6 +5,7 @@ import math
 import os
 
 import numpy as np
+import pytest
 
 from experiments import bracket_mode
 from experiments import wider_rung as exp
@@ -86,3 +87,23 @@ def test_a_replaced_point_enters_on_the_records_footing():
   assert abs(exp.paired_final(seed, 2) - (2.0 - 0.05)) < 1e-12  # the record's + (new end - kept end), both here
   seed['reproduced'] = True  # one footing already: the new point's own end
   assert exp.paired_final(seed, 2) == 1.85
+
+
+def test_the_default_bracket_is_ahead_of_every_lr_free_peer_from_every_start():
+  """Where the LR-free peers were run (AdamW at each workload's default length, 3 seeds: results/workloads.json),
+  the default bracket (8-5-1, results/wider_rung.json) ends below every peer's 3-seed mean from every start."""
+  with open(os.path.join(exp.REPO, 'results', 'workloads.json'), encoding='utf-8') as f:
+    sweeps = json.load(f)
+  with open(os.path.join(exp.REPO, 'results', 'wider_rung.json'), encoding='utf-8') as f:
+    rows = json.load(f)['rows']
+  cells = [(w, s) for w in sweeps for s in sweeps[w] if sweeps[w][s]['adamw']['peers']]
+  assert sorted(cells) == [('finetune', '300'), ('lm', '1500'), ('mnist1d', '1000')]
+  for w, s in cells:
+    peers = sweeps[w][s]['adamw']['peers']
+    best_peer = min(p['value'] for p in peers.values())
+    for start in ('low', 'best', 'high'):
+      row = rows[f'{w}:{s}:adamw'][start]
+      # the 3-seed mean of the kept runs' finals, from the seeds (on the record's footing: exp.paired_final)
+      mean = float(np.mean([exp.paired_final(seed, 1) for seed in row['seeds']]))
+      assert mean == pytest.approx(row['wider1'], rel=1e-12)
+      assert mean < best_peer, (w, s, start, mean, best_peer)
