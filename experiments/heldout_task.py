@@ -23,8 +23,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
-import time
 
 import numpy as np
 
@@ -101,23 +99,11 @@ def config_for(name: str, quick: bool, work_root: str, lr: float | None = None):
 
 def train(name: str, quick: bool, work_root: str, lr: float | None = None) -> dict:
   """One run or bracket, in this process (cached); its record."""
-  from hdet_jax import trainer
-  from hdet_jax.trainer import bracket
   rec = load(name, quick, work_root)
   if rec is not None:
     return rec
-  config = config_for(name, quick, work_root, lr)
-  trainer.setup_jax(config)
   workdir = os.path.join(work_root, 'runs', name)
-  t0 = time.time()
-  summary = (bracket.run_bracket if name.startswith('bracket') else trainer.train_and_evaluate)(config, workdir)
-  if summary['preempted']:
-    sys.exit(143)
-  rec = {'name': name, 'lr': config.optim.max_lr, 'final_metric': records.finite_or_none(summary['final_metric']),
-         'diverged_at': summary['diverged_at'], 'wall_s': time.time() - t0, 'num_params': summary['num_params']}
-  if 'bracket' in summary:
-    rec.update(kept_lr=summary['bracket']['winner']['lr'], lrs=summary['bracket']['lrs'],
-               rungs=summary['bracket']['rungs'])
+  rec = records.train_run(name, config_for(name, quick, work_root, lr), workdir)
   records.write_json(record_path(name, quick, work_root), rec, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   return rec
@@ -128,7 +114,8 @@ def narrower_kept(rec: dict) -> float:
   ranked again by their losses at the last (``bracket.survivors``, as the bracket ranks)."""
   from hdet_jax.trainer import bracket
   first, last = rec['rungs'][0], rec['rungs'][-1]
-  fewer = bracket.survivors({float(k): v for k, v in first['losses'].items()}, len(first['kept']) - 1)
+  # (the rungs' keys are the LRs to 6 digits: the points' own LRs are the record's, exactly)
+  fewer = bracket.survivors({lr: first['losses'][f'{lr:.6g}'] for lr in rec['lrs']}, len(first['kept']) - 1)
   (kept,) = bracket.survivors({lr: last['losses'][f'{lr:.6g}'] for lr in fewer}, 1)
   return kept
 

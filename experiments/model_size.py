@@ -131,23 +131,12 @@ def config_for(name: str, quick: bool, work_root: str):
 def train_job(name: str, quick: bool, work_root: str) -> dict:
   """One run (or one bracket), in this process; its record."""
   import jax
-  from hdet_jax import trainer
-  from hdet_jax.trainer import bracket
   path = os.path.join(record_dir(quick, work_root), name + '.json')
   if os.path.exists(path):
     return load(name, quick, work_root)
-  config = config_for(name, quick, work_root)
-  trainer.setup_jax(config)
   workdir = os.path.join(work_root, 'runs', name)
-  t0 = time.time()
-  summary = (bracket.run_bracket if name.startswith('bracket') else trainer.train_and_evaluate)(config, workdir)
-  if summary['preempted']:
-    sys.exit(143)
-  rec = {'name': name, 'lr': config.optim.max_lr, 'final_metric': records.finite_or_none(summary['final_metric']),
-         'diverged_at': summary['diverged_at'], 'wall_s': time.time() - t0, 'num_params': summary['num_params'],
-         'device': f'{jax.devices()[0].device_kind} x{jax.device_count()}'}
-  if 'bracket' in summary:
-    rec['kept_lr'], rec['rungs'] = summary['bracket']['winner']['lr'], summary['bracket']['rungs']
+  rec = records.train_run(name, config_for(name, quick, work_root), workdir)
+  rec['device'] = f'{jax.devices()[0].device_kind} x{jax.device_count()}'
   records.write_json(path, rec, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   return rec

@@ -42,6 +42,25 @@ def write_json(path: str, obj: Any, **dump_kwargs) -> None:
   trainer.write_json_atomic(path, obj, **dump_kwargs)
 
 
+def train_run(name: str, config: Any, workdir: str) -> dict:
+  """Trains ``config`` in ``workdir``, in this process (an LR bracket where ``config.bracket.points`` > 0); the
+  record's common fields: name, peak LR, final metric (None: not finite), divergence, wall seconds, parameters, and a
+  bracket's LRs, rungs and kept LR. A preempted run exits with status 143 (rerunning resumes it)."""
+  from hdet_jax import trainer
+  from hdet_jax.trainer import bracket
+  trainer.setup_jax(config)
+  t0 = time.time()
+  summary = (bracket.run_bracket if config.bracket.points else trainer.train_and_evaluate)(config, workdir)
+  if summary['preempted']:
+    sys.exit(143)
+  rec = {'name': name, 'lr': config.optim.max_lr, 'final_metric': finite_or_none(summary['final_metric']),
+         'diverged_at': summary['diverged_at'], 'wall_s': time.time() - t0, 'num_params': summary['num_params']}
+  if 'bracket' in summary:
+    rec.update(kept_lr=summary['bracket']['winner']['lr'], lrs=summary['bracket']['lrs'],
+               rungs=summary['bracket']['rungs'])
+  return rec
+
+
 def write_report(out_dir: str, stem: str, results: dict, lines: list[str]) -> list[str]:
   """An experiment's report: ``results`` as ``out_dir/stem.json`` and ``lines`` as ``out_dir/stem.md``; their paths."""
   os.makedirs(out_dir, exist_ok=True)

@@ -19,12 +19,15 @@ def test_the_pinned_bracket_is_the_default_one():
 
 
 def test_the_narrower_bracket_ranks_the_first_rungs_best_again_at_the_last():
-  rec = {'kept_lr': 0.4, 'rungs': [
-      {'losses': {'0.1': 3.0, '0.2': 1.0, '0.4': 2.0, '0.8': 1.5, '1.6': 9.0}, 'kept': [0.2, 0.4, 0.8]},
-      {'losses': {'0.2': 0.9, '0.4': 0.5, '0.8': 0.7}, 'kept': [0.4]}]}
-  assert exp.narrower_kept(rec) == 0.8  # 0.4 (third at the first rung) is out; of 0.2 and 0.8, 0.8 leads at the last
-  rec['rungs'][1]['losses']['0.2'] = 0.6
-  assert exp.narrower_kept(rec) == 0.2
+  lrs = [0.03 * 2.0 ** (k - 2.5) for k in range(5)]  # 0.0053033..., 0.0106066..., ...: not 6-digit numbers
+  key = lambda k: f'{lrs[k]:.6g}'
+  rec = {'lrs': lrs, 'kept_lr': lrs[2], 'rungs': [
+      {'losses': {key(0): 3.0, key(1): 1.0, key(2): 2.0, key(3): 1.5, key(4): 9.0}, 'kept': [lrs[1], lrs[2], lrs[3]]},
+      {'losses': {key(1): 0.9, key(2): 0.5, key(3): 0.7}, 'kept': [lrs[2]]}]}
+  # lrs[2] (third at the first rung) is out; of lrs[1] and lrs[3], lrs[3] leads at the last: the record's LR, exactly
+  assert exp.narrower_kept(rec) == lrs[3]
+  rec['rungs'][1]['losses'][key(1)] = 0.6
+  assert exp.narrower_kept(rec) == lrs[1]
 
 
 def test_quick_trains_the_sweep_hdet_and_the_bracket_and_reads_the_narrower_one(tmp_path):
