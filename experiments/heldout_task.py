@@ -82,13 +82,15 @@ def anchor_lr(quick: bool, work_root: str) -> float | None:
 
 def config_for(name: str, quick: bool, work_root: str, lr: float | None = None):
   """A run's config: ``grid_lr<lr>_s<seed>``, ``hdet_<start>_s<seed>``, ``bracket_<start>_s<seed>``, or the narrower
-  bracket's kept run ``end_lr<lr>_s<seed>`` (``lr`` given: that point of the bracket, trained to the end)."""
+  bracket's kept run ``end_lr<lr>_at_<start>_s<seed>`` (``lr`` given, exactly: that point of the bracket, trained to
+  the end)."""
   from hdet_jax.trainer import bracket, config_lib
   kind, rest = name.split('_', 1)
   tag, seed = rest.rsplit('_s', 1)
   seed, p, c = int(seed), plan(quick), base_config(quick)
   if kind == 'grid':
-    return config_lib.with_overrides(c, autolr.run_overrides('grid', OPTIM, float(tag[2:]), seed, p['steps']))
+    lr = {records.lr_tag(x, 4): x for x in p['grid']}[tag[2:]]  # (the grid's own LR, not its name's digits)
+    return config_lib.with_overrides(c, autolr.run_overrides('grid', OPTIM, lr, seed, p['steps']))
   if kind == 'hdet':  # configs/mnist1d.py's HDET as it stands: only the peak LR and the seed set here
     return config_lib.with_overrides(c, {'seed': seed, 'optim.max_lr': anchor_lr(quick, work_root) * STARTS[tag]})
   start = tag if kind == 'bracket' else tag.split('_at_')[1]
@@ -126,7 +128,7 @@ def narrower_final(start: str, seed: int, quick: bool, work_root: str, train_mis
   if rec is None:
     return None
   lr = narrower_kept(rec)
-  if np.isclose(lr, rec['kept_lr'], rtol=1e-12):
+  if lr == rec['kept_lr']:
     return rec['final_metric']
   name = f'end_lr{records.lr_tag(lr, 6)}_at_{start}_s{seed}'
   end = train(name, quick, work_root, lr) if train_missing else load(name, quick, work_root)
