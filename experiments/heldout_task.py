@@ -1,18 +1,20 @@
-"""A classifier size and a data draw no default was chosen on: mnist1d's CNN at 64 channels on a fresh MNIST-1D.
+"""Classifier sizes, data draws and run lengths no default was chosen on: mnist1d's CNN, wider and narrower.
 
 The defaults (the HDET controller's, the LR bracket's rungs, '0.1:5,0.3:1' since the twenty-third pass) were chosen
 on the 120k-parameter LM, mnist1d's 25-channel CNN (5.2k parameters) on MNIST-1D's dataset seed 42, and the
-fine-tuning task (``results/workloads.md``, ``results/wider_rung.md``). This checks them where none of that holds:
-the CNN at 64 channels (28k parameters) on another draw of the dataset (``data.dataset_seed`` 7), 1000 steps, AdamW,
-3 seeds. The plain one-cycle sweep (8 peak LRs a factor 2 apart, as mnist1d's), then from 10x below, at and 10x
-above its first seed's best (as every other check's starts) the default HDET run (``configs/mnist1d.py``) and the
-default LR bracket (``configs/default.py``'s ``bracket.*``). The bracket that kept 4 at 0.1 of the run is read from
-the same brackets (its runs are the same: the 4 best at 0.1, ranked again at 0.3), its kept run trained to the end
-where it differs.
+fine-tuning task (``results/workloads.md``, ``results/wider_rung.md``). Each check here changes the CNN's width,
+the data's draw and the run's length at once (:data:`CHECKS`): ``wide``, 64 channels (28k parameters) on dataset
+seed 7 for 1000 steps; ``narrow``, 16 channels on dataset seed 11 for 500 steps. AdamW, 3 seeds. The plain one-cycle
+sweep (8 peak LRs a factor 2 apart, as mnist1d's), then from 10x below, at and 10x above its first seed's best (as
+every other check's starts) the default HDET run (``configs/mnist1d.py``) and the default LR bracket
+(``configs/default.py``'s ``bracket.*``). The bracket that kept 4 at 0.1 of the run is read from the same brackets
+(its runs are the same: the 4 best at 0.1, ranked again at 0.3), its kept run trained to the end where it differs.
 
-Each run is one record (``results/heldout_task/runs/<name>.json``: cached; a rerun trains only what is missing).
+Each run is one record (``results/heldout_task/runs/<check>/<name>.json``: cached; a rerun trains only what is
+missing).
 
     python -m experiments.heldout_task                  # train what is missing (about 20 min here), then report
+    python -m experiments.heldout_task --checks narrow  # one check
     python -m experiments.heldout_task --report-only
     python -m experiments.heldout_task --quick          # a smoke run: the tiny CNN, 2 grid points, the best start
 """
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,80 +36,94 @@ from experiments import workloads
 from experiments import wider_rung
 
 REPO = autolr.REPO
-VARIANT = {'model.channels': 64, 'data.dataset_seed': 7}
-STEPS, OPTIM, SEEDS = 1000, 'adamw', (0, 1, 2)
+# name: (overrides of configs/mnist1d.py, steps). Each changes the model, the data and the length at once.
+CHECKS = {'wide': ({'model.channels': 64, 'data.dataset_seed': 7}, 1000),
+          'narrow': ({'model.channels': 16, 'data.dataset_seed': 11}, 500)}
+OPTIM, SEEDS = 'adamw', (0, 1, 2)
 STARTS = bracket_mode.STARTS
 # configs/default.py's bracket, pinned so that the records stay this bracket's (tests/test_heldout_task.py checks
 # that it is the default).
 BRACKET = {'bracket.points': 8, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:5,0.3:1', 'bracket.compare_steps': 10}
 
 
-def plan(quick: bool) -> dict:
-  """What the check trains: the grid, seeds, starts and bracket (quick: a smoke run's)."""
-  if quick:
+class Site(NamedTuple):
+  """Where one check's runs live: the check, a quick smoke run or the full one, the workdir root."""
+  check: str
+  quick: bool
+  work_root: str
+
+
+def plan(site: Site) -> dict:
+  """What the check trains: the grid, seeds, starts, bracket and steps (quick: a smoke run's)."""
+  if site.quick:
     return {'grid': autolr.QUICK_GRIDS[OPTIM], 'seeds': (0,), 'starts': ('best',),
             'bracket': wider_rung.QUICK_BRACKET, 'steps': 16}
-  return {'grid': autolr.GRIDS[OPTIM], 'seeds': SEEDS, 'starts': tuple(STARTS), 'bracket': BRACKET, 'steps': STEPS}
+  return {'grid': autolr.GRIDS[OPTIM], 'seeds': SEEDS, 'starts': tuple(STARTS), 'bracket': BRACKET,
+          'steps': CHECKS[site.check][1]}
 
 
-def record_path(name: str, quick: bool, work_root: str) -> str:
-  root = os.path.join(work_root, 'records') if quick else os.path.join(REPO, 'results', 'heldout_task', 'runs')
-  return os.path.join(root, name + '.json')
+def record_path(name: str, site: Site) -> str:
+  root = (os.path.join(site.work_root, 'records') if site.quick
+          else os.path.join(REPO, 'results', 'heldout_task', 'runs'))
+  return os.path.join(root, site.check, name + '.json')
 
 
-def load(name: str, quick: bool, work_root: str) -> dict | None:
-  path = record_path(name, quick, work_root)
+def load(name: str, site: Site) -> dict | None:
+  path = record_path(name, site)
   if not os.path.exists(path):
     return None
   with open(path, encoding='utf-8') as f:
     return json.load(f)
 
 
-def base_config(quick: bool):
+def base_config(site: Site):
+  """configs/mnist1d.py with the check's overrides (quick: the tiny CNN, on the check's data draw)."""
   from hdet_jax.trainer import config_lib
-  c = workloads.base_config('mnist1d', plan(quick)['steps'], quick)
-  return config_lib.with_overrides(c, {'data.dataset_seed': VARIANT['data.dataset_seed']} if quick else VARIANT)
+  c = workloads.base_config('mnist1d', plan(site)['steps'], site.quick)
+  overrides = CHECKS[site.check][0]
+  return config_lib.with_overrides(c, {'data.dataset_seed': overrides['data.dataset_seed']} if site.quick
+                                   else overrides)
 
 
 def grid_name(lr: float, seed: int) -> str:
   return f'grid_lr{records.lr_tag(lr, 4)}_s{seed}'
 
 
-def anchor_lr(quick: bool, work_root: str) -> float | None:
+def anchor_lr(site: Site) -> float | None:
   """The first seed's sweep best (None: its sweep is incomplete): the starts' reference, as in bracket_mode."""
-  recs = [load(grid_name(lr, plan(quick)['seeds'][0]), quick, work_root) for lr in plan(quick)['grid']]
+  recs = [load(grid_name(lr, plan(site)['seeds'][0]), site) for lr in plan(site)['grid']]
   if any(r is None for r in recs):
     return None
   return min((r['final_metric'] if r['final_metric'] is not None else float('inf'), r['lr']) for r in recs)[1]
 
 
-def config_for(name: str, quick: bool, work_root: str, lr: float | None = None):
+def config_for(name: str, site: Site, lr: float | None = None):
   """A run's config: ``grid_lr<lr>_s<seed>``, ``hdet_<start>_s<seed>``, ``bracket_<start>_s<seed>``, or the narrower
   bracket's kept run ``end_lr<lr>_at_<start>_s<seed>`` (``lr`` given, exactly: that point of the bracket, trained to
   the end)."""
   from hdet_jax.trainer import bracket, config_lib
   kind, rest = name.split('_', 1)
   tag, seed = rest.rsplit('_s', 1)
-  seed, p, c = int(seed), plan(quick), base_config(quick)
+  seed, p, c = int(seed), plan(site), base_config(site)
   if kind == 'grid':
     lr = {records.lr_tag(x, 4): x for x in p['grid']}[tag[2:]]  # (the grid's own LR, not its name's digits)
     return config_lib.with_overrides(c, autolr.run_overrides('grid', OPTIM, lr, seed, p['steps']))
   if kind == 'hdet':  # configs/mnist1d.py's HDET as it stands: only the peak LR and the seed set here
-    return config_lib.with_overrides(c, {'seed': seed, 'optim.max_lr': anchor_lr(quick, work_root) * STARTS[tag]})
+    return config_lib.with_overrides(c, {'seed': seed, 'optim.max_lr': anchor_lr(site) * STARTS[tag]})
   start = tag if kind == 'bracket' else tag.split('_at_')[1]
-  centre = anchor_lr(quick, work_root) * STARTS[start]
+  centre = anchor_lr(site) * STARTS[start]
   b = config_lib.with_overrides(c, {**autolr.run_overrides('grid', OPTIM, centre, seed, p['steps']), **p['bracket']})
   return b if kind == 'bracket' else bracket.point_config(b, lr, 0)
 
 
-def train(name: str, quick: bool, work_root: str, lr: float | None = None) -> dict:
+def train(name: str, site: Site, lr: float | None = None) -> dict:
   """One run or bracket, in this process (cached); its record."""
-  rec = load(name, quick, work_root)
+  rec = load(name, site)
   if rec is not None:
     return rec
-  workdir = os.path.join(work_root, 'runs', name)
-  rec = records.train_run(name, config_for(name, quick, work_root, lr), workdir)
-  records.write_json(record_path(name, quick, work_root), rec, indent=1)
+  workdir = os.path.join(site.work_root, 'runs', site.check, name)
+  rec = records.train_run(name, config_for(name, site, lr), workdir)
+  records.write_json(record_path(name, site), rec, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   return rec
 
@@ -122,30 +139,30 @@ def narrower_kept(rec: dict) -> float:
   return kept
 
 
-def narrower_final(start: str, seed: int, quick: bool, work_root: str, train_missing: bool) -> float | None:
+def narrower_final(start: str, seed: int, site: Site, train_missing: bool) -> float | None:
   """The narrower bracket's final metric: the bracket's own where it keeps the same run, else its kept run's end."""
-  rec = load(f'bracket_{start}_s{seed}', quick, work_root)
+  rec = load(f'bracket_{start}_s{seed}', site)
   if rec is None:
     return None
   lr = narrower_kept(rec)
   if lr == rec['kept_lr']:
     return rec['final_metric']
   name = f'end_lr{records.lr_tag(lr, 6)}_at_{start}_s{seed}'
-  end = train(name, quick, work_root, lr) if train_missing else load(name, quick, work_root)
+  end = train(name, site, lr) if train_missing else load(name, site)
   return None if end is None else end['final_metric']
 
 
-def train_all(quick: bool, work_root: str) -> None:
-  p = plan(quick)
+def train_all(site: Site) -> None:
+  p = plan(site)
   for seed in p['seeds']:
     for lr in p['grid']:
-      print(f'  {grid_name(lr, seed)}: {train(grid_name(lr, seed), quick, work_root)["final_metric"]}', flush=True)
+      print(f'  {site.check} {grid_name(lr, seed)}: {train(grid_name(lr, seed), site)["final_metric"]}', flush=True)
   for seed in p['seeds']:
     for start in p['starts']:
       for kind in ('hdet', 'bracket'):
-        print(f'  {kind}_{start}_s{seed}: {train(f"{kind}_{start}_s{seed}", quick, work_root)["final_metric"]}',
+        print(f'  {site.check} {kind}_{start}_s{seed}: {train(f"{kind}_{start}_s{seed}", site)["final_metric"]}',
               flush=True)
-      narrower_final(start, seed, quick, work_root, train_missing=True)
+      narrower_final(start, seed, site, train_missing=True)
 
 
 def _mean(values: list) -> float | None:
@@ -156,13 +173,13 @@ def _pct(x: float | None) -> str:
   return '-' if x is None else f'{100 * x:+.1f}%'
 
 
-def summarize(quick: bool, work_root: str) -> dict:
+def summarize(site: Site) -> dict:
   """The sweep's 3-seed means per LR, its best, and per start the default HDET's, the bracket's and the narrower
   bracket's 3-seed means and gaps to that best."""
-  p = plan(quick)
+  p = plan(site)
   grid = {}
   for lr in p['grid']:
-    recs = [load(grid_name(lr, s), quick, work_root) for s in p['seeds']]
+    recs = [load(grid_name(lr, s), site) for s in p['seeds']]
     finals = [r['final_metric'] for r in recs if r is not None]
     grid[f'{lr:g}'] = {'mean': _mean(finals) if len(finals) == len(recs) else None,
                        'sd': float(np.std(finals, ddof=1)) if len(finals) > 1 else None, 'n': len(finals)}
@@ -174,58 +191,75 @@ def summarize(quick: bool, work_root: str) -> dict:
   for start in p['starts']:
     row = {}
     for kind in ('hdet', 'bracket'):
-      recs = [load(f'{kind}_{start}_s{s}', quick, work_root) for s in p['seeds']]
+      recs = [load(f'{kind}_{start}_s{s}', site) for s in p['seeds']]
       row[kind] = _mean([None if r is None else r['final_metric'] for r in recs])
       if kind == 'bracket':
-        anchor = anchor_lr(quick, work_root)
+        anchor = anchor_lr(site)
         row['kept_x'] = [None if r is None else r['kept_lr'] / anchor for r in recs]
-    row['narrower'] = _mean([narrower_final(start, s, quick, work_root, False) for s in p['seeds']])
+    row['narrower'] = _mean([narrower_final(start, s, site, False) for s in p['seeds']])
     row.update({f'{k}_gap': gap(row[k]) for k in ('hdet', 'bracket', 'narrower')})
     starts[start] = row
-  return {'grid': grid, 'best_lr': best_lr, 'best': best, 'anchor_lr': anchor_lr(quick, work_root),
-          'starts': starts, 'variant': VARIANT, 'bracket': p['bracket']}
+  return {'grid': grid, 'best_lr': best_lr, 'best': best, 'anchor_lr': anchor_lr(site), 'starts': starts,
+          'overrides': CHECKS[site.check][0], 'steps': p['steps'], 'bracket': p['bracket']}
 
 
-def report(quick: bool, work_root: str) -> list[str]:
-  """Writes ``heldout_task.{md,json}`` (the full run's under results/, a quick one's in ``work_root``); its lines."""
-  r = summarize(quick, work_root)
-  rec = load(grid_name(plan(quick)['grid'][0], 0), quick, work_root)
+def check_lines(site: Site, r: dict) -> list[str]:
+  """One check's section of the report."""
+  rec = load(grid_name(plan(site)['grid'][0], 0), site)
   params = f'{rec["num_params"]:,} parameters' if rec else 'not trained'
-  lines = ['# A classifier size and a data draw no default was chosen on: mnist1d\'s CNN at 64 channels', '',
-           'Made by `python -m experiments.heldout_task` (records in `results/heldout_task/runs/`): the mnist1d task '
-           f'with {", ".join(f"{k}={v}" for k, v in VARIANT.items())} ({params}; the default CNN about 5.2k, on dataset '
-           f'seed 42), {plan(quick)["steps"]} steps, AdamW, seeds {", ".join(map(str, plan(quick)["seeds"]))}, 8 '
-           'replicas on 8 CPU devices. The metric: the averaged model\'s test cross-entropy (nats, lower is better).',
-           '', '## The sweep (plain one-cycle runs)', '', '| peak LR | 3-seed mean | sd |', '|---|---|---|']
+  lines = [f'## {site.check}: {", ".join(f"{k}={v}" for k, v in CHECKS[site.check][0].items())}, {r["steps"]} steps',
+           '', f'{params} (quick: the tiny CNN); the sweep (plain one-cycle runs):', '',
+           '| peak LR | 3-seed mean | sd |', '|---|---|---|']
   for lr, g in r['grid'].items():
     mean = '-' if g['mean'] is None else f"{g['mean']:.5f}"
     sd = '-' if g['sd'] is None else f"{g['sd']:.5f}"
     lines.append(f'| {lr} | {mean} | {sd} |')
   best = '-' if r['best'] is None else f'{r["best"]:.5f} at {r["best_lr"]}'
   lines += ['', f'The sweep\'s best 3-seed mean: {best}; the starts are centred on its first seed\'s best, '
-            f'{r["anchor_lr"]}.', '', '## From 10x below, at and 10x above it', '',
+            f'{r["anchor_lr"]}. From 10x below, at and 10x above it:', '',
             '| start | default HDET (1 run) | bracket, 5 kept at 0.1 (default, 2.5 runs) | bracket, 4 kept at 0.1 (2.3 '
             'runs) | bracket\'s kept LR (x the start\'s reference), per seed |', '|---|---|---|---|---|']
   for start, row in r['starts'].items():
     kept = ' / '.join('-' if x is None else f'{x:.3g}' for x in row['kept_x'])
     lines.append(f'| {start} | {_pct(row["hdet_gap"])} | {_pct(row["bracket_gap"])} | {_pct(row["narrower_gap"])} '
                  f'| {kept} |')
-  lines += ['', 'Gaps: 3-seed means against the sweep\'s best 3-seed mean.']
+  return lines + ['']
+
+
+def report(quick: bool, work_root: str) -> list[str]:
+  """Writes ``heldout_task.{md,json}`` (the full run's under results/, a quick one's in ``work_root``) for every check
+  with records; its lines."""
+  sites = [Site(c, quick, work_root) for c in CHECKS]
+  results = {s.check: summarize(s) for s in sites if load(grid_name(plan(s)['grid'][0], 0), s) is not None}
+  lines = ['# Classifier sizes, data draws and run lengths no default was chosen on: mnist1d\'s CNN', '',
+           'Made by `python -m experiments.heldout_task` (records in `results/heldout_task/runs/<check>/`): the mnist1d '
+           'task (the default CNN has 25 channels, about 5.2k parameters, and was tuned on dataset seed 42 at 500-2000 '
+           'steps), AdamW, seeds 0, 1, 2 (quick: 0), 8 replicas on 8 CPU devices. The metric: the averaged model\'s test '
+           'cross-entropy (nats, lower is better). Gaps: 3-seed means against the sweep\'s best 3-seed mean.', '']
+  for s in sites:
+    if s.check in results:
+      lines += check_lines(s, results[s.check])
   out = work_root if quick else os.path.join(REPO, 'results')
-  records.write_report(out, 'heldout_task', r, lines)
+  records.write_report(out, 'heldout_task', results, lines)
   return lines
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument('--checks', default=','.join(CHECKS), help=f'comma-separated, of {", ".join(CHECKS)}')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
-  p.add_argument('--quick', action='store_true', help='a smoke run: the tiny CNN, 2 grid points, the best start')
+  p.add_argument('--quick', action='store_true', help='a smoke run: the tiny CNN, 2 grid points, the best start, '
+                 'the first check')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/heldout_task)')
   args = p.parse_args(argv)
+  checks = [c for c in args.checks.split(',') if c]
+  if not checks or set(checks) - set(CHECKS):
+    p.error(f'--checks must name some of {", ".join(CHECKS)}, got {args.checks!r}')
   work_root = os.path.abspath(args.workdir or os.path.join(REPO, 'workdirs', 'heldout_task_quick' if args.quick
                                                            else 'heldout_task'))
   if not args.report_only:
-    train_all(args.quick, work_root)
+    for check in checks[:1] if args.quick else checks:
+      train_all(Site(check, args.quick, work_root))
   print('\n'.join(report(args.quick, work_root)))
 
 

@@ -33,10 +33,11 @@ def test_the_narrower_bracket_ranks_the_first_rungs_best_again_at_the_last():
 def test_quick_trains_the_sweep_hdet_and_the_bracket_and_reads_the_narrower_one(tmp_path):
   work = str(tmp_path)
   exp.main(['--quick', '--workdir', work])
-  grid = {lr: exp.load(exp.grid_name(lr, 0), True, work)['final_metric'] for lr in exp.plan(True)['grid']}
+  site = exp.Site('wide', True, work)
+  grid = {lr: exp.load(exp.grid_name(lr, 0), site)['final_metric'] for lr in exp.plan(site)['grid']}
   best_lr = min(grid, key=grid.get)
-  assert exp.anchor_lr(True, work) == best_lr
-  b = exp.load('bracket_best_s0', True, work)
+  assert exp.anchor_lr(site) == best_lr
+  b = exp.load('bracket_best_s0', site)
   np.testing.assert_allclose(b['lrs'], [best_lr * 2.0 ** (k - 2) for k in range(5)], rtol=1e-12)
   # The narrower bracket: numpy's ranking of the first rung's losses, its best one fewer than kept, argmin at the last.
   first, last = b['rungs'][0], b['rungs'][1]
@@ -46,19 +47,34 @@ def test_quick_trains_the_sweep_hdet_and_the_bracket_and_reads_the_narrower_one(
   assert exp.narrower_kept(b) == want
   with open(tmp_path / 'heldout_task.json', encoding='utf-8') as f:
     r = json.load(f)
-  row = r['starts']['best']
-  assert r['best'] == min(grid.values()) and row['bracket'] == b['final_metric']
-  assert row['bracket_gap'] == pytest.approx(b['final_metric'] / r['best'] - 1, rel=1e-12)
-  hdet = exp.load('hdet_best_s0', True, work)
-  assert row['hdet_gap'] == pytest.approx(hdet['final_metric'] / r['best'] - 1, rel=1e-12)
+  assert list(r) == ['wide']  # (quick: the first check only)
+  row = r['wide']['starts']['best']
+  assert r['wide']['best'] == min(grid.values()) and row['bracket'] == b['final_metric']
+  assert row['bracket_gap'] == pytest.approx(b['final_metric'] / r['wide']['best'] - 1, rel=1e-12)
+  hdet = exp.load('hdet_best_s0', site)
+  assert row['hdet_gap'] == pytest.approx(hdet['final_metric'] / r['wide']['best'] - 1, rel=1e-12)
+  records = os.path.join(work, 'records', 'wide')
   if want == b['kept_lr']:
     assert row['narrower'] == b['final_metric']
   else:  # its kept run, trained to the end as the bracket's own point would be
-    ends = [n for n in os.listdir(os.path.join(work, 'records')) if n.startswith('end_')]
-    assert len(ends) == 1 and row['narrower'] == exp.load(ends[0][:-5], True, work)['final_metric']
+    ends = [n for n in os.listdir(records) if n.startswith('end_')]
+    assert len(ends) == 1 and row['narrower'] == exp.load(ends[0][:-5], site)['final_metric']
   # Cached: a rerun trains nothing and reports the same.
-  before = sorted(os.listdir(os.path.join(work, 'records')))
+  before = sorted(os.listdir(records))
   exp.main(['--quick', '--workdir', work])
-  assert sorted(os.listdir(os.path.join(work, 'records'))) == before
+  assert sorted(os.listdir(records)) == before
   with open(tmp_path / 'heldout_task.json', encoding='utf-8') as f:
     assert json.load(f) == r
+
+
+def test_the_committed_wide_check_reads_as_its_records():
+  """results/heldout_task.json's gaps are its records' 3-seed means against the sweep's best 3-seed mean."""
+  site = exp.Site('wide', False, '')
+  with open(os.path.join(exp.REPO, 'results', 'heldout_task.json'), encoding='utf-8') as f:
+    r = json.load(f)['wide']
+  means = {lr: np.mean([exp.load(exp.grid_name(lr, s), site)['final_metric'] for s in exp.SEEDS])
+           for lr in exp.plan(site)['grid']}
+  assert r['best'] == pytest.approx(min(means.values()), rel=1e-12)
+  for start in exp.STARTS:
+    finals = [exp.load(f'bracket_{start}_s{s}', site)['final_metric'] for s in exp.SEEDS]
+    assert r['starts'][start]['bracket_gap'] == pytest.approx(np.mean(finals) / r['best'] - 1, rel=1e-9)
