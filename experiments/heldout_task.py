@@ -165,14 +165,6 @@ def train_all(site: Site) -> None:
       narrower_final(start, seed, site, train_missing=True)
 
 
-def _mean(values: list) -> float | None:
-  return None if not values or any(v is None for v in values) else float(np.mean(values))
-
-
-def _pct(x: float | None) -> str:
-  return '-' if x is None else f'{100 * x:+.1f}%'
-
-
 def summarize(site: Site) -> dict:
   """The sweep's 3-seed means per LR, its best, and per start the default HDET's, the bracket's and the narrower
   bracket's 3-seed means and gaps to that best."""
@@ -181,7 +173,7 @@ def summarize(site: Site) -> dict:
   for lr in p['grid']:
     recs = [load(grid_name(lr, s), site) for s in p['seeds']]
     finals = [r['final_metric'] for r in recs if r is not None]
-    grid[f'{lr:g}'] = {'mean': _mean(finals) if len(finals) == len(recs) else None,
+    grid[f'{lr:g}'] = {'mean': records.mean_or_none(finals) if len(finals) == len(recs) else None,
                        'sd': float(np.std(finals, ddof=1)) if len(finals) > 1 else None, 'n': len(finals)}
   done = {k: v['mean'] for k, v in grid.items() if v['mean'] is not None}
   best_lr = min(done, key=done.get) if done else None
@@ -192,11 +184,11 @@ def summarize(site: Site) -> dict:
     row = {}
     for kind in ('hdet', 'bracket'):
       recs = [load(f'{kind}_{start}_s{s}', site) for s in p['seeds']]
-      row[kind] = _mean([None if r is None else r['final_metric'] for r in recs])
+      row[kind] = records.mean_or_none([None if r is None else r['final_metric'] for r in recs])
       if kind == 'bracket':
         anchor = anchor_lr(site)
         row['kept_x'] = [None if r is None else r['kept_lr'] / anchor for r in recs]
-    row['narrower'] = _mean([narrower_final(start, s, site, False) for s in p['seeds']])
+    row['narrower'] = records.mean_or_none([narrower_final(start, s, site, False) for s in p['seeds']])
     row.update({f'{k}_gap': gap(row[k]) for k in ('hdet', 'bracket', 'narrower')})
     starts[start] = row
   return {'grid': grid, 'best_lr': best_lr, 'best': best, 'anchor_lr': anchor_lr(site), 'starts': starts,
@@ -221,8 +213,8 @@ def check_lines(site: Site, r: dict) -> list[str]:
             'runs) | bracket\'s kept LR (x the start\'s reference), per seed |', '|---|---|---|---|---|']
   for start, row in r['starts'].items():
     kept = ' / '.join('-' if x is None else f'{x:.3g}' for x in row['kept_x'])
-    lines.append(f'| {start} | {_pct(row["hdet_gap"])} | {_pct(row["bracket_gap"])} | {_pct(row["narrower_gap"])} '
-                 f'| {kept} |')
+    gaps = ' | '.join(records.pct(row[f'{k}_gap']) for k in ('hdet', 'bracket', 'narrower'))
+    lines.append(f'| {start} | {gaps} | {kept} |')
   return lines + ['']
 
 

@@ -42,6 +42,17 @@ def write_json(path: str, obj: Any, **dump_kwargs) -> None:
   trainer.write_json_atomic(path, obj, **dump_kwargs)
 
 
+def mean_or_none(values: list) -> float | None:
+  """The mean of ``values``, or None where there are none or one is missing (None)."""
+  import numpy as np
+  return None if not values or any(v is None for v in values) else float(np.mean(values))
+
+
+def pct(x: float | None) -> str:
+  """A relative gap as a signed percentage ('+1.2%'); '-' for None."""
+  return '-' if x is None else f'{100 * x:+.1f}%'
+
+
 def train_run(name: str, config: Any, workdir: str) -> dict:
   """Trains ``config`` in ``workdir``, in this process (an LR bracket where ``config.bracket.points`` > 0); the
   record's common fields: name, peak LR, final metric (None: not finite), divergence, wall seconds, parameters, and a

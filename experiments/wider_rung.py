@@ -239,10 +239,6 @@ def checks(quick: bool, work_root: str) -> list[dict]:
   return out
 
 
-def _mean(values: list) -> float | None:
-  return None if not values or any(v is None for v in values) else float(np.mean(values))
-
-
 def paired_final(seed: dict, k: int) -> float | None:
   """A wider bracket's final metric on the committed record's footing: its own where its kept point is the
   record's or its probes reproduce the record; else the record's plus the difference of the two points' ends, both
@@ -266,19 +262,15 @@ def cell_rows(cell: str, quick: bool, work_root: str) -> dict:
     seeds = [compose(cell, start, s, quick, work_root, train=False) for s in ([0] if quick else bracket_mode.SEEDS)]
     if any(s is None for s in seeds):
       continue
-    row = {'seeds': seeds, 'sweep_best': best, 'base': _mean([s['final_metric'] for s in seeds])}
+    row = {'seeds': seeds, 'sweep_best': best, 'base': records.mean_or_none([s['final_metric'] for s in seeds])}
     row['base_gap'] = gap(row['base'])
     for k in EXTRA:
       finals = [paired_final(s, k) for s in seeds]
-      row[f'wider{k}'] = _mean(finals)
+      row[f'wider{k}'] = records.mean_or_none(finals)
       row[f'wider{k}_gap'] = gap(row[f'wider{k}'])
       row[f'wider{k}_changed'] = sum(s['wider'][str(k)]['kept_lr'] != s['kept_lr'] for s in seeds)
     out[start] = row
   return out
-
-
-def _pct(x) -> str:
-  return '-' if x is None else f'{100 * x:+.1f}%'
 
 
 def _row_line(cell: str, start: str, r: dict) -> str:
@@ -290,8 +282,8 @@ def _row_line(cell: str, start: str, r: dict) -> str:
       f's{s["seed"]}' for s in seeds if not s['reproduced']) + ')'
   here = ', '.join(f's{s["seed"]} {s["final_metric"]:.4g} / {s["kept_end_here"]:.4g}' for s in seeds if 'kept_end_here' in s) or '-'
   best = '-' if r['sweep_best'] is None else f'{r["sweep_best"]:.4g}'
-  return (f'| {cell} | {start} | {best} | {_pct(r["base_gap"])} | {_pct(r[f"wider{k1}_gap"])} '
-          f'({r[f"wider{k1}_changed"]}) | {_pct(r[f"wider{k2}_gap"])} ({r[f"wider{k2}_changed"]}) | {kept} | '
+  return (f'| {cell} | {start} | {best} | {records.pct(r["base_gap"])} | {records.pct(r[f"wider{k1}_gap"])} '
+          f'({r[f"wider{k1}_changed"]}) | {records.pct(r[f"wider{k2}_gap"])} ({r[f"wider{k2}_changed"]}) | {kept} | '
           f'{footing} | {here} |')
 
 

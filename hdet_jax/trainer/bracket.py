@@ -108,8 +108,7 @@ def _load_state(workdir: str, fields: dict) -> dict | None:
   if os.path.exists(path):
     with open(path, encoding='utf-8') as f:
       state = json.load(f)
-    state['fields']['training'] = {k: v for k, v in state['fields']['training'].items()  # (see trainer._check_workdir)
-                                   if config_lib.defines_a_run(k)}
+    state['fields']['training'] = config_lib.run_identity(state['fields']['training'])  # (see trainer._check_workdir)
     if state['fields'] != fields:
       diff = config_lib.differences(config_lib.flatten(state['fields']), config_lib.flatten(fields))
       raise ConfigError(f'workdir {workdir} holds an LR bracket of a different config ({diff}); rerun with the same '

@@ -150,9 +150,15 @@ def defines_a_run(field: str) -> bool:
   return field not in RUN_FIELDS and not field.startswith('bracket.')
 
 
+def run_identity(fields: dict[str, Any]) -> dict[str, Any]:
+  """The (dotted) fields of ``fields`` that define a run (:func:`defines_a_run`): what a resume compares, also for
+  fields a workdir recorded before a version that left some out."""
+  return {k: v for k, v in fields.items() if defines_a_run(k)}
+
+
 def training_fields(config: Any, num_replicas: int) -> dict[str, Any]:
   """The fields that define the trajectory (JSON-normalised), with N and the fields left at None resolved."""
-  flat = {k: v for k, v in resolved(flatten(config)).items() if defines_a_run(k)}
+  flat = run_identity(resolved(flatten(config)))
   flat = {k: v for k, v in flat.items() if k not in QUIET_DEFAULTS or v != QUIET_DEFAULTS[k]}
   flat['hdet.num_replicas'] = int(num_replicas)
   return json.loads(json.dumps(flat, default=str))

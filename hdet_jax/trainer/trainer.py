@@ -177,7 +177,7 @@ def _check_workdir(workdir: str, fields: dict) -> bool:
     except (OSError, ValueError, AttributeError):
       saved = None  # unreadable (cut short by a kill in an older version): the checkpoints decide
   if saved is not None:  # (a version before bracket.* left a run's identity wrote them where not at their defaults)
-    saved = {k: v for k, v in saved.items() if config_lib.defines_a_run(k)}
+    saved = config_lib.run_identity(saved)
   if saved is not None and saved != fields:
     raise ConfigError(
         f'workdir {workdir} holds {what} of a different config ({config_lib.differences(saved, fields)}); '
