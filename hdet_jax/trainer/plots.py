@@ -136,23 +136,53 @@ def _fit_controller_figure(run: _RunArrays, plt: Any, names: list[str]) -> Any:
   asked for and the one it took (log units), the fitted slope with two standard errors (where the band crosses
   zero the line search has turned), and the Rprop gain; dotted lines mark the syncs that backed off, dashed ones
   where a climb settled (its ask, slope and gain are not drawn after it: nothing new is fitted)."""
-  ctrl = run.ctrl
-  cs = np.array([c['step'] for c in ctrl])
-  corr, taken = np.array([c['corrections'] for c in ctrl], float), np.array([c['deltas'] for c in ctrl], float)
-  asked, slope = np.array([c['asks'] for c in ctrl], float), np.array([c['velocities'] for c in ctrl], float)
-  stderr, gain = np.array([c['stderrs'] for c in ctrl], float), np.array([c['gains'] for c in ctrl], float)
-  settled = np.array([c.get('settled', [False] * len(names)) for c in ctrl], bool)
-  # After the sync where a climb settled, its replicas train unspread, so the line search fits nothing new:
-  # drawing its ask, slope and gain there would repeat a stale fit. Left out (the step taken stays).
-  stale = np.cumsum(settled, axis=0) > 1
-  asked, slope, stderr, gain = (np.where(stale, np.nan, x) for x in (asked, slope, stderr, gain))
+  fit = _fit_arrays(run.ctrl, len(names))
   fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
-  ax = axes[0]
+  _correction_panel(axes[0], run, fit, names[0])
+  colors = plt.cm.tab10(np.arange(len(names)) % 10)
+  for g, name in enumerate(names):
+    label = name.replace('learning_rate', 'LR')
+    axes[1].plot(fit['cs'], fit['asked'][:, g], 'o-', ms=3, lw=0.8, color=colors[g], alpha=0.6, label=f'asked ({label})')
+    axes[1].plot(fit['cs'], fit['taken'][:, g], 'x-', ms=5, lw=1.4, color=colors[g], label=f'taken ({label})')
+    axes[2].errorbar(fit['cs'], fit['slope'][:, g], yerr=2 * fit['stderr'][:, g], fmt='o-', ms=3, lw=1.0, capsize=2,
+                     color=colors[g], label=f'slope b ± 2 se ({label})')
+    axes[3].plot(fit['cs'], fit['gain'][:, g], 'o-', ms=3, color=colors[g], label=f'gain ({label})')
+  axes[1].set_ylabel('log-step')
+  axes[2].set_ylabel('d loss / d u')
+  axes[3].set_ylabel('gain (signed)')
+  axes[3].set_xlabel('step')
+  _mark_backoffs_and_settles(axes, run.ctrl, fit, names, colors)
+  for a in axes[1:]:
+    a.axhline(0, color='k', lw=0.5)
+    a.legend(fontsize=7, ncol=2)
+  for a in axes:
+    a.grid(alpha=0.3)
+  return fig
+
+
+def _fit_arrays(ctrl: list[dict], num_groups: int) -> dict:
+  """The 'fit' controller's records as arrays, [num_syncs, num_groups] each (``cs``: the syncs' steps). After the
+  sync where a climb settled its replicas train unspread, so the line search fits nothing new: its ask, slope,
+  standard error and gain there would repeat a stale fit and are NaN (the step taken stays)."""
+  out = {'cs': np.array([c['step'] for c in ctrl])}
+  for key, field in (('corr', 'corrections'), ('taken', 'deltas'), ('asked', 'asks'), ('slope', 'velocities'),
+                     ('stderr', 'stderrs'), ('gain', 'gains')):
+    out[key] = np.array([c[field] for c in ctrl], float)
+  out['settled'] = np.array([c.get('settled', [False] * num_groups) for c in ctrl], bool)
+  stale = np.cumsum(out['settled'], axis=0) > 1
+  for key in ('asked', 'slope', 'stderr', 'gain'):
+    out[key] = np.where(stale, np.nan, out[key])
+  return out
+
+
+def _correction_panel(ax: Any, run: _RunArrays, fit: dict, name: str) -> None:
+  """The base LR against the schedule alone (log), and the correction after each sync on a twin axis."""
+  cs, corr = fit['cs'], fit['corr']
   # The correction in effect during a window is the one before its closing sync's step: after minus taken.
-  before = corr - taken
+  before = corr - fit['taken']
   window = np.searchsorted(cs, run.steps, side='left')  # the sync that closes each step's window
   factor = np.exp(np.where(window < len(cs), before[np.minimum(window, len(cs) - 1), 0], corr[-1, 0]))
-  ax.plot(run.steps, run.base, 'k-', lw=1.5, label=f'base {names[0]} (schedule x correction)')
+  ax.plot(run.steps, run.base, 'k-', lw=1.5, label=f'base {name} (schedule x correction)')
   ax.plot(run.steps, run.base / factor, 'k--', lw=1.0, alpha=0.6, label='the schedule alone')
   ax.set_yscale('log')
   ax.set_ylabel('learning rate (log)')
@@ -163,35 +193,21 @@ def _fit_controller_figure(run: _RunArrays, plt: Any, names: list[str]) -> Any:
   ax.legend(fontsize=7, loc='upper left')
   twin.legend(fontsize=7, loc='lower right')
   ax.set_title("The 'fit' controller at each sync: a line search along the replicas' line")
-  colors = plt.cm.tab10(np.arange(len(names)) % 10)
-  for g, name in enumerate(names):
-    label = name.replace('learning_rate', 'LR')
-    axes[1].plot(cs, asked[:, g], 'o-', ms=3, lw=0.8, color=colors[g], alpha=0.6, label=f'asked ({label})')
-    axes[1].plot(cs, taken[:, g], 'x-', ms=5, lw=1.4, color=colors[g], label=f'taken ({label})')
-    axes[2].errorbar(cs, slope[:, g], yerr=2 * stderr[:, g], fmt='o-', ms=3, lw=1.0, capsize=2, color=colors[g],
-                     label=f'slope b ± 2 se ({label})')
-    axes[3].plot(cs, gain[:, g], 'o-', ms=3, color=colors[g], label=f'gain ({label})')
-  axes[1].set_ylabel('log-step')
-  axes[2].set_ylabel('d loss / d u')
-  axes[3].set_ylabel('gain (signed)')
-  axes[3].set_xlabel('step')
-  # The syncs where the back-off stepped the LR down (hdet.backoff), and where each climb settled (hdet.settle).
+
+
+def _mark_backoffs_and_settles(axes: Any, ctrl: list[dict], fit: dict, names: list[str], colors: Any) -> None:
+  """Dotted lines where the back-off stepped the LR down (hdet.backoff), dashed ones where each climb settled
+  (hdet.settle); labelled once, on the second panel."""
   backed = [c['step'] for c in ctrl if c.get('backed_off')]
   for a in axes:
     for i, b in enumerate(backed):
       a.axvline(b, color='tab:red', lw=0.8, ls=':', label='back-off' if i == 0 and a is axes[1] else None)
   for g, name in enumerate(names):
-    if settled[:, g].any():
-      at = cs[np.argmax(settled[:, g])]
+    if fit['settled'][:, g].any():
+      at = fit['cs'][np.argmax(fit['settled'][:, g])]
       for a in axes:
         a.axvline(at, color=colors[g], lw=0.8, ls='--',
                   label=f"settled ({name.replace('learning_rate', 'LR')}): no spread after" if a is axes[1] else None)
-  for a in axes[1:]:
-    a.axhline(0, color='k', lw=0.5)
-    a.legend(fontsize=7, ncol=2)
-  for a in axes:
-    a.grid(alpha=0.3)
-  return fig
 
 
 def _paper_controller_figure(run: _RunArrays, plt: Any) -> Any:
