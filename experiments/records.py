@@ -53,6 +53,19 @@ def pct(x: float | None) -> str:
   return '-' if x is None else f'{100 * x:+.1f}%'
 
 
+def paired_gap(values: list, reference: list) -> tuple[float | None, float | None]:
+  """``values`` against ``reference``, seed by seed: the gap of their means, ``mean(values) / mean(reference) - 1``,
+  and the standard error of the per-seed gaps ``v_s / r_s - 1`` (``sd / sqrt(n)``, ddof 1; None under 2 seeds).
+  Both None where a value is missing (None)."""
+  import numpy as np
+  if not values or len(values) != len(reference) or any(v is None for v in list(values) + list(reference)):
+    return None, None
+  v, r = np.asarray(values, float), np.asarray(reference, float)
+  per_seed = v / r - 1
+  se = float(np.std(per_seed, ddof=1) / np.sqrt(len(v))) if len(v) > 1 else None
+  return float(v.mean() / r.mean() - 1), se
+
+
 def train_run(name: str, config: Any, workdir: str) -> dict:
   """Trains ``config`` in ``workdir``, in this process (an LR bracket where ``config.bracket.points`` > 0); the
   record's common fields: name, peak LR, final metric (None: not finite), divergence, wall seconds, parameters, and a

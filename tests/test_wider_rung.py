@@ -1,4 +1,5 @@
-"""experiments/wider_rung.py: the LR bracket with a wider first rung, composed from a committed bracket's runs."""
+"""experiments/wider_rung.py: the LR bracket with a wider first rung, composed from a committed bracket's runs; and
+experiments/last_rung.py's quick run, which builds on wider_rung's (one quick bracket for both: about 40 s)."""
 
 import json
 import math
@@ -8,9 +9,17 @@ import numpy as np
 import pytest
 
 from experiments import bracket_mode
+from experiments import last_rung
 from experiments import wider_rung as exp
 
 CELL = exp.QUICK_CELL
+
+
+@pytest.fixture(scope='module')
+def quick(tmp_path_factory):
+  work = str(tmp_path_factory.mktemp('wider_rung'))
+  exp.main(['--quick', '--workdir', work])
+  return work
 
 
 def test_the_added_points_are_the_next_in_the_first_rungs_order():
@@ -21,9 +30,8 @@ def test_the_added_points_are_the_next_in_the_first_rungs_order():
   assert exp.extra_points(rec) == [0.8, 0.1]
 
 
-def test_quick_composes_the_wider_bracket_as_a_real_one_trains_it(tmp_path):
-  work = str(tmp_path)
-  exp.main(['--quick', '--workdir', work])
+def test_quick_composes_the_wider_bracket_as_a_real_one_trains_it(quick):
+  work = quick
   with open(bracket_mode.record_path(CELL, 'best', 0, True, work), encoding='utf-8') as f:
     rec = json.load(f)
   # The bracket's own first rung: the 2 of 5 with the lowest loss; the added points are the other two, in loss order.
@@ -46,11 +54,33 @@ def test_quick_composes_the_wider_bracket_as_a_real_one_trains_it(tmp_path):
   assert checked['rungs'] == '0.25:4,0.5:1' and checked['equal'], checked
   assert json.load(open(exp.check_path(CELL, 'best', 0, True, work), encoding='utf-8')) == checked
   assert math.isfinite(checked['bracket']['final_metric'])
-  saved = json.load(open(tmp_path / 'wider_rung.json', encoding='utf-8'))
+  saved = json.load(open(os.path.join(work, 'wider_rung.json'), encoding='utf-8'))
   assert saved['compute_runs'] == {'5-2-1': (5 * 4 + 2 * 4 + 8) / 16, '5-3-1': (5 * 4 + 3 * 4 + 8) / 16,
                                    '5-4-1': (5 * 4 + 4 * 4 + 8) / 16}
   seed = saved['rows'][CELL]['best']['seeds'][0]
   assert seed['wider']['2']['final_metric'] == checked['bracket']['final_metric']
+
+
+def test_last_rung_quick_trains_the_runner_up_to_the_end(quick):
+  """experiments.last_rung --quick on this quick bracket (cached: only the runner-up's end trains)."""
+  work = quick
+  last_rung.main(['--quick', '--workdir', work])
+  cell = exp.QUICK_CELL
+  with open(bracket_mode.record_path(cell, 'best', 0, True, work), encoding='utf-8') as f:
+    rec = json.load(f)
+  # The default's last rung: the bracket's first-rung survivors and the first added point, ranked by their losses
+  # there (the record's and the probe's); the runner-up is the lowest but the kept point.
+  extra = exp.extra_points(rec)[0]
+  with open(exp.probe_path(cell, 'best', 0, extra, True, work), encoding='utf-8') as f:
+    last = {extra: json.load(f)['losses'][-1]}
+  last.update({lr: rec['rungs'][-1]['losses'][f'{lr:.6g}'] for lr in rec['rungs'][0]['kept']})
+  ranked = sorted(last, key=lambda lr: (last[lr], lr))
+  saved = json.load(open(os.path.join(work, 'last_rung.json'), encoding='utf-8'))
+  seed = saved['rows'][cell]['best']['seeds'][0]
+  assert seed['kept_lr'] == ranked[0] and seed['runner_up_lr'] == ranked[1]
+  with open(exp.end_path(cell, 'best', 0, ranked[1], True, work), encoding='utf-8') as f:
+    assert seed['runner_up_final'] == json.load(f)['final_metric']
+  assert math.isfinite(seed['runner_up_final']) and seed['runner_up_final'] != seed['final_metric']
 
 
 def test_committed_records_compose_from_their_probes():
