@@ -93,3 +93,7 @@ def test_the_eight_seed_rows_recompute_from_the_raw_records():
       assert r['gap'] == pytest.approx(sum(r['finals']) / sum(means[best]) - 1, rel=1e-9)
       per_seed = [f / w - 1 for f, w in zip(r['finals'], means[best])]
       assert r['se'] == pytest.approx(statistics.stdev(per_seed) / math.sqrt(8), rel=1e-9)
+      hdet = [json.load(open(os.path.join(exp.workloads.records_dir(workload, steps, False, ''), f'{exp.autolr.hdet_name(optim, exp.autolr.DEFAULT_VARIANT, start, s)}.json'),
+                             encoding='utf-8'))['val_bpb'] for s in seeds]
+      assert r['hdet']['finals'] == hdet
+      assert r['hdet']['gap'] == pytest.approx(sum(hdet) / sum(means[best]) - 1, rel=1e-9)
