@@ -14,9 +14,10 @@ mnist1d. Three questions, answered from records plus plain runs and brackets tra
   survivors by training loss. Its runner-up (the second lowest loss there) is trained to the end as the bracket
   trains its winner (``wider_rung.end``: a plain run). "Better of the two at the end" is an oracle bound, picked by
   the final metric itself (a last rung that could see the end: 3.2 runs of compute), not a method.
-* **Do mnist1d's misses hold on 8 seeds?** On mnist1d at its default length (1000 steps), AdamW and SGD, the sweep
-  has fresh seeds 3-7 at its best LR and both neighbours. The default bracket is trained on them too, from every
-  start, and compared, paired, with the sweep's best over the same 8 seeds.
+* **Do mnist1d's misses hold on 8 seeds?** On every mnist1d cell (500, 1000 and 2000 steps, AdamW and SGD) the
+  sweep has fresh seeds 3-7 at its best LR and both neighbours, and the default HDET has them too. The default
+  bracket is trained on them, from every start, and both are compared, paired, with the sweep's best over the same
+  8 seeds.
 
 Footing as in ``wider_rung``: where a bracket's record was made on another CPU (the LM, fine-tuning), every survivor
 is retrained to the last rung here and both ends are trained here, and the runner-up's final enters as the record's
