@@ -59,13 +59,19 @@ EIGHT_SEED_CELLS = ('mnist1d:1000:adamw', 'mnist1d:1000:sgd', 'mnist1d:500:adamw
                     'mnist1d:2000:adamw', 'mnist1d:2000:sgd')
 
 
+def recorded_finals(cell: str, names: list[str]) -> list[float | None]:
+  """The final metric of each of the cell's recorded runs ``names`` (``results/workloads/runs``' or autolr's
+  records; None: not recorded, or not finite)."""
+  workload, steps, _ = bracket_mode.parse_cell(cell)
+  cache = records.RunCache(workloads.records_dir(workload, steps, False, ''), '', None, None)
+  return [None if r is None else records.finite_or_none(r['val_bpb']) for r in map(cache.get, names)]
+
+
 def sweep_finals(cell: str, seeds) -> list[float | None]:
   """The sweep's final metric at its best LR (``results/workloads.json``'s), per seed (None: not recorded)."""
-  workload, steps, optim = bracket_mode.parse_cell(cell)
+  optim = bracket_mode.parse_cell(cell)[2]
   lr = bracket_mode.sweep_cell(cell)['grid_best']['lr']
-  cache = records.RunCache(workloads.records_dir(workload, steps, False, ''), '', None, None)
-  got = [cache.get(autolr.grid_name(optim, lr, s)) for s in seeds]
-  return [None if r is None else records.finite_or_none(r['val_bpb']) for r in got]
+  return recorded_finals(cell, [autolr.grid_name(optim, lr, s) for s in seeds])
 
 
 def last_rung_losses(comp: dict, cell: str, start: str, seed: int, quick: bool, work_root: str,
@@ -173,13 +179,12 @@ def eight_seed_rows(cell: str, work_root: str, train: bool = False) -> dict:
   """The sweep's best over 8 seeds (among the LRs recorded on all 8) and, per start, the default bracket on the same
   8 seeds (seeds 0-2 its composition, 3-7 trained here): the paired gap and its standard error."""
   seeds = list(bracket_mode.SEEDS) + list(FRESH_SEEDS)
-  workload, steps, optim = bracket_mode.parse_cell(cell)
-  cache = records.RunCache(workloads.records_dir(workload, steps, False, ''), '', None, None)
+  optim = bracket_mode.parse_cell(cell)[2]
   grid = {}
   for lr in bracket_mode.sweep_cell(cell)['grid']:
-    recs = [cache.get(autolr.grid_name(optim, float(lr), s)) for s in seeds]
-    if None not in recs:
-      grid[float(lr)] = [records.finite_or_none(r['val_bpb']) for r in recs]
+    finals = recorded_finals(cell, [autolr.grid_name(optim, float(lr), s) for s in seeds])
+    if None not in finals:
+      grid[float(lr)] = finals
   best_lr = min(grid, key=lambda lr: np.mean(grid[lr]))
   out = {'sweep_lr': best_lr, 'sweep': grid[best_lr], 'sweep_means': {f'{lr:g}': float(np.mean(v)) for lr, v in grid.items()},
          'starts': {}}
@@ -192,9 +197,8 @@ def eight_seed_rows(cell: str, work_root: str, train: bool = False) -> dict:
     kept = [g['kept_lr'] / g['anchor_lr'] for g in first] + [r['kept_lr'] / r['anchor_lr'] for r in fresh]
     gap, se = records.paired_gap(finals, grid[best_lr])
     out['starts'][start] = {'finals': finals, 'kept_x': kept, 'gap': gap, 'se': se}
-    hdet = [cache.get(autolr.hdet_name(optim, autolr.DEFAULT_VARIANT, start, s)) for s in seeds]
-    if None not in hdet:  # (the default HDET from the same start, on the same 8 seeds: results/workloads.json's runs)
-      h = [records.finite_or_none(r['val_bpb']) for r in hdet]
+    h = recorded_finals(cell, [autolr.hdet_name(optim, autolr.DEFAULT_VARIANT, start, s) for s in seeds])
+    if None not in h:  # (the default HDET from the same start, on the same 8 seeds: results/workloads.json's runs)
       out['starts'][start]['hdet'] = dict(zip(('gap', 'se'), records.paired_gap(h, grid[best_lr])), finals=h)
   return out
 
