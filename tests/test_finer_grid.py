@@ -1,0 +1,77 @@
+"""experiments/finer_grid.py: the LR bracket on a grid a factor 2^0.5 apart, its narrower first rungs composed from
+one bracket's record (checked against a real bracket), and its committed rows recomputed from the records."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from experiments import finer_grid as exp
+from experiments import wider_rung
+
+
+def _record(first: dict, last: dict, kept_lr: float) -> dict:
+  lrs = sorted(first)
+  return {'lrs': lrs, 'kept_lr': kept_lr,
+          'rungs': [{'losses': {f'{lr:.6g}': v for lr, v in first.items()}},
+                    {'losses': {f'{lr:.6g}': v for lr, v in last.items()}}]}
+
+
+def _oracle_kept(first: dict, last: dict, keep: int) -> float:
+  """Plain Python: the ``keep`` lowest first-rung losses (NaN last, ties to the lower LR), then the lowest last-rung
+  loss among them."""
+  rank = lambda d: sorted(d, key=lambda lr: (d[lr] if d[lr] == d[lr] else float('inf'), lr))
+  pool = rank(first)[:keep]
+  return rank({lr: last[lr] for lr in pool})[0]
+
+
+def test_kept_at_matches_a_plain_oracle():
+  first = {0.1: 3.0, 0.2: 2.5, 0.4: 2.0, 0.8: 2.0, 1.6: 1.5, 3.2: float('nan')}
+  last = {1.6: 1.4, 0.4: 1.2, 0.8: 1.3, 0.2: 1.1}  # (the 4 kept: what the record's last rung saw)
+  rec = _record(first, last, kept_lr=0.2)
+  got = {k: exp.kept_at(rec, k) for k in (1, 2, 3, 4)}
+  assert got == {k: _oracle_kept(first, last, k) for k in (1, 2, 3, 4)}
+  assert got == {1: 1.6, 2: 0.4, 3: 0.4, 4: 0.2}  # (0.4 and 0.8 tie at the first rung: the lower LR ranks first)
+
+
+def test_the_fine_grid_is_the_default_grid_and_the_points_between():
+  from hdet_jax.trainer import bracket
+  fine = bracket.point_lrs(0.03, exp.FINE['bracket.points'], exp.FINE['bracket.factor'])
+  default = bracket.point_lrs(0.03, 8, 2.0)
+  np.testing.assert_allclose(fine[::2], default, rtol=1e-12)
+  np.testing.assert_allclose(fine[1::2], [0.03 * 2.0 ** j for j in range(-3, 4)], rtol=1e-12)
+  assert [exp.compute_runs(k, False) for k in exp.KEEPS] == pytest.approx([3.2, 3.6, 4.0])
+
+
+def test_a_replaced_point_enters_on_the_records_footing(monkeypatch):
+  ends = {0.2: 1.9}
+  monkeypatch.setattr(wider_rung, 'end', lambda cell, start, seed, lr, *a: {'final_metric': ends[lr]})
+  default = {'kept_lr': 0.2, 'final_metric': 2.0, 'here': False}
+  # another point: the record's final plus the difference of the two ends trained here
+  assert exp.on_footing(1.85, 0.3, default, 'lm:750:adamw', 'best', 0, '', False) == pytest.approx(1.95, rel=1e-12)
+  assert exp.on_footing(1.85, 0.2 * (1 + 1e-15), default, 'lm:750:adamw', 'best', 0, '', False) == 2.0  # the same point
+  assert exp.on_footing(1.85, 0.3, {**default, 'here': True}, 'lm:750:adamw', 'best', 0, '', False) == 1.85
+
+
+def test_quick_composes_the_narrowest_bracket_as_a_real_one_trains_it(tmp_path):
+  """The quick run with --check: a real bracket keeping 2 at the first rung ends where the composition from the
+  bracket keeping 4 says, bit for bit (kept LR and final metric)."""
+  work = str(tmp_path)
+  exp.main(['--quick', '--check', f'{exp.QUICK_CELL}:best:0', '--workdir', work])
+  with open(exp.record_path(exp.QUICK_CELL, 'best', 0, True, work), encoding='utf-8') as f:
+    rec = json.load(f)
+  assert len(rec['lrs']) == 7 and len(rec['rungs'][0]['kept']) == 4 and rec['rungs'][1]['step'] == 8
+  first = {lr: rec['rungs'][0]['losses'][f'{lr:.6g}'] for lr in rec['lrs']}
+  last = {lr: rec['rungs'][1]['losses'][f'{lr:.6g}'] for lr in rec['rungs'][0]['kept']}
+  with open(os.path.join(work, 'finer_grid.json'), encoding='utf-8') as f:
+    saved = json.load(f)
+  row = saved['rows'][exp.QUICK_CELL]['best']
+  for k in exp.QUICK_KEEPS:
+    assert row['kept_x'][str(k)] == [_oracle_kept(first, last, k) / 0.01]
+  with open(exp.check_path(exp.QUICK_CELL, True, work), encoding='utf-8') as f:
+    checked = json.load(f)
+  assert checked['rungs'] == '0.25:2,0.5:1' and checked['equal'], checked
+  assert checked['bracket']['kept_lr'] == _oracle_kept(first, last, 2)
+  assert math.isfinite(checked['bracket']['final_metric'])
