@@ -449,57 +449,64 @@ def _table(heading: str, columns: list[str], rows: list[str], note: str | None) 
   return head + rows + (['', note, ''] if note else [''])
 
 
+# How the benchmark measures (the report's Method paragraph).
+METHOD = (
+    'Method: every variant holds its own model and optimizer state; one process runs blocks of K steps of '
+    'each variant in a fresh random order per round (each block ends with `block_until_ready`), after '
+    'compilation. A ratio is the median over rounds of (variant block / plain block of the same round), with a '
+    'bootstrap 95% confidence interval of that median. "control" times a second, identical plain runner: its '
+    'ratio is what the method reads for two identical programs (the noise floor). HDET/plain at T is, per round, '
+    '((T-1) x non-sync step + 1 x sync step) / (T x plain step), then the median over rounds: the cost of one '
+    'sync window. Plain = the same step with `optax.adam(one_cycle)`; HDET = `hdet(optax.adam, one_cycle, N=8, '
+    'spread=0.25, auto_lr=AutoLR(...))` (controller on). "before" = the one-program design (`sync=None`, a '
+    '`lax.cond` holding the all-reduce, no donation; compared with plain without donation); "two whole-step '
+    'programs" = `sync=False`/`sync=True` steps dispatched by the loop; "after" = the trainer\'s design: the '
+    '`sync=False` step on every step and, on sync steps, a small window-end program after it '
+    '(`update(None, state, params, sync=True)`); `exact_sync=True`, params and optimizer state donated, compared '
+    'with plain with donation. Both two-program designs run the same non-sync program.')
+
+# The report's tables: (key in TABLES, heading, columns, note after the table), in order.
+SECTIONS = [
+    ('steptime', '## 1. Step time (HDET / plain, median over interleaved rounds, bootstrap 95% CI of the median)',
+     ['model (params/replica)', 'design', 'non-sync step / plain', 'T=1', 'T=10', 'T=100', 'T=1000'],
+     'Targets: at most 1.01 at T=100 and 1.002 at T=1000.'),
+    ('fixed', 'What the non-sync HDET program adds per step, counted (no timing noise): the entry computation\'s '
+     'fusion kernels, copies and input buffers per device (each fusion or copy is one kernel launch per device '
+     'on XLA:CPU) and the array leaves the host passes per call (params, optimizer state). Plain / HDET\'s '
+     'extra:', ['model', 'fusions', 'copies', 'input buffers', 'leaves per call'], None),
+    ('cost', 'XLA cost analysis of the step programs (per device, deterministic, no timing noise), HDET / plain:',
+     ['model', 'HDET program', 'flops', 'bytes accessed'], None),
+    ('memory', '## 2. Peak memory (one subprocess per variant, init + 6 steps crossing 3 syncs)',
+     ['model', 'HDET / plain', 'peak host RSS', 'host RSS after the run', 'peak RSS growth after imports',
+      'params + optimizer state', 'compiled step footprint', 'peak device memory in use'],
+     'Target: at most 1.05. CPU: host RSS (`VmHWM` / `VmRSS` of the child process); the 8 simulated '
+     'devices live in host RAM. GPU: also the device allocator\'s `memory_stats()["peak_bytes_in_use"]`. The donating variants run the trainer\'s way: every program compiled '
+     'before the first step, then the compiler\'s freed heap returned to the OS '
+     '(`trainer.release_host_memory`, glibc `malloc_trim`); the others compile lazily and release nothing. '
+     'The compiled footprint is `memory_analysis()` of the larger of the step programs '
+     '(arguments + outputs + temporaries - aliased, i.e. donated, bytes).'),
+    ('compile', '## 3. Compilation (default model)',
+     ['design', 'compilations at step 0', 'XLA compile (s)', 'trace + lower (s)', 'first call (s)',
+      'compilations after step 0'],
+     'Counted with `jax.monitoring` (`/jax/core/compile/backend_compile_duration` events). '
+     '"lazy": the sync program compiles on the first sync step; "AOT": both programs are '
+     '`.lower(...).compile()`d before step 0; "step + window end": the second program is the window end '
+     'alone, not a second whole step.'),
+    ('vmap', '## 4. One device (`vmap`, N=8 replicas) against 8 devices (`shard_map`), default model',
+     ['comparison', 'ratio (median, 95% CI)'],
+     'Under `vmap` the step count in the state is batched, so a `lax.cond` on it becomes a '
+     'select and both branches (with the all-reduce) run on every step.'),
+]
+
+
 def write_markdown(path, args, elapsed):
+  """The report: the machine, the command, ``METHOD``, every table of ``SECTIONS`` measured, and stdout's figures."""
   cmd = 'python -m benchmarks.bench' + (' ' + ' '.join(args.argv) if args.argv else '')
   md = ['# Benchmarks: HDET against plain data-parallel training', '',
         f'Machine: {machine()}', '',
         f'Regenerate (from the repository root, venv active): `{cmd}` (about {elapsed / 60:.0f} min; '
-        'absolute times move with the machine\'s other load, ratios less so).', '',
-        'Method: every variant holds its own model and optimizer state; one process runs blocks of K steps of '
-        'each variant in a fresh random order per round (each block ends with `block_until_ready`), after '
-        'compilation. A ratio is the median over rounds of (variant block / plain block of the same round), with a '
-        'bootstrap 95% confidence interval of that median. "control" times a second, identical plain runner: its '
-        'ratio is what the method reads for two identical programs (the noise floor). HDET/plain at T is, per round, '
-        '((T-1) x non-sync step + 1 x sync step) / (T x plain step), then the median over rounds: the cost of one '
-        'sync window. Plain = the same step with `optax.adam(one_cycle)`; HDET = `hdet(optax.adam, one_cycle, N=8, '
-        'spread=0.25, auto_lr=AutoLR(...))` (controller on). "before" = the one-program design (`sync=None`, a '
-        '`lax.cond` holding the all-reduce, no donation; compared with plain without donation); "two whole-step '
-        'programs" = `sync=False`/`sync=True` steps dispatched by the loop; "after" = the trainer\'s design: the '
-        '`sync=False` step on every step and, on sync steps, a small window-end program after it '
-        '(`update(None, state, params, sync=True)`); `exact_sync=True`, params and optimizer state donated, compared '
-        'with plain with donation. Both two-program designs run the same non-sync program.', '']
-  sections = [  # (key, heading, columns, note after the table)
-      ('steptime', '## 1. Step time (HDET / plain, median over interleaved rounds, bootstrap 95% CI of the median)',
-       ['model (params/replica)', 'design', 'non-sync step / plain', 'T=1', 'T=10', 'T=100', 'T=1000'],
-       'Targets: at most 1.01 at T=100 and 1.002 at T=1000.'),
-      ('fixed', 'What the non-sync HDET program adds per step, counted (no timing noise): the entry computation\'s '
-       'fusion kernels, copies and input buffers per device (each fusion or copy is one kernel launch per device '
-       'on XLA:CPU) and the array leaves the host passes per call (params, optimizer state). Plain / HDET\'s '
-       'extra:', ['model', 'fusions', 'copies', 'input buffers', 'leaves per call'], None),
-      ('cost', 'XLA cost analysis of the step programs (per device, deterministic, no timing noise), HDET / plain:',
-       ['model', 'HDET program', 'flops', 'bytes accessed'], None),
-      ('memory', '## 2. Peak memory (one subprocess per variant, init + 6 steps crossing 3 syncs)',
-       ['model', 'HDET / plain', 'peak host RSS', 'host RSS after the run', 'peak RSS growth after imports',
-        'params + optimizer state', 'compiled step footprint', 'peak device memory in use'],
-       'Target: at most 1.05. CPU: host RSS (`VmHWM` / `VmRSS` of the child process); the 8 simulated '
-       'devices live in host RAM. GPU: also the device allocator\'s `memory_stats()["peak_bytes_in_use"]`. The donating variants run the trainer\'s way: every program compiled '
-       'before the first step, then the compiler\'s freed heap returned to the OS '
-       '(`trainer.release_host_memory`, glibc `malloc_trim`); the others compile lazily and release nothing. '
-       'The compiled footprint is `memory_analysis()` of the larger of the step programs '
-       '(arguments + outputs + temporaries - aliased, i.e. donated, bytes).'),
-      ('compile', '## 3. Compilation (default model)',
-       ['design', 'compilations at step 0', 'XLA compile (s)', 'trace + lower (s)', 'first call (s)',
-        'compilations after step 0'],
-       'Counted with `jax.monitoring` (`/jax/core/compile/backend_compile_duration` events). '
-       '"lazy": the sync program compiles on the first sync step; "AOT": both programs are '
-       '`.lower(...).compile()`d before step 0; "step + window end": the second program is the window end '
-       'alone, not a second whole step.'),
-      ('vmap', '## 4. One device (`vmap`, N=8 replicas) against 8 devices (`shard_map`), default model',
-       ['comparison', 'ratio (median, 95% CI)'],
-       'Under `vmap` the step count in the state is batched, so a `lax.cond` on it becomes a '
-       'select and both branches (with the all-reduce) run on every step.'),
-  ]
-  for key, heading, columns, note in sections:
+        'absolute times move with the machine\'s other load, ratios less so).', '', METHOD, '']
+  for key, heading, columns, note in SECTIONS:
     if key in TABLES:
       md += _table(heading, columns, TABLES[key], note)
   if 'trainer' in TABLES:

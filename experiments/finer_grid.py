@@ -250,15 +250,15 @@ def write_report(out_dir: str, rows: dict, quick: bool) -> str:
            '`experiments.heldout_task`\'s classifiers. The LM and fine-tuning: the finer bracket trained here, entered on '
            'the records\' footing (the module\'s docstring). The reading is in `experiments/workloads_discussion.md` '
            '(twenty-fifth pass).', '',
-           '| cell | start | sweep best LR | default 8-5-1 | ' + ' | '.join(names) + ' | kept (x the start\'s reference): '
-           f'default / {n}-{max(keeps(quick))}-1, per seed |', '|---|---|---|---|' + '---|' * len(names) + '---|']
+           '| cell | start | sweep best LR | default 8-5-1 | ' + ' | '.join(names) + ' | kept (x the start\'s reference), per seed: '
+           f'default; {n}-{max(keeps(quick))}-1 |', '|---|---|---|---|' + '---|' * len(names) + '---|']
   for cell, starts in rows.items():
     for start, r in starts.items():
       if 'gaps' not in r:
         lines.append(f'| {cell} | {start} | - | - | ' + ' | '.join(
             ' / '.join(map(str, r['finals'][k])) for k in keeps(quick)) + ' | - |')
         continue
-      kept = ' / '.join(f'{a:.3g} / {b:.3g}' for a, b in zip(r['default']['kept_x'], r['kept_x'][max(keeps(quick))]))
+      kept = '; '.join(' / '.join(f'{x:.3g}' for x in xs) for xs in (r['default']['kept_x'], r['kept_x'][max(keeps(quick))]))
       lines.append(f'| {cell} | {start} | {r["sweep_lr"]:g} | {_gap(r["gaps"]["default"])} | ' +
                    ' | '.join(_gap(r['gaps'][k]) for k in keeps(quick)) + f' | {kept} |')
   groups = {'mnist1d': MNIST1D, 'held-out classifiers': TASKS, 'LM and fine-tuning': CELLS[len(MNIST1D) + len(TASKS):]}
@@ -314,6 +314,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--cells', default=','.join(CELLS), help='cells to train (mnist1d:1000:adamw, task:wide, ...)')
   p.add_argument('--starts', default=','.join(bracket_mode.STARTS), help='starts to train')
+  p.add_argument('--seeds', default=','.join(map(str, bracket_mode.SEEDS)), help='seeds to train (the report reads 0-2)')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
   p.add_argument('--check', default=None, help='cell:start:seed: train the narrowest composed bracket for real')
   p.add_argument('--quick', action='store_true', help='a smoke run: the quick bracket on mnist1d\'s tiny CNN')
@@ -329,7 +330,7 @@ def main(argv=None):
       print(json.dumps(check(args.check, args.quick, work_root), indent=1))
     for start in ['best'] if args.quick else args.starts.split(','):
       for cell in cells:
-        for seed in [0] if args.quick else bracket_mode.SEEDS:
+        for seed in [0] if args.quick else [int(x) for x in args.seeds.split(',')]:
           composed(cell, start, seed, args.quick, work_root, train=True)
           if not args.quick:
             default = default_bracket(cell, start, seed)

@@ -75,3 +75,47 @@ def test_quick_composes_the_narrowest_bracket_as_a_real_one_trains_it(tmp_path):
   assert checked['rungs'] == '0.25:2,0.5:1' and checked['equal'], checked
   assert checked['bracket']['kept_lr'] == _oracle_kept(first, last, 2)
   assert math.isfinite(checked['bracket']['final_metric'])
+
+
+def _load(path):
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
+
+
+def test_committed_rows_recompute_from_the_records():
+  """Every committed row: each seed's kept point per first-rung count is the plain oracle's on the bracket's record,
+  its final the record's or its end's (on the LM and fine-tuning: the default's recorded final plus the difference
+  of the two ends trained here), and the gaps the ratio of the 3-seed means, the verdicts the 1% / 2 se rule."""
+  saved = _load(os.path.join(exp.REPO, 'results', 'finer_grid.json'))
+  counts, n = {}, 0
+  for cell, starts in saved['rows'].items():
+    anchor = exp.anchor(cell, False)
+    for start, row in starts.items():
+      for i, seed in enumerate((0, 1, 2)):
+        rec = _load(exp.record_path(cell, start, seed, False, ''))
+        first = {lr: rec['rungs'][0]['losses'][f'{lr:.6g}'] for lr in rec['lrs']}
+        last = {lr: rec['rungs'][1]['losses'][f'{lr:.6g}'] for lr in rec['rungs'][0]['kept']}
+        default = exp.default_bracket(cell, start, seed)
+        for k in exp.KEEPS:
+          kept = _oracle_kept(first, last, k)
+          assert row['kept_x'][str(k)][i] == kept / anchor
+          final = rec['final_metric'] if kept == rec['kept_lr'] else _load(
+              exp.end_path(cell, start, seed, kept, False, ''))['final_metric']
+          if not default['here'] and abs(kept / default['kept_lr'] - 1) < 1e-9:
+            final = default['final_metric']
+          elif not default['here']:
+            here = _load(wider_rung.end_path(cell, start, seed, default['kept_lr'], False, ''))['final_metric']
+            final = default['final_metric'] + final - here
+          assert row['finals'][str(k)][i] == pytest.approx(final, rel=1e-12)
+      for name, g in row['gaps'].items():
+        finals = row['default']['finals'] if name == 'default' else row['finals'][name]
+        assert g['gap'] == pytest.approx(sum(finals) / sum(row['sweep']) - 1, rel=1e-9)
+        per_seed = [v / r - 1 for v, r in zip(finals, row['sweep'])]
+        assert g['se'] == pytest.approx(np.std(per_seed, ddof=1) / np.sqrt(3), rel=1e-9, abs=1e-15)
+        want = ('within' if g['gap'] <= 0.01 else 'miss' if g['gap'] - 2 * g['se'] > 0.01 else 'not resolved')
+        assert g['verdict'] == want
+        counts.setdefault(name, {}).setdefault(want, 0)
+        counts[name][want] += 1
+      n += 1
+  assert n >= 30
+  assert {k: {v: c for v, c in t.items() if c} for k, t in saved['tally']['all'].items()} == counts
