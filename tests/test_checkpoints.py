@@ -117,6 +117,23 @@ def test_fingerprint_sees_a_single_bit():
   assert checkpoints.fingerprint(tree) == checkpoints.fingerprint({'a': jnp.asarray(x.copy()), 'k': tree['k']})
 
 
+def test_fingerprint_values_match_a_numpy_oracle():
+  """Per leaf, in tree order: the wrapping uint32 sum of the words times 1 + i * 2654435761, the wrapping sum of
+  u ^ (u >> 13), and the word count (float32 words as their bits; bool and int8 widened to uint32)."""
+  rng = np.random.default_rng(0)
+  leaves = {'a': rng.standard_normal((7, 13)).astype(np.float32), 'b': rng.random(5) > 0.5,
+            'c': rng.integers(-128, 128, 9).astype(np.int8), 'd': np.zeros((0,), np.float32)}
+
+  def oracle(x):
+    u = (x.view(np.uint32) if x.dtype == np.float32 else x.astype(np.uint8).astype(np.uint32)).ravel().astype(np.uint64)
+    w = (np.arange(u.size, dtype=np.uint64) * 2654435761 + 1) % 2**32
+    return [int(np.sum(u * w % 2**32) % 2**32), int(np.sum(u ^ (u >> 13)) % 2**32), u.size]
+
+  got = checkpoints.fingerprint({k: jnp.asarray(v) for k, v in leaves.items()})
+  assert got == [oracle(leaves[k]) for k in sorted(leaves)]
+  assert checkpoints.fingerprint({}) == []
+
+
 def test_reading_checkpoints_logs_no_read_only_warnings(tmp_path, caplog):
   """Every read of a workdir's checkpoints opens a read-only orbax manager, for which orbax logged two warnings
   ('... read_only=True, setting save_interval_steps=0.' and 'Given directory is read only=...'): six per warm start.

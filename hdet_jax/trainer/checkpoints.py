@@ -114,8 +114,10 @@ def _leaf_fingerprint(x: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _fingerprints(tree: Any) -> list[jax.Array]:
-  return [_leaf_fingerprint(x) for x in jax.tree.leaves(tree)]
+def _fingerprints(tree: Any) -> jax.Array:
+  leaves = jax.tree.leaves(tree)
+  # One (leaves, 3) array: one transfer to the host per call, not one per leaf.
+  return jnp.stack([_leaf_fingerprint(x) for x in leaves]) if leaves else jnp.zeros((0, 3), jnp.uint32)
 
 
 def fingerprint(tree: Any) -> list[list[int]]:
@@ -124,8 +126,7 @@ def fingerprint(tree: Any) -> list[list[int]]:
   Every process calls it together (it is one jitted program over the global arrays); any change
   to any bit of any array changes the first number unless it happens to cancel modulo 2**32.
   """
-  out = _fingerprints(tree)
-  return [np.asarray(x.addressable_data(0)).astype(np.int64).tolist() for x in out]
+  return np.asarray(_fingerprints(tree).addressable_data(0)).astype(np.int64).tolist()
 
 
 # ---- Reading. ----
