@@ -326,6 +326,9 @@ def main(argv=None):
   if unknown:
     raise SystemExit(f'error: --cells: unknown {unknown}; choose from {",".join(CELLS)}')
   if not args.report_only:
+    from hdet_jax import trainer
+    from experiments import workloads
+    trainer.setup_jax(workloads.base_config('lm', 16, True))  # (8 CPU devices, as every record's runs: before any JAX call)
     if args.check:
       print(json.dumps(check(args.check, args.quick, work_root), indent=1))
     for start in ['best'] if args.quick else args.starts.split(','):
