@@ -119,3 +119,13 @@ def test_committed_rows_recompute_from_the_records():
       n += 1
   assert n >= 30
   assert {k: {v: c for v, c in t.items() if c} for k, t in saved['tally']['all'].items()} == counts
+
+
+def test_the_committed_check_equals_its_composition():
+  """The real 15-5-1 bracket trained in full (mnist1d, AdamW, 500 steps, from the best, seed 0): the kept point and
+  final metric of the committed row's composition, bit for bit."""
+  checked = _load(exp.check_path('mnist1d:500:adamw', False, ''))
+  assert checked['spec'] == 'mnist1d:500:adamw:best:0' and checked['rungs'] == '0.1:5,0.3:1' and checked['equal']
+  row = _load(os.path.join(exp.REPO, 'results', 'finer_grid.json'))['rows']['mnist1d:500:adamw']['best']
+  assert checked['bracket']['final_metric'] == row['finals']['5'][0]
+  assert checked['bracket']['kept_lr'] == row['kept_x']['5'][0] * exp.anchor('mnist1d:500:adamw', False)
