@@ -210,6 +210,10 @@ def cell_rows(cell: str, quick: bool, work_root: str, train: bool = False) -> di
     for name, finals in [('default', row['default']['finals'])] + [(k, row['finals'][k]) for k in keeps(quick)]:
       gap, se = records.paired_gap(finals, ref[1])
       row.setdefault('gaps', {})[name] = {'gap': gap, 'se': se, 'verdict': last_rung.verdict({'gap': gap, 'se': se})}
+    # (the widest finer bracket against the default on the same seeds: ahead or behind beyond 2 se, or neither)
+    gap, se = records.paired_gap(row['finals'][max(keeps(quick))], row['default']['finals'])
+    side = None if gap is None or se is None or abs(gap) <= 2 * se else ('behind' if gap > 0 else 'ahead')
+    row['vs_default'] = {'gap': gap, 'se': se, 'resolved': side}
     out[start] = row
   return out
 
@@ -250,21 +254,28 @@ def write_report(out_dir: str, rows: dict, quick: bool) -> str:
            '`experiments.heldout_task`\'s classifiers. The LM and fine-tuning: the finer bracket trained here, entered on '
            'the records\' footing (the module\'s docstring). The reading is in `experiments/workloads_discussion.md` '
            '(twenty-fifth pass).', '',
-           '| cell | start | sweep best LR | default 8-5-1 | ' + ' | '.join(names) + ' | kept (x the start\'s reference), per seed: '
-           f'default; {n}-{max(keeps(quick))}-1 |', '|---|---|---|---|' + '---|' * len(names) + '---|']
+           '| cell | start | sweep best LR | default 8-5-1 | ' + ' | '.join(names) + f' | {n}-{max(keeps(quick))}-1 against the '
+           'default, paired | kept (x the start\'s reference), per seed: '
+           f'default; {n}-{max(keeps(quick))}-1 |', '|---|---|---|---|' + '---|' * len(names) + '---|---|']
   for cell, starts in rows.items():
     for start, r in starts.items():
       if 'gaps' not in r:
         lines.append(f'| {cell} | {start} | - | - | ' + ' | '.join(
-            ' / '.join(map(str, r['finals'][k])) for k in keeps(quick)) + ' | - |')
+            ' / '.join(map(str, r['finals'][k])) for k in keeps(quick)) + ' | - | - |')
         continue
       kept = '; '.join(' / '.join(f'{x:.3g}' for x in xs) for xs in (r['default']['kept_x'], r['kept_x'][max(keeps(quick))]))
+      vs = r['vs_default']
+      vs_text = last_rung._gap_text(vs) + ('' if vs['resolved'] is None else f' ({vs["resolved"]})')
       lines.append(f'| {cell} | {start} | {r["sweep_lr"]:g} | {_gap(r["gaps"]["default"])} | ' +
-                   ' | '.join(_gap(r['gaps'][k]) for k in keeps(quick)) + f' | {kept} |')
+                   ' | '.join(_gap(r['gaps'][k]) for k in keeps(quick)) + f' | {vs_text} | {kept} |')
   groups = {'mnist1d': MNIST1D, 'held-out classifiers': TASKS, 'LM and fine-tuning': CELLS[len(MNIST1D) + len(TASKS):]}
   tallies = {g: tally(rows, cells) for g, cells in groups.items()}
   tallies['all'] = tally(rows, list(rows))
+  sides = [r['vs_default']['resolved'] for starts in rows.values() for r in starts.values() if 'vs_default' in r]
   if not quick:
+    lines += ['', f'{n}-{max(keeps(quick))}-1 against the default bracket on the same seeds, beyond 2 standard errors: '
+              f'ahead in {sides.count("ahead")}, behind in {sides.count("behind")}, neither in {sides.count(None)} of '
+              f'{len(sides)} cell-starts.']
     lines += ['', '| cells | bracket | within 1% | miss (beyond 2 se) | not resolved |', '|---|---|---|---|---|']
     for g, t in tallies.items():
       for name, c in t.items():

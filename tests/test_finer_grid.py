@@ -116,6 +116,12 @@ def test_committed_rows_recompute_from_the_records():
         assert g['verdict'] == want
         counts.setdefault(name, {}).setdefault(want, 0)
         counts[name][want] += 1
+      f9, d = row['finals'][str(max(exp.KEEPS))], row['default']['finals']
+      vs = row['vs_default']
+      assert vs['gap'] == pytest.approx(sum(f9) / sum(d) - 1, rel=1e-9, abs=1e-15)
+      per_seed = [a / b - 1 for a, b in zip(f9, d)]
+      assert vs['se'] == pytest.approx(np.std(per_seed, ddof=1) / np.sqrt(3), rel=1e-9, abs=1e-15)
+      assert vs['resolved'] == (None if abs(vs['gap']) <= 2 * vs['se'] else 'behind' if vs['gap'] > 0 else 'ahead')
       n += 1
   assert n >= 30
   assert {k: {v: c for v, c in t.items() if c} for k, t in saved['tally']['all'].items()} == counts
