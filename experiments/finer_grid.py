@@ -22,7 +22,7 @@ bracket's recorded final plus the difference of the two kept points' ends, both 
     python -m experiments.finer_grid --cells task:wide,mnist1d:1000:adamw
     python -m experiments.finer_grid --report-only
     python -m experiments.finer_grid --check mnist1d:1000:adamw:best:0   # one composed bracket trained for real
-    python -m experiments.finer_grid --quick           # a smoke run: a 7-point quick bracket on mnist1d's tiny CNN
+    python -m experiments.finer_grid --quick           # a smoke run: a 5-point quick bracket on mnist1d's tiny CNN
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ REPO = autolr.REPO
 FINE = {'bracket.points': 15, 'bracket.factor': 2 ** 0.5, 'bracket.rungs': '0.1:9,0.3:1', 'bracket.compare_steps': 10}
 KEEPS = (5, 7, 9)  # points the first rung keeps (the last: FINE's own, trained; the others composed)
 QUICK_CELL = 'mnist1d:16:adamw'
-QUICK_FINE = {'bracket.points': 7, 'bracket.factor': 2 ** 0.5, 'bracket.rungs': '0.25:4,0.5:1', 'bracket.compare_steps': 3}
-QUICK_KEEPS = (2, 3, 4)
+QUICK_FINE = {'bracket.points': 5, 'bracket.factor': 2 ** 0.5, 'bracket.rungs': '0.25:3,0.5:1', 'bracket.compare_steps': 3}
+QUICK_KEEPS = (2, 3)
 MNIST1D = tuple(c for c in bracket_mode.CELLS if c.startswith('mnist1d'))
 TASKS = tuple(f'task:{c}' for c in heldout_task.CHECKS)  # the held-out classifiers
 CELLS = MNIST1D + TASKS + ('lm:750:adamw', 'finetune:150:adamw', 'finetune:300:adamw')

@@ -57,12 +57,12 @@ def test_a_replaced_point_enters_on_the_records_footing(monkeypatch):
 
 def test_quick_composes_the_narrowest_bracket_as_a_real_one_trains_it(tmp_path):
   """The quick run with --check: a real bracket keeping 2 at the first rung ends where the composition from the
-  bracket keeping 4 says, bit for bit (kept LR and final metric)."""
+  bracket keeping 3 says, bit for bit (kept LR and final metric)."""
   work = str(tmp_path)
   exp.main(['--quick', '--check', f'{exp.QUICK_CELL}:best:0', '--workdir', work])
   with open(exp.record_path(exp.QUICK_CELL, 'best', 0, True, work), encoding='utf-8') as f:
     rec = json.load(f)
-  assert len(rec['lrs']) == 7 and len(rec['rungs'][0]['kept']) == 4 and rec['rungs'][1]['step'] == 8
+  assert len(rec['lrs']) == 5 and len(rec['rungs'][0]['kept']) == 3 and rec['rungs'][1]['step'] == 8
   first = {lr: rec['rungs'][0]['losses'][f'{lr:.6g}'] for lr in rec['lrs']}
   last = {lr: rec['rungs'][1]['losses'][f'{lr:.6g}'] for lr in rec['rungs'][0]['kept']}
   with open(os.path.join(work, 'finer_grid.json'), encoding='utf-8') as f:
