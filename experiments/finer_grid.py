@@ -331,6 +331,8 @@ def main(argv=None):
   p.add_argument('--quick', action='store_true', help='a smoke run: the quick bracket on mnist1d\'s tiny CNN')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/workloads)')
   args = p.parse_args(argv)
+  if args.report_only and args.check:
+    raise SystemExit('error: --check trains a bracket and --report-only trains nothing; drop one of them.')
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'finer_grid_quick' if args.quick else 'workloads')
   cells = [QUICK_CELL] if args.quick else [c for c in args.cells.split(',') if c]
   unknown = [c for c in cells if c not in CELLS + (QUICK_CELL,)]

@@ -143,3 +143,8 @@ def test_the_committed_report_is_what_the_records_give_now():
   saved = _load(os.path.join(exp.REPO, 'results', 'finer_grid.json'))
   for cell, starts in saved['rows'].items():
     assert json.loads(json.dumps(exp.cell_rows(cell, False, ''))) == starts, cell
+
+
+def test_check_with_report_only_is_one_clear_error():
+  with pytest.raises(SystemExit, match='--check trains a bracket and --report-only trains nothing'):
+    exp.main(['--report-only', '--check', 'mnist1d:500:adamw:best:0'])
