@@ -88,8 +88,7 @@ def anchor(cell: str, quick: bool) -> float:
   return heldout_task.anchor_lr(_site(cell)) if cell.startswith('task:') else bracket_mode.anchor_lr(cell, quick)
 
 
-def _load(path: str) -> dict | None:
-  return wider_rung._load(path)
+_load = wider_rung._load  # (a JSON record, or None where it is not written)
 
 
 def _train(name: str, config, path: str, work_root: str) -> dict:
