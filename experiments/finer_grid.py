@@ -210,11 +210,73 @@ def cell_rows(cell: str, quick: bool, work_root: str, train: bool = False) -> di
       gap, se = records.paired_gap(finals, ref[1])
       row.setdefault('gaps', {})[name] = {'gap': gap, 'se': se, 'verdict': last_rung.verdict({'gap': gap, 'se': se})}
     # (the widest finer bracket against the default on the same seeds: ahead or behind beyond 2 se, or neither)
-    gap, se = records.paired_gap(row['finals'][max(keeps(quick))], row['default']['finals'])
-    side = None if gap is None or se is None or abs(gap) <= 2 * se else ('behind' if gap > 0 else 'ahead')
-    row['vs_default'] = {'gap': gap, 'se': se, 'resolved': side}
+    row['vs_default'] = _versus(row['finals'][max(keeps(quick))], row['default']['finals'])
     out[start] = row
   return out
+
+
+def _versus(finals: list, default: list) -> dict:
+  """The widest finer bracket against the default on the same seeds: paired gap, se, and the side beyond 2 se."""
+  gap, se = records.paired_gap(finals, default)
+  side = None if gap is None or se is None or abs(gap) <= 2 * se else ('behind' if gap > 0 else 'ahead')
+  return {'gap': gap, 'se': se, 'resolved': side}
+
+
+def eight_seed_rows(cell: str, work_root: str) -> dict:
+  """mnist1d on ``last_rung``'s 8 seeds (the sweep's 3 and its 5 fresh ones, where the default bracket has them too):
+  per start, each finer bracket's finals and kept points (seeds 0-2 as in the 3-seed rows, 3-7 their own records),
+  the paired gap (± se) against the sweep's best LR over the 8 seeds, and the widest against the default."""
+  base = last_rung.eight_seed_rows(cell, work_root)
+  out = {'sweep_lr': base['sweep_lr'], 'sweep': base['sweep'], 'starts': {}}
+  three = cell_rows(cell, False, work_root)
+  for start, d in base['starts'].items():
+    fresh = [composed(cell, start, s, False, work_root, False) for s in last_rung.FRESH_SEEDS]
+    if start not in three or None in fresh:
+      continue
+    a = anchor(cell, False)
+    row = {'default': {'finals': d['finals'], 'kept_x': d['kept_x'], 'gap': d['gap'], 'se': d['se']}}
+    for k in KEEPS:
+      finals = three[start]['finals'][k] + [g[k]['final_metric'] for g in fresh]
+      gap, se = records.paired_gap(finals, base['sweep'])
+      row[str(k)] = {'finals': finals, 'kept_x': three[start]['kept_x'][k] + [g[k]['kept_lr'] / a for g in fresh],
+                     'gap': gap, 'se': se}
+    for g in row.values():
+      g['verdict'] = last_rung.verdict(g)
+    row['vs_default'] = _versus(row[str(max(KEEPS))]['finals'], d['finals'])
+    out['starts'][start] = row
+  return out
+
+
+def eight_seed_lines(eight: dict) -> list[str]:
+  """The 8-seed table, its tally and the paired comparison with the default."""
+  n, top = FINE['bracket.points'], max(KEEPS)
+  lines = ['', '## mnist1d on 8 seeds', '',
+           'The finer bracket trained on the sweep\'s fresh seeds 3-7 too, beside the default bracket on the same 8 '
+           'seeds (`results/last_rung.md`\'s 8-seed table: seeds 0-2 its composition, 3-7 trained there). Against the '
+           'sweep\'s best LR over the 8 seeds (among the LRs recorded on all 8), paired by seed.', '',
+           '| cell | start | sweep best LR (8 seeds) | default 8-5-1 | ' + ' | '.join(f'{n}-{k}-1' for k in KEEPS)
+           + f' | {n}-{top}-1 against the default, paired | kept (x the start\'s reference), per seed: default; '
+           f'{n}-{top}-1 |', '|---|---|---|---|' + '---|' * len(KEEPS) + '---|---|']
+  t = {}
+  for cell, e in eight.items():
+    for start, r in e['starts'].items():
+      kept = '; '.join(' / '.join(f'{x:.3g}' for x in r[name]['kept_x']) for name in ('default', str(top)))
+      vs = r['vs_default']
+      vs_text = last_rung._gap_text(vs) + ('' if vs['resolved'] is None else f' ({vs["resolved"]})')
+      lines.append(f'| {cell} | {start} | {e["sweep_lr"]:g} | ' + ' | '.join(
+          _gap(r[name]) for name in ['default'] + [str(k) for k in KEEPS]) + f' | {vs_text} | {kept} |')
+      for name in ['default'] + [str(k) for k in KEEPS]:
+        t.setdefault(name, {'within': 0, 'miss': 0, 'not resolved': 0})[r[name]['verdict']] += 1
+      t.setdefault('vs', []).append(vs['resolved'])
+  sides = t.pop('vs', [])
+  lines += ['', f'{n}-{top}-1 against the default bracket on the same 8 seeds, beyond 2 standard errors: ahead in '
+            f'{sides.count("ahead")}, behind in {sides.count("behind")}, neither in {sides.count(None)} of '
+            f'{len(sides)} cell-starts.', '', '| bracket | within 1% | miss (beyond 2 se) | not resolved |',
+            '|---|---|---|---|']
+  for name, c in t.items():
+    label = 'default 8-5-1' if name == 'default' else f'{n}-{name}-1 ({compute_runs(int(name), False):.2g} runs)'
+    lines.append(f'| {label} | {c["within"]} | {c["miss"]} | {c["not resolved"]} |')
+  return lines
 
 
 def compute_runs(keep: int, quick: bool) -> float:
@@ -239,7 +301,7 @@ def _gap(g: dict) -> str:
   return f'**{text}**' if g['verdict'] == 'miss' else text
 
 
-def write_report(out_dir: str, rows: dict, quick: bool) -> str:
+def write_report(out_dir: str, rows: dict, quick: bool, eight: dict | None = None) -> str:
   n, f = fields(quick)['bracket.points'], fields(quick)['bracket.factor']
   names = [f'{n}-{k}-1 ({compute_runs(k, quick):.2g} runs)' for k in keeps(quick)]
   lines = [f'# A finer LR grid: {n} points a factor {f:.4g} apart, the first rung keeping {", ".join(map(str, keeps(quick)))}', '',
@@ -285,10 +347,12 @@ def write_report(out_dir: str, rows: dict, quick: bool) -> str:
     lines += ['', 'Checked (`--check`): a composed bracket trained for real: ' + '; '.join(
         f'{c["spec"]} (rungs {c["rungs"]}): kept {c["bracket"]["kept_lr"]:.6g}, final {c["bracket"]["final_metric"]}, '
         f'{"equal to" if c["equal"] else "NOT equal to"} its composition' for c in done) + '.']
+  if eight:
+    lines += eight_seed_lines(eight)
   os.makedirs(out_dir, exist_ok=True)
   records.write_json(os.path.join(out_dir, 'finer_grid.json'),
-                     {'rows': rows, 'tally': tallies, 'compute_runs': {str(k): compute_runs(k, quick) for k in keeps(quick)}},
-                     indent=1)
+                     {'rows': rows, 'tally': tallies, 'compute_runs': {str(k): compute_runs(k, quick) for k in keeps(quick)},
+                      **({'eight_seeds': eight} if eight else {})}, indent=1)
   md = os.path.join(out_dir, 'finer_grid.md')
   with open(md, 'w', encoding='utf-8') as fh:
     fh.write('\n'.join(lines) + '\n')
@@ -324,7 +388,8 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--cells', default=','.join(CELLS), help='cells to train (mnist1d:1000:adamw, task:wide, ...)')
   p.add_argument('--starts', default=','.join(bracket_mode.STARTS), help='starts to train')
-  p.add_argument('--seeds', default=','.join(map(str, bracket_mode.SEEDS)), help='seeds to train (the report reads 0-2)')
+  p.add_argument('--seeds', default=','.join(map(str, bracket_mode.SEEDS)), help='seeds to train (the report reads 0-2, and '
+                 'mnist1d\'s 3-7 for its 8-seed table)')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
   p.add_argument('--check', default=None, help='cell:start:seed: train the narrowest composed bracket for real')
   p.add_argument('--quick', action='store_true', help='a smoke run: the quick bracket on mnist1d\'s tiny CNN')
@@ -354,8 +419,9 @@ def main(argv=None):
               for k in KEEPS:
                 on_footing(got[k]['final_metric'], got[k]['kept_lr'], default, cell, start, seed, work_root, True)
   rows = {c: cell_rows(c, args.quick, work_root) for c in ([QUICK_CELL] if args.quick else CELLS)}
+  eight = {} if args.quick else {c: e for c in MNIST1D if (e := eight_seed_rows(c, work_root))['starts']}
   md = write_report(work_root if args.quick else os.path.join(REPO, 'results'), {c: r for c, r in rows.items() if r},
-                    args.quick)
+                    args.quick, eight)
   with open(md, encoding='utf-8') as f:
     print(f.read())
 

@@ -148,3 +148,50 @@ def test_the_committed_report_is_what_the_records_give_now():
 def test_check_with_report_only_is_one_clear_error():
   with pytest.raises(SystemExit, match='--check trains a bracket and --report-only trains nothing'):
     exp.main(['--report-only', '--check', 'mnist1d:500:adamw:best:0'])
+
+
+def test_committed_eight_seed_rows_recompute_from_the_records():
+  """mnist1d's 8-seed rows: seeds 0-2 the committed 3-seed rows', seeds 3-7 the oracle's kept point on each fresh
+  record with its final; the default's the 8-seed table of results/last_rung.json; the reference the sweep's best
+  LR by its 8-seed mean; gaps, se, verdicts and the paired comparison recomputed; the tally counted again; and the
+  rows rebuilt from the records equal the committed JSON."""
+  saved = _load(os.path.join(exp.REPO, 'results', 'finer_grid.json'))
+  eight, three = saved['eight_seeds'], saved['rows']
+  last = _load(os.path.join(exp.REPO, 'results', 'last_rung.json'))['eight_seeds']
+  assert sorted(eight) == sorted(exp.MNIST1D)
+  n = 0
+  for cell, e in eight.items():
+    anchor = exp.anchor(cell, False)
+    assert e['sweep_lr'] == last[cell]['sweep_lr'] and e['sweep'] == last[cell]['sweep']
+    means = {lr: np.mean(v) for lr, v in last[cell]['sweep_means'].items()}
+    assert float(min(means, key=means.get)) == e['sweep_lr']
+    for start, row in e['starts'].items():
+      assert row['default']['finals'] == last[cell]['starts'][start]['finals']
+      for k in exp.KEEPS:
+        r = row[str(k)]
+        assert r['finals'][:3] == three[cell][start]['finals'][str(k)]
+        assert r['kept_x'][:3] == three[cell][start]['kept_x'][str(k)]
+        for i, seed in enumerate(range(3, 8), start=3):
+          rec = _load(exp.record_path(cell, start, seed, False, ''))
+          first = {lr: rec['rungs'][0]['losses'][f'{lr:.6g}'] for lr in rec['lrs']}
+          lastr = {lr: rec['rungs'][1]['losses'][f'{lr:.6g}'] for lr in rec['rungs'][0]['kept']}
+          kept = _oracle_kept(first, lastr, k)
+          assert r['kept_x'][i] == kept / anchor
+          final = rec['final_metric'] if kept == rec['kept_lr'] else _load(
+              exp.end_path(cell, start, seed, kept, False, ''))['final_metric']
+          assert r['finals'][i] == final
+      for name in ['default'] + [str(k) for k in exp.KEEPS]:
+        g = row[name]
+        assert g['gap'] == pytest.approx(sum(g['finals']) / sum(e['sweep']) - 1, rel=1e-9)
+        per_seed = [v / s - 1 for v, s in zip(g['finals'], e['sweep'])]
+        assert g['se'] == pytest.approx(np.std(per_seed, ddof=1) / np.sqrt(8), rel=1e-9)
+        assert g['verdict'] == ('within' if g['gap'] <= 0.01 else 'miss' if g['gap'] - 2 * g['se'] > 0.01
+                                else 'not resolved')
+      f9, d, vs = row[str(max(exp.KEEPS))]['finals'], row['default']['finals'], row['vs_default']
+      assert vs['gap'] == pytest.approx(sum(f9) / sum(d) - 1, rel=1e-9, abs=1e-15)
+      per_seed = [a / b - 1 for a, b in zip(f9, d)]
+      assert vs['se'] == pytest.approx(np.std(per_seed, ddof=1) / np.sqrt(8), rel=1e-9, abs=1e-15)
+      assert vs['resolved'] == (None if abs(vs['gap']) <= 2 * vs['se'] else 'behind' if vs['gap'] > 0 else 'ahead')
+      n += 1
+    assert json.loads(json.dumps(exp.eight_seed_rows(cell, ''))) == e, cell
+  assert n == 18
