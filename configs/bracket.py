@@ -6,7 +6,9 @@ the lowest training loss (mean of the 10 steps before) go on, at 0.3 the best of
 of compute (hdet_jax/trainer/bracket.py). Use it where the LR is unknown within about 10x either way and 2.5 runs
 are affordable: one HDET run's controller does not find the sweep's best from every start
 (experiments/workloads_discussion.md); this mode's own runs against the sweep are in results/bracket_mode.md
-(rungs '0.1:4,0.3:1', 2.3 runs) and results/wider_rung.md (these rungs).
+(rungs '0.1:4,0.3:1', 2.3 runs) and results/wider_rung.md (these rungs). A finer grid at 4.0 runs, better on
+mnist1d's sharp optima (results/finer_grid.md): --config.bracket.points=15
+--config.bracket.factor=1.4142135623730951 --config.bracket.rungs=0.1:9,0.3:1.
 """
 
 from hdet_jax.trainer.config_lib import sibling
