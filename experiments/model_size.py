@@ -39,6 +39,7 @@ import numpy as np
 
 from experiments import autolr
 from experiments import bracket_mode
+from experiments import finer_grid
 from experiments import heldout_task
 from experiments import records
 from experiments import workloads
@@ -47,9 +48,11 @@ REPO = autolr.REPO
 MODEL = {'model.d_model': 192, 'model.num_layers': 4, 'model.num_heads': 4}  # ~15x the default's parameters
 STEPS, SEED, OPTIM = 1500, 0, 'adamw'
 STARTS = bracket_mode.STARTS
-# The brackets trained from each start: the one this experiment first ran (8-4-1, the default then) and the default
-# since (8-5-1, ``configs/bracket.py``). Both rank the same 8 runs at the first rung.
-BRACKETS = {'bracket': bracket_mode.BRACKET, 'bracket851': heldout_task.BRACKET}
+# The brackets trained from each start: the one this experiment first ran (8-4-1, the default then), the default
+# since (8-5-1, ``configs/bracket.py``; both rank the same 8 runs at the first rung) and the finer grid of
+# ``experiments.finer_grid`` (15 points a factor 2^0.5 apart, 9 kept at 0.1; opt-in).
+BRACKETS = {'bracket': bracket_mode.BRACKET, 'bracket851': heldout_task.BRACKET, 'bracket1591': finer_grid.FINE}
+DEFAULT_BRACKET = 'bracket851'
 
 
 # The sweep: autolr's 8 AdamW points (3.75e-3 ... 0.48) and two below them, since at this size the lowest of the
@@ -81,7 +84,7 @@ def seed_names(seed: int, quick: bool, work_root: str, starts=('best',)) -> list
   others = [s for s in STARTS if s in starts and s != 'best']
   return ([f'grid_lr{records.lr_tag(lr, 4)}_s{seed}' for lr in grid] + [f'hdet_best_s{seed}']
           + [f'{kind}_best_s{seed}' for kind in brackets]
-          + [f'{kind}_{s}_s{seed}' for kind in ('hdet', brackets[-1]) for s in others])
+          + [f'{kind}_{s}_s{seed}' for kind in ('hdet', 'bracket' if quick else DEFAULT_BRACKET) for s in others])
 
 
 def split_name(name: str) -> tuple[str, str, int]:
@@ -205,7 +208,9 @@ def report(quick: bool, work_root: str, seeds=(), starts=('best',)) -> list[str]
   lines += [_row(n, recs[n], best_value, best_lr) for n in grid + after]
   lines += ['', f'The sweep\'s best: {best_value:.4f} at {best_lr:g}. HDET: one run of compute; the sweep 8. `bracket`: '
             f'8 points, `{bracket_mode.BRACKET["bracket.rungs"]}` (2.3 runs; the default when this experiment first '
-            f'ran); `bracket851`: the default bracket since, `{heldout_task.BRACKET["bracket.rungs"]}` (2.5 runs). '
+            f'ran); `bracket851`: the default bracket since, `{heldout_task.BRACKET["bracket.rungs"]}` (2.5 runs); '
+            f'`bracket1591`: `experiments.finer_grid`\'s 15 points a factor 2^0.5 apart, '
+            f'`{finer_grid.FINE["bracket.rungs"]}` (4.0 runs). '
             'Walls were taken with runs side by side (`--jobs`), so they are rough.']
   for seed in seeds:
     names = seed_names(seed, quick, work_root, starts)

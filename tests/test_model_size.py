@@ -34,7 +34,9 @@ def test_a_starts_run_from_another_sweep_best_is_not_read(tmp_path):
 
 def test_the_full_sweep_extends_below_autolrs_grid():
   np.testing.assert_allclose(exp.GRID, [0.03 * 2.0 ** k for k in range(-5, 5)])
-  assert exp.job_names(False)[1] == [f'{k}_{s}' for k in ('hdet', 'bracket', 'bracket851') for s in ('low', 'best', 'high')]
+  assert exp.job_names(False)[1] == [f'{k}_{s}' for k in ('hdet', 'bracket', 'bracket851', 'bracket1591')
+                                     for s in ('low', 'best', 'high')]
+  assert exp.BRACKETS['bracket1591']['bracket.points'] == 15 and exp.DEFAULT_BRACKET == 'bracket851'
   assert exp.BRACKETS['bracket851']['bracket.rungs'] == '0.1:5,0.3:1'  # the default bracket (configs/bracket.py)
   assert exp.BRACKETS['bracket']['bracket.rungs'] == '0.1:4,0.3:1'
 
@@ -88,6 +90,10 @@ def test_the_committed_summary_is_the_records_own():
     finals = [rec(run)['final_metric']] + [rec(f'{run}_s{s}')['final_metric'] for s in (1, 2)]
     assert r['finals'] == finals
     assert r['gap'] == pytest.approx(np.mean(finals) / np.mean(committed['sweep']) - 1, abs=1e-12)
+  # The finer grid holds the best LR itself: from the best it keeps it on every seed, and its kept run is the sweep's
+  # plain run at that LR, bit for bit (trained on another H200, in another session).
+  assert [rec(n)['final_metric'] for n in ('bracket1591_best', 'bracket1591_best_s1', 'bracket1591_best_s2')] == \
+      committed['sweep'] == committed['runs']['bracket1591_best']['finals']
   # The default bracket (8-5-1) keeps what the 8-4-1 one kept wherever both ran: the same runs, bit for bit.
   for run in ('bracket_low', 'bracket_best', 'bracket_high', 'bracket_best_s1', 'bracket_best_s2'):
     old, new = rec(run), rec(run.replace('bracket', 'bracket851'))
