@@ -314,7 +314,7 @@ def write_report(out_dir: str, rows: dict, quick: bool, eight: dict | None = Non
            'seeds: `results/last_rung.md`\'s and `results/heldout_task.md`\'s records. "task:" cells are '
            '`experiments.heldout_task`\'s classifiers. The LM and fine-tuning: the finer bracket trained here, entered on '
            'the records\' footing (the module\'s docstring). The reading is in `experiments/workloads_discussion.md` '
-           '(twenty-fifth pass).', '',
+           '(twenty-fifth and twenty-sixth passes).', '',
            '| cell | start | sweep best LR | default 8-5-1 | ' + ' | '.join(names) + f' | {n}-{max(keeps(quick))}-1 against the '
            'default, paired | kept (x the start\'s reference), per seed: '
            f'default; {n}-{max(keeps(quick))}-1 |', '|---|---|---|---|' + '---|' * len(names) + '---|---|']
