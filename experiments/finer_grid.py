@@ -222,22 +222,53 @@ def _versus(finals: list, default: list) -> dict:
   return {'gap': gap, 'se': se, 'resolved': side}
 
 
+EIGHT_SEEDS = tuple(bracket_mode.SEEDS) + tuple(last_rung.FRESH_SEEDS)
+
+
+def eight_seed_reference(cell: str, work_root: str) -> dict | None:
+  """The sweep's best LR over the 8 seeds (among the LRs recorded on all 8) with its finals, and per start the
+  default bracket's finals and kept points on the same seeds (None: not recorded). mnist1d: ``last_rung``'s table
+  (seeds 0-2 its composition, 3-7 trained there); a held-out classifier: ``heldout_task``'s records."""
+  if not cell.startswith('task:'):
+    base = last_rung.eight_seed_rows(cell, work_root)
+    return {'sweep_lr': base['sweep_lr'], 'sweep': base['sweep'],
+            'default': {start: {'finals': d['finals'], 'kept_x': d['kept_x']} for start, d in base['starts'].items()}}
+  site, a = _site(cell), anchor(cell, False)
+  grid = {}
+  for lr in heldout_task.plan(site)['grid']:
+    got = [heldout_task.load(heldout_task.grid_name(lr, s), site) for s in EIGHT_SEEDS]
+    if None not in got:
+      grid[lr] = [r['final_metric'] for r in got]
+  if not grid or any(None in v for v in grid.values()):
+    return None
+  best_lr = min(grid, key=lambda lr: sum(grid[lr]))
+  out = {'sweep_lr': best_lr, 'sweep': grid[best_lr], 'default': {}}
+  for start in bracket_mode.STARTS:
+    got = [heldout_task.load(f'bracket_{start}_s{s}', site) for s in EIGHT_SEEDS]
+    if None not in got:
+      out['default'][start] = {'finals': [r['final_metric'] for r in got], 'kept_x': [r['kept_lr'] / a for r in got]}
+  return out
+
+
 def eight_seed_rows(cell: str, work_root: str) -> dict:
-  """mnist1d on ``last_rung``'s 8 seeds (the sweep's 3 and its 5 fresh ones, where the default bracket has them too):
-  per start, each finer bracket's finals and kept points (seeds 0-2 as in the 3-seed rows, 3-7 their own records),
-  the paired gap (± se) against the sweep's best LR over the 8 seeds, and the widest against the default."""
-  base = last_rung.eight_seed_rows(cell, work_root)
-  out = {'sweep_lr': base['sweep_lr'], 'sweep': base['sweep'], 'starts': {}}
+  """A cell on 8 seeds (the sweep's 3 and 5 fresh ones, where the default bracket has them too): per start, each
+  finer bracket's finals and kept points (seeds 0-2 as in the 3-seed rows, 3-7 their own records), the paired gap
+  (± se) against the sweep's best LR over the 8 seeds, and the widest against the default."""
+  ref = eight_seed_reference(cell, work_root)
+  if ref is None:
+    return {'starts': {}}
+  out = {'sweep_lr': ref['sweep_lr'], 'sweep': ref['sweep'], 'starts': {}}
   three = cell_rows(cell, False, work_root)
-  for start, d in base['starts'].items():
+  for start, d in ref['default'].items():
     fresh = [composed(cell, start, s, False, work_root, False) for s in last_rung.FRESH_SEEDS]
     if start not in three or None in fresh:
       continue
     a = anchor(cell, False)
-    row = {'default': {'finals': d['finals'], 'kept_x': d['kept_x'], 'gap': d['gap'], 'se': d['se']}}
+    gap, se = records.paired_gap(d['finals'], ref['sweep'])
+    row = {'default': {**d, 'gap': gap, 'se': se}}
     for k in KEEPS:
       finals = three[start]['finals'][k] + [g[k]['final_metric'] for g in fresh]
-      gap, se = records.paired_gap(finals, base['sweep'])
+      gap, se = records.paired_gap(finals, ref['sweep'])
       row[str(k)] = {'finals': finals, 'kept_x': three[start]['kept_x'][k] + [g[k]['kept_lr'] / a for g in fresh],
                      'gap': gap, 'se': se}
     for g in row.values():
@@ -250,10 +281,12 @@ def eight_seed_rows(cell: str, work_root: str) -> dict:
 def eight_seed_lines(eight: dict) -> list[str]:
   """The 8-seed table, its tally and the paired comparison with the default."""
   n, top = FINE['bracket.points'], max(KEEPS)
-  lines = ['', '## mnist1d on 8 seeds', '',
+  lines = ['', '## On 8 seeds: mnist1d and the held-out classifiers', '',
            'The finer bracket trained on the sweep\'s fresh seeds 3-7 too, beside the default bracket on the same 8 '
-           'seeds (`results/last_rung.md`\'s 8-seed table: seeds 0-2 its composition, 3-7 trained there). Against the '
-           'sweep\'s best LR over the 8 seeds (among the LRs recorded on all 8), paired by seed.', '',
+           'seeds (mnist1d: `results/last_rung.md`\'s 8-seed table, seeds 0-2 its composition, 3-7 trained there; the '
+           'held-out classifiers: their sweep and the default bracket trained on seeds 3-7 in '
+           '`results/heldout_task/runs/`). Against the sweep\'s best LR over the 8 seeds (among the LRs recorded on '
+           'all 8), paired by seed. The tally is over all rows; by start and family in the discussion.', '',
            '| cell | start | sweep best LR (8 seeds) | default 8-5-1 | ' + ' | '.join(f'{n}-{k}-1' for k in KEEPS)
            + f' | {n}-{top}-1 against the default, paired | kept (x the start\'s reference), per seed: default; '
            f'{n}-{top}-1 |', '|---|---|---|---|' + '---|' * len(KEEPS) + '---|---|']
@@ -389,7 +422,7 @@ def main(argv=None):
   p.add_argument('--cells', default=','.join(CELLS), help='cells to train (mnist1d:1000:adamw, task:wide, ...)')
   p.add_argument('--starts', default=','.join(bracket_mode.STARTS), help='starts to train')
   p.add_argument('--seeds', default=','.join(map(str, bracket_mode.SEEDS)), help='seeds to train (the report reads 0-2, and '
-                 'mnist1d\'s 3-7 for its 8-seed table)')
+                 'for mnist1d and the held-out classifiers 3-7 in its 8-seed table)')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
   p.add_argument('--check', default=None, help='cell:start:seed: train the narrowest composed bracket for real')
   p.add_argument('--quick', action='store_true', help='a smoke run: the quick bracket on mnist1d\'s tiny CNN')
@@ -419,7 +452,7 @@ def main(argv=None):
               for k in KEEPS:
                 on_footing(got[k]['final_metric'], got[k]['kept_lr'], default, cell, start, seed, work_root, True)
   rows = {c: cell_rows(c, args.quick, work_root) for c in ([QUICK_CELL] if args.quick else CELLS)}
-  eight = {} if args.quick else {c: e for c in MNIST1D if (e := eight_seed_rows(c, work_root))['starts']}
+  eight = {} if args.quick else {c: e for c in MNIST1D + TASKS if (e := eight_seed_rows(c, work_root))['starts']}
   md = write_report(work_root if args.quick else os.path.join(REPO, 'results'), {c: r for c, r in rows.items() if r},
                     args.quick, eight)
   with open(md, encoding='utf-8') as f:

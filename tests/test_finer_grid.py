@@ -151,22 +151,31 @@ def test_check_with_report_only_is_one_clear_error():
 
 
 def test_committed_eight_seed_rows_recompute_from_the_records():
-  """mnist1d's 8-seed rows: seeds 0-2 the committed 3-seed rows', seeds 3-7 the oracle's kept point on each fresh
-  record with its final; the default's the 8-seed table of results/last_rung.json; the reference the sweep's best
-  LR by its 8-seed mean; gaps, se, verdicts and the paired comparison recomputed; the tally counted again; and the
-  rows rebuilt from the records equal the committed JSON."""
+  """The 8-seed rows: seeds 0-2 the committed 3-seed rows', seeds 3-7 the oracle's kept point on each fresh record
+  with its final; the default's mnist1d's 8-seed table of results/last_rung.json, or a held-out classifier's
+  bracket records; the reference the sweep's best LR by its 8-seed mean; gaps, se, verdicts and the paired
+  comparison recomputed; and the rows rebuilt from the records equal the committed JSON."""
+  from experiments import heldout_task
   saved = _load(os.path.join(exp.REPO, 'results', 'finer_grid.json'))
   eight, three = saved['eight_seeds'], saved['rows']
   last = _load(os.path.join(exp.REPO, 'results', 'last_rung.json'))['eight_seeds']
-  assert sorted(eight) == sorted(exp.MNIST1D)
+  assert set(exp.MNIST1D) <= set(eight) <= set(exp.MNIST1D + exp.TASKS)
   n = 0
   for cell, e in eight.items():
     anchor = exp.anchor(cell, False)
-    assert e['sweep_lr'] == last[cell]['sweep_lr'] and e['sweep'] == last[cell]['sweep']
-    means = {lr: np.mean(v) for lr, v in last[cell]['sweep_means'].items()}
-    assert float(min(means, key=means.get)) == e['sweep_lr']
+    if cell.startswith('task:'):
+      site = heldout_task.Site(cell.split(':')[1], False, '')
+      sweeps = {lr: [heldout_task.load(heldout_task.grid_name(lr, s), site)['final_metric'] for s in range(8)]
+                for lr in heldout_task.plan(site)['grid']}
+      default = {start: [heldout_task.load(f'bracket_{start}_s{s}', site)['final_metric'] for s in range(8)]
+                 for start in e['starts']}
+    else:
+      default = {start: last[cell]['starts'][start]['finals'] for start in e['starts']}
+      assert e['sweep'] == last[cell]['sweep']
+      sweeps = {float(lr): [m] for lr, m in last[cell]['sweep_means'].items()}  # (the 8-seed means)
+    assert min(sweeps, key=lambda lr: np.mean(sweeps[lr])) == e['sweep_lr']
     for start, row in e['starts'].items():
-      assert row['default']['finals'] == last[cell]['starts'][start]['finals']
+      assert row['default']['finals'] == default[start]
       for k in exp.KEEPS:
         r = row[str(k)]
         assert r['finals'][:3] == three[cell][start]['finals'][str(k)]
@@ -194,4 +203,4 @@ def test_committed_eight_seed_rows_recompute_from_the_records():
       assert vs['resolved'] == (None if abs(vs['gap']) <= 2 * vs['se'] else 'behind' if vs['gap'] > 0 else 'ahead')
       n += 1
     assert json.loads(json.dumps(exp.eight_seed_rows(cell, ''))) == e, cell
-  assert n == 18
+  assert n == 3 * len(eight)
