@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 
@@ -239,9 +240,9 @@ def eight_seed_reference(cell: str, work_root: str) -> dict | None:
     got = [heldout_task.load(heldout_task.grid_name(lr, s), site) for s in EIGHT_SEEDS]
     if None not in got:
       grid[lr] = [r['final_metric'] for r in got]
-  if not grid or any(None in v for v in grid.values()):
+  if not grid:
     return None
-  best_lr = min(grid, key=lambda lr: sum(grid[lr]))
+  best_lr = min(grid, key=lambda lr: math.inf if None in grid[lr] else sum(grid[lr]))  # (a diverged seed: inf)
   out = {'sweep_lr': best_lr, 'sweep': grid[best_lr], 'default': {}}
   for start in bracket_mode.STARTS:
     got = [heldout_task.load(f'bracket_{start}_s{s}', site) for s in EIGHT_SEEDS]
