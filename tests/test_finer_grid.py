@@ -204,3 +204,21 @@ def test_committed_eight_seed_rows_recompute_from_the_records():
       n += 1
     assert json.loads(json.dumps(exp.eight_seed_rows(cell, ''))) == e, cell
   assert n == 3 * len(eight)
+
+
+def test_a_diverged_grid_seed_counts_as_inf_in_the_eight_seed_reference(monkeypatch):
+  """A held-out classifier's 8-seed reference: the grid point with the lowest 8-seed mean, a diverged seed (None)
+  counting as inf for its point only; the default bracket's finals and kept points per start."""
+  from experiments import heldout_task
+  site = heldout_task.Site('narrow', False, '')
+  grid = heldout_task.plan(site)['grid']
+  finals = {lr: [1.0 + abs(i - 2) / 10] * 8 for i, lr in enumerate(grid)}  # the third point is the best
+  finals[grid[2]][5] = None  # ... until one of its seeds diverges
+  records_ = {heldout_task.grid_name(lr, s): {'final_metric': v[s]} for lr, v in finals.items() for s in range(8)}
+  records_.update({f'bracket_{st}_s{s}': {'final_metric': 2.0 + s, 'kept_lr': 0.5} for st in ('low', 'best', 'high')
+                   for s in range(8)})
+  monkeypatch.setattr(heldout_task, 'load', lambda name, site: records_.get(name))
+  monkeypatch.setattr(exp, 'anchor', lambda cell, quick: 0.25)
+  ref = exp.eight_seed_reference('task:narrow', '')
+  assert ref['sweep_lr'] == grid[1] and ref['sweep'] == [1.1] * 8  # (grid[1] and grid[3] tie: the lower LR first)
+  assert ref['default']['best'] == {'finals': [2.0 + s for s in range(8)], 'kept_x': [2.0] * 8}
