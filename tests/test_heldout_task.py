@@ -78,3 +78,21 @@ def test_the_committed_wide_check_reads_as_its_records():
   for start in exp.STARTS:
     finals = [exp.load(f'bracket_{start}_s{s}', site)['final_metric'] for s in exp.SEEDS]
     assert r['starts'][start]['bracket_gap'] == pytest.approx(np.mean(finals) / r['best'] - 1, rel=1e-9)
+
+
+def test_fresh_seeds_name_the_sweep_and_the_bracket_and_exclude_the_reports_seeds(monkeypatch, capsys):
+  trained = []
+  monkeypatch.setattr(exp, 'train', lambda name, site: trained.append((name, site.check)) or {'final_metric': 1.0})
+  exp.train_fresh(exp.Site('narrow', False, ''), [3, 4])
+  grid = exp.plan(exp.Site('narrow', False, ''))['grid']
+  assert trained == ([(exp.grid_name(lr, s), 'narrow') for s in (3, 4) for lr in grid]
+                     + [(f'bracket_{st}_s{s}', 'narrow') for s in (3, 4) for st in exp.STARTS])
+  for bad in (['--fresh-seeds', '2,3'], ['--fresh-seeds', '3', '--quick']):
+    with pytest.raises(SystemExit):
+      exp.main(bad + ['--report-only'])
+    assert '--fresh-seeds must be seeds other than 0,1,2' in capsys.readouterr().err
+  # Every seed-3-7 record the 8-seed table reads is committed: the command would train nothing.
+  for check in exp.CHECKS:
+    site = exp.Site(check, False, '')
+    assert all(exp.load(exp.grid_name(lr, s), site) for s in range(3, 8) for lr in exp.plan(site)['grid'])
+    assert all(exp.load(f'bracket_{st}_s{s}', site) for s in range(3, 8) for st in exp.STARTS)
