@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 
@@ -242,7 +241,7 @@ def eight_seed_reference(cell: str, work_root: str) -> dict | None:
       grid[lr] = [r['final_metric'] for r in got]
   if not grid:
     return None
-  best_lr = min(grid, key=lambda lr: math.inf if None in grid[lr] else sum(grid[lr]))  # (a diverged seed: inf)
+  best_lr = records.best_lr(grid)
   out = {'sweep_lr': best_lr, 'sweep': grid[best_lr], 'default': {}}
   for start in bracket_mode.STARTS:
     got = [heldout_task.load(f'bracket_{start}_s{s}', site) for s in EIGHT_SEEDS]
@@ -259,12 +258,11 @@ def eight_seed_rows(cell: str, work_root: str) -> dict:
   if ref is None:
     return {'starts': {}}
   out = {'sweep_lr': ref['sweep_lr'], 'sweep': ref['sweep'], 'starts': {}}
-  three = cell_rows(cell, False, work_root)
+  three, a = cell_rows(cell, False, work_root), anchor(cell, False)
   for start, d in ref['default'].items():
     fresh = [composed(cell, start, s, False, work_root, False) for s in last_rung.FRESH_SEEDS]
     if start not in three or None in fresh:
       continue
-    a = anchor(cell, False)
     gap, se = records.paired_gap(d['finals'], ref['sweep'])
     row = {'default': {**d, 'gap': gap, 'se': se}}
     for k in KEEPS:
@@ -296,9 +294,8 @@ def eight_seed_lines(eight: dict) -> list[str]:
     for start, r in e['starts'].items():
       kept = '; '.join(' / '.join(f'{x:.3g}' for x in r[name]['kept_x']) for name in ('default', str(top)))
       vs = r['vs_default']
-      vs_text = last_rung._gap_text(vs) + ('' if vs['resolved'] is None else f' ({vs["resolved"]})')
       lines.append(f'| {cell} | {start} | {e["sweep_lr"]:g} | ' + ' | '.join(
-          _gap(r[name]) for name in ['default'] + [str(k) for k in KEEPS]) + f' | {vs_text} | {kept} |')
+          _gap(r[name]) for name in ['default'] + [str(k) for k in KEEPS]) + f' | {_versus_text(vs)} | {kept} |')
       for name in ['default'] + [str(k) for k in KEEPS]:
         t.setdefault(name, {'within': 0, 'miss': 0, 'not resolved': 0})[r[name]['verdict']] += 1
       t.setdefault('vs', []).append(vs['resolved'])
@@ -330,6 +327,10 @@ def tally(rows: dict, cells) -> dict:
   return out
 
 
+def _versus_text(vs: dict) -> str:
+  return last_rung._gap_text(vs) + ('' if vs['resolved'] is None else f' ({vs["resolved"]})')
+
+
 def _gap(g: dict) -> str:
   text = last_rung._gap_text(g)
   return f'**{text}**' if g['verdict'] == 'miss' else text
@@ -359,10 +360,8 @@ def write_report(out_dir: str, rows: dict, quick: bool, eight: dict | None = Non
             ' / '.join(map(str, r['finals'][k])) for k in keeps(quick)) + ' | - | - |')
         continue
       kept = '; '.join(' / '.join(f'{x:.3g}' for x in xs) for xs in (r['default']['kept_x'], r['kept_x'][max(keeps(quick))]))
-      vs = r['vs_default']
-      vs_text = last_rung._gap_text(vs) + ('' if vs['resolved'] is None else f' ({vs["resolved"]})')
       lines.append(f'| {cell} | {start} | {r["sweep_lr"]:g} | {_gap(r["gaps"]["default"])} | ' +
-                   ' | '.join(_gap(r['gaps'][k]) for k in keeps(quick)) + f' | {vs_text} | {kept} |')
+                   ' | '.join(_gap(r['gaps'][k]) for k in keeps(quick)) + f' | {_versus_text(r["vs_default"])} | {kept} |')
   groups = {'mnist1d': MNIST1D, 'held-out classifiers': TASKS, 'LM and fine-tuning': CELLS[len(MNIST1D) + len(TASKS):]}
   tallies = {g: tally(rows, cells) for g, cells in groups.items()}
   tallies['all'] = tally(rows, list(rows))

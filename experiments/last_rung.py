@@ -185,7 +185,7 @@ def eight_seed_rows(cell: str, work_root: str, train: bool = False) -> dict:
     finals = recorded_finals(cell, [autolr.grid_name(optim, float(lr), s) for s in seeds])
     if None not in finals:
       grid[float(lr)] = finals
-  best_lr = min(grid, key=lambda lr: np.mean(grid[lr]))
+  best_lr = records.best_lr(grid)
   out = {'sweep_lr': best_lr, 'sweep': grid[best_lr], 'sweep_means': {f'{lr:g}': float(np.mean(v)) for lr, v in grid.items()},
          'starts': {}}
   for start in bracket_mode.STARTS:

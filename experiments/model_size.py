@@ -251,7 +251,7 @@ def seed_summary(quick: bool, work_root: str, seeds=()) -> dict | None:
       grid[lr] = finals
   if not grid:
     return None
-  best_lr = min(grid, key=lambda lr: np.mean(grid[lr]))
+  best_lr = records.best_lr(grid)
   out = {'seeds': all_seeds, 'best_lr': best_lr, 'sweep': grid[best_lr], 'runs': {}}
   for kind in ('hdet', 'bracket') if quick else ('hdet', *BRACKETS):
     for start in STARTS:

@@ -48,6 +48,13 @@ def mean_or_none(values: list) -> float | None:
   return None if not values or any(v is None for v in values) else float(np.mean(values))
 
 
+def best_lr(grid: dict) -> Any:
+  """The sweep's best LR: the key of ``grid`` (LR -> its finals over the seeds) with the lowest mean final; a
+  diverged seed (None) makes its LR's mean inf; ties go to the first."""
+  import numpy as np
+  return min(grid, key=lambda lr: np.inf if None in grid[lr] else float(np.mean(grid[lr])))
+
+
 def pct(x: float | None) -> str:
   """A relative gap as a signed percentage ('+1.2%'); '-' for None."""
   return '-' if x is None else f'{100 * x:+.1f}%'

@@ -90,3 +90,9 @@ def test_a_record_matches_on_its_fields_with_added_ones_at_their_quiet_defaults_
   assert cache.get('old', {'hdet.settle': True}) is None
   assert cache.get('auto', {'hdet.settle': True}) is not None and cache.get('auto', {'hdet.settle': False}) is None
   assert cache.get('plain', {'hdet.settle': False}) is not None and cache.get('plain', {'hdet.settle': True}) is None
+
+
+def test_best_lr_is_the_lowest_mean_a_diverged_seed_inf_ties_first():
+  grid = {0.1: [2.0, 2.2], 0.2: [1.9, None], 0.4: [2.1, 2.1]}  # means 2.1, inf, 2.1: a tie, the first wins
+  assert records.best_lr(grid) == 0.1
+  assert records.best_lr({**grid, 0.05: [2.0, 2.0]}) == 0.05
