@@ -1,11 +1,13 @@
 """What an LR bracket's first rung compiles: its points' programs with the peak LR baked in, against
-``optim.runtime_lr_scale`` (the LR's power of two applied at run time, what the bracket's points now use).
+``optim.runtime_lr_scale`` (the LR's power of two applied at run time, what the bracket's points now use), with
+each run building its programs anew or taking the last run's (``hdet_jax/trainer/program_cache.py``, the default).
 
 The first rung of an LR bracket starts ``points`` plain runs at peak LRs a factor 2 apart (its later rungs resume
 runs at LRs already compiled, which the persistent compilation cache serves in either build). For each build, one
 fresh process trains those runs one after another through ``train_and_evaluate``, with a fresh persistent cache,
 and counts from JAX's monitoring events per run: the programs XLA compiled, the programs loaded from the cache
-instead, XLA's seconds for both, and the run's wall seconds. Counted work (the compiles) is what decides; the wall
+instead, XLA's seconds for both, the run's wall seconds, and whether it took the last run's programs (and so
+traced, lowered and compiled nothing). Counted work (the compiles) is what decides; the wall
 seconds are one noisy machine's.
 
     python -m benchmarks.bracket_compiles                     # the main job's LM, 8 points, 40 steps each
@@ -26,12 +28,13 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _train_points(config_path: str, points: int, steps: int, runtime: bool) -> list[dict]:
-  """In this process (fresh): ``points`` plain runs a factor 2 apart; per run its counts and seconds."""
+def _train_points(config_path: str, points: int, steps: int, runtime: bool, keep: bool = True) -> list[dict]:
+  """In this process (fresh): ``points`` plain runs a factor 2 apart; per run its counts and seconds. ``keep``
+  False: each run builds its programs itself (the kept programs are dropped before it)."""
   import jax
   from jax import monitoring
   from hdet_jax.trainer import bracket, config_lib, train_and_evaluate
-  from hdet_jax.trainer import trainer
+  from hdet_jax.trainer import program_cache, trainer
   from hdet_jax.trainer.trainer import setup_jax
   counts, seconds = collections.Counter(), collections.Counter()
   monitoring.register_event_listener(lambda event, **kw: counts.update([event]))
@@ -45,19 +48,26 @@ def _train_points(config_path: str, points: int, steps: int, runtime: bool) -> l
       'num_train_steps': steps, 'plots': False, 'tensorboard': False, 'progress_bar': False, 'checkpoint_every': 0,
       'eval_every': 0, 'compilation_cache': os.environ['JAX_COMPILATION_CACHE_DIR']})
   setup_jax(base)  # as train.py does: the persistent cache keeps every program, however short its compile
-  compile_programs, step_costs = trainer._compile, []
+  compile_programs, build_programs, step_costs, built = trainer._compile, trainer._build, [], []
+
+  def build_and_count(*args, **kwargs):
+    built.append(True)
+    return build_programs(*args, **kwargs)
 
   def compile_and_count(*args, **kwargs):  # XLA's count of the step program's work, per run
     programs = compile_programs(*args, **kwargs)
     cost = programs.step.cost_analysis()
     step_costs.append(cost[0] if isinstance(cost, list) else cost)
     return programs
-  trainer._compile = compile_and_count
+  trainer._compile, trainer._build = compile_and_count, build_and_count
   rows = []
   with tempfile.TemporaryDirectory() as work:
     for k, lr in enumerate(bracket.point_lrs(base.optim.max_lr, points, 2.0)):
       counts.clear()
       seconds.clear()
+      built.clear()
+      if not keep:
+        program_cache.clear()
       t = time.perf_counter()
       train_and_evaluate(config_lib.with_overrides(base, {'optim.max_lr': lr, 'optim.runtime_lr_scale': runtime}),
                          os.path.join(work, f'point{k}'))
@@ -66,16 +76,16 @@ def _train_points(config_path: str, points: int, steps: int, runtime: bool) -> l
                    # (a program loaded from the cache is timed as a compile too)
                    'compiled': counts['/jax/core/compile/backend_compile_duration'] - counts['/jax/compilation_cache/cache_hits'],
                    'loaded': counts['/jax/compilation_cache/cache_hits'],
-                   'compile_s': seconds['/jax/core/compile/backend_compile_duration'],
+                   'compile_s': seconds['/jax/core/compile/backend_compile_duration'], 'kept': not built,
                    'step_flops': step_costs[-1].get('flops'), 'step_bytes': step_costs[-1].get('bytes accessed')})
   return rows
 
 
-def _in_fresh_process(config_path: str, points: int, steps: int, runtime: bool) -> list[dict]:
+def _in_fresh_process(config_path: str, points: int, steps: int, runtime: bool, keep: bool = True) -> list[dict]:
   with tempfile.TemporaryDirectory() as cache:
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache)
     code = (f'import json, sys; from benchmarks.bracket_compiles import _train_points; '
-            f'print("ROWS", json.dumps(_train_points({config_path!r}, {points}, {steps}, {runtime})))')
+            f'print("ROWS", json.dumps(_train_points({config_path!r}, {points}, {steps}, {runtime}, {keep})))')
     out = subprocess.run([sys.executable, '-c', code], cwd=REPO, env=env, capture_output=True, text=True)
     if out.returncode != 0:
       raise RuntimeError(f'the {"run-time" if runtime else "baked"} build failed:\n{out.stderr[-3000:]}')
@@ -84,12 +94,13 @@ def _in_fresh_process(config_path: str, points: int, steps: int, runtime: bool) 
 
 def report(builds: dict, config_path: str, points: int, steps: int) -> str:
   lines = [f'## {os.path.relpath(config_path, REPO)}: {points} plain runs a factor 2 apart, {steps} steps each',
-           '', '| build | programs compiled | loaded from the cache | XLA compile s | wall s | first run wall s | '
-           'later runs, median wall s |', '|---|---|---|---|---|---|---|']
+           '', '| build | programs compiled | loaded from the cache | XLA compile s | runs that took the last run\'s '
+           'programs | wall s | first run wall s | later runs, median wall s |', '|---|---|---|---|---|---|---|---|']
   for name, rows in builds.items():
     later = sorted(r['wall_s'] for r in rows[1:])
     lines.append(f'| {name} | {sum(r["compiled"] for r in rows)} | {sum(r["loaded"] for r in rows)} | '
-                 f'{sum(r["compile_s"] for r in rows):.1f} | {sum(r["wall_s"] for r in rows):.1f} | '
+                 f'{sum(r["compile_s"] for r in rows):.1f} | {sum(r.get("kept", False) for r in rows)} | '
+                 f'{sum(r["wall_s"] for r in rows):.1f} | '
                  f'{rows[0]["wall_s"]:.1f} | {later[len(later) // 2]:.1f} |')
   lines += ['', 'The step program, XLA\'s cost analysis of the compiled step (per run; listed once where every run of the '
             'build has the same):', '']
@@ -113,7 +124,9 @@ def main(argv=None) -> None:
     p.error('--points must be >= 2 and --steps >= 1')
   config_path = os.path.abspath(a.config)
   builds = {'baked (runtime_lr_scale=False)': _in_fresh_process(config_path, a.points, a.steps, False),
-            'run-time (runtime_lr_scale=True)': _in_fresh_process(config_path, a.points, a.steps, True)}
+            'run-time, each run builds its programs': _in_fresh_process(config_path, a.points, a.steps, True, False),
+            'run-time, a run takes the last run\'s programs (default)':
+                _in_fresh_process(config_path, a.points, a.steps, True, True)}
   print(report(builds, config_path, a.points, a.steps))
 
 

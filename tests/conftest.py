@@ -31,7 +31,7 @@ chex.set_n_cpu_devices(8)
 # (longest-processing-time-first scheduling).
 _SLOWEST_FIRST = ('test_trainer.py', 'test_reliability.py', 'test_trainer_controller.py', 'test_sync.py',
                   'test_workloads.py', 'test_programs.py', 'test_bracket.py', 'test_explore_trainer.py',
-                  'test_transform.py', 'test_mesh2d.py', 'test_explore.py', 'test_model_size.py', 'test_heldout_task.py', 'test_autolr.py', 'test_wider_rung.py',
+                  'test_transform.py', 'test_mesh2d.py', 'test_explore.py', 'test_model_size.py', 'test_heldout_task.py', 'test_program_cache.py', 'test_autolr.py', 'test_wider_rung.py',
                   'test_tasks.py', 'test_trainer_mesh2d.py', 'test_examples.py', 'test_noise_scale_report.py',
                   'test_schedule_bracket.py', 'test_bracket_mode.py', 'test_benchmarks.py')
 
@@ -40,3 +40,17 @@ def pytest_collection_modifyitems(config, items):
   del config
   rank = {name: i for i, name in enumerate(_SLOWEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _own_programs():
+  """Each test builds its runs' programs itself: the trainer keeps a run's compiled programs for the next run in the
+  process that builds the same (hdet_jax/trainer/program_cache.py), and a test that counts compilations must not
+  depend on which tests ran before it in its process. Within a test they are shared, as in a user's process."""
+  from hdet_jax.trainer import program_cache
+  program_cache.clear()
+  yield
+  program_cache.clear()

@@ -160,7 +160,7 @@ def test_setting_the_factor_keeps_every_leaf_and_its_layout(fsdp):
   before = [(np.array(x), x.sharding) for x in jax.tree.leaves(opt_state)]  # (copies: the setter donates)
   factors = [x.scale for x in jax.tree.leaves(opt_state, is_leaf=is_scaled) if is_scaled(x)]
   assert len(factors) == 1 and factors[0].shape == (n,) and np.all(np.asarray(factors[0]) == 1.0)
-  after = trainer._set_lr_scale(opt_state, 0.25)
+  after = trainer._set_lr_scale(f'test fsdp {fsdp}', opt_state, 0.25)
   new_factors = [x.scale for x in jax.tree.leaves(after, is_leaf=is_scaled) if is_scaled(x)]
   np.testing.assert_array_equal(np.asarray(new_factors[0]), np.full(n, 0.25, np.float32))
   changed = 0

@@ -28,6 +28,7 @@ from hdet_jax.trainer import checkpoints
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import metrics as metrics_lib
 from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer import program_cache
 from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
 from hdet_jax.trainer import warm_init
@@ -416,7 +417,8 @@ def _open_records(config: Any, inputs: _Inputs) -> _Records:
 def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   """The state to start from: the workdir's latest checkpoint, a warm start, or a random init."""
   root = jax.random.key(config.seed)
-  init = programs_lib.make_init(config, inputs.tx, records.mesh, inputs.n)
+  key = _programs_key(config, inputs, records)
+  init = program_cache.get(key, 'init', lambda: programs_lib.make_init(config, inputs.tx, records.mesh, inputs.n))
   restored = _restore(config, inputs, records, init, root) if inputs.resume else None
   tail = anchor = None
   if restored is not None:
@@ -427,29 +429,37 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
     params, opt_state, start = *init(jax.random.fold_in(root, _INIT_TAG)), 0
     records.writer.write('event', step=0, event='start', init_from=None)
   if restored is None and optimizer_lib.lr_unit(config) != 1.0:  # (a checkpoint holds its own)
-    opt_state = _set_lr_scale(opt_state, optimizer_lib.lr_unit(config))
+    opt_state = _set_lr_scale(key, opt_state, optimizer_lib.lr_unit(config))
   records.writer.write('hyperparams', step=start, names=list(optimizer_lib.hyperparam_names(config)),
                        controller=config.hdet.controller if optimizer_lib.auto_lr_settings(config) else None)
   records.writer.flush()  # the start/resume is on record even if this start is killed before its first log interval
   rng = jax.device_put(np.asarray(jax.random.key_data(root)), mesh_lib.replicated(records.mesh))
   # The step reads its batch from a chunk of _CHUNK steps' batches at the optimizer's step count,
   # so the count must be the step number.
-  count = int(mesh_lib.fetch(programs_lib.make_step_count(inputs.tx)(params, opt_state))[0])
+  count = int(mesh_lib.fetch(program_cache.get(key, 'step_count', lambda: programs_lib.make_step_count(inputs.tx))(
+      params, opt_state))[0])
   if count != start:
     raise RuntimeError(f'the optimizer state counts {count} steps but training resumes at step {start}.')
   if tail is None and optimizer_lib.score_tail(config) > 0:
     tail = jax.tree.map(lambda x: x.copy(), params)  # overwritten at the first step of each window's tail
   if anchor is None and optimizer_lib.rolls_back(config):  # before the first sync: the start
-    anchor = _anchor_program(records.mesh, inputs.tx, params, opt_state, inputs.task)(params, opt_state)
+    anchor = program_cache.get(key, 'anchor', lambda: _anchor_program(
+        records.mesh, inputs.tx, params, opt_state, inputs.task))(params, opt_state)
   return _Loop(params, opt_state, rng, start=start, step=start, tail=tail, anchor=anchor,
                wait_each_step=one_program_in_flight(records.mesh))
 
 
-def _set_lr_scale(opt_state: Any, unit: float) -> Any:
+def _programs_key(config: Any, inputs: _Inputs, records: _Records) -> str:
+  """The key under which a run's programs are kept for the next run that builds the same (``program_cache``)."""
+  return program_cache.programs_key(config, inputs.n, records.mesh, inputs.data.description)
+
+
+def _set_lr_scale(key: str, opt_state: Any, unit: float) -> Any:
   """``opt_state`` with ``optim.runtime_lr_scale``'s factor set (a jit argument: one program for every unit)."""
   shardings = jax.tree.map(lambda x: x.sharding, opt_state)
-  return jax.jit(optimizer_lib.set_runtime_lr_scale, donate_argnums=0, out_shardings=shardings)(
-      opt_state, np.float32(unit))
+  scale = program_cache.get(key, ('lr_scale', program_cache.signature(opt_state)), lambda: jax.jit(
+      optimizer_lib.set_runtime_lr_scale, donate_argnums=0, out_shardings=shardings))
+  return scale(opt_state, np.float32(unit))
 
 
 def one_program_in_flight(mesh: Any) -> bool:
@@ -535,28 +545,37 @@ def _probe(config: Any, inputs: _Inputs, mesh: Any, step: int) -> list:
 def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _Programs:
   """Compiles the programs once, up front: the step (every step runs it), the end of a sync window
   (averaging and controller, run after the step on sync steps), the evaluation and the checkpoint's."""
-  mesh, params, opt_state = records.mesh, loop.params, loop.opt_state
+  mesh, params = records.mesh, loop.params
   loop.data = _upload(inputs, mesh, loop.start)
+  probe = _probe(config, inputs, mesh, 0)
+  val = mesh_lib.put_stacked(inputs.data.eval_batch, mesh, batch_dim=1)
+  # A run that builds the same programs as the last one takes that run's (an LR bracket's points, a resumed run).
+  args = (params, loop.opt_state, loop.data, probe, loop.tail, loop.anchor, val)
+  built = program_cache.get(_programs_key(config, inputs, records), ('loop', program_cache.signature(*args)),
+                            lambda: _build(config, inputs, mesh, *args))
+  # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
+  checkpoints.fingerprint(_checkpoint_state(loop))
+  checkpoints.fingerprint(built['average'](params))
+  lr_rows = tuple(g for g, name in enumerate(optimizer_lib.hyperparam_names(config)) if name.startswith('learning_rate'))
+  return _Programs(**built, val=val, lr_unit=optimizer_lib.lr_unit(config), lr_rows=lr_rows)
+
+
+def _build(config: Any, inputs: _Inputs, mesh: Any, params: Any, opt_state: Any, data: Any, probe: list, tail: Any,
+           anchor: Any, val: Any) -> dict:
+  """Traces, lowers and compiles the loop's programs for these arguments: :class:`_Programs`' fields but the data's."""
   packers = {s: programs_lib.MetricsPacker() for s in (False, True)}
   layout = mesh_lib.layout(mesh, params, opt_state, inputs.task)  # None on a 1-D mesh
   step = programs_lib.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, config=config, packer=packers[False],
-                            chunk_steps=_CHUNK, shardings=layout).lower(params, opt_state, loop.data).compile()
-  tail = [loop.tail] if loop.tail is not None else []
-  anchor = [loop.anchor] if loop.anchor is not None else []
+                            chunk_steps=_CHUNK, shardings=layout).lower(params, opt_state, data).compile()
+  extra = [x for x in (tail, anchor) if x is not None]
   window_end = programs_lib.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
-                                  config=config, shardings=layout).lower(
-      params, opt_state, *_probe(config, inputs, mesh, 0), *tail, *anchor).compile()
-  tail_update = (programs_lib.make_tail_update(layout).lower(loop.tail, params, np.float32(1)).compile()
-                 if loop.tail is not None else None)
+                                  config=config, shardings=layout).lower(params, opt_state, *probe, *extra).compile()
+  tail_update = (programs_lib.make_tail_update(layout).lower(tail, params, np.float32(1)).compile()
+                 if tail is not None else None)
   anchor = (_anchor_program(mesh, inputs.tx, params, opt_state, inputs.task).lower(params, opt_state).compile()
-            if loop.anchor is not None else None)
-  to_eval = programs_lib.make_eval_params(config, mesh)
-  val = mesh_lib.put_stacked(inputs.data.eval_batch, mesh, batch_dim=1)
+            if anchor is not None else None)
   evaluate = programs_lib.make_eval_step(inputs.graphdef, mesh, inputs.task).lower(params, val).compile()
   average = programs_lib.make_average(mesh, params, inputs.task).lower(params).compile()
-  # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
-  checkpoints.fingerprint(_checkpoint_state(loop))
-  checkpoints.fingerprint(average(params))
   # Whether some replica's parameters are all finite (a checkpoint of only NaN/inf replicas is useless:
   # the loss that would reveal the last update's blow-up comes one step later).
   any_finite = jax.jit(lambda p: jax.numpy.any(jax.numpy.stack(
@@ -565,9 +584,9 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   # A run that never averages measures the replicas' distance from their mean at each log interval.
   distance = programs_lib.make_distance(mesh).lower(params).compile() if optimizer_lib.never_syncs(config) else None
   release_host_memory()
-  lr_rows = tuple(g for g, name in enumerate(optimizer_lib.hyperparam_names(config)) if name.startswith('learning_rate'))
-  return _Programs(step, window_end, evaluate, average, any_finite, to_eval, packers, val, distance,
-                   tail_update, anchor, optimizer_lib.lr_unit(config), lr_rows)
+  return dict(step=step, window_end=window_end, evaluate=evaluate, average=average, any_finite=any_finite,
+              to_eval=programs_lib.make_eval_params(config, mesh), packers=packers, distance=distance,
+              tail_update=tail_update, anchor=anchor)
 
 
 def _anchor_program(mesh: Any, tx: Any, params: Any, opt_state: Any, task: Any) -> Any:

@@ -1,0 +1,78 @@
+"""The compiled programs of a run, kept for the next run in the same process that builds the same ones.
+
+An LR bracket trains its runs one after another in one process (8 points, then the survivors resumed), a sweep or
+an experiment trains many, and a resumed run builds again what it built before. Each run traces, lowers and
+compiles its programs up front (``trainer._compile``). The persistent compilation cache spares XLA's compile, but
+not the tracing and lowering before it, which on a small model are most of a run's setup. Here a run whose
+programs would be the same takes the last run's compiled programs instead, and builds nothing.
+
+When two runs build the same programs: their key (:func:`programs_key`) is the whole config, but for the fields
+that never enter a program (:data:`NOT_IN_PROGRAMS`) and ``optim.max_lr`` taken as the programs' own peak (under
+``optim.runtime_lr_scale`` its power of two is a run-time value: ``optimizer.lr_unit``), with the replicas, the
+mesh's devices, the process, the data's description and the JAX and XLA settings that change a program. A program
+is then looked up under that key by its name and the shapes, dtypes and shardings of its arguments. A kept
+program is the very executable the first run compiled, so a run's numbers are the same bit for bit
+(``tests/test_program_cache.py``).
+
+At most :data:`KEPT_CONFIGS` keys are kept (the least recently used goes first): the programs hold device memory
+for their code, and a sweep of unlike configs would otherwise keep every one. :func:`clear` drops them all.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from typing import Any, Callable
+
+import jax
+
+from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import optimizer as optimizer_lib
+
+# Fields the loop reads and no program does: runs that differ only in them build the same programs. (The bracket's
+# rungs stop its runs at different steps and draw plots only for the kept run.)
+NOT_IN_PROGRAMS = ('stop_at_step', 'plots', 'progress_bar', 'tensorboard', 'compilation_cache')
+# JAX settings a compiled program depends on (its numerics or its checks).
+_JAX_SETTINGS = ('jax_enable_x64', 'jax_debug_nans', 'jax_debug_infs', 'jax_default_matmul_precision',
+                 'jax_threefry_partitionable', 'jax_default_prng_impl', 'jax_numpy_rank_promotion')
+KEPT_CONFIGS = 4
+
+_kept: collections.OrderedDict[str, dict] = collections.OrderedDict()
+
+
+def programs_key(config: Any, num_replicas: int, mesh: Any, data_description: str) -> str:
+  """The key of the programs a run of ``config`` builds on ``mesh`` (see the module's docstring)."""
+  fields = config_lib.flatten(json.loads(config.to_json()))
+  for name in NOT_IN_PROGRAMS:
+    fields.pop(name, None)
+  fields['optim.max_lr'] = config.optim.max_lr / optimizer_lib.lr_unit(config)  # exact: a power of two
+  place = {'replicas': num_replicas, 'mesh': dict(mesh.shape), 'devices': [d.id for d in mesh.devices.flat],
+           'platform': mesh.devices.flat[0].platform, 'process': [jax.process_index(), jax.process_count()]}
+  settings = {name: str(getattr(jax.config, name, None)) for name in _JAX_SETTINGS}
+  settings['XLA_FLAGS'] = os.environ.get('XLA_FLAGS', '')
+  return json.dumps([fields, place, settings, data_description], sort_keys=True, default=repr)
+
+
+def signature(*args: Any) -> str:
+  """The shapes, dtypes and shardings of ``args`` (pytrees of arrays): what a compiled program was built for."""
+  leaves, treedef = jax.tree.flatten(args)
+  return repr((str(treedef), [(x.shape, str(x.dtype), str(getattr(x, 'sharding', None))) for x in leaves]))
+
+
+def get(key: str, name: str, build: Callable[[], Any]) -> Any:
+  """The program ``name`` kept under ``key``, or ``build()``'s, kept from now on."""
+  programs = _kept.get(key)
+  if programs is None:
+    programs = _kept[key] = {}
+    while len(_kept) > KEPT_CONFIGS:
+      _kept.popitem(last=False)
+  _kept.move_to_end(key)
+  if name not in programs:
+    programs[name] = build()
+  return programs[name]
+
+
+def clear() -> None:
+  """Forgets every kept program (the next run builds its own)."""
+  _kept.clear()

@@ -1,0 +1,109 @@
+"""program_cache: runs in one process that build the same programs share them, bit for bit; others build their own."""
+
+import json
+
+import jax
+import numpy as np
+
+from hdet_jax.trainer import program_cache, trainer
+from hdet_jax.trainer import mesh as mesh_lib
+from trainer_testing import tiny
+
+# A short HDET run: spread, averaging every 4 steps and (unless turned off) the fit controller from the first sync.
+_RUN = {'num_train_steps': 12, 'log_every': 4, 'eval_every': 0, 'checkpoint_every': 0, 'plots': False,
+        'eval_windows': 16, 'hdet.sync_every': 4, 'hdet.warmup_steps': 0}
+
+
+def _built(fn):
+  """(what ``fn()`` returns, how many programs it traced and lowered: XLA compiles plus persistent-cache loads)."""
+  count, active = [0], [True]
+
+  def on_compile(event, duration, **kwargs):
+    del duration, kwargs
+    if active[0] and event == '/jax/core/compile/backend_compile_duration':
+      count[0] += 1
+
+  def on_cache(event, **kwargs):
+    del kwargs
+    if active[0] and event == '/jax/compilation_cache/cache_hits':
+      count[0] += 1
+  jax.monitoring.register_event_duration_secs_listener(on_compile)
+  jax.monitoring.register_event_listener(on_cache)
+  try:
+    return fn(), count[0]
+  finally:
+    active[0] = False
+
+
+def _run(tmp_path, name, **overrides):
+  from hdet_jax.trainer import train_and_evaluate
+  summary, built = _built(lambda: train_and_evaluate(tiny(**_RUN, **overrides), str(tmp_path / name)))
+  losses = [r['loss'] for r in map(json.loads, open(tmp_path / name / 'metrics.jsonl')) if r['kind'] == 'train']
+  return summary['final_metric'], losses, built
+
+
+def test_a_run_that_builds_the_same_programs_takes_the_last_runs_and_ends_the_same(tmp_path):
+  """With the LR's power of two set at run time (as an LR bracket's runs are), a run at 0.04 after one at 0.01 (4x)
+  builds nothing; it ends bit for bit as the same run built on its own (the cache cleared first)."""
+  program_cache.clear()
+  _, _, first = _run(tmp_path, 'a', **{'hdet.auto_lr': False, 'optim.runtime_lr_scale': True})
+  assert first > 0
+  kept = _run(tmp_path, 'b', **{'hdet.auto_lr': False, 'optim.runtime_lr_scale': True, 'optim.max_lr': 0.04})
+  assert kept[2] == 0
+  program_cache.clear()
+  alone = _run(tmp_path, 'c', **{'hdet.auto_lr': False, 'optim.runtime_lr_scale': True, 'optim.max_lr': 0.04})
+  assert alone[2] > 0
+  assert kept[:2] == alone[:2]
+  assert np.isfinite(kept[0])
+
+
+def test_a_run_whose_programs_differ_builds_its_own(tmp_path, monkeypatch):
+  """A run that differs in a field the programs read (the spread) after another builds its own programs, and ends
+  bit for bit as it does alone; a resumed run (the same config to more steps) takes its own run's."""
+  program_cache.clear()
+  first = _run(tmp_path, 'a', **{'hdet.spread': 0.25})
+  other = _run(tmp_path, 'b', **{'hdet.spread': 0.5})
+  assert other[2] > 0 and other[0] != first[0]
+  program_cache.clear()
+  alone = _run(tmp_path, 'c', **{'hdet.spread': 0.5})
+  assert other[:2] == alone[:2]
+  # stop_at_step is the loop's: the run stopped at step 8 and resumed to 12 builds the loop's programs once (the
+  # resume's restore compiles its own), and ends as 'c' did.
+  program_cache.clear()
+  builds, build = [], trainer._build
+  monkeypatch.setattr(trainer, '_build', lambda *a: builds.append(1) or build(*a))
+  _run(tmp_path, 'd', **{'hdet.spread': 0.5, 'stop_at_step': 8})
+  assert len(builds) == 1
+  resumed = _run(tmp_path, 'd', **{'hdet.spread': 0.5})
+  assert len(builds) == 1 and resumed[:2] == alone[:2]
+
+
+def test_the_key_leaves_out_only_the_loops_fields_and_the_lrs_power_of_two():
+  mesh = mesh_lib.make_mesh(8, 1)
+  key = lambda **o: program_cache.programs_key(tiny(**o), 8, mesh, 'data')
+  scaled = {'optim.runtime_lr_scale': True, 'hdet.auto_lr': False}
+  assert key(**scaled) == key(**scaled, **{'optim.max_lr': 0.01 * 2 ** 5})  # the power of two is a run-time value
+  assert key(**scaled) != key(**scaled, **{'optim.max_lr': 0.03})  # another mantissa: another schedule
+  assert key() != key(**{'optim.max_lr': 0.02})  # without run-time scaling the LR is the programs' own
+  for field, value in (('stop_at_step', 7), ('plots', False), ('progress_bar', True), ('tensorboard', False),
+                       ('compilation_cache', '/elsewhere')):
+    assert key() == key(**{field: value}), field
+  for field, value in (('seed', 1), ('hdet.spread', 0.3), ('optim.weight_decay', 0.2), ('model.d_model', 16),
+                       ('num_train_steps', 41), ('hdet.controller', 'paper'), ('log_every', 3)):
+    assert key() != key(**{field: value}), field
+  base = program_cache.programs_key(tiny(), 8, mesh, 'data')
+  assert base != program_cache.programs_key(tiny(), 8, mesh, 'other data')
+  assert base != program_cache.programs_key(tiny(), 8, mesh_lib.make_mesh(8, 1, devices=4), 'data')
+
+
+def test_only_the_last_configs_are_kept():
+  program_cache.clear()
+  built = []
+  for k in range(program_cache.KEPT_CONFIGS + 1):
+    program_cache.get(f'config {k}', 'step', lambda k=k: built.append(k) or k)
+  assert program_cache.get('config 1', 'step', lambda: -1) == 1 and built == list(range(program_cache.KEPT_CONFIGS + 1))
+  assert program_cache.get('config 0', 'step', lambda: -1) == -1  # the least recently used went first
+  assert program_cache.get('config 2', 'other', lambda: 'new') == 'new'
+  program_cache.clear()
+  assert program_cache.get('config 1', 'step', lambda: -1) == -1
+
