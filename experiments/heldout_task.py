@@ -1,10 +1,13 @@
-"""Classifier sizes, data draws and run lengths no default was chosen on: mnist1d's CNN, wider and narrower.
+"""Classifier sizes, data and run lengths no default was chosen on: mnist1d's CNN, wider, narrower, on other data.
 
 The defaults (the HDET controller's, the LR bracket's rungs, '0.1:5,0.3:1' since the twenty-third pass) were chosen
 on the 120k-parameter LM, mnist1d's 25-channel CNN (5.2k parameters) on MNIST-1D's dataset seed 42, and the
 fine-tuning task (``results/workloads.md``, ``results/wider_rung.md``). Each check here changes the CNN's width,
 the data's draw and the run's length at once (:data:`CHECKS`): ``wide``, 64 channels (28k parameters) on dataset
-seed 7 for 1000 steps; ``narrow``, 16 channels on dataset seed 11 for 500 steps. AdamW, 3 seeds. The plain one-cycle
+seed 7 for 1000 steps; ``narrow``, 16 channels on dataset seed 11 for 500 steps; ``digits`` (added after the
+twenty-sixth pass, when every default had been chosen), the default CNN on another dataset, scikit-learn's
+handwritten digits read as 64-sample signals (``experiments/digits_npz.py``; 1,437 training examples, 360 test), at
+8 examples per replica a step for 600 steps (about 27 epochs). AdamW, 3 seeds. The plain one-cycle
 sweep (8 peak LRs a factor 2 apart, as mnist1d's), then from 10x below, at and 10x above its first seed's best (as
 every other check's starts) the default HDET run (``configs/mnist1d.py``) and the default LR bracket
 (``configs/default.py``'s ``bracket.*``). The bracket that kept 4 at 0.1 of the run is read from the same brackets
@@ -17,12 +20,14 @@ missing).
     python -m experiments.heldout_task --checks narrow  # one check
     python -m experiments.heldout_task --report-only
     python -m experiments.heldout_task --fresh-seeds 3,4,5,6,7   # the sweep and bracket on 5 more seeds (finer_grid)
+    python -m experiments.heldout_task --checks digits --rung-trace   # do the rungs' rankings hold to the end?
     python -m experiments.heldout_task --quick          # a smoke run: the tiny CNN, 2 grid points, the best start
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -39,7 +44,9 @@ from experiments import wider_rung
 REPO = autolr.REPO
 # name: (overrides of configs/mnist1d.py, steps). Each changes the model, the data and the length at once.
 CHECKS = {'wide': ({'model.channels': 64, 'data.dataset_seed': 7}, 1000),
-          'narrow': ({'model.channels': 16, 'data.dataset_seed': 11}, 500)}
+          'narrow': ({'model.channels': 16, 'data.dataset_seed': 11}, 500),
+          # Other data: handwritten digits (experiments/digits_npz.py), 64-sample signals, an eighth of the batch.
+          'digits': ({'data.path': 'experiments/data/digits.npz', 'data.batch_size': 8}, 600)}
 OPTIM, SEEDS = 'adamw', (0, 1, 2)
 STARTS = bracket_mode.STARTS
 # configs/default.py's bracket, pinned so that the records stay this bracket's (tests/test_heldout_task.py checks
@@ -78,11 +85,11 @@ def load(name: str, site: Site) -> dict | None:
 
 
 def base_config(site: Site):
-  """configs/mnist1d.py with the check's overrides (quick: the tiny CNN, on the check's data draw)."""
+  """configs/mnist1d.py with the check's overrides (quick: the tiny CNN, on the check's data)."""
   from hdet_jax.trainer import config_lib
   c = workloads.base_config('mnist1d', plan(site)['steps'], site.quick)
   overrides = CHECKS[site.check][0]
-  return config_lib.with_overrides(c, {'data.dataset_seed': overrides['data.dataset_seed']} if site.quick
+  return config_lib.with_overrides(c, {k: v for k, v in overrides.items() if k.startswith('data.')} if site.quick
                                    else overrides)
 
 
@@ -123,7 +130,8 @@ def train(name: str, site: Site, lr: float | None = None) -> dict:
   if rec is not None:
     return rec
   workdir = os.path.join(site.work_root, 'runs', site.check, name)
-  rec = records.train_run(name, config_for(name, site, lr), workdir)
+  with contextlib.chdir(REPO):  # (a check's data.path is relative to the repository: records hold no machine's paths)
+    rec = records.train_run(name, config_for(name, site, lr), workdir)
   records.write_json(record_path(name, site), rec, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   return rec
@@ -176,6 +184,57 @@ def train_fresh(site: Site, seeds: list[int]) -> None:
     print(f'  {site.check} {name}: {train(name, site)["final_metric"]}', flush=True)
 
 
+def rung_trace(lr: float, seed: int, site: Site) -> dict:
+  """The sweep's run at ``lr`` again, evaluated at the bracket's rungs too: the training loss each rung ranks (the
+  mean over its ``bracket.compare_steps`` steps before it, as ``bracket.window_loss`` reads it), the test metric
+  there, and the final metric (cached as ``trace_lr<lr>_s<seed>``). Evaluating changes no training step, so the final
+  is the grid record's, bit for bit (tested)."""
+  from hdet_jax.trainer import bracket, config_lib, metrics as metrics_lib
+  from hdet_jax import trainer
+  name = f'trace_lr{records.lr_tag(lr, 4)}_s{seed}'
+  rec = load(name, site)
+  if rec is not None:
+    return rec
+  steps = plan(site)['steps']
+  rungs = config_lib.bracket_steps(config_lib.bracket_rungs(BRACKET['bracket.rungs']), steps)
+  every = int(np.gcd.reduce(rungs + [steps]))
+  config = config_lib.with_overrides(config_for(grid_name(lr, seed), site), {'eval_every': every})
+  workdir = os.path.join(site.work_root, 'runs', site.check, name)
+  trainer.setup_jax(config)
+  with contextlib.chdir(REPO):
+    summary = trainer.train_and_evaluate(config, workdir)
+  path = os.path.join(workdir, 'metrics.jsonl')
+  evals = {r['step']: r['val_loss'] for r in metrics_lib.read_metrics(path).get('eval', [])}
+  rec = {'name': name, 'lr': lr, 'final_metric': records.finite_or_none(summary['final_metric']),
+         'rungs': {str(step): {'train_loss': bracket.window_loss(path, step, BRACKET['bracket.compare_steps'],
+                                                                 summary['diverged_at']),
+                               'test_metric': records.finite_or_none(evals.get(step))} for step in rungs}}
+  records.write_json(record_path(name, site), rec, indent=1)
+  shutil.rmtree(workdir, ignore_errors=True)
+  return rec
+
+
+def rank_flip_lines(site: Site, seed: int) -> list[str]:
+  """Per grid LR of ``seed``: the rungs' training losses and test metrics, and the end's test metric, with each
+  column's rank (1: lowest)."""
+  recs = [load(f'trace_lr{records.lr_tag(lr, 4)}_s{seed}', site) for lr in plan(site)['grid']]
+  if any(r is None for r in recs):
+    return []
+  steps = list(recs[0]['rungs'])
+  cols = [(f'training loss before step {s}', lambda r, s=s: r['rungs'][s]['train_loss']) for s in steps]
+  cols += [(f'test metric at step {s}', lambda r, s=s: r['rungs'][s]['test_metric']) for s in steps]
+  cols += [('test metric at the end', lambda r: r['final_metric'])]
+  rank = lambda get: {r['lr']: 1 + sorted(get(x) for x in recs).index(get(r)) for r in recs}
+  ranks = [rank(get) for _, get in cols]
+  lines = [f'Do the rungs\' rankings hold to the end? The sweep\'s seed-{seed} runs again, evaluated at the rungs too '
+           f'(`rung_trace`; the same finals bit for bit); value (rank, 1 = lowest):', '',
+           '| peak LR | ' + ' | '.join(c for c, _ in cols) + ' |', '|---' * (len(cols) + 1) + '|']
+  for r in recs:
+    lines.append(f'| {r["lr"]:g} | ' + ' | '.join(f'{get(r):.4f} ({rk[r["lr"]]})' for (_, get), rk in zip(cols, ranks))
+                 + ' |')
+  return lines + ['']
+
+
 def summarize(site: Site) -> dict:
   """The sweep's 3-seed means per LR, its best, and per start the default HDET's, the bracket's and the narrower
   bracket's 3-seed means and gaps to that best."""
@@ -203,7 +262,54 @@ def summarize(site: Site) -> dict:
     row.update({f'{k}_gap': gap(row[k]) for k in ('hdet', 'bracket', 'narrower')})
     starts[start] = row
   return {'grid': grid, 'best_lr': best_lr, 'best': best, 'anchor_lr': anchor_lr(site), 'starts': starts,
-          'overrides': CHECKS[site.check][0], 'steps': p['steps'], 'bracket': p['bracket']}
+          'overrides': CHECKS[site.check][0], 'steps': p['steps'], 'bracket': p['bracket'],
+          'paired3': paired(site, p['seeds']),
+          'paired8': None if site.quick else paired(site, p['seeds'] + FRESH_SEEDS, ('bracket',))}
+
+
+FRESH_SEEDS = (3, 4, 5, 6, 7)  # the sweep's and the default bracket's further seeds (--fresh-seeds)
+
+
+def final(name: str, site: Site) -> float | None:
+  """A record's final metric (None: not trained, or it diverged)."""
+  rec = load(name, site)
+  return None if rec is None else records.finite_or_none(rec['final_metric'])
+
+
+def paired(site: Site, seeds: tuple[int, ...], kinds: tuple[str, ...] = ('bracket', 'hdet')) -> dict | None:
+  """Seed by seed against the sweep's run at its best LR (the lowest mean over ``seeds``): per start and kind, the
+  gap of the means and the standard error of the per-seed gaps (``records.paired_gap``). None: a grid record is
+  missing."""
+  grid = {lr: [final(grid_name(lr, s), site) for s in seeds] for lr in plan(site)['grid']}
+  if any(load(grid_name(lr, s), site) is None for lr in grid for s in seeds):
+    return None
+  best = records.best_lr(grid)
+  starts = {}
+  for start in plan(site)['starts']:
+    starts[start] = {}
+    for kind in kinds:
+      gap, se = records.paired_gap([final(f'{kind}_{start}_s{s}', site) for s in seeds], grid[best])
+      starts[start][kind] = {'gap': gap, 'se': se}
+  return {'seeds': list(seeds), 'best_lr': best, 'best': float(np.mean(grid[best])), 'starts': starts}
+
+
+def paired_lines(r: dict) -> list[str]:
+  """The paired table of one check: 3 seeds (bracket and HDET) and, where trained, 8 (the bracket)."""
+  three, eight = r.get('paired3'), r.get('paired8')
+  if three is None:
+    return []
+  text = lambda g: '-' if g['gap'] is None else f"{100 * g['gap']:+.1f} ± {100 * (g['se'] or 0):.1f}% " \
+                                               f"({records.verdict(g)})"
+  head = f'Paired by seed with the sweep\'s run at its best LR (by the mean over the same seeds: {three["best_lr"]:g} ' \
+         f'on seeds 0-2'
+  head += f', {eight["best_lr"]:g} on seeds 0-7' if eight else ''
+  lines = [head + '); ± the standard error of the per-seed gaps; "within" 1% of it or below, a "miss" beyond 1% by '
+           'more than 2 of them (`records.verdict`), or "not resolved":', '',
+           '| start | bracket (default), seeds 0-2 | bracket, seeds 0-7 | default HDET, seeds 0-2 |', '|---|---|---|---|']
+  for start, row in three['starts'].items():
+    e = text(eight['starts'][start]['bracket']) if eight else '-'
+    lines.append(f'| {start} | {text(row["bracket"])} | {e} | {text(row["hdet"])} |')
+  return lines + ['']
 
 
 def check_lines(site: Site, r: dict) -> list[str]:
@@ -226,7 +332,7 @@ def check_lines(site: Site, r: dict) -> list[str]:
     kept = ' / '.join('-' if x is None else f'{x:.3g}' for x in row['kept_x'])
     gaps = ' | '.join(records.pct(row[f'{k}_gap']) for k in ('hdet', 'bracket', 'narrower'))
     lines.append(f'| {start} | {gaps} | {kept} |')
-  return lines + ['']
+  return lines + [''] + paired_lines(r) + rank_flip_lines(site, 0)
 
 
 def report(quick: bool, work_root: str) -> list[str]:
@@ -234,7 +340,7 @@ def report(quick: bool, work_root: str) -> list[str]:
   with records; its lines."""
   sites = [Site(c, quick, work_root) for c in CHECKS]
   results = {s.check: summarize(s) for s in sites if load(grid_name(plan(s)['grid'][0], 0), s) is not None}
-  lines = ['# Classifier sizes, data draws and run lengths no default was chosen on: mnist1d\'s CNN', '',
+  lines = ['# Classifier sizes, data and run lengths no default was chosen on: mnist1d\'s CNN, and other data', '',
            'Made by `python -m experiments.heldout_task` (records in `results/heldout_task/runs/<check>/`): the mnist1d '
            'task (the default CNN has 25 channels, about 5.2k parameters, and was tuned on dataset seed 42 at 500-2000 '
            'steps), AdamW, seeds 0, 1, 2 (quick: 0), 8 replicas on 8 CPU devices. The metric: the averaged model\'s test '
@@ -254,6 +360,8 @@ def main(argv=None):
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny CNN, 2 grid points, the best start, '
                  'the first check')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/heldout_task)')
+  p.add_argument('--rung-trace', action='store_true', help='the sweep\'s seed-0 runs again, evaluated at the '
+                 'bracket\'s rungs (cached; the report\'s last table)')
   p.add_argument('--fresh-seeds', default='', help='more seeds for the sweep and the default bracket, e.g. 3,4,5,6,7 '
                  '(read by experiments.finer_grid\'s 8-seed table, not by this report)')
   args = p.parse_args(argv)
@@ -271,6 +379,10 @@ def main(argv=None):
       train_all(Site(check, args.quick, work_root))
       if fresh:
         train_fresh(Site(check, args.quick, work_root), fresh)
+      if args.rung_trace:
+        site = Site(check, args.quick, work_root)
+        for lr in plan(site)['grid']:
+          print(f'  {check} trace {lr:g}: {rung_trace(lr, 0, site)["rungs"]}', flush=True)
   print('\n'.join(report(args.quick, work_root)))
 
 

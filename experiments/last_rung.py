@@ -51,7 +51,7 @@ K = 1  # the default bracket is wider_rung's composition with one point more at 
 # retrained, and its runs are short). The LM and fine-tuning are within 1% from every start; --cells trains theirs.
 TRAIN_CELLS = tuple(c for c in bracket_mode.CELLS if c.startswith('mnist1d'))
 FRESH_SEEDS = range(3, 8)  # (the sweep's fresh seeds, where the ninth pass trained them)
-RESOLVE_SE = 2.0  # a miss is resolved where gap - RESOLVE_SE * se > 1%
+RESOLVE_SE = records.RESOLVE_SE  # a miss is resolved where gap - RESOLVE_SE * se > 1%
 # The default bracket trained on the sweep's fresh seeds, where the sweep has them at its best LR and both
 # neighbours, and the default HDET too: mnist1d's six cells (8 seeds each, against the 3 of every other figure).
 DEFAULT_BRACKET = heldout_task.BRACKET  # (the default, pinned: tests/test_heldout_task.py checks it)
@@ -203,13 +203,7 @@ def eight_seed_rows(cell: str, work_root: str, train: bool = False) -> dict:
   return out
 
 
-def verdict(gap: dict | None) -> str:
-  """'within' (gap <= 1%), 'miss' (gap - RESOLVE_SE se > 1%) or 'not resolved'."""
-  if gap is None or gap['gap'] is None:
-    return '-'
-  if gap['gap'] <= 0.01:
-    return 'within'
-  return 'miss' if gap['se'] is not None and gap['gap'] - RESOLVE_SE * gap['se'] > 0.01 else 'not resolved'
+verdict = records.verdict  # 'within' 1%, a 'miss' beyond RESOLVE_SE se, or 'not resolved'
 
 
 def _gap_text(g: dict | None) -> str:

@@ -60,6 +60,19 @@ def pct(x: float | None) -> str:
   return '-' if x is None else f'{100 * x:+.1f}%'
 
 
+RESOLVE_SE = 2.0  # a miss is resolved where gap - RESOLVE_SE * se > 1%
+
+
+def verdict(gap: dict | None) -> str:
+  """A paired gap (``{'gap', 'se'}``) read against 1%: 'within' (gap <= 1%), 'miss' (gap - RESOLVE_SE se > 1%) or
+  'not resolved'; '-' for none."""
+  if gap is None or gap['gap'] is None:
+    return '-'
+  if gap['gap'] <= 0.01:
+    return 'within'
+  return 'miss' if gap['se'] is not None and gap['gap'] - RESOLVE_SE * gap['se'] > 0.01 else 'not resolved'
+
+
 def paired_gap(values: list, reference: list) -> tuple[float | None, float | None]:
   """``values`` against ``reference``, seed by seed: the gap of their means, ``mean(values) / mean(reference) - 1``,
   and the standard error of the per-seed gaps ``v_s / r_s - 1`` (``sd / sqrt(n)``, ddof 1; None under 2 seeds).

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from experiments import heldout_task as exp
+from experiments import records
 
 
 def test_the_pinned_bracket_is_the_default_one():
@@ -67,17 +68,34 @@ def test_quick_trains_the_sweep_hdet_and_the_bracket_and_reads_the_narrower_one(
     assert json.load(f) == r
 
 
-def test_the_committed_wide_check_reads_as_its_records():
+@pytest.mark.parametrize('check', list(exp.CHECKS))
+def test_the_committed_checks_read_as_their_records(check):
   """results/heldout_task.json's gaps are its records' 3-seed means against the sweep's best 3-seed mean."""
-  site = exp.Site('wide', False, '')
+  site = exp.Site(check, False, '')
   with open(os.path.join(exp.REPO, 'results', 'heldout_task.json'), encoding='utf-8') as f:
-    r = json.load(f)['wide']
+    r = json.load(f)[check]
   means = {lr: np.mean([exp.load(exp.grid_name(lr, s), site)['final_metric'] for s in exp.SEEDS])
            for lr in exp.plan(site)['grid']}
   assert r['best'] == pytest.approx(min(means.values()), rel=1e-12)
+  assert r['best_lr'] == f'{min(means, key=means.get):g}'
   for start in exp.STARTS:
-    finals = [exp.load(f'bracket_{start}_s{s}', site)['final_metric'] for s in exp.SEEDS]
-    assert r['starts'][start]['bracket_gap'] == pytest.approx(np.mean(finals) / r['best'] - 1, rel=1e-9)
+    for kind in ('bracket', 'hdet'):
+      finals = [exp.load(f'{kind}_{start}_s{s}', site)['final_metric'] for s in exp.SEEDS]
+      assert r['starts'][start][f'{kind}_gap'] == pytest.approx(np.mean(finals) / r['best'] - 1, rel=1e-9)
+
+
+def test_the_digits_check_trains_on_the_committed_digits():
+  """The digits check's runs read experiments/data/digits.npz (a path relative to the repository, so that records
+  hold no machine's path): 1,437 training and 360 test signals of 64 samples, the default CNN's 25 channels."""
+  import contextlib
+  from hdet_jax.trainer import tasks
+  config = exp.config_for('grid_lr0.03_s0', exp.Site('digits', False, ''))
+  assert config.data.path == 'experiments/data/digits.npz' and config.data.batch_size == 8
+  assert config.model.channels == 25 and config.num_train_steps == 600
+  with contextlib.chdir(exp.REPO):
+    data = tasks.get(config).load(config, 8)
+  assert data.description == '1,437 train / 360 test examples (signals 64 x 1)'
+  assert exp.load('grid_lr0.03_s0', exp.Site('digits', False, ''))['num_params'] == 5960
 
 
 def test_fresh_seeds_name_the_sweep_and_the_bracket_and_exclude_the_reports_seeds(monkeypatch, capsys):
@@ -92,7 +110,61 @@ def test_fresh_seeds_name_the_sweep_and_the_bracket_and_exclude_the_reports_seed
       exp.main(bad + ['--report-only'])
     assert '--fresh-seeds must be seeds other than 0,1,2' in capsys.readouterr().err
   # Every seed-3-7 record the 8-seed table reads is committed: the command would train nothing.
-  for check in exp.CHECKS:
+  from experiments import finer_grid
+  for check in (cell.split(':')[1] for cell in finer_grid.TASKS):
     site = exp.Site(check, False, '')
     assert all(exp.load(exp.grid_name(lr, s), site) for s in range(3, 8) for lr in exp.plan(site)['grid'])
     assert all(exp.load(f'bracket_{st}_s{s}', site) for s in range(3, 8) for st in exp.STARTS)
+
+
+@pytest.mark.parametrize('check', ['wide', 'narrow'])
+def test_the_eight_seed_pairing_is_finer_grids(check):
+  """The bracket's 8-seed paired gaps here (records.paired_gap on this check's records) equal experiments.finer_grid's
+  8-seed table for the default bracket, which pairs the same records by its own code."""
+  with open(os.path.join(exp.REPO, 'results', 'finer_grid.json'), encoding='utf-8') as f:
+    theirs = json.load(f)['eight_seeds'][f'task:{check}']
+  ours = exp.paired(exp.Site(check, False, ''), exp.SEEDS + exp.FRESH_SEEDS, ('bracket',))
+  assert ours['best_lr'] == theirs['sweep_lr']
+  for start in exp.STARTS:
+    got, want = ours['starts'][start]['bracket'], theirs['starts'][start]['default']
+    assert got['gap'] == pytest.approx(want['gap'], rel=1e-12) and got['se'] == pytest.approx(want['se'], rel=1e-12)
+    assert records.verdict(got) == want['verdict']
+
+
+def test_paired_against_a_numpy_oracle(monkeypatch):
+  """Synthetic records: the best LR by the mean over the seeds, then each start's per-seed gaps, their mean ratio and
+  standard error; a missing record leaves its row empty; the verdicts' thresholds (a miss: gap - 2 se > 1%)."""
+  grid = exp.plan(exp.Site('wide', False, ''))['grid']
+  finals = {exp.grid_name(lr, s): 1.0 + abs(k - 3) * 0.1 + 0.01 * s for k, lr in enumerate(grid) for s in (0, 1, 2)}
+  finals.update({f'bracket_{st}_s{s}': [1.02, 0.98, 1.05][s] * (1 + 0.01 * s) for st in exp.STARTS for s in (0, 1, 2)})
+  monkeypatch.setattr(exp, 'load', lambda name, site: {'final_metric': finals[name]} if name in finals else None)
+  r = exp.paired(exp.Site('wide', False, ''), (0, 1, 2))
+  assert r['best_lr'] == grid[3]
+  ref = np.array([1.0, 1.01, 1.02])
+  b = np.array([1.02, 0.98 * 1.01, 1.05 * 1.02])
+  per = b / ref - 1
+  got = r['starts']['low']['bracket']
+  assert got['gap'] == pytest.approx(b.mean() / ref.mean() - 1, rel=1e-12)
+  assert got['se'] == pytest.approx(per.std(ddof=1) / np.sqrt(3), rel=1e-12)
+  assert r['starts']['best']['hdet'] == {'gap': None, 'se': None}
+  verdicts = [records.verdict({'gap': g, 'se': se}) for g, se in
+              ((0.01, 0.5), (0.05, 0.0199), (0.05, 0.0201), (0.05, None), (None, None), (-0.3, None))]
+  assert verdicts == ['within', 'miss', 'not resolved', 'not resolved', '-', 'within']
+
+
+def test_the_rung_traces_end_as_the_sweep_and_their_table_ranks_as_numpy():
+  """The committed digits traces (the sweep's seed-0 runs again, evaluated at the rungs) end at the grid records'
+  finals bit for bit (evaluating changes no training step); the report's ranks are numpy's."""
+  site = exp.Site('digits', False, '')
+  grid = exp.plan(site)['grid']
+  traces = [exp.load(f'trace_lr{records.lr_tag(lr, 4)}_s0', site) for lr in grid]
+  assert [t['final_metric'] for t in traces] == [exp.load(exp.grid_name(lr, 0), site)['final_metric'] for lr in grid]
+  assert sorted(traces[0]['rungs']) == ['180', '60']  # 0.1 and 0.3 of 600 steps
+  lines = exp.rank_flip_lines(site, 0)
+  rows = [line for line in lines if line.startswith('| 0.')]
+  columns = [[t['rungs'][s]['train_loss'] for t in traces] for s in ('60', '180')]
+  columns += [[t['rungs'][s]['test_metric'] for t in traces] for s in ('60', '180')] + [[t['final_metric'] for t in traces]]
+  for j, column in enumerate(columns):
+    want = np.argsort(np.argsort(column)) + 1
+    got = [int(row.split(' | ')[j + 1].split('(')[1].rstrip(') |')) for row in rows]
+    assert got == want.tolist(), j
