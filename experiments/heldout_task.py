@@ -21,6 +21,7 @@ missing).
     python -m experiments.heldout_task --report-only
     python -m experiments.heldout_task --fresh-seeds 3,4,5,6,7   # the sweep and bracket on 5 more seeds (finer_grid)
     python -m experiments.heldout_task --checks digits --rung-trace   # do the rungs' rankings hold to the end?
+                                                                     # (and an annealed copy's?)
     python -m experiments.heldout_task --quick          # a smoke run: the tiny CNN, 2 grid points, the best start
 """
 
@@ -189,8 +190,7 @@ def rung_trace(lr: float, seed: int, site: Site) -> dict:
   mean over its ``bracket.compare_steps`` steps before it, as ``bracket.window_loss`` reads it), the test metric
   there, and the final metric (cached as ``trace_lr<lr>_s<seed>``). Evaluating changes no training step, so the final
   is the grid record's, bit for bit (tested)."""
-  from hdet_jax.trainer import bracket, config_lib, metrics as metrics_lib
-  from hdet_jax import trainer
+  from hdet_jax.trainer import config_lib
   name = f'trace_lr{records.lr_tag(lr, 4)}_s{seed}'
   rec = load(name, site)
   if rec is not None:
@@ -199,19 +199,92 @@ def rung_trace(lr: float, seed: int, site: Site) -> dict:
   rungs = config_lib.bracket_steps(config_lib.bracket_rungs(BRACKET['bracket.rungs']), steps)
   every = int(np.gcd.reduce(rungs + [steps]))
   config = config_lib.with_overrides(config_for(grid_name(lr, seed), site), {'eval_every': every})
+  rec = _traced_run(name, config, site, rungs)
+  records.write_json(record_path(name, site), rec, indent=1)
+  return rec
+
+
+ANNEAL_FRACTION = 0.1  # annealed_rung: the copy's anneal, as a fraction of the run
+
+
+def annealed_rung(lr: float, seed: int, site: Site) -> dict:
+  """The sweep's run at ``lr`` to its last rung, then annealed to the schedule's end LR over
+  :data:`ANNEAL_FRACTION` of the run instead of the rest of it: what a rung that ranked annealed copies would see.
+
+  One-cycle's warmup ends at ``pct_start * num_train_steps - 1``: with ``num_train_steps = rung + k`` and
+  ``pct_start = rung / (rung + k)`` it ends at the same step, with the same peak and start, and the batches depend on
+  the step only, so the run to the rung is the sweep's (tested on the schedule). Cached as
+  ``anneal_lr<lr>_s<seed>``: its test metric and the training loss over its last ``bracket.compare_steps`` steps."""
+  name = f'anneal_lr{records.lr_tag(lr, 4)}_s{seed}'
+  rec = load(name, site)
+  if rec is not None:
+    return rec
+  config = annealed_config(lr, seed, site)
+  rec = _traced_run(name, config, site, [config.num_train_steps])
+  rec['train_loss'] = rec.pop('rungs')[str(config.num_train_steps)]['train_loss']
+  records.write_json(record_path(name, site), rec, indent=1)
+  return rec
+
+
+def annealed_config(lr: float, seed: int, site: Site):
+  """:func:`annealed_rung`'s config."""
+  from hdet_jax.trainer import config_lib
+  steps = plan(site)['steps']
+  rung = config_lib.bracket_steps(config_lib.bracket_rungs(BRACKET['bracket.rungs']), steps)[-1]
+  k = int(round(ANNEAL_FRACTION * steps))
+  return config_lib.with_overrides(config_for(grid_name(lr, seed), site), {
+      'num_train_steps': rung + k, 'optim.pct_start': rung / (rung + k), 'eval_every': 0})
+
+
+def _traced_run(name: str, config, site: Site, steps: list[int]) -> dict:
+  """Trains ``config`` in this process; its final metric and, at each of ``steps``, the training loss a rung ranks
+  (``bracket.window_loss``) and the test metric where it was evaluated."""
+  from hdet_jax.trainer import bracket, metrics as metrics_lib
+  from hdet_jax import trainer
   workdir = os.path.join(site.work_root, 'runs', site.check, name)
   trainer.setup_jax(config)
   with contextlib.chdir(REPO):
     summary = trainer.train_and_evaluate(config, workdir)
   path = os.path.join(workdir, 'metrics.jsonl')
   evals = {r['step']: r['val_loss'] for r in metrics_lib.read_metrics(path).get('eval', [])}
-  rec = {'name': name, 'lr': lr, 'final_metric': records.finite_or_none(summary['final_metric']),
+  rec = {'name': name, 'lr': config.optim.max_lr, 'final_metric': records.finite_or_none(summary['final_metric']),
          'rungs': {str(step): {'train_loss': bracket.window_loss(path, step, BRACKET['bracket.compare_steps'],
                                                                  summary['diverged_at']),
-                               'test_metric': records.finite_or_none(evals.get(step))} for step in rungs}}
-  records.write_json(record_path(name, site), rec, indent=1)
+                               'test_metric': records.finite_or_none(evals.get(step))} for step in steps}}
   shutil.rmtree(workdir, ignore_errors=True)
   return rec
+
+
+def selection_lines(site: Site, seeds: tuple[int, ...]) -> list[str]:
+  """Which of the sweep's LRs each comparison picks, per seed, and where the sweep's run at that LR ends, paired by
+  seed with its run at its best LR: the rungs' losses, the annealed copies', and the end's own (an oracle)."""
+  grid = plan(site)['grid']
+  tag = lambda lr: records.lr_tag(lr, 4)
+  traces = {(lr, s): load(f'trace_lr{tag(lr)}_s{s}', site) for lr in grid for s in seeds}
+  anneals = {(lr, s): load(f'anneal_lr{tag(lr)}_s{s}', site) for lr in grid for s in seeds}
+  if any(r is None for r in list(traces.values()) + list(anneals.values())):
+    return []
+  steps = sorted(traces[grid[0], seeds[0]]['rungs'], key=int)
+  criteria = [(f'training loss before step {st}', lambda lr, s, st=st: traces[lr, s]['rungs'][st]['train_loss'])
+              for st in steps]
+  criteria += [(f'test metric at step {st}', lambda lr, s, st=st: traces[lr, s]['rungs'][st]['test_metric'])
+               for st in steps]
+  criteria += [('training loss after the anneal', lambda lr, s: anneals[lr, s]['train_loss']),
+               ('test metric after the anneal', lambda lr, s: anneals[lr, s]['final_metric']),
+               ('test metric at the end (the sweep\'s own, per seed)', lambda lr, s: final(grid_name(lr, s), site))]
+  finals = {lr: [final(grid_name(lr, s), site) for s in seeds] for lr in grid}
+  best = records.best_lr(finals)
+  lines = [f'Which of the sweep\'s LRs each comparison picks, seeds {", ".join(map(str, seeds))}, and where the sweep\'s '
+           f'run at the picked LR ends, paired by seed with its run at its best LR ({best:g}). The annealed copies '
+           f'(`annealed_rung`) run to the last rung as the sweep does, then anneal to its end LR in '
+           f'{round(ANNEAL_FRACTION * plan(site)["steps"])} steps:', '',
+           '| ranked by | picked LR, per seed | its end against the best LR\'s, paired |', '|---|---|---|']
+  for label, get in criteria:
+    picks = [min(grid, key=lambda lr, s=s: (get(lr, s), lr)) for s in seeds]
+    gap, se = records.paired_gap([final(grid_name(lr, s), site) for lr, s in zip(picks, seeds)], finals[best])
+    text = '-' if gap is None else f'{100 * gap:+.1f} ± {100 * (se or 0):.1f}%'
+    lines.append(f'| {label} | {" / ".join(f"{lr:g}" for lr in picks)} | {text} |')
+  return lines + ['']
 
 
 def rank_flip_lines(site: Site, seed: int) -> list[str]:
@@ -332,7 +405,7 @@ def check_lines(site: Site, r: dict) -> list[str]:
     kept = ' / '.join('-' if x is None else f'{x:.3g}' for x in row['kept_x'])
     gaps = ' | '.join(records.pct(row[f'{k}_gap']) for k in ('hdet', 'bracket', 'narrower'))
     lines.append(f'| {start} | {gaps} | {kept} |')
-  return lines + [''] + paired_lines(r) + rank_flip_lines(site, 0)
+  return lines + [''] + paired_lines(r) + rank_flip_lines(site, 0) + selection_lines(site, plan(site)['seeds'])
 
 
 def report(quick: bool, work_root: str) -> list[str]:
@@ -360,8 +433,8 @@ def main(argv=None):
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny CNN, 2 grid points, the best start, '
                  'the first check')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/heldout_task)')
-  p.add_argument('--rung-trace', action='store_true', help='the sweep\'s seed-0 runs again, evaluated at the '
-                 'bracket\'s rungs (cached; the report\'s last table)')
+  p.add_argument('--rung-trace', action='store_true', help='the sweep\'s runs again, evaluated at the bracket\'s '
+                 'rungs, and copies annealed at its last rung (cached; the report\'s last two tables)')
   p.add_argument('--fresh-seeds', default='', help='more seeds for the sweep and the default bracket, e.g. 3,4,5,6,7 '
                  '(read by experiments.finer_grid\'s 8-seed table, not by this report)')
   args = p.parse_args(argv)
@@ -381,8 +454,10 @@ def main(argv=None):
         train_fresh(Site(check, args.quick, work_root), fresh)
       if args.rung_trace:
         site = Site(check, args.quick, work_root)
-        for lr in plan(site)['grid']:
-          print(f'  {check} trace {lr:g}: {rung_trace(lr, 0, site)["rungs"]}', flush=True)
+        for seed in plan(site)['seeds']:
+          for lr in plan(site)['grid']:
+            print(f'  {check} trace {lr:g} s{seed}: {rung_trace(lr, seed, site)["rungs"]}; annealed: '
+                  f'{annealed_rung(lr, seed, site)["final_metric"]}', flush=True)
   print('\n'.join(report(args.quick, work_root)))
 
 

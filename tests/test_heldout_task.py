@@ -157,8 +157,11 @@ def test_the_rung_traces_end_as_the_sweep_and_their_table_ranks_as_numpy():
   finals bit for bit (evaluating changes no training step); the report's ranks are numpy's."""
   site = exp.Site('digits', False, '')
   grid = exp.plan(site)['grid']
+  for seed in exp.SEEDS:
+    traces = [exp.load(f'trace_lr{records.lr_tag(lr, 4)}_s{seed}', site) for lr in grid]
+    assert [t['final_metric'] for t in traces] == [exp.load(exp.grid_name(lr, seed), site)['final_metric']
+                                                   for lr in grid]
   traces = [exp.load(f'trace_lr{records.lr_tag(lr, 4)}_s0', site) for lr in grid]
-  assert [t['final_metric'] for t in traces] == [exp.load(exp.grid_name(lr, 0), site)['final_metric'] for lr in grid]
   assert sorted(traces[0]['rungs']) == ['180', '60']  # 0.1 and 0.3 of 600 steps
   lines = exp.rank_flip_lines(site, 0)
   rows = [line for line in lines if line.startswith('| 0.')]
@@ -168,3 +171,47 @@ def test_the_rung_traces_end_as_the_sweep_and_their_table_ranks_as_numpy():
     want = np.argsort(np.argsort(column)) + 1
     got = [int(row.split(' | ')[j + 1].split('(')[1].rstrip(') |')) for row in rows]
     assert got == want.tolist(), j
+
+
+def test_the_annealed_copy_runs_the_sweeps_schedule_to_the_last_rung_then_anneals_to_its_end():
+  """experiments.heldout_task.annealed_config: the sweep's LRs bit for bit for the 180 steps to the last rung (0.3 of
+  600; the batches depend on the step only), then down to the sweep's end LR in 60 steps."""
+  from hdet_jax.trainer import optimizer as optimizer_lib
+  site = exp.Site('digits', False, '')
+  full = exp.config_for('grid_lr0.12_s1', site)
+  copy = exp.annealed_config(0.12, 1, site)
+  assert copy.num_train_steps == 180 + 60 and copy.seed == full.seed == 1 and copy.optim.max_lr == 0.12
+  a, b = optimizer_lib.schedule(full), optimizer_lib.schedule(copy)
+  steps = np.arange(180)  # the 180 steps to the last rung (step 180 compares the losses of steps 170-179)
+  np.testing.assert_array_equal(np.asarray(jax_values(a, steps)), np.asarray(jax_values(b, steps)))
+  assert float(b(179)) == pytest.approx(0.12, rel=1e-6)  # the peak, at the last rung
+  assert float(b(239)) == float(a(599))  # the same end LR, 60 steps later instead of 420
+  assert float(b(200)) < float(a(200))
+
+
+def jax_values(schedule, steps):
+  import jax.numpy as jnp
+  return [schedule(jnp.asarray(t)) for t in steps]
+
+
+def test_the_selection_table_picks_each_criterions_argmin_and_pairs_its_end():
+  """results/heldout_task.md's selection table for the digits: per criterion and seed the grid LR with the lowest
+  value (numpy's argmin over the committed traces and annealed copies), and the picked runs' ends paired with the
+  best LR's (a numpy oracle of records.paired_gap)."""
+  site = exp.Site('digits', False, '')
+  grid = exp.plan(site)['grid']
+  tag = lambda lr: records.lr_tag(lr, 4)
+  final = lambda lr, s: exp.load(exp.grid_name(lr, s), site)['final_metric']
+  values = {
+      'training loss before step 180': lambda lr, s: exp.load(f'trace_lr{tag(lr)}_s{s}', site)['rungs']['180']['train_loss'],
+      'test metric after the anneal': lambda lr, s: exp.load(f'anneal_lr{tag(lr)}_s{s}', site)['final_metric'],
+      'training loss after the anneal': lambda lr, s: exp.load(f'anneal_lr{tag(lr)}_s{s}', site)['train_loss']}
+  means = {lr: np.mean([final(lr, s) for s in exp.SEEDS]) for lr in grid}
+  best = min(means, key=means.get)
+  rows = {line.split(' | ')[0][2:]: line for line in exp.selection_lines(site, exp.SEEDS) if line.startswith('| ')}
+  for label, get in values.items():
+    picks = [grid[int(np.argmin([get(lr, s) for lr in grid]))] for s in exp.SEEDS]
+    ends, ref = np.array([final(lr, s) for lr, s in zip(picks, exp.SEEDS)]), np.array([final(best, s) for s in exp.SEEDS])
+    per = ends / ref - 1
+    want = f'{100 * (ends.mean() / ref.mean() - 1):+.1f} ± {100 * per.std(ddof=1) / np.sqrt(3):.1f}%'
+    assert rows[label] == f'| {label} | {" / ".join(f"{lr:g}" for lr in picks)} | {want} |'
