@@ -185,6 +185,12 @@ def train_fresh(site: Site, seeds: list[int]) -> None:
     print(f'  {site.check} {name}: {train(name, site)["final_metric"]}', flush=True)
 
 
+def rung_steps(site: Site) -> list[int]:
+  """The steps the default bracket's rungs compare at, in this check's runs."""
+  from hdet_jax.trainer import config_lib
+  return config_lib.bracket_steps(config_lib.bracket_rungs(BRACKET['bracket.rungs']), plan(site)['steps'])
+
+
 def rung_trace(lr: float, seed: int, site: Site) -> dict:
   """The sweep's run at ``lr`` again, evaluated at the bracket's rungs too: the training loss each rung ranks (the
   mean over its ``bracket.compare_steps`` steps before it, as ``bracket.window_loss`` reads it), the test metric
@@ -195,9 +201,8 @@ def rung_trace(lr: float, seed: int, site: Site) -> dict:
   rec = load(name, site)
   if rec is not None:
     return rec
-  steps = plan(site)['steps']
-  rungs = config_lib.bracket_steps(config_lib.bracket_rungs(BRACKET['bracket.rungs']), steps)
-  every = int(np.gcd.reduce(rungs + [steps]))
+  rungs = rung_steps(site)
+  every = int(np.gcd.reduce(rungs + [plan(site)['steps']]))
   config = config_lib.with_overrides(config_for(grid_name(lr, seed), site), {'eval_every': every})
   rec = _traced_run(name, config, site, rungs)
   records.write_json(record_path(name, site), rec, indent=1)
@@ -229,9 +234,7 @@ def annealed_rung(lr: float, seed: int, site: Site) -> dict:
 def annealed_config(lr: float, seed: int, site: Site):
   """:func:`annealed_rung`'s config."""
   from hdet_jax.trainer import config_lib
-  steps = plan(site)['steps']
-  rung = config_lib.bracket_steps(config_lib.bracket_rungs(BRACKET['bracket.rungs']), steps)[-1]
-  k = int(round(ANNEAL_FRACTION * steps))
+  rung, k = rung_steps(site)[-1], int(round(ANNEAL_FRACTION * plan(site)['steps']))
   return config_lib.with_overrides(config_for(grid_name(lr, seed), site), {
       'num_train_steps': rung + k, 'optim.pct_start': rung / (rung + k), 'eval_every': 0})
 
