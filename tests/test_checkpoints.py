@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from hdet_jax.trainer import checkpoints
+from trainer_testing import compiled
 
 
 def _layout(path):
@@ -36,26 +37,7 @@ def _replicated(shape, value=1.0):
 
 def _compilations(fn):
   """How many XLA compilations ``fn()`` triggers (or loads from the persistent compilation cache)."""
-  count = [0]
-  active = [True]
-
-  def listener(event, duration, **kwargs):
-    del duration, kwargs
-    if active[0] and event == '/jax/core/compile/backend_compile_duration':
-      count[0] += 1
-
-  def cache_listener(event, **kwargs):  # an executable loaded from the persistent cache counts too
-    del kwargs
-    if active[0] and event == '/jax/compilation_cache/cache_hits':
-      count[0] += 1
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  jax.monitoring.register_event_listener(cache_listener)
-  try:
-    fn()
-  finally:
-    active[0] = False
-  return count[0]
+  return compiled(fn)[1]
 
 
 def test_a_plain_orbax_save_is_unaffected_by_the_trainers_checkpoints(tmp_path):

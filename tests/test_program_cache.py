@@ -2,42 +2,20 @@
 
 import json
 
-import jax
 import numpy as np
 
 from hdet_jax.trainer import program_cache, trainer
 from hdet_jax.trainer import mesh as mesh_lib
-from trainer_testing import tiny
+from trainer_testing import compiled, tiny
 
 # A short HDET run: spread, averaging every 4 steps and (unless turned off) the fit controller from the first sync.
 _RUN = {'num_train_steps': 12, 'log_every': 4, 'eval_every': 0, 'checkpoint_every': 0, 'plots': False,
         'eval_windows': 16, 'hdet.sync_every': 4, 'hdet.warmup_steps': 0}
 
 
-def _built(fn):
-  """(what ``fn()`` returns, how many programs it traced and lowered: XLA compiles plus persistent-cache loads)."""
-  count, active = [0], [True]
-
-  def on_compile(event, duration, **kwargs):
-    del duration, kwargs
-    if active[0] and event == '/jax/core/compile/backend_compile_duration':
-      count[0] += 1
-
-  def on_cache(event, **kwargs):
-    del kwargs
-    if active[0] and event == '/jax/compilation_cache/cache_hits':
-      count[0] += 1
-  jax.monitoring.register_event_duration_secs_listener(on_compile)
-  jax.monitoring.register_event_listener(on_cache)
-  try:
-    return fn(), count[0]
-  finally:
-    active[0] = False
-
-
 def _run(tmp_path, name, **overrides):
   from hdet_jax.trainer import train_and_evaluate
-  summary, built = _built(lambda: train_and_evaluate(tiny(**_RUN, **overrides), str(tmp_path / name)))
+  summary, built = compiled(lambda: train_and_evaluate(tiny(**_RUN, **overrides), str(tmp_path / name)))
   losses = [r['loss'] for r in map(json.loads, open(tmp_path / name / 'metrics.jsonl')) if r['kind'] == 'train']
   return summary['final_metric'], losses, built
 

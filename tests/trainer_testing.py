@@ -22,3 +22,25 @@ def tiny(**overrides):
 def leaves(tree):
   import jax
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def compiled(fn):
+  """(what ``fn()`` returns, how many XLA programs it compiled or loaded from the persistent compilation cache)."""
+  import jax
+  count, active = [0], [True]
+
+  def on_compile(event, duration, **kwargs):
+    del duration, kwargs
+    if active[0] and event == '/jax/core/compile/backend_compile_duration':
+      count[0] += 1
+
+  def on_cache(event, **kwargs):  # a program loaded from the persistent cache counts too
+    del kwargs
+    if active[0] and event == '/jax/compilation_cache/cache_hits':
+      count[0] += 1
+  jax.monitoring.register_event_duration_secs_listener(on_compile)
+  jax.monitoring.register_event_listener(on_cache)
+  try:
+    return fn(), count[0]
+  finally:
+    active[0] = False
