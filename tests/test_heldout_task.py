@@ -155,12 +155,14 @@ def test_paired_against_a_numpy_oracle(monkeypatch):
 def test_the_rung_traces_end_as_the_sweep_and_their_table_ranks_as_numpy():
   """The committed digits traces (the sweep's seed-0 runs again, evaluated at the rungs) end at the grid records'
   finals bit for bit (evaluating changes no training step); the report's ranks are numpy's."""
+  for check in exp.CHECKS:  # (every check's traces: evaluating at the rungs changes no training step)
+    site = exp.Site(check, False, '')
+    for seed in exp.SEEDS:
+      traces = [exp.load(f'trace_lr{records.lr_tag(lr, 4)}_s{seed}', site) for lr in exp.plan(site)['grid']]
+      assert [t['final_metric'] for t in traces] == [exp.load(exp.grid_name(lr, seed), site)['final_metric']
+                                                     for lr in exp.plan(site)['grid']], (check, seed)
   site = exp.Site('digits', False, '')
   grid = exp.plan(site)['grid']
-  for seed in exp.SEEDS:
-    traces = [exp.load(f'trace_lr{records.lr_tag(lr, 4)}_s{seed}', site) for lr in grid]
-    assert [t['final_metric'] for t in traces] == [exp.load(exp.grid_name(lr, seed), site)['final_metric']
-                                                   for lr in grid]
   traces = [exp.load(f'trace_lr{records.lr_tag(lr, 4)}_s0', site) for lr in grid]
   assert sorted(traces[0]['rungs']) == ['180', '60']  # 0.1 and 0.3 of 600 steps
   lines = exp.rank_flip_lines(site, 0)
