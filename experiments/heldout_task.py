@@ -408,7 +408,10 @@ def check_lines(site: Site, r: dict) -> list[str]:
     kept = ' / '.join('-' if x is None else f'{x:.3g}' for x in row['kept_x'])
     gaps = ' | '.join(records.pct(row[f'{k}_gap']) for k in ('hdet', 'bracket', 'narrower'))
     lines.append(f'| {start} | {gaps} | {kept} |')
-  return lines + [''] + paired_lines(r) + rank_flip_lines(site, 0) + selection_lines(site, plan(site)['seeds'])
+  eight = plan(site)['seeds'] + FRESH_SEEDS
+  selection = selection_lines(site, eight) if not site.quick else []  # (on 8 seeds where they are all traced)
+  return (lines + [''] + paired_lines(r) + rank_flip_lines(site, 0) +
+          (selection or selection_lines(site, plan(site)['seeds'])))
 
 
 def report(quick: bool, work_root: str) -> list[str]:
@@ -437,7 +440,8 @@ def main(argv=None):
                  'the first check')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/heldout_task)')
   p.add_argument('--rung-trace', action='store_true', help='the sweep\'s runs again, evaluated at the bracket\'s '
-                 'rungs, and copies annealed at its last rung (cached; the report\'s last two tables)')
+                 'rungs, and copies annealed at its last rung (cached; the report\'s last two tables); with '
+                 '--fresh-seeds on those seeds too (the selection table then reads 8 seeds)')
   p.add_argument('--fresh-seeds', default='', help='more seeds for the sweep and the default bracket, e.g. 3,4,5,6,7 '
                  '(read by experiments.finer_grid\'s 8-seed table, not by this report)')
   args = p.parse_args(argv)
@@ -457,7 +461,7 @@ def main(argv=None):
         train_fresh(Site(check, args.quick, work_root), fresh)
       if args.rung_trace:
         site = Site(check, args.quick, work_root)
-        for seed in plan(site)['seeds']:
+        for seed in list(plan(site)['seeds']) + fresh:
           for lr in plan(site)['grid']:
             print(f'  {check} trace {lr:g} s{seed}: {rung_trace(lr, seed, site)["rungs"]}; annealed: '
                   f'{annealed_rung(lr, seed, site)["final_metric"]}', flush=True)

@@ -37,23 +37,19 @@ def test_a_run_that_builds_the_same_programs_takes_the_last_runs_and_ends_the_sa
 
 def test_a_run_whose_programs_differ_builds_its_own(tmp_path, monkeypatch):
   """A run that differs in a field the programs read (the spread) after another builds its own programs, and ends
-  bit for bit as it does alone; a resumed run (the same config to more steps) takes its own run's."""
+  bit for bit as it does alone. Alone here: stopped at step 8 and resumed to 12, which builds the loop's programs once
+  (stop_at_step is the loop's; the resume's restore compiles its own) and ends as the straight run."""
   program_cache.clear()
   first = _run(tmp_path, 'a', **{'hdet.spread': 0.25})
   other = _run(tmp_path, 'b', **{'hdet.spread': 0.5})
   assert other[2] > 0 and other[0] != first[0]
   program_cache.clear()
-  alone = _run(tmp_path, 'c', **{'hdet.spread': 0.5})
-  assert other[:2] == alone[:2]
-  # stop_at_step is the loop's: the run stopped at step 8 and resumed to 12 builds the loop's programs once (the
-  # resume's restore compiles its own), and ends as 'c' did.
-  program_cache.clear()
   builds, build = [], trainer._build
   monkeypatch.setattr(trainer, '_build', lambda *a: builds.append(1) or build(*a))
-  _run(tmp_path, 'd', **{'hdet.spread': 0.5, 'stop_at_step': 8})
+  _run(tmp_path, 'c', **{'hdet.spread': 0.5, 'stop_at_step': 8})
   assert len(builds) == 1
-  resumed = _run(tmp_path, 'd', **{'hdet.spread': 0.5})
-  assert len(builds) == 1 and resumed[:2] == alone[:2]
+  alone = _run(tmp_path, 'c', **{'hdet.spread': 0.5})
+  assert len(builds) == 1 and other[:2] == alone[:2]
 
 
 def test_the_key_leaves_out_only_the_loops_fields_and_the_lrs_power_of_two():
