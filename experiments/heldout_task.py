@@ -232,10 +232,14 @@ def annealed_rung(lr: float, seed: int, site: Site) -> dict:
 
 
 def annealed_config(lr: float, seed: int, site: Site):
-  """:func:`annealed_rung`'s config."""
+  """:func:`annealed_rung`'s config (one-cycle runs only: another schedule's warmup would not end at the rung)."""
   from hdet_jax.trainer import config_lib
+  config = config_for(grid_name(lr, seed), site)
+  if config.optim.get('schedule', 'one_cycle') != 'one_cycle':
+    raise ValueError(f'annealed_rung needs the one-cycle schedule (its warmup is moved to end at the rung); '
+                     f'{site.check} runs optim.schedule={config.optim.schedule!r}.')
   rung, k = rung_steps(site)[-1], int(round(ANNEAL_FRACTION * plan(site)['steps']))
-  return config_lib.with_overrides(config_for(grid_name(lr, seed), site), {
+  return config_lib.with_overrides(config, {
       'num_train_steps': rung + k, 'optim.pct_start': rung / (rung + k), 'eval_every': 0})
 
 

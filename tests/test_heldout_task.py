@@ -191,6 +191,15 @@ def test_the_annealed_copy_runs_the_sweeps_schedule_to_the_last_rung_then_anneal
   assert float(b(200)) < float(a(200))
 
 
+def test_the_annealed_copy_refuses_another_schedule(monkeypatch):
+  from hdet_jax.trainer import config_lib
+  site = exp.Site('digits', False, '')
+  cosine = config_lib.with_overrides(exp.config_for('grid_lr0.12_s1', site), {'optim.schedule': 'warmup_cosine'})
+  monkeypatch.setattr(exp, 'config_for', lambda name, site, lr=None: cosine)
+  with pytest.raises(ValueError, match="annealed_rung needs the one-cycle schedule.*'warmup_cosine'"):
+    exp.annealed_config(0.12, 1, site)
+
+
 def jax_values(schedule, steps):
   import jax.numpy as jnp
   return [schedule(jnp.asarray(t)) for t in steps]
