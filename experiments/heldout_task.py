@@ -247,16 +247,14 @@ def _traced_run(name: str, config, site: Site, steps: list[int]) -> dict:
   """Trains ``config`` in this process; its final metric and, at each of ``steps``, the training loss a rung ranks
   (``bracket.window_loss``) and the test metric where it was evaluated."""
   from hdet_jax.trainer import bracket, metrics as metrics_lib
-  from hdet_jax import trainer
   workdir = os.path.join(site.work_root, 'runs', site.check, name)
-  trainer.setup_jax(config)
   with contextlib.chdir(REPO):
-    summary = trainer.train_and_evaluate(config, workdir)
+    run = records.train_run(name, config, workdir)
   path = os.path.join(workdir, 'metrics.jsonl')
   evals = {r['step']: r['val_loss'] for r in metrics_lib.read_metrics(path).get('eval', [])}
-  rec = {'name': name, 'lr': config.optim.max_lr, 'final_metric': records.finite_or_none(summary['final_metric']),
+  rec = {'name': name, 'lr': run['lr'], 'final_metric': run['final_metric'],
          'rungs': {str(step): {'train_loss': bracket.window_loss(path, step, BRACKET['bracket.compare_steps'],
-                                                                 summary['diverged_at']),
+                                                                 run['diverged_at']),
                                'test_metric': records.finite_or_none(evals.get(step))} for step in steps}}
   shutil.rmtree(workdir, ignore_errors=True)
   return rec

@@ -294,6 +294,7 @@ class _Records(NamedTuple):
   ckpt: checkpoints.Checkpointer
   log: Callable[[str], None]         # a line on process 0's stdout
   lead: bool                         # process 0: it writes metrics, plots and the summary
+  programs_key: str                  # under which the run's programs are kept for the next run (program_cache)
 
 
 class _Programs(NamedTuple):
@@ -411,13 +412,14 @@ def _open_records(config: Any, inputs: _Inputs) -> _Records:
   writer = metrics_lib.MetricsWriter(os.path.join(inputs.workdir, 'metrics.jsonl'), enabled=lead,
                                      tensorboard=bool(config.get('tensorboard', True)))
   log = (lambda msg: print(msg, flush=True)) if lead else (lambda msg: None)
-  return _Records(mesh, writer, ckpt, log, lead)
+  key = program_cache.programs_key(config, inputs.n, mesh, inputs.data.description)
+  return _Records(mesh, writer, ckpt, log, lead, key)
 
 
 def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   """The state to start from: the workdir's latest checkpoint, a warm start, or a random init."""
   root = jax.random.key(config.seed)
-  key = _programs_key(config, inputs, records)
+  key = records.programs_key
   init = program_cache.get(key, 'init', lambda: programs_lib.make_init(config, inputs.tx, records.mesh, inputs.n))
   restored = _restore(config, inputs, records, init, root) if inputs.resume else None
   tail = anchor = None
@@ -447,11 +449,6 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
         records.mesh, inputs.tx, params, opt_state, inputs.task))(params, opt_state)
   return _Loop(params, opt_state, rng, start=start, step=start, tail=tail, anchor=anchor,
                wait_each_step=one_program_in_flight(records.mesh))
-
-
-def _programs_key(config: Any, inputs: _Inputs, records: _Records) -> str:
-  """The key under which a run's programs are kept for the next run that builds the same (``program_cache``)."""
-  return program_cache.programs_key(config, inputs.n, records.mesh, inputs.data.description)
 
 
 def _set_lr_scale(key: str, opt_state: Any, unit: float) -> Any:
@@ -551,7 +548,7 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   val = mesh_lib.put_stacked(inputs.data.eval_batch, mesh, batch_dim=1)
   # A run that builds the same programs as the last one takes that run's (an LR bracket's points, a resumed run).
   args = (params, loop.opt_state, loop.data, probe, loop.tail, loop.anchor, val)
-  built = program_cache.get(_programs_key(config, inputs, records), ('loop', program_cache.signature(*args)),
+  built = program_cache.get(records.programs_key, ('loop', program_cache.signature(*args)),
                             lambda: _build(config, inputs, mesh, *args))
   # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
   checkpoints.fingerprint(_checkpoint_state(loop))
