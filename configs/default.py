@@ -68,6 +68,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim.weight_decay = 0.1  # AdamW's decoupled weight decay, on matrices only (not biases/norms).
   config.optim.grad_clip_norm = 0.0  # Clip the all-reduced gradient to this global norm (0: no clipping).
   config.optim.label_smoothing = 0.0  # Label smoothing of the training loss (base value if explored).
+  # Anneal early: from this step the LR falls along a cosine from the schedule's value there to its last step's
+  # value over anneal_steps steps, then holds it (0: off, the schedule throughout). Up to the step the run is the
+  # plain one bit for bit; the LR bracket's annealed copies (bracket.anneal) fork from its runs there.
+  config.optim.anneal_at_step = 0
+  config.optim.anneal_steps = 0  # The early anneal's length (>= 1 where anneal_at_step > 0).
   # Build the programs for max_lr's mantissa (in [0.5, 1)) and apply its power of two at run time: the numbers
   # are bit for bit those of the plain build, and runs whose max_lr differ by a power of two (an LR bracket, a
   # factor-2 sweep) compile once through the persistent cache. Needs hdet.auto_lr=False. The bracket sets it.
@@ -216,6 +221,11 @@ def get_config() -> ml_collections.ConfigDict:
   # (results/wider_rung.md: 25 of 36 cell-starts within 1% of the sweep's best, against 22 keeping 4 at 2.3 runs).
   config.bracket.rungs = '0.1:5,0.3:1'
   config.bracket.compare_steps = 10  # A rung ranks the runs by their mean training loss over this many steps before it.
+  # The last rung ranks annealed copies: each run still going is forked there and annealed to the schedule's end LR
+  # over this fraction of the run (optim.anneal_at_step), and ranked by the copy's training loss over its last
+  # compare_steps steps; the kept run goes on from its own state, unannealed. Costs (runs at the last rung) x anneal
+  # runs more. 0: off (the last rung ranks the runs' own losses there).
+  config.bracket.anneal = 0.0
 
   config.warm_init = ml_collections.ConfigDict()
   config.warm_init.nu = 0.01  # nu of eq. 10: noise std is nu * ||theta_0|| / sqrt(d) (used only with init_from).

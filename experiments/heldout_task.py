@@ -53,6 +53,9 @@ STARTS = bracket_mode.STARTS
 # configs/default.py's bracket, pinned so that the records stay this bracket's (tests/test_heldout_task.py checks
 # that it is the default).
 BRACKET = {'bracket.points': 8, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:5,0.3:1', 'bracket.compare_steps': 10}
+# The brackets' kinds of record and their bracket.anneal: the default, and with the last rung ranking copies annealed
+# over 0.1 of the run (experiments.annealed_rung; quick: 0.25, as the quick bracket's 16 steps need).
+BRACKETS = {'bracket': 0.0, 'annealed': 0.1}
 
 
 class Site(NamedTuple):
@@ -107,7 +110,8 @@ def anchor_lr(site: Site) -> float | None:
 
 
 def config_for(name: str, site: Site, lr: float | None = None):
-  """A run's config: ``grid_lr<lr>_s<seed>``, ``hdet_<start>_s<seed>``, ``bracket_<start>_s<seed>``, or the narrower
+  """A run's config: ``grid_lr<lr>_s<seed>``, ``hdet_<start>_s<seed>``, ``bracket_<start>_s<seed>`` (the default
+  bracket), ``annealed_<start>_s<seed>`` (the same with its last rung annealed: :data:`BRACKETS`), or the narrower
   bracket's kept run ``end_lr<lr>_at_<start>_s<seed>`` (``lr`` given, exactly: that point of the bracket, trained to
   the end)."""
   from hdet_jax.trainer import bracket, config_lib
@@ -119,10 +123,12 @@ def config_for(name: str, site: Site, lr: float | None = None):
     return config_lib.with_overrides(c, autolr.run_overrides('grid', OPTIM, lr, seed, p['steps']))
   if kind == 'hdet':  # configs/mnist1d.py's HDET as it stands: only the peak LR and the seed set here
     return config_lib.with_overrides(c, {'seed': seed, 'optim.max_lr': anchor_lr(site) * STARTS[tag]})
-  start = tag if kind == 'bracket' else tag.split('_at_')[1]
+  start = tag if kind in BRACKETS else tag.split('_at_')[1]
   centre = anchor_lr(site) * STARTS[start]
-  b = config_lib.with_overrides(c, {**autolr.run_overrides('grid', OPTIM, centre, seed, p['steps']), **p['bracket']})
-  return b if kind == 'bracket' else bracket.point_config(b, lr, 0)
+  anneal = BRACKETS.get(kind, 0.0) and (0.25 if site.quick else BRACKETS[kind])
+  b = config_lib.with_overrides(c, {**autolr.run_overrides('grid', OPTIM, centre, seed, p['steps']), **p['bracket'],
+                                    'bracket.anneal': anneal})
+  return b if kind in BRACKETS else bracket.point_config(b, lr, 0)
 
 
 def train(name: str, site: Site, lr: float | None = None) -> dict:
@@ -444,6 +450,8 @@ def main(argv=None):
   p.add_argument('--rung-trace', action='store_true', help='the sweep\'s runs again, evaluated at the bracket\'s '
                  'rungs, and copies annealed at its last rung (cached; the report\'s last two tables); with '
                  '--fresh-seeds on those seeds too (the selection table then reads 8 seeds)')
+  p.add_argument('--annealed', default='', help='seeds to train the bracket with bracket.anneal=0.1 on, e.g. '
+                 '0,1,2,3,4,5,6,7 (read by experiments.annealed_rung)')
   p.add_argument('--fresh-seeds', default='', help='more seeds for the sweep and the default bracket, e.g. 3,4,5,6,7 '
                  '(read by experiments.finer_grid\'s 8-seed table, not by this report)')
   args = p.parse_args(argv)
@@ -461,6 +469,11 @@ def main(argv=None):
       train_all(Site(check, args.quick, work_root))
       if fresh:
         train_fresh(Site(check, args.quick, work_root), fresh)
+      for seed in [int(x) for x in args.annealed.split(',') if x.strip()]:
+        site = Site(check, args.quick, work_root)
+        for start in plan(site)['starts']:
+          print(f'  {check} annealed_{start}_s{seed}: {train(f"annealed_{start}_s{seed}", site)["final_metric"]}',
+                flush=True)
       if args.rung_trace:
         site = Site(check, args.quick, work_root)
         for seed in list(plan(site)['seeds']) + fresh:

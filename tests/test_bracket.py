@@ -235,3 +235,85 @@ def test_format_bracket_lists_each_rung_and_the_kept_run():
   assert lines[0] == 'LR bracket over 3 peak LRs (0.01, 0.02, 0.04); compute 1.60 runs.'
   assert lines[1] == '  step 30 (0.3 of the run): training loss 0.01 2.5000, 0.02 2.2500, 0.04 inf; kept 0.02'
   assert lines[2] == '  kept run: peak LR 0.02, final metric 2.1250 (W/bracket/point1_lr0.02)'
+
+
+@pytest.mark.parametrize('schedule', ['one_cycle', 'warmup_cosine', 'constant'])
+def test_the_early_anneal_follows_the_schedule_then_a_cosine_to_its_end(schedule):
+  """optim.anneal_at_step: the schedule bit for bit to the step, then the closed-form cosine to its last value."""
+  import jax
+  import jax.numpy as jnp
+  from hdet_jax.trainer import optimizer as optimizer_lib
+  over = {'num_train_steps': 100, 'optim.max_lr': 0.02, 'optim.schedule': schedule}
+  plain = optimizer_lib.schedule(tiny(**over))
+  early = optimizer_lib.schedule(tiny(**over, **{'optim.anneal_at_step': 30, 'optim.anneal_steps': 10}))
+  steps = jnp.arange(100)
+  p, e = np.asarray(jax.vmap(plain)(steps)), np.asarray(jax.vmap(early)(steps))
+  np.testing.assert_array_equal(e[:31], p[:31])  # up to and at the fork: the same floats
+  start, end = float(p[30]), float(p[99])
+  t = np.minimum(np.arange(31, 100) - 30, 10) / 10
+  np.testing.assert_allclose(e[31:], end + (start - end) * (1 + np.cos(np.pi * t)) / 2, rtol=1e-6, atol=1e-6 * start)
+  assert e[40] == pytest.approx(end, rel=1e-6) and np.all(e[40:] == e[40])  # reached the end LR, held
+  if schedule != 'constant':
+    assert np.all(np.diff(e[30:41]) < 0)
+
+
+@pytest.mark.parametrize('over, names', [
+    ({'optim.anneal_at_step': 10, 'optim.anneal_steps': 0}, 'optim.anneal_at_step'),
+    ({'optim.anneal_at_step': 30, 'optim.anneal_steps': 10}, 'optim.anneal_at_step'),  # ends past step 39
+    ({'optim.anneal_at_step': -1}, 'optim.anneal_at_step'),
+    ({'bracket.points': 8, 'bracket.anneal': 1.0}, 'bracket.anneal'),
+    ({'bracket.points': 8, 'bracket.anneal': 0.05}, 'bracket.anneal'),  # 2 steps < compare_steps 3
+    ({'bracket.points': 8, 'bracket.rungs': '0.1:4,0.8:1', 'bracket.anneal': 0.2}, 'bracket.anneal'),  # past the end
+    ({'bracket.points': 8, 'bracket.anneal': 0.1, 'optim.anneal_at_step': 5, 'optim.anneal_steps': 4},
+     'optim.anneal_at_step=0'),
+])
+def test_bad_anneal_settings_are_refused_naming_the_field(over, names):
+  config = tiny(**{**PLAIN, 'num_train_steps': 40, 'bracket.compare_steps': 3, **over})
+  with pytest.raises(ConfigError, match=names.replace('.', r'\.')):
+    config_lib.check_values(config)
+
+
+def test_a_fork_resumes_a_checkpoint_of_the_unannealed_run_only_at_or_before_its_anneal():
+  fields = config_lib.training_fields(tiny(), 8)
+  fork = config_lib.training_fields(tiny(**{'optim.anneal_at_step': 20, 'optim.anneal_steps': 5}), 8)
+  assert fork == {**fields, 'optim.anneal_at_step': 20, 'optim.anneal_steps': 5}  # (off: out of the record)
+  assert config_lib.forks_from(fork, fields, 20) and config_lib.forks_from(fork, fields, 4)
+  assert not config_lib.forks_from(fork, fields, 21)  # past the fork the runs differ
+  assert not config_lib.forks_from(fields, fields, 4)  # (no anneal: nothing to fork)
+  other = config_lib.training_fields(tiny(seed=1), 8)
+  assert not config_lib.forks_from(fork, other, 4)
+  later = config_lib.training_fields(tiny(**{'optim.anneal_at_step': 30, 'optim.anneal_steps': 5}), 8)
+  assert not config_lib.forks_from(fork, later, 4)  # a checkpoint of another anneal is another run's
+
+
+def test_an_annealed_bracket_ranks_its_last_rung_by_forked_copies_that_equal_straight_annealed_runs(tmp_path):
+  """bracket.anneal=0.25 of 16 steps: the last rung (step 8) forks each run still going and anneals the copy over 4
+  steps; the copies' losses over steps 9-11 equal those of the same annealed runs trained straight from step 0 bit for
+  bit, the bracket keeps the one numpy ranks first among them, and the kept run ends as its plain straight run."""
+  from hdet_jax.trainer import train_and_evaluate
+  over = {**PLAIN, 'num_train_steps': 16, 'optim.max_lr': 0.01, 'log_every': 4, 'eval_every': 0}
+  config = tiny(**over, **{'bracket.points': 4, 'bracket.factor': 8.0, 'bracket.rungs': '0.25:2,0.5:1',
+                           'bracket.compare_steps': 3, 'bracket.anneal': 0.25})
+  summary = bracket.run_bracket(config, str(tmp_path / 'b'))
+  state = summary['bracket']
+  kept4 = state['rungs'][0]['kept']
+  assert state['rungs'][1]['step'] == 8 and state['rungs'][1]['annealed_to'] == 12
+  assert state['compute_runs'] == pytest.approx((4 * 4 + 2 * 4 + 8 + 2 * 4) / 16)
+  annealed = {lr: train_and_evaluate(tiny(**{**over, 'optim.max_lr': lr, 'optim.runtime_lr_scale': True,
+                                             'optim.anneal_at_step': 8, 'optim.anneal_steps': 4}),
+                                     str(tmp_path / f'a{k}')) for k, lr in enumerate(kept4)}
+  at12 = {lr: np.mean([_train_losses(s['workdir'])[t] for t in (9, 10, 11)]) for lr, s in annealed.items()}
+  assert [state['rungs'][1]['losses'][f'{lr:.6g}'] for lr in kept4] == [at12[lr] for lr in kept4]  # bit for bit
+  winner = min(kept4, key=lambda lr: at12[lr])
+  assert state['rungs'][1]['kept'] == [winner] and state['winner']['lr'] == winner
+  straight = train_and_evaluate(tiny(**{**over, 'optim.max_lr': winner, 'optim.runtime_lr_scale': True}),
+                                str(tmp_path / 'plain'))
+  assert summary['final_metric'] == straight['final_metric']  # the kept run went on unannealed
+  # Each copy forked at step 8 and stopped at 12; the runs themselves are where the bracket left them.
+  k_of = {lr: k for k, lr in enumerate(state['lrs'])}
+  for lr in kept4:
+    copy = bracket._point_dir(str(tmp_path / 'b'), k_of[lr], lr) + '_annealed'
+    assert sorted(_train_losses(copy)) == list(range(8, 12))
+  assert 'annealed copies\' training loss at step 12' in bracket.format_bracket(state)
+  again = bracket.run_bracket(config, str(tmp_path / 'b'))  # resumes the finished bracket, trains nothing
+  assert again['bracket']['rungs'] == json.loads(json.dumps(state['rungs']))

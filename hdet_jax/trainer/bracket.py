@@ -14,6 +14,16 @@ step 0, so the bracket's result is that of a plain run at the kept LR. Compute, 
 
     points * f_1 + kept_1 * (f_2 - f_1) + ... + 1 * (1 - f_last)      (8 points, '0.1:5,0.3:1': 2.5 runs).
 
+With ``bracket.anneal = a > 0`` the last rung ranks annealed copies instead: each run still going is forked at the
+rung (its checkpoint copied into ``W/bracket/point<k>_lr<lr>_annealed/``), the copy's LR falls along a cosine to the
+schedule's end LR over ``A = round(a * num_train_steps)`` steps (``optim.anneal_at_step``), and the copies are ranked
+by their mean training loss over the last ``compare_steps`` of those steps; the kept run goes on from its own,
+unannealed state. Compute: ``kept_before_last * a`` runs more (0.1 with the default rungs: 2.5 + 0.5 = 3.0 runs).
+Why: at 0.3 of a one-cycle run the points sit at their peak LRs, where a higher LR holds the loss higher and
+overtakes the lower ones only in the anneal; annealed copies are ranked as the runs will end
+(``python -m experiments.heldout_task --rung-trace``: on the MNIST-1D checks an annealed copy ranks the sweep's best
+first on 15 of 16 seeds, the plain rung a neighbour; ``results/annealed_rung.md`` for the bracket itself).
+
 Why: one HDET run's comparisons, on the shared gradient, rank points of one line and follow the start, not the
 sweep's best; runs apart at the full batch, compared at a fifth to a third of the run, kept a run within 1% of the
 sweep's best in 20-23 of 27 (warmup-cosine) and 32 of 43 (one-cycle) seed-cells (experiments/workloads_discussion.md,
@@ -39,10 +49,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from typing import Any
 
 import numpy as np
 
+from hdet_jax.trainer import checkpoints
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import mesh as mesh_lib
 from hdet_jax.trainer import metrics as metrics_lib
@@ -57,11 +69,12 @@ def point_lrs(max_lr: float, points: int, factor: float) -> list[float]:
   return [float(max_lr * factor ** (k - (points - 1) / 2)) for k in range(points)]
 
 
-def compute_runs(points: int, rungs: list[tuple[float, int]], total: int) -> float:
-  """The steps the bracket trains, in runs of ``total`` steps (each rung's survivors from the rung before on)."""
+def compute_runs(points: int, rungs: list[tuple[float, int]], total: int, anneal_steps: int = 0) -> float:
+  """The steps the bracket trains, in runs of ``total`` steps (each rung's survivors from the rung before on, and
+  the last rung's annealed copies: ``anneal_steps`` each)."""
   steps = config_lib.bracket_steps(rungs, total) + [total]
   alive = [points] + [k for _, k in rungs]
-  return sum(n * (b - a) for n, a, b in zip(alive, [0] + steps[:-1], steps)) / total
+  return (sum(n * (b - a) for n, a, b in zip(alive, [0] + steps[:-1], steps)) + alive[-2] * anneal_steps) / total
 
 
 def survivors(losses: dict[float, float], kept: int) -> list[float]:
@@ -85,8 +98,8 @@ def window_loss(metrics_path: str, step: int, compare_steps: int, diverged_at: i
 
 def _fields(config: Any) -> dict:
   """What defines the bracket: its runs' training fields (at the centre LR) and the bracket's own."""
-  return {'training': config_lib.training_fields(config, config.hdet.num_replicas),
-          'bracket': config.bracket.to_dict()}
+  own = {k: v for k, v in config.bracket.to_dict().items() if not (k == 'anneal' and not v)}  # (as before it was)
+  return {'training': config_lib.training_fields(config, config.hdet.num_replicas), 'bracket': own}
 
 
 def point_config(config: Any, lr: float, stop_at_step: int) -> Any:
@@ -100,6 +113,27 @@ def point_config(config: Any, lr: float, stop_at_step: int) -> Any:
 
 def _point_dir(workdir: str, k: int, lr: float) -> str:
   return os.path.join(workdir, 'bracket', f'point{k}_lr{lr:.6g}')
+
+
+def annealed_config(config: Any, lr: float, step: int, anneal_steps: int) -> Any:
+  """The config of the annealed copy of the run at ``lr``: that run to ``step``, then annealed to the schedule's end
+  LR over ``anneal_steps`` steps (optim.anneal_at_step), stopped there."""
+  return config_lib.with_overrides(point_config(config, lr, step + anneal_steps), {
+      'optim.anneal_at_step': step, 'optim.anneal_steps': anneal_steps, 'plots': False})
+
+
+def fork(src: str, dst: str, step: int) -> None:
+  """Process 0 copies the checkpoint at ``step`` of the workdir ``src`` into the workdir ``dst``, unless ``dst``
+  already holds checkpoints (a fork resumed: its own are newer). The copy lands under a temporary name and is renamed
+  into place, so a kill leaves no half checkpoint."""
+  import jax
+  if jax.process_index() == 0 and not checkpoints.all_steps(dst):
+    tmp = os.path.join(dst, 'fork.tmp')
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(os.path.join(checkpoints.checkpoint_dir(src), str(step)), tmp)
+    os.makedirs(checkpoints.checkpoint_dir(dst), exist_ok=True)
+    os.replace(tmp, os.path.join(checkpoints.checkpoint_dir(dst), str(step)))
+  mesh_lib.barrier(f'hdet_bracket_fork_{step}')
 
 
 def _load_state(workdir: str, fields: dict) -> dict | None:
@@ -136,23 +170,31 @@ def run_bracket(config: Any, workdir: str) -> dict:
   mesh_lib.barrier('hdet_bracket_loaded')  # every process has read the workdir before process 0 writes to it
   if state is None:  # a new bracket: its record first, so that a bracket stopped before its first rung resumes
     state = {'fields': fields, 'lrs': point_lrs(config.optim.max_lr, b.points, b.factor),
-             'compute_runs': compute_runs(b.points, rungs, total), 'rungs': [], 'winner': None}
+             'compute_runs': compute_runs(b.points, rungs, total, config_lib.bracket_anneal_steps(config)),
+             'rungs': [], 'winner': None}
     _write_state(workdir, state)
   dirs = {lr: _point_dir(workdir, k, lr) for k, lr in enumerate(state['lrs'])}
   alive = state['rungs'][-1]['kept'] if state['rungs'] else list(state['lrs'])  # (a resumed bracket's last picks)
+  anneal = config_lib.bracket_anneal_steps(config)
   for (fraction, kept), step in list(zip(rungs, steps))[len(state['rungs']):]:
-    losses = {}
+    losses, at = {}, step + (anneal if kept == 1 else 0)  # (the last rung ranks annealed copies)
     for lr in alive:
       summary = trainer_lib.train_and_evaluate(point_config(config, lr, step), dirs[lr])
       if summary['preempted']:
         return {**summary, 'bracket': state}
       mesh_lib.barrier(f'hdet_bracket_{step}_{lr:.6g}')  # process 0 has written the run's metrics
-      losses[lr] = window_loss(summary['metrics'], step, b.compare_steps, summary['diverged_at'])
+      if at > step and summary['diverged_at'] is None:
+        fork(dirs[lr], dirs[lr] + '_annealed', step)
+        summary = trainer_lib.train_and_evaluate(annealed_config(config, lr, step, anneal), dirs[lr] + '_annealed')
+        if summary['preempted']:
+          return {**summary, 'bracket': state}
+        mesh_lib.barrier(f'hdet_bracket_{at}_{lr:.6g}')
+      losses[lr] = window_loss(summary['metrics'], at, b.compare_steps, summary['diverged_at'])
     if not any(np.isfinite(list(losses.values()))):
       raise RuntimeError(f'every run of the LR bracket diverged by step {step} (LRs {alive}); lower optim.max_lr.')
     alive = survivors(losses, kept)
     state['rungs'].append({'fraction': fraction, 'step': step, 'losses': {f'{lr:.6g}': v for lr, v in losses.items()},
-                           'kept': alive})
+                           'kept': alive, **({'annealed_to': at} if at > step else {})})
     _write_state(workdir, state)
   (lr,) = alive
   summary = trainer_lib.train_and_evaluate(point_config(config, lr, 0), dirs[lr])
@@ -177,7 +219,8 @@ def format_bracket(state: dict) -> str:
   lines = [f'LR bracket over {len(state["lrs"])} peak LRs ({lrs}); compute {state["compute_runs"]:.2f} runs.']
   for r in state['rungs']:
     ranked = ', '.join(f'{lr} {v:.4f}' for lr, v in sorted(r['losses'].items(), key=lambda kv: float(kv[0])))
-    lines.append(f'  step {r["step"]} ({r["fraction"]:g} of the run): training loss {ranked}; kept '
+    where = f'annealed copies\' training loss at step {r["annealed_to"]}' if 'annealed_to' in r else 'training loss'
+    lines.append(f'  step {r["step"]} ({r["fraction"]:g} of the run): {where} {ranked}; kept '
                  f'{", ".join(f"{lr:.4g}" for lr in r["kept"])}')
   if state.get('winner'):
     w = state['winner']

@@ -27,10 +27,12 @@ QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.
                   'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0,
                   'hdet.score_anneal': 0.0, 'hdet.fan': 'linear', 'optim.runtime_lr_scale': False,
+                  'optim.anneal_at_step': 0, 'optim.anneal_steps': 0,
                   'deterministic_gpu': True,  # (no effect without CUDA, where every record so far was made)
                   # The LR bracket's fields (hdet_jax.trainer.bracket), as records made before it existed would
                   # read (its rungs' default until 8-5-1): outside every run's training fields (defines_a_run).
-                  'bracket.points': 0, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10}
+                  'bracket.points': 0, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10,
+                  'bracket.anneal': 0.0}
 
 
 class ConfigError(ValueError):
@@ -156,6 +158,18 @@ def run_identity(fields: dict[str, Any]) -> dict[str, Any]:
   return {k: v for k, v in fields.items() if defines_a_run(k)}
 
 
+ANNEAL_FIELDS = ('optim.anneal_at_step', 'optim.anneal_steps')
+
+
+def forks_from(fields: dict[str, Any], saved: dict[str, Any], step: int) -> bool:
+  """Whether a checkpoint at ``step`` of the run ``saved`` (training fields) is one of the run ``fields`` too: the
+  same run but for ``fields``' early anneal (optim.anneal_at_step), which starts at or after ``step``, so that both
+  runs trained the same steps to it (optimizer.annealed)."""
+  at = fields.get('optim.anneal_at_step', 0)
+  rest = {k: v for k, v in fields.items() if k not in ANNEAL_FIELDS}
+  return bool(at) and not any(k in saved for k in ANNEAL_FIELDS) and saved == rest and step <= at
+
+
 def training_fields(config: Any, num_replicas: int) -> dict[str, Any]:
   """The fields that define the trajectory (JSON-normalised), with N and the fields left at None resolved."""
   flat = run_identity(resolved(flatten(config)))
@@ -222,6 +236,8 @@ _RULES = (
     ('optim.weight_decay', 'real', lambda v: v >= 0, 'a number >= 0'),
     ('optim.grad_clip_norm', 'real', lambda v: v >= 0, 'a number >= 0 (0: no clipping)'),
     ('optim.label_smoothing', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
+    ('optim.anneal_at_step', 'int', lambda v: v >= 0, 'an integer >= 0 (0: no early anneal)'),
+    ('optim.anneal_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),
     ('hdet.num_replicas', 'int', lambda v: v >= 0, 'an integer >= 0 (0: all devices)'),
     ('mesh.replicas', 'int', lambda v: v >= 0, 'an integer >= 0 (0: devices / mesh.fsdp)'),
     ('mesh.fsdp', 'int', lambda v: v >= 1, 'an integer >= 1 (1: no FSDP inside a group)'),
@@ -264,6 +280,7 @@ _RULES = (
     ('bracket.points', 'int', lambda v: v == 0 or v >= 2, 'an integer >= 2, or 0 (off: one run)'),
     ('bracket.factor', 'real', lambda v: v > 1, 'a number > 1'),
     ('bracket.compare_steps', 'int', lambda v: v >= 1, 'an integer >= 1'),
+    ('bracket.anneal', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (a fraction of the run; 0: off)'),
 )
 CHECKED_FIELDS = tuple(r[0] for r in _RULES)
 # Checked fields whose None means a resolved default (:func:`guard`).
@@ -362,6 +379,16 @@ def _check_schedule(config: Any) -> None:
     raise ConfigError(f"optim.pct_start={pct} with num_train_steps={total} leaves optim.schedule='one_cycle' an empty "
                       'phase (its warmup ends at step pct_start * num_train_steps - 1, which must lie inside the run); '
                       'move optim.pct_start away from 0 and 1 or raise num_train_steps.')
+  at, steps = o.get('anneal_at_step', 0), o.get('anneal_steps', 0)
+  if at and not (steps >= 1 and at + steps <= total - 1):
+    raise ConfigError(f'optim.anneal_at_step={at} with optim.anneal_steps={steps} and num_train_steps={total}: the '
+                      'early anneal needs at least one step and must end by the last step (anneal_at_step + '
+                      'anneal_steps <= num_train_steps - 1); shorten it, or set optim.anneal_at_step=0 (off).')
+
+
+def bracket_anneal_steps(config: Any) -> int:
+  """The steps each annealed copy of the LR bracket's last rung trains past it: round(bracket.anneal * total)."""
+  return int(round(config.bracket.get('anneal', 0.0) * config.num_train_steps))
 
 
 def bracket_rungs(text: str) -> list[tuple[float, int]]:
@@ -410,6 +437,17 @@ def _check_bracket(config: Any) -> None:
         f'(rung steps {steps}) must compare at increasing steps inside the run (0 < fraction * num_train_steps < '
         'num_train_steps) and keep fewer runs at each rung, the last keeping 1; e.g. '
         f"'0.1:{max(1, b.points // 2)},0.3:1'.")
+  anneal = bracket_anneal_steps(config)
+  if b.get('anneal', 0.0) and not (b.compare_steps <= anneal and steps[-1] + anneal <= config.num_train_steps - 1):
+    raise ConfigError(
+        f'bracket.anneal={b.anneal} with num_train_steps={config.num_train_steps} anneals the last rung\'s copies '
+        f'over {anneal} steps from step {steps[-1]}: that must span bracket.compare_steps={b.compare_steps} (the '
+        'steps the copies are ranked over) and end by the last step; raise it, lower bracket.compare_steps, or set '
+        'bracket.anneal=0 (off).')
+  if b.get('anneal', 0.0) and config.optim.get('anneal_at_step', 0):
+    raise ConfigError(f'bracket.anneal={b.anneal} anneals copies of the runs at the last rung itself, but '
+                      f'optim.anneal_at_step={config.optim.anneal_at_step} anneals every run early: set '
+                      'optim.anneal_at_step=0, or bracket.anneal=0.')
   if config.hdet.auto_lr:
     raise ConfigError('bracket.points > 0 looks for the LR by comparing runs trained apart at fixed LRs, but '
                       'hdet.auto_lr=True would move each run\'s LR too: set hdet.auto_lr=False (configs/bracket.py '

@@ -58,14 +58,36 @@ def schedule(config: Any, max_lr: float | None = None) -> optax.Schedule:
   peak = o.max_lr if max_lr is None else max_lr
   name = o.get('schedule', 'one_cycle')
   if name == 'constant':
-    return optax.constant_schedule(peak)
-  if name == 'warmup_cosine':
+    base = optax.constant_schedule(peak)
+  elif name == 'warmup_cosine':
     initial = peak / o.div_factor
-    return optax.warmup_cosine_decay_schedule(
+    base = optax.warmup_cosine_decay_schedule(
         init_value=initial, peak_value=peak, warmup_steps=int(round(o.pct_start * config.num_train_steps)),
         decay_steps=config.num_train_steps - 1, end_value=initial / o.final_div_factor)
-  return H.one_cycle(max_lr=peak, total_steps=config.num_train_steps, pct_start=o.pct_start,
-                     div_factor=o.div_factor, final_div_factor=o.final_div_factor)
+  else:
+    base = H.one_cycle(max_lr=peak, total_steps=config.num_train_steps, pct_start=o.pct_start,
+                       div_factor=o.div_factor, final_div_factor=o.final_div_factor)
+  at = o.get('anneal_at_step', 0)
+  return base if not at else annealed(base, at, o.anneal_steps, config.num_train_steps)
+
+
+def annealed(base: optax.Schedule, at: int, steps: int, total: int) -> optax.Schedule:
+  """``base`` up to step ``at``, then a cosine from its value there to its last step's value over ``steps`` steps,
+  held after:
+
+      lr(s) = base(s)                                                      s <= at
+      lr(s) = end + (base(at) - end) * (1 + cos(pi * min(s - at, steps) / steps)) / 2,   end = base(total - 1)
+
+  A run with this schedule is, up to step ``at``, the run of ``base`` bit for bit (the LR bracket's annealed copies
+  fork there: hdet_jax.trainer.bracket).
+  """
+  start, end = base(at), base(total - 1)
+
+  def schedule(count):
+    t = jnp.minimum(jnp.maximum(count - at, 0), steps) / steps
+    tail = end + (start - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * t))
+    return jnp.where(count <= at, base(count), tail)
+  return schedule
 
 
 def lr_unit(config: Any) -> float:

@@ -157,7 +157,8 @@ def _check_workdir(workdir: str, fields: dict) -> bool:
   """Whether the workdir holds checkpoints to resume from; raises if it holds another config's run.
 
   The config is compared with the newest checkpoint whose meta record reads back (a corrupt newer
-  one is set aside when the state is restored).
+  one is set aside when the state is restored). A checkpoint of the same run without its early anneal, at or before
+  the anneal's step, is this run's too (:func:`config_lib.forks_from`).
   """
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError(f'--workdir {workdir} exists and is not a directory; pick another --workdir.')
@@ -179,7 +180,7 @@ def _check_workdir(workdir: str, fields: dict) -> bool:
       saved = None  # unreadable (cut short by a kill in an older version): the checkpoints decide
   if saved is not None:  # (a version before bracket.* left a run's identity wrote them where not at their defaults)
     saved = config_lib.run_identity(saved)
-  if saved is not None and saved != fields:
+  if saved is not None and saved != fields and not (meta is not None and config_lib.forks_from(fields, saved, step)):
     raise ConfigError(
         f'workdir {workdir} holds {what} of a different config ({config_lib.differences(saved, fields)}); '
         'rerun with the same config to resume it, or pass a new --workdir.')
