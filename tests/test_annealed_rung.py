@@ -35,8 +35,6 @@ def test_the_default_brackets_are_wider_rungs_8_5_1_records():
   """The workload rows' default is the 8-5-1 bracket: wider_rung's first-rung-keeps-one-more composition."""
   got = exp.default_brackets('mnist1d:1000:adamw')
   assert sorted(got) == sorted((start, s) for start in ('low', 'best', 'high') for s in (0, 1, 2))
-  with open(os.path.join(exp.REPO, 'results', 'wider_rung.json')) as f:
-    row = json.load(f)['rows']['mnist1d:1000:adamw']['best']
   best = exp.bracket_mode.sweep_cell('mnist1d:1000:adamw')['grid_best']['value']
   mean = np.mean([got[('best', s)]['final_metric'] for s in (0, 1, 2)])
   assert mean / best - 1 == pytest.approx(0.073, abs=0.0005)  # results/wider_rung.md: the 8-5-1 gap, +7.3%

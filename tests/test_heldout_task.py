@@ -226,3 +226,16 @@ def test_the_selection_table_picks_each_criterions_argmin_and_pairs_its_end():
     per = ends / ref - 1
     want = f'{100 * (ends.mean() / ref.mean() - 1):+.1f} ± {100 * per.std(ddof=1) / np.sqrt(3):.1f}%'
     assert rows[label] == f'| {label} | {" / ".join(f"{lr:g}" for lr in picks)} | {want} |'
+
+
+def test_an_annealed_record_is_the_default_bracket_with_its_last_rung_annealed(monkeypatch):
+  from hdet_jax.trainer import config_lib
+  site = exp.Site('narrow', False, '/nonexistent')
+  plain, annealed = exp.config_for('bracket_best_s1', site), exp.config_for('annealed_best_s1', site)
+  assert (plain.bracket.anneal, annealed.bracket.anneal) == (0.0, 0.1)
+  diff = config_lib.differences(config_lib.flatten(plain.to_dict()), config_lib.flatten(annealed.to_dict()))
+  assert diff == 'bracket.anneal: 0.0 -> 0.1'
+  monkeypatch.setattr(exp, 'anchor_lr', lambda site: 0.01)  # (a quick site's sweep is not trained here)
+  quick = exp.config_for('annealed_best_s0', exp.Site('narrow', True, '/nonexistent'))
+  config_lib.check_values(quick)  # (the quick bracket's 16 steps need a longer anneal: 4 steps >= compare_steps)
+  assert quick.bracket.anneal == 0.25
