@@ -304,6 +304,9 @@ def test_an_annealed_bracket_ranks_its_last_rung_by_forked_copies_that_equal_str
                                      str(tmp_path / f'a{k}')) for k, lr in enumerate(kept4)}
   at12 = {lr: np.mean([_train_losses(s['workdir'])[t] for t in (9, 10, 11)]) for lr, s in annealed.items()}
   assert [state['rungs'][1]['losses'][f'{lr:.6g}'] for lr in kept4] == [at12[lr] for lr in kept4]  # bit for bit
+  # Beside them, the runs' own losses at the rung (what the plain last rung ranks): the annealed runs' before step 8.
+  at8 = {lr: np.mean([_train_losses(s['workdir'])[t] for t in (5, 6, 7)]) for lr, s in annealed.items()}
+  assert [state['rungs'][1]['run_losses'][f'{lr:.6g}'] for lr in kept4] == [at8[lr] for lr in kept4]
   winner = min(kept4, key=lambda lr: at12[lr])
   assert state['rungs'][1]['kept'] == [winner] and state['winner']['lr'] == winner
   straight = train_and_evaluate(tiny(**{**over, 'optim.max_lr': winner, 'optim.runtime_lr_scale': True}),

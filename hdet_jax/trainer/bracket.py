@@ -177,24 +177,26 @@ def run_bracket(config: Any, workdir: str) -> dict:
   alive = state['rungs'][-1]['kept'] if state['rungs'] else list(state['lrs'])  # (a resumed bracket's last picks)
   anneal = config_lib.bracket_anneal_steps(config)
   for (fraction, kept), step in list(zip(rungs, steps))[len(state['rungs']):]:
-    losses, at = {}, step + (anneal if kept == 1 else 0)  # (the last rung ranks annealed copies)
+    losses, own, at = {}, {}, step + (anneal if kept == 1 else 0)  # (the last rung ranks annealed copies)
     for lr in alive:
       summary = trainer_lib.train_and_evaluate(point_config(config, lr, step), dirs[lr])
       if summary['preempted']:
         return {**summary, 'bracket': state}
       mesh_lib.barrier(f'hdet_bracket_{step}_{lr:.6g}')  # process 0 has written the run's metrics
+      own[lr] = window_loss(summary['metrics'], step, b.compare_steps, summary['diverged_at'])
       if at > step and summary['diverged_at'] is None:
         fork(dirs[lr], dirs[lr] + '_annealed', step)
         summary = trainer_lib.train_and_evaluate(annealed_config(config, lr, step, anneal), dirs[lr] + '_annealed')
         if summary['preempted']:
           return {**summary, 'bracket': state}
         mesh_lib.barrier(f'hdet_bracket_{at}_{lr:.6g}')
-      losses[lr] = window_loss(summary['metrics'], at, b.compare_steps, summary['diverged_at'])
+      losses[lr] = window_loss(summary['metrics'], at, b.compare_steps, summary['diverged_at']) if at > step else own[lr]
     if not any(np.isfinite(list(losses.values()))):
       raise RuntimeError(f'every run of the LR bracket diverged by step {step} (LRs {alive}); lower optim.max_lr.')
     alive = survivors(losses, kept)
     state['rungs'].append({'fraction': fraction, 'step': step, 'losses': {f'{lr:.6g}': v for lr, v in losses.items()},
-                           'kept': alive, **({'annealed_to': at} if at > step else {})})
+                           'kept': alive, **({'annealed_to': at, 'run_losses': {f'{lr:.6g}': v for lr, v in own.items()}}
+                                             if at > step else {})})  # (run_losses: what the plain rung ranks)
     _write_state(workdir, state)
   (lr,) = alive
   summary = trainer_lib.train_and_evaluate(point_config(config, lr, 0), dirs[lr])
