@@ -23,6 +23,7 @@ held-out checks pair both brackets with the sweep's run at its best LR on 8 seed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -42,7 +43,6 @@ SEEDS = (0, 1, 2)
 ANNEAL = heldout_task.BRACKETS['annealed']
 BRACKET = {**heldout_task.BRACKET, 'bracket.anneal': ANNEAL}
 QUICK_BRACKET = {**bracket_mode.QUICK_BRACKET, 'bracket.anneal': 0.25}
-HELDOUT_SEEDS = heldout_task.SEEDS + heldout_task.FRESH_SEEDS
 
 
 def record_path(cell: str, start: str, seed: int, quick: bool, work_root: str) -> str:
@@ -68,99 +68,187 @@ def train_one(cell: str, start: str, seed: int, quick: bool, work_root: str) -> 
   return rec
 
 
-def default_brackets(cell: str) -> dict:
-  """The default bracket's (8-5-1) records per (start, seed): its kept LR and final metric (results/wider_rung.json)."""
+def default_pick(rec: dict) -> float | None:
+  """The point the default bracket keeps from the same brackets: the last rung's runs ranked by their own losses
+  there (``run_losses``, recorded beside the annealed copies'; None: a record without them)."""
+  from hdet_jax.trainer import bracket
+  last = rec['rungs'][-1]
+  if 'run_losses' not in last:
+    return None
+  by_key = {f'{lr:.6g}': lr for lr in rec['lrs']}  # (the rungs' keys are the LRs to 6 digits: the points' own LRs)
+  (kept,) = bracket.survivors({by_key[k]: v for k, v in last['run_losses'].items()}, 1)
+  return kept
+
+
+def end_path(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: str) -> str:
+  """Where the default bracket's point ``lr`` trained to the end is recorded (a held-out check's ``cell``: its name)."""
+  if cell in heldout_task.CHECKS:
+    root = os.path.join(work_root, 'annealed_rung_quick') if quick else os.path.join(REPO, 'results', 'annealed_rung', 'runs')
+    return os.path.join(root, 'heldout', cell, f'{start}_s{seed}_end_lr{records.lr_tag(lr, 6)}.json')
+  return record_path(cell, start, seed, quick, work_root).replace('.json', f'_end_lr{records.lr_tag(lr, 6)}.json')
+
+
+def _end_config(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: str):
+  """The config of the bracket's point ``lr`` trained to the end, as a bracket trains its winner."""
+  from hdet_jax.trainer import bracket
+  if cell in heldout_task.CHECKS:
+    return heldout_task.config_for(f'end_lr{records.lr_tag(lr, 6)}_at_{start}_s{seed}',
+                                   heldout_task.Site(cell, quick, work_root), lr)
+  base = bracket_mode.config_for(cell, start, seed, quick, work_root, QUICK_BRACKET if quick else BRACKET)
+  return bracket.point_config(base, lr, 0)
+
+
+def default_final(cell: str, rec: dict, start: str, seed: int, quick: bool, work_root: str,
+                  train: bool) -> float | None:
+  """The default bracket's final metric on this record's footing (``cell``: a workload cell or a held-out check): the
+  annealed bracket's own where both keep the same point (the same run), else that point trained to the end as a
+  bracket trains its winner (cached; None: not trained, or the record has no ``run_losses``)."""
+  lr = default_pick(rec)
+  if lr is None:
+    return None
+  if lr == rec['kept_lr']:
+    return records.finite_or_none(rec['final_metric'])
+  path = end_path(cell, start, seed, lr, quick, work_root)
+  if not os.path.exists(path):
+    if not train:
+      return None
+    workdir = os.path.join(work_root, 'annealed_rung', cell.replace(':', '_'), f'{start}_s{seed}_end')
+    with contextlib.chdir(REPO):  # (a held-out check's data.path is relative to the repository)
+      rec = records.train_run(f'{cell} {start} s{seed} end {lr:.6g}', _end_config(cell, start, seed, lr, quick,
+                                                                                   work_root), workdir)
+    records.write_json(path, rec, indent=1)
+    shutil.rmtree(workdir, ignore_errors=True)
+  with open(path, encoding='utf-8') as f:
+    return records.finite_or_none(json.load(f)['final_metric'])
+
+
+def recorded_defaults(cell: str) -> dict:
+  """The default bracket's (8-5-1) final metric per (start, seed), as ``results/wider_rung.json`` recorded it (made on
+  another footing for most cells: its first-rung losses are not these records' bit for bit)."""
   with open(os.path.join(REPO, 'results', 'wider_rung.json'), encoding='utf-8') as f:
     rows = json.load(f)['rows'].get(cell, {})
-  return {(start, s['seed']): s['wider']['1'] for start, row in rows.items() for s in row['seeds']}
+  return {(start, s['seed']): s['wider']['1']['final_metric'] for start, row in rows.items() for s in row['seeds']}
 
 
-def cell_rows(recs: dict, default: dict, best: float | None, seeds=SEEDS) -> dict:
-  """Per start with all of ``seeds``: both brackets' 3-seed means and gaps to the sweep's best ``best``, and the
-  annealed one's per-seed difference from the default (mean and standard error, ``records.paired_gap``)."""
-  out = {}
+def start_row(annealed: list, default: list, reference: list, kept_x: list, picks_differ: int) -> dict:
+  """One start: both brackets paired seed by seed with ``reference`` (the sweep's best, per seed or its mean repeated),
+  and the annealed one with the default (``records.paired_gap``: gap of the means, standard error of per-seed gaps)."""
+  gap = lambda v, r: dict(zip(('gap', 'se'), records.paired_gap(v, r)))
+  return {'annealed': gap(annealed, reference), 'default': gap(default, reference),
+          'vs_default': gap(annealed, default), 'kept_x': kept_x, 'picks_differ': picks_differ,
+          'finals': annealed, 'default_finals': default}
+
+
+def workload_rows(cell: str, quick: bool, work_root: str, train: bool, seeds=SEEDS) -> dict | None:
+  """Per start with every seed's record: the two brackets against the sweep's best 3-seed mean (results/workloads.json),
+  and the default as recorded beside them. None: no records."""
+  best = None if quick else bracket_mode.sweep_cell(cell)['grid_best']['value']
+  recorded = {} if quick else recorded_defaults(cell)
+  starts = {}
   for start in bracket_mode.STARTS:
-    if not all((start, s) in recs for s in seeds):
+    recs = [_load(record_path(cell, start, s, quick, work_root)) for s in seeds]
+    if None in recs:
       continue
-    mine = [records.finite_or_none(recs[(start, s)]['final_metric']) for s in seeds]
-    row = {'annealed': mine, 'kept_x': [recs[(start, s)]['kept_lr'] / recs[(start, s)]['anchor_lr'] for s in seeds]}
-    theirs = [default.get((start, s), {}).get('final_metric') for s in seeds]
-    if best is not None and None not in mine:
-      row['gap'] = float(np.mean(mine)) / best - 1
-    if best is not None and None not in theirs:
-      row['default'] = theirs
-      row['default_gap'] = float(np.mean(theirs)) / best - 1
-      row['vs_default'], row['vs_default_se'] = records.paired_gap(mine, theirs)
-    out[start] = row
-  return out
+    default = [default_final(cell, r, start, s, quick, work_root, train) for r, s in zip(recs, seeds)]
+    ref = [best] * len(seeds) if best is not None else [r['final_metric'] for r in recs]
+    row = start_row([records.finite_or_none(r['final_metric']) for r in recs], default, ref,
+                    [r['kept_lr'] / r['anchor_lr'] for r in recs],
+                    sum(default_pick(r) != r['kept_lr'] for r in recs))
+    mine = [recorded.get((start, s)) for s in seeds]
+    row['recorded_default'] = None if best is None or None in mine else float(np.mean(mine)) / best - 1
+    starts[start] = row
+  return {'best': best, 'starts': starts} if starts else None
+
+
+def heldout_rows(check: str, quick: bool, work_root: str, train: bool) -> dict | None:
+  """One held-out check, on the seeds with every start's annealed record (at least 3): both brackets paired seed by
+  seed with the sweep's run at its best LR (the lowest mean over those seeds), and the committed default bracket."""
+  site = heldout_task.Site(check, quick, work_root)
+  plan = heldout_task.plan(site)
+  seeds = tuple(s for s in plan['seeds'] + (() if quick else heldout_task.FRESH_SEEDS)
+                if all(heldout_task.load(f'annealed_{start}_s{s}', site) for start in plan['starts']))
+  if len(seeds) < len(plan['seeds']):
+    return None
+  grid = {lr: [heldout_task.final(heldout_task.grid_name(lr, s), site) for s in seeds] for lr in plan['grid']}
+  best = records.best_lr(grid)
+  starts = {}
+  for start in plan['starts']:
+    recs = [heldout_task.load(f'annealed_{start}_s{s}', site) for s in seeds]
+    default = [default_final(check, r, start, s, quick, work_root, train) for r, s in zip(recs, seeds)]
+    row = start_row([records.finite_or_none(r['final_metric']) for r in recs], default, grid[best],
+                    [r['kept_lr'] / best for r in recs], sum(default_pick(r) != r['kept_lr'] for r in recs))
+    committed = [heldout_task.final(f'bracket_{start}_s{s}', site) for s in seeds]
+    row['recorded_default'] = dict(zip(('gap', 'se'), records.paired_gap(committed, grid[best])))
+    starts[start] = row
+  return {'seeds': list(seeds), 'best_lr': best, 'best': float(np.mean(grid[best])), 'starts': starts}
+
+
+def _load(path: str) -> dict | None:
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding='utf-8') as f:
+    return json.load(f)
+
+
+def _gap(g: dict | None, verdict: bool = False) -> str:
+  if not g or g.get('gap') is None:
+    return '-'
+  text = f"{100 * g['gap']:+.1f}" + (f" ± {100 * g['se']:.1f}%" if g.get('se') is not None else '%')
+  return text + (f' ({records.verdict(g)})' if verdict else '')
 
 
 def workload_lines(results: dict) -> list[str]:
-  lines = ['| cell | start | sweep best | default bracket (2.5 runs) | annealed last rung (3.0 runs) | annealed vs default, '
-           'paired by seed | annealed\'s kept LR (x the start\'s reference), per seed |', '|---|---|---|---|---|---|---|']
+  lines = ['| cell | start | sweep best | default bracket, as recorded (2.5 runs) | default bracket, here | annealed last '
+           'rung (3.0 runs) | annealed vs default here, paired | seeds whose pick differs | annealed\'s kept LR (x the '
+           'start\'s reference), per seed |', '|---|---|---|---|---|---|---|---|---|']
   for cell, r in results.items():
     for start, row in r['starts'].items():
-      vs = ('-' if row.get('vs_default') is None else
-            f"{100 * row['vs_default']:+.1f} ± {100 * (row['vs_default_se'] or 0):.1f}%")
       kept = ' / '.join(f'{x:.3g}' for x in row['kept_x'])
-      lines.append(f"| {cell} | {start} | {r['best']:.4g} | {records.pct(row.get('default_gap'))} | "
-                   f"{records.pct(row.get('gap'))} | {vs} | {kept} |")
+      best = '-' if r['best'] is None else f"{r['best']:.4g}"
+      lines.append(f"| {cell} | {start} | {best} | "
+                   f"{records.pct(row['recorded_default'])} | {_gap(row['default'])} | {_gap(row['annealed'])} | "
+                   f"{_gap(row['vs_default'])} | {row['picks_differ']} | {kept} |")
   return lines
 
 
-def heldout_lines(quick: bool, work_root: str) -> tuple[list[str], dict]:
-  """The held-out checks: both brackets paired by seed with the sweep's run at its best LR, on 8 seeds."""
-  lines, out = [], {}
-  text = lambda g: '-' if g['gap'] is None else f"{100 * g['gap']:+.1f} ± {100 * (g['se'] or 0):.1f}% ({records.verdict(g)})"
-  for check in heldout_task.CHECKS:
-    site = heldout_task.Site(check, quick, work_root)
-    seeds = heldout_task.plan(site)['seeds'] + (() if quick else heldout_task.FRESH_SEEDS)
-    if any(heldout_task.load(f'annealed_{start}_s{s}', site) is None for start in heldout_task.plan(site)['starts']
-           for s in seeds):
-      continue
-    r = heldout_task.paired(site, seeds, ('bracket', 'annealed'))
-    if r is None:
-      continue
-    out[check] = r
+def heldout_lines(results: dict) -> list[str]:
+  lines = []
+  for check, r in results.items():
     for start, row in r['starts'].items():
-      kept = [heldout_task.load(f'annealed_{start}_s{s}', site)['kept_lr'] / r['best_lr'] for s in seeds]
-      lines.append(f"| {check} | {start} | {r['best']:.4g} at {r['best_lr']:g} | {text(row['bracket'])} | "
-                   f"{text(row['annealed'])} | {' / '.join(f'{x:.2g}' for x in kept)} |")
-  head = [f'| check | start | sweep best (mean of seeds {",".join(map(str, seeds))}) | default bracket, paired | '
-          'annealed last rung, paired | annealed\'s kept LR (x the sweep\'s best), per seed |',
-          '|---|---|---|---|---|---|'] if lines else []
-  return head + lines, out
+      kept = ' / '.join(f'{x:.2g}' for x in row['kept_x'])
+      lines.append(f"| {check} | {start} | {len(r['seeds'])} | {r['best']:.4g} at {r['best_lr']:g} | "
+                   f"{_gap(row['recorded_default'], True)} | {_gap(row['default'], True)} | {_gap(row['annealed'], True)} | "
+                   f"{_gap(row['vs_default'])} | {row['picks_differ']} | {kept} |")
+  head = ['| check | start | seeds | sweep best (mean over the seeds) | default bracket, as committed | default bracket, '
+          'here | annealed last rung | annealed vs default here | seeds whose pick differs | annealed\'s kept LR (x the '
+          'sweep\'s best), per seed |', '|---|---|---|---|---|---|---|---|---|---|']
+  return head + lines if lines else ['(not trained)']
 
 
-def report(cells: list[str], quick: bool, work_root: str) -> list[str]:
-  results = {}
-  for cell in cells:
-    recs = {(start, s): json.load(open(p, encoding='utf-8')) for start in bracket_mode.STARTS for s in SEEDS
-            if os.path.exists(p := record_path(cell, start, s, quick, work_root))}
-    if not recs:
-      continue
-    best = None if quick else bracket_mode.sweep_cell(cell)['grid_best']['value']
-    results[cell] = {'best': best if best is not None else float('nan'),
-                     'starts': cell_rows(recs, {} if quick else default_brackets(cell), best, (0,) if quick else SEEDS)}
-  held, held_results = heldout_lines(quick, work_root)
+def report(cells: list[str], quick: bool, work_root: str, train: bool = False) -> list[str]:
+  """Writes ``annealed_rung.{md,json}`` (results/, or a quick run's ``work_root``); trains the default's differing
+  picks to the end first where ``train``. Its lines."""
+  work = {c: r for c in cells if (r := workload_rows(c, quick, work_root, train, (0,) if quick else SEEDS))}
+  held = {} if quick else {c: r for c in heldout_task.CHECKS if (r := heldout_rows(c, quick, work_root, train))}
   lines = ['# The LR bracket with an annealed last rung (bracket.anneal=0.1)', '',
-           'Made by `python -m experiments.annealed_rung` (records in `results/annealed_rung/runs/`) and, for the held-out '
-           'checks, `python -m experiments.heldout_task --annealed 0,...,7` (records `annealed_<start>_s<seed>` in '
-           '`results/heldout_task/runs/<check>/`). The bracket: 8 plain runs a factor 2 apart centred 10x below, at or '
-           '10x above the sweep\'s first-seed best, 5 kept at 0.1 of the run; at 0.3 each of the 5 is forked, its copy '
-           'annealed to the schedule\'s end LR over 0.1 of the run, and the copy with the lowest training loss over its '
-           'last 10 steps names the run that goes on (unannealed) to the end. The default bracket is the same but ranks '
-           'the runs\' own loss at 0.3. Gaps: final metric (lower is better) against the sweep\'s best.', '',
-           '## Workloads (3 seeds)', '',
-           'The default bracket\'s records are `results/wider_rung.json`\'s 8-5-1 brackets: the same points, seeds and '
-           'batches. "Annealed vs default": the mean of the per-seed relative differences of the two brackets\' finals, '
-           '± their standard error.', '', *workload_lines(results), '',
-           '## Held-out checks (8 seeds)', '',
-           'Both brackets paired seed by seed with the sweep\'s run at its best LR (the lowest mean over the 8 seeds); '
-           '± the standard error of the per-seed gaps; "within" 1% or below, a "miss" beyond 1% by more than 2 of them, '
-           'or "not resolved" (`records.verdict`).', '', *(held or ['(not trained)'])]
+           'Made by `python -m experiments.annealed_rung` (records in `results/annealed_rung/runs/`) and, for the '
+           'held-out checks, `python -m experiments.heldout_task --annealed 0,...,7` (records `annealed_<start>_s<seed>` '
+           'in `results/heldout_task/runs/<check>/`). The bracket: 8 plain runs a factor 2 apart centred 10x below, at '
+           'or 10x above the sweep\'s first-seed best, 5 kept at 0.1 of the run; at 0.3 each of the 5 is forked, its '
+           'copy annealed to the schedule\'s end LR over 0.1 of the run, and the copy with the lowest training loss '
+           'over its last 10 steps names the run that goes on, unannealed, to the end (3.0 runs of compute). The '
+           'default bracket ranks the runs\' own losses at 0.3 instead (2.5 runs). "Here": the default bracket read '
+           'from the same brackets (each records the runs\' own losses at 0.3 beside the copies\'), its pick trained to '
+           'the end where it differs, so both brackets share their points, batches and machine. "As recorded": the '
+           'default bracket\'s committed records, made on another footing (their first-rung losses differ from these '
+           'in the 8th digit and more), which moves a run\'s end by up to several percent. Gaps: final metric (lower is '
+           'better) against the sweep\'s best; ± the standard error of the per-seed gaps.', '',
+           '## Workloads (3 seeds, against the sweep\'s best 3-seed mean)', '', *workload_lines(work), '',
+           '## Held-out checks (paired seed by seed with the sweep\'s run at its best LR)', '',
+           '"within" 1% of it or below, a "miss" beyond 1% by more than 2 standard errors, or "not resolved" '
+           '(`records.verdict`).', '', *heldout_lines(held)]
   out = work_root if quick else os.path.join(REPO, 'results')
-  records.write_report(out, 'annealed_rung', {'workloads': results, 'heldout': held_results}, lines)
+  records.write_report(out, 'annealed_rung', {'workloads': work, 'heldout': held}, lines)
   return lines
 
 
@@ -187,7 +275,7 @@ def main(argv=None):
       for seed in seeds:
         for start in starts:
           train_one(cell, start, seed, args.quick, work_root)
-  print('\n'.join(report(cells if args.quick else list(CELLS), args.quick, work_root)))
+  print('\n'.join(report(cells if args.quick else list(CELLS), args.quick, work_root, train=not args.report_only)))
 
 
 if __name__ == '__main__':
