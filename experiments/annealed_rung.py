@@ -140,22 +140,24 @@ def start_row(annealed: list, default: list, reference: list, kept_x: list, pick
 
 
 def workload_rows(cell: str, quick: bool, work_root: str, train: bool, seeds=SEEDS) -> dict | None:
-  """Per start with every seed's record: the two brackets against the sweep's best 3-seed mean (results/workloads.json),
-  and the default as recorded beside them. None: no records."""
+  """Per start, over the seeds of ``seeds`` with a record: the two brackets against the sweep's best 3-seed mean
+  (results/workloads.json), and the default as recorded on the same seeds beside them. None: no records."""
   best = None if quick else bracket_mode.sweep_cell(cell)['grid_best']['value']
   recorded = {} if quick else recorded_defaults(cell)
   starts = {}
   for start in bracket_mode.STARTS:
-    recs = [_load(record_path(cell, start, s, quick, work_root)) for s in seeds]
-    if None in recs:
+    have = [s for s in seeds if os.path.exists(record_path(cell, start, s, quick, work_root))]
+    if not have:
       continue
-    default = [default_final(cell, r, start, s, quick, work_root, train) for r, s in zip(recs, seeds)]
-    ref = [best] * len(seeds) if best is not None else [r['final_metric'] for r in recs]
+    recs = [_load(record_path(cell, start, s, quick, work_root)) for s in have]
+    default = [default_final(cell, r, start, s, quick, work_root, train) for r, s in zip(recs, have)]
+    ref = [best] * len(have) if best is not None else [r['final_metric'] for r in recs]
     row = start_row([records.finite_or_none(r['final_metric']) for r in recs], default, ref,
                     [r['kept_lr'] / r['anchor_lr'] for r in recs],
                     sum(default_pick(r) != r['kept_lr'] for r in recs))
-    mine = [recorded.get((start, s)) for s in seeds]
+    mine = [recorded.get((start, s)) for s in have]
     row['recorded_default'] = None if best is None or None in mine else float(np.mean(mine)) / best - 1
+    row['seeds'] = have
     starts[start] = row
   return {'best': best, 'starts': starts} if starts else None
 
@@ -198,14 +200,14 @@ def _gap(g: dict | None, verdict: bool = False) -> str:
 
 
 def workload_lines(results: dict) -> list[str]:
-  lines = ['| cell | start | sweep best | default bracket, as recorded (2.5 runs) | default bracket, here | annealed last '
+  lines = ['| cell | start | seeds | sweep best (3 seeds) | default bracket, as recorded (2.5 runs) | default bracket, here | annealed last '
            'rung (3.0 runs) | annealed vs default here, paired | seeds whose pick differs | annealed\'s kept LR (x the '
-           'start\'s reference), per seed |', '|---|---|---|---|---|---|---|---|---|']
+           'start\'s reference), per seed |', '|---|---|---|---|---|---|---|---|---|---|']
   for cell, r in results.items():
     for start, row in r['starts'].items():
       kept = ' / '.join(f'{x:.3g}' for x in row['kept_x'])
       best = '-' if r['best'] is None else f"{r['best']:.4g}"
-      lines.append(f"| {cell} | {start} | {best} | "
+      lines.append(f"| {cell} | {start} | {len(row['seeds'])} | {best} | "
                    f"{records.pct(row['recorded_default'])} | {_gap(row['default'])} | {_gap(row['annealed'])} | "
                    f"{_gap(row['vs_default'])} | {row['picks_differ']} | {kept} |")
   return lines
@@ -243,7 +245,7 @@ def report(cells: list[str], quick: bool, work_root: str, train: bool = False) -
            'default bracket\'s committed records, made on another footing (their first-rung losses differ from these '
            'in the 8th digit and more), which moves a run\'s end by up to several percent. Gaps: final metric (lower is '
            'better) against the sweep\'s best; ± the standard error of the per-seed gaps.', '',
-           '## Workloads (3 seeds, against the sweep\'s best 3-seed mean)', '', *workload_lines(work), '',
+           '## Workloads (seeds 0-2 where trained, against the sweep\'s best 3-seed mean)', '', *workload_lines(work), '',
            '## Held-out checks (paired seed by seed with the sweep\'s run at its best LR)', '',
            '"within" 1% of it or below, a "miss" beyond 1% by more than 2 standard errors, or "not resolved" '
            '(`records.verdict`).', '', *heldout_lines(held)]

@@ -25,8 +25,9 @@ def test_a_start_row_pairs_both_brackets_with_the_reference_and_each_other():
     assert row[key]['gap'] == pytest.approx(v.mean() / r.mean() - 1)
     assert row[key]['se'] == pytest.approx(np.std(v / r - 1, ddof=1) / np.sqrt(3))
   assert row['picks_differ'] == 2 and row['kept_x'] == [1.0, 1.0, 0.5]
-  line = exp.workload_lines({'c:1:a': {'best': 0.05, 'starts': {'best': {**row, 'recorded_default': 0.02}}}})[-1]
-  assert line.startswith('| c:1:a | best | 0.05 | +2.0% |')
+  line = exp.workload_lines({'c:1:a': {'best': 0.05, 'starts': {'best': {**row, 'recorded_default': 0.02,
+                                                                       'seeds': [0, 1, 2]}}}})[-1]
+  assert line.startswith('| c:1:a | best | 3 | 0.05 | +2.0% |')
   assert f"{100 * row['vs_default']['gap']:+.1f} ± {100 * row['vs_default']['se']:.1f}%" in line
 
 
