@@ -14,9 +14,11 @@ from experiments import records
 def test_the_pinned_bracket_is_the_default_one():
   from hdet_jax.trainer import config_lib
   default = config_lib.load_config_file(os.path.join(exp.REPO, 'configs', 'default.py'))
-  assert {f'bracket.{k}': v for k, v in default.bracket.to_dict().items() if k != 'points'} == \
+  assert {f'bracket.{k}': v for k, v in default.bracket.to_dict().items() if k not in ('points', 'anneal')} == \
       {k: v for k, v in exp.BRACKET.items() if k != 'bracket.points'}
   assert exp.BRACKET['bracket.points'] == 8
+  # (bracket.anneal is set per kind of record: off, the default's, for the default bracket's records)
+  assert default.bracket.anneal == exp.BRACKETS['bracket'] == 0.0
 
 
 def test_the_narrower_bracket_ranks_the_first_rungs_best_again_at_the_last():
