@@ -15,9 +15,10 @@ unannealed (3.0 runs of compute, against the default's 2.5).
     python -m experiments.annealed_rung --quick                # a smoke run: the tiny LM, one start and seed
     python -m experiments.heldout_task --annealed 0,1,2,3,4,5,6,7   # the held-out checks' annealed brackets
 
-Each workload row pairs the annealed bracket seed by seed with the default bracket (``results/wider_rung.json``'s
-8-5-1 brackets, the same points and batches) and gives both 3-seed means against the sweep's best 3-seed mean. The
-held-out checks pair both brackets with the sweep's run at its best LR on 8 seeds (``heldout_task.paired``).
+Each bracket records its runs' own losses at the last rung beside the copies' (``run_losses``), so the default
+bracket is read from the same brackets, its pick trained to the end where it differs: both on one machine, paired
+seed by seed. Workload rows give both against the sweep's best 3-seed mean, with ``results/wider_rung.json``'s
+committed default brackets beside them; the held-out checks pair both with the sweep's run at its best LR.
 """
 
 from __future__ import annotations
@@ -45,18 +46,20 @@ BRACKET = {**heldout_task.BRACKET, 'bracket.anneal': ANNEAL}
 QUICK_BRACKET = {**bracket_mode.QUICK_BRACKET, 'bracket.anneal': 0.25}
 
 
+def _records_root(quick: bool, work_root: str) -> str:
+  return os.path.join(work_root, 'annealed_rung_quick') if quick else os.path.join(REPO, 'results', 'annealed_rung', 'runs')
+
+
 def record_path(cell: str, start: str, seed: int, quick: bool, work_root: str) -> str:
   workload, steps, optim = bracket_mode.parse_cell(cell)
-  root = os.path.join(work_root, 'annealed_rung_quick') if quick else os.path.join(REPO, 'results', 'annealed_rung', 'runs')
-  return os.path.join(root, workload, f'steps{steps}', optim, f'{start}_s{seed}.json')
+  return os.path.join(_records_root(quick, work_root), workload, f'steps{steps}', optim, f'{start}_s{seed}.json')
 
 
 def train_one(cell: str, start: str, seed: int, quick: bool, work_root: str) -> dict:
   """One annealed bracket (cached: its record; resumable: its workdir until the record is written)."""
   path = record_path(cell, start, seed, quick, work_root)
-  if os.path.exists(path):
-    with open(path, encoding='utf-8') as f:
-      return json.load(f)
+  if (rec := _load(path)) is not None:
+    return rec
   config = bracket_mode.config_for(cell, start, seed, quick, work_root, QUICK_BRACKET if quick else BRACKET)
   workdir = os.path.join(work_root, 'annealed_rung', cell.replace(':', '_'), f'{start}_s{seed}')
   rec = records.train_run(f'{cell} {start} s{seed}', config, workdir)
@@ -83,8 +86,8 @@ def default_pick(rec: dict) -> float | None:
 def end_path(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: str) -> str:
   """Where the default bracket's point ``lr`` trained to the end is recorded (a held-out check's ``cell``: its name)."""
   if cell in heldout_task.CHECKS:
-    root = os.path.join(work_root, 'annealed_rung_quick') if quick else os.path.join(REPO, 'results', 'annealed_rung', 'runs')
-    return os.path.join(root, 'heldout', cell, f'{start}_s{seed}_end_lr{records.lr_tag(lr, 6)}.json')
+    return os.path.join(_records_root(quick, work_root), 'heldout', cell,
+                        f'{start}_s{seed}_end_lr{records.lr_tag(lr, 6)}.json')
   return record_path(cell, start, seed, quick, work_root).replace('.json', f'_end_lr{records.lr_tag(lr, 6)}.json')
 
 
@@ -114,12 +117,11 @@ def default_final(cell: str, rec: dict, start: str, seed: int, quick: bool, work
       return None
     workdir = os.path.join(work_root, 'annealed_rung', cell.replace(':', '_'), f'{start}_s{seed}_end')
     with contextlib.chdir(REPO):  # (a held-out check's data.path is relative to the repository)
-      rec = records.train_run(f'{cell} {start} s{seed} end {lr:.6g}', _end_config(cell, start, seed, lr, quick,
+      end = records.train_run(f'{cell} {start} s{seed} end {lr:.6g}', _end_config(cell, start, seed, lr, quick,
                                                                                    work_root), workdir)
-    records.write_json(path, rec, indent=1)
+    records.write_json(path, end, indent=1)
     shutil.rmtree(workdir, ignore_errors=True)
-  with open(path, encoding='utf-8') as f:
-    return records.finite_or_none(json.load(f)['final_metric'])
+  return records.finite_or_none(_load(path)['final_metric'])
 
 
 def recorded_defaults(cell: str) -> dict:
