@@ -98,7 +98,8 @@ def train_run(name: str, config: Any, workdir: str) -> dict:
   if summary['preempted']:
     sys.exit(143)
   rec = {'name': name, 'lr': config.optim.max_lr, 'final_metric': finite_or_none(summary['final_metric']),
-         'diverged_at': summary['diverged_at'], 'wall_s': time.time() - t0, 'num_params': summary['num_params']}
+         'diverged_at': summary['diverged_at'], 'wall_s': time.time() - t0, 'num_params': summary['num_params'],
+         'machine': summary.get('machine') or trainer.trainer.machine()}
   if 'bracket' in summary:
     rec.update(kept_lr=summary['bracket']['winner']['lr'], lrs=summary['bracket']['lrs'],
                rungs=summary['bracket']['rungs'])
@@ -201,6 +202,7 @@ class RunCache:
       self.log(f'  {name}: preempted; rerun to resume.')
       sys.exit(143)
     rec = self.make_record(name, config, summary, workdir, time.time() - t0)
+    rec.setdefault('machine', summary.get('machine') or trainer.machine())  # (records compare bit for bit only there)
     self.write(name, rec)
     if not keep_workdir:
       shutil.rmtree(workdir, ignore_errors=True)  # the record holds what the report needs

@@ -53,6 +53,10 @@ def test_quick_trains_a_bracket_and_reports_it(tmp_path):
   assert min(losses, key=losses.get) == pytest.approx(rec['kept_lr'], rel=1e-5)
   assert rec['compute_runs'] == pytest.approx((3 * 8 + 8) / 16)
   assert np.isfinite(rec['final_metric'])
+  import jax, jaxlib
+  from hdet_jax.trainer import trainer
+  assert rec['machine'] == {'cpu': trainer.cpu_model(), 'platform': 'cpu', 'device_kind': 'cpu',
+                            'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'xla_flags': os.environ['XLA_FLAGS']}
   assert not os.path.exists(os.path.join(str(tmp_path), 'bracket_mode', 'lm', 'steps16', 'adamw_best_s0'))
   rows = [l for l in open(tmp_path / 'bracket_mode.md').read().splitlines() if l.startswith('| lm:16:adamw |')]
   assert len(rows) == 1 and '| best |' in rows[0] and f'| {rec["final_metric"]:.4g} |' in rows[0]

@@ -96,3 +96,26 @@ def test_best_lr_is_the_lowest_mean_a_diverged_seed_inf_ties_first():
   grid = {0.1: [2.0, 2.2], 0.2: [1.9, None], 0.4: [2.1, 2.1]}  # means 2.1, inf, 2.1: a tie, the first wins
   assert records.best_lr(grid) == 0.1
   assert records.best_lr({**grid, 0.05: [2.0, 2.0]}) == 0.05
+
+
+def test_cpu_model_is_the_first_model_name_of_cpuinfo_else_the_platforms(tmp_path, monkeypatch):
+  """Records name the machine they were trained on (XLA's rounding differs by CPU model)."""
+  import platform
+  from hdet_jax.trainer import trainer
+  info = tmp_path / 'cpuinfo'
+  info.write_text('processor\t: 0\nvendor_id\t: X\nmodel name\t: Some CPU @ 2.10GHz\n\n'
+                  'processor\t: 1\nmodel name\t: Another CPU\n')
+  assert trainer.cpu_model(str(info)) == 'Some CPU @ 2.10GHz'
+  monkeypatch.setattr(platform, 'processor', lambda: '')
+  monkeypatch.setattr(platform, 'machine', lambda: 'riscv64')
+  assert trainer.cpu_model(str(tmp_path / 'missing')) == 'riscv64'
+  info.write_text('processor\t: 0\nmodel name\t:   \n')  # empty: the fallback, not ''
+  assert trainer.cpu_model(str(info)) == 'riscv64'
+
+
+def test_the_machine_names_xla_flags_but_no_path(monkeypatch):
+  """A record is committed: XLA_FLAGS that change the numbers are kept, a flag naming a path is dropped."""
+  from hdet_jax.trainer import trainer
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/dump '
+                                  '--xla_backend_optimization_level=0')
+  assert trainer.machine()['xla_flags'] == '--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0'

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -45,6 +46,9 @@ def test_report_values_are_the_records_primary_metric(quick):
     r = res[workload]['16']['adamw']
     lr = min(recs, key=lambda k: recs[k]['val_bpb'])
     assert r['grid_best']['lr'] == lr and r['grid_best']['value'] == recs[lr]['val_bpb']
+    from hdet_jax.trainer import trainer
+    assert all(rec['machine']['cpu'] == trainer.cpu_model() and rec['machine']['jax'] == jax.__version__
+               for rec in recs.values())  # each record names the machine it was trained on
     if workload == 'mnist1d':
       assert recs[lr]['metric'] == 'val_loss' and recs[lr]['val_bpb'] < np.log(10) + 0.1
       assert 0 <= r['grid_best']['accuracy'] <= 1

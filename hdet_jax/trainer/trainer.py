@@ -246,6 +246,41 @@ def _any_process(flag: bool) -> bool:
   return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 
 
+def machine() -> dict:
+  """Where a run ran, recorded in its summary (and by the experiments in each record): the CPU model, the first
+  device's platform and kind, jax's and jaxlib's versions and XLA_FLAGS (less any path).
+
+  XLA rounds differently by CPU model and by version: the same config and seed gave first-rung losses apart from
+  the 8th digit, and MNIST-1D ends several percent apart, on an AMD EPYC and on a Xeon (the defaults issue's
+  twenty-eighth pass). So runs are compared bit for bit only where this matches.
+  """
+  import jaxlib
+  device = jax.devices()[0]
+  return {'cpu': cpu_model(), 'platform': device.platform, 'device_kind': device.device_kind,
+          'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'xla_flags': _xla_flags_without_paths()}
+
+
+def _xla_flags_without_paths() -> str:
+  """XLA_FLAGS less the flags that name a path (``--xla_dump_to=...``): records are committed, and a path is this
+  machine's, not a setting that changes the numbers."""
+  return ' '.join(flag for flag in os.environ.get('XLA_FLAGS', '').split() if os.sep not in flag)
+
+
+def cpu_model(cpuinfo: str = '/proc/cpuinfo') -> str:
+  """The CPU's model name: the first ``model name`` of ``cpuinfo`` (Linux), else ``platform.processor()`` or
+  ``platform.machine()``."""
+  import platform
+  try:
+    with open(cpuinfo, encoding='utf-8', errors='replace') as f:
+      for line in f:
+        key, _, value = line.partition(':')
+        if key.strip() == 'model name' and value.strip():
+          return value.strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
 def write_json_atomic(path: str, obj: Any, **kwargs) -> None:
   """Writes ``path`` via a temporary file and a rename: a kill leaves the old file or the new one."""
   tmp = f'{path}.tmp-{os.getpid()}'
@@ -825,6 +860,7 @@ def _finish(config: Any, inputs: _Inputs, records: _Records, programs: _Programs
       'replicas_per_device': inputs.n // inputs.devices, 'num_params': model_lib.num_params(inputs.abstract_params),
       'workdir': inputs.workdir, 'metrics': os.path.join(inputs.workdir, 'metrics.jsonl'),
       'checkpoints': checkpoints.checkpoint_dir(inputs.workdir), 'plots': [],
+      'machine': machine(),
   }
   writer.write('event', event='end', **{k: v for k, v in summary.items() if k != 'plots'})
   writer.close()
