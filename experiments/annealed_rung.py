@@ -64,7 +64,7 @@ def train_one(cell: str, start: str, seed: int, quick: bool, work_root: str) -> 
   workdir = os.path.join(work_root, 'annealed_rung', cell.replace(':', '_'), f'{start}_s{seed}')
   rec = records.train_run(f'{cell} {start} s{seed}', config, workdir)
   rec.update(cell=cell, start=start, seed=seed, anchor_lr=bracket_mode.anchor_lr(cell, quick))
-  records.write_json(path, rec, indent=1)
+  records.write_record(path, rec, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   print(f'  {cell} {start} s{seed}: kept {rec["kept_lr"] / rec["anchor_lr"]:.3g}x, final {rec["final_metric"]}, '
         f'{rec["wall_s"]:.0f}s', flush=True)
@@ -119,7 +119,7 @@ def default_final(cell: str, rec: dict, start: str, seed: int, quick: bool, work
     with contextlib.chdir(REPO):  # (a held-out check's data.path is relative to the repository)
       end = records.train_run(f'{cell} {start} s{seed} end {lr:.6g}', _end_config(cell, start, seed, lr, quick,
                                                                                    work_root), workdir)
-    records.write_json(path, end, indent=1)
+    records.write_record(path, end, indent=1)
     shutil.rmtree(workdir, ignore_errors=True)
   return records.finite_or_none(_load(path)['final_metric'])
 

@@ -137,7 +137,7 @@ def train_one(cell: str, start: str, seed: int, quick: bool, work_root: str, bra
          'lrs': state['lrs'], 'rungs': state['rungs'], 'compute_runs': state['compute_runs'],
          'kept_lr': state['winner']['lr'], 'final_metric': records.finite_or_none(summary['final_metric']),
          'diverged_at': summary['diverged_at'], 'wall_s': time.time() - t0}
-  records.write_json(path, rec, indent=1)
+  records.write_record(path, rec, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   print(f'  {cell} {start} s{seed}: kept {rec["kept_lr"]:.4g} ({rec["kept_lr"] / rec["anchor_lr"]:.2f}x), '
         f'final {rec["final_metric"]}, {rec["wall_s"]:.0f}s', flush=True)

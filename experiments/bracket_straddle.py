@@ -121,8 +121,8 @@ def train_probe(cell: str, seeds: list[int], quick: bool, work_root: str, start:
     summary = _train_point(config, lr, steps[-1], workdir)
     losses = [bracket.window_loss(summary['metrics'], step, config.bracket.compare_steps, summary['diverged_at'])
               for step in steps]
-    records.write_json(path, {'cell': cell, 'start': start, 'seed': seed, 'lr': lr, 'rung_steps': steps, 'losses': losses},
-                       indent=1)
+    records.write_record(path, {'cell': cell, 'start': start, 'seed': seed, 'lr': lr, 'rung_steps': steps,
+                                'losses': losses}, indent=1)
     shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -146,8 +146,8 @@ def train_ends(cell: str, seeds: list[int], quick: bool, work_root: str, start: 
         continue
       workdir = os.path.join(work_root, 'bracket_straddle_ends', workload, f'steps{total}', f'{optim}_{which}_{_tag(start, row["seed"])}')
       summary = _train_point(config, lr, 0, workdir)
-      records.write_json(path, {'cell': cell, 'seed': row['seed'], 'lr': lr, 'final_metric': summary['final_metric']},
-                         indent=1)
+      records.write_record(path, {'cell': cell, 'seed': row['seed'], 'lr': lr, 'final_metric': summary['final_metric']},
+                           indent=1)
       shutil.rmtree(workdir, ignore_errors=True)
 
 

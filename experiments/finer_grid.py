@@ -94,7 +94,7 @@ _load = wider_rung._load  # (a JSON record, or None where it is not written)
 def _train(name: str, config, path: str, work_root: str) -> dict:
   workdir = os.path.join(work_root, 'finer_grid', name)
   rec = records.train_run(name, config, workdir)
-  records.write_json(path, rec, indent=1)
+  records.write_record(path, rec, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   return rec
 
@@ -413,7 +413,7 @@ def check(spec: str, quick: bool, work_root: str) -> dict:
          'bracket': {'kept_lr': summary['bracket']['winner']['lr'], 'final_metric': records.finite_or_none(summary['final_metric'])},
          'composed': comp}
   got['equal'] = got['bracket'] == comp
-  records.write_json(check_path(cell, quick, work_root), got, indent=1)
+  records.write_record(check_path(cell, quick, work_root), got, indent=1)
   return got
 
 

@@ -139,7 +139,7 @@ def train(name: str, site: Site, lr: float | None = None) -> dict:
   workdir = os.path.join(site.work_root, 'runs', site.check, name)
   with contextlib.chdir(REPO):  # (a check's data.path is relative to the repository: records hold no machine's paths)
     rec = records.train_run(name, config_for(name, site, lr), workdir)
-  records.write_json(record_path(name, site), rec, indent=1)
+  records.write_record(record_path(name, site), rec, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   return rec
 
@@ -211,7 +211,7 @@ def rung_trace(lr: float, seed: int, site: Site) -> dict:
   every = int(np.gcd.reduce(rungs + [plan(site)['steps']]))
   config = config_lib.with_overrides(config_for(grid_name(lr, seed), site), {'eval_every': every})
   rec = _traced_run(name, config, site, rungs)
-  records.write_json(record_path(name, site), rec, indent=1)
+  records.write_record(record_path(name, site), rec, indent=1)
   return rec
 
 
@@ -233,7 +233,7 @@ def annealed_rung(lr: float, seed: int, site: Site) -> dict:
   config = annealed_config(lr, seed, site)
   rec = _traced_run(name, config, site, [config.num_train_steps])
   rec['train_loss'] = rec.pop('rungs')[str(config.num_train_steps)]['train_loss']
-  records.write_json(record_path(name, site), rec, indent=1)
+  records.write_record(record_path(name, site), rec, indent=1)
   return rec
 
 

@@ -169,7 +169,7 @@ def fresh_bracket(cell: str, start: str, seed: int, work_root: str, train: bool)
   config = bracket_mode.config_for(cell, start, seed, False, work_root, DEFAULT_BRACKET)
   got = {'cell': cell, 'start': start, 'seed': seed, 'anchor_lr': bracket_mode.anchor_lr(cell, False),
          **records.train_run(f'bracket_{start}_s{seed}', config, workdir)}
-  records.write_json(path, got, indent=1)
+  records.write_record(path, got, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   print(f'  {cell} {start} s{seed}: kept {got["kept_lr"] / got["anchor_lr"]:.3g}x, final {got["final_metric"]}', flush=True)
   return got

@@ -154,7 +154,7 @@ def train_job(name: str, quick: bool, work_root: str) -> dict:
   workdir = os.path.join(work_root, 'runs', name)
   rec = records.train_run(name, config_for(name, quick, work_root), workdir)
   rec['device'] = f'{jax.devices()[0].device_kind} x{jax.device_count()}'
-  records.write_json(path, rec, indent=1)
+  records.write_record(path, rec, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
   return rec
 

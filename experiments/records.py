@@ -42,6 +42,14 @@ def write_json(path: str, obj: Any, **dump_kwargs) -> None:
   trainer.write_json_atomic(path, obj, **dump_kwargs)
 
 
+def write_record(path: str, rec: dict, **dump_kwargs) -> None:
+  """Writes a run's record as :func:`write_json` does, naming the machine that trained it (``machine``, from
+  ``trainer.machine()``, unless ``rec`` has one): XLA rounds differently by CPU model, so records compare bit for bit
+  only where it matches."""
+  from hdet_jax.trainer import trainer
+  write_json(path, {**rec, 'machine': rec.get('machine') or trainer.machine()}, **dump_kwargs)
+
+
 def mean_or_none(values: list) -> float | None:
   """The mean of ``values``, or None where there are none or one is missing (None)."""
   import numpy as np

@@ -125,7 +125,7 @@ def probe(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: s
     source = 'wider_rung'
     shutil.rmtree(workdir, ignore_errors=True)
   got = {'cell': cell, 'start': start, 'seed': seed, 'lr': lr, 'rung_steps': steps, 'losses': losses, 'source': source}
-  records.write_json(path, got, indent=1)
+  records.write_record(path, got, indent=1)
   return got
 
 
@@ -139,7 +139,7 @@ def end(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: str
     workdir = _scratch(cell, start, seed, lr, 'end', work_root)
     summary = bracket_straddle._train_point(config, lr, 0, workdir)
     got = {'cell': cell, 'start': start, 'seed': seed, 'lr': lr, 'final_metric': records.finite_or_none(summary['final_metric'])}
-    records.write_json(path, got, indent=1)
+    records.write_record(path, got, indent=1)
     shutil.rmtree(workdir, ignore_errors=True)
   return got
 
@@ -221,7 +221,7 @@ def check(spec: str, quick: bool, work_root: str) -> dict:
          'bracket': {'kept_lr': summary['bracket']['winner']['lr'], 'final_metric': summary['final_metric']},
          'composed': composed,
          'equal': summary['bracket']['winner']['lr'] == composed['kept_lr'] and summary['final_metric'] == composed['final_metric']}
-  records.write_json(check_path(cell, start, seed, quick, work_root), got, indent=1)
+  records.write_record(check_path(cell, start, seed, quick, work_root), got, indent=1)
   return got
 
 

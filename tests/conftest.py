@@ -14,14 +14,6 @@ if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
   atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
   os.environ['JAX_COMPILATION_CACHE_DIR'] = _xla_cache
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
-# XLA:CPU's backend at its lowest optimization level, without LLVM's expensive passes: the suite compiles some
-# thousand small programs and runs each for a few steps, so LLVM's optimizations cost more than they save (four of
-# the heaviest test files, side by side on a 2-core AMD EPYC: 356 s -> 267 s). The numbers move in their rounding
-# only, and every test compares paths compiled alike (the train.py subprocesses inherit the flags).
-# HDET_TESTS_XLA_OPTIMIZED=1 runs the suite with XLA's defaults, as users' programs compile.
-if not os.environ.get('HDET_TESTS_XLA_OPTIMIZED'):
-  os.environ['XLA_FLAGS'] = ' '.join([os.environ.get('XLA_FLAGS', ''), '--xla_backend_optimization_level=0',
-                                      '--xla_llvm_disable_expensive_passes=true']).strip()
 # JAX_NUM_CPU_DEVICES, if the caller's environment has it, would win over the XLA flag set below.
 os.environ.pop('JAX_NUM_CPU_DEVICES', None)
 
