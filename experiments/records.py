@@ -107,7 +107,7 @@ def train_run(name: str, config: Any, workdir: str) -> dict:
     sys.exit(143)
   rec = {'name': name, 'lr': config.optim.max_lr, 'final_metric': finite_or_none(summary['final_metric']),
          'diverged_at': summary['diverged_at'], 'wall_s': time.time() - t0, 'num_params': summary['num_params'],
-         'machine': summary.get('machine') or trainer.trainer.machine()}
+         'machine': summary['machine']}
   if 'bracket' in summary:
     rec.update(kept_lr=summary['bracket']['winner']['lr'], lrs=summary['bracket']['lrs'],
                rungs=summary['bracket']['rungs'])

@@ -116,6 +116,6 @@ def test_cpu_model_is_the_first_model_name_of_cpuinfo_else_the_platforms(tmp_pat
 def test_the_machine_names_xla_flags_but_no_path(monkeypatch):
   """A record is committed: XLA_FLAGS that change the numbers are kept, a flag naming a path is dropped."""
   from hdet_jax.trainer import trainer
-  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/dump '
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8 --xla_dump_to=dumps/xla '
                                   '--xla_backend_optimization_level=0')
   assert trainer.machine()['xla_flags'] == '--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0'
