@@ -224,7 +224,8 @@ def test_a_users_npz_trains(tmp_path):
 
 
 @pytest.mark.parametrize('arrays, message', [
-    ({'y_test': None}, 'lacks the arrays y_test'),
+    ({'y_test': None}, r"^data.path='[^']*bad.npz' lacks the arrays y_test; it needs"),  # one message, not wrapped
+    ({'x_test': np.full((16, 12, 2), 'a')}, r'x_test must hold numbers .* got dtype <U1'),
     ({'y': np.zeros(63, int)}, 'same n'),
     ({'y': np.full(64, 10)}, r'integer labels in \[0, model.num_classes=10\)'),
     ({'x': np.full((64, 12, 2), np.nan)}, 'non-finite'),

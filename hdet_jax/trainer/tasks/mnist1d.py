@@ -64,6 +64,8 @@ def read_npz(path: str, num_classes: int) -> dict[str, np.ndarray]:
         raise base.TaskError(f'{where} lacks the arrays {", ".join(missing)}; it needs {", ".join(NPZ_KEYS)} '
                              '(signals [n, L] or [n, L, C], integer labels [n]).')
       d = {k: np.asarray(f[k]) for k in NPZ_KEYS}
+  except base.TaskError:
+    raise  # already names the fix (a TaskError is a ValueError; not "unreadable")
   except (OSError, ValueError) as e:
     raise base.TaskError(f'{where} is not a readable .npz file ({" ".join(str(e).split())}).') from None
   for split in ('', '_test'):
@@ -74,7 +76,10 @@ def read_npz(path: str, num_classes: int) -> dict[str, np.ndarray]:
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= num_classes:
       raise base.TaskError(f'{where}: y{split} must hold integer labels in [0, model.num_classes={num_classes}), '
                            f'got {y.dtype} in [{y.min()}, {y.max()}]; relabel them or raise model.num_classes.')
-    if not np.issubdtype(x.dtype, np.number) or not np.all(np.isfinite(x)):
+    if not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)):
+      raise base.TaskError(f'{where}: x{split} must hold numbers (integers or floats), got dtype {x.dtype}; '
+                           'convert the signals to float32.')
+    if not np.all(np.isfinite(x)):
       raise base.TaskError(f'{where}: x{split} holds non-finite values (NaN or inf); clean or drop those examples.')
   shape = lambda a: a.shape[1:] if a.ndim == 3 else a.shape[1:] + (1,)
   if shape(d['x']) != shape(d['x_test']):
