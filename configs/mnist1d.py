@@ -33,6 +33,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.batch_size = 32  # Examples per replica per step (the global batch is num_replicas times this).
 
   config.model = ml_collections.ConfigDict()
+  config.model.kind = 'cnn'  # 'cnn': the reference CNN below; 'mlp': two ReLU layers of model.hidden units.
+  config.model.hidden = 128  # Units of each of the MLP's two hidden layers (model.kind='mlp' only).
   config.model.channels = 25  # Channels of each of the three convolutions (the reference CNN's 25).
   config.model.num_classes = 10  # Output classes (labels must lie in [0, num_classes)).
   config.model.dropout = 0.0  # Dropout on the flattened features before the linear head (base value if explored).

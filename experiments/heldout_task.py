@@ -47,7 +47,10 @@ REPO = autolr.REPO
 CHECKS = {'wide': ({'model.channels': 64, 'data.dataset_seed': 7}, 1000),
           'narrow': ({'model.channels': 16, 'data.dataset_seed': 11}, 500),
           # Other data: handwritten digits (experiments/digits_npz.py), 64-sample signals, an eighth of the batch.
-          'digits': ({'data.path': 'experiments/data/digits.npz', 'data.batch_size': 8}, 600)}
+          'digits': ({'data.path': 'experiments/data/digits.npz', 'data.batch_size': 8}, 600),
+          # Another model family (added after the twenty-eighth pass): an MLP, two ReLU layers of 128 units (23k
+          # parameters), on dataset seed 13, for 750 steps, a length no mnist1d default was measured at.
+          'mlp': ({'model.kind': 'mlp', 'model.hidden': 128, 'data.dataset_seed': 13}, 750)}
 OPTIM, SEEDS = 'adamw', (0, 1, 2)
 STARTS = bracket_mode.STARTS
 # configs/default.py's bracket, pinned so that the records stay this bracket's (tests/test_heldout_task.py checks

@@ -22,7 +22,7 @@ RUN_FIELDS = frozenset({
 
 # Fields added after runs were already on disk, left out of a run's recorded training fields while at
 # these defaults (which train exactly as those runs did), so such workdirs still resume.
-QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
+QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'model.kind': 'cnn', 'model.hidden': 128, 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
                   'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
                   'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0,
@@ -219,6 +219,7 @@ _RULES = (
     ('data.train_split', 'real', lambda v: 0 < v < 1, 'in (0, 1)'),
     ('data.dataset_seed', 'int', lambda v: 0 <= v < 2**32, 'an integer in [0, 2**32)'),
     ('model.channels', 'int', lambda v: v >= 1, 'an integer >= 1'),
+    ('model.hidden', 'int', lambda v: v >= 1, 'an integer >= 1'),
     ('model.num_classes', 'int', lambda v: v >= 2, 'an integer >= 2'),
     ('data.batch_size', 'int', lambda v: v >= 1, 'an integer >= 1'),
     ('model.d_model', 'int', lambda v: v >= 1, 'an integer >= 1'),

@@ -7,9 +7,10 @@ from ``dataset_seed``; the state is restored after) and cached per process. ``da
 replaces it with any arrays ``x``, ``y``, ``x_test``, ``y_test`` (signals ``[n, L]`` or ``[n, L, C]``,
 integer labels in ``[0, model.num_classes)``).
 
-The model is shaped like the dataset's reference CNN (``ConvBase``): three convolutions of 25
-channels (kernels 5, 3, 3, stride 2, padding 1, ReLU), flattened into one linear layer. The metric is
-the test cross-entropy of the averaged model (nats, lower is better); test accuracy is reported beside it.
+The model (``model.kind``) is shaped like the dataset's reference CNN (``ConvBase``): three convolutions of 25
+channels (kernels 5, 3, 3, stride 2, padding 1, ReLU), flattened into one linear layer; or an MLP (``'mlp'``): the
+flattened signal through two ReLU layers of ``model.hidden`` units into the linear layer. The metric is the test
+cross-entropy of the averaged model (nats, lower is better); test accuracy is reported beside it.
 """
 
 from __future__ import annotations
@@ -160,6 +161,23 @@ class CNN1D(nnx.Module):
     return self.linear(base.dropout(h, reg.dropout_rate, reg.dropout_key))
 
 
+class MLP1D(nnx.Module):
+  """Signals ``[B, L, C]`` to class logits ``[B, num_classes]``: flattened, two ReLU layers, a linear head."""
+
+  def __init__(self, *, length: int, in_channels: int, hidden: int, num_classes: int, rngs: nnx.Rngs):
+    self.dense1 = nnx.Linear(length * in_channels, hidden, rngs=rngs)
+    self.dense2 = nnx.Linear(hidden, hidden, rngs=rngs)
+    self.linear = nnx.Linear(hidden, num_classes, rngs=rngs)
+
+  def __call__(self, x: jax.Array, reg: base.Regularization = base.Regularization()) -> jax.Array:
+    h = jax.nn.relu(self.dense1(x.reshape(x.shape[0], -1)))
+    h = jax.nn.relu(self.dense2(h))
+    return self.linear(base.dropout(h, reg.dropout_rate, reg.dropout_key))
+
+
+MODELS = ('cnn', 'mlp')
+
+
 def conv_length(length: int, kernel: int, stride: int = 2, padding: int = 1) -> int:
   """The output length of a strided convolution."""
   return (length + 2 * padding - kernel) // stride + 1
@@ -171,7 +189,8 @@ class MNIST1D(base.Task):
   name = 'mnist1d'
   metric = 'val_loss'
   unit = 'examples'
-  param_groups = {'no_decay': r'bias$', 'conv': r'^conv\d/kernel$', 'head': r'^linear/kernel$'}
+  # 'conv': the hidden layers' kernels (the CNN's convolutions, the MLP's dense layers).
+  param_groups = {'no_decay': r'bias$', 'conv': r'^(conv|dense)\d/kernel$', 'head': r'^linear/kernel$'}
   explorable = ('dropout',)
 
   def check(self, config: Any) -> None:
@@ -181,6 +200,8 @@ class MNIST1D(base.Task):
                            'in (0, 1).')
     if m.channels < 1 or m.num_classes < 2:
       raise base.TaskError(f'model.channels={m.channels} must be >= 1 and model.num_classes={m.num_classes} >= 2.')
+    if _kind(config) not in MODELS:
+      raise base.TaskError(f'model.kind={_kind(config)!r} is not a model of this task; use one of {", ".join(MODELS)}.')
 
   def arrays(self, config: Any) -> dict[str, np.ndarray]:
     d = config.data
@@ -191,7 +212,7 @@ class MNIST1D(base.Task):
   def load(self, config: Any, num_replicas: int) -> base.TaskData:
     a = self.arrays(config)
     x, x_test = _channels_last(a['x']), _channels_last(a['x_test'])
-    if conv_length(conv_length(conv_length(x.shape[1], 5), 3), 3) < 1:
+    if _kind(config) == 'cnn' and conv_length(conv_length(conv_length(x.shape[1], 5), 3), 3) < 1:
       raise base.TaskError(f'signals of length {x.shape[1]} are too short for the CNN (at least 4 samples).')
     per = len(a['y_test']) // num_replicas
     if config.eval_windows > 0:
@@ -211,7 +232,10 @@ class MNIST1D(base.Task):
         probe=probe, description=f'{len(a["y"]):,} train / {len(a["y_test"]):,} test examples '
                                  f'(signals {x.shape[1]} x {x.shape[2]})')
 
-  def _make(self, config: Any, key: jax.Array, shape: tuple[int, int]) -> CNN1D:
+  def _make(self, config: Any, key: jax.Array, shape: tuple[int, int]) -> CNN1D | MLP1D:
+    if _kind(config) == 'mlp':
+      return MLP1D(length=shape[0], in_channels=shape[1], hidden=config.model.get('hidden', 128),
+                   num_classes=config.model.num_classes, rngs=nnx.Rngs(params=key))
     return CNN1D(length=shape[0], in_channels=shape[1], channels=config.model.channels,
                  num_classes=config.model.num_classes, rngs=nnx.Rngs(params=key))
 
@@ -238,6 +262,10 @@ class MNIST1D(base.Task):
     logits = self.logits(graphdef, params, batch['x'])
     _, ce = base.smoothed_cross_entropy(logits, batch['y'], 0.0)
     return {'loss': ce, 'accuracy': jnp.mean((jnp.argmax(logits, -1) == batch['y']).astype(jnp.float32))}
+
+
+def _kind(config: Any) -> str:
+  return config.model.get('kind', 'cnn')  # (configs written before the MLP have no model.kind)
 
 
 TASK = MNIST1D()
