@@ -46,7 +46,8 @@ QUICK_CELL = 'mnist1d:16:adamw'
 QUICK_FINE = {'bracket.points': 5, 'bracket.factor': 2 ** 0.5, 'bracket.rungs': '0.25:3,0.5:1', 'bracket.compare_steps': 3}
 QUICK_KEEPS = (2, 3)
 MNIST1D = tuple(c for c in bracket_mode.CELLS if c.startswith('mnist1d'))
-TASKS = ('task:wide', 'task:narrow')  # the held-out classifiers it was run on (heldout_task.CHECKS' first two)
+# The held-out classifiers it was run on: heldout_task.CHECKS' first two, and (after the twenty-eighth pass) the MLP.
+TASKS = ('task:wide', 'task:narrow', 'task:mlp')
 CELLS = MNIST1D + TASKS + ('lm:750:adamw', 'finetune:150:adamw', 'finetune:300:adamw')
 
 
