@@ -7,7 +7,9 @@ the data's draw and the run's length at once (:data:`CHECKS`): ``wide``, 64 chan
 seed 7 for 1000 steps; ``narrow``, 16 channels on dataset seed 11 for 500 steps; ``digits`` (added after the
 twenty-sixth pass, when every default had been chosen), the default CNN on another dataset, scikit-learn's
 handwritten digits read as 64-sample signals (``experiments/digits_npz.py``; 1,437 training examples, 360 test), at
-8 examples per replica a step for 600 steps (about 27 epochs). AdamW, 3 seeds. The plain one-cycle
+8 examples per replica a step for 600 steps (about 27 epochs); ``mlp`` (added after the twenty-eighth pass), another
+model family, an MLP of two ReLU layers of 128 units (``model.kind='mlp'``, 23k parameters) on dataset seed 13 for 750
+steps. AdamW, 3 seeds. The plain one-cycle
 sweep (8 peak LRs a factor 2 apart, as mnist1d's), then from 10x below, at and 10x above its first seed's best (as
 every other check's starts) the default HDET run (``configs/mnist1d.py``) and the default LR bracket
 (``configs/default.py``'s ``bracket.*``). The bracket that kept 4 at 0.1 of the run is read from the same brackets
