@@ -432,7 +432,7 @@ def report(quick: bool, work_root: str) -> list[str]:
   with records; its lines."""
   sites = [Site(c, quick, work_root) for c in CHECKS]
   results = {s.check: summarize(s) for s in sites if load(grid_name(plan(s)['grid'][0], 0), s) is not None}
-  lines = ['# Classifier sizes, data and run lengths no default was chosen on: mnist1d\'s CNN, and other data', '',
+  lines = ['# Classifier sizes, data and run lengths no default was chosen on: mnist1d\'s CNN, an MLP, and other data', '',
            'Made by `python -m experiments.heldout_task` (records in `results/heldout_task/runs/<check>/`): the mnist1d '
            'task (the default CNN has 25 channels, about 5.2k parameters, and was tuned on dataset seed 42 at 500-2000 '
            'steps), AdamW, seeds 0, 1, 2 (quick: 0), 8 replicas on 8 CPU devices. The metric: the averaged model\'s test '
