@@ -175,9 +175,7 @@ def alias_quiet_run(cache: records.RunCache, name: str, config, sibling: str) ->
     return False
   new = json.loads(config.to_json())
   ours = config_lib.flatten(new)
-  # (a field added after the record was written is read at the value every run then had; only the fields this
-  # config has: QUIET_DEFAULTS also names other tasks' fields, e.g. mnist1d's model.kind)
-  theirs = {**{k: v for k, v in config_lib.QUIET_DEFAULTS.items() if k in ours}, **config_lib.flatten(rec['config'])}
+  theirs = config_lib.with_quiet_defaults(config_lib.flatten(rec['config']), ours)
   # (run fields, e.g. log_noise_scale, steer logging only, and a bracket's fields are not read by one run: a record
   # made before one existed, or changed, still trains the same)
   differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k) and config_lib.defines_a_run(k)}

@@ -146,6 +146,13 @@ def resolved(flat: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
+def with_quiet_defaults(recorded: dict[str, Any], fields) -> dict[str, Any]:
+  """A recorded (flattened) config with each of ``fields`` it lacks, added since it was written, at its
+  :data:`QUIET_DEFAULTS` value: what the record's run trained with. Only ``fields``: QUIET_DEFAULTS also names
+  other tasks' fields (mnist1d's model.kind), which a record of this task never had."""
+  return {**{k: QUIET_DEFAULTS[k] for k in fields if k in QUIET_DEFAULTS}, **recorded}
+
+
 def defines_a_run(field: str) -> bool:
   """Whether a (dotted) field can change one run's trajectory: not a run field, not the LR bracket's (a bracket's
   runs are one-run configs that never read ``bracket.*``; ``bracket.json`` records the bracket's own fields)."""

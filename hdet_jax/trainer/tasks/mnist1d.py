@@ -234,7 +234,7 @@ class MNIST1D(base.Task):
 
   def _make(self, config: Any, key: jax.Array, shape: tuple[int, int]) -> CNN1D | MLP1D:
     if _kind(config) == 'mlp':
-      return MLP1D(length=shape[0], in_channels=shape[1], hidden=config.model.get('hidden', 128),
+      return MLP1D(length=shape[0], in_channels=shape[1], hidden=config.model.hidden,
                    num_classes=config.model.num_classes, rngs=nnx.Rngs(params=key))
     return CNN1D(length=shape[0], in_channels=shape[1], channels=config.model.channels,
                  num_classes=config.model.num_classes, rngs=nnx.Rngs(params=key))
