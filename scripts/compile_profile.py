@@ -10,7 +10,7 @@ and evaluation) and by the test file that was running. At the end each process p
 worker appends them to ``$HDET_COMPILE_PROFILE``, default ``compile_profile.txt`` in the working directory, as its
 output is not shown). Compiles in the ``train.py`` subprocesses some tests start are not seen.
 
-Why: the suite's time is mostly compiling. On the 2-core AMD EPYC of 2026-11-28 the in-process compiles took
+Why: about half of the suite's time is compiling. On the 2-core AMD EPYC of 2026-11-28 the in-process compiles took
 about 950 s of the suite's 1,900 s of test time (2 workers, 16 minutes of wall), spread over about 2,500 distinct
 programs. A compilation cache shared by the two workers left the misses at 2,523 (the workers compile different
 programs) and saved no wall time.
@@ -26,7 +26,6 @@ _programs: collections.Counter = collections.Counter()  # program name -> compil
 _by_file: collections.Counter = collections.Counter()  # test file -> seconds
 _misses: collections.Counter = collections.Counter()  # test file -> persistent-cache misses
 _running = ['(collection)']
-_reported = [False]
 
 
 def _on_duration(event: str, duration: float, **kwargs) -> None:
@@ -65,15 +64,12 @@ def report(top: int = 25) -> str:
 
 
 def pytest_unconfigure(config) -> None:
-  if not _programs or _reported[0]:  # (an xdist controller runs no tests)
+  if not _programs:  # (an xdist controller runs no tests)
     return
-  _reported[0] = True
-  text = report()
-  if hasattr(config, 'workerinput'):  # a pytest-xdist worker: its terminal output is not shown
-    with open(os.environ.get('HDET_COMPILE_PROFILE', 'compile_profile.txt'), 'a', encoding='utf-8') as f:
-      f.write(text)
-  else:
-    print('\n' + text)
-    if os.environ.get('HDET_COMPILE_PROFILE'):
-      with open(os.environ['HDET_COMPILE_PROFILE'], 'a', encoding='utf-8') as f:
-        f.write(text)
+  worker = hasattr(config, 'workerinput')  # a pytest-xdist worker: its terminal output is not shown
+  path = os.environ.get('HDET_COMPILE_PROFILE', 'compile_profile.txt' if worker else '')
+  if not worker:
+    print('\n' + report())
+  if path:
+    with open(path, 'a', encoding='utf-8') as f:
+      f.write(report())
