@@ -4,13 +4,9 @@ An LR bracket on the main job's LM instead of one HDET run: 8 plain data-paralle
 apart, centred on optim.max_lr (here 2.65e-3 to 0.34), trained on the same batches; at 0.1 of the run the 5 with
 the lowest training loss (mean of the 10 steps before) go on, at 0.3 the best of those runs to the end. 2.5 runs
 of compute (hdet_jax/trainer/bracket.py). Use it where the LR is unknown within about 10x either way and 2.5 runs
-are affordable: one HDET run's controller does not find the sweep's best from every start
-(experiments/workloads_discussion.md); this mode's own runs against the sweep are in results/bracket_mode.md
-(rungs '0.1:4,0.3:1', 2.3 runs) and results/wider_rung.md (these rungs). A finer grid at 4.0 runs, better on
-mnist1d's sharp optima (results/finer_grid.md): --config.bracket.points=15
---config.bracket.factor=1.4142135623730951 --config.bracket.rungs=0.1:9,0.3:1. An annealed last rung at 3.0 runs
-(opt-in; results/annealed_rung.md): --config.bracket.anneal=0.1 ranks the 5 runs left at 0.3 by copies forked there
-and annealed to the schedule's end LR over 0.1 of the run, and the kept run goes on unannealed.
+are affordable: one HDET run does not find the sweep's best from every start (docs/verdict.md). A finer grid
+at 4.0 runs, better on mnist1d's sharp optima (results/finer_grid.md): --config.bracket.points=15
+--config.bracket.factor=1.4142135623730951 --config.bracket.rungs=0.1:9,0.3:1.
 """
 
 from hdet_jax.trainer.config_lib import sibling

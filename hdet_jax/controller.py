@@ -10,8 +10,8 @@ Two variants (``AutoLR(controller=...)``):
   window's update at N step scales. A least-squares quadratic in each hyperparameter's offset
   ``u = rho - 1`` (all hyperparameters jointly, statistics carried over syncs with a forgetting
   factor) gives the best scale ``1 + u*``; a multiplicative correction of the user's schedule
-  moves, in log space and within a trust region, toward ``overshoot * (1 + u*)`` (past the
-  fitted minimum, against short-horizon bias). The schedule's shape (warmup, decay) is kept.
+  moves, in log space and within a trust region, toward ``1 + u*``. The schedule's shape (warmup,
+  decay) is kept.
 
 Nothing here communicates: the caller all-gathers the per-replica window losses and
 passes them in, so the same math runs under ``shard_map``, ``pmap``, ``vmap``, in a
@@ -224,7 +224,6 @@ def fit_update(
     multiplicative: jax.Array,
     *,
     memory: float,
-    overshoot: float,
     trust: jax.Array | float,
 ) -> FitUpdate:
   """One ``'fit'`` update: a quadratic line search along every hyperparameter at once.
@@ -236,21 +235,20 @@ def fit_update(
     S &\\leftarrow \\mu S + X^\\top X, \\quad s \\leftarrow \\mu s + X^\\top y, \\quad
       (b, c) = S^{-1} s \\\\
     u^*_g &= -b_g / (2 c_g) \\ \\text{if } c_g > 0 \\\\
-    \\text{step}_g &= \\mathrm{clip}(\\log(\\kappa (1 + u^*_g)), -\\tau_g, \\tau_g)
+    \\text{step}_g &= \\mathrm{clip}(\\log(1 + u^*_g), -\\tau_g, \\tau_g)
       \\ \\text{(multiplicative)}, \\quad \\mathrm{clip}(u^*_g, -\\tau_g, \\tau_g)\\ \\text{(additive)}
 
   where u is each replica's offset (``value / base - 1``, or ``value - base`` if additive). Where
   the fit has no interior minimum (``c <= 0``, or ``1 + u* <= 0``) the step is the full trust
-  region against the slope. The overshoot kappa applies to multiplicative values only. Scores that
+  region against the slope. Scores that
   agree to within 1e-5 of their magnitude (float32 rounding) give no step.
 
   Args:
     xtx, xty: the statistics carried from the last sync ([2G, 2G], [2G]).
     scores: [N] each replica's loss (non-finite ones are penalized, see :func:`penalize_nonfinite`).
     offsets: [N, G] each replica's offset u from the base, for every hyperparameter.
-    multiplicative: [G] bool: log-space step with overshoot, or an additive one.
+    multiplicative: [G] bool: a log-space step, or an additive one.
     memory: mu in [0, 1): the forgetting factor of the statistics (0: this sync alone).
-    overshoot: kappa >= 1: the target scale is kappa times the fitted best.
     trust: [G] or scalar tau > 0: the largest step per sync.
 
   Returns:
@@ -269,7 +267,7 @@ def fit_update(
   ridge = 1e-6 * jnp.trace(xtx) / (2 * g) + 1e-12
   theta = jnp.linalg.solve(xtx + ridge * jnp.eye(2 * g, dtype=xtx.dtype), xty)
   b, c = theta[:g], theta[g:]
-  step = _step_to_fitted_best(b, c, multiplicative, overshoot=overshoot,
+  step = _step_to_fitted_best(b, c, multiplicative,
                               trust=jnp.broadcast_to(jnp.asarray(trust, jnp.float32), (g,)))
   step = jnp.where(jnp.isfinite(step) & signal, step, 0.0)
   return FitUpdate(slope=b, curvature=c, stderr=_slope_stderr(x, y, ridge), step=step, xtx=xtx, xty=xty)
@@ -287,12 +285,12 @@ def _slope_stderr(x: jax.Array, y: jax.Array, ridge: jax.Array) -> jax.Array:
   return jnp.sqrt(jnp.maximum(jnp.diag(cov)[:g], 0.0))
 
 
-def _step_to_fitted_best(b, c, multiplicative, *, overshoot, trust) -> jax.Array:
-  """[G] the step toward the fitted quadratic's minimum (log(kappa (1 + u*)) or u*) within the trust
+def _step_to_fitted_best(b, c, multiplicative, *, trust) -> jax.Array:
+  """[G] the step toward the fitted quadratic's minimum (log(1 + u*) or u*) within the trust
   region, or the full trust region against the slope where the fit has no interior minimum."""
   interior = c > 0
   u_star = jnp.where(interior, -b / (2 * jnp.where(interior, c, 1.0)), 0.0)
-  scale = overshoot * (1.0 + u_star)
+  scale = 1.0 + u_star
   away = -jnp.sign(b) * trust  # no interior minimum: the full step against the slope
   log_target = jnp.where(interior & (scale > 0), jnp.log(jnp.maximum(scale, 1e-30)), away)
   add_target = jnp.where(interior, u_star, away)

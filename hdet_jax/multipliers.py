@@ -46,36 +46,6 @@ def spread_multipliers(num_replicas: int, spread: float) -> np.ndarray:
   return rho
 
 
-def geometric_multipliers(num_replicas: int, spread: float) -> np.ndarray:
-  """Returns multipliers spaced evenly in log scale, ``rho_r = (1 + alpha) ** u_r``, as float64 numpy.
-
-  .. math::
-
-    \\rho_r = (1 + \\alpha)^{u_r}, \\quad u_r = \\frac{r - (N-1)/2}{\\max((N-1)/2, 0.5)}
-
-  The fan for a wide search (``hdet(..., fan='geometric')``): they span ``[1 / (1 + spread), 1 + spread]``,
-  each a constant factor from the next, so a fan of any width stays positive (8 replicas with
-  ``spread = sqrt(128) - 1`` sit a factor 2 apart, like an LR sweep's grid). Their geometric mean is 1 (their
-  arithmetic mean is above 1); for a small spread they approach eq. 1's.
-
-  Args:
-    num_replicas: N (>= 1).
-    spread: alpha >= 0 (finite).
-
-  Returns:
-    A float64 array of shape ``[N]``, increasing in r.
-
-  Example:
-    >>> geometric_multipliers(3, 1.0)
-    array([0.5, 1. , 2. ])
-  """
-  if int(num_replicas) != num_replicas or num_replicas < 1:
-    raise ValueError(f'num_replicas must be a positive integer, got {num_replicas!r}.')
-  if not (np.isfinite(spread) and spread >= 0.0):
-    raise ValueError(f'spread must be a finite number >= 0 for a geometric fan, got {spread!r}.')
-  return np.exp(np.log1p(float(spread)) * unit_offsets(int(num_replicas)))
-
-
 def unit_offsets(num_replicas: int) -> np.ndarray:
   """Eq. 1's offsets ``u_r = (r - (N-1)/2) / max((N-1)/2, 0.5)`` in [-1, 1], so rho = 1 + alpha u."""
   n = int(num_replicas)

@@ -142,17 +142,14 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
   a = plan.auto_lr
   # Each replica's nominal offset u from the base in the window that ends here: rho - 1
   # (multiplicative) or the additive offset, under the window's permutations.
-  # On a geometric fan the offset is log rho, and the fitted best is itself the log-step (no overshoot).
   add = np.asarray(plan.additive)
-  log_u = np.asarray(plan.log_offsets)
   rho = jnp.take_along_axis(jnp.asarray(plan.scale), c.perm, axis=1)
   u = jnp.where(add[:, None], jnp.take_along_axis(jnp.asarray(plan.offset), c.perm, axis=1),
-                jnp.where(log_u[:, None], jnp.log(rho), rho - 1.0)).T  # [N, G]
+                rho - 1.0).T  # [N, G]
   if a.settle:
     u = jnp.where(c.settled[None, :], 0.0, u)  # a settled hyperparameter did not spread
   trust = jnp.asarray([sp if ad else a.trust for sp, ad in zip(plan.spreads, plan.additive)], jnp.float32)
-  out = ctrl.fit_update(c.xtx, c.xty, scores, u, jnp.asarray(~add & ~log_u),
-                        memory=a.memory, overshoot=a.overshoot, trust=trust)
+  out = ctrl.fit_update(c.xtx, c.xty, scores, u, jnp.asarray(~add), memory=a.memory, trust=trust)
   step, gain = ctrl.accelerate(out.step, c.gain, growth=a.step_growth, max_gain=a.max_gain, trust=trust,
                                confident=jnp.abs(out.slope) > CONFIDENT_STDERRS * out.stderr)
   step = jnp.where(rise_only, jnp.maximum(step, 0.0), step)

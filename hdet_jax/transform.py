@@ -86,7 +86,7 @@ def hdet(
     *,
     num_replicas: int,
     spread: float = 0.25,
-    sync_every: int | Sequence[int] = 100,
+    sync_every: int | Sequence[int] | None = None,
     replica_axis: replicas.AxisName = 'data',
     auto_lr: AutoLR | None = None,
     exact_sync: bool = False,
@@ -95,7 +95,6 @@ def hdet(
     param_groups: dict[str, str] | None = None,
     guard_nonfinite: bool = True,
     average_opt_state: bool = False,
-    fan: str = 'linear',
     **optimizer_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Hyperparameter-Divergent Ensemble Training around an optax optimizer.
@@ -131,7 +130,8 @@ def hdet(
       :func:`hdet_jax.one_cycle`.
     num_replicas: N, the size of ``replica_axis``.
     spread: alpha in [0, 1).
-    sync_every: T >= 1, steps between parameter averages; or a schedule of window lengths whose last one
+    sync_every: T >= 1, steps between parameter averages (None: the measured default, ``round(S / 15)`` at
+      most 100 with ``auto_lr``'s ``total_steps = S``, else 100); or a schedule of window lengths whose last one
       repeats, e.g. ``(25, 25, 25, 25, 100)``: averages after steps 25, 50, 75, 100, 200, 300, ... (short
       early windows give the controller more comparisons while the LR may still be far off).
     replica_axis: the mapped axis the replicas live on. Keep it distinct from any axis
@@ -173,10 +173,6 @@ def hdet(
       state's size at each sync (twice the parameters' bytes for Adam, so three times the
       sync's traffic). With the shared gradient the states are already equal and this is
       a no-op up to rounding.
-    fan: ``'linear'`` (eq. 1, ``spread`` in [0, 1)) or ``'geometric'``: the learning rates' multipliers
-      log-spaced, ``rho_r = (1 + spread) ** u_r`` over ``[1 / (1 + spread), 1 + spread]`` (any ``spread >= 0``;
-      :func:`hdet_jax.geometric_multipliers`), a fan wide enough to bracket an LR that is off by
-      a factor of several; the 'fit' controller then fits in ``log rho``. Explored hyperparameters keep eq. 1.
     **optimizer_kwargs: passed to ``optimizer`` (e.g. ``weight_decay=0.1``).
 
   Returns:
@@ -196,11 +192,13 @@ def hdet(
     >>> updates, opt_state = tx.update(grads, opt_state, params, value=loss)
     >>> params = optax.apply_updates(params, updates)
   """
+  if sync_every is None:
+    sync_every = windows.default_period(auto_lr.total_steps) if isinstance(auto_lr, AutoLR) else 100
   plan = settings.make_plan(
       optimizer, learning_rate, num_replicas=num_replicas, spread=spread, sync_every=sync_every,
       replica_axis=replica_axis, auto_lr=auto_lr, exact_sync=exact_sync, seed=seed, explore=explore,
       param_groups=param_groups, guard_nonfinite=guard_nonfinite, optimizer_kwargs=optimizer_kwargs,
-      average_opt_state=average_opt_state, fan=fan)
+      average_opt_state=average_opt_state)
 
   def init_fn(params):
     return init(plan, params)

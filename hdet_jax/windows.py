@@ -18,6 +18,19 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# The measured default windows: K syncs a run, each window at most LONGEST_WINDOW steps (docs: the trainer's
+# hdet.num_syncs and hdet.longest_window), so a short run gets as many controller decisions as a long one.
+NUM_SYNCS = 15
+LONGEST_WINDOW = 100
+
+
+def default_period(total_steps: int, num_syncs: int = NUM_SYNCS, longest_window: int = LONGEST_WINDOW) -> int:
+  """T for a run of ``total_steps`` steps: ``round(total_steps / num_syncs)``, at least 1, at most
+  ``longest_window`` (0: no cap). ``default_period(1500)`` is 100, ``default_period(300)`` is 20."""
+  period = max(1, int(round(total_steps / num_syncs)))
+  return min(period, int(longest_window)) if longest_window > 0 else period
+
+
 def as_windows(sync_every: int | Sequence[int]) -> tuple[int, ...]:
   """``sync_every`` as a tuple of window lengths (the last one repeats), validated."""
   lengths = (sync_every,) if _is_int(sync_every) else tuple(sync_every) if _is_seq(sync_every) else ()

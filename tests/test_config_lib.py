@@ -44,10 +44,8 @@ def test_sibling_loads_the_named_config_next_to_a_file():
 
 @pytest.mark.parametrize('field,value', [('hdet.spread', 1.5), ('optim.max_lr', 0.0), ('data.batch_size', 0),
                                          ('hdet.warmup_steps', 40), ('optim.name', 'lion'),
-                                         ('hdet.early_sync_every', -1), ('hdet.early_sync_steps', 4),
                                          ('hdet.stop_fraction', -0.1), ('hdet.stop_fraction', 1.5),
-                                         ('hdet.score_tail', 1.0), ('hdet.score_anneal', -0.1),
-                                         ('hdet.score_anneal', 1.5), ('hdet.fan', 'log')])
+                                         ('hdet.controller', 'climb'), ('hdet.spread', 1.0)])
 def test_check_values_names_the_field(field, value):
   config_lib.check_values(_tiny())  # the tiny config itself passes
   with pytest.raises(config_lib.ConfigError, match=field.replace('.', r'\.')) as e:
@@ -64,42 +62,14 @@ def test_stop_fraction_zero_stops_before_the_first_sync(fraction, stop_steps):
   assert config.num_train_steps == 40 and optimizer_lib.auto_lr_settings(config).stop_steps == stop_steps
 
 
-@pytest.mark.parametrize('other', [{'hdet.score': 'window'}, {'hdet.auto_lr': False}])
-def test_score_tail_needs_a_common_batch_to_score(other):
-  """The tail's mean is what the common batch scores: with window losses (or no controller) it is refused."""
-  config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.score_tail': 0.5}))
-  with pytest.raises(config_lib.ConfigError, match=r'hdet\.score_tail=0\.5 .*hdet\.score=.common.') as e:
-    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.score_tail': 0.5, **other}))
-  assert '\n' not in str(e.value)
-
-
-@pytest.mark.parametrize('other,match', [
-    ({'hdet.score': 'window'}, r"hdet\.score_anneal=0\.2 .*hdet\.score='common'"),
-    ({'hdet.auto_lr': False}, r"hdet\.score_anneal=0\.2 .*hdet\.auto_lr=True"),
-    ({'hdet.score_tail': 0.5}, r'hdet\.score_anneal=0\.2 and hdet\.score_tail=0\.5 .*one of them to 0')])
-def test_score_anneal_needs_a_common_batch_and_no_tail(other, match):
-  """The annealed copies are what the common batch scores: refused with window losses, without a controller, or
-  together with the tail's mean (two ways to score); k = round(fraction * T) steps, at least 1."""
-  config = config_lib.with_overrides(_tiny(), {'hdet.score_anneal': 0.2})
-  config_lib.check_values(config)
-  assert optimizer_lib.anneal_steps(config) == 2  # round(0.2 * 8)
-  assert optimizer_lib.anneal_steps(config_lib.with_overrides(config, {'hdet.score_anneal': 0.01})) == 1
-  assert optimizer_lib.anneal_steps(config_lib.with_overrides(config, {'hdet.score': 'window'})) == 0
-  with pytest.raises(config_lib.ConfigError, match=match) as e:
-    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.score_anneal': 0.2, **other}))
-  assert '\n' not in str(e.value)
-
-
-@pytest.mark.parametrize('steps,num_syncs,early,want', [
-    (1500, 15, (0, 0), (100,)), (750, 15, (0, 0), (50,)), (300, 15, (0, 0), (20,)), (1000, 15, (0, 0), (67,)),
-    (40, 0, (0, 0), (8,)), (40, 40, (0, 0), (1,)), (40, 4, (2, 4), (2, 2, 10))])
-def test_num_syncs_counts_the_windows_per_run(steps, num_syncs, early, want):
+@pytest.mark.parametrize('steps,num_syncs,want', [
+    (1500, 15, (100,)), (750, 15, (50,)), (300, 15, (20,)), (1000, 15, (67,)), (40, 0, (8,)), (40, 40, (1,))])
+def test_num_syncs_counts_the_windows_per_run(steps, num_syncs, want):
   """With hdet.sync_every = 0, hdet.num_syncs = K > 0 makes T = round(steps / K); a sync_every > 0 wins (8 in
-  the tiny config, with K = 0 here); the early windows come first either way."""
+  the tiny config, with K = 0 here)."""
   from hdet_jax.trainer import optimizer as optimizer_lib
   config = config_lib.with_overrides(_tiny(), {'num_train_steps': steps, 'hdet.num_syncs': num_syncs,
-                                               'hdet.sync_every': 0 if num_syncs else 8,
-                                               'hdet.early_sync_every': early[0], 'hdet.early_sync_steps': early[1]})
+                                               'hdet.sync_every': 0 if num_syncs else 8})
   config_lib.check_values(config)
   assert optimizer_lib.sync_windows(config) == want
 
@@ -276,15 +246,33 @@ def test_longest_window_caps_the_windows_counted_per_run(steps, want):
   assert optimizer_lib.sync_windows(config_lib.with_overrides(config, {'hdet.sync_every': 250})) == (250,)
 
 
-def test_a_spread_of_1_or_more_needs_the_geometric_fan():
-  """hdet.spread >= 1 would make eq. 1's lowest multiplier <= 0: refused on the linear fan, naming hdet.fan as the way
-  out; the geometric fan takes any spread >= 0 and builds a fan a factor 1 + spread either side of the base."""
-  wide = {'hdet.spread': 10.3, 'hdet.fan': 'geometric'}
-  config_lib.check_values(config_lib.with_overrides(_tiny(), wide))
-  with pytest.raises(config_lib.ConfigError, match=r"hdet\.spread=10\.3 must be in \[0, 1\) .*hdet\.fan='geometric'"):
-    config_lib.check_values(config_lib.with_overrides(_tiny(), {'hdet.spread': 10.3}))
-  import jax.numpy as jnp
-  import numpy as np
-  config = config_lib.with_overrides(_tiny(), {**wide, 'hdet.spread': 128 ** 0.5 - 1, 'hdet.param_groups': False})
-  lrs = np.asarray(optimizer_lib.make_optimizer(config, 8).init({'w': jnp.zeros(3)}).values[0])
-  np.testing.assert_allclose(lrs[1:] / lrs[:-1], 2.0, rtol=1e-5)  # the trainer's replicas a factor 2 apart
+
+REMOVED_1_0 = ['hdet.fan', 'hdet.score_tail', 'hdet.score_anneal', 'hdet.early_sync_every', 'hdet.early_sync_steps',
+               'hdet.overshoot', 'optim.anneal_at_step', 'optim.anneal_steps', 'bracket.anneal', 'log_noise_scale']
+
+
+def test_the_fields_removed_in_1_0_are_listed_and_gone_from_every_config():
+  """The knobs measured and not adopted left the product in 1.0: no shipped config has one, and each is listed with
+  what to use instead."""
+  assert sorted(config_lib.REMOVED) == sorted(REMOVED_1_0)
+  for name in sorted(os.listdir(CONFIGS)):
+    if name.endswith('.py'):
+      flat = config_lib.flatten(config_lib.load_config_file(os.path.join(CONFIGS, name)))
+      assert not set(flat) & set(REMOVED_1_0), name
+
+
+@pytest.mark.parametrize('field', REMOVED_1_0)
+def test_a_config_naming_a_removed_field_stops_with_one_line_saying_so(field):
+  """A config of an older version (a user's copy of default.py) that still sets a removed field: one line, naming
+  the field, the version and what to use instead, before anything runs."""
+  config = _tiny()
+  node, *path = [config] + field.split('.')[:-1]
+  for part in path:
+    node = node[part]
+  with config.unlocked():
+    node[field.split('.')[-1]] = 0
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.check_values(config)
+  message = str(e.value)
+  assert message.startswith(f'{field} was removed in hdet-jax 1.0: ') and 'remove the field' in message
+  assert '\n' not in message

@@ -333,21 +333,20 @@ def test_nothing_compiles_after_setup(tmp_path, monkeypatch):
   jax.monitoring.register_event_duration_secs_listener(listener)
   jax.monitoring.register_event_listener(cache_listener)
   try:
-    # The fit controller on a common batch, scoring each window's tail: the window end's probe program and the
-    # tail's running mean too. 20 steps, two early windows
-    # of 2 steps, then of 8: syncs after steps 1, 3, 11 and 19; an evaluation and a checkpoint at step 10,
-    # and the final ones at step 20.
+    # The fit controller on a common batch with the guard's rollback: the window end's probe program and the anchor's
+    # too. 20 steps, windows of 8: syncs after steps 7 and 15; an evaluation and a checkpoint at step 10, and the
+    # final ones at step 20.
     s = train_and_evaluate(tiny(num_train_steps=20, eval_every=10, checkpoint_every=10, plots=False, **{
-        'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.early_sync_every': 2,
-        'hdet.early_sync_steps': 4, 'hdet.score_tail': 0.5}), str(tmp_path / 'w'))
+        'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.backoff': True,
+        'hdet.rollback': True}), str(tmp_path / 'w'))
   finally:
     active[0] = False
   assert s['step'] == 20 and first_step
   records = [json.loads(line) for line in open(tmp_path / 'w' / 'metrics.jsonl')]
-  assert [r['step'] for r in records if r['kind'] == 'controller'] == [1, 3, 11, 19]
-  assert [r['step'] for r in records if r['kind'] == 'train' and r['sync']] == [1, 3, 11, 19]
+  assert [r['step'] for r in records if r['kind'] == 'controller'] == [7, 15]
+  assert [r['step'] for r in records if r['kind'] == 'train' and r['sync']] == [7, 15]
   scores = [r['window_losses'] for r in records if r['kind'] == 'controller']
-  assert len({tuple(x) for x in scores}) == 4  # each sync's common batch is its own
+  assert len({tuple(x) for x in scores}) == 2  # each sync's common batch is its own
   assert compiles.count(0) > 0  # the listener does see the setup's compilations
   assert compiles.count(1) == 0, f'{compiles.count(1)} compilation(s) after step 0'
 

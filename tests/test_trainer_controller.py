@@ -12,35 +12,6 @@ from hdet_jax.trainer.metrics import read_metrics
 from trainer_testing import leaves as _leaves, restore_raw as _restore_raw, tiny
 
 
-def test_score_tail_is_checkpointed_and_resumes_bit_for_bit(tmp_path):
-  """hdet.score_tail=0.5 (tiny: windows of 8, tails of 4): every checkpoint holds the running mean of the
-  iterates since its window's tail began (numpy oracle, from the per-step checkpoints), and a run stopped
-  inside a tail resumes bit for bit."""
-  fit = {'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.score_tail': 0.5}
-  ref = str(tmp_path / 'straight')
-  train_and_evaluate(tiny(num_train_steps=16, checkpoint_every=1, max_checkpoints=0, plots=False, **fit), ref)
-  params = {k: _restore_raw(ref, k)[0]['params'] for k in range(5, 16)}
-  for done, first in ((7, 5), (13, 13), (15, 13)):  # tails: steps done 5-8 and 13-16
-    want = jax_mean([params[k] for k in range(first, done + 1)])
-    got = _restore_raw(ref, done)[0]['tail']
-    for x, y in zip(_leaves(got), _leaves(want)):
-      np.testing.assert_allclose(x, y, rtol=2e-6, atol=1e-7)
-  workdir = str(tmp_path / 'resumed')
-  train_and_evaluate(tiny(num_train_steps=16, stop_at_step=14, plots=False, **fit), workdir)
-  train_and_evaluate(tiny(num_train_steps=16, plots=False, **fit), workdir)
-  a, b = _restore_raw(ref, 16)[0], _restore_raw(workdir, 16)[0]
-  for x, y in zip(_leaves(a), _leaves(b)):
-    np.testing.assert_array_equal(x, y)
-  ctrl = [read_metrics(os.path.join(w, 'metrics.jsonl'))['controller'] for w in (ref, workdir)]
-  assert [c['window_losses'] for c in ctrl[0]] == [c['window_losses'] for c in ctrl[1]]
-
-
-def jax_mean(trees):
-  """The float64 mean of same-shaped trees of arrays."""
-  import jax
-  return jax.tree.map(lambda *xs: np.mean(np.stack([np.asarray(x, np.float64) for x in xs]), 0), *trees)
-
-
 def test_rollback_returns_to_the_last_sync_where_the_back_off_fires_and_resumes_bit_for_bit(tmp_path):
   """hdet.rollback (tiny at max_lr 1.0: windows of 8, the second window's training loss rises; the back-off on any
   rise, its margins 0): the sync that

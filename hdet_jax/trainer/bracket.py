@@ -14,20 +14,10 @@ step 0, so the bracket's result is that of a plain run at the kept LR. Compute, 
 
     points * f_1 + kept_1 * (f_2 - f_1) + ... + 1 * (1 - f_last)      (8 points, '0.1:5,0.3:1': 2.5 runs).
 
-With ``bracket.anneal = a > 0`` the last rung ranks annealed copies instead: each run still going is forked at the
-rung (its checkpoint copied into ``W/bracket/point<k>_lr<lr>_annealed/``), the copy's LR falls along a cosine to the
-schedule's end LR over ``A = round(a * num_train_steps)`` steps (``optim.anneal_at_step``), and the copies are ranked
-by their mean training loss over the last ``compare_steps`` of those steps; the kept run goes on from its own,
-unannealed state. Compute: ``kept_before_last * a`` runs more (0.1 with the default rungs: 2.5 + 0.5 = 3.0 runs).
-Why: at 0.3 of a one-cycle run the points sit at their peak LRs, where a higher LR holds the loss higher and
-overtakes the lower ones only in the anneal (``python -m experiments.heldout_task --rung-trace``). Measured in the
-bracket against the default read from the same brackets (``results/annealed_rung.md``): it helps from 10x below the
-sweep's best, costs from the best on one held-out check, and is not the default.
-
 Why: one HDET run's comparisons, on the shared gradient, rank points of one line and follow the start, not the
 sweep's best; runs apart at the full batch, compared at a fifth to a third of the run, kept a run within 1% of the
-sweep's best in 20-23 of 27 (warmup-cosine) and 32 of 43 (one-cycle) seed-cells (experiments/workloads_discussion.md,
-thirteenth to sixteenth passes; results/bracket_mode.md for this mode's own runs).
+sweep's best in 20-23 of 27 (warmup-cosine) and 32 of 43 (one-cycle) seed-cells (results/bracket_mode.md,
+results/wider_rung.md).
 
 Every run is built with ``optim.runtime_lr_scale``: its programs are those of the LR's mantissa, its power of two
 applied at run time, so the runs of a bracket whose factor is a power of two (2 by default) share one set of compiled
@@ -49,12 +39,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from typing import Any
 
 import numpy as np
 
-from hdet_jax.trainer import checkpoints
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import mesh as mesh_lib
 from hdet_jax.trainer import metrics as metrics_lib
@@ -69,12 +57,11 @@ def point_lrs(max_lr: float, points: int, factor: float) -> list[float]:
   return [float(max_lr * factor ** (k - (points - 1) / 2)) for k in range(points)]
 
 
-def compute_runs(points: int, rungs: list[tuple[float, int]], total: int, anneal_steps: int = 0) -> float:
-  """The steps the bracket trains, in runs of ``total`` steps (each rung's survivors from the rung before on, and
-  the last rung's annealed copies: ``anneal_steps`` each)."""
+def compute_runs(points: int, rungs: list[tuple[float, int]], total: int) -> float:
+  """The steps the bracket trains, in runs of ``total`` steps (each rung's survivors from the rung before on)."""
   steps = config_lib.bracket_steps(rungs, total) + [total]
   alive = [points] + [k for _, k in rungs]
-  return (sum(n * (b - a) for n, a, b in zip(alive, [0] + steps[:-1], steps)) + alive[-2] * anneal_steps) / total
+  return sum(n * (b - a) for n, a, b in zip(alive, [0] + steps[:-1], steps)) / total
 
 
 def survivors(losses: dict[float, float], kept: int) -> list[float]:
@@ -98,8 +85,7 @@ def window_loss(metrics_path: str, step: int, compare_steps: int, diverged_at: i
 
 def _fields(config: Any) -> dict:
   """What defines the bracket: its runs' training fields (at the centre LR) and the bracket's own."""
-  own = {k: v for k, v in config.bracket.to_dict().items() if not (k == 'anneal' and not v)}  # (as before it was)
-  return {'training': config_lib.training_fields(config, config.hdet.num_replicas), 'bracket': own}
+  return {'training': config_lib.training_fields(config, config.hdet.num_replicas), 'bracket': config.bracket.to_dict()}
 
 
 def point_config(config: Any, lr: float, stop_at_step: int) -> Any:
@@ -115,27 +101,6 @@ def _point_dir(workdir: str, k: int, lr: float) -> str:
   return os.path.join(workdir, 'bracket', f'point{k}_lr{lr:.6g}')
 
 
-def annealed_config(config: Any, lr: float, step: int, anneal_steps: int) -> Any:
-  """The config of the annealed copy of the run at ``lr``: that run to ``step``, then annealed to the schedule's end
-  LR over ``anneal_steps`` steps (optim.anneal_at_step), stopped there."""
-  return config_lib.with_overrides(point_config(config, lr, step + anneal_steps), {
-      'optim.anneal_at_step': step, 'optim.anneal_steps': anneal_steps, 'plots': False})
-
-
-def fork(src: str, dst: str, step: int) -> None:
-  """Process 0 copies the checkpoint at ``step`` of the workdir ``src`` into the workdir ``dst``, unless ``dst``
-  already holds checkpoints (a fork resumed: its own are newer). The copy lands under a temporary name and is renamed
-  into place, so a kill leaves no half checkpoint."""
-  import jax
-  if jax.process_index() == 0 and not checkpoints.all_steps(dst):
-    tmp = os.path.join(dst, 'fork.tmp')
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(os.path.join(checkpoints.checkpoint_dir(src), str(step)), tmp)
-    os.makedirs(checkpoints.checkpoint_dir(dst), exist_ok=True)
-    os.replace(tmp, os.path.join(checkpoints.checkpoint_dir(dst), str(step)))
-  mesh_lib.barrier(f'hdet_bracket_fork_{step}')
-
-
 def _load_state(workdir: str, fields: dict) -> dict | None:
   """The bracket recorded in ``workdir`` (None: none); raises if the workdir holds anything else."""
   path = os.path.join(workdir, STATE_FILE)
@@ -143,6 +108,10 @@ def _load_state(workdir: str, fields: dict) -> dict | None:
     with open(path, encoding='utf-8') as f:
       state = json.load(f)
     state['fields']['training'] = config_lib.run_identity(state['fields']['training'])  # (see trainer._check_workdir)
+    if state['fields']['bracket'].pop('anneal', 0.0):  # (0: as a bracket of 1.0 reads)
+      raise ConfigError(f'workdir {workdir} holds an LR bracket with bracket.anneal: '
+                        f'{config_lib.removed_message("bracket.anneal")} Pass a new --workdir (nothing in this one '
+                        'was changed).')
     if state['fields'] != fields:
       diff = config_lib.differences(config_lib.flatten(state['fields']), config_lib.flatten(fields))
       raise ConfigError(f'workdir {workdir} holds an LR bracket of a different config ({diff}); rerun with the same '
@@ -165,37 +134,29 @@ def run_bracket(config: Any, workdir: str) -> dict:
   b, total = config.bracket, config.num_train_steps
   rungs = config_lib.bracket_rungs(b.rungs)
   steps = config_lib.bracket_steps(rungs, total)
-  fields, anneal = _fields(config), config_lib.bracket_anneal_steps(config)
+  fields = _fields(config)
   state = _load_state(workdir, fields)
   mesh_lib.barrier('hdet_bracket_loaded')  # every process has read the workdir before process 0 writes to it
   if state is None:  # a new bracket: its record first, so that a bracket stopped before its first rung resumes
     state = {'fields': fields, 'lrs': point_lrs(config.optim.max_lr, b.points, b.factor),
-             'compute_runs': compute_runs(b.points, rungs, total, anneal),
+             'compute_runs': compute_runs(b.points, rungs, total),
              'rungs': [], 'winner': None}
     _write_state(workdir, state)
   dirs = {lr: _point_dir(workdir, k, lr) for k, lr in enumerate(state['lrs'])}
   alive = state['rungs'][-1]['kept'] if state['rungs'] else list(state['lrs'])  # (a resumed bracket's last picks)
   for (fraction, kept), step in list(zip(rungs, steps))[len(state['rungs']):]:
-    losses, own, at = {}, {}, step + (anneal if kept == 1 else 0)  # (the last rung ranks annealed copies)
+    losses = {}
     for lr in alive:
       summary = trainer_lib.train_and_evaluate(point_config(config, lr, step), dirs[lr])
       if summary['preempted']:
         return {**summary, 'bracket': state}
       mesh_lib.barrier(f'hdet_bracket_{step}_{lr:.6g}')  # process 0 has written the run's metrics
-      own[lr] = window_loss(summary['metrics'], step, b.compare_steps, summary['diverged_at'])
-      if at > step and summary['diverged_at'] is None:
-        fork(dirs[lr], dirs[lr] + '_annealed', step)
-        summary = trainer_lib.train_and_evaluate(annealed_config(config, lr, step, anneal), dirs[lr] + '_annealed')
-        if summary['preempted']:
-          return {**summary, 'bracket': state}
-        mesh_lib.barrier(f'hdet_bracket_{at}_{lr:.6g}')
-      losses[lr] = window_loss(summary['metrics'], at, b.compare_steps, summary['diverged_at']) if at > step else own[lr]
+      losses[lr] = window_loss(summary['metrics'], step, b.compare_steps, summary['diverged_at'])
     if not any(np.isfinite(list(losses.values()))):
       raise RuntimeError(f'every run of the LR bracket diverged by step {step} (LRs {alive}); lower optim.max_lr.')
     alive = survivors(losses, kept)
     state['rungs'].append({'fraction': fraction, 'step': step, 'losses': {f'{lr:.6g}': v for lr, v in losses.items()},
-                           'kept': alive, **({'annealed_to': at, 'run_losses': {f'{lr:.6g}': v for lr, v in own.items()}}
-                                             if at > step else {})})  # (run_losses: what the plain rung ranks)
+                           'kept': alive})
     _write_state(workdir, state)
   (lr,) = alive
   summary = trainer_lib.train_and_evaluate(point_config(config, lr, 0), dirs[lr])
@@ -220,8 +181,7 @@ def format_bracket(state: dict) -> str:
   lines = [f'LR bracket over {len(state["lrs"])} peak LRs ({lrs}); compute {state["compute_runs"]:.2f} runs.']
   for r in state['rungs']:
     ranked = ', '.join(f'{lr} {v:.4f}' for lr, v in sorted(r['losses'].items(), key=lambda kv: float(kv[0])))
-    where = f'annealed copies\' training loss at step {r["annealed_to"]}' if 'annealed_to' in r else 'training loss'
-    lines.append(f'  step {r["step"]} ({r["fraction"]:g} of the run): {where} {ranked}; kept '
+    lines.append(f'  step {r["step"]} ({r["fraction"]:g} of the run): training loss {ranked}; kept '
                  f'{", ".join(f"{lr:.4g}" for lr in r["kept"])}')
   if state.get('winner'):
     w = state['winner']

@@ -16,7 +16,7 @@ import numpy as np
 RUN_FIELDS = frozenset({
     'stop_at_step', 'log_every', 'eval_every', 'eval_windows', 'checkpoint_every',
     'max_checkpoints', 'stop_on_nan', 'plots', 'progress_bar', 'num_cpu_devices',
-    'compilation_cache', 'tensorboard', 'mesh.devices', 'deterministic_gpu', 'log_noise_scale',
+    'compilation_cache', 'tensorboard', 'mesh.devices', 'deterministic_gpu',
 })
 
 
@@ -25,14 +25,42 @@ RUN_FIELDS = frozenset({
 QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'model.kind': 'cnn', 'model.hidden': 128, 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
                   'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
                   'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
-                  'hdet.early_sync_every': 0, 'hdet.early_sync_steps': 0, 'hdet.score_tail': 0.0,
-                  'hdet.score_anneal': 0.0, 'hdet.fan': 'linear', 'optim.runtime_lr_scale': False,
-                  'optim.anneal_at_step': 0, 'optim.anneal_steps': 0,
+                  'optim.runtime_lr_scale': False,
                   'deterministic_gpu': True,  # (no effect without CUDA, where every record so far was made)
                   # The LR bracket's fields (hdet_jax.trainer.bracket), as records made before it existed would
                   # read (its rungs' default until 8-5-1): outside every run's training fields (defines_a_run).
-                  'bracket.points': 0, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10,
-                  'bracket.anneal': 0.0}
+                  'bracket.points': 0, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10}
+
+
+# Fields removed in hdet-jax 1.0 (measured, not adopted: research/README.md), each with what to use instead. A
+# config or a workdir that names one stops with one line saying so (:func:`check_removed`).
+REMOVED = {
+    'hdet.fan': "the learning rates fan out linearly (eq. 1, hdet.spread in [0, 1)); remove the field",
+    'hdet.score_tail': "the common batch scores each replica's last iterate; remove the field",
+    'hdet.score_anneal': "the common batch scores each replica's last iterate; remove the field",
+    'hdet.early_sync_every': "windows are hdet.sync_every steps, or hdet.num_syncs per run; remove the field",
+    'hdet.early_sync_steps': "windows are hdet.sync_every steps, or hdet.num_syncs per run; remove the field",
+    'hdet.overshoot': "the 'fit' controller aims at the fitted best (an overshoot of 1); remove the field",
+    'optim.anneal_at_step': "the LR follows optim.schedule to the last step; remove the field",
+    'optim.anneal_steps': "the LR follows optim.schedule to the last step; remove the field",
+    'bracket.anneal': "the LR bracket's last rung ranks the runs' own training losses; remove the field",
+    'log_noise_scale': "the gradient noise scale is no longer logged; remove the field",
+}
+REMOVED_IN = '1.0'
+
+
+def removed_message(field: str) -> str:
+  """One line: ``field`` (a key of :data:`REMOVED`) was removed in 1.0, and what to use instead."""
+  return f'{field} was removed in hdet-jax {REMOVED_IN}: {REMOVED[field]} (CHANGELOG.md, 1.0.0).'
+
+
+def check_removed(config: Any) -> None:
+  """Raises ConfigError naming the first field of :data:`REMOVED` that ``config`` (a ConfigDict, or a flattened
+  dict of a workdir's recorded fields) still has."""
+  flat = config if isinstance(config, dict) else flatten(config)
+  for field in REMOVED:
+    if field in flat:
+      raise ConfigError(removed_message(field))
 
 
 class ConfigError(ValueError):
@@ -165,18 +193,6 @@ def run_identity(fields: dict[str, Any]) -> dict[str, Any]:
   return {k: v for k, v in fields.items() if defines_a_run(k)}
 
 
-ANNEAL_FIELDS = ('optim.anneal_at_step', 'optim.anneal_steps')
-
-
-def forks_from(fields: dict[str, Any], saved: dict[str, Any], step: int) -> bool:
-  """Whether a checkpoint at ``step`` of the run ``saved`` (training fields) is one of the run ``fields`` too: the
-  same run but for ``fields``' early anneal (optim.anneal_at_step), which starts at or after ``step``, so that both
-  runs trained the same steps to it (optimizer.annealed)."""
-  at = fields.get('optim.anneal_at_step', 0)
-  rest = {k: v for k, v in fields.items() if k not in ANNEAL_FIELDS}
-  return bool(at) and not any(k in saved for k in ANNEAL_FIELDS) and saved == rest and step <= at
-
-
 def training_fields(config: Any, num_replicas: int) -> dict[str, Any]:
   """The fields that define the trajectory (JSON-normalised), with N and the fields left at None resolved."""
   flat = run_identity(resolved(flatten(config)))
@@ -244,23 +260,18 @@ _RULES = (
     ('optim.weight_decay', 'real', lambda v: v >= 0, 'a number >= 0'),
     ('optim.grad_clip_norm', 'real', lambda v: v >= 0, 'a number >= 0 (0: no clipping)'),
     ('optim.label_smoothing', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
-    ('optim.anneal_at_step', 'int', lambda v: v >= 0, 'an integer >= 0 (0: no early anneal)'),
-    ('optim.anneal_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),
     ('hdet.num_replicas', 'int', lambda v: v >= 0, 'an integer >= 0 (0: all devices)'),
     ('mesh.replicas', 'int', lambda v: v >= 0, 'an integer >= 0 (0: devices / mesh.fsdp)'),
     ('mesh.fsdp', 'int', lambda v: v >= 1, 'an integer >= 1 (1: no FSDP inside a group)'),
     ('mesh.tensor', 'int', lambda v: v >= 1, 'an integer >= 1 (1: no tensor parallelism inside a group)'),
-    ('hdet.spread', 'real', lambda v: v >= 0, "a number >= 0 (in [0, 1) unless hdet.fan='geometric')"),
+    ('hdet.spread', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (the lowest multiplier 1 - spread stays positive)'),
     ('hdet.sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: never)'),
     ('hdet.num_syncs', 'int', lambda v: v >= 0, 'an integer >= 0 (used where hdet.sync_every is 0)'),
     ('hdet.longest_window', 'int', lambda v: v >= 0, 'an integer >= 0 (0: no cap on the windows of hdet.num_syncs)'),
-    ('hdet.early_sync_every', 'int', lambda v: v >= 0, 'an integer >= 0 (0: T from the start)'),
-    ('hdet.early_sync_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),
     ('hdet.warmup_steps', 'int', lambda v: v >= 0, 'an integer >= 0'),
     ('hdet.temperature', 'real', lambda v: v > 0, 'a number > 0'),
     ('hdet.lr_of_lr', 'real', lambda v: v >= 0, 'a number >= 0'),
     ('hdet.momentum', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
-    ('hdet.overshoot', 'real', lambda v: v >= 1, 'a number >= 1'),
     ('hdet.trust', 'real', lambda v: v > 0, 'a number > 0'),
     ('hdet.memory', 'real', lambda v: 0 <= v < 1, 'in [0, 1)'),
     ('hdet.initial_scale', 'real', lambda v: v > 0, 'a number > 0 (1: start at the schedule)'),
@@ -270,8 +281,6 @@ _RULES = (
     ('hdet.backoff_fraction', 'real', lambda v: 0 <= v < 1, 'a number in [0, 1) (0: off)'),
     ('hdet.stop_fraction', 'real', lambda v: 0 <= v <= 1, 'in [0, 1] (0: from the first sync; 1: never stop)'),
     ('hdet.probe_windows', 'int', lambda v: v >= 1, 'an integer >= 1'),
-    ('hdet.score_tail', 'real', lambda v: 0 <= v < 1, "in [0, 1) (0: compare the last iterates)"),
-    ('hdet.score_anneal', 'real', lambda v: 0 <= v <= 1, "in [0, 1] (a fraction of the window; 0: no anneal)"),
     ('hdet.explore.weight_decay', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (0: off)'),
     ('hdet.explore.dropout', 'real', lambda v: v >= 0, 'a number >= 0 (0: off)'),
     ('hdet.explore.label_smoothing', 'real', lambda v: v >= 0, 'a number >= 0 (0: off)'),
@@ -288,7 +297,6 @@ _RULES = (
     ('bracket.points', 'int', lambda v: v == 0 or v >= 2, 'an integer >= 2, or 0 (off: one run)'),
     ('bracket.factor', 'real', lambda v: v > 1, 'a number > 1'),
     ('bracket.compare_steps', 'int', lambda v: v >= 1, 'an integer >= 1'),
-    ('bracket.anneal', 'real', lambda v: 0 <= v < 1, 'in [0, 1) (a fraction of the run; 0: off)'),
 )
 CHECKED_FIELDS = tuple(r[0] for r in _RULES)
 # Checked fields whose None means a resolved default (:func:`guard`).
@@ -300,6 +308,7 @@ def check_values(config: Any) -> None:
 
   Runs before anything touches JAX, so a bad value never surfaces as a traceback from inside it.
   """
+  check_removed(config)
   for field, kind, ok, what in _RULES:
     present, v = _get(config, field)
     if not present or (v is None and field in _NONE_RESOLVES):
@@ -311,13 +320,10 @@ def check_values(config: Any) -> None:
   if optim not in OPTIMIZERS:
     raise ConfigError(f'optim.name must be one of {", ".join(map(repr, OPTIMIZERS))}, got {optim!r}.')
   for field, choices in (('optim.schedule', SCHEDULES), ('hdet.controller', CONTROLLERS), ('hdet.score', SCORES),
-                         ('hdet.after_stop', AFTER_STOP), ('hdet.fan', FANS)):
+                         ('hdet.after_stop', AFTER_STOP)):
     present, v = _get(config, field)
     if present and v not in choices:
       raise ConfigError(f'{field} must be one of {", ".join(map(repr, choices))}, got {v!r}.')
-  if config.hdet.get('fan', 'linear') == 'linear' and config.hdet.spread >= 1:
-    raise ConfigError(f"hdet.spread={config.hdet.spread} must be in [0, 1) with hdet.fan='linear' (the lowest "
-                      "multiplier 1 - spread must stay positive); lower it, or set hdet.fan='geometric'.")
   from hdet_jax.trainer import tasks  # the task's own fields (flax: imported only here)
   try:
     tasks.get(config).check(config)
@@ -329,20 +335,12 @@ def check_values(config: Any) -> None:
   if config.hdet.auto_lr and config.hdet.spread > 0 and config.hdet.warmup_steps >= config.num_train_steps:
     raise ConfigError(f'hdet.warmup_steps={config.hdet.warmup_steps} must be < num_train_steps='
                       f'{config.num_train_steps} (the controller would never start); lower it or set hdet.auto_lr=False.')
-  _check_early_syncs(config)
+  _check_num_syncs(config)
   _check_guard(config.hdet, config.optim.get('name'))
   if config.hdet.get('settle', False) and not _settle_applies(config.hdet):
     raise ConfigError("hdet.settle=True ends the 'fit' controller's rise-only climb: it needs hdet.auto_lr=True, "
                       f"hdet.controller='fit' and hdet.after_stop='rise' (got {config.hdet.get('controller')!r}, "
                       f"{config.hdet.get('after_stop')!r}), or set hdet.settle=False.")
-  for field in ('score_tail', 'score_anneal'):  # each changes what the common batch scores
-    value = config.hdet.get(field, 0.0)
-    if value > 0 and not (config.hdet.auto_lr and config.hdet.get('score') == 'common'):
-      raise ConfigError(f"hdet.{field}={value} changes what the common batch scores: it needs hdet.auto_lr=True and "
-                        f"hdet.score='common' (or set hdet.{field}=0).")
-  if config.hdet.get('score_anneal', 0.0) > 0 and config.hdet.get('score_tail', 0.0) > 0:
-    raise ConfigError(f"hdet.score_anneal={config.hdet.score_anneal} and hdet.score_tail={config.hdet.score_tail} "
-                      "are two ways to score the replicas: set one of them to 0.")
   for field in ('init_from', 'data.path'):
     present, v = _get(config, field)
     if present and v is not None and not isinstance(v, str):
@@ -387,16 +385,6 @@ def _check_schedule(config: Any) -> None:
     raise ConfigError(f"optim.pct_start={pct} with num_train_steps={total} leaves optim.schedule='one_cycle' an empty "
                       'phase (its warmup ends at step pct_start * num_train_steps - 1, which must lie inside the run); '
                       'move optim.pct_start away from 0 and 1 or raise num_train_steps.')
-  at, steps = o.get('anneal_at_step', 0), o.get('anneal_steps', 0)
-  if at and not (steps >= 1 and at + steps <= total - 1):
-    raise ConfigError(f'optim.anneal_at_step={at} with optim.anneal_steps={steps} and num_train_steps={total}: the '
-                      'early anneal needs at least one step and must end by the last step (anneal_at_step + '
-                      'anneal_steps <= num_train_steps - 1); shorten it, or set optim.anneal_at_step=0 (off).')
-
-
-def bracket_anneal_steps(config: Any) -> int:
-  """The steps each annealed copy of the LR bracket's last rung trains past it: round(bracket.anneal * total)."""
-  return int(round(config.bracket.get('anneal', 0.0) * config.num_train_steps))
 
 
 def bracket_rungs(text: str) -> list[tuple[float, int]]:
@@ -445,17 +433,6 @@ def _check_bracket(config: Any) -> None:
         f'(rung steps {steps}) must compare at increasing steps inside the run (0 < fraction * num_train_steps < '
         'num_train_steps) and keep fewer runs at each rung, the last keeping 1; e.g. '
         f"'0.1:{max(1, b.points // 2)},0.3:1'.")
-  anneal = bracket_anneal_steps(config)
-  if b.get('anneal', 0.0) and not (b.compare_steps <= anneal and steps[-1] + anneal <= config.num_train_steps - 1):
-    raise ConfigError(
-        f'bracket.anneal={b.anneal} with num_train_steps={config.num_train_steps} anneals the last rung\'s copies '
-        f'over {anneal} steps from step {steps[-1]}: that must span bracket.compare_steps={b.compare_steps} (the '
-        'steps the copies are ranked over) and end by the last step; raise it, lower bracket.compare_steps, or set '
-        'bracket.anneal=0 (off).')
-  if b.get('anneal', 0.0) and config.optim.get('anneal_at_step', 0):
-    raise ConfigError(f'bracket.anneal={b.anneal} anneals copies of the runs at the last rung itself, but '
-                      f'optim.anneal_at_step={config.optim.anneal_at_step} anneals every run early: set '
-                      'optim.anneal_at_step=0, or bracket.anneal=0.')
   if config.hdet.auto_lr:
     raise ConfigError('bracket.points > 0 looks for the LR by comparing runs trained apart at fixed LRs, but '
                       'hdet.auto_lr=True would move each run\'s LR too: set hdet.auto_lr=False (configs/bracket.py '
@@ -465,14 +442,7 @@ def _check_bracket(config: Any) -> None:
                       'rungs itself: set stop_at_step=0 (a preempted bracket resumes where it stopped).')
 
 
-def _check_early_syncs(config: Any) -> None:
-  every, steps = config.hdet.get('early_sync_every', 0), config.hdet.get('early_sync_steps', 0)
-  if (every > 0) != (steps > 0) or (every > 0 and steps % every):
-    raise ConfigError(
-        f'hdet.early_sync_steps={steps} must be a positive multiple of hdet.early_sync_every={every} (the early '
-        'windows then end exactly where the windows of hdet.sync_every begin); set both, or both to 0.')
-  if steps >= config.num_train_steps:
-    raise ConfigError(f'hdet.early_sync_steps={steps} must be < num_train_steps={config.num_train_steps}.')
+def _check_num_syncs(config: Any) -> None:
   k = config.hdet.get('num_syncs', 0)
   if config.hdet.sync_every == 0 and k > config.num_train_steps:  # (a sync_every > 0 sets T instead)
     raise ConfigError(f'hdet.num_syncs={k} windows do not fit in num_train_steps={config.num_train_steps} '
@@ -487,4 +457,3 @@ SCHEDULES = ('one_cycle', 'warmup_cosine', 'constant')
 CONTROLLERS = ('paper', 'fit')
 SCORES = ('window', 'common')
 AFTER_STOP = ('hold', 'rise')
-FANS = ('linear', 'geometric')  # hdet_jax.settings.FANS, kept here so that checking a config imports no JAX

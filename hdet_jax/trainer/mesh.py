@@ -37,7 +37,7 @@ LOCAL = 'local'  # the vmap axis over a device's replicas when N > D (not a mesh
 
 def replica_axis(num_replicas: int, devices: int) -> str | tuple[str, str]:
   """The replica axis of N replicas on D devices: ``'data'`` when N == D, else ``('data', 'local')``."""
-  return H.replica_axes(AXIS, num_replicas // devices, LOCAL)
+  return H.replicas.replica_axes(AXIS, num_replicas // devices, LOCAL)
 
 
 def per_device(mesh: Mesh, num_replicas: int) -> int:

@@ -94,7 +94,6 @@ def _drop_partial_last_line(path: str) -> None:
     f.truncate(0)
 
 
-NOISE_SUMS = ('grad_sq', 'mean_grad_sq', 'pre_grad_sq', 'pre_mean_grad_sq')  # a 'train' record's, with log_noise_scale
 
 
 class TensorBoardWriter:
@@ -173,9 +172,7 @@ class TensorBoardWriter:
       out = {**per_replica('train/loss', loss), 'train/loss/mean': float(np.mean(loss))}
       for name, row in zip(self.names, np.asarray(record['values'], np.float64).tolist()):
         out.update(per_replica(f'train/{name}', row))
-      # log_noise_scale's sums, as logged (their ratio is read over many steps: hdet_jax.noise_scale)
-      noise = {f'train/noise/{k}': record[k] for k in NOISE_SUMS if k in record}
-      return {**out, **per_name('train/base', record['bases']), **noise}
+      return {**out, **per_name('train/base', record['bases'])}
     if kind == 'controller' and self.controller == 'fit' and 'asks' in record:
       return {**per_replica('controller/window_loss', record['window_losses']),
               **per_name('controller/lr_correction', np.exp(np.asarray(record['corrections'], np.float64))),

@@ -19,19 +19,14 @@ from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer.mesh import replica_axis
 
 def sync_windows(config: Any) -> tuple[int, ...]:
-  """The core's ``sync_every``: windows of ``hdet.early_sync_every`` steps for the first
-  ``hdet.early_sync_steps`` steps, then of T: ``hdet.sync_every`` when it is > 0, else with ``hdet.num_syncs
+  """The core's ``sync_every``, one window length T: ``hdet.sync_every`` when it is > 0, else with ``hdet.num_syncs
   = K > 0`` ``round(num_train_steps / K)`` (windows counted per run), at most ``hdet.longest_window`` steps
-  (> 0). Both 0 means never sync (plain data parallel): T past the last step."""
+  (:func:`hdet_jax.windows.default_period`). Both 0 means never sync (plain data parallel): T past the last step."""
   h = config.hdet
   every = int(h.sync_every)
   if every == 0 and h.get('num_syncs', 0) > 0:
-    every = max(1, int(round(config.num_train_steps / h.num_syncs)))
-    if h.get('longest_window', 0) > 0:
-      every = min(every, int(h.longest_window))
-  period = every if every > 0 else int(config.num_train_steps) + 1
-  early = int(h.get('early_sync_every', 0))
-  return (early,) * (int(h.get('early_sync_steps', 0)) // early) + (period,) if early > 0 else (period,)
+    every = window_lib.default_period(config.num_train_steps, h.num_syncs, h.get('longest_window', 0))
+  return (every if every > 0 else int(config.num_train_steps) + 1,)
 
 
 def never_syncs(config: Any) -> bool:
@@ -67,27 +62,7 @@ def schedule(config: Any, max_lr: float | None = None) -> optax.Schedule:
   else:
     base = H.one_cycle(max_lr=peak, total_steps=config.num_train_steps, pct_start=o.pct_start,
                        div_factor=o.div_factor, final_div_factor=o.final_div_factor)
-  at = o.get('anneal_at_step', 0)
-  return base if not at else annealed(base, at, o.anneal_steps, config.num_train_steps)
-
-
-def annealed(base: optax.Schedule, at: int, steps: int, total: int) -> optax.Schedule:
-  """``base`` up to step ``at``, then a cosine from its value there to its last step's value over ``steps`` steps,
-  held after:
-
-      lr(s) = base(s)                                                      s <= at
-      lr(s) = end + (base(at) - end) * (1 + cos(pi * min(s - at, steps) / steps)) / 2,   end = base(total - 1)
-
-  A run with this schedule is, up to step ``at``, the run of ``base`` bit for bit (the LR bracket's annealed copies
-  fork there: hdet_jax.trainer.bracket).
-  """
-  start, end = base(at), base(total - 1)
-
-  def schedule(count):
-    t = jnp.minimum(jnp.maximum(count - at, 0), steps) / steps
-    tail = end + (start - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * t))
-    return jnp.where(count <= at, base(count), tail)
-  return schedule
+  return base
 
 
 def lr_unit(config: Any) -> float:
@@ -204,25 +179,29 @@ def make_optimizer(config: Any, num_replicas: int, devices: int | None = None) -
       factory, schedule(config, config.optim.max_lr / lr_unit(config)), num_replicas=num_replicas, spread=h.spread,
       sync_every=sync_windows(config), replica_axis=replica_axis(num_replicas, devices or num_replicas), auto_lr=auto_lr_settings(config), exact_sync=True,
       seed=config.seed, param_groups=param_groups(config), explore=explored(config) or None,
-      average_opt_state=bool(h.get('average_opt_state', False)), fan=h.get('fan', 'linear'))
+      average_opt_state=bool(h.get('average_opt_state', False)))
 
 
 def auto_lr_settings(config: Any) -> H.AutoLR | None:
-  """The auto-LR controller's settings from ``config.hdet``, or None when it is off."""
+  """The auto-LR controller's settings from ``config.hdet``, or None when it is off: ``hdet.controller='fit'`` at
+  the config's defaults is ``hdet_jax.AutoLR(total_steps=num_train_steps)``, the guarded climb; ``'paper'`` is
+  ``hdet_jax.AutoLR.paper(...)`` (the 'fit' fields then do not apply)."""
   h = config.hdet
   if not h.auto_lr:
     return None
   stop = h.get('stop_fraction', 1.0)
+  stop_steps = None if stop >= 1 else int(stop * config.num_train_steps)
+  if h.get('controller', 'paper') == 'paper':
+    return H.AutoLR.paper(total_steps=config.num_train_steps, warmup_steps=h.warmup_steps, temperature=h.temperature,
+                          lr_of_lr=h.lr_of_lr, momentum=h.momentum, smooth_decay=h.smooth_decay, stop_steps=stop_steps)
   guard = config_lib.guard(h)  # the back-off's fields, those left at None resolved
   return H.AutoLR(
-      total_steps=config.num_train_steps, warmup_steps=h.warmup_steps, temperature=h.temperature,
-      lr_of_lr=h.lr_of_lr, momentum=h.momentum, smooth_decay=h.smooth_decay,
-      controller=h.get('controller', 'paper'), overshoot=h.get('overshoot', 1.5), trust=h.get('trust', 0.25),
-      memory=h.get('memory', 0.5), stop_steps=None if stop >= 1 else int(stop * config.num_train_steps),
-      initial_scale=h.get('initial_scale', 1.0), after_stop=h.get('after_stop', 'hold'),
-      step_growth=h.get('step_growth', 1.0), max_gain=h.get('max_gain', 4.0), backoff=guard['backoff'],
+      total_steps=config.num_train_steps, controller='fit', warmup_steps=h.warmup_steps,
+      initial_scale=h.initial_scale, trust=h.trust, memory=h.memory, step_growth=h.step_growth,
+      max_gain=h.max_gain, stop_steps=stop_steps, after_stop=h.after_stop, backoff=guard['backoff'],
       backoff_stderrs=guard['backoff_stderrs'], backoff_fraction=guard['backoff_fraction'],
-      settle=config_lib.settles(h))
+      settle=config_lib.settles(h), temperature=h.temperature, lr_of_lr=h.lr_of_lr, momentum=h.momentum,
+      smooth_decay=h.smooth_decay)
 
 
 def common_batch(config: Any) -> bool:
@@ -234,35 +213,3 @@ def rolls_back(config: Any) -> bool:
   """Whether a sync that backs off returns the replicas to the previous sync's state (``hdet.rollback``, resolved:
   :func:`config_lib.guard`), so the trainer keeps that state (the anchor) on the devices."""
   return config_lib.guard(config.hdet, config.optim.get('name'))['rollback']
-
-
-def score_tail(config: Any) -> float:
-  """The fraction of each window over which a replica's parameters are averaged before the comparison
-  (``hdet.score_tail``; 0: the comparison sees the last iterates)."""
-  return float(config.hdet.get('score_tail', 0.0)) if common_batch(config) else 0.0
-
-
-def score_anneal(config: Any) -> float:
-  """The anneal before the comparison, as a fraction of the window (``hdet.score_anneal``; 0: none)."""
-  return float(config.hdet.get('score_anneal', 0.0)) if common_batch(config) else 0.0
-
-
-def anneal_steps(config: Any) -> int:
-  """Steps of the anneal each sync runs before scoring (0: none): ``max(1, round(score_anneal * T))``, T the run's
-  repeating window (one static length, so the window end compiles once)."""
-  fraction = score_anneal(config)
-  return max(1, int(round(fraction * sync_windows(config)[-1]))) if fraction > 0 else 0
-
-
-def tail_weight(config: Any, step: int) -> float:
-  """``1/k`` when step ``step`` (0-based) is the k-th of its window's averaged tail, else 0.
-
-  The tail is the window's last ``m = max(1, round(score_tail * T_w))`` steps (T_w: the window's length),
-  so the compared point is the uniform mean of the parameters after each of them.
-  """
-  fraction = score_tail(config)
-  if fraction <= 0:
-    return 0.0
-  start, length = (int(v) for v in window_lib.window_of(sync_windows(config), step))
-  k = step + 1 - (start + length - max(1, round(fraction * length)))
-  return 1.0 / k if k >= 1 else 0.0

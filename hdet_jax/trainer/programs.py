@@ -10,7 +10,7 @@ non-sync steps; XLA's partitioner adds the group's collectives.
 N replicas on D devices: each device runs its N / D replicas under ``vmap`` (:func:`_over_replicas`), on
 the replica axis ``('data', 'local')``; with one replica per device the programs are exactly the
 ``shard_map`` over ``'data'`` they were before. Between programs the optimizer state is a
-:class:`hdet_jax.PackedState` (HDET's small fields in one vector), unpacked inside each program, so a
+:class:`hdet_jax.packing.PackedState` (HDET's small fields in one vector), unpacked inside each program, so a
 step takes plain data parallel's input buffers plus one.
 """
 
@@ -26,11 +26,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
-from hdet_jax import noise_scale as noise_lib
-from hdet_jax.replicas import match_vma
 from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer.mesh import AXIS, INNER, LOCAL, grouped, layout, replica_sharding, replicated, rules
-from hdet_jax.trainer.optimizer import anneal_steps, common_batch, hyperparam_names, rolls_back, score_tail
+from hdet_jax.trainer.optimizer import common_batch, hyperparam_names, rolls_back
 
 def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_replicas: int) -> Callable:
   """Jitted ``key -> (params, opt_state)``: the same random init on every replica (cold start)."""
@@ -59,12 +57,12 @@ def make_opt_init(tx: optax.GradientTransformation, mesh: Mesh, task: tasks_lib.
 
 def packed_init(tx: optax.GradientTransformation) -> Callable:
   """One replica's ``params -> PackedState``: ``tx.init``'s state with HDET's small fields packed."""
-  return lambda params: H.pack_state(tx.init(params))
+  return lambda params: H.packing.pack_state(tx.init(params))
 
 
-def unpack(tx: optax.GradientTransformation, params: Any, packed: H.PackedState) -> H.HDETState:
+def unpack(tx: optax.GradientTransformation, params: Any, packed: H.packing.PackedState) -> H.HDETState:
   """One replica's :class:`hdet_jax.HDETState` from its packed form (shapes from ``tx.init`` on ``params``)."""
-  return H.unpack_state(packed, jax.eval_shape(tx.init, params))
+  return H.packing.unpack_state(packed, jax.eval_shape(tx.init, params))
 
 
 def make_step_count(tx: optax.GradientTransformation) -> Callable:
@@ -82,7 +80,7 @@ def _over_replicas(make_body: Callable[[Any], Callable], mesh: Mesh, check_vma: 
   """
   def wrapped(*args):
     k = jax.tree.leaves(args[0])[0].shape[0] // mesh.shape[AXIS]
-    axis = H.replica_axes(AXIS, k, LOCAL)
+    axis = H.replicas.replica_axes(AXIS, k, LOCAL)
     stacked = tuple(range(len(args) - 1)) if last_replicated else None
     return H.shard_map_replicas(make_body(axis), mesh, AXIS, stacked_argnums=stacked, check_vma=check_vma,
                                 per_device=k, local_axis=LOCAL)(*args)
@@ -104,7 +102,7 @@ def regularization(config: Any, opt_state: Any, axis: Any = AXIS) -> tuple[tasks
   key = None
   if 'dropout' in names or m.get('dropout', 0.0) > 0:
     key = jax.random.fold_in(jax.random.fold_in(
-        jax.random.key(config.seed + _DROPOUT_TAG), opt_state.count), H.axis_index(axis))
+        jax.random.key(config.seed + _DROPOUT_TAG), opt_state.count), H.replicas.axis_index(axis))
   reg = tasks_lib.Regularization(
       dropout_rate=rate, dropout_key=key, attn_temperature=value('attn_temperature', m.get('attn_temperature', 1.0)))
   return reg, value('label_smoothing', config.optim.label_smoothing)
@@ -159,7 +157,6 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   """
   shared = _shares_gradient(config)
   task = tasks_lib.get(config)
-  logs_noise = shared and config is not None and bool(config.get('log_noise_scale'))
 
   def make_step(axis):
     def step(params, packed, data):
@@ -168,19 +165,18 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
       if chunk_steps:
         batch = jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, opt_state.count % chunk_steps, keepdims=False), data)
       used = opt_state  # its values and base are what this step trains with
-      loss, updates, opt_state, noise = _update(task, graphdef, tx, config, params, opt_state, batch, axis, shared, sync,
-                                                log_noise=logs_noise)
+      loss, updates, opt_state = _update(task, graphdef, tx, config, params, opt_state, batch, axis, shared, sync)
       stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
       params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=sync)
       metrics = {
           'loss': loss, 'lrs': used.learning_rates, 'base_lr': used.base_learning_rate,
-          'values': used.values, 'bases': used.base, **_controller_metrics(opt_state.controller), **noise,
+          'values': used.values, 'bases': used.base, **_controller_metrics(opt_state.controller),
       }
       if sync:
         metrics.update(_distance_metrics(stepped, params))
       if packer is not None:
         metrics = packer.pack(metrics)
-      return params, H.pack_state(opt_state), metrics
+      return params, H.packing.pack_state(opt_state), metrics
     return step
   # optax.contrib.reduce_on_plateau's lax.cond returns constants in one branch and state-derived
   # (per-replica, 'varying') values in the other, which shard_map's type check rejects.
@@ -190,52 +186,22 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
 
 
 def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, config: Any, params: Any,
-            opt_state: Any, batch: Any, axis: Any, shared: bool, sync: bool,
-            log_noise: bool = False) -> tuple[jax.Array, Any, Any, dict]:
-  """One replica's (loss, updates, opt_state, noise) of a training step on ``batch`` (the all-reduce included, if
-  ``shared``); the loss is plain cross-entropy, what the controller compares (see ``Task.losses``). ``noise``: with
-  ``log_noise`` (the step's ``log_noise_scale`` on the shared gradient), the gradient noise scale's sums
-  (:func:`_noise_sums`), else empty."""
+            opt_state: Any, batch: Any, axis: Any, shared: bool, sync: bool) -> tuple[jax.Array, Any, Any]:
+  """One replica's (loss, updates, opt_state) of a training step on ``batch`` (the all-reduce included, if
+  ``shared``); the loss is plain cross-entropy, what the controller compares (see ``Task.losses``)."""
   if config is None:
     reg, smoothing = tasks_lib.Regularization(), 0.0
   else:
     reg, smoothing = regularization(config, opt_state, axis)
   (_, loss), grads = jax.value_and_grad(
       lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
-  local = grads
   if shared:
     grads = H.pmean_finite(grads, axis)  # the all-reduce, skipping replicas whose gradient is not finite
   if config is not None and config.optim.name == 'adam_plateau':
     # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
-    loss = H.pmean(loss, axis)
+    loss = H.replicas.pmean(loss, axis)
   updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
-  if not log_noise:
-    return loss, updates, opt_state, {}
-  flat = config.mesh.get('fsdp', 1) == 1 and config.mesh.get('tensor', 1) == 1
-  return loss, updates, opt_state, _noise_sums(local, grads, opt_state, axis, config.optim.b2, flat)
-
-
-def _noise_sums(local: Any, shared: Any, opt_state: Any, axis: Any, b2: float, flat: bool = False) -> dict:
-  """The gradient noise scale's sums (``hdet_jax.noise_scale``): the replicas' mean ``|g_r|^2`` and the all-reduced
-  ``|g_B|^2``; with an Adam state (one ``ScaleByAdamState``, ``nu`` shaped as the gradient), the same of the
-  gradients preconditioned as that step's update divides them, ``g / (sqrt(nu / (1 - b2^t)) + 1e-8)`` (McCandlish et
-  al. 2018, app. A: for Adam the noise that matters is the preconditioned gradient's)."""
-  # Unsharded leaves (a 1-D mesh): each tree as one vector, so the sums are a few kernels rather than a few per leaf
-  # (on a grouped mesh the leaves stay apart: one vector would gather the group's shards).
-  as_one = (lambda tree: [jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(tree)])]) if flat else jax.tree.leaves
-  sq = noise_lib.squared_norm
-  g_r, g_b = as_one(local), as_one(shared)
-  sums, names = [sq(g_r), sq(g_b)], ['grad_sq', 'mean_grad_sq']
-  found = optax.tree_utils.tree_get_all_with_path(opt_state, 'ScaleByAdamState')
-  if len(found) == 1 and jax.tree.structure(found[0][1].nu) == jax.tree.structure(shared):
-    adam = found[0][1]
-    # Bias-corrected, as the update uses it: the sums of early steps are then on the scale of later ones.
-    correction = 1.0 - jnp.asarray(b2, jnp.float32) ** adam.count.astype(jnp.float32)
-    scale = [1.0 / (jnp.sqrt(v.astype(jnp.float32) / correction) + 1e-8) for v in as_one(adam.nu)]
-    sums += [sq([x * w for x, w in zip(g_r, scale)]), sq([x * w for x, w in zip(g_b, scale)])]
-    names += ['pre_grad_sq', 'pre_mean_grad_sq']
-  local_mean = H.pmean(jnp.stack(sums[0::2]), axis)  # one all-reduce: the replicas' own gradients' sums
-  return {**dict(zip(names[0::2], local_mean)), **dict(zip(names[1::2], sums[1::2]))}
+  return loss, updates, opt_state
 
 
 def _shares_gradient(config: Any) -> bool:
@@ -243,51 +209,17 @@ def _shares_gradient(config: Any) -> bool:
   return config is None or not config.hdet.get('low_communication', False)
 
 
-def _common_score(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, config: Any, params: Any,
-                  opt_state: Any, windows: Any, anneal: Any, tail: Any, axis: Any) -> jax.Array:
-  """This replica's loss on the common batch ``windows``, with its own attention temperature and no dropout: of its
-  last iterate, of its tail mean ``tail``, or, given the next batches ``anneal``, of its annealed copy."""
+def _common_score(task: tasks_lib.Task, graphdef: Any, config: Any, params: Any, opt_state: Any, windows: Any,
+                  axis: Any) -> jax.Array:
+  """This replica's loss on the common batch ``windows``, with its own attention temperature and no dropout."""
   reg, _ = regularization(config, opt_state, axis)
   reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
-  # The tail means lie on the replicas' line too (A + u_r Dbar), so the line search reads them alike.
-  scored = params if tail is None else tail
-  if anneal is not None:
-    scored = _annealed(task, graphdef, tx, config, params, opt_state, anneal, axis, _shares_gradient(config))
-  return task.loss(graphdef, scored, windows, reg)
-
-
-def _annealed(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, config: Any, params: Any,
-              opt_state: Any, batches: Any, axis: Any, shared: bool) -> Any:
-  """This replica's parameters after ``k`` more training steps, on ``batches`` (leaves ``[k, ...]``: the run's
-  next k batches), with its learning rates decayed linearly to zero: step j trains at ``(1 - j / k)`` times the
-  replica's current LRs (its other values held). What a run annealed from here would reach, so a comparison of
-  these parameters is not tilted toward low LRs by their smaller step noise, as a comparison of the last
-  iterates is. The copies of the parameters and optimizer state are dropped afterwards.
-  """
-  k = jax.tree.leaves(batches)[0].shape[0]
-  lr = jnp.asarray([n.startswith('learning_rate') for n in hyperparam_names(config)])[:, None]
-  def body(carry, xs):
-    p, st = carry
-    j, batch = xs
-    scale = 1.0 - j.astype(jnp.float32) / k
-    st = st._replace(values=jnp.where(lr, opt_state.values * scale, opt_state.values))
-    _, updates, st, _ = _update(task, graphdef, tx, config, p, st, batch, axis, shared, False)
-    return match_vma((optax.apply_updates(p, updates), st), carry), None  # (a flag the step resets is replica-invariant)
-  (params, _), _ = lax.scan(body, (params, opt_state), (jnp.arange(k), batches))
-  return params
+  return task.loss(graphdef, params, windows, reg)
 
 
 def _pinned(mesh: Mesh, shardings: tuple[Any, Any] | None) -> dict:
   """jit's ``out_shardings`` for (params, opt_state, metrics) under a 2-D layout; none on 1-D meshes."""
   return {} if shardings is None else {'out_shardings': (*shardings, replica_sharding(mesh))}
-
-
-def make_tail_update(shardings: tuple[Any, Any] | None = None) -> Callable:
-  """Jitted ``(tail, params, weight) -> tail``: the running mean ``tail + weight (params - tail)``;
-  weight 1 restarts it at ``params`` exactly (the first step of a window's tail)."""
-  def update(tail, params, weight):
-    return jax.tree.map(lambda a, b: jnp.where(weight >= 1, b, a + (b - a) * weight).astype(a.dtype), tail, params)
-  return jax.jit(update, donate_argnums=0, **({} if shardings is None else {'out_shardings': shardings[0]}))
 
 
 def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
@@ -298,10 +230,7 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   With ``graphdef`` and a config whose ``hdet.score`` is ``'common'`` the program takes a third
   argument, the common batch ``[N, W, L+1]`` (the same windows in every row): each replica's loss on
   it, with its own attention temperature and no dropout, computed before the average, is the score
-  the controller compares (``tx.update(..., score=)``). With ``hdet.score_anneal > 0`` the next argument, the
-  run's next k batches ``[N, k, B, ...]`` (k: :func:`anneal_steps`), anneal each replica's copy before it is scored
-  (see :func:`_annealed`). With ``hdet.score_tail > 0`` the next, each
-  replica's mean parameters over the window's tail (see :func:`tail_weight`), is what is scored.
+  the controller compares (``tx.update(..., score=)``).
   With ``hdet.rollback`` a last argument, the anchor ``{'params', 'inner'}`` (one copy of the parameters and
   wrapped optimizer state the previous sync left, see :func:`make_anchor`): where this sync's back-off fires
   the replicas return to it (the controller keeps its new, lower LR). Take the next anchor from the outputs.
@@ -315,8 +244,6 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   (computed from the parameters before and after the average: no extra communication).
   """
   probe = graphdef is not None and config is not None and common_batch(config)
-  tailed = config is not None and score_tail(config) > 0
-  annealed = probe and anneal_steps(config) > 0
   anchored = config is not None and rolls_back(config)
   task = tasks_lib.get(config)
 
@@ -324,13 +251,11 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
     def window_end(params, packed, *extra):
       extra = list(extra)
       windows = extra.pop(0) if probe else None
-      anneal = extra.pop(0) if annealed else None
-      tail = extra.pop(0) if tailed and len(extra) > anchored else None  # (optional: a test scores the last iterates)
       anchor = extra.pop(0) if anchored else None
       opt_state = unpack(tx, params, packed)
       score = None
       if probe:
-        score = _common_score(task, graphdef, tx, config, params, opt_state, windows, anneal, tail, axis)
+        score = _common_score(task, graphdef, config, params, opt_state, windows, axis)
       updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
       stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
       params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=True)
@@ -339,7 +264,7 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
         metrics = packer.pack(metrics)
       if anchor is not None:
         params, opt_state = _roll_back(params, opt_state, anchor)
-      return params, H.pack_state(opt_state), metrics
+      return params, H.packing.pack_state(opt_state), metrics
     return window_end
   return jax.jit(_over_replicas(make_window_end, mesh, last_replicated=anchored), donate_argnums=(0, 1),
                  **_pinned(mesh, shardings))
@@ -403,7 +328,7 @@ def make_distance(mesh: Mesh) -> Callable:
   """Jitted ``params -> {'distance': [N], 'mean_norm': [N]}`` (see :func:`_distance_metrics`), for runs
   that never average: the window end measures it for the others."""
   def body(axis):
-    return lambda params: _distance_metrics(params, H.pmean(params, axis))
+    return lambda params: _distance_metrics(params, H.replicas.pmean(params, axis))
   return jax.jit(_over_replicas(body, mesh))
 
 
@@ -428,7 +353,7 @@ def make_eval_step(graphdef: Any, mesh: Mesh, task: tasks_lib.Task | None = None
   task = task or tasks_lib.get()
 
   def make_evaluate(axis):
-    return lambda params, batch: task.eval_metrics(graphdef, H.pmean(params, axis), batch)
+    return lambda params, batch: task.eval_metrics(graphdef, H.replicas.pmean(params, axis), batch)
   return jax.jit(_over_replicas(make_evaluate, mesh))
 
 

@@ -157,8 +157,7 @@ def _check_workdir(workdir: str, fields: dict) -> bool:
   """Whether the workdir holds checkpoints to resume from; raises if it holds another config's run.
 
   The config is compared with the newest checkpoint whose meta record reads back (a corrupt newer
-  one is set aside when the state is restored). A checkpoint of the same run without its early anneal, at or before
-  the anneal's step, is this run's too (:func:`config_lib.forks_from`).
+  one is set aside when the state is restored).
   """
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     raise ConfigError(f'--workdir {workdir} exists and is not a directory; pick another --workdir.')
@@ -180,7 +179,12 @@ def _check_workdir(workdir: str, fields: dict) -> bool:
       saved = None  # unreadable (cut short by a kill in an older version): the checkpoints decide
   if saved is not None:  # (a version before bracket.* left a run's identity wrote them where not at their defaults)
     saved = config_lib.run_identity(saved)
-  if saved is not None and saved != fields and not (meta is not None and config_lib.forks_from(fields, saved, step)):
+    gone = [k for k in saved if k in config_lib.REMOVED]
+    if gone:
+      raise ConfigError(f'workdir {workdir} holds {what} that set {gone[0]}={saved[gone[0]]!r}: '
+                        f'{config_lib.removed_message(gone[0])} Resume it with the version that wrote it, or pass a '
+                        'new --workdir (nothing in this one was changed).')
+  if saved is not None and saved != fields:
     raise ConfigError(
         f'workdir {workdir} holds {what} of a different config ({config_lib.differences(saved, fields)}); '
         'rerun with the same config to resume it, or pass a new --workdir.')
@@ -344,7 +348,6 @@ class _Programs(NamedTuple):
   packers: dict                      # sync -> programs_lib.MetricsPacker of the step's (False) or window end's (True) metrics
   val: Any                           # the validation windows on the devices
   distance: Any                      # params -> each replica's distance from the mean: runs that never average
-  tail_update: Any = None            # (tail, params, weight) -> tail: hdet.score_tail > 0 (window_end scores the tail)
   anchor: Any = None                 # (params, opt_state) -> the rollback's anchor, one copy (hdet.rollback)
   lr_unit: float = 1.0               # optim.runtime_lr_scale's factor: the state's LRs are the run's / lr_unit
   lr_rows: tuple[int, ...] = ()      # ... the rows of the logged [G] values that are learning rates
@@ -359,7 +362,6 @@ class _Loop:
   start: int                         # the step this call starts or resumes at
   step: int                          # steps done
   data: Any = None                   # the chunk of _CHUNK steps' batches holding this step's, on the devices
-  tail: Any = None                   # [N, ...] each replica's mean parameters over its window's tail (score_tail)
   anchor: Any = None                 # the state the last sync left, one copy (hdet.rollback; programs.make_anchor)
   pending: list = dataclasses.field(default_factory=list)  # (step, sync, metrics) fetched at the next log
   t_mark: float = 0.0                # when the current log interval started
@@ -458,9 +460,9 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
   key = records.programs_key
   init = program_cache.get(key, 'init', lambda: programs_lib.make_init(config, inputs.tx, records.mesh, inputs.n))
   restored = _restore(config, inputs, records, init, root) if inputs.resume else None
-  tail = anchor = None
+  anchor = None
   if restored is not None:
-    params, opt_state, start, tail, anchor = restored
+    params, opt_state, start, anchor = restored
   elif inputs.init_src is not None:
     params, opt_state, start = *_warm_start(config, inputs, records, root), 0
   else:
@@ -478,12 +480,10 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
       params, opt_state))[0])
   if count != start:
     raise RuntimeError(f'the optimizer state counts {count} steps but training resumes at step {start}.')
-  if tail is None and optimizer_lib.score_tail(config) > 0:
-    tail = jax.tree.map(lambda x: x.copy(), params)  # overwritten at the first step of each window's tail
   if anchor is None and optimizer_lib.rolls_back(config):  # before the first sync: the start
     anchor = program_cache.get(key, 'anchor', lambda: _anchor_program(
         records.mesh, inputs.tx, params, opt_state, inputs.task))(params, opt_state)
-  return _Loop(params, opt_state, rng, start=start, step=start, tail=tail, anchor=anchor,
+  return _Loop(params, opt_state, rng, start=start, step=start, anchor=anchor,
                wait_each_step=one_program_in_flight(records.mesh))
 
 
@@ -515,8 +515,6 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
   abstract = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), init(k))), root)
   abstract = mesh_lib.with_layout(records.mesh, abstract, inputs.task)  # restored straight into the run's layout
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(records.mesh))
-  if optimizer_lib.score_tail(config) > 0:  # a checkpoint inside a window's tail resumes its running mean
-    abstract['tail'] = abstract['params']
   if optimizer_lib.rolls_back(config):  # the state the last sync left, which the next one may return to
     abstract['anchor'] = mesh_lib.anchor_shapes(records.mesh, abstract, inputs.task)
   t_restore = time.time()
@@ -535,7 +533,7 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
   records.writer.write('event', step=start, event='resume', restore_s=time.time() - t_restore)
   records.log(f'Resuming {inputs.workdir} from step {start}.' if start < config.num_train_steps else
               f'{inputs.workdir} already holds the finished run ({start} steps): evaluating and plotting only.')
-  return state['params'], state['opt_state'], start, state.get('tail'), state.get('anchor')
+  return state['params'], state['opt_state'], start, state.get('anchor')
 
 
 def _warm_start(config: Any, inputs: _Inputs, records: _Records, root: Any) -> tuple[Any, Any]:
@@ -564,15 +562,11 @@ def _upload(inputs: _Inputs, mesh: Any, step: int) -> Any:
 
 def _probe(config: Any, inputs: _Inputs, mesh: Any, step: int) -> list:
   """The window end's data for the sync after step ``step``: none, or the common batch (every replica gets the same
-  windows), and with ``hdet.score_anneal`` the run's next k batches, which anneal the replicas' scored copies."""
+  windows)."""
   if not optimizer_lib.common_batch(config):
     return []
   w = inputs.data.probe(optimizer_lib.sync_index(config, step))
-  out = [mesh_lib.put_stacked(jax.tree.map(lambda a: np.broadcast_to(a, (inputs.n,) + a.shape), w), mesh, batch_dim=1)]
-  k = optimizer_lib.anneal_steps(config)
-  if k:
-    out.append(mesh_lib.put_stacked(inputs.data.batches.chunk(step + 1, k), mesh, batch_dim=2))
-  return out
+  return [mesh_lib.put_stacked(jax.tree.map(lambda a: np.broadcast_to(a, (inputs.n,) + a.shape), w), mesh, batch_dim=1)]
 
 
 def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _Programs:
@@ -583,7 +577,7 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   probe = _probe(config, inputs, mesh, 0)
   val = mesh_lib.put_stacked(inputs.data.eval_batch, mesh, batch_dim=1)
   # A run that builds the same programs as the last one takes that run's (an LR bracket's points, a resumed run).
-  args = (params, loop.opt_state, loop.data, probe, loop.tail, loop.anchor, val)
+  args = (params, loop.opt_state, loop.data, probe, loop.anchor, val)
   built = program_cache.get(records.programs_key, ('loop', program_cache.signature(*args)),
                             lambda: _build(config, inputs, mesh, *args))
   # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
@@ -593,18 +587,16 @@ def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _P
   return _Programs(**built, val=val, lr_unit=optimizer_lib.lr_unit(config), lr_rows=lr_rows)
 
 
-def _build(config: Any, inputs: _Inputs, mesh: Any, params: Any, opt_state: Any, data: Any, probe: list, tail: Any,
+def _build(config: Any, inputs: _Inputs, mesh: Any, params: Any, opt_state: Any, data: Any, probe: list,
            anchor: Any, val: Any) -> dict:
   """Traces, lowers and compiles the loop's programs for these arguments: :class:`_Programs`' fields but the data's."""
   packers = {s: programs_lib.MetricsPacker() for s in (False, True)}
   layout = mesh_lib.layout(mesh, params, opt_state, inputs.task)  # None on a 1-D mesh
   step = programs_lib.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, config=config, packer=packers[False],
                             chunk_steps=_CHUNK, shardings=layout).lower(params, opt_state, data).compile()
-  extra = [x for x in (tail, anchor) if x is not None]
+  extra = [anchor] if anchor is not None else []
   window_end = programs_lib.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
                                   config=config, shardings=layout).lower(params, opt_state, *probe, *extra).compile()
-  tail_update = (programs_lib.make_tail_update(layout).lower(tail, params, np.float32(1)).compile()
-                 if tail is not None else None)
   anchor = (_anchor_program(mesh, inputs.tx, params, opt_state, inputs.task).lower(params, opt_state).compile()
             if anchor is not None else None)
   evaluate = programs_lib.make_eval_step(inputs.graphdef, mesh, inputs.task).lower(params, val).compile()
@@ -619,7 +611,7 @@ def _build(config: Any, inputs: _Inputs, mesh: Any, params: Any, opt_state: Any,
   release_host_memory()
   return dict(step=step, window_end=window_end, evaluate=evaluate, average=average, any_finite=any_finite,
               to_eval=programs_lib.make_eval_params(config, mesh), packers=packers, distance=distance,
-              tail_update=tail_update, anchor=anchor)
+              anchor=anchor)
 
 
 def _anchor_program(mesh: Any, tx: Any, params: Any, opt_state: Any, task: Any) -> Any:
@@ -662,14 +654,10 @@ def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop
   if step % _CHUNK == 0 and step != loop.start:
     loop.data = _upload(inputs, mesh, step)
   loop.params, loop.opt_state, m = programs.step(loop.params, loop.opt_state, loop.data)
-  weight = optimizer_lib.tail_weight(config, step)  # 0 unless hdet.score_tail is on and this step is in a window's tail
-  if weight > 0:
-    loop.tail = programs.tail_update(loop.tail, loop.params, np.float32(weight))
   if sync:
     common = _probe(config, inputs, mesh, step)
-    tail = [loop.tail] if programs.tail_update is not None else []
     anchor = [loop.anchor] if loop.anchor is not None else []  # hdet.rollback: where the back-off returns to
-    loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common, *tail, *anchor)
+    loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common, *anchor)
     if anchor:  # the next anchor, the state this sync leaves; the last one's buffers go first (once read)
       anchor.clear()
       loop.anchor = None
@@ -679,8 +667,8 @@ def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop
   loop.step = step + 1
   if loop.wait_each_step:
     # The step's (and window end's) metrics are outputs of the programs that also return the state, so they are
-    # ready when those programs have finished; the tail and the anchor come from programs of their own.
-    jax.block_until_ready((m, loop.tail, loop.anchor))
+    # ready when those programs have finished; the anchor comes from a program of its own.
+    jax.block_until_ready((m, loop.anchor))
 
 
 def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
@@ -763,9 +751,7 @@ def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync:
   (``rolls_back``) a sync's rollback of a divergence."""
   loss = m['loss']
   writer.write('train', step=step, loss=loss, lr=m['lrs'][0], base_lr=m['base_lr'][0], sync=sync,
-               values=m['values'][0], bases=m['bases'][0],
-               # log_noise_scale: the replicas' mean |g_r|^2 and the all-reduced |g_B|^2, plain and Adam-preconditioned
-               **{k: m[k][0] for k in metrics_lib.NOISE_SUMS if k in m})
+               values=m['values'][0], bases=m['bases'][0])
   if sync:
     writer.write('controller', step=step, weights=m['weights'][0], window_losses=m['window_losses'][0],
                  delta=m['delta'][0], velocity=m['velocity'][0], base_lr=m['base_lr'][0],
@@ -818,7 +804,6 @@ def _save(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, 
 def _checkpoint_state(loop: _Loop) -> dict:
   """What a checkpoint holds of the loop (and what setup compiles its fingerprint for): the same tree."""
   return {'params': loop.params, 'opt_state': loop.opt_state, 'rng': loop.rng,
-          **({'tail': loop.tail} if loop.tail is not None else {}),
           **({'anchor': loop.anchor} if loop.anchor is not None else {})}
 
 
