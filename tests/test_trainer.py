@@ -268,23 +268,41 @@ def test_eight_replicas_train_alike_on_8_and_2_devices_with_window_scores(tmp_pa
   _assert_same_run(got, want, range(24))
 
 
-@pytest.mark.parametrize('with_config', [True, False], ids=['with_config', 'default_config'])
-def test_unknown_config_key_on_the_command_line(tmp_path, with_config):
-  """A typo in a --config.* override: one error line naming it, exit 2 (bad input), nothing written.
+@pytest.mark.parametrize('with_config,override,says', [
+    (True, '--config.hdet.spred=0.2', "did you mean 'spread'"),
+    (False, '--config.hdet.spred=0.2', "did you mean 'spread'"),
+    (False, '--config.hdet.fan=geometric', 'hdet.fan was removed in hdet-jax 1.0: '),
+], ids=['with_config', 'default_config', 'removed_field'])
+def test_unknown_config_key_on_the_command_line(tmp_path, with_config, override, says):
+  """A typo in a --config.* override, or a field removed in 1.0: one error line naming it, exit 2 (bad input),
+  nothing written.
 
   Without --config, ml_collections applies the overrides when the flag is defined (at import), not when
   the flags are parsed, which once escaped train.py's handling as a 49-line traceback and exit 1.
   """
   config = ['--config', TINY] if with_config else []
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'train.py'), *config, '--workdir', str(tmp_path / 'w'),
-       '--config.hdet.spred=0.2'],
+      [sys.executable, os.path.join(ROOT, 'train.py'), *config, '--workdir', str(tmp_path / 'w'), override],
       cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2, proc.stderr
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('error: '), proc.stderr
-  assert '--config.hdet.spred' in lines[0] and "did you mean 'spread'" in lines[0]
+  assert override.split('=')[0] in lines[0] and says in lines[0]
   assert not os.path.exists(tmp_path / 'w')
+
+
+def test_a_workdir_of_a_removed_field_is_refused_untouched(tmp_path):
+  """A workdir whose run set a field removed in 1.0 (its config.json's training fields): one error naming the field
+  and what to do, before anything is written; nothing in the workdir changes."""
+  from hdet_jax.trainer import config_lib
+  workdir = tmp_path / 'old'
+  workdir.mkdir()
+  fields = {**config_lib.training_fields(tiny(), 8), 'hdet.fan': 'geometric'}
+  (workdir / 'config.json').write_text(json.dumps({'training_fields': fields}))
+  before = _snapshot(str(workdir))
+  with pytest.raises(ConfigError, match=r"set hdet\.fan='geometric': hdet\.fan was removed in hdet-jax 1\.0: .*new --workdir"):
+    train_and_evaluate(tiny(), str(workdir))
+  assert _snapshot(str(workdir)) == before
 
 
 def test_warm_noisy_start_from_an_earlier_run(straight, tmp_path):

@@ -251,12 +251,12 @@ def _any_process(flag: bool) -> bool:
 
 
 def machine() -> dict:
-  """Where a run ran, recorded in its summary (and by the experiments in each record): the CPU model, the first
+  """Where a run ran, recorded in its summary (and by the research studies in each record): the CPU model, the first
   device's platform and kind, jax's and jaxlib's versions and XLA_FLAGS (less any path).
 
   XLA rounds differently by CPU model and by version: the same config and seed gave first-rung losses apart from
-  the 8th digit, and MNIST-1D ends several percent apart, on an AMD EPYC and on a Xeon (the defaults issue's
-  twenty-eighth pass). So runs are compared bit for bit only where this matches.
+  the 8th digit, and MNIST-1D ends several percent apart, on two x86 CPU models. So runs are compared bit for bit
+  only where this matches.
   """
   import jaxlib
   device = jax.devices()[0]
