@@ -149,7 +149,7 @@ def test_settle_needs_the_rise_only_fit(other):
 def test_settle_left_unset_is_on_wherever_it_applies():
   """configs/default.py leaves hdet.settle at None: on for its rise-only 'fit' climb, off under the paper's
   controller, without auto-LR or with after_stop='hold' (no error there, unlike settle=True); a set value wins.
-  A run's training fields, which a resume and the experiments' caches compare, hold what it resolves to."""
+  A run's training fields, which a resume and the research's caches compare, hold what it resolves to."""
   from hdet_jax.trainer import optimizer as optimizer_lib
   default = config_lib.load_config_file(os.path.join(CONFIGS, 'default.py'))
   assert default.hdet.settle is None and config_lib.settles(default.hdet)

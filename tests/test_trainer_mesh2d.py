@@ -149,14 +149,6 @@ def test_2d_run_resumes_bit_exact(tmp_path, low, tensor):
     np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.skipif(not os.environ.get('HDET_SLOW_TESTS'), reason='about a minute: set HDET_SLOW_TESTS=1')
-def test_lowcomm_experiment_quick_runs_every_mode_and_reuses_finished_runs(tmp_path):
-  from experiments import lowcomm
-  first = lowcomm.main(['--quick', '--work-root', str(tmp_path)])
-  assert set(first) == set(lowcomm.MODES) and all(np.isfinite(v[0]) for v in first.values())
-  assert lowcomm.main(['--quick', '--work-root', str(tmp_path)]) == first  # read back, not rerun
-
-
 @pytest.mark.skipif(not os.environ.get('HDET_MULTIPROCESS_TESTS'),
                     reason='two processes x 4 CPU devices on 4x2: about a minute (52 s measured); set HDET_MULTIPROCESS_TESTS=1')
 def test_two_processes_match_one_on_4x2(tmp_path):
