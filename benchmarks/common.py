@@ -101,7 +101,7 @@ def hdet_tx(sync_every: int, exact_sync: bool):
   return H.hdet(
       optax.adam, H.one_cycle(max_lr=MAX_LR, total_steps=TOTAL_STEPS), num_replicas=N,
       spread=0.25, sync_every=sync_every, replica_axis=AXIS,
-      auto_lr=H.AutoLR(total_steps=TOTAL_STEPS, warmup_steps=0, temperature=0.1),
+      auto_lr=H.AutoLR.paper(total_steps=TOTAL_STEPS, warmup_steps=0, temperature=0.1),
       exact_sync=exact_sync)
 
 
@@ -117,7 +117,7 @@ class Variant:
   donate: donate params and optimizer state to the step.
   exact_sync: build hdet with exact_sync=True and apply with H.apply_updates (the trainer's way).
   sync_every: T.
-  packed: keep HDET's state packed between calls (:class:`hdet_jax.PackedState`: its small fields in one
+  packed: keep HDET's state packed between calls (:class:`hdet_jax.packing.PackedState`: its small fields in one
     buffer, unpacked inside the program; the trainer's way), or pass the HDETState's leaves as they are.
   """
   name: str
@@ -142,8 +142,8 @@ def _unpacking(tx, v: Variant, fn):
   if v.kind == 'plain' or not v.packed:
     return fn
   def wrapped(params, packed, *rest):
-    out = fn(params, H.unpack_state(packed, jax.eval_shape(tx.init, params)), *rest)
-    return (out[0], H.pack_state(out[1]), *out[2:])
+    out = fn(params, H.packing.unpack_state(packed, jax.eval_shape(tx.init, params)), *rest)
+    return (out[0], H.packing.pack_state(out[1]), *out[2:])
   return wrapped
 
 
@@ -194,7 +194,7 @@ def init_state(model_cfg, seq_len, tx, v: Variant, mesh, key=0):
   def init(k):
     _, params = model_lib.split_model(model_cfg, seq_len, k)
     stacked = H.stack_replicas(params, N)
-    init = tx.init if v.kind == 'plain' or not v.packed else lambda p: H.pack_state(tx.init(p))
+    init = tx.init if v.kind == 'plain' or not v.packed else lambda p: H.packing.pack_state(tx.init(p))
     return stacked, jax.vmap(init)(stacked)
   if v.backend == 'shard_map':
     sharding = NamedSharding(mesh, P(AXIS))

@@ -23,7 +23,7 @@ extensions = [
 
 source_suffix = {'.rst': 'restructuredtext', '.md': 'markdown'}
 root_doc = 'index'
-exclude_patterns = ['_build', 'Thumbs.db', '.DS_Store']
+exclude_patterns = ['_build', 'Thumbs.db', '.DS_Store', '_static']
 
 # Markdown (MyST): $...$ math, ::: fences, heading anchors for [text](page.md#anchor) links.
 myst_enable_extensions = ['dollarmath', 'colon_fence', 'deflist']
@@ -41,6 +41,13 @@ autodoc_preserve_defaults = True
 # own; an unresolved Python reference is then plain text, not a warning. Every public name has a page
 # entry, which tests/test_docs.py checks against hdet_jax.__all__ in objects.inv.
 nitpicky = False
+
+# Math renders offline: MathJax 3's self-contained SVG build (one file, no fonts to fetch), vendored from the PyPI
+# package django-static-mathjax 3.2.2.1 (MathJax 3.2.2, Apache-2.0: _static/mathjax/LICENSE). Without this Sphinx
+# would load MathJax from a CDN, and a browser with no network would show raw TeX.
+html_static_path = ['_static']
+html_css_files = ['custom.css']  # a narrower right-hand contents column, so tables get the width
+mathjax_path = 'mathjax/tex-svg.js'
 
 html_theme = 'sphinx_book_theme'
 html_title = f'hdet-jax {version}'

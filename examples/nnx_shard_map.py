@@ -3,7 +3,8 @@
 Eight replicas (one per device; 8 simulated CPU devices without an accelerator) train a small MLP
 classifier on synthetic data. Each replica trains with its own learning rate (the spread) and its own
 dropout rate (``Explore``, read in the step with ``replica_value``); every 25 steps the replicas are
-averaged and the ``fit`` controller moves the learning rate toward the better replicas.
+averaged and the auto-LR controller (``AutoLR``'s default, the guarded climb) raises the learning rate from a
+tenth of the schedule toward the better replicas.
 
     python examples/nnx_shard_map.py            # 400 steps, a few seconds after compiling
     python examples/nnx_shard_map.py --quick    # 50 steps (the test runs this)
@@ -60,7 +61,7 @@ DROPOUT = hdet_jax.hyperparam_names(explore=explore).index('dropout')  # its row
 tx = hdet_jax.hdet(
     optax.adamw, hdet_jax.one_cycle(max_lr=1e-2, total_steps=STEPS), num_replicas=N, spread=0.25,
     sync_every=25, replica_axis='data', explore=explore, weight_decay=1e-4,
-    auto_lr=hdet_jax.AutoLR(total_steps=STEPS, controller='fit', initial_scale=0.5))
+    auto_lr=hdet_jax.AutoLR(total_steps=STEPS))
 
 
 def loss_fn(params, x, y, dropout_rate=0.0, key=None):

@@ -44,7 +44,7 @@ explore = {'dropout': hdet_jax.Explore(0.2, 0.1, additive=True, low=0.0, high=0.
 DROPOUT = hdet_jax.hyperparam_names(explore=explore).index('dropout')
 tx = hdet_jax.hdet(optax.adam, hdet_jax.one_cycle(max_lr=1e-2, total_steps=STEPS), num_replicas=N,
                    spread=0.25, sync_every=10, replica_axis='data', explore=explore,
-                   auto_lr=hdet_jax.AutoLR(total_steps=STEPS, controller='fit'))
+                   auto_lr=hdet_jax.AutoLR(total_steps=STEPS))
 
 
 def train_step(params, opt_state, x, y):                  # one replica's view, exactly as under shard_map

@@ -109,9 +109,11 @@ def hdet(
   (eq. 1). Every ``sync_every`` steps the replicas' parameters are averaged over the axis
   (eq. 3, one all-reduce, only on those steps) and the multipliers are reassigned by a fresh
   permutation drawn from a key shared by all replicas. With ``auto_lr`` set, each sync at or
-  after its warmup also all-gathers each replica's mean loss over the window and moves the
-  base (eqs. 4-9): ``w = softmax((mean L - L) / sigma)``,
-  ``delta = sum_r w_r lr_r - mean_r lr_r``, ``v = beta v + (1 - beta) delta``,
+  after its warmup also all-gathers each replica's score (its mean loss over the window, or ``score=``)
+  and moves the base: ``AutoLR(total_steps=S)``, the guarded climb, fits a quadratic to the scores along
+  the replicas' line and scales the schedule by a learned, rise-only factor
+  (:func:`hdet_jax.controller.fit_update`); ``AutoLR.paper(...)`` is the paper's eqs. 4-9,
+  ``w = softmax((mean L - L) / sigma)``, ``v = beta v + (1 - beta) (sum_r w_r lr_r - mean_r lr_r)``,
   ``base = mean_r lr_r (1 - gamma) + lambda v``, floored to stay positive.
 
   With ``spread=0`` and no controller the updates equal ``optimizer(learning_rate)``'s bit
@@ -132,8 +134,7 @@ def hdet(
     spread: alpha in [0, 1).
     sync_every: T >= 1, steps between parameter averages (None: the measured default, ``round(S / 15)`` at
       most 100 with ``auto_lr``'s ``total_steps = S``, else 100); or a schedule of window lengths whose last one
-      repeats, e.g. ``(25, 25, 25, 25, 100)``: averages after steps 25, 50, 75, 100, 200, 300, ... (short
-      early windows give the controller more comparisons while the LR may still be far off).
+      repeats, e.g. ``(25, 25, 25, 25, 100)``: averages after steps 25, 50, 75, 100, 200, 300, ...
     replica_axis: the mapped axis the replicas live on. Keep it distinct from any axis
       the model is sharded over (FSDP, tensor parallel): only it is averaged over. On a mesh
       such as ``('replica', 'fsdp')`` a replica is a group of devices: map with
@@ -187,11 +188,14 @@ def hdet(
 
   Example:
     >>> tx = hdet(optax.adam, one_cycle(max_lr=3e-3, total_steps=1000), num_replicas=8,
-    ...           spread=0.25, sync_every=20, auto_lr=AutoLR(total_steps=1000, warmup_steps=100))
+    ...           auto_lr=AutoLR(total_steps=1000))  # the guarded climb; T = 67
     >>> # inside shard_map over 'data', on one replica's params and the pmean'd grads:
     >>> updates, opt_state = tx.update(grads, opt_state, params, value=loss)
     >>> params = optax.apply_updates(params, updates)
   """
+  removed = sorted(set(optimizer_kwargs) & set(REMOVED_ARGUMENTS))
+  if removed:
+    raise ValueError(f'hdet: {removed[0]}= was removed in hdet-jax 1.0: {REMOVED_ARGUMENTS[removed[0]]}.')
   if sync_every is None:
     sync_every = windows.default_period(auto_lr.total_steps) if isinstance(auto_lr, AutoLR) else 100
   plan = settings.make_plan(
@@ -207,6 +211,11 @@ def hdet(
     return update(plan, updates, state, params, **kwargs)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# hdet()'s arguments removed in 1.0 (measured, not adopted), with what to do instead; without this check they would
+# reach the wrapped optimizer as keywords and fail there.
+REMOVED_ARGUMENTS = {'fan': "the learning rates fan out linearly (eq. 1, spread in [0, 1)); drop the argument"}
 
 
 def inner_optimizer(plan: Plan, values: list[jax.Array]) -> optax.GradientTransformation:

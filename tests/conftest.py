@@ -30,10 +30,9 @@ chex.set_n_cpu_devices(8)
 # order, so the long ones first leave only short ones for the end and the two processes finish together
 # (longest-processing-time-first scheduling).
 _SLOWEST_FIRST = ('test_trainer.py', 'test_reliability.py', 'test_trainer_controller.py', 'test_sync.py',
-                  'test_workloads.py', 'test_programs.py', 'test_bracket.py', 'test_explore_trainer.py',
-                  'test_transform.py', 'test_mesh2d.py', 'test_explore.py', 'test_model_size.py', 'test_heldout_task.py', 'test_program_cache.py', 'test_autolr.py', 'test_wider_rung.py',
-                  'test_tasks.py', 'test_trainer_mesh2d.py', 'test_examples.py', 'test_noise_scale_report.py',
-                  'test_schedule_bracket.py', 'test_bracket_mode.py', 'test_benchmarks.py')
+                  'test_programs.py', 'test_bracket.py', 'test_explore_trainer.py', 'test_transform.py', 'test_mesh2d.py',
+                  'test_explore.py', 'test_program_cache.py', 'test_tasks.py', 'test_trainer_mesh2d.py', 'test_examples.py',
+                  'test_benchmarks.py')
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,10 +17,11 @@ def numpy_controller(v, losses, lrs, sigma, lam, beta, gamma, floor=-np.inf):
   return w, delta, v, base
 
 
-def numpy_fit(xtx, xty, scores, offsets, multiplicative, memory, overshoot, trust):
+def numpy_fit(xtx, xty, scores, offsets, multiplicative, memory, trust):
   """The 'fit' update written independently in float64 numpy: regress centred losses on centred
   [u, u^2] per hyperparameter (statistics forgotten by ``memory`` per sync), take the fitted
-  quadratic's minimum u* and step toward log(overshoot (1 + u*)) within the trust region."""
+  quadratic's minimum u* and step toward log(1 + u*) (multiplicative) or u* (additive) within the trust
+  region; without an interior minimum (or with 1 + u* <= 0), the full trust step against the slope."""
   scores = np.asarray(scores, np.float64)
   u = np.asarray(offsets, np.float64)
   g = u.shape[1]
@@ -32,9 +33,9 @@ def numpy_fit(xtx, xty, scores, offsets, multiplicative, memory, overshoot, trus
   b, c = theta[:g], theta[g:]
   step = np.zeros(g)
   for k in range(g):
-    if c[k] > 0 and (not multiplicative[k] or overshoot * (1 - b[k] / (2 * c[k])) > 0):
+    if c[k] > 0 and (not multiplicative[k] or 1 - b[k] / (2 * c[k]) > 0):
       u_star = -b[k] / (2 * c[k])
-      target = np.log(overshoot * (1 + u_star)) if multiplicative[k] else u_star
+      target = np.log(1 + u_star) if multiplicative[k] else u_star
     else:
       target = -np.sign(b[k]) * trust[k]
     step[k] = np.clip(target, -trust[k], trust[k])

@@ -29,7 +29,7 @@ def quad_problem(dim=5, seed=0):
 
 def one_in_flight(f):
   """``f`` that waits for its results. XLA:CPU's in-process all-reduce can wait forever for a participant when several
-  multi-device programs are queued (README, "Known XLA:CPU limit"), so loops over them keep one in flight."""
+  multi-device programs are queued (CONTRIBUTING.md, "Known XLA:CPU limit"), so loops over them keep one in flight."""
   return lambda *args: jax.block_until_ready(f(*args))
 
 

@@ -62,9 +62,9 @@ def test_against_reference_traces(run):
   meta = json.loads(str(d[f'{run}/meta']))
   n = meta['world']
   k_syncs = (meta['total_steps'] - meta['warm']) / meta['T']
-  gamma = H.reference_decay(25.0, 1e4, k_syncs)
+  gamma = H.controller.reference_decay(25.0, 1e4, k_syncs)
   assert gamma == pytest.approx(-0.0688, abs=1e-4)  # the sign defect, reproduced on purpose
-  rho = H.spread_multipliers(n, meta['alpha'])
+  rho = H.multipliers.spread_multipliers(n, meta['alpha'])
   steps = d[f'{run}/gathered_steps']
   sync_steps = list(d[f'{run}/sync_steps'])
   velocity = d[f'{run}/velocity']
@@ -94,7 +94,7 @@ def test_against_reference_traces(run):
 
 def test_direction():
   """A loss that favours larger LRs raises the base; one that favours smaller LRs lowers it."""
-  rho = H.spread_multipliers(8, 0.25)
+  rho = H.multipliers.spread_multipliers(8, 0.25)
   for sign in (+1, -1):
     base, v = jnp.array([1e-3]), jnp.zeros(1)
     for _ in range(20):
@@ -108,11 +108,11 @@ def test_direction():
 
 
 def test_decay_for_schedule_and_reference_sign():
-  g = H.decay_for_schedule(1e-3, 1e-3 / 400, 90)
+  g = H.controller.decay_for_schedule(1e-3, 1e-3 / 400, 90)
   assert g > 0 and (1 - g) ** 90 == pytest.approx(1 / 400, rel=1e-12)
-  assert H.reference_decay(25.0, 1e4, 90) < 0  # it grows the LR 400x: the reference's defect 3
+  assert H.controller.reference_decay(25.0, 1e4, 90) < 0  # it grows the LR 400x: the reference's defect 3
   with pytest.raises(ValueError):
-    H.decay_for_schedule(1e-3, 0.0, 10)
+    H.controller.decay_for_schedule(1e-3, 0.0, 10)
 
 
 # ---- The 'fit' controller (a quadratic line search along the replicas' line). ----
@@ -123,7 +123,7 @@ def test_fit_update_against_numpy_oracle():
   checked_interior = 0
   for trial in range(40):
     n, g = 8, int(rng.integers(1, 3))
-    offsets = np.stack([rng.permutation(H.spread_multipliers(n, 0.25) - 1.0) for _ in range(g)], 1)
+    offsets = np.stack([rng.permutation(H.multipliers.spread_multipliers(n, 0.25) - 1.0) for _ in range(g)], 1)
     # Losses from a random quadratic per hyperparameter plus noise, so the fit has a real answer.
     b_true, c_true = rng.normal(0, 0.2, g), rng.uniform(-0.5, 2.0, g)
     scores = 3.0 + offsets @ b_true + (offsets ** 2) @ c_true + rng.normal(0, 1e-3, n)
@@ -131,11 +131,11 @@ def test_fit_update_against_numpy_oracle():
     xty0 = rng.normal(0, 1e-3, 2 * g)
     mult = rng.random(g) < 0.7
     trust = rng.uniform(0.05, 0.5, g)
-    memory, overshoot = rng.uniform(0, 0.9), rng.uniform(1.0, 2.0)
+    memory = rng.uniform(0, 0.9)
     out = ctrl.fit_update(jnp.asarray(xtx0, jnp.float32), jnp.asarray(xty0, jnp.float32),
                           jnp.asarray(scores, jnp.float32), jnp.asarray(offsets, jnp.float32), jnp.asarray(mult),
-                          memory=memory, overshoot=overshoot, trust=jnp.asarray(trust, jnp.float32))
-    b, c, step, xtx, xty = numpy_fit(xtx0, xty0, scores, offsets, mult, memory, overshoot, trust)
+                          memory=memory, trust=jnp.asarray(trust, jnp.float32))
+    b, c, step, xtx, xty = numpy_fit(xtx0, xty0, scores, offsets, mult, memory, trust)
     np.testing.assert_allclose(out.xtx, xtx, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(out.slope, b, rtol=2e-2, atol=2e-3)
     np.testing.assert_allclose(out.curvature, c, rtol=2e-2, atol=2e-2)
@@ -145,31 +145,29 @@ def test_fit_update_against_numpy_oracle():
 
 
 def test_fit_closed_form_quadratic():
-  """Exact quadratic losses along one LR: slope and curvature are recovered, and the step aims at
-  kappa times the minimum's scale: L = (rho - 0.8)^2 has its minimum at rho = 0.8."""
-  rho = H.spread_multipliers(8, 0.25)
+  """Exact quadratic losses along one LR: slope and curvature are recovered, and the step aims at the
+  minimum's scale: L = (rho - 0.8)^2 has its minimum at rho = 0.8, a log-step of log(0.8)."""
+  rho = H.multipliers.spread_multipliers(8, 0.25)
   u = rho - 1.0
   scores = (rho - 0.8) ** 2
-  for kappa, want in ((1.0, np.log(0.8)), (1.5, np.log(1.2))):
-    out = ctrl.fit_update(jnp.zeros((2, 2)), jnp.zeros(2), jnp.asarray(scores, jnp.float32),
-                          jnp.asarray(u[:, None], jnp.float32), jnp.array([True]),
-                          memory=0.0, overshoot=kappa, trust=1.0)
-    np.testing.assert_allclose(out.slope, [2 * 0.2], rtol=1e-3)  # d/du (u + 0.2)^2 at u = 0
-    np.testing.assert_allclose(out.curvature, [1.0], rtol=1e-3)
-    np.testing.assert_allclose(out.step, [want], rtol=1e-3)
+  out = ctrl.fit_update(jnp.zeros((2, 2)), jnp.zeros(2), jnp.asarray(scores, jnp.float32),
+                        jnp.asarray(u[:, None], jnp.float32), jnp.array([True]), memory=0.0, trust=1.0)
+  np.testing.assert_allclose(out.slope, [2 * 0.2], rtol=1e-3)  # d/du (u + 0.2)^2 at u = 0
+  np.testing.assert_allclose(out.curvature, [1.0], rtol=1e-3)
+  np.testing.assert_allclose(out.step, [np.log(0.8)], rtol=1e-3)
   # No interior minimum (losses falling linearly with rho): the full trust step up.
   out = ctrl.fit_update(jnp.zeros((2, 2)), jnp.zeros(2), jnp.asarray(-rho, jnp.float32),
-                        jnp.asarray(u[:, None], jnp.float32), jnp.array([True]), memory=0.0, overshoot=1.5, trust=0.2)
+                        jnp.asarray(u[:, None], jnp.float32), jnp.array([True]), memory=0.0, trust=0.2)
   np.testing.assert_allclose(out.step, [0.2], rtol=1e-6)
 
 
 def test_fit_nonfinite_replica_counts_as_worst():
-  rho = H.spread_multipliers(8, 0.25)
+  rho = H.multipliers.spread_multipliers(8, 0.25)
   scores = np.full(8, 2.0)
   scores[-1] = np.nan  # the largest multiplier blew up: the step must go down
   out = ctrl.fit_update(jnp.zeros((2, 2)), jnp.zeros(2), jnp.asarray(scores, jnp.float32),
                         jnp.asarray((rho - 1)[:, None], jnp.float32), jnp.array([True]),
-                        memory=0.0, overshoot=1.0, trust=0.2)
+                        memory=0.0, trust=0.2)
   assert float(out.step[0]) < 0 and np.isfinite(out.step).all()
   np.testing.assert_allclose(ctrl.penalize_nonfinite(jnp.array([1.0, jnp.nan, 3.0])), [1.0, 5.0, 3.0])
   np.testing.assert_allclose(ctrl.penalize_nonfinite(jnp.array([jnp.nan, jnp.inf])), [0.0, 0.0])

@@ -1,16 +1,21 @@
-"""The documentation: its code runs, it builds with warnings as errors, and every public name has an entry.
+"""The documentation: its code runs, it builds with warnings as errors, every public name has an entry, the
+verdict page is what the records give, and the user pages read as a user guide.
 
 The python blocks of each page under docs/ run in order in one namespace (as a reader would paste them), so a
 renamed argument fails here, not in the reader's hands. The Sphinx build needs the [docs] extra; without it
-that test is skipped with the reason.
+those tests are skipped with the reason. The build runs with -W, so a broken internal link (a {doc} role, a
+link to a page that does not exist) fails it.
 """
 
 import importlib.util
+import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -20,12 +25,29 @@ import hdet_jax
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / 'docs'
 PAGES = sorted(p for p in DOCS.rglob('*.md') if '_build' not in p.parts)
-PYTHON_BLOCK = re.compile(r'^```python\n(.*?)^```', re.S | re.M)
+PYTHON_BLOCK = re.compile(r'^( *)```python\n(.*?)^\1```', re.S | re.M)  # (some sit inside list items)
 API_ENTRY = re.compile(r'^\.\. auto(?:function|class|data|attribute)::\s+(\S+)', re.M)
+# The user guide: every page but the research log (docs/results/*, which include the files under results/ as
+# the studies wrote them) and the changelog (whose versions carry their dates).
+USER_PAGES = [p for p in PAGES if not (p.parent.name == 'results' and p.name != 'index.md')
+              and p.name != 'changelog.md'] + sorted((DOCS / 'api').glob('*.rst'))
+# Words of a lab notebook: dates, machine names, passes and sessions, the default controller's internal IDs.
+NOTEBOOK = re.compile(r'20\d\d-\d\d-\d\d|Xeon|EPYC|\bAMD\b|Intel|\bH100\b|\bH200\b|'
+                      r'(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|'
+                      r'\w+teenth|\w+tieth|\d+(?:st|nd|rd|th)) pass\b|'
+                      r'\bsession|fit_K\d|fit_lr_T|_settle\b|rollback_se2', re.I)
+CODE_WIDTH = 88  # columns a code block shows without scrolling (docs/_static/custom.css)
 
 
 def _blocks(page):
-  return PYTHON_BLOCK.findall(page.read_text())
+  return [textwrap.dedent(block) for _, block in PYTHON_BLOCK.findall(page.read_text())]
+
+
+def _load_verdict():
+  spec = importlib.util.spec_from_file_location('docs_verdict', DOCS / 'verdict.py')
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 PAGES_WITH_CODE = [p for p in PAGES if _blocks(p)]
@@ -33,7 +55,7 @@ PAGES_WITH_CODE = [p for p in PAGES if _blocks(p)]
 
 def test_the_pages_with_code_are_found():
   names = {p.name for p in PAGES_WITH_CODE}
-  assert {'getting_started.md', 'how_it_works.md', 'pytorch.md'} <= names, names
+  assert {'getting_started.md', 'how_it_works.md', 'own_step.md', 'scaling.md', 'pytorch.md'} <= names, names
 
 
 @pytest.mark.parametrize('page', PAGES_WITH_CODE, ids=lambda p: str(p.relative_to(DOCS)))
@@ -44,9 +66,105 @@ def test_page_code_runs(page, monkeypatch):
     exec(compile(block, f'{page.relative_to(ROOT)} (python block {i + 1})', 'exec'), scope)
 
 
-def test_api_page_has_an_entry_for_every_public_name():
-  documented = {name.removeprefix('hdet_jax.') for name in API_ENTRY.findall((DOCS / 'api.rst').read_text())}
+def test_getting_started_uses_the_shortest_call():
+  """The first example builds the measured default in one call and leaves the windows to it."""
+  first = _blocks(DOCS / 'getting_started.md')[0]
+  assert 'auto_lr=hdet_jax.AutoLR(total_steps=S)' in first and 'sync_every' not in first
+
+
+def test_api_pages_have_an_entry_for_every_public_name():
+  entries = [name for page in (DOCS / 'api').glob('*.rst') for name in API_ENTRY.findall(page.read_text())]
+  documented = {name.removeprefix('hdet_jax.') for name in entries if name.count('.') == 1}
   assert set(hdet_jax.__all__) - documented == set()
+  assert len(entries) == len(set(entries)), 'a name documented twice'
+
+
+def test_user_pages_read_as_a_guide():
+  """No dates, machine names, pass or session narration, or internal variant IDs outside the research log."""
+  hits = {str(p.relative_to(DOCS)): sorted({m.group() for m in NOTEBOOK.finditer(p.read_text())})
+          for p in USER_PAGES}
+  assert {page: words for page, words in hits.items() if words} == {}
+
+
+def test_user_pages_code_fits_the_page():
+  wide = []
+  for page in USER_PAGES:
+    fence = None  # 'code' inside a code block, 'directive' inside a {directive} block
+    for i, line in enumerate(page.read_text().splitlines()):
+      if line.strip().startswith('```'):
+        fence = None if fence and line.strip() == '```' else 'directive' if '{' in line else 'code'
+      elif fence == 'code' and len(line) > CODE_WIDTH:
+        wide.append(f'{page.relative_to(DOCS)}:{i + 1} ({len(line)})')
+  assert not wide, wide
+
+
+def test_verdict_page_is_generated_from_the_records():
+  """docs/verdict.md is what docs/verdict.py gives from the committed records (run it after a record changes)."""
+  verdict = _load_verdict()
+  assert (DOCS / 'verdict.md').read_text() == verdict.render(ROOT / 'results'), 'run: python docs/verdict.py'
+  assert subprocess.run([sys.executable, str(DOCS / 'verdict.py'), '--check'], cwd=ROOT).returncode == 0
+
+
+def _copy_records(verdict, tmp_path):
+  results = tmp_path / 'results'
+  for name in verdict.RECORDS:
+    (results / name).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / 'results' / name, results / name)
+  return results
+
+
+def test_a_changed_workload_record_changes_the_verdict_page(tmp_path):
+  """One HDET run's result on the LM at 1500 steps from 10x low, moved from +1.8% to +12.3% of the sweep's best:
+  the table's cell, the answer's span, and the --check of the committed page all follow."""
+  verdict = _load_verdict()
+  results = _copy_records(verdict, tmp_path)
+  before = verdict.render(results)
+  records = json.loads((results / 'workloads.json').read_text())
+  cell = records['lm']['1500']['adamw']
+  cell['hdet']['low']['value'] = cell['grid_best']['value'] * 1.123
+  (results / 'workloads.json').write_text(json.dumps(records))
+  after = verdict.render(results)
+  assert after != before
+  row = next(line for line in after.splitlines() if line.startswith('| LM | 1500 |'))
+  assert '+12.3\u00a0/' in row, row
+  assert 'ends +0.1% to +12.3% from the sweep' in after
+  assert subprocess.run([sys.executable, str(DOCS / 'verdict.py'), '--check', '--results', str(results)],
+                        cwd=ROOT, capture_output=True).returncode == 1
+
+
+def test_a_changed_bracket_record_changes_the_verdict_page(tmp_path):
+  verdict = _load_verdict()
+  results = _copy_records(verdict, tmp_path)
+  before = verdict.render(results)
+  records = json.loads((results / 'wider_rung.json').read_text())
+  row = records['rows']['finetune:300:adamw']['best']
+  row[verdict.BRACKET_KEY] = row['sweep_best'] * 1.05
+  (results / 'wider_rung.json').write_text(json.dumps(records))
+  after = verdict.render(results)
+  assert after != before
+  line = next(line for line in after.splitlines() if line.startswith('| fine-tuning | 300 |'))
+  assert line.rstrip(' |').endswith('/\u00a0+5.0\u00a0/\u00a0**0.0**'), line
+  assert 'the bracket in 24 of 36' in after and 'the bracket in 25 of 36' in before
+
+
+def test_a_changed_benchmark_changes_the_verdict_page(tmp_path):
+  verdict = _load_verdict()
+  results = _copy_records(verdict, tmp_path)
+  before = verdict.render(results)
+  path = results / 'anchor_memory.md'
+  path.write_text(path.read_text().replace('**1.125x**', '**1.250x**', 1))
+  after = verdict.render(results)
+  assert after != before and '1.250x the state with 8 replicas' in after
+
+
+def test_every_results_file_is_in_the_research_log():
+  """Each results/*.md has a page under docs/results that includes it, in the results index's toctree."""
+  index = (DOCS / 'results' / 'index.md').read_text()
+  toctree = re.search(r'```\{toctree\}\n(.*?)```', index, re.S).group(1).split()
+  for record in sorted((ROOT / 'results').glob('*.md')):
+    page = DOCS / 'results' / record.name
+    assert page.exists() and f'results/{record.name}' in page.read_text(), record.name
+    assert record.stem in toctree, record.stem
 
 
 def _missing_docs_packages():
@@ -70,7 +188,9 @@ def built_docs(tmp_path_factory):
 def test_sphinx_build_passes_with_warnings_as_errors(built_docs):
   proc, html, seconds = built_docs
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-  assert (html / 'index.html').exists() and (html / 'api.html').exists()
+  for page in ('index', 'getting_started', 'verdict', 'own_step', 'scaling', 'trainer', 'api/index',
+               'results/index', 'changelog', 'citing'):
+    assert (html / f'{page}.html').exists(), page
   assert seconds < 120, f'the build took {seconds:.0f} s'
 
 
@@ -82,6 +202,18 @@ def test_objects_inv_has_every_public_name(built_docs):
     inventory = InventoryFile.load(f, '', lambda base, uri: base + uri)
   names = {name for kind, entries in inventory.items() if kind.startswith('py:') for name in entries}
   assert {f'hdet_jax.{name}' for name in hdet_jax.__all__} - names == set()
+
+
+def test_the_site_needs_no_network(built_docs):
+  """Math renders from the vendored MathJax, and no page loads a script or stylesheet from elsewhere."""
+  proc, html, _ = built_docs
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  page = (html / 'how_it_works.html').read_text()
+  assert re.search(r'<script[^>]+src="_static/mathjax/tex-svg\.js', page)
+  assert (html / '_static' / 'mathjax' / 'tex-svg.js').stat().st_size > 1_000_000
+  remote = {str(p.relative_to(html)) for p in html.rglob('*.html')
+            if re.search(r'<(?:script|link)[^>]+(?:src|href)="(?:https?:)?//', p.read_text())}
+  assert not remote, sorted(remote)
 
 
 def test_results_pages_include_the_files_rather_than_copy_them():
@@ -104,12 +236,39 @@ def test_the_stated_jax_range_is_the_pinned_one():
   version = lambda v: tuple(int(x) for x in v.split('.'))
   assert low in tested and all(version(low) <= version(v) < version(cap) for v in tested), (low, cap, tested)
   assert f'`jax>={low},<{cap}`' in (DOCS / 'getting_started.md').read_text()
+  assert f'`jax>={low},<{cap}`' in (ROOT / 'README.md').read_text()
   assert os.access(ROOT / '.ci' / 'newest_jax', os.X_OK)
 
 
 def test_package_version_is_pyprojects():
-  """hdet_jax.__version__ is the version pyproject.toml (and CHANGELOG.md's newest release) gives."""
-  import hdet_jax
-  text = open(os.path.join(ROOT, 'pyproject.toml'), encoding='utf-8').read()
+  """hdet_jax.__version__ is the version pyproject.toml, CHANGELOG.md's newest release and CITATION.cff give."""
+  text = (ROOT / 'pyproject.toml').read_text()
   assert re.search(r'^version = "([^"]+)"', text, re.M).group(1) == hdet_jax.__version__
-  assert f'## [{hdet_jax.__version__}]' in open(os.path.join(ROOT, 'CHANGELOG.md'), encoding='utf-8').read()
+  changelog = (ROOT / 'CHANGELOG.md').read_text()
+  releases = re.findall(r'^## \[(\d+\.\d+\.\d+)\]', changelog, re.M)
+  assert releases[0] == hdet_jax.__version__, releases[:2]
+  assert f'\nversion: {hdet_jax.__version__}\n' in (ROOT / 'CITATION.cff').read_text()
+
+
+def test_project_files():
+  """LICENSE is the Apache-2.0 text pyproject names; CITATION.cff cites the paper; pyproject has the URLs."""
+  import tomllib
+  project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
+  assert project['license'] == 'Apache-2.0'
+  license_text = (ROOT / 'LICENSE').read_text()
+  assert 'Apache License' in license_text and 'Version 2.0, January 2004' in license_text
+  assert 'END OF TERMS AND CONDITIONS' in license_text
+  citation = (ROOT / 'CITATION.cff').read_text()
+  assert 'cff-version: 1.2.0' in citation and '2604.24708' in citation and 'preferred-citation:' in citation
+  assert {'Homepage', 'Repository', 'Documentation', 'Changelog'} <= set(project['urls'])
+  assert '2604.24708' in (DOCS / 'citing.md').read_text()
+
+
+def test_changelog_is_for_users():
+  """One line per change: no entry runs past a few lines, and no version section holds measurements."""
+  changelog = (ROOT / 'CHANGELOG.md').read_text()
+  assert '### Measured' not in changelog
+  entries = re.findall(r'^- .*?(?=^- |^#|\Z)', changelog, re.S | re.M)
+  long = [e.splitlines()[0][:60] for e in entries if len(e.strip().splitlines()) > 5]
+  assert not long, long
+  assert len(changelog.splitlines()) < 300

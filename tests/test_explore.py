@@ -8,16 +8,30 @@ import pytest
 from jax import lax
 
 import hdet_jax as H
+from hdet_jax.param_groups import group_labels
 
 N, AX = 8, 'data'
-# Every controller variant must move each hyperparameter to its own optimum. 'fit' runs without
-# overshoot here: these losses depend on the values directly (no line search to correct for).
+# The 'fit' controller as AutoLR(controller='fit') was before 1.0, the guarded climb's parts off (a start at the
+# schedule, trust 0.25, no acceleration, no stop, no back-off, no settling).
+PLAIN_FIT = dict(controller='fit', initial_scale=1.0, trust=0.25, step_growth=1.0, stop_steps=None, after_stop='hold',
+                 backoff=False, backoff_stderrs=0.0, backoff_fraction=0.0, settle=False)
+# Every controller variant must move each hyperparameter to its own optimum.
 CONTROLLERS = {
     'paper': dict(temperature=0.02, lr_of_lr=0.5, momentum=0.5),
-    'fit': dict(controller='fit', overshoot=1.0, trust=0.25, memory=0.5),
+    'fit': dict(PLAIN_FIT, trust=0.25, memory=0.5),
     # The main job's fit: steps amplified (Rprop) while they keep one direction, per hyperparameter.
-    'fit_accel': dict(controller='fit', overshoot=1.0, trust=0.25, memory=0.5, step_growth=2.0, max_gain=4.0),
+    'fit_accel': dict(PLAIN_FIT, trust=0.25, memory=0.5, step_growth=2.0, max_gain=4.0),
 }
+
+
+def auto_lr(controller, total_steps, temperature=None):
+  """``CONTROLLERS[controller]`` for a run of ``total_steps``, its controller starting at once (``temperature``:
+  the paper's, in place of its entry's)."""
+  settings = dict(CONTROLLERS[controller], warmup_steps=0)
+  if controller == 'paper':
+    return H.AutoLR.paper(total_steps=total_steps,
+                          **dict(settings, temperature=temperature or settings['temperature']))
+  return H.AutoLR(total_steps=total_steps, **settings)
 
 
 def _vmap_run(tx, params, loss_of_values, steps):
@@ -46,7 +60,7 @@ def test_three_hyperparameters_each_move_to_their_own_optimum(controller):
   }
   assert H.hyperparam_names(explore=explore) == ('learning_rate', 'weight_decay', 'dropout')
   tx = H.hdet(optax.adamw, 1e-3, num_replicas=N, spread=0.25, sync_every=5, replica_axis=AX, explore=explore,
-              auto_lr=H.AutoLR(total_steps=5000, warmup_steps=0, **CONTROLLERS[controller]))
+              auto_lr=auto_lr(controller, 5000))
 
   def loss(v):  # independent bowls: log-LR optimum 3e-3, log-wd optimum 4e-3, dropout optimum 0.3
     return (jnp.log(v[0] / 3e-3) ** 2 + jnp.log(v[1] / 4e-3) ** 2 + 10.0 * (v[2] - 0.3) ** 2)
@@ -66,12 +80,11 @@ def test_param_groups_by_regex_get_their_own_lr_and_controller(controller):
             'blocks': {'attn': {'kernel': jnp.zeros((2, 2)), 'bias': jnp.zeros(2)}},
             'norm': {'scale': jnp.zeros(2)}}
   groups = {'embedding': r'^embed/', 'no_decay': r'(bias|scale)$', 'weights': r'kernel$'}
-  labels = H.group_labels(params, groups)
+  labels = group_labels(params, groups)
   assert labels == {'embed': {'table': 'embedding'}, 'blocks': {'attn': {'kernel': 'weights', 'bias': 'no_decay'}},
                     'norm': {'scale': 'no_decay'}}
   tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX, param_groups=groups,
-              auto_lr=H.AutoLR(total_steps=3000, warmup_steps=0,
-                               **dict(CONTROLLERS[controller], temperature=0.01)))
+              auto_lr=auto_lr(controller, 3000, temperature=0.01))
   names = H.hyperparam_names(param_groups=groups)
   assert names == ('learning_rate/embedding', 'learning_rate/no_decay', 'learning_rate/weights')
   # SGD's update of each leaf is -lr_group * grad, with lr_group this replica's value for its group.
@@ -113,8 +126,8 @@ def test_settle_is_per_hyperparameter():
   explore = {'weight_decay': H.Explore(4e-6, 0.25)}
   T, S = 5, 400
   tx = H.hdet(optax.adamw, 1e-3, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, explore=explore,
-              auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.0, trust=0.5, memory=0.5,
-                               stop_steps=0, after_stop='rise', step_growth=2.0, max_gain=4.0, settle=True))
+              auto_lr=H.AutoLR(total_steps=S, **dict(PLAIN_FIT, trust=0.5, memory=0.5, stop_steps=0,
+                                                     after_stop='rise', step_growth=2.0, max_gain=4.0, settle=True)))
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
 

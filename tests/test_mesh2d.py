@@ -54,7 +54,7 @@ group_grad = jax.jit(jax.grad(loss_fn))
 
 
 def make_tx(groups, sync_every=2, optimizer=optax.adam, **kw):
-  kw.setdefault('auto_lr', H.AutoLR(total_steps=100, warmup_steps=0, temperature=0.05))
+  kw.setdefault('auto_lr', H.AutoLR.paper(total_steps=100, warmup_steps=0, temperature=0.05))
   return H.hdet(optimizer, 1e-2, num_replicas=groups, spread=0.5, sync_every=sync_every,
                 replica_axis=AX, exact_sync=True, **kw)
 
@@ -267,7 +267,7 @@ def test_low_communication_controller_moves_towards_the_better_lr(start_lr, aver
   data = [(jnp.asarray(3.0 + 0.1 * rng.standard_normal((groups, 8)), jnp.float32),) for _ in range(steps)]
   tx = H.hdet(optax.sgd, start_lr, num_replicas=groups, spread=0.5, sync_every=T, replica_axis=AX,
               exact_sync=True, momentum=beta, average_opt_state=average_opt_state,
-              auto_lr=H.AutoLR(total_steps=steps, temperature=0.1, min_value=0.01))
+              auto_lr=H.AutoLR.paper(total_steps=steps, temperature=0.1, min_value=0.01))
   synced = []
   def check(i, before, params, state):
     if (i + 1) % T:

@@ -54,25 +54,3 @@ def test_permutations_are_permutations_and_independent():
   expected = 2000 / 64
   chi2 = np.sum((counts - expected) ** 2 / expected)
   assert chi2 < 110, chi2  # 63 dof: p ~ 1e-4 at 110
-
-
-def test_geometric_fan_closed_form():
-  """The geometric fan: 8 replicas with spread sqrt(128) - 1 sit a factor 2 apart, 2**-3.5 ... 2**3.5 (the LR
-  sweep's grid, centred); 3 replicas with spread 1 are 1/2, 1, 2; every neighbour ratio is the same and each pair
-  r, N-1-r multiplies to 1."""
-  rho = multipliers.geometric_multipliers(8, np.sqrt(128.0) - 1.0)
-  np.testing.assert_allclose(rho, 2.0 ** (np.arange(8) - 3.5), rtol=1e-14)
-  np.testing.assert_allclose(multipliers.geometric_multipliers(3, 1.0), [0.5, 1.0, 2.0], rtol=1e-15)
-  np.testing.assert_array_equal(multipliers.geometric_multipliers(1, 5.0), [1.0])
-  rho = multipliers.geometric_multipliers(7, 3.0)
-  np.testing.assert_allclose(rho[1:] / rho[:-1], 4.0 ** (1 / 3), rtol=1e-14)
-  np.testing.assert_allclose(rho * rho[::-1], 1.0, rtol=1e-14)
-  # A small spread is eq. 1 to first order: (1 + a)^u = 1 + a u + O(a^2).
-  np.testing.assert_allclose(multipliers.geometric_multipliers(8, 1e-4), multipliers.spread_multipliers(8, 1e-4),
-                             atol=1e-8)
-
-
-@pytest.mark.parametrize('bad', [-0.1, float('inf'), float('nan')])
-def test_bad_geometric_spread_names_parameter(bad):
-  with pytest.raises(ValueError, match='spread'):
-    multipliers.geometric_multipliers(4, bad)

@@ -70,7 +70,7 @@ def test_reduce_on_plateau_inside_hdet_gets_the_value():
   factory = lambda learning_rate: optax.chain(optax.adam(learning_rate), _plateau())
   tx = H.hdet(factory, LR, num_replicas=N, spread=0.25, sync_every=100, replica_axis=AX)
   updates, state = _run(tx)
-  rho = H.spread_multipliers(N, 0.25)  # no sync yet: replica r keeps multiplier rho[r]
+  rho = H.multipliers.spread_multipliers(N, 0.25)  # no sync yet: replica r keeps multiplier rho[r]
   np.testing.assert_allclose(updates, _expected(rho), rtol=2e-5, atol=1e-9)
   plateau = state.inner_state[1]
   chex.assert_trees_all_close(plateau.scale, jnp.full((N,), FACTOR ** ((STEPS - 1) // PATIENCE)))
@@ -81,7 +81,7 @@ def test_reduce_on_plateau_chained_after_hdet():
   hdet = H.hdet(optax.adam, LR, num_replicas=N, spread=0.25, sync_every=100, replica_axis=AX)
   tx = optax.chain(hdet, _plateau())
   updates, state = _run(tx, value=2.0)
-  np.testing.assert_allclose(updates, _expected(H.spread_multipliers(N, 0.25)), rtol=2e-5, atol=1e-9)
+  np.testing.assert_allclose(updates, _expected(H.multipliers.spread_multipliers(N, 0.25)), rtol=2e-5, atol=1e-9)
   hstate, plateau = state
   chex.assert_trees_all_close(plateau.scale, jnp.full((N,), FACTOR ** ((STEPS - 1) // PATIENCE)))
   # HDET got the value too (chain passes every extra argument to each member): its window loss sum.
@@ -104,7 +104,7 @@ def test_any_extra_argument_is_forwarded_and_value_is_optional():
   factory = lambda learning_rate: optax.chain(optax.sgd(learning_rate), _gain())
   tx = H.hdet(factory, LR, num_replicas=N, spread=0.25, sync_every=100, replica_axis=AX)
   updates, _ = _run(tx, steps=2, gain=jnp.float32(3.0))
-  rho = H.spread_multipliers(N, 0.25)
+  rho = H.multipliers.spread_multipliers(N, 0.25)
   g = np.stack([np.asarray(_grads(t)['w']) for t in range(2)])  # [2, dim]
   np.testing.assert_allclose(updates, -3.0 * LR * rho[None, :, None] * g[:, None, :], rtol=1e-6)
 

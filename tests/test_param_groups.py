@@ -32,5 +32,5 @@ def test_path_strings_and_labels():
   params = {'emb': {'w': jnp.zeros(2)}, 'blocks': [{'attn': {'kernel': jnp.zeros(1)}}, {'mlp': jnp.zeros(1)}]}
   paths = [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   assert paths == ['blocks/0/attn/kernel', 'blocks/1/mlp', 'emb/w']
-  labels = H.group_labels(params, {'embed': '^emb', 'attention': '/attn/', 'mlp': 'mlp$'})
+  labels = H.param_groups.group_labels(params, {'embed': '^emb', 'attention': '/attn/', 'mlp': 'mlp$'})
   assert labels == {'emb': {'w': 'embed'}, 'blocks': [{'attn': {'kernel': 'attention'}}, {'mlp': 'mlp'}]}

@@ -40,13 +40,14 @@ def test_collectives_over_a_device_axis_and_a_vmap_axis_are_the_replica_axis(dev
   from jax.sharding import Mesh, NamedSharding
   mesh = Mesh(np.asarray(jax.devices()[:devices]), (AX,))
   k = N // devices
-  axis = H.replica_axes(AX, k)
+  axis = H.replicas.replica_axes(AX, k)
   assert axis == ((AX, 'local') if k > 1 else AX)
   x = np.asarray(jax.random.normal(jax.random.key(1), (N, 6)), np.float32)
 
   def per_replica(a):
-    return {'index': H.axis_index(axis), 'size': jnp.asarray(H.replicas.axis_size(axis)),
-            'mean': H.pmean(a, axis), 'sum': H.psum(a, axis), 'gather': H.all_gather(a[0], axis)}
+    return {'index': H.replicas.axis_index(axis), 'size': jnp.asarray(H.replicas.axis_size(axis)),
+            'mean': H.replicas.pmean(a, axis), 'sum': H.replicas.psum(a, axis),
+            'gather': H.replicas.all_gather(a[0], axis)}
   out = jax.jit(H.shard_map_replicas(per_replica, mesh, AX, per_device=k))(
       jax.device_put(x, NamedSharding(mesh, P(AX))))
   out = jax.tree.map(np.asarray, out)
@@ -67,21 +68,21 @@ def test_packed_state_round_trips_bit_for_bit_and_is_one_vector():
   """pack_state / unpack_state on a real HDETState (NaN payloads, negative zeros, bools, the uint32 key)."""
   import optax
   tx = H.hdet(optax.adam, 1e-3, num_replicas=N, sync_every=4, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=100, warmup_steps=0))
+              auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0))
   params = {'w': jnp.ones((3, 2)), 'b': jnp.zeros((2,))}
   state = tx.init(params)
   state = state._replace(loss_sum=jnp.float32(-0.0), replica_ok=jnp.zeros([], bool), synced=jnp.ones([], bool),
                          base=jnp.full_like(state.base, jnp.nan), count=jnp.int32(-7))
-  packed = H.pack_state(state)
+  packed = H.packing.pack_state(state)
   small_leaves = jax.tree.leaves(state._replace(inner_state=None))
   assert packed.small.dtype == jnp.uint32 and packed.small.shape == (sum(x.size for x in small_leaves),)
-  back = H.unpack_state(packed, jax.eval_shape(tx.init, params))
+  back = H.packing.unpack_state(packed, jax.eval_shape(tx.init, params))
   assert jax.tree.structure(back) == jax.tree.structure(state)
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
     assert a.dtype == b.dtype and a.shape == b.shape
     np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8), np.atleast_1d(np.asarray(b)).view(np.uint8))
   with pytest.raises(ValueError, match='packed from another hdet'):
-    H.unpack_state(packed._replace(small=packed.small[1:]), jax.eval_shape(tx.init, params))
+    H.packing.unpack_state(packed._replace(small=packed.small[1:]), jax.eval_shape(tx.init, params))
 
 
 def test_packed_hdet_is_hdet_bit_for_bit_under_vmap():
@@ -89,7 +90,7 @@ def test_packed_hdet_is_hdet_bit_for_bit_under_vmap():
   import optax
   def make():
     return H.hdet(optax.adam, 1e-2, num_replicas=N, sync_every=2, replica_axis=AX,
-                  auto_lr=H.AutoLR(total_steps=100, warmup_steps=0))
+                  auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0))
   plain_tx, packed_tx = make(), H.packed(make())
   params = {'w': jnp.asarray(np.random.default_rng(0).normal(size=(N, 4)), jnp.float32)}
   targets = jnp.asarray(np.random.default_rng(1).normal(size=(6, N, 4)), jnp.float32)
@@ -104,7 +105,7 @@ def test_packed_hdet_is_hdet_bit_for_bit_under_vmap():
       p, s = jax.vmap(step, axis_name=AX)(p, s, targets[t])
     return p, jax.vmap(unpack)(s)
   p0, s0 = run(plain_tx, lambda s: s)
-  p1, s1 = run(packed_tx, lambda s: H.unpack_state(s, jax.eval_shape(plain_tx.init, {'w': params['w'][0]})))
+  p1, s1 = run(packed_tx, lambda s: H.packing.unpack_state(s, jax.eval_shape(plain_tx.init, {'w': params['w'][0]})))
   np.testing.assert_array_equal(np.asarray(p0['w']), np.asarray(p1['w']))
   for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,13 +1,21 @@
 """The settings and the validated plan (hdet_jax.settings): every invalid argument combination raises a
-ValueError naming the parameter (property-based), and the plan's controller fields against closed forms."""
+ValueError naming the parameter (property-based), the plan's controller fields against closed forms, and the
+1.0 API: AutoLR()'s defaults (the guarded climb), AutoLR.paper(), the default windows, the user API's names."""
 
+import dataclasses
+import importlib
+import inspect
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import given, settings, strategies as st
 
 import hdet_jax as H
+from hdet_jax import settings as settings_lib
 
 SCHED = H.one_cycle(1e-3, 100)
 floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
@@ -41,7 +49,7 @@ def _problems(kw):
 
 
 auto_lrs = st.one_of(st.none(), st.builds(
-    H.AutoLR, total_steps=st.just(100), warmup_steps=st.integers(-5, 120), temperature=floats,
+    H.AutoLR.paper, total_steps=st.just(100), warmup_steps=st.integers(-5, 120), temperature=floats,
     momentum=floats, lr_of_lr=floats))
 
 
@@ -79,7 +87,7 @@ def test_plan_order_start_decay_and_floors_closed_form():
   explore = {'weight_decay': (optax.linear_schedule(1e-2, 1e-3, 100), 0.5),
              'dropout': H.Explore(0.1, 0.05, additive=True, low=0.0, high=0.5, to_optimizer=False)}
   groups = {'emb': '^emb', 'rest': '^(?!emb)'}
-  plan = _plan(sched, auto_lr=H.AutoLR(total_steps=100, warmup_steps=12, min_value=3e-5), explore=explore,
+  plan = _plan(sched, auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=12, min_value=3e-5), explore=explore,
                param_groups=groups)
   assert plan.names == H.hyperparam_names(param_groups=groups, explore=explore) == (
       'learning_rate/emb', 'learning_rate/rest', 'weight_decay', 'dropout')
@@ -93,6 +101,116 @@ def test_plan_order_start_decay_and_floors_closed_form():
   assert plan.floors[:2] == (3e-5, 3e-5) and math.isclose(plan.floors[2], 0.1 * float(explore['weight_decay'][0](99)),
                                                           rel_tol=1e-6)
   assert plan.floors[3] == 0.0
-  np.testing.assert_allclose(plan.scale[0], H.spread_multipliers(8, 0.25), rtol=1e-7)
+  np.testing.assert_allclose(plan.scale[0], H.multipliers.spread_multipliers(8, 0.25), rtol=1e-7)
   np.testing.assert_allclose(plan.offset[3], 0.05 * (np.arange(8) - 3.5) / 3.5, rtol=1e-6)
   assert np.all(plan.scale[3] == 1.0) and np.all(plan.offset[0] == 0.0)
+
+
+# ---- The 1.0 API. ----
+
+
+def test_autolr_defaults_are_the_guarded_climb():
+  """AutoLR(total_steps=S) is the measured 'fit' controller at its documented defaults (the paper's fields keep
+  theirs, unread by 'fit')."""
+  assert dataclasses.asdict(H.AutoLR(total_steps=1500)) == dict(
+      total_steps=1500, controller='fit', warmup_steps=0, initial_scale=0.1, trust=1.0, memory=0.5, step_growth=2.0,
+      max_gain=4.0, stop_steps=0, after_stop='rise', backoff=True, backoff_stderrs=2.0, backoff_fraction=0.05,
+      settle=True, temperature=0.1, lr_of_lr=0.5, momentum=0.9, decay=None, min_value=None, smooth_decay=True)
+  # The removed knob is gone, not ignored.
+  assert 'overshoot' not in {f.name for f in dataclasses.fields(H.AutoLR)}
+  with pytest.raises(TypeError, match='overshoot'):
+    H.AutoLR(total_steps=100, overshoot=1.5)
+  # And the default passes hdet's validation, on a schedule and on a constant LR.
+  H.hdet(optax.adam, SCHED, num_replicas=8, auto_lr=H.AutoLR(total_steps=100))
+  H.hdet(optax.adam, 1e-3, num_replicas=8, auto_lr=H.AutoLR(total_steps=100))
+
+
+def test_autolr_paper_is_the_papers_controller_with_the_fit_fields_neutral():
+  """AutoLR.paper(...) sets controller='paper', its own fields as given, and every 'fit' field at the value
+  that leaves a controller without it; hdet accepts it and plans the paper's decay."""
+  paper = H.AutoLR.paper(total_steps=1500, warmup_steps=750, temperature=0.2, lr_of_lr=0.3, momentum=0.8, decay=0.01,
+                         min_value=1e-5, smooth_decay=False, stop_steps=1200)
+  assert dataclasses.asdict(paper) == dict(
+      total_steps=1500, controller='paper', warmup_steps=750, initial_scale=1.0, trust=1.0, memory=0.5,
+      step_growth=1.0, max_gain=4.0, stop_steps=1200, after_stop='hold', backoff=False, backoff_stderrs=0.0,
+      backoff_fraction=0.0, settle=False, temperature=0.2, lr_of_lr=0.3, momentum=0.8, decay=0.01, min_value=1e-5,
+      smooth_decay=False)
+  default = H.AutoLR.paper(total_steps=100)
+  assert (default.controller, default.warmup_steps, default.stop_steps, default.temperature, default.lr_of_lr,
+          default.momentum, default.decay, default.min_value, default.smooth_decay) == (
+              'paper', 0, None, 0.1, 0.5, 0.9, None, None, True)
+  H.hdet(optax.adam, SCHED, num_replicas=8, auto_lr=default)
+  H.hdet(optax.adam, H.one_cycle(1e-3, 1500), num_replicas=8, auto_lr=paper)
+  plan = _plan(SCHED, auto_lr=default)
+  # The paper's controller starts at the first sync (5) and decays to the schedule's end value by step 99:
+  # (1 - gamma)^((99 - 5) / 5) = sched(99) / sched(5).
+  assert plan.controller_start == 5 and plan.initial_correction == (0.0,)
+  assert math.isclose((1 - plan.decay[0]) ** ((99 - 5) / 5), float(SCHED(99)) / float(SCHED(5)), rel_tol=1e-5)
+
+
+def test_autolr_with_controller_paper_and_the_fit_defaults_raises_naming_autolr_paper():
+  """AutoLR(controller='paper') keeps the fit's defaults (initial_scale 0.1, a rise-only climb, the back-off, ...),
+  which the paper's controller does not take: one error that names them and AutoLR.paper."""
+  with pytest.raises(ValueError, match=r"controller='paper' takes none of the 'fit' settings, got initial_scale=0\.1, "
+                                       r"step_growth=2\.0, after_stop='rise', backoff=True, .*hdet_jax\.AutoLR\.paper"):
+    H.hdet(optax.adam, SCHED, num_replicas=8, auto_lr=H.AutoLR(total_steps=100, controller='paper'))
+
+
+@pytest.mark.parametrize('total_steps, period', [(300, 20), (1500, 100), (3000, 100), (None, 100)])
+def test_default_sync_windows(monkeypatch, total_steps, period):
+  """hdet(sync_every=None), the default: windows of round(S / 15) steps, at most 100, with auto_lr's total_steps
+  S (300 / 15 = 20; 1500 / 15 = 100; 3000 / 15 = 200, capped), and of 100 without auto_lr."""
+  plans = []
+  make_plan = settings_lib.make_plan
+  monkeypatch.setattr(settings_lib, 'make_plan', lambda *a, **kw: plans.append(make_plan(*a, **kw)) or plans[-1])
+  auto_lr = None if total_steps is None else H.AutoLR(total_steps=total_steps)
+  H.hdet(optax.adam, 1e-3, num_replicas=8, auto_lr=auto_lr)
+  H.hdet(optax.adam, 1e-3, num_replicas=8, auto_lr=auto_lr, sync_every=None)
+  assert [p.sync_windows for p in plans] == [(period,), (period,)]
+  if total_steps == 300:  # and the transform syncs after steps 20, 40, ... (its first sync starts the controller)
+    assert plans[0].controller_start == 20
+    tx = H.hdet(optax.sgd, 1e-3, num_replicas=8, replica_axis='data', auto_lr=auto_lr)
+    state = jax.vmap(tx.init)({'w': jnp.zeros((8, 2))})
+    step = jax.jit(jax.vmap(lambda s: tx.update({'w': jnp.zeros(2)}, s, {'w': jnp.zeros(2)}, value=1.0)[1],
+                            axis_name='data'))
+    synced = []
+    for _ in range(40):
+      state = step(state)
+      synced.append(bool(state.synced[0]))
+    assert [t + 1 for t, s in enumerate(synced) if s] == [20, 40] and int(state.sync_count[0]) == 2
+
+
+USER_API = ['AutoLR', 'Explore', 'HDETState', 'apply_updates', 'average_replicas', 'group_shardings', 'hdet',
+            'hyperparam_names', 'hyperparams', 'is_sync_step', 'one_cycle', 'packed', 'pmean_finite', 'replica',
+            'replica_value', 'shard_map_replicas', 'stack_replicas', 'state_shardings']
+INTERNALS = {
+    'hdet_jax.controller': ['ControllerState', 'controller_update', 'decay_for_schedule', 'reference_decay',
+                            'softmax_weights', 'fit_update', 'accelerate', 'penalize_nonfinite'],
+    'hdet_jax.multipliers': ['draw_permutations', 'spread_multipliers', 'unit_offsets', 'identity_permutations'],
+    'hdet_jax.packing': ['PackedState', 'pack_state', 'unpack_state'],
+    'hdet_jax.replicas': ['all_gather', 'axis_index', 'finite_mean', 'pmean', 'psum', 'replica_axes'],
+    'hdet_jax.param_groups': ['group_labels'],
+    'hdet_jax.settings': ['Plan', 'make_plan'],
+    'hdet_jax.windows': ['default_period'],
+}
+
+
+def test_all_is_the_user_api_and_the_internals_stay_in_their_modules():
+  assert sorted(H.__all__) == USER_API
+  assert all(callable(getattr(H, name)) for name in H.__all__)
+  for module, names in INTERNALS.items():
+    m = importlib.import_module(module)
+    missing = [name for name in names if not hasattr(m, name)]
+    assert not missing, (module, missing)
+
+
+def test_the_removed_knobs_are_gone():
+  """The geometric fan, the noise-scale module, the overshoot and the plan's log offsets left the core in 1.0."""
+  assert 'fan' not in inspect.signature(H.hdet).parameters
+  with pytest.raises(ValueError, match=r'hdet: fan= was removed in hdet-jax 1\.0: .*drop the argument'):
+    H.hdet(optax.adam, 1e-3, num_replicas=8, fan='geometric')  # one error line, not the optimizer's TypeError
+  assert not hasattr(H.multipliers, 'geometric_multipliers')
+  with pytest.raises(ImportError):
+    importlib.import_module('hdet_jax.noise_scale')
+  assert 'overshoot' not in inspect.signature(H.controller.fit_update).parameters
+  assert 'log_offsets' not in settings_lib.Plan._fields

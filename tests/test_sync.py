@@ -23,13 +23,23 @@ def mesh():
   return make_mesh()
 
 
+# The 'fit' controller as AutoLR(controller='fit') was before 1.0, the guarded climb's parts off (a start at the
+# schedule, trust 0.25, no acceleration, no stop, no back-off, no settling): each test sets the parts it tests.
+PLAIN_FIT = dict(controller='fit', initial_scale=1.0, trust=0.25, step_growth=1.0, stop_steps=None, after_stop='hold',
+                 backoff=False, backoff_stderrs=0.0, backoff_fraction=0.0, settle=False)
+
+
+def plain_fit(total_steps, **kw):
+  return H.AutoLR(total_steps=total_steps, **(PLAIN_FIT | kw))
+
+
 @pytest.mark.parametrize('exact', [False, True])
 def test_window_end_program_equals_the_fused_sync_step(mesh, exact):
   """A step with sync=False followed by update(None, ..., sync=True) does what one sync=True step does."""
   T, S = 3, 13
   params, c = quad_problem(dim=16, seed=2)
   tx = H.hdet(optax.adam, H.one_cycle(0.05, 40), num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              exact_sync=exact, auto_lr=H.AutoLR(total_steps=40, warmup_steps=3, temperature=0.05))
+              exact_sync=exact, auto_lr=H.AutoLR.paper(total_steps=40, warmup_steps=3, temperature=0.05))
   apply = (lambda p, u, s, sync: H.apply_updates(p, u, s, replica_axis=AX, sync=sync)) if exact else (
       lambda p, u, s, sync: optax.apply_updates(p, u))
 
@@ -101,7 +111,7 @@ def test_all_reduce_runs_only_on_sync_steps(mesh):
   conditional's sync branch; the static non-sync program has no collective at all."""
   params, c = quad_problem(dim=16)
   tx = H.hdet(optax.adam, 0.05, num_replicas=N, spread=0.25, sync_every=10, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=100, warmup_steps=10))
+              auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=10))
   sp = put(mesh, H.stack_replicas(params, N))
   ss = put(mesh, jax.jit(jax.vmap(tx.init))(sp))
   data = put(mesh, c)
@@ -123,9 +133,9 @@ def test_score_replaces_the_window_loss_and_stop_steps_freezes_the_controller(co
   """At a sync, score= (e.g. each replica's loss on a common batch) is what the controller compares,
   not the window's training losses; after stop_steps the controller no longer moves the base."""
   S, T, stop = 60, 5, 30
-  settings = dict(temperature=0.01, decay=0.0) if controller == 'paper' else dict(controller='fit', overshoot=1.0)
-  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=S, warmup_steps=0, stop_steps=stop, **settings))
+  auto_lr = (H.AutoLR.paper(total_steps=S, warmup_steps=0, stop_steps=stop, temperature=0.01, decay=0.0)
+             if controller == 'paper' else plain_fit(S, warmup_steps=0, stop_steps=stop))
+  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, auto_lr=auto_lr)
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
 
@@ -160,7 +170,7 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
   smooth geometric path (or holds, smooth_decay=False)."""
   S, T, gamma, floor = 80, 5, 0.03, 4e-3
   tx = H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, seed=7,
-              auto_lr=H.AutoLR(total_steps=S, warmup_steps=0, temperature=0.05, lr_of_lr=0.7, momentum=0.6,
+              auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=0, temperature=0.05, lr_of_lr=0.7, momentum=0.6,
                                decay=gamma, min_value=floor, smooth_decay=smooth))
   states = signal_run(tx, S)
   v = np.zeros(1)
@@ -168,7 +178,7 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
   for k in range(1, S // T + 1):
     before, after = states[(k - 1) * T], states[k * T]
     c0 = before.controller
-    lrs = c0.base[0] * H.spread_multipliers(N, 0.25)[c0.perm[0]]  # the window's nominal LRs
+    lrs = c0.base[0] * H.multipliers.spread_multipliers(N, 0.25)[c0.perm[0]]  # the window's nominal LRs
     losses = after.controller.window_losses
     # The window losses are each replica's mean loss over the window's steps.
     np.testing.assert_allclose(losses, np.mean([1.0 + 3.0 * (states[j].values[0] / 1e-2 - 1.0) ** 2
@@ -186,7 +196,7 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
   np.testing.assert_allclose(inside, want, rtol=1e-5)
   # The seed sets the permutations: another seed draws others.
   other = signal_run(H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, seed=8,
-                             auto_lr=H.AutoLR(total_steps=S, warmup_steps=0)), T)
+                             auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=0)), T)
   assert not np.array_equal(other[T].controller.perm, states[T].controller.perm)
 
 
@@ -200,17 +210,17 @@ def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth, max
   S, T = 60, 5
   sched = optax.linear_schedule(5e-3, 2e-3, S)
   tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.3, trust=0.2, memory=0.4,
-                               initial_scale=initial_scale, step_growth=growth, max_gain=max_gain))
+              auto_lr=plain_fit(S, trust=0.2, memory=0.4, initial_scale=initial_scale, step_growth=growth,
+                                max_gain=max_gain))
   states = signal_run(tx, S)
   np.testing.assert_allclose(states[0].base[0], initial_scale * float(sched(0)), rtol=1e-6)
   xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), np.log(initial_scale)
-  rho = H.spread_multipliers(N, 0.25)
+  rho = H.multipliers.spread_multipliers(N, 0.25)
   fitted, sure = [], []
   for k in range(1, S // T + 1):
     before, after = states[(k - 1) * T], states[k * T]
     u = (rho[before.controller.perm[0]] - 1.0)[:, None]
-    b, c, step, xtx, xty = numpy_fit(xtx, xty, after.controller.window_losses, u, [True], 0.4, 1.3, [0.2])
+    b, c, step, xtx, xty = numpy_fit(xtx, xty, after.controller.window_losses, u, [True], 0.4, [0.2])
     fitted.append(step[0])
     sure.append(abs(b[0]) > 2 * numpy_slope_stderr(after.controller.window_losses, u)[0])
     taken = numpy_accelerate(fitted, growth, max_gain, 0.2, sure)[-1]
@@ -218,7 +228,7 @@ def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth, max
     np.testing.assert_allclose(after.controller.correction, [corr], rtol=1e-3, atol=1e-4)
     t = k * T
     np.testing.assert_allclose(after.base[0], float(sched(t)) * np.exp(after.controller.correction[0]), rtol=1e-5)
-  # It moved toward the bowl's bottom at LR 1e-2 x overshoot, from below.
+  # It moved toward the bowl's bottom at LR 1e-2, from below.
   assert states[-1].base[0] > 2 * float(sched(S))
 
 
@@ -230,15 +240,14 @@ def test_after_stop_rise_takes_only_steps_up_after_the_stop(start):
   S, T, stop = 80, 5, 20
   sched = optax.constant_schedule(1e-2 * start)
   tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.0, trust=0.1, memory=0.4,
-                               stop_steps=stop, after_stop='rise'))
+              auto_lr=plain_fit(S, trust=0.1, memory=0.4, stop_steps=stop, after_stop='rise'))
   states = signal_run(tx, S)
   xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), 0.0
-  rho = H.spread_multipliers(N, 0.25)
+  rho = H.multipliers.spread_multipliers(N, 0.25)
   for k in range(1, S // T + 1):
     before, after = states[(k - 1) * T], states[k * T]
     u = (rho[before.controller.perm[0]] - 1.0)[:, None]
-    _, _, step, xtx, xty = numpy_fit(xtx, xty, after.controller.window_losses, u, [True], 0.4, 1.0, [0.1])
+    _, _, step, xtx, xty = numpy_fit(xtx, xty, after.controller.window_losses, u, [True], 0.4, [0.1])
     corr += step[0] if k * T - 1 <= stop else max(step[0], 0.0)
     np.testing.assert_allclose(after.controller.correction, [corr], rtol=1e-3, atol=1e-4)
   held = states[(stop // T + 1) * T].controller.correction[0]
@@ -255,7 +264,7 @@ def test_initial_scale_is_the_run_of_a_scaled_schedule():
   sched = optax.linear_schedule(2e-2, 8e-3, S)
   def run_with(schedule, scale):
     return signal_run(H.hdet(optax.sgd, schedule, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-                             auto_lr=H.AutoLR(total_steps=S, controller='fit', trust=0.3, initial_scale=scale)), S)
+                             auto_lr=plain_fit(S, trust=0.3, initial_scale=scale)), S)
   cautious, scaled = run_with(sched, c), run_with(lambda t: c * sched(t), 1.0)
   np.testing.assert_allclose([s.values for s in cautious], [s.values for s in scaled], rtol=2e-5)
   np.testing.assert_allclose([s.controller.correction - np.log(c) for s in cautious],
@@ -306,7 +315,7 @@ def test_permutations_identical_on_replicas_and_independent_across_hyperparams(m
   assert same_rows <= 1
   # Each replica's explored values are base * rho[perm] for its own hyperparameter.
   st = trace[-1][1]
-  rho_wd = H.spread_multipliers(N, 0.5)
+  rho_wd = H.multipliers.spread_multipliers(N, 0.5)
   np.testing.assert_allclose(st.values[0, 1], 1e-2 * rho_wd[st.controller.perm[0, 1]], rtol=1e-6)  # for the next step
 
 
@@ -341,7 +350,7 @@ def quad(p):
 def test_injected_nan_is_contained(mesh, exact):
   params = {'w': jnp.zeros(4)}
   mk = lambda guard: H.hdet(optax.sgd, 0.1, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX,
-                            auto_lr=H.AutoLR(total_steps=100, warmup_steps=0, temperature=0.1),
+                            auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0, temperature=0.1),
                             guard_nonfinite=guard, exact_sync=exact)
   guarded = _run(mesh, mk(True), quad, 12, params, True, inject=(5, 3), exact=exact)
   clean = _run(mesh, mk(True), quad, 12, params, True, exact=exact)
@@ -368,7 +377,7 @@ def barrier(p):
 def test_highest_lr_replica_diverges_for_real(mesh):
   params = {'w': jnp.zeros(2)}
   mk = lambda guard: H.hdet(optax.sgd, 0.7, num_replicas=N, spread=0.8, sync_every=5, replica_axis=AX,
-                            auto_lr=H.AutoLR(total_steps=200, warmup_steps=0, temperature=0.05, decay=0.0),
+                            auto_lr=H.AutoLR.paper(total_steps=200, warmup_steps=0, temperature=0.05, decay=0.0),
                             guard_nonfinite=guard)
   guarded = _run(mesh, mk(True), barrier, 40, params, True)
   unguarded = _run(mesh, mk(False), barrier, 40, params, False)
@@ -418,7 +427,7 @@ def test_permutation_key_advances_at_every_sync_like_the_oracle():
     for _ in range(T):
       sp, ss, _ = f(sp, ss, c)
     key, sub = jax.random.split(key)
-    want = np.asarray(H.draw_permutations(sub, g, N))
+    want = np.asarray(H.multipliers.draw_permutations(sub, g, N))
     got = np.asarray(ss.controller.perm)  # [N replicas, G, N]
     np.testing.assert_array_equal(got, np.broadcast_to(want, got.shape))
     seen.append(want.tobytes())
@@ -430,7 +439,7 @@ def test_paper_controller_stops_at_min_value():
   (eq. 7's floor as wired: the plan's floor reaches the controller)."""
   floor, T = 4e-3, 2
   tx = H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=60, temperature=1e-3, lr_of_lr=5.0, momentum=0.0, min_value=floor))
+              auto_lr=H.AutoLR.paper(total_steps=60, temperature=1e-3, lr_of_lr=5.0, momentum=0.0, min_value=floor))
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
 
@@ -452,8 +461,7 @@ def test_step_growth_settles_at_the_bowls_bottom(start):
   the fit's steps are taken at growing gain, overshoot, reverse (gain back to 1) and end at the bottom."""
   S, T = 120, 5
   tx = H.hdet(optax.sgd, optax.constant_schedule(start), num_replicas=N, spread=0.25, sync_every=T,
-              replica_axis=AX, auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.0, trust=0.5,
-                                                memory=0.0, step_growth=2.0, max_gain=4.0))
+              replica_axis=AX, auto_lr=plain_fit(S, trust=0.5, memory=0.0, step_growth=2.0, max_gain=4.0))
   states = signal_run(tx, S)
   gains = np.array([s.controller.gain[0] for s in states[T::T]])
   assert np.abs(gains).max() >= 2.0 and (gains < 0).any() and (gains > 0).any()  # it accelerated and reversed
@@ -473,7 +481,7 @@ def test_a_sync_schedule_averages_and_compares_at_each_windows_end(mesh):
     w = trace[count - 1][0]
     assert np.array_equal(w, np.broadcast_to(w[0], w.shape)) == (count in ends), count
   tx = H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=sync_every, replica_axis=AX, seed=3,
-              auto_lr=H.AutoLR(total_steps=S, warmup_steps=0, temperature=0.05, lr_of_lr=0.7, momentum=0.6,
+              auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=0, temperature=0.05, lr_of_lr=0.7, momentum=0.6,
                                decay=gamma, min_value=4e-3))
   states = signal_run(tx, S)
   for start, end in zip([0] + ends, ends):
@@ -488,7 +496,7 @@ def test_a_sync_schedule_averages_and_compares_at_each_windows_end(mesh):
                              rtol=1e-5)
   # Without decay= the gamma reaching the schedule's end counts 1/3 + 1/5 ... per step from the first sync.
   plan = H.settings.make_plan(optax.sgd, optax.linear_schedule(1e-2, 1e-3, S), num_replicas=N, spread=0.25,
-                              sync_every=sync_every, replica_axis=AX, auto_lr=H.AutoLR(total_steps=S),
+                              sync_every=sync_every, replica_axis=AX, auto_lr=H.AutoLR.paper(total_steps=S),
                               exact_sync=False, seed=0, explore=None, param_groups=None, guard_nonfinite=True,
                               optimizer_kwargs={})
   syncs = 5 * (1 / 5) + (S - 1 - 8) * (1 / 4)  # steps 3..7 in the 5-window, 8..38 in 4-windows
@@ -502,8 +510,7 @@ def _two_syncs_correction(growth, ratio, T=5):
   k (u - 0.05)^2 (both ask for a larger LR), the second plus noise orthogonal to 1, u and u^2 scaled so that
   its fitted slope is ``ratio`` standard errors (numpy_slope_stderr); the first is noiseless."""
   tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=100, controller='fit', overshoot=1.0, trust=1.0, memory=0.5,
-                               step_growth=growth, max_gain=4.0))
+              auto_lr=plain_fit(100, trust=1.0, memory=0.5, step_growth=growth, max_gain=4.0))
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
   step = jax.jit(jax.vmap(lambda p, s: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0, sync=False)[1],
@@ -549,9 +556,9 @@ def _backoff_corrections(backoff, window_losses, rise_only=False, T=5, trust=0.5
   (d = 1, -1, 1, -1, 0: mean 0; ``noise_by_window[k]`` in place of ``noise`` if given), each sync scored on a bowl in the offset u,
   (u - 0.05)^2 (every fit asks for a larger LR)."""
   tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=100, controller='fit', overshoot=1.0, trust=trust, memory=0.5,
-                               stop_steps=0 if rise_only else None, after_stop='rise' if rise_only else 'hold',
-                               backoff=backoff, backoff_stderrs=stderrs, backoff_fraction=fraction))
+              auto_lr=plain_fit(100, trust=trust, memory=0.5, stop_steps=0 if rise_only else None,
+                                after_stop='rise' if rise_only else 'hold', backoff=backoff,
+                                backoff_stderrs=stderrs, backoff_fraction=fraction))
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
   step = jax.jit(jax.vmap(lambda p, s, v: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=v, sync=False)[1],
@@ -640,9 +647,8 @@ def _settle_run(start, settle, S=100, T=5, stop_steps=0):
   """signal_run (a bowl at LR 1e-2) from a constant LR ``start``, rise-only after ``stop_steps`` (0: from the
   first sync), with or without ``settle``."""
   tx = H.hdet(optax.sgd, optax.constant_schedule(start), num_replicas=N, spread=0.25, sync_every=T,
-              replica_axis=AX, auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.0, trust=0.5,
-                                                memory=0.5, stop_steps=stop_steps, after_stop='rise',
-                                                step_growth=2.0, max_gain=4.0, settle=settle))
+              replica_axis=AX, auto_lr=plain_fit(S, trust=0.5, memory=0.5, stop_steps=stop_steps, after_stop='rise',
+                                                   step_growth=2.0, max_gain=4.0, settle=settle))
   return signal_run(tx, S)
 
 
@@ -696,8 +702,7 @@ def _settle_after(ratio, noisy_sync, T=5):
   two's (u + 0.05)^2 ask down; at sync ``noisy_sync`` (1 or 2) plus noise orthogonal to 1, u and u^2 that puts
   the fitted slope at ``ratio`` standard errors (numpy_slope_stderr)."""
   tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=100, controller='fit', overshoot=1.0, trust=1.0, memory=0.0,
-                               stop_steps=0, after_stop='rise', settle=True))
+              auto_lr=plain_fit(100, trust=1.0, memory=0.0, stop_steps=0, after_stop='rise', settle=True))
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
   step = jax.jit(jax.vmap(lambda p, s: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0, sync=False)[1],
@@ -725,35 +730,3 @@ def test_settle_needs_two_asks_down_in_a_row_each_beyond_twice_its_standard_erro
   """The climb ends at the second of two asks down in a row, and only when both slopes are more than 2
   standard errors (the gain's test): either ask at 1.5 standard errors leaves it climbing."""
   assert _settle_after(ratio, noisy_sync) == [False, False, ratio > 2]
-
-
-def test_geometric_fan_spreads_the_lr_log_spaced_and_the_fit_reads_log_rho():
-  """fan='geometric': replica r trains at base * (1 + spread) ** u_r under its permutation, and the 'fit' controller
-  regresses the losses on log rho, its fitted best taken as the log-step itself (no overshoot): the numpy fit with
-  offsets log rho, additive. On the bowl at LR 1e-2 from 8x above, a fan over 64x puts replicas on both sides."""
-  S, T, spread = 30, 5, 7.0
-  sched = optax.constant_schedule(8e-2)
-  tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=spread, sync_every=T, replica_axis=AX, fan='geometric',
-              auto_lr=H.AutoLR(total_steps=S, controller='fit', overshoot=1.0, trust=3.0, memory=0.0))
-  states = signal_run(tx, S)
-  rho = H.geometric_multipliers(N, spread)
-  corr = 0.0
-  for k in range(1, S // T + 1):
-    before, after = states[(k - 1) * T], states[k * T]
-    np.testing.assert_allclose(before.values[0], before.base[0] * rho[before.controller.perm[0]], rtol=1e-5)
-    u = np.log(rho[before.controller.perm[0]])[:, None]
-    _, _, step, _, _ = numpy_fit(np.zeros((2, 2)), np.zeros(2), after.controller.window_losses, u, [False], 0.0,
-                                 1.0, [3.0])
-    corr += step[0]
-    np.testing.assert_allclose(after.controller.correction, [corr], rtol=1e-3, atol=1e-4)
-  # From 8x above it came down by more than 5x within the 6 syncs (the quadratic in log rho fits a bowl quadratic in
-  # the LR only roughly: it lands within 4x of the bottom, below it).
-  assert states[-1].base[0] < 0.2 * states[0].base[0] and states[-1].base[0] > 0.25e-2
-
-
-@pytest.mark.parametrize('fan,spread,match', [('log', 0.25, "fan must be 'linear'"),
-                                              ('linear', 1.5, r'spread \(alpha\) must be in \[0, 1\)'),
-                                              ('geometric', -1.0, "spread must be a finite number >= 0 with fan")])
-def test_bad_fan_names_the_parameter(fan, spread, match):
-  with pytest.raises(ValueError, match=match):
-    H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=spread, sync_every=5, replica_axis=AX, fan=fan)

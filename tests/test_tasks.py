@@ -229,7 +229,7 @@ def test_mlp_loss_on_a_fixed_batch_matches_a_numpy_oracle():
 
 def test_mlp_hidden_kernels_are_the_conv_group():
   """Per-group LRs: the MLP's dense kernels fall in the group the CNN's convolutions form ('conv')."""
-  from hdet_jax import group_labels
+  from hdet_jax.param_groups import group_labels
   config = small_mnist1d(**{'model.kind': 'mlp', 'model.hidden': 7})
   _, params = mnist1d.TASK.init_model(config, jax.random.key(0))
   labels = group_labels(params, mnist1d.TASK.param_groups)

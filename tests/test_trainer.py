@@ -44,7 +44,7 @@ def test_fit_controller_records_what_it_asked_and_its_slopes_standard_error(stra
       assert c['asks'] == c['stderrs'] == c['deltas'] == c['corrections'] == [0.0] * 3
       continue
     u = (values[c['step']] / values[c['step']].mean(1, keepdims=True) - 1.0).T  # [N, G]; multipliers average to 1
-    b, _, step, xtx, xty = numpy_fit(xtx, xty, c['window_losses'], u, [True] * 3, 0.5, 1.0, [0.25] * 3)
+    b, _, step, xtx, xty = numpy_fit(xtx, xty, c["window_losses"], u, [True] * 3, 0.5, [0.25] * 3)
     np.testing.assert_allclose(c['asks'], step, rtol=2e-3, atol=1e-5)
     # The stderr comes from the residuals of a near-exact fit, computed in float32: 0.6% from the float64 oracle
     # on one processor (AMD EPYC, avx512), 0.2% on others; a wrong formula (degrees of freedom, a missing

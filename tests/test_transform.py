@@ -1,5 +1,6 @@
 """The hdet transformation: fan-out, converge, controller wiring, backends, composition, errors."""
 
+import dataclasses
 import re
 
 import jax
@@ -16,6 +17,12 @@ from replica_testing import AX, N, make_mesh, one_in_flight, put, quad_problem, 
 @pytest.fixture(scope='module')
 def mesh():
   return make_mesh()
+
+
+# The 'fit' controller as AutoLR(controller='fit') was before 1.0, the guarded climb's parts off (a start at the
+# schedule, trust 0.25, no acceleration, no stop, no back-off, no settling).
+PLAIN_FIT = dict(controller='fit', initial_scale=1.0, trust=0.25, step_growth=1.0, stop_steps=None, after_stop='hold',
+                 backoff=False, backoff_stderrs=0.0, backoff_fraction=0.0, settle=False)
 
 
 # --- alpha = 0: exactly plain data parallelism -------------------------------------------------
@@ -97,7 +104,7 @@ def test_quadratic_mean_tracks_alpha_zero_and_offsets_follow_rho(mesh):
   base = H.hdet(optax.sgd, lr, num_replicas=N, spread=0.0, sync_every=T, replica_axis=AX)
   _, _, trace, _ = run(mesh, tx, 23, params, c, record=True)
   _, _, trace0, _ = run(mesh, base, 23, params, c, record=True)
-  rho = H.spread_multipliers(N, alpha)
+  rho = H.multipliers.spread_multipliers(N, alpha)
   nonzero_offsets = 0
   for t, ((w, st), (w0, _)) in enumerate(zip(trace, trace0)):
     mean = w.mean(0)
@@ -126,7 +133,7 @@ def test_donated_state_buffers_pair_with_their_own_outputs(mesh):
   params, c = quad_problem(dim=16)
   tx = H.hdet(optax.adam, H.one_cycle(0.05, 100), num_replicas=N, spread=0.25, sync_every=10, replica_axis=AX,
               exact_sync=True,
-              auto_lr=H.AutoLR(total_steps=100, warmup_steps=10))
+              auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=10))
   sp = H.stack_replicas(params, N)
   sp, ss, data = put(mesh, (sp, jax.jit(jax.vmap(tx.init))(sp), c))
   step = jax.jit(H.shard_map_replicas(quad_step(tx, sync=False, exact=True), mesh, AX), donate_argnums=(0, 1))
@@ -143,7 +150,7 @@ def test_donated_state_buffers_pair_with_their_own_outputs(mesh):
 def test_compiles_once_across_sync_and_non_sync_steps(mesh):
   params, c = quad_problem()
   tx = H.hdet(optax.adam, H.one_cycle(0.05, 40), num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=40, warmup_steps=6, temperature=0.05))
+              auto_lr=H.AutoLR.paper(total_steps=40, warmup_steps=6, temperature=0.05))
   _, ss, _, f = run(mesh, tx, 14, params, c)
   assert int(ss.sync_count[0]) == 4
   assert f._cache_size() == 1
@@ -155,7 +162,7 @@ def test_backends_agree(mesh):
   params, c = quad_problem()
   def make():
     return H.hdet(optax.adam, H.one_cycle(0.05, 40), num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX,
-                  auto_lr=H.AutoLR(total_steps=40, warmup_steps=6, temperature=0.05))
+                  auto_lr=H.AutoLR.paper(total_steps=40, warmup_steps=6, temperature=0.05))
   out = {b: run(mesh, make(), 20, params, c, backend=b) for b in ('shard_map', 'pmap', 'vmap')}
   ref_p, ref_s = out['shard_map'][0], out['shard_map'][1]
   assert float(ref_s.controller.velocity[0, 0]) != 0.0  # the controller ran
@@ -173,7 +180,7 @@ def test_controller_state_and_no_signal_decay(mesh):
   S, T, W = 60, 5, 10
   sched = H.one_cycle(max_lr=0.1, total_steps=S)
   tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=S, warmup_steps=W, temperature=0.1))
+              auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=W, temperature=0.1))
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
 
@@ -198,7 +205,7 @@ def test_controller_state_and_no_signal_decay(mesh):
   np.testing.assert_allclose(ss.controller.window_losses, 1.0)
   assert int(ss.sync_count[0]) == S // T
   lrs = np.asarray(ss.learning_rates[0])  # every replica's LR for step S
-  rho = H.spread_multipliers(N, 0.25)
+  rho = H.multipliers.spread_multipliers(N, 0.25)
   np.testing.assert_allclose(np.sort(lrs), np.sort(float(ss.base[0, 0]) * rho), rtol=1e-6)
   np.testing.assert_allclose(lrs, float(ss.base[0, 0]) * rho[np.asarray(ss.controller.perm[0, 0])], rtol=1e-6)
 
@@ -208,9 +215,9 @@ def test_controller_state_and_no_signal_decay(mesh):
 def test_direction_end_to_end(favour, controller):
   """A loss that favours larger LRs raises the base above the no-signal path, and vice versa."""
   S, T = 200, 5
-  settings = dict(temperature=0.01, decay=0.0) if controller == 'paper' else dict(controller='fit', overshoot=1.0)
-  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=S, warmup_steps=0, **settings))
+  auto_lr = (H.AutoLR.paper(total_steps=S, warmup_steps=0, temperature=0.01, decay=0.0) if controller == 'paper'
+             else H.AutoLR(total_steps=S, warmup_steps=0, **PLAIN_FIT))
+  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, auto_lr=auto_lr)
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
 
@@ -230,7 +237,7 @@ def test_direction_end_to_end(favour, controller):
 def test_chain_with_clip_forwards_value(mesh):
   params, c = quad_problem()
   inner = H.hdet(optax.sgd, 0.1, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX,
-                 auto_lr=H.AutoLR(total_steps=50, warmup_steps=0, temperature=0.05))
+                 auto_lr=H.AutoLR.paper(total_steps=50, warmup_steps=0, temperature=0.05))
   tx = optax.chain(optax.clip_by_global_norm(0.01), inner)
   sp, ss, _, _ = run(mesh, tx, 8, params, c)
   # Clipped: each replica moved by at most lr * rho_max * 0.01 per step.
@@ -278,7 +285,7 @@ def test_multi_transform_both_ways(mesh):
 def test_nnx_optimizer_under_vmap():
   from flax import nnx
   tx = H.hdet(optax.adam, 0.05, num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX,
-              auto_lr=H.AutoLR(total_steps=50, warmup_steps=0, temperature=0.05))
+              auto_lr=H.AutoLR.paper(total_steps=50, warmup_steps=0, temperature=0.05))
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   graphdef, state = nnx.split((model, opt))
@@ -314,35 +321,44 @@ SCHED = H.one_cycle(1e-3, 100)
     (dict(spread=1.0), 'spread'),
     (dict(sync_every=0), 'sync_every'),
     (dict(num_replicas=0), 'num_replicas'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, temperature=0.0)), 'temperature'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, temperature=-1.0)), 'temperature'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, momentum=1.0)), 'momentum'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, momentum=-0.1)), 'momentum'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, warmup_steps=-1)), 'warmup_steps'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, warmup_steps=100)), 'warmup_steps'),
+    (dict(auto_lr=H.AutoLR.paper(total_steps=100, temperature=0.0)), 'temperature'),
+    (dict(auto_lr=H.AutoLR.paper(total_steps=100, temperature=-1.0)), 'temperature'),
+    (dict(auto_lr=H.AutoLR.paper(total_steps=100, momentum=1.0)), 'momentum'),
+    (dict(auto_lr=H.AutoLR.paper(total_steps=100, momentum=-0.1)), 'momentum'),
+    (dict(auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=-1)), 'warmup_steps'),
+    (dict(auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=100)), 'warmup_steps'),
+    (dict(auto_lr=H.AutoLR.paper(total_steps=100), spread=0.0), 'spread'),
     (dict(auto_lr=H.AutoLR(total_steps=100), spread=0.0), 'spread'),
-    (dict(auto_lr=H.AutoLR(total_steps=100), learning_rate=optax.linear_schedule(1e-3, 0.0, 99)), 'learning_rate'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, min_value=0.0)), 'min_value'),
+    (dict(auto_lr=H.AutoLR.paper(total_steps=100), learning_rate=optax.linear_schedule(1e-3, 0.0, 99)),
+     'learning_rate'),
+    (dict(auto_lr=H.AutoLR.paper(total_steps=100, min_value=0.0)), 'min_value'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='psychic')), 'controller'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', overshoot=0.5)), 'overshoot'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', trust=0.0)), 'trust'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', memory=1.0)), 'memory'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, stop_steps=-5)), 'stop_steps'),
+    (dict(auto_lr=H.AutoLR.paper(total_steps=100, stop_steps=-5)), 'stop_steps'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', initial_scale=0.0)), 'initial_scale'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, initial_scale=0.1)), "initial_scale=0.1 needs controller='fit'"),
-    (dict(auto_lr=H.AutoLR(total_steps=100, after_stop='rise')), "after_stop must be 'hold' or"),
-    (dict(auto_lr=H.AutoLR(total_steps=100, backoff=True)), "backoff must be a bool, and True only with controller='fit'"),
+    # The paper's controller takes none of the fit's settings (AutoLR.paper leaves them neutral).
+    (dict(auto_lr=dataclasses.replace(H.AutoLR.paper(total_steps=100), initial_scale=0.1)),
+     "controller='paper' takes none of the 'fit' settings, got initial_scale=0.1; build it with "
+     "hdet_jax.AutoLR.paper"),
+    (dict(auto_lr=dataclasses.replace(H.AutoLR.paper(total_steps=100), after_stop='rise')),
+     "controller='paper' takes none of the 'fit' settings, got after_stop='rise';"),
+    (dict(auto_lr=dataclasses.replace(H.AutoLR.paper(total_steps=100), backoff=True)),
+     "controller='paper' takes none of the 'fit' settings, got backoff=True;"),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=1)), 'backoff must be a bool'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff_stderrs=2.0)),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=False, backoff_stderrs=2.0,
+                           backoff_fraction=0.0)),
      'backoff_stderrs must be a number >= 0, and > 0 only with backoff=True'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=True, backoff_stderrs=-1.0)),
      'backoff_stderrs must be a number >= 0'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff_fraction=0.05)),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=False, backoff_stderrs=0.0,
+                           backoff_fraction=0.05)),
      r'backoff_fraction must be a number in \[0, 1\), and > 0 only with backoff=True'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=True, backoff_fraction=1.0)),
      'backoff_fraction must be a number in'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='fall')), 'after_stop'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', settle=True)), "settle must be a bool, and True only with"),
+    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='hold', settle=True)),
+     "settle must be a bool, and True only with"),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='rise', settle=1)), 'settle must be a bool'),
 ])
 def test_bad_settings_raise_at_construction(kwargs, name):
@@ -354,7 +370,7 @@ def test_bad_settings_raise_at_construction(kwargs, name):
 
 def test_trace_time_errors():
   tx = H.hdet(optax.adam, 1e-3, num_replicas=4, spread=0.25, sync_every=2,
-              auto_lr=H.AutoLR(total_steps=100, warmup_steps=0), replica_axis=AX)
+              auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0), replica_axis=AX)
   p = {'w': jnp.zeros(2)}
   s = tx.init(p)
   with pytest.raises(ValueError, match="replica_axis='data' is not bound"):

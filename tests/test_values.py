@@ -40,7 +40,7 @@ def test_base_values_schedule_then_smooth_controller_path():
   window (smooth), or base_k (held); 'fit': the schedule times exp(correction)."""
   sched = optax.linear_schedule(1e-2, 1e-3, 40)
   for smooth in (True, False):
-    plan = _plan(learning_rate=sched, auto_lr=H.AutoLR(total_steps=40, warmup_steps=6, smooth_decay=smooth))
+    plan = _plan(learning_rate=sched, auto_lr=H.AutoLR.paper(total_steps=40, warmup_steps=6, smooth_decay=smooth))
     assert plan.controller_start == 8
     c = ctrl.init_controller_state(jnp.asarray([5e-3]), N, jnp.zeros(2, jnp.uint32))
     gamma = plan.decay[0]
@@ -48,7 +48,7 @@ def test_base_values_schedule_then_smooth_controller_path():
       got = float(values.base_values(plan, jnp.asarray(t), c)[0])
       want = float(sched(t)) if t < 8 else 5e-3 * ((1 - gamma) ** ((t % 4) / 4 - 1) if smooth else 1.0)
       np.testing.assert_allclose(got, want, rtol=1e-6)
-  plan = _plan(learning_rate=sched, auto_lr=H.AutoLR(total_steps=40, controller='fit'))
+  plan = _plan(learning_rate=sched, auto_lr=H.AutoLR(total_steps=40))  # the default: 'fit'
   c = c._replace(correction=jnp.asarray([0.7]))
   for t in (0, 9, 30):
     np.testing.assert_allclose(float(values.base_values(plan, jnp.asarray(t), c)[0]), float(sched(t)) * np.exp(0.7),

@@ -24,7 +24,7 @@ def test_hyperparams_reads_every_replica_and_the_base_for_the_coming_step():
   perm = np.asarray(state.controller.perm[0, 0])
   assert sorted(perm.tolist()) == list(range(N)) and perm.tolist() != list(range(N))  # reshuffled
   np.testing.assert_allclose(hp['base_learning_rate'], base, rtol=1e-6)
-  np.testing.assert_allclose(hp['learning_rate'], base * H.spread_multipliers(N, 0.25)[perm], rtol=1e-6)
+  np.testing.assert_allclose(hp['learning_rate'], base * H.multipliers.spread_multipliers(N, 0.25)[perm], rtol=1e-6)
   # The same view as the state's own fields, and the same from one replica's state inside the step.
   np.testing.assert_array_equal(hp['learning_rate'], np.asarray(state.learning_rates[0]))
   inside = jax.vmap(lambda s: H.hyperparams(s)['learning_rate'], axis_name=AX)(state)
@@ -43,7 +43,7 @@ def test_hyperparams_with_groups_and_explored_values_inside_a_chain():
   state = jax.vmap(tx.init)(params)
   hp = H.hyperparams(state, names)  # found inside the chain's state
   assert list(hp) == list(names) + [f'base_{n}' for n in names]
-  rho_lr, rho_wd = H.spread_multipliers(N, 0.2), H.spread_multipliers(N, 0.5)
+  rho_lr, rho_wd = H.multipliers.spread_multipliers(N, 0.2), H.multipliers.spread_multipliers(N, 0.5)
   for group in groups:
     np.testing.assert_allclose(hp[f'learning_rate/{group}'], 0.1 * rho_lr, rtol=1e-6)
     np.testing.assert_allclose(hp[f'base_learning_rate/{group}'], 0.1, rtol=1e-6)
@@ -62,4 +62,5 @@ def test_why_the_usual_optax_lookups_do_not_apply():
   assert optax.tree_utils.tree_get(state, 'learning_rate') is None
   with pytest.raises(KeyError, match='multiple'):
     optax.tree_utils.tree_get(state, 'base')
-  np.testing.assert_allclose(H.hyperparams(state)['learning_rate'], LR * H.spread_multipliers(N, 0.25), rtol=1e-6)
+  np.testing.assert_allclose(H.hyperparams(state)['learning_rate'], LR * H.multipliers.spread_multipliers(N, 0.25),
+                             rtol=1e-6)

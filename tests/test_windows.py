@@ -76,5 +76,18 @@ def test_a_fixed_period_counts_syncs_exactly_as_before():
 def test_bad_sync_every_is_one_clear_error(bad):
   with pytest.raises(ValueError, match=r'sync_every \(T\) must be an integer >= 1, or a sequence'):
     W.as_windows(bad)
+  if bad is None:  # hdet's sync_every=None is the measured default (default_period), not an error
+    return
   with pytest.raises(ValueError, match='sync_every'):
     H.hdet(lambda learning_rate: None, 1e-3, num_replicas=8, sync_every=bad)
+
+
+@pytest.mark.parametrize('total_steps, period', [(1, 1), (7, 1), (22, 1), (23, 2), (300, 20), (307, 20), (308, 21),
+                                                 (1492, 99), (1493, 100), (1500, 100), (3000, 100), (10 ** 6, 100)])
+def test_default_period_is_a_fifteenth_of_the_run_at_least_1_at_most_100(total_steps, period):
+  """T = round(S / 15), at least 1 and at most 100 (hand-computed: 22 / 15 = 1.47, 23 / 15 = 1.53, 307 / 15 = 20.47,
+  308 / 15 = 20.53, 1492 / 15 = 99.47, 1493 / 15 = 99.53); longest_window=0 lifts the cap."""
+  assert W.default_period(total_steps) == period
+  if total_steps == 3000:
+    assert W.default_period(total_steps, longest_window=0) == 200
+    assert W.default_period(total_steps, num_syncs=10, longest_window=250) == 250

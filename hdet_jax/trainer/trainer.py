@@ -500,7 +500,7 @@ def one_program_in_flight(mesh: Any) -> bool:
 
   XLA:CPU runs an in-process collective's participants on a shared pool of threads; with several multi-device
   programs queued (the loop dispatches ahead), we saw its all-reduce wait for a participant that never came and
-  abort the process ("Termination timeout ... only 7 of them arrived"; README, "Known XLA:CPU limit"): in long runs,
+  abort the process ("Termination timeout ... only 7 of them arrived"; CONTRIBUTING.md, "Known XLA:CPU limit"): in long runs,
   and in the test suite. One program in flight leaves every device's thread to that program. On CPU the steps take
   tens of milliseconds, so the host's work that waiting no longer overlaps is small against them.
   """
