@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import random
 import shutil
 import signal
@@ -51,7 +52,8 @@ def train_cmd(workdir: str, cache: str, config: str = TINY, extra: tuple[str, ..
 
 
 def _env() -> dict:
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = dict(os.environ)  # (the device count comes from JAX_NUM_CPU_DEVICES, which that flag would override)
+  env['XLA_FLAGS'] = re.sub(r'--xla_force_host_platform_device_count=\d+', '', env.get('XLA_FLAGS', '')).strip()
   env['JAX_NUM_CPU_DEVICES'] = '8'
   env.setdefault('JAX_PLATFORMS', 'cpu')
   return env

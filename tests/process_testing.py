@@ -1,6 +1,7 @@
 """Shared helper of the multi-process tests: train.py as 2 processes x 4 CPU devices over jax.distributed."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -14,11 +15,19 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def process_env(devices: int) -> dict:
+  """This environment for a train.py subprocess with ``devices`` CPU devices: the device count left out of XLA_FLAGS
+  (JAX_NUM_CPU_DEVICES sets it; the flag would win), XLA's other flags (the suite's, conftest.py) kept."""
+  env = {k: v for k, v in os.environ.items() if k != 'JAX_NUM_CPU_DEVICES'}
+  env['XLA_FLAGS'] = re.sub(r'--xla_force_host_platform_device_count=\d+', '', env.get('XLA_FLAGS', '')).strip()
+  env['JAX_NUM_CPU_DEVICES'] = str(devices)
+  return env
+
+
 def run_two_processes(config: str, workdir: str, extra_args=(), timeout: int = 300) -> list[str]:
   """Runs train.py as processes 0 and 1 of 2 on localhost (4 CPU devices each); returns their outputs."""
   port = free_port()
-  env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-  env['JAX_NUM_CPU_DEVICES'] = '4'
+  env = process_env(4)
   procs = [subprocess.Popen(
       [sys.executable, os.path.join(ROOT, 'train.py'), '--config', config, '--workdir', workdir, *extra_args,
        f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],

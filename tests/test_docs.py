@@ -251,7 +251,8 @@ def test_package_version_is_pyprojects():
 
 
 def test_project_files():
-  """LICENSE is the Apache-2.0 text pyproject names; CITATION.cff cites the paper; pyproject has the URLs."""
+  """LICENSE is the Apache-2.0 text pyproject names; CITATION.cff cites the paper; pyproject links the paper (the
+  project has no public home yet: no made-up URLs)."""
   import tomllib
   project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
   assert project['license'] == 'Apache-2.0'
@@ -260,7 +261,7 @@ def test_project_files():
   assert 'END OF TERMS AND CONDITIONS' in license_text
   citation = (ROOT / 'CITATION.cff').read_text()
   assert 'cff-version: 1.2.0' in citation and '2604.24708' in citation and 'preferred-citation:' in citation
-  assert {'Homepage', 'Repository', 'Documentation', 'Changelog'} <= set(project['urls'])
+  assert project['urls'] == {'Paper': 'https://arxiv.org/abs/2604.24708'}
   assert '2604.24708' in (DOCS / 'citing.md').read_text()
 
 

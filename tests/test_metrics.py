@@ -153,18 +153,6 @@ def test_controller_tags_follow_the_controller(tmp_path):
                  'controller/slope_stderr/learning_rate': 0.05, 'controller/gain/learning_rate': 2.0}
 
 
-def test_train_tags_carry_the_noise_sums_where_logged(tmp_path):
-  w = metrics.TensorBoardWriter(str(tmp_path))
-  w.write('hyperparams', dict(step=0, names=['learning_rate'], controller='fit'))
-  rec = dict(step=3, loss=[1.0, 3.0], values=[[0.1, 0.2]], bases=[0.15])
-  plain = w._scalars('train', rec)  # pylint: disable=protected-access
-  logged = w._scalars('train', {**rec, 'grad_sq': 4.0, 'mean_grad_sq': 1.5})  # pylint: disable=protected-access
-  w.close()
-  assert not any('noise' in k for k in plain)
-  assert {k: v for k, v in logged.items() if k not in plain} == {'train/noise/grad_sq': 4.0,
-                                                                'train/noise/mean_grad_sq': 1.5}
-
-
 def test_tensorboard_off_writes_only_the_jsonl(tmp_path):
   w = metrics.MetricsWriter(str(tmp_path / 'metrics.jsonl'), tensorboard=False)
   w.write('event', step=0, event='start')

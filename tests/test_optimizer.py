@@ -96,6 +96,7 @@ def _misses(fn):
     active[0] = False
 
 
+@pytest.mark.own_programs
 def test_a_run_scaled_at_run_time_is_the_plain_run_bit_for_bit_and_shares_its_programs(tmp_path):
   """runtime_lr_scale=True at max_lr 0.02 ends as the plain build at 0.02 (final metric, logged LRs, parameters);
   a second run at 0.08 (4x) compiles nothing: every program is the first run's (the test session's persistent

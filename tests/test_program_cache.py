@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from hdet_jax.trainer import program_cache, trainer
 from hdet_jax.trainer import mesh as mesh_lib
@@ -11,6 +12,8 @@ from trainer_testing import compiled, tiny
 # A short HDET run: spread, averaging every 4 steps and (unless turned off) the fit controller from the first sync.
 _RUN = {'num_train_steps': 12, 'log_every': 4, 'eval_every': 0, 'checkpoint_every': 0, 'plots': False,
         'eval_windows': 16, 'hdet.sync_every': 4, 'hdet.warmup_steps': 0}
+
+pytestmark = pytest.mark.own_programs  # every test here counts what it compiles
 
 
 def _run(tmp_path, name, **overrides):
@@ -60,7 +63,8 @@ def test_the_key_leaves_out_only_the_loops_fields_and_the_lrs_power_of_two():
   assert key(**scaled) != key(**scaled, **{'optim.max_lr': 0.03})  # another mantissa: another schedule
   assert key() != key(**{'optim.max_lr': 0.02})  # without run-time scaling the LR is the programs' own
   for field, value in (('stop_at_step', 7), ('plots', False), ('progress_bar', True), ('tensorboard', False),
-                       ('compilation_cache', '/elsewhere')):
+                       ('compilation_cache', '/elsewhere'), ('checkpoint_every', 3), ('max_checkpoints', 0),
+                       ('eval_every', 5), ('stop_on_nan', False)):
     assert key() == key(**{field: value}), field
   for field, value in (('seed', 1), ('hdet.spread', 0.3), ('optim.weight_decay', 0.2), ('model.d_model', 16),
                        ('num_train_steps', 41), ('hdet.controller', 'paper'), ('log_every', 3)):

@@ -223,13 +223,14 @@ def _records(workdir):
 
 
 def test_same_seed_same_metrics_other_seed_other_metrics(chaos_run, tmp_path):
-  base, _ = chaos_run
-  for name, seed in (('same', 0), ('other', 1)):
-    proc = _train(base, str(tmp_path / name), f'--config.seed={seed}')
-    assert proc.returncode == 0, proc.stderr[-2000:]
-  ref, same, other = (_records(d) for d in (os.path.join(base, 'reference'), tmp_path / 'same', tmp_path / 'other'))
+  """The same config and seed in another process give the same records: the chaos run's restarts, each a fresh
+  process, logged exactly the reference's (test_sigkill_three_times_resumes_bit_for_bit). Another seed: others."""
+  base, r = chaos_run
+  assert r['metrics_equal'] == {'train': True, 'controller': True, 'eval': True} and len(r['kills']) >= 3
+  proc = _train(base, str(tmp_path / 'other'), '--config.seed=1')
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  ref, other = (_records(d) for d in (os.path.join(base, 'reference'), tmp_path / 'other'))
   assert len(ref) > 40
-  assert same == ref  # every record but the timings, bit for bit (JSON floats round-trip exactly)
   la = [r['loss'] for r in ref if r['kind'] == 'train']
   lc = [r['loss'] for r in other if r['kind'] == 'train']
   assert len(la) == len(lc) == 40 and all(a != c for a, c in zip(la, lc))

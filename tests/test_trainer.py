@@ -12,7 +12,7 @@ import pytest
 from hdet_jax.trainer import ConfigError, config_lib, train_and_evaluate
 from hdet_jax.trainer.metrics import read_metrics
 from hdet_jax.trainer.trainer import format_summary
-from process_testing import free_port, run_two_processes
+from process_testing import free_port, process_env, run_two_processes
 
 from trainer_testing import ROOT, TINY, leaves as _leaves, restore_raw as _restore_raw, tiny
 
@@ -227,7 +227,9 @@ def _ulps(got, want):
 # differently from the single one (1 device differs from step 1 on), and (b) on 2 or 4 devices the sum is
 # each device's fold plus a fold across devices, another association. Measured over the tiny run (24-40 steps,
 # the controller acting): losses at most 2 ulps apart (4.8e-7), learning rates at most 3e-6 relative apart.
-LOSS_ULPS, LR_RTOL = 8, 2e-5
+# Under the suite's fast-compile XLA flags (tests/conftest.py) the 1-device run drifts further: losses up to 10 ulps
+# apart by step 28, learning rates 2.2e-5 relative by step 32 (the controller carries the rounding on).
+LOSS_ULPS, LR_RTOL = 16, 1e-4
 
 
 def _assert_same_run(got, want, steps):
@@ -324,6 +326,7 @@ def test_warm_noisy_start_from_an_earlier_run(straight, tmp_path):
   assert s['step'] == 10
 
 
+@pytest.mark.own_programs
 def test_nothing_compiles_after_setup(tmp_path, monkeypatch):
   """Every program the loop runs (the step, the window end with its common batch, the evaluation, the
   checkpoint's average and fingerprints) is compiled before step 0: from the first step to the returned
@@ -407,8 +410,7 @@ def test_a_dead_process_makes_the_others_exit_not_hang(tmp_path, victim):
   import signal
   import time
   port, heartbeat = free_port(), 5
-  env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-  env['JAX_NUM_CPU_DEVICES'] = '4'
+  env = process_env(4)
   logs = [tmp_path / f'p{i}.log' for i in range(2)]
   procs = []
   for i in range(2):
@@ -453,8 +455,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(straight
   import time
   ref, _ = straight
   workdir = str(tmp_path / 'mp')
-  env = {k: v for k, v in os.environ.items() if k not in ('JAX_NUM_CPU_DEVICES', 'XLA_FLAGS')}
-  env['JAX_NUM_CPU_DEVICES'] = '4'
+  env = process_env(4)
 
   def launch(tag):
     port = free_port()

@@ -113,7 +113,9 @@ def test_the_rollback_recovers_a_divergence_inside_a_window(tmp_path):
   assert np.all(np.isfinite(m['train'][-1]['loss'])) and np.isfinite(s['final_val_loss'])
   assert [c['step'] for c in m['controller'] if c.get('backed_off')] == [15, 23, 31, 39]
   w, s = runs['backoff_only']
-  assert events(w) == [(10, 'diverged')] and s['diverged_at'] == 10 and s['step'] <= 15  # (its log interval)
+  first = ev[0][0]  # the same run up to its first divergence (step 10 or 11, by the machine's last bits)
+  assert 8 <= first < 15 and events(w) == [(first, 'diverged')] and s['diverged_at'] == first
+  assert s['step'] <= 15  # (its log interval)
   # At 300 and 500 every replica goes NaN in the first window or just after the first sync (step 7), which of the two
   # depending on the machine's arithmetic (one CPU: 300 at step 8 and 500 at 8; another: 300 at 7 and 500 at 8).
   # Before the first sync there is no anchor: the run stops. After it, the anchor is the lost state: one rollback
