@@ -38,7 +38,13 @@ def chaos_run(tmp_path_factory):
   """scripts/chaos.py's run: a reference, then the same command killed 3 times (two during a checkpoint
   write, one at a random point) and restarted. ``python scripts/chaos.py`` kills 20 times."""
   base = str(tmp_path_factory.mktemp('chaos'))
-  return base, chaos.run(base, kills=3, seed=0)
+  report = chaos.run(base, kills=3, seed=0)
+  if len(report['kills']) < 3:
+    # A 'write' kill polls for a checkpoint write in progress; on a loaded machine the poll can miss every write of
+    # a start, which then trains to the end before a third kill lands. Too few kills is the setup failing, not the
+    # recovery under test: run it once more (other kill points).
+    report = chaos.run(base, kills=3, seed=1)
+  return base, report
 
 
 def test_sigkill_three_times_resumes_bit_for_bit(chaos_run):
