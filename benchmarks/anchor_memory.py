@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hdet_jax.trainer import config_lib, input_pipeline as ip, mesh as mesh_lib, model as model_lib  # noqa: E402
+from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import optimizer as optimizer_lib, programs as programs_lib  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +48,7 @@ def footprint(compiled) -> int:
 def measure(config, devices: int) -> dict:
   n = config.hdet.num_replicas
   mesh = mesh_lib.make_mesh(n, devices=devices)
-  tx = optimizer_lib.make_optimizer(config, n, devices)
+  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n, devices)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
   dev = mesh.devices.flat[0]
@@ -56,7 +57,7 @@ def measure(config, devices: int) -> dict:
   windows = ip.probe_windows(rng.integers(0, 256, 100_000, dtype=np.uint8), config.data.seq_len,
                              config.hdet.probe_windows, config.seed, 0)
   common = mesh_lib.put_stacked(np.broadcast_to(windows, (n,) + windows.shape), mesh, batch_dim=1)
-  end = lambda c, *rest: programs_lib.make_window_end(tx, mesh, graphdef=graphdef, config=c).lower(
+  end = lambda c, *rest: programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=run_settings.resolve(c).programs).lower(
       params, opt_state, common, *rest).compile()
   plain = config_lib.with_overrides(config.copy_and_resolve_references(), {'hdet.rollback': False})
   return {
@@ -88,7 +89,7 @@ def main(argv=None):
   parser.add_argument('--devices', default='1,2,8', help='comma-separated device counts (each divides N)')
   args = parser.parse_args(argv)
   config = config_lib.load_config_file(args.config)
-  if not optimizer_lib.rolls_back(config):
+  if not run_settings.resolve(config).loop.rolls_back:
     raise SystemExit(f'error: {args.config} does not roll back (hdet.rollback resolves to False): nothing to measure.')
   rows = [measure(config, int(d)) for d in args.devices.split(',')]
   for r in rows:

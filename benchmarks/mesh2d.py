@@ -40,6 +40,7 @@ from jax import lax  # noqa: E402
 import hdet_jax as H  # noqa: E402
 from hdet_jax import comm  # noqa: E402
 from hdet_jax.trainer import config_lib  # noqa: E402
+from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import model as model_lib  # noqa: E402
 from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib  # noqa: E402
 
@@ -69,7 +70,7 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   programs, compiled."""
   config = config_for(groups, overrides)
   mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
-  tx = optimizer_lib.make_optimizer(config, groups)
+  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), groups)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(config, tx, mesh, groups)(jax.random.key(0))
   layout = mesh_lib.layout(mesh, params, opt_state)
@@ -77,13 +78,13 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   data = mesh_lib.put_stacked(windows, mesh, batch_dim=1)
   probe = mesh_lib.put_stacked(np.zeros((groups, config.hdet.probe_windows, config.data.seq_len + 1), np.uint8),
                          mesh, batch_dim=1)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, config=config, shardings=layout).lower(
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run_settings.resolve(config).programs, shardings=layout).lower(
       params, opt_state, data).compile()
   # The window end's further arguments: the common batch, and the rollback's anchor where the config rolls back.
   shardings = mesh_lib.anchor_layout(mesh, params, opt_state.inner_state)
   anchor = ([programs_lib.make_anchor(mesh, tx, shardings)(params, opt_state)]
-            if optimizer_lib.rolls_back(config) else [])
-  window_end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, config=config, shardings=layout).lower(
+            if run_settings.resolve(config).loop.rolls_back else [])
+  window_end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=run_settings.resolve(config).programs, shardings=layout).lower(
       params, opt_state, probe, *anchor).compile()
   return config, mesh, params, opt_state, step, window_end, data, (probe, *anchor)
 
@@ -178,11 +179,11 @@ def compiled_pair(groups: int, fsdp: int, tensor: int, sync_every: int):
   config = config_for(groups, {'hdet.sync_every': sync_every, 'hdet.score': 'window'})
   mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params = programs_lib.make_init(config, optimizer_lib.make_optimizer(config, groups), mesh, groups)(jax.random.key(0))[0]
+  params = programs_lib.make_init(config, optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), groups), mesh, groups)(jax.random.key(0))[0]
   data = mesh_lib.put_stacked(np.zeros((groups, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
   o = config.optim
   txs = {'plain': optax.adamw(o.max_lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
-         'hdet': optimizer_lib.make_optimizer(config, groups)}
+         'hdet': optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), groups)}
   out = {}
   for name, hdet, sync in (('plain', False, False), ('nosync', True, False), ('sync', True, True)):
     tx = txs['hdet' if hdet else 'plain']

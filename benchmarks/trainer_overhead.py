@@ -117,7 +117,7 @@ def _config(steps):
 
 
 def measure(steps: int = 500) -> dict:
-  from hdet_jax.trainer import optimizer as optimizer_lib, program_cache, trainer
+  from hdet_jax.trainer import optimizer as optimizer_lib, program_cache, trainer, run_settings
   config = _config(steps)
   with tempfile.TemporaryDirectory() as workdir:
     plain = trainer.train_and_evaluate(config, workdir)
@@ -135,7 +135,7 @@ def measure(steps: int = 500) -> dict:
   outside = (loop_s - sec['step']) / loop_s
   other = loop_s - sum(sec.values())
   parts = ', '.join(f'{p} {sec[p]:.2f} s ({sec[p] / loop_s * 100:.1f}%)' for p in PHASES[1:])
-  period = optimizer_lib.sync_windows(config)[-1]  # T (hdet.sync_every 0: counted per run)
+  period = run_settings.sync_windows(config)[-1]  # T (hdet.sync_every 0: counted per run)
   layout = (f'{summary["num_replicas"]} replicas on {summary["num_devices"]} {jax.devices()[0].platform.upper()} '
             f'device(s)')
   head = (f'trainer[default config, {layout}, {steps} steps, T={period}, log every {config.log_every}, '

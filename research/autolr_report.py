@@ -114,9 +114,9 @@ def compares_after(record: dict, window: int) -> bool:
   """Whether the run compared its replicas on a common batch, at their last iterates, after fixed windows of
   ``window`` steps, trained on the shared gradient (the records :func:`ask_thresholds` reads)."""
   import ml_collections
-  from hdet_jax.trainer import optimizer as optimizer_lib
+  from hdet_jax.trainer import optimizer as optimizer_lib, run_settings
   h = record['config']['hdet']
-  windows = optimizer_lib.sync_windows(ml_collections.ConfigDict(record['config']))  # however T was set
+  windows = run_settings.sync_windows(ml_collections.ConfigDict(record['config']))  # however T was set
   # (records written before 1.0 may hold fields removed then, read here as data: a tail's mean, or an annealed
   # copy, is another point than the last iterate, so other asks; early windows are other windows)
   return (h.get('score') == 'common' and windows == (window,) and not h.get('early_sync_every', 0)
@@ -219,9 +219,9 @@ def _best_schedule(grid: dict, grid_best: dict | None) -> np.ndarray | None:
     return None
   import jax
   import ml_collections
-  from hdet_jax.trainer import optimizer as optimizer_lib
+  from hdet_jax.trainer import optimizer as optimizer_lib, run_settings
   config = ml_collections.ConfigDict(grid[grid_best['lr']][0]['config'])
-  return np.asarray(jax.jit(jax.vmap(optimizer_lib.schedule(config)))(np.arange(int(config.num_train_steps))), float)
+  return np.asarray(jax.jit(jax.vmap(run_settings.schedule(config)))(np.arange(int(config.num_train_steps))), float)
 
 
 def _fmt(s: dict | None, digits=3) -> str:

@@ -141,13 +141,13 @@ def record_variant(variant: str, workload: str, steps: int) -> str:
   SAME_RUNS_FROM (before it, if it is one) that trains the same config there (the same fields but the two that set the windows, and the same
   windows). The default's 15 syncs of at most 100 steps are fit_K15's windows below 1500 steps and autolr.py's
   T=100 from 1500 on: those records are its runs, bit for bit (research/tests/test_workloads.py checks one)."""
-  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib
+  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib, run_settings
 
   def trained(v, optim):
     c = config_lib.with_overrides(base_config(workload, steps, False),
                                   autolr.run_overrides('hdet', optim, 0.01, 0, steps, variant=v))
     flat = {k: x for k, x in config_lib.flatten(c).items() if k not in _WINDOW_FIELDS}
-    return flat, optimizer_lib.sync_windows(c)
+    return flat, run_settings.sync_windows(c)
 
   # A variant of SAME_RUNS_FROM may read only those before it (the first to have trained a run keeps it).
   earlier = SAME_RUNS_FROM[:SAME_RUNS_FROM.index(variant)] if variant in SAME_RUNS_FROM else SAME_RUNS_FROM
@@ -169,7 +169,7 @@ def alias_quiet_run(cache: records.RunCache, name: str, config, sibling: str) ->
   """Writes run ``name``'s record (``config``) from the strict back-off run ``sibling``'s, where that run's loss
   never rose and the two configs differ only in the back-off's threshold and rollback (see QUIET_BACKOFF_FROM).
   The record keeps ``same_run_as``: the run it was read from. Returns whether it wrote one."""
-  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib
+  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib, run_settings
   rec = cache.get(sibling)
   if rec is None or os.path.exists(cache.path(name)) or not never_rose(rec):
     return False
@@ -181,7 +181,7 @@ def alias_quiet_run(cache: records.RunCache, name: str, config, sibling: str) ->
   # existed, or changed, still trains the same)
   differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k) and config_lib.defines_a_run(k)}
   windows = differ & _WINDOW_FIELDS  # the same windows written another way (see record_variant)
-  if windows and optimizer_lib.sync_windows(config) == optimizer_lib.sync_windows(
+  if windows and run_settings.sync_windows(config) == run_settings.sync_windows(
       config_lib.with_overrides(config, {k: theirs[k] for k in windows})):
     differ -= windows
   if not differ <= _BACKOFF_FIELDS or not theirs.get('hdet.backoff') or theirs.get('hdet.backoff_stderrs', 0.0) != 0.0:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import optimizer as optimizer_lib
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
@@ -59,7 +60,7 @@ def test_stop_fraction_zero_stops_before_the_first_sync(fraction, stop_steps):
   from hdet_jax.trainer import optimizer as optimizer_lib
   config = config_lib.with_overrides(_tiny(), {'hdet.stop_fraction': fraction})
   config_lib.check_values(config)
-  assert config.num_train_steps == 40 and optimizer_lib.auto_lr_settings(config).stop_steps == stop_steps
+  assert config.num_train_steps == 40 and run_settings.auto_lr_settings(config).stop_steps == stop_steps
 
 
 @pytest.mark.parametrize('steps,num_syncs,want', [
@@ -71,7 +72,7 @@ def test_num_syncs_counts_the_windows_per_run(steps, num_syncs, want):
   config = config_lib.with_overrides(_tiny(), {'num_train_steps': steps, 'hdet.num_syncs': num_syncs,
                                                'hdet.sync_every': 0 if num_syncs else 8})
   config_lib.check_values(config)
-  assert optimizer_lib.sync_windows(config) == want
+  assert run_settings.sync_windows(config) == want
 
 
 def test_more_syncs_than_steps_is_refused():
@@ -90,7 +91,7 @@ def test_trainer_warmup_cosine_schedule_matches_its_closed_form():
   total, max_lr, pct, d, f = 200, 0.3, 0.05, 25.0, 10.0
   config = ml_collections.ConfigDict({'num_train_steps': total, 'optim': {
       'schedule': 'warmup_cosine', 'max_lr': max_lr, 'pct_start': pct, 'div_factor': d, 'final_div_factor': f}})
-  sched = optimizer_lib.schedule(config)
+  sched = run_settings.schedule(config)
   lo, end, warm = max_lr / d, max_lr / (d * f), 10
   t = np.arange(total + 5, dtype=np.float64)
   up = lo + (max_lr - lo) * t / warm
@@ -114,7 +115,7 @@ def test_a_warmup_that_leaves_no_decay_is_refused_before_any_work(schedule, pct,
                                                'hdet.warmup_steps': 0})
   if ok:
     config_lib.check_values(config)
-    optimizer_lib.schedule(config)(0)  # builds
+    run_settings.schedule(config)(0)  # builds
     return
   with pytest.raises(config_lib.ConfigError, match=rf"optim\.pct_start={pct} with num_train_steps={steps} .*"
                                                    rf"optim\.schedule='{schedule}'") as e:
@@ -158,7 +159,7 @@ def test_settle_left_unset_is_on_wherever_it_applies():
     c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), other)
     config_lib.check_values(c)
     assert config_lib.settles(c.hdet) is on, other
-    auto_lr = optimizer_lib.auto_lr_settings(c)
+    auto_lr = run_settings.auto_lr_settings(c)
     assert (auto_lr.settle if auto_lr else False) is on, other
     assert config_lib.training_fields(c, 8).get('hdet.settle', False) is on, other  # off: a quiet default, left out
   assert config_lib.resolved({'hdet.settle': None, 'hdet.auto_lr': True, 'hdet.controller': 'fit',
@@ -188,8 +189,8 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
     c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), other)
     config_lib.check_values(c)
     assert config_lib.guard(c.hdet, c.optim.name) == want, other
-    assert optimizer_lib.rolls_back(c) is want['rollback'], other
-    auto_lr = optimizer_lib.auto_lr_settings(c)
+    assert run_settings.resolve(c).loop.rolls_back is want['rollback'], other
+    auto_lr = run_settings.auto_lr_settings(c)
     if auto_lr is not None:
       assert (auto_lr.backoff, auto_lr.backoff_stderrs, auto_lr.backoff_fraction) == (
           want['backoff'], want['backoff_stderrs'], want['backoff_fraction']), other
@@ -227,9 +228,9 @@ def test_backoff_stderrs_needs_the_back_off():
 def test_sync_every_wins_over_num_syncs_and_both_zero_never_syncs():
   from hdet_jax.trainer import optimizer as optimizer_lib
   config = config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 4})
-  assert config.hdet.sync_every == 8 and optimizer_lib.sync_windows(config) == (8,)
+  assert config.hdet.sync_every == 8 and run_settings.sync_windows(config) == (8,)
   config = config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 0, 'hdet.sync_every': 0})
-  assert optimizer_lib.never_syncs(config) and optimizer_lib.sync_windows(config) == (41,)
+  assert run_settings.resolve(config).loop.never_syncs and run_settings.sync_windows(config) == (41,)
 
 
 @pytest.mark.parametrize('steps,want', [(300, 20), (750, 50), (1500, 100), (3000, 100), (1000, 67)])
@@ -240,10 +241,10 @@ def test_longest_window_caps_the_windows_counted_per_run(steps, want):
   default = config_lib.load_config_file(os.path.join(CONFIGS, 'default.py'))
   config = config_lib.with_overrides(default, {'num_train_steps': steps})
   assert (config.hdet.sync_every, config.hdet.num_syncs, config.hdet.longest_window) == (0, 15, 100)
-  assert optimizer_lib.sync_windows(config) == (want,)
+  assert run_settings.sync_windows(config) == (want,)
   uncapped = config_lib.with_overrides(config, {'hdet.longest_window': 0})
-  assert optimizer_lib.sync_windows(uncapped) == (round(steps / 15),)
-  assert optimizer_lib.sync_windows(config_lib.with_overrides(config, {'hdet.sync_every': 250})) == (250,)
+  assert run_settings.sync_windows(uncapped) == (round(steps / 15),)
+  assert run_settings.sync_windows(config_lib.with_overrides(config, {'hdet.sync_every': 250})) == (250,)
 
 
 

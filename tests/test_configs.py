@@ -7,6 +7,7 @@ import os
 import pytest
 
 from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import optimizer as optimizer_lib
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), '..', 'configs', '*.py')))
@@ -25,7 +26,7 @@ def test_config_is_valid_and_documented(path):
   assert doc.startswith(f'python train.py --config configs/{name}'), doc.splitlines()[0]
   config = config_lib.load_config_file(path)
   config_lib.check_values(config)
-  tx = optimizer_lib.make_optimizer(config, 8)
+  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), 8)
   assert callable(tx.update)
 
 

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import hdet_jax
 from hdet_jax import windows
 from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import optimizer as optimizer_lib
 
 DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'default.py')
@@ -31,8 +32,8 @@ def _default(steps):
 def test_the_shortest_call_is_the_trainers_controller(steps):
   """The settings and the windows: AutoLR(total_steps=S) and T = round(S / 15) at most 100."""
   config = _default(steps)
-  assert optimizer_lib.auto_lr_settings(config) == hdet_jax.AutoLR(total_steps=steps)
-  assert optimizer_lib.sync_windows(config) == (min(round(steps / 15), 100),) == (windows.default_period(steps),)
+  assert run_settings.auto_lr_settings(config) == hdet_jax.AutoLR(total_steps=steps)
+  assert run_settings.sync_windows(config) == (min(round(steps / 15), 100),) == (windows.default_period(steps),)
 
 
 def _loss(params, batch):
@@ -52,7 +53,7 @@ def test_a_readme_loop_with_the_shortest_call_follows_the_trainers_base_lrs_bit_
       optax.adamw, hdet_jax.one_cycle(max_lr=o.max_lr, total_steps=steps, final_div_factor=o.final_div_factor),
       num_replicas=N, auto_lr=hdet_jax.AutoLR(total_steps=steps), exact_sync=True, b2=o.b2,
       weight_decay=o.weight_decay)
-  trainer = optimizer_lib.make_optimizer(config, N)
+  trainer = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), N)
   assert jax.device_count() >= N
   mesh = Mesh(np.array(jax.devices()[:N]), ('data',))
   rng = np.random.default_rng(0)
@@ -87,7 +88,7 @@ def test_a_readme_loop_with_the_shortest_call_follows_the_trainers_base_lrs_bit_
   np.testing.assert_array_equal(base['library'][0], base['trainer'][0])
   np.testing.assert_array_equal(base['library'][1], base['trainer'][1])
   jax.tree.map(np.testing.assert_array_equal, base['library'][2], base['trainer'][2])
-  schedule = optimizer_lib.schedule(config)
+  schedule = run_settings.schedule(config)
   correction = base['library'][0] / np.asarray(jax.vmap(schedule)(jnp.arange(steps)))
   np.testing.assert_allclose(correction[:10], 0.1, rtol=1e-5)  # the cautious start
   assert correction[-1] > 0.15  # ... which the climb raised

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import optimizer as optimizer_lib
 from trainer_testing import leaves, restore_raw, tiny
 
@@ -24,12 +25,12 @@ PLAIN = {'hdet.spread': 0.0, 'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.au
 @pytest.mark.parametrize('max_lr', [0.03, 0.01, 1e-3, 0.5, 1.0, 3.0, 2.0 ** -7])
 def test_lr_unit_is_the_power_of_two_whose_mantissa_is_in_half_to_one(max_lr):
   config = ml_collections.ConfigDict({'optim': {'max_lr': max_lr, 'runtime_lr_scale': True}})
-  unit = optimizer_lib.lr_unit(config)
+  unit = run_settings.lr_unit(config)
   mantissa = max_lr / unit
   assert math.log2(unit) == int(math.log2(unit))  # a power of two
   assert 0.5 <= mantissa < 1.0 and mantissa * unit == max_lr  # exact
   config.optim.runtime_lr_scale = False
-  assert optimizer_lib.lr_unit(config) == 1.0
+  assert run_settings.lr_unit(config) == 1.0
 
 
 @pytest.mark.parametrize('name', ['one_cycle', 'warmup_cosine', 'constant'])
@@ -40,10 +41,10 @@ def test_every_schedule_at_the_mantissa_times_the_unit_is_the_schedule_bit_for_b
   config = ml_collections.ConfigDict({'num_train_steps': total, 'optim': {
       'schedule': name, 'max_lr': 0.03, 'pct_start': 0.3, 'div_factor': 25.0, 'final_div_factor': 10.0,
       'runtime_lr_scale': True}})
-  unit = optimizer_lib.lr_unit(config)
+  unit = run_settings.lr_unit(config)
   steps = jnp.arange(total + 3)
-  plain = np.asarray(jax.jit(jax.vmap(optimizer_lib.schedule(config)))(steps))
-  scaled = np.asarray(jax.jit(jax.vmap(optimizer_lib.schedule(config, 0.03 / unit)))(steps)) * np.float32(unit)
+  plain = np.asarray(jax.jit(jax.vmap(run_settings.schedule(config)))(steps))
+  scaled = np.asarray(jax.jit(jax.vmap(run_settings.schedule(config, 0.03 / unit)))(steps)) * np.float32(unit)
   assert plain.dtype == scaled.dtype == np.float32
   np.testing.assert_array_equal(scaled, plain)
   if name != 'constant':
@@ -115,7 +116,7 @@ def test_a_run_scaled_at_run_time_is_the_plain_run_bit_for_bit_and_shares_its_pr
   for key in ('lr', 'base_lr', 'values', 'bases'):
     assert [r[key] for r in logged['scaled']] == [r[key] for r in logged['plain']], key
   last = logged['plain'][-1]  # (the run's own LR, 2x the tiny config's 0.01 schedule, not the mantissa's)
-  assert last['lr'][0] == pytest.approx(float(optimizer_lib.schedule(tiny(**PLAIN))(last['step'])) * 2, rel=1e-6)
+  assert last['lr'][0] == pytest.approx(float(run_settings.schedule(tiny(**PLAIN))(last['step'])) * 2, rel=1e-6)
   (scaled_state, _, _), (plain_state, _, _) = (restore_raw(str(tmp_path / k), 12) for k in ('scaled', 'plain'))
   for a, b in zip(leaves(scaled_state['params']), leaves(plain_state['params']), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -156,7 +157,7 @@ def test_setting_the_factor_keeps_every_leaf_and_its_layout(fsdp):
   n = 8 // fsdp
   config = tiny(**PLAIN, **{'optim.runtime_lr_scale': True, 'mesh.fsdp': fsdp})
   mesh = mesh_lib.make_mesh(n, fsdp)
-  _, opt_state = programs_lib.make_init(config, optimizer_lib.make_optimizer(config, n), mesh, n)(jax.random.key(0))
+  _, opt_state = programs_lib.make_init(config, optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n), mesh, n)(jax.random.key(0))
   is_scaled = lambda x: isinstance(x, optimizer_lib.RuntimeScaleState)
   before = [(np.array(x), x.sharding) for x in jax.tree.leaves(opt_state)]  # (copies: the setter donates)
   factors = [x.scale for x in jax.tree.leaves(opt_state, is_leaf=is_scaled) if is_scaled(x)]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hdet_jax.trainer import ConfigError, checkpoints, config_lib, tasks, train_and_evaluate
+from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import input_pipeline
 from hdet_jax.trainer import model as model_lib
 from hdet_jax.trainer.metrics import read_metrics
@@ -54,13 +55,13 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
   formats 6 and 7 added."""
   from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs
   n = config.hdet.num_replicas
-  tx = optimizer_lib.make_optimizer(config, n, devices)
+  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n, devices)
   mesh = mesh_lib.make_mesh(n, devices=devices)
   abstract = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), programs.make_init(config, tx, mesh, n)(k))),
                             jax.random.key(0))
   abstract = mesh_lib.with_layout(mesh, abstract)
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(mesh))
-  if optimizer_lib.rolls_back(config):  # the rollback's anchor (formats 7 and 9), which the reference predates
+  if run_settings.resolve(config).loop.rolls_back:  # the rollback's anchor (formats 7 and 9), which the reference predates
     abstract['anchor'] = mesh_lib.anchor_shapes(mesh, abstract)
   ckpt = checkpoints.Checkpointer(workdir, 0)
   state, _ = ckpt.restore(step, abstract)

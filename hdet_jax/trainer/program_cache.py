@@ -8,7 +8,7 @@ programs would be the same takes the last run's compiled programs instead, and b
 
 When two runs build the same programs: their key (:func:`programs_key`) is the whole config, but for the fields
 that never enter a program (:data:`NOT_IN_PROGRAMS`) and ``optim.max_lr`` taken as the programs' own peak (under
-``optim.runtime_lr_scale`` its power of two is a run-time value: ``optimizer.lr_unit``), with the replicas, the
+``optim.runtime_lr_scale`` its power of two is a run-time value: ``run_settings.lr_unit``), with the replicas, the
 mesh's devices, the process, the data's description and the JAX and XLA settings that change a program. A program
 is then looked up under that key by its name and the shapes, dtypes and shardings of its arguments. A kept
 program is the very executable the first run compiled, so a run's numbers are the same bit for bit
@@ -28,7 +28,6 @@ from typing import Any, Callable
 import jax
 
 from hdet_jax.trainer import config_lib
-from hdet_jax.trainer import optimizer as optimizer_lib
 
 # Fields the loop reads and no program does: runs that differ only in them build the same programs. (The bracket's
 # rungs stop its runs at different steps and draw plots only for the kept run; a resumed run may checkpoint or
@@ -43,12 +42,13 @@ KEPT_CONFIGS = 4
 _kept: collections.OrderedDict[str, dict] = collections.OrderedDict()
 
 
-def programs_key(config: Any, num_replicas: int, mesh: Any, data_description: str) -> str:
-  """The key of the programs a run of ``config`` builds on ``mesh`` (see the module's docstring)."""
+def programs_key(config: Any, lr_unit: float, num_replicas: int, mesh: Any, data_description: str) -> str:
+  """The key of the programs a run of ``config`` builds on ``mesh`` (see the module's docstring); ``lr_unit``: the
+  run's ``optim.runtime_lr_scale`` factor (``run_settings.lr_unit``)."""
   fields = config_lib.flatten(json.loads(config.to_json()))
   for name in NOT_IN_PROGRAMS:
     fields.pop(name, None)
-  fields['optim.max_lr'] = config.optim.max_lr / optimizer_lib.lr_unit(config)  # exact: a power of two
+  fields['optim.max_lr'] = config.optim.max_lr / lr_unit  # exact: a power of two
   place = {'replicas': num_replicas, 'mesh': dict(mesh.shape), 'devices': [d.id for d in mesh.devices.flat],
            'platform': mesh.devices.flat[0].platform, 'process': [jax.process_index(), jax.process_count()]}
   settings = {name: str(getattr(jax.config, name, None)) for name in _JAX_SETTINGS}

@@ -16,7 +16,7 @@ step takes plain data parallel's input buffers plus one.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,26 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import hdet_jax as H
 from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer.mesh import AXIS, INNER, LOCAL, grouped, layout, replica_sharding, replicated, rules
-from hdet_jax.trainer.optimizer import common_batch, hyperparam_names, rolls_back
+
+
+class ProgramSettings(NamedTuple):
+  """What the compiled programs read of a run (``run_settings.resolve`` reads it from the config). The defaults are
+  a plain run of the byte LM: no regularization, the all-reduced gradient, each window's own losses as the scores."""
+  task: tasks_lib.Task | None = None                    # the workload (None: the byte LM)
+  seed: int = 0                                         # the dropout keys' root, with the step and the replica
+  hyperparam_names: tuple[str, ...] = ('learning_rate',)  # the optimizer state's [G] order
+  dropout: float = 0.0                                  # model.dropout, where it is not explored
+  attn_temperature: float = 1.0                         # model.attn_temperature, where it is not explored
+  label_smoothing: float = 0.0                          # optim.label_smoothing, where it is not explored
+  shares_gradient: bool = True                          # all-reduce the gradient (not hdet.low_communication)
+  common_batch: bool = False                            # a sync scores the replicas on a common batch
+  rolls_back: bool = False                              # a sync that backs off returns to the anchor
+  plateau: bool = False                                 # optim.name='adam_plateau': its value= is the global loss
+  schedule_free: bool = False                           # optim.name='schedule_free_adamw': evaluated at its eval params
+
+  def workload(self) -> tasks_lib.Task:
+    return self.task or tasks_lib.get()
+
 
 def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_replicas: int) -> Callable:
   """Jitted ``key -> (params, opt_state)``: the same random init on every replica (cold start)."""
@@ -87,25 +106,25 @@ def _over_replicas(make_body: Callable[[Any], Callable], mesh: Mesh, check_vma: 
   return wrapped
 
 
-def regularization(config: Any, opt_state: Any, axis: Any = AXIS) -> tuple[tasks_lib.Regularization, jax.Array]:
+def regularization(settings: ProgramSettings, opt_state: Any,
+                   axis: Any = AXIS) -> tuple[tasks_lib.Regularization, jax.Array]:
   """This replica's model regularization and label smoothing for the coming step.
 
-  Explored values come from the optimizer state (each replica's own); the others from the
-  config. The dropout key depends only on (seed, step, replica), so a resumed run draws the
+  Explored values come from the optimizer state (each replica's own); the others from
+  ``settings``. The dropout key depends only on (seed, step, replica), so a resumed run draws the
   same masks.
   """
-  names = hyperparam_names(config)
+  names = settings.hyperparam_names
   def value(name, default):
     return H.replica_value(opt_state, names.index(name), axis) if name in names else default
-  m = config.model
-  rate = value('dropout', m.get('dropout', 0.0))
+  rate = value('dropout', settings.dropout)
   key = None
-  if 'dropout' in names or m.get('dropout', 0.0) > 0:
+  if 'dropout' in names or settings.dropout > 0:
     key = jax.random.fold_in(jax.random.fold_in(
-        jax.random.key(config.seed + _DROPOUT_TAG), opt_state.count), H.replicas.axis_index(axis))
+        jax.random.key(settings.seed + _DROPOUT_TAG), opt_state.count), H.replicas.axis_index(axis))
   reg = tasks_lib.Regularization(
-      dropout_rate=rate, dropout_key=key, attn_temperature=value('attn_temperature', m.get('attn_temperature', 1.0)))
-  return reg, value('label_smoothing', config.optim.label_smoothing)
+      dropout_rate=rate, dropout_key=key, attn_temperature=value('attn_temperature', settings.attn_temperature))
+  return reg, value('label_smoothing', settings.label_smoothing)
 
 
 _DROPOUT_TAG = 7919
@@ -137,7 +156,8 @@ class MetricsPacker:
 
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh, *, sync: bool,
-                    config: Any = None, packer: MetricsPacker | None = None, chunk_steps: int = 0,
+                    settings: ProgramSettings = ProgramSettings(), packer: MetricsPacker | None = None,
+                    chunk_steps: int = 0,
                     shardings: tuple[Any, Any] | None = None) -> Callable:
   """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``, all stacked ``[N, ...]``.
 
@@ -155,8 +175,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
   the outputs. With ``hdet.low_communication`` the gradient is not all-reduced across the replica
   axis: each group steps on its own (still averaged over its inner axis, by the partitioner).
   """
-  shared = _shares_gradient(config)
-  task = tasks_lib.get(config)
+  task = settings.workload()
 
   def make_step(axis):
     def step(params, packed, data):
@@ -165,7 +184,7 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
       if chunk_steps:
         batch = jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, opt_state.count % chunk_steps, keepdims=False), data)
       used = opt_state  # its values and base are what this step trains with
-      loss, updates, opt_state = _update(task, graphdef, tx, config, params, opt_state, batch, axis, shared, sync)
+      loss, updates, opt_state = _update(task, graphdef, tx, settings, params, opt_state, batch, axis, sync)
       stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
       params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=sync)
       metrics = {
@@ -180,39 +199,30 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
     return step
   # optax.contrib.reduce_on_plateau's lax.cond returns constants in one branch and state-derived
   # (per-replica, 'varying') values in the other, which shard_map's type check rejects.
-  check_vma = config is None or config.optim.name != 'adam_plateau'
-  return jax.jit(_over_replicas(make_step, mesh, check_vma=check_vma), donate_argnums=(0, 1),
+  return jax.jit(_over_replicas(make_step, mesh, check_vma=not settings.plateau), donate_argnums=(0, 1),
                  **_pinned(mesh, shardings))
 
 
-def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, config: Any, params: Any,
-            opt_state: Any, batch: Any, axis: Any, shared: bool, sync: bool) -> tuple[jax.Array, Any, Any]:
+def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, settings: ProgramSettings,
+            params: Any, opt_state: Any, batch: Any, axis: Any, sync: bool) -> tuple[jax.Array, Any, Any]:
   """One replica's (loss, updates, opt_state) of a training step on ``batch`` (the all-reduce included, if
-  ``shared``); the loss is plain cross-entropy, what the controller compares (see ``Task.losses``)."""
-  if config is None:
-    reg, smoothing = tasks_lib.Regularization(), 0.0
-  else:
-    reg, smoothing = regularization(config, opt_state, axis)
+  ``settings.shares_gradient``); the loss is plain cross-entropy, what the controller compares (see ``Task.losses``)."""
+  reg, smoothing = regularization(settings, opt_state, axis)
   (_, loss), grads = jax.value_and_grad(
       lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
-  if shared:
+  if settings.shares_gradient:
     grads = H.pmean_finite(grads, axis)  # the all-reduce, skipping replicas whose gradient is not finite
-  if config is not None and config.optim.name == 'adam_plateau':
+  if settings.plateau:
     # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
     loss = H.replicas.pmean(loss, axis)
   updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
   return loss, updates, opt_state
 
 
-def _shares_gradient(config: Any) -> bool:
-  """Whether the replicas step on the all-reduced gradient (all but ``hdet.low_communication``)."""
-  return config is None or not config.hdet.get('low_communication', False)
-
-
-def _common_score(task: tasks_lib.Task, graphdef: Any, config: Any, params: Any, opt_state: Any, windows: Any,
-                  axis: Any) -> jax.Array:
+def _common_score(task: tasks_lib.Task, graphdef: Any, settings: ProgramSettings, params: Any, opt_state: Any,
+                  windows: Any, axis: Any) -> jax.Array:
   """This replica's loss on the common batch ``windows``, with its own attention temperature and no dropout."""
-  reg, _ = regularization(config, opt_state, axis)
+  reg, _ = regularization(settings, opt_state, axis)
   reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
   return task.loss(graphdef, params, windows, reg)
 
@@ -223,15 +233,16 @@ def _pinned(mesh: Mesh, shardings: tuple[Any, Any] | None) -> dict:
 
 
 def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
-                    packer: MetricsPacker | None = None, graphdef: Any = None, config: Any = None,
+                    packer: MetricsPacker | None = None, graphdef: Any = None,
+                    settings: ProgramSettings = ProgramSettings(),
                     shardings: tuple[Any, Any] | None = None) -> Callable:
   """Jitted ``(params, opt_state) -> (params, opt_state, metrics)``: the end of a sync window alone.
 
-  With ``graphdef`` and a config whose ``hdet.score`` is ``'common'`` the program takes a third
+  With ``graphdef`` and ``settings.common_batch`` (``hdet.score='common'``) the program takes a third
   argument, the common batch ``[N, W, L+1]`` (the same windows in every row): each replica's loss on
   it, with its own attention temperature and no dropout, computed before the average, is the score
   the controller compares (``tx.update(..., score=)``).
-  With ``hdet.rollback`` a last argument, the anchor ``{'params', 'inner'}`` (one copy of the parameters and
+  With ``settings.rolls_back`` (the guard's ``hdet.rollback``) a last argument, the anchor ``{'params', 'inner'}`` (one copy of the parameters and
   wrapped optimizer state the previous sync left, see :func:`make_anchor`): where this sync's back-off fires
   the replicas return to it (the controller keeps its new, lower LR). Take the next anchor from the outputs.
 
@@ -243,9 +254,9 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
   distance from the replicas' average just before it, with ``mean_norm``, the average's L2 norm
   (computed from the parameters before and after the average: no extra communication).
   """
-  probe = graphdef is not None and config is not None and common_batch(config)
-  anchored = config is not None and rolls_back(config)
-  task = tasks_lib.get(config)
+  probe = graphdef is not None and settings.common_batch
+  anchored = settings.rolls_back
+  task = settings.workload()
 
   def make_window_end(axis):
     def window_end(params, packed, *extra):
@@ -255,7 +266,7 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
       opt_state = unpack(tx, params, packed)
       score = None
       if probe:
-        score = _common_score(task, graphdef, config, params, opt_state, windows, axis)
+        score = _common_score(task, graphdef, settings, params, opt_state, windows, axis)
       updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
       stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
       params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=True)
@@ -336,12 +347,12 @@ def _tree_norm(tree: Any) -> jax.Array:
   return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
-def make_eval_params(config: Any, mesh: Mesh) -> Callable | None:
+def make_eval_params(settings: ProgramSettings, mesh: Mesh) -> Callable | None:
   """Jitted ``(params, opt_state) -> params`` to evaluate in place of the parameters, or None.
 
   Schedule-free AdamW trains one sequence of points and is evaluated at another (its eval params).
   """
-  if config.optim.name != 'schedule_free_adamw':
+  if not settings.schedule_free:
     return None
   to_eval = lambda p, s: optax.contrib.schedule_free_eval_params(s.inner_state, p)
   return jax.jit(jax.vmap(to_eval), out_shardings=replica_sharding(mesh))

@@ -1,7 +1,8 @@
 """``train_and_evaluate(config, workdir)``: HDET on the task ``config.task`` names (``tasks/``).
 
 The loop knows a task only through :class:`tasks.Task` (its data, model, loss and metric); the device
-layout is ``mesh.py``, the optimizer from the config ``optimizer.py``, the compiled programs ``programs.py``.
+layout is ``mesh.py``, the optimizer ``optimizer.py``, the compiled programs ``programs.py``. The config is checked and
+resolved once, at the start (``run_settings.resolve``); each part then gets its own settings.
 
 Everything that can be wrong with the config, the task's data, the workdir, the devices or
 ``init_from`` is checked first and reported as one :class:`ConfigError` line, before any
@@ -29,6 +30,7 @@ from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import metrics as metrics_lib
 from hdet_jax.trainer import model as model_lib
 from hdet_jax.trainer import program_cache
+from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
 from hdet_jax.trainer import warm_init
@@ -97,18 +99,18 @@ def setup_jax(config: Any, *, coordinator_address: str | None = None, num_proces
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
 
-def _resolve_replicas(config: Any) -> tuple[int, int]:
+def _resolve_replicas(run: run_settings.RunSettings) -> tuple[int, int]:
   """(N, D): the replicas (device groups of ``mesh.fsdp`` x ``mesh.tensor`` devices each on a grouped mesh)
   and the devices of the replica axis (N / D replicas on each; one per group on a grouped mesh)."""
-  visible, fsdp, tensor = jax.device_count(), _fsdp(config), _tensor(config)
-  if fsdp * tensor > 1:
-    n = _resolve_groups(config, visible, fsdp, tensor)
+  m, visible = run.mesh, jax.device_count()
+  if m.fsdp * m.tensor > 1:
+    n = _resolve_groups(run, visible)
     return n, n
-  wanted = int(config.get('mesh', {}).get('devices', 0))
+  wanted = m.devices
   if wanted > visible:
     raise ConfigError(f'mesh.devices={wanted} but only {visible} devices are visible; set --config.mesh.devices=0 '
                       f'(all of them) or run on {wanted} devices (on CPU: JAX_NUM_CPU_DEVICES={wanted}).')
-  n = config.hdet.num_replicas or wanted or visible
+  n = m.num_replicas or wanted or visible
   devices = wanted or min(n, visible)
   if jax.process_count() > 1 and devices != visible:
     raise ConfigError(
@@ -124,30 +126,23 @@ def _resolve_replicas(config: Any) -> tuple[int, int]:
   return n, devices
 
 
-def _fsdp(config: Any) -> int:
-  return int(config.get('mesh', {}).get('fsdp', 1))
-
-
-def _tensor(config: Any) -> int:
-  return int(config.get('mesh', {}).get('tensor', 1))
-
-
-def _resolve_groups(config: Any, devices: int, fsdp: int, tensor: int) -> int:
+def _resolve_groups(run: run_settings.RunSettings, devices: int) -> int:
   """N on a grouped mesh: ``mesh.replicas`` (0: every device in some group), checked against the devices."""
-  size = fsdp * tensor
+  m = run.mesh
+  fsdp, tensor, size = m.fsdp, m.tensor, m.fsdp * m.tensor
   # One replica per group: mesh.replicas groups, or as many as the devices hold (at most hdet.num_replicas).
-  n = config.mesh.replicas or min(config.hdet.num_replicas or devices, devices // size) or 1
+  n = m.replicas or min(m.num_replicas or devices, devices // size) or 1
   shape = f'mesh.replicas={n} x mesh.fsdp={fsdp}' + (f' x mesh.tensor={tensor}' if tensor > 1 else '')
   if n * size > devices or (jax.process_count() > 1 and n * size != devices):
     raise ConfigError(
         f'{shape} needs {n * size} devices, {devices} are visible'
         f'{" (with several processes it must use them all)" if jax.process_count() > 1 else ""}: '
         f'set mesh.replicas=0 (all devices) or run on {n * size} devices (on CPU: JAX_NUM_CPU_DEVICES).')
-  if config.data.batch_size % fsdp:
-    raise ConfigError(f'data.batch_size={config.data.batch_size} (windows per replica group) must be divisible by '
+  if m.batch_size % fsdp:
+    raise ConfigError(f'data.batch_size={m.batch_size} (windows per replica group) must be divisible by '
                       f'mesh.fsdp={fsdp}, which splits them over the group\'s devices.')
   try:
-    tasks_lib.get(config).check_tensor_parallel(config, tensor)
+    run.task.check_tensor_parallel(run.config, tensor)
   except ValueError as e:
     raise ConfigError(f'mesh.tensor={tensor}: {e}') from None
   return n
@@ -191,23 +186,23 @@ def _check_workdir(workdir: str, fields: dict) -> bool:
   return bool(checkpoints.all_steps(workdir))
 
 
-def _check_init_from(config: Any, abstract_params: Any) -> str | None:
-  if not config.init_from:
+def _check_init_from(init_from: str | None, abstract_params: Any) -> str | None:
+  if not init_from:
     return None
-  src = os.path.abspath(os.path.expanduser(config.init_from))
+  src = os.path.abspath(os.path.expanduser(init_from))
   step = checkpoints.latest_step(src) if os.path.isdir(src) else None
   if step is None:
     raise ConfigError(
-        f'init_from={config.init_from!r} holds no checkpoint; point --config.init_from at the workdir of an '
+        f'init_from={init_from!r} holds no checkpoint; point --config.init_from at the workdir of an '
         'earlier run (e.g. run `python train.py --workdir workdirs/default` first), or unset it for a random init.')
   try:
     meta = checkpoints.read_meta(src, step)
   except checkpoints.CorruptCheckpoint as e:
-    raise ConfigError(f'init_from={config.init_from!r}: its latest checkpoint is corrupt ({e}).') from None
+    raise ConfigError(f'init_from={init_from!r}: its latest checkpoint is corrupt ({e}).') from None
   want = jax.tree.map(lambda s: list(s.shape), abstract_params)
   if meta.get('param_shapes') != json.loads(json.dumps(want)):
     raise ConfigError(
-        f'init_from={config.init_from!r} (step {step}) holds a model of another shape than model.* and '
+        f'init_from={init_from!r} (step {step}) holds a model of another shape than model.* and '
         'data.seq_len describe; use the same model settings as that run or another init_from.')
   return src
 
@@ -312,7 +307,9 @@ _CHUNK = 25
 
 
 class _Inputs(NamedTuple):
-  """What the checks produced: the task and its data, the optimizer, the model's shapes and where the state comes from."""
+  """What the checks produced: the run's settings, the task's data, the optimizer, the model's shapes and where the
+  state comes from."""
+  run: run_settings.RunSettings      # the config, resolved: each part's settings
   workdir: str                       # absolute
   n: int                             # replicas
   devices: int                       # D, the devices of the replica axis (N / D replicas on each)
@@ -385,13 +382,14 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
   with _StopSignals() as stop:
     t0 = time.time()
     # ---- Checks: nothing is written before all of them pass. ----
-    inputs = _check(config, os.path.abspath(os.path.expanduser(workdir)))
+    run = run_settings.resolve(config)
+    inputs = _check(run, os.path.abspath(os.path.expanduser(workdir)))
     # ---- Build: the records, the initial state, and every program compiled once, up front. ----
-    records = _open_records(config, inputs)
-    loop = _initial_state(config, inputs, records)
-    programs = _compile(config, inputs, records, loop)
+    records = _open_records(inputs)
+    loop = _initial_state(inputs, records)
+    programs = _compile(inputs, records, loop)
     setup_s = time.time() - t0
-    size = _fsdp(config) * _tensor(config)
+    size = run.mesh.fsdp * run.mesh.tensor
     group = f' (groups of {size}, mesh {dict(records.mesh.shape)})' if size > 1 else ''
     per = f' ({inputs.n // inputs.devices} per device)' if inputs.n > inputs.devices else ''
     records.log(f'{inputs.n} replicas{group} on {records.mesh.devices.size} {jax.devices()[0].platform} devices{per} '
@@ -399,79 +397,76 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
                 f'{model_lib.num_params(inputs.abstract_params):,} parameters; {inputs.data.description}; '
                 f'setup {setup_s:.1f}s.')
     # ---- Train. ----
-    _train(config, inputs, records, programs, loop, stop)
+    _train(run.loop, inputs, records, programs, loop, stop)
     # ---- The end: evaluate, checkpoint, plot, summarise. ----
-    return _finish(config, inputs, records, programs, loop, t0, setup_s)
+    return _finish(run.loop, inputs, records, programs, loop, t0, setup_s)
 
 
 # ---------------------------------------------------------------------------------------------
 # Checks and build
 # ---------------------------------------------------------------------------------------------
 
-def _check(config: Any, workdir: str) -> _Inputs:
-  """Every check of the config, the task's data, devices, workdir and init_from; reads, never writes."""
-  config_lib.check_values(config)
-  try:
-    task = tasks_lib.get(config)
-    task.check(config)
-  except tasks_lib.TaskError as e:
-    raise ConfigError(str(e)) from None
-  n, devices = _resolve_replicas(config)
+def _check(run: run_settings.RunSettings, workdir: str) -> _Inputs:
+  """Every check of the task's data, devices, workdir and init_from (the config's are ``run_settings.resolve``'s);
+  reads, never writes."""
+  config, task = run.config, run.task
+  n, devices = _resolve_replicas(run)
   try:
     data = task.load(config, n)
   except tasks_lib.TaskError as e:
     raise ConfigError(str(e)) from None
   try:
-    tx = optimizer_lib.make_optimizer(config, n, devices)
+    tx = optimizer_lib.make_optimizer(run.optimizer, n, devices)
   except ValueError as e:
     raise ConfigError(f'config: {e}') from None
   fields = config_lib.training_fields(config, n)
   resume = _check_workdir(workdir, fields)
   graphdef, abstract_params = task.abstract_model(config)
-  init_src = _check_init_from(config, abstract_params) if not resume else None
+  init_src = _check_init_from(run.init_from, abstract_params) if not resume else None
   # Every process has read the workdir before process 0 creates checkpoints/ in it: a process that got
   # here late would otherwise see that directory, open it, and run orbax's collectives out of step.
   mesh_lib.barrier('hdet_workdir_checked')
-  return _Inputs(workdir, n, devices, task, data, tx, fields, resume, graphdef, abstract_params, init_src,
-                 n * config.data.batch_size * task.predictions_per_example(config))
+  return _Inputs(run, workdir, n, devices, task, data, tx, fields, resume, graphdef, abstract_params, init_src,
+                 n * run.mesh.batch_size * task.predictions_per_example(config))
 
 
-def _open_records(config: Any, inputs: _Inputs) -> _Records:
+def _open_records(inputs: _Inputs) -> _Records:
   """The workdir, its config.json, the checkpointer and the metrics writer; the mesh."""
+  run = inputs.run
   os.makedirs(inputs.workdir, exist_ok=True)
   lead = jax.process_index() == 0
   config_path = os.path.join(inputs.workdir, 'config.json')
   if lead and not os.path.exists(config_path):
-    write_json_atomic(config_path, {'training_fields': inputs.fields, 'config': json.loads(config.to_json())},
+    write_json_atomic(config_path, {'training_fields': inputs.fields, 'config': json.loads(run.config.to_json())},
                        indent=1)
-  mesh = mesh_lib.make_mesh(inputs.n, _fsdp(config), _tensor(config), devices=inputs.devices)
-  ckpt = checkpoints.Checkpointer(inputs.workdir, config.max_checkpoints)
+  mesh = mesh_lib.make_mesh(inputs.n, run.mesh.fsdp, run.mesh.tensor, devices=inputs.devices)
+  ckpt = checkpoints.Checkpointer(inputs.workdir, run.loop.max_checkpoints)
   # TensorBoard event files beside metrics.jsonl, on unless the config sets tensorboard=False.
   writer = metrics_lib.MetricsWriter(os.path.join(inputs.workdir, 'metrics.jsonl'), enabled=lead,
-                                     tensorboard=bool(config.get('tensorboard', True)))
+                                     tensorboard=run.loop.tensorboard)
   log = (lambda msg: print(msg, flush=True)) if lead else (lambda msg: None)
-  key = program_cache.programs_key(config, inputs.n, mesh, inputs.data.description)
+  key = program_cache.programs_key(run.config, run.loop.lr_unit, inputs.n, mesh, inputs.data.description)
   return _Records(mesh, writer, ckpt, log, lead, key)
 
 
-def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
+def _initial_state(inputs: _Inputs, records: _Records) -> _Loop:
   """The state to start from: the workdir's latest checkpoint, a warm start, or a random init."""
-  root = jax.random.key(config.seed)
+  run, settings = inputs.run, inputs.run.loop
+  root = jax.random.key(run.seed)
   key = records.programs_key
-  init = program_cache.get(key, 'init', lambda: programs_lib.make_init(config, inputs.tx, records.mesh, inputs.n))
-  restored = _restore(config, inputs, records, init, root) if inputs.resume else None
+  init = program_cache.get(key, 'init', lambda: programs_lib.make_init(run.config, inputs.tx, records.mesh, inputs.n))
+  restored = _restore(settings, inputs, records, init, root) if inputs.resume else None
   anchor = None
   if restored is not None:
     params, opt_state, start, anchor = restored
   elif inputs.init_src is not None:
-    params, opt_state, start = *_warm_start(config, inputs, records, root), 0
+    params, opt_state, start = *_warm_start(run, inputs, records, root), 0
   else:
     params, opt_state, start = *init(jax.random.fold_in(root, _INIT_TAG)), 0
     records.writer.write('event', step=0, event='start', init_from=None)
-  if restored is None and optimizer_lib.lr_unit(config) != 1.0:  # (a checkpoint holds its own)
-    opt_state = _set_lr_scale(key, opt_state, optimizer_lib.lr_unit(config))
-  records.writer.write('hyperparams', step=start, names=list(optimizer_lib.hyperparam_names(config)),
-                       controller=config.hdet.controller if optimizer_lib.auto_lr_settings(config) else None)
+  if restored is None and settings.lr_unit != 1.0:  # (a checkpoint holds its own)
+    opt_state = _set_lr_scale(key, opt_state, settings.lr_unit)
+  records.writer.write('hyperparams', step=start, names=list(settings.hyperparam_names), controller=settings.controller)
   records.writer.flush()  # the start/resume is on record even if this start is killed before its first log interval
   rng = jax.device_put(np.asarray(jax.random.key_data(root)), mesh_lib.replicated(records.mesh))
   # The step reads its batch from a chunk of _CHUNK steps' batches at the optimizer's step count,
@@ -480,7 +475,7 @@ def _initial_state(config: Any, inputs: _Inputs, records: _Records) -> _Loop:
       params, opt_state))[0])
   if count != start:
     raise RuntimeError(f'the optimizer state counts {count} steps but training resumes at step {start}.')
-  if anchor is None and optimizer_lib.rolls_back(config):  # before the first sync: the start
+  if anchor is None and settings.rolls_back:  # before the first sync: the start
     anchor = program_cache.get(key, 'anchor', lambda: _anchor_program(
         records.mesh, inputs.tx, params, opt_state, inputs.task))(params, opt_state)
   return _Loop(params, opt_state, rng, start=start, step=start, anchor=anchor,
@@ -507,7 +502,8 @@ def one_program_in_flight(mesh: Any) -> bool:
   return mesh.devices.size > 1 and all(d.platform == 'cpu' for d in mesh.devices.flat)
 
 
-def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, root: Any) -> tuple | None:
+def _restore(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Records, init: Callable,
+             root: Any) -> tuple | None:
   """(params, opt_state, step) of the latest readable checkpoint (a corrupt newer one is set aside)."""
   def corrupt(step, why):
     records.writer.write('event', step=step, event='corrupt_checkpoint', reason=why)
@@ -515,7 +511,7 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
   abstract = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), init(k))), root)
   abstract = mesh_lib.with_layout(records.mesh, abstract, inputs.task)  # restored straight into the run's layout
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(records.mesh))
-  if optimizer_lib.rolls_back(config):  # the state the last sync left, which the next one may return to
+  if settings.rolls_back:  # the state the last sync left, which the next one may return to
     abstract['anchor'] = mesh_lib.anchor_shapes(records.mesh, abstract, inputs.task)
   t_restore = time.time()
   try:
@@ -531,12 +527,12 @@ def _restore(config: Any, inputs: _Inputs, records: _Records, init: Callable, ro
     raise ConfigError(f'checkpoint step {start} has data position {meta["data_position"]}, '
                       f'this data gives {inputs.data.batches.position(start)}: was data.path changed?')
   records.writer.write('event', step=start, event='resume', restore_s=time.time() - t_restore)
-  records.log(f'Resuming {inputs.workdir} from step {start}.' if start < config.num_train_steps else
+  records.log(f'Resuming {inputs.workdir} from step {start}.' if start < settings.num_train_steps else
               f'{inputs.workdir} already holds the finished run ({start} steps): evaluating and plotting only.')
   return state['params'], state['opt_state'], start, state.get('anchor')
 
 
-def _warm_start(config: Any, inputs: _Inputs, records: _Records, root: Any) -> tuple[Any, Any]:
+def _warm_start(run: run_settings.RunSettings, inputs: _Inputs, records: _Records, root: Any) -> tuple[Any, Any]:
   """(params, opt_state): the averaged model of ``init_from`` plus each replica's eq. 10 noise."""
   rep, rs = mesh_lib.replicated(records.mesh), mesh_lib.param_layout(records.mesh, inputs.abstract_params, inputs.n, inputs.task)
   try:
@@ -544,8 +540,8 @@ def _warm_start(config: Any, inputs: _Inputs, records: _Records, root: Any) -> t
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), inputs.abstract_params))
   except checkpoints.CorruptCheckpoint as e:
     records.writer.close()
-    raise ConfigError(f'init_from={config.init_from!r}: its latest checkpoint is corrupt ({e}).') from None
-  nu = config.warm_init.nu
+    raise ConfigError(f'init_from={run.init_from!r}: its latest checkpoint is corrupt ({e}).') from None
+  nu = run.warm_init_nu
   params = jax.jit(lambda p, k: warm_init.warm_noisy_init(p, inputs.n, nu, k), out_shardings=rs)(
       avg, jax.random.fold_in(root, _WARM_TAG))
   opt_state = programs_lib.make_opt_init(inputs.tx, records.mesh, inputs.task)(params)
@@ -560,43 +556,45 @@ def _upload(inputs: _Inputs, mesh: Any, step: int) -> Any:
   return mesh_lib.put_stacked(inputs.data.batches.chunk(first, _CHUNK), mesh, batch_dim=2)  # [N, K, B, ...]
 
 
-def _probe(config: Any, inputs: _Inputs, mesh: Any, step: int) -> list:
+def _probe(settings: run_settings.LoopSettings, inputs: _Inputs, mesh: Any, step: int) -> list:
   """The window end's data for the sync after step ``step``: none, or the common batch (every replica gets the same
   windows)."""
-  if not optimizer_lib.common_batch(config):
+  if not settings.common_batch:
     return []
-  w = inputs.data.probe(optimizer_lib.sync_index(config, step))
+  w = inputs.data.probe(settings.sync_index(step))
   return [mesh_lib.put_stacked(jax.tree.map(lambda a: np.broadcast_to(a, (inputs.n,) + a.shape), w), mesh, batch_dim=1)]
 
 
-def _compile(config: Any, inputs: _Inputs, records: _Records, loop: _Loop) -> _Programs:
+def _compile(inputs: _Inputs, records: _Records, loop: _Loop) -> _Programs:
   """Compiles the programs once, up front: the step (every step runs it), the end of a sync window
   (averaging and controller, run after the step on sync steps), the evaluation and the checkpoint's."""
   mesh, params = records.mesh, loop.params
   loop.data = _upload(inputs, mesh, loop.start)
-  probe = _probe(config, inputs, mesh, 0)
+  settings = inputs.run.loop
+  probe = _probe(settings, inputs, mesh, 0)
   val = mesh_lib.put_stacked(inputs.data.eval_batch, mesh, batch_dim=1)
   # A run that builds the same programs as the last one takes that run's (an LR bracket's points, a resumed run).
   args = (params, loop.opt_state, loop.data, probe, loop.anchor, val)
   built = program_cache.get(records.programs_key, ('loop', program_cache.signature(*args)),
-                            lambda: _build(config, inputs, mesh, *args))
+                            lambda: _build(inputs, mesh, *args))
   # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
   checkpoints.fingerprint(_checkpoint_state(loop))
   checkpoints.fingerprint(built['average'](params))
-  lr_rows = tuple(g for g, name in enumerate(optimizer_lib.hyperparam_names(config)) if name.startswith('learning_rate'))
-  return _Programs(**built, val=val, lr_unit=optimizer_lib.lr_unit(config), lr_rows=lr_rows)
+  lr_rows = tuple(g for g, name in enumerate(settings.hyperparam_names) if name.startswith('learning_rate'))
+  return _Programs(**built, val=val, lr_unit=settings.lr_unit, lr_rows=lr_rows)
 
 
-def _build(config: Any, inputs: _Inputs, mesh: Any, params: Any, opt_state: Any, data: Any, probe: list,
-           anchor: Any, val: Any) -> dict:
+def _build(inputs: _Inputs, mesh: Any, params: Any, opt_state: Any, data: Any, probe: list, anchor: Any,
+           val: Any) -> dict:
   """Traces, lowers and compiles the loop's programs for these arguments: :class:`_Programs`' fields but the data's."""
   packers = {s: programs_lib.MetricsPacker() for s in (False, True)}
+  settings = inputs.run.programs
   layout = mesh_lib.layout(mesh, params, opt_state, inputs.task)  # None on a 1-D mesh
-  step = programs_lib.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, config=config, packer=packers[False],
+  step = programs_lib.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, settings=settings, packer=packers[False],
                             chunk_steps=_CHUNK, shardings=layout).lower(params, opt_state, data).compile()
   extra = [anchor] if anchor is not None else []
   window_end = programs_lib.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
-                                  config=config, shardings=layout).lower(params, opt_state, *probe, *extra).compile()
+                                  settings=settings, shardings=layout).lower(params, opt_state, *probe, *extra).compile()
   anchor = (_anchor_program(mesh, inputs.tx, params, opt_state, inputs.task).lower(params, opt_state).compile()
             if anchor is not None else None)
   evaluate = programs_lib.make_eval_step(inputs.graphdef, mesh, inputs.task).lower(params, val).compile()
@@ -607,10 +605,10 @@ def _build(config: Any, inputs: _Inputs, mesh: Any, params: Any, opt_state: Any,
       [jax.numpy.all(jax.numpy.isfinite(x.reshape(x.shape[0], -1)), axis=1) for x in jax.tree.leaves(p)]).all(0)),
       out_shardings=mesh_lib.replicated(mesh)).lower(params).compile()
   # A run that never averages measures the replicas' distance from their mean at each log interval.
-  distance = programs_lib.make_distance(mesh).lower(params).compile() if optimizer_lib.never_syncs(config) else None
+  distance = programs_lib.make_distance(mesh).lower(params).compile() if inputs.run.loop.never_syncs else None
   release_host_memory()
   return dict(step=step, window_end=window_end, evaluate=evaluate, average=average, any_finite=any_finite,
-              to_eval=programs_lib.make_eval_params(config, mesh), packers=packers, distance=distance,
+              to_eval=programs_lib.make_eval_params(settings, mesh), packers=packers, distance=distance,
               anchor=anchor)
 
 
@@ -623,39 +621,38 @@ def _anchor_program(mesh: Any, tx: Any, params: Any, opt_state: Any, task: Any) 
 # The training loop
 # ---------------------------------------------------------------------------------------------
 
-def _train(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
+def _train(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
            stop: _StopSignals) -> None:
   """Steps to the end (or ``stop_at_step``), logging, evaluating and checkpointing at their intervals."""
-  total = config.num_train_steps
-  end = total if config.stop_at_step <= 0 else min(config.stop_at_step, total)
-  bar = metrics_lib.ProgressBar(total, loop.start, enabled=records.lead and config.progress_bar)
+  end = settings.end
+  bar = metrics_lib.ProgressBar(settings.num_train_steps, loop.start, enabled=records.lead and settings.progress_bar)
   loop.t_mark = time.time()
   while loop.step < end:
-    _one_step(config, inputs, records.mesh, programs, loop)
+    _one_step(settings, inputs, records.mesh, programs, loop)
     step = loop.step
-    eval_due = config.eval_every > 0 and step % config.eval_every == 0 and step < end
-    ckpt_due = config.checkpoint_every > 0 and step % config.checkpoint_every == 0 and step < end
+    eval_due = settings.eval_every > 0 and step % settings.eval_every == 0 and step < end
+    ckpt_due = settings.checkpoint_every > 0 and step % settings.checkpoint_every == 0 and step < end
     # A stop signal is checked every step (with several processes, at each log interval, where the
     # processes agree on it: they must all stop after the same step).
-    if step < end and (jax.process_count() == 1 or step % config.log_every == 0):
+    if step < end and (jax.process_count() == 1 or step % settings.log_every == 0):
       if _any_process(stop.received is not None):
         loop.preempted_at = step
         ckpt_due = True
-    if step % config.log_every == 0 or step == end or eval_due or ckpt_due:
-      if not _end_interval(config, inputs, records, programs, loop, bar, stop, eval_due, ckpt_due):
+    if step % settings.log_every == 0 or step == end or eval_due or ckpt_due:
+      if not _end_interval(settings, inputs, records, programs, loop, bar, stop, eval_due, ckpt_due):
         break
   bar.close()
 
 
-def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop: _Loop) -> None:
+def _one_step(settings: run_settings.LoopSettings, inputs: _Inputs, mesh: Any, programs: _Programs, loop: _Loop) -> None:
   """Runs step ``loop.step`` (and the window end after it on sync steps); its metrics stay on the devices."""
   step = loop.step
-  sync = optimizer_lib.is_sync_step(config, step)
+  sync = settings.is_sync_step(step)
   if step % _CHUNK == 0 and step != loop.start:
     loop.data = _upload(inputs, mesh, step)
   loop.params, loop.opt_state, m = programs.step(loop.params, loop.opt_state, loop.data)
   if sync:
-    common = _probe(config, inputs, mesh, step)
+    common = _probe(settings, inputs, mesh, step)
     anchor = [loop.anchor] if loop.anchor is not None else []  # hdet.rollback: where the back-off returns to
     loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common, *anchor)
     if anchor:  # the next anchor, the state this sync leaves; the last one's buffers go first (once read)
@@ -671,7 +668,7 @@ def _one_step(config: Any, inputs: _Inputs, mesh: Any, programs: _Programs, loop
     jax.block_until_ready((m, loop.anchor))
 
 
-def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
+def _end_interval(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
                   bar: metrics_lib.ProgressBar, stop: _StopSignals, eval_due: bool, ckpt_due: bool) -> bool:
   """Logs the steps since the last interval, then evaluates and checkpoints where due; False: stop."""
   step, writer = loop.step, records.writer
@@ -685,7 +682,7 @@ def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Pr
   if programs.distance is not None:
     d = mesh_lib.fetch(programs.distance(loop.params))
     writer.write('distance', step=step - 1, distance=d['distance'], mean_norm=d['mean_norm'][0])
-  if loop.diverged_at is not None and config.stop_on_nan and not _rollback_ahead(config, loop):
+  if loop.diverged_at is not None and settings.stop_on_nan and not _rollback_ahead(settings, loop):
     bar.close()
     records.log(f'Training diverged: every replica\'s loss is NaN/inf at step {loop.diverged_at}. Stopping; the '
                 'last good checkpoint is kept. Lower optim.max_lr, or set --config.stop_on_nan=False to keep going.')
@@ -693,7 +690,7 @@ def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Pr
   if eval_due and loop.preempted_at is None:
     _evaluate(inputs, programs, writer, loop, step)
   if ckpt_due:
-    _save(config, inputs, records, programs, loop, step)
+    _save(inputs, records, programs, loop, step)
   writer.flush()
   if loop.preempted_at is not None:
     bar.close()
@@ -706,17 +703,17 @@ def _end_interval(config: Any, inputs: _Inputs, records: _Records, programs: _Pr
   return True
 
 
-def _rollback_ahead(config: Any, loop: _Loop) -> bool:
+def _rollback_ahead(settings: run_settings.LoopSettings, loop: _Loop) -> bool:
   """Whether the rollback may still undo the divergence: the run rolls back (``hdet.rollback``) and the sync that
   ends the diverged window has not run yet. Its back-off fires on the window's non-finite training loss and returns
   the replicas to the sync before (``_write_step`` then clears ``diverged_at``); a sync that passes without it
   (e.g. before the controller starts) leaves the divergence, and the run stops at the next interval."""
-  if not optimizer_lib.rolls_back(config) or loop.rolled_back_at == loop.diverged_at - 1:
+  if not settings.rolls_back or loop.rolled_back_at == loop.diverged_at - 1:
     return False  # (diverged at the first step after a rollback: the state it returned to is itself lost)
   step = loop.diverged_at
-  while step < config.num_train_steps and not optimizer_lib.is_sync_step(config, step):
+  while step < settings.num_train_steps and not settings.is_sync_step(step):
     step += 1
-  return step < config.num_train_steps and loop.step <= step
+  return step < settings.num_train_steps and loop.step <= step
 
 
 def _flush(programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, bar: metrics_lib.ProgressBar) -> None:
@@ -786,7 +783,7 @@ def _evaluate(inputs: _Inputs, programs: _Programs, writer: metrics_lib.MetricsW
   writer.flush()
 
 
-def _save(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop, step: int) -> None:
+def _save(inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop, step: int) -> None:
   """Checkpoints step ``step`` unless every replica's parameters are non-finite (then: diverged)."""
   if not mesh_lib.fetch(programs.any_finite(loop.params)):
     if loop.diverged_at is None:
@@ -796,7 +793,7 @@ def _save(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, 
                 'checkpoint is kept.')
     return
   state = _checkpoint_state(loop)
-  meta = {'step': step, 'data_position': inputs.data.batches.position(step), 'seed': config.seed,
+  meta = {'step': step, 'data_position': inputs.data.batches.position(step), 'seed': inputs.run.seed,
           'num_replicas': inputs.n, 'config': inputs.fields, 'param_shapes': _param_shapes(inputs.abstract_params)}
   records.ckpt.save(step, state, programs.average(loop.params), meta)
 
@@ -816,22 +813,22 @@ def _param_shapes(abstract_params: Any) -> Any:
 # The end
 # ---------------------------------------------------------------------------------------------
 
-def _finish(config: Any, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop, t0: float,
+def _finish(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop, t0: float,
             setup_s: float) -> dict:
   """The final evaluation and checkpoint, the summary (also summary.json) and the plots."""
   step, writer = loop.step, records.writer
   # A preempted run has little time left: the checkpoint is what matters. A run stopped at ``stop_at_step`` stops
   # as if preempted (an LR bracket's runs stop at its rungs, which rank training losses, not validation): it is
   # evaluated when it reaches its end.
-  stopped = 0 < config.stop_at_step <= step < config.num_train_steps
+  stopped = 0 < settings.stop_at_step <= step < settings.num_train_steps
   if loop.preempted_at is None and not stopped:
     _evaluate(inputs, programs, writer, loop, step)
   if loop.diverged_at is None and step > loop.start and records.ckpt.latest_step() != step:
-    _save(config, inputs, records, programs, loop, step)
+    _save(inputs, records, programs, loop, step)
   records.ckpt.close()
-  final_train = _final_train_loss(config, records, loop)
+  final_train = _final_train_loss(settings, records, loop)
   summary = {
-      'step': step, 'num_train_steps': config.num_train_steps, 'stopped_early': step < config.num_train_steps,
+      'step': step, 'num_train_steps': settings.num_train_steps, 'stopped_early': step < settings.num_train_steps,
       'diverged_at': loop.diverged_at, 'preempted': loop.preempted_at is not None,
       'final_train_loss': final_train,
       **{f'final_train_{k}': v for k, v in inputs.task.loss_units(final_train).items()},
@@ -849,7 +846,7 @@ def _finish(config: Any, inputs: _Inputs, records: _Records, programs: _Programs
   }
   writer.write('event', event='end', **{k: v for k, v in summary.items() if k != 'plots'})
   writer.close()
-  if records.lead and config.plots and loop.preempted_at is None:
+  if records.lead and settings.plots and loop.preempted_at is None:
     from hdet_jax.trainer import plots  # matplotlib: imported only when plotting
     summary['plots'] = plots.plot_workdir(inputs.workdir)
   summary['wall_s'] = time.time() - t0
@@ -858,14 +855,14 @@ def _finish(config: Any, inputs: _Inputs, records: _Records, programs: _Programs
   return summary
 
 
-def _final_train_loss(config: Any, records: _Records, loop: _Loop) -> float:
+def _final_train_loss(settings: run_settings.LoopSettings, records: _Records, loop: _Loop) -> float:
   """The mean over replicas and the last log interval's steps of the training loss."""
   if loop.last_losses:
     return float(np.mean(loop.last_losses))
   # Nothing trained in this call (the workdir's run was already complete): the last recorded steps.
   records.writer.flush()
   recorded = metrics_lib.read_metrics(records.writer.path).get('train', []) if records.lead else []
-  return float(np.mean([r['loss'] for r in recorded[-config.log_every:]])) if recorded else math.nan
+  return float(np.mean([r['loss'] for r in recorded[-settings.log_every:]])) if recorded else math.nan
 
 
 def format_summary(s: dict) -> str:

@@ -103,18 +103,18 @@ def test_cache_keys_are_fields_the_runs_configs_hold(workload):
 def test_the_reported_variant_is_the_workloads_default_config(workload):
   """The HDET the report calls the default trains what the workload's config trains at every run length: the same
   sync windows, controller settings and comparison (so the tables describe `python train.py --config ...`)."""
-  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib
+  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib, run_settings
   for steps in workloads.lengths(workload, False):
     config = workloads.base_config(workload, steps, False)
     variant = workloads.record_variant(workloads.DEFAULT_VARIANT, workload, steps)
     ran = config_lib.with_overrides(workloads.base_config(workload, steps, False), autolr.run_overrides(
         'hdet', 'adamw', config.optim.max_lr, config.seed, steps, variant=variant))
-    assert optimizer_lib.sync_windows(ran) == optimizer_lib.sync_windows(config), (workload, steps)
-    first_sync = optimizer_lib.sync_windows(config)[0]
+    assert run_settings.sync_windows(ran) == run_settings.sync_windows(config), (workload, steps)
+    first_sync = run_settings.sync_windows(config)[0]
     # A stop before the first sync makes the same decisions wherever it falls (rise-only from the first sync).
     same = lambda a: dataclasses.replace(a, stop_steps=-1 if a.stop_steps is not None and a.stop_steps < first_sync
                                          else a.stop_steps)
-    assert same(optimizer_lib.auto_lr_settings(ran)) == same(optimizer_lib.auto_lr_settings(config)), (workload, steps)
+    assert same(run_settings.auto_lr_settings(ran)) == same(run_settings.auto_lr_settings(config)), (workload, steps)
     # The back-off's guard, the rollback (a trainer setting, not the controller's) included.
     assert config_lib.guard(ran.hdet) == config_lib.guard(config.hdet), (workload, steps)
     for field in ('hdet.score', 'hdet.param_groups', 'hdet.spread', 'hdet.probe_windows'):
