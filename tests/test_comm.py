@@ -39,3 +39,23 @@ def test_replica_dim_picks_the_axis():
   assert comm.replica_axis_bytes(line, (2, 4), replica_dim=1) == 8
   line = '%ar = f32[2]{0} all-reduce(%g), replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add'
   assert comm.replica_axis_bytes(line, (2, 4), replica_dim=1) == 0
+
+
+def test_pairs_and_unlisted_groups():
+  """collective-permute's source-target pairs are groups of two; no groups listed (or an empty list) is one group of
+  every device, which crosses the replicas whenever there are several."""
+  lines = [
+      '%cp = f32[4]{0} collective-permute(%x), channel_id=5, source_target_pairs={{0,2},{2,4},{4,6},{6,0}}',
+      '%cp2 = s32[3]{0} collective-permute(%y), channel_id=6, source_target_pairs={{0,1},{1,0}}',
+      '%ar = f32[3]{0} all-reduce(%g), channel_id=7, to_apply=%add',
+      '%ar2 = f32[5]{0} all-reduce(%g), channel_id=8, replica_groups={}, to_apply=%add',
+  ]
+  got = comm.collectives('\n'.join(lines), MESH)
+  assert [c.op for c in got] == ['collective-permute', 'collective-permute', 'all-reduce', 'all-reduce']
+  assert got[0].groups == ((0, 2), (2, 4), (4, 6), (6, 0)) and got[1].groups == ((0, 1), (1, 0))
+  assert got[2].groups == got[3].groups == (tuple(range(8)),)
+  assert [c.operand_bytes for c in got] == [16, 12, 12, 20]
+  assert [c.crosses_replicas for c in got] == [True, False, True, True]  # {0,1} is inside group 0
+  assert comm.replica_axis_bytes('\n'.join(lines), MESH) == 16 + 12 + 20
+  # On a mesh of one replica group nothing crosses.
+  assert comm.replica_axis_bytes('\n'.join(lines), (1, 8)) == 0

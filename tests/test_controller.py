@@ -115,6 +115,15 @@ def test_decay_for_schedule_and_reference_sign():
     H.controller.decay_for_schedule(1e-3, 0.0, 10)
 
 
+@pytest.mark.parametrize('num_updates', [0, -1, 0.0])
+def test_decay_for_schedule_needs_updates(num_updates):
+  with pytest.raises(ValueError, match=rf'num_updates must be positive, got {num_updates!r}'):
+    H.controller.decay_for_schedule(1.0, 0.25, num_updates)
+  # Syncs are counted continuously, so a fraction of one update is valid: (1 - g)^0.5 = 0.25, g = 1 - 0.25^2.
+  assert H.controller.decay_for_schedule(1.0, 0.25, 0.5) == pytest.approx(1 - 0.0625, rel=1e-15)
+  assert H.controller.decay_for_schedule(1.0, 0.25, 1) == pytest.approx(0.75, rel=1e-15)
+
+
 # ---- The 'fit' controller (a quadratic line search along the replicas' line). ----
 
 

@@ -37,6 +37,14 @@ def test_bad_spread_names_parameter(bad):
     multipliers.spread_multipliers(4, bad)
 
 
+@pytest.mark.parametrize('bad', [0, -3, 2.5])
+def test_bad_num_replicas_names_parameter(bad):
+  with pytest.raises(ValueError, match=rf'num_replicas must be a positive integer, got {bad!r}'):
+    multipliers.spread_multipliers(bad, 0.25)
+  # An integral float is the integer: 3 replicas at 0.75, 1, 1.25.
+  np.testing.assert_allclose(multipliers.spread_multipliers(3.0, 0.25), [0.75, 1.0, 1.25], rtol=1e-15)
+
+
 def test_permutations_are_permutations_and_independent():
   key = jax.random.key(3)
   perms = np.asarray(multipliers.draw_permutations(key, 3, 8))

@@ -34,3 +34,10 @@ def test_path_strings_and_labels():
   assert paths == ['blocks/0/attn/kernel', 'blocks/1/mlp', 'emb/w']
   labels = H.param_groups.group_labels(params, {'embed': '^emb', 'attention': '/attn/', 'mlp': 'mlp$'})
   assert labels == {'emb': {'w': 'embed'}, 'blocks': [{'attn': {'kernel': 'attention'}}, {'mlp': 'mlp'}]}
+
+
+def test_path_string_of_plain_entries():
+  """Entries that are not jax key types (plain strings, ints) join by their str."""
+  assert path_string(['blocks', 3, jax.tree_util.DictKey('kernel')]) == 'blocks/3/kernel'
+  assert path_string((jax.tree_util.GetAttrKey('w'), 'x', jax.tree_util.SequenceKey(0))) == 'w/x/0'
+  assert path_string(()) == ''

@@ -110,3 +110,59 @@ def test_packed_hdet_is_hdet_bit_for_bit_under_vmap():
   for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert int(s1.sync_count[0]) == 3 and float(jnp.abs(s1.controller.delta).max()) > 0  # the controller moved
+
+
+def test_replica_picks_one_copy_of_a_stacked_tree():
+  tree = {'w': np.arange(6, dtype=np.float32).reshape(2, 3), 'b': np.float32(7.0)}
+  stacked = {'w': np.stack([tree['w'] + r for r in range(4)]), 'b': np.arange(4, dtype=np.float32)}
+  got = H.replica(stacked, 2)
+  np.testing.assert_array_equal(got['w'], tree['w'] + 2)
+  assert got['w'].shape == (2, 3) and got['b'] == 2.0
+
+
+def test_replica_sharding_puts_one_replica_on_each_device(mesh):
+  sharding = H.replicas.replica_sharding(mesh, AX)
+  assert sharding.spec == P(AX) and sharding.mesh is mesh
+  assert sharding.shard_shape((N, 3, 5)) == (1, 3, 5)
+
+
+def test_group_shardings_rule_keeping_a_leaf_whole_and_a_size_one_tensor_axis():
+  """Shapes only. A tensor rule with dim None keeps the leaf whole over the tensor axis (FSDP still takes its largest
+  dimension); on a mesh whose tensor axis has size 1 the rules are not applied at all, even one no size divides."""
+  from jax.sharding import Mesh
+  leaf = {'w': jax.ShapeDtypeStruct((2, 4, 6), jnp.float32)}  # [replicas, 4, 6]
+  mesh3 = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), (AX, 'fsdp', 'tensor'))
+  assert H.group_shardings(leaf, mesh3, AX, tensor_rules=((r'w$', None),))['w'].spec == P(AX, None, 'fsdp')
+  assert H.group_shardings(leaf, mesh3, AX, tensor_rules=((r'w$', 0),))['w'].spec == P(AX, 'tensor', 'fsdp')
+  mesh1 = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4, 1), (AX, 'fsdp', 'tensor'))
+  assert H.group_shardings(leaf, mesh1, AX, tensor_rules=((r'w$', 5),))['w'].spec == P(AX, 'fsdp')
+  with pytest.raises(ValueError, match=r"tensor-parallel rule \('w\$', 5\) matches 'w'"):
+    H.group_shardings(leaf, mesh3, AX, tensor_rules=((r'w$', 5),))
+
+
+@pytest.mark.parametrize('dtype', [jnp.float16, jnp.bfloat16, jnp.int8, jnp.uint16])
+def test_pack_state_refuses_a_leaf_without_an_exact_32_bit_word(dtype):
+  """Shapes only (jax.eval_shape): a float16/bfloat16/int8/uint16 leaf raises naming its dtype; the state's own
+  float32/int32/uint32/bool leaves pack into one uint32 vector of their total size."""
+  import optax
+  tx = H.hdet(optax.sgd, 1e-3, num_replicas=N, sync_every=4, replica_axis=AX)
+  like = jax.eval_shape(tx.init, {'w': jnp.zeros(3)})
+  packed = jax.eval_shape(H.packing.pack_state, like)
+  assert packed.small.dtype == jnp.uint32
+  assert packed.small.shape == (sum(int(np.prod(x.shape)) for x in jax.tree.leaves(like._replace(inner_state=None))),)
+  odd = like._replace(loss_sum=jax.ShapeDtypeStruct((), dtype))
+  with pytest.raises(ValueError, match=f'pack_state: a leaf of dtype {jnp.dtype(dtype).name} has no exact 32-bit'):
+    jax.eval_shape(H.packing.pack_state, odd)
+
+
+def test_packed_update_needs_params():
+  import optax
+  tx = H.packed(H.hdet(optax.sgd, 1e-3, num_replicas=N, sync_every=4, replica_axis=AX))
+  p = {'w': jnp.zeros(3)}
+  with pytest.raises(ValueError, match=r'packed\(hdet\): update\(\) needs params'):
+    tx.update(p, None)
+  # With params it traces to the packed state's shape (shapes only).
+  state = jax.eval_shape(tx.init, p)
+  sp, ss = H.stack_replicas(p, N), jax.eval_shape(lambda s: H.stack_replicas(s, N), state)
+  updates, new = jax.eval_shape(jax.vmap(lambda g, s, q: tx.update(g, s, q, sync=False), axis_name=AX), sp, ss, sp)
+  assert updates['w'].shape == (N, 3) and new.small.shape == (N,) + state.small.shape

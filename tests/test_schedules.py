@@ -67,3 +67,27 @@ def test_matches_reference_trace_before_auto_lr():
 def test_bad_arguments(kw, name):
   with pytest.raises(ValueError, match=name):
     H.one_cycle(**kw)
+
+
+@pytest.mark.parametrize('kw, valid, peak_step', [
+    # The warm-up phase would end at step pct_start * S - 1 = -0.5, before it starts; 0.2 ends it at step 1.
+    (dict(total_steps=10, pct_start=0.05), dict(total_steps=10, pct_start=0.2), 1),
+    # Three phases: up until 2 * 5.5 - 2 = 9 = S - 1 leaves the last phase empty; 0.5 ends them at 4, 8 and 9.
+    (dict(total_steps=10, pct_start=0.55, three_phase=True), dict(total_steps=10, pct_start=0.5, three_phase=True), 4),
+])
+def test_an_empty_phase_names_pct_start(kw, valid, peak_step):
+  with pytest.raises(ValueError, match=rf"pct_start={kw['pct_start']!r} with total_steps=10 leaves an empty phase"):
+    H.one_cycle(max_lr=1.0, **kw)
+  sched = H.one_cycle(max_lr=1.0, **valid)
+  ref = [torch_one_cycle(t, 1.0, 10, valid['pct_start'], three_phase=valid.get('three_phase', False))
+         for t in range(10)]
+  np.testing.assert_allclose([float(sched(t)) for t in range(10)], ref, rtol=2e-5)
+  assert int(np.argmax(ref)) == peak_step and float(sched(peak_step)) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_final_value_is_the_value_at_the_last_step():
+  from hdet_jax.schedules import final_value
+  assert final_value(3e-4, 100) == 3e-4 and isinstance(final_value(1, 100), float)
+  # one_cycle ends at max_lr / (div * final_div) = 1 / 2.5e5; a linear schedule at its end value.
+  assert final_value(H.one_cycle(1.0, 100), 100) == pytest.approx(1 / 2.5e5, rel=1e-5)
+  assert final_value(lambda t: 10.0 - t, 7) == 4.0  # evaluated at S - 1 = 6

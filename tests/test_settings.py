@@ -106,6 +106,124 @@ def test_plan_order_start_decay_and_floors_closed_form():
   assert np.all(plan.scale[3] == 1.0) and np.all(plan.offset[0] == 0.0)
 
 
+# ---- Each eager check: the error names the parameter, the neighbouring valid value builds the plan. ----
+
+
+def _make(**kw):
+  """settings.make_plan with hdet's defaults (a constant LR: no schedule to evaluate), overridden by ``kw``."""
+  args = dict(optimizer=optax.sgd, learning_rate=1e-3, num_replicas=8, spread=0.25, sync_every=5, replica_axis='data',
+              auto_lr=None, exact_sync=False, seed=0, explore=None, param_groups=None, guard_nonfinite=True,
+              optimizer_kwargs={})
+  args.update(kw)
+  return settings_lib.make_plan(args.pop('optimizer'), args.pop('learning_rate'), **args)
+
+
+def _step_schedule(t):
+  """0 until step 20, then 1e-3: positive at the end, 0 before step 20."""
+  return jnp.where(jnp.asarray(t) < 20, 0.0, 1e-3)
+
+
+# (bad arguments, their valid neighbour, the error (naming the parameter), what the neighbour's plan holds)
+EAGER_CHECKS = {
+    'optimizer': (
+        dict(optimizer='adam'), dict(optimizer=optax.adam),
+        r"optimizer must be an optax factory such as optax\.adam .*got 'adam'",
+        lambda p: p.optimizer is optax.adam),
+    'explore_spec': (
+        dict(explore={'weight_decay': 0.1}), dict(explore={'weight_decay': (0.1, 0.5)}),
+        r"explore\['weight_decay'\] must be an hdet_jax\.Explore or a \(value or schedule, spread\) pair, got 0\.1",
+        lambda p: p.names == ('learning_rate', 'weight_decay') and p.spreads == (0.25, 0.5)),
+    'explore_three_tuple': (
+        dict(explore={'weight_decay': (0.1, 0.5, True)}), dict(explore={'weight_decay': H.Explore(0.1, 0.5, True)}),
+        r"explore\['weight_decay'\] must be an hdet_jax\.Explore",
+        lambda p: p.additive == (False, True)),
+    'replica_axis_repeated': (
+        dict(replica_axis=('data', 'data')), dict(replica_axis=('data', 'local')),
+        r"replica_axis must be a mesh/map axis name, or a tuple of distinct ones .*\('data', 'data'\)",
+        lambda p: p.replica_axis == ('data', 'local')),
+    'replica_axis_empty': (
+        dict(replica_axis=''), dict(replica_axis='d'), r"replica_axis must be .*got ''",
+        lambda p: p.replica_axis == 'd'),
+    'replica_axis_not_a_name': (
+        dict(replica_axis=('data', 3)), dict(replica_axis=('data', '3')), r"replica_axis .*got \('data', 3\)",
+        lambda p: p.replica_axis == ('data', '3')),
+    'explore_nan_value': (
+        dict(explore={'eps': H.Explore(float('nan'), 0.5)}), dict(explore={'eps': H.Explore(1e-8, 0.5)}),
+        r"explore\['eps'\]: the value nan is not finite",
+        lambda p: p.schedules == (1e-3, 1e-8)),
+    'explore_inf_value': (
+        dict(explore={'eps': H.Explore(math.inf, 0.5, additive=True)}),
+        dict(explore={'eps': H.Explore(1e-8, 0.5, additive=True)}),
+        r"explore\['eps'\]: the value inf is not finite",
+        lambda p: p.additive == (False, True)),
+    'auto_lr_type': (
+        dict(auto_lr='fit'), dict(auto_lr=H.AutoLR(total_steps=100)),
+        r'auto_lr must be an hdet_jax\.AutoLR or None, got str',
+        lambda p: p.auto_lr.controller == 'fit' and p.controller_start == 5),
+    'total_steps_too_small': (
+        dict(auto_lr=H.AutoLR(total_steps=1), sync_every=1), dict(auto_lr=H.AutoLR(total_steps=3), sync_every=1),
+        r'auto_lr\.total_steps must be an integer >= 2, got 1',
+        lambda p: p.controller_start == 1),  # the first sync, after step 1, comes before the last step (2)
+    'total_steps_not_an_integer': (
+        dict(auto_lr=H.AutoLR(total_steps=50.0)), dict(auto_lr=H.AutoLR(total_steps=50)),
+        r'auto_lr\.total_steps must be an integer >= 2, got 50\.0',
+        lambda p: p.auto_lr.total_steps == 50),
+    'lr_of_lr': (
+        dict(auto_lr=H.AutoLR.paper(total_steps=100, lr_of_lr=-0.1)),
+        dict(auto_lr=H.AutoLR.paper(total_steps=100, lr_of_lr=0.0)),
+        r'auto_lr\.lr_of_lr \(lambda\) must be >= 0, got -0\.1',
+        lambda p: p.auto_lr.lr_of_lr == 0.0),
+    'lr_of_lr_nan': (
+        dict(auto_lr=H.AutoLR.paper(total_steps=100, lr_of_lr=float('nan'))),
+        dict(auto_lr=H.AutoLR.paper(total_steps=100, lr_of_lr=2.0)),
+        r'auto_lr\.lr_of_lr \(lambda\) must be >= 0, got nan',
+        lambda p: p.auto_lr.lr_of_lr == 2.0),
+    'step_growth': (
+        dict(auto_lr=H.AutoLR(total_steps=100, step_growth=0.5)), dict(auto_lr=H.AutoLR(total_steps=100, step_growth=1.0)),
+        r'auto_lr\.step_growth must be a number >= 1 \(1: no acceleration\), got 0\.5',
+        lambda p: p.auto_lr.step_growth == 1.0),
+    'max_gain': (
+        dict(auto_lr=H.AutoLR(total_steps=100, max_gain=0.99)), dict(auto_lr=H.AutoLR(total_steps=100, max_gain=1.0)),
+        r'auto_lr\.max_gain must be a number >= 1 \(1: no acceleration\), got 0\.99',
+        lambda p: p.auto_lr.max_gain == 1.0),
+    'max_gain_inf': (
+        dict(auto_lr=H.AutoLR(total_steps=100, max_gain=math.inf)), dict(auto_lr=H.AutoLR(total_steps=100, max_gain=1e6)),
+        r'auto_lr\.max_gain must be a number >= 1 .*got inf',
+        lambda p: p.auto_lr.max_gain == 1e6),
+    'warmup_past_the_last_sync': (
+        dict(auto_lr=H.AutoLR.paper(total_steps=20, warmup_steps=15), sync_every=10),
+        dict(auto_lr=H.AutoLR.paper(total_steps=20, warmup_steps=5), sync_every=10),
+        r'auto_lr: the first sync at or after warmup_steps=15 is step 20, not before total_steps=20; lower '
+        r'auto_lr\.warmup_steps or sync_every=10',
+        lambda p: p.controller_start == 10),
+    'decay': (
+        dict(auto_lr=H.AutoLR.paper(total_steps=100, decay=1.0)),
+        dict(auto_lr=H.AutoLR.paper(total_steps=100, decay=0.99)),
+        r'auto_lr\.decay \(gamma\) must be < 1, got 1\.0',
+        lambda p: p.decay == (0.99,)),
+    'schedule_not_positive_at_the_controller_start': (
+        dict(learning_rate=_step_schedule, auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=10), sync_every=10),
+        dict(learning_rate=_step_schedule, auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=20), sync_every=10),
+        r'learning_rate: the learning_rate schedule is 0\.0 at step 10, when the controller starts; it must be > 0',
+        lambda p: p.controller_start == 20 and math.isclose(p.start_values[0], 1e-3, rel_tol=1e-6)),
+    'explored_schedule_not_positive_at_the_controller_start': (
+        dict(explore={'weight_decay': (_step_schedule, 0.5)},
+             auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=10), sync_every=10),
+        dict(explore={'weight_decay': (_step_schedule, 0.5)},
+             auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=20), sync_every=10),
+        r"explore\['weight_decay'\]: the weight_decay schedule is 0\.0 at step 10, when the controller starts",
+        lambda p: p.controller_start == 20 and p.start_values == (1e-3, pytest.approx(1e-3, rel=1e-6))),
+}
+
+
+@pytest.mark.parametrize('case', list(EAGER_CHECKS))
+def test_each_eager_check_names_its_parameter_and_accepts_the_valid_neighbour(case):
+  bad, good, message, holds = EAGER_CHECKS[case]
+  with pytest.raises(ValueError, match=message):
+    _make(**bad)
+  assert holds(_make(**good))
+
+
 # ---- The 1.0 API. ----
 
 

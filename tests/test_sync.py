@@ -730,3 +730,21 @@ def test_settle_needs_two_asks_down_in_a_row_each_beyond_twice_its_standard_erro
   """The climb ends at the second of two asks down in a row, and only when both slopes are more than 2
   standard errors (the gain's test): either ask at 1.5 standard errors leaves it climbing."""
   assert _settle_after(ratio, noisy_sync) == [False, False, ratio > 2]
+
+
+def test_average_inner_state_passes_a_state_without_float_leaves_through():
+  """Plain SGD's state (no leaves) and an integer-only state are returned as they are, with no collective (this runs
+  outside any map, where a pmean over 'data' would fail); a float leaf beside an int one is averaged, the int kept."""
+  from hdet_jax import settings, sync
+  plan = settings.make_plan(
+      optax.sgd, 1e-3, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX, auto_lr=None, exact_sync=False,
+      seed=0, explore=None, param_groups=None, guard_nonfinite=True, optimizer_kwargs={}, average_opt_state=True)
+  ok = jnp.ones([], bool)
+  for inner in (optax.sgd(1e-3).init({'w': jnp.zeros(2)}), (optax.EmptyState(), {'count': np.int32(3)})):
+    assert sync.average_inner_state(plan, inner, ok) is inner
+  mu = np.arange(2 * N, dtype=np.float32).reshape(N, 2) ** 2
+  count = np.arange(N, dtype=np.int32)
+  got = jax.jit(jax.vmap(lambda m, c: sync.average_inner_state(plan, {'mu': m, 'count': c}, ok), axis_name=AX))(
+      mu, count)
+  np.testing.assert_allclose(np.asarray(got['mu']), np.broadcast_to(mu.mean(0), (N, 2)), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(got['count']), count)

@@ -385,6 +385,40 @@ def test_trace_time_errors():
     jax.vmap(lambda p, s: tx.update(p, s, p, value=jnp.ones(3)), axis_name=AX)(sp, ss)
 
 
+def test_update_needs_params_and_a_python_bool_sync():
+  """Checked while tracing (shapes only, nothing compiled): params=None and a non-bool sync raise, naming them; the
+  same call with params and sync=True/False traces to updates shaped like the parameters."""
+  tx = H.hdet(optax.sgd, 1e-3, num_replicas=N, spread=0.25, sync_every=2, replica_axis=AX)
+  p = {'w': jnp.zeros(2)}
+  sp, ss = H.stack_replicas(p, N), jax.eval_shape(lambda q: H.stack_replicas(tx.init(q), N), p)
+  traced = lambda kw: jax.eval_shape(jax.vmap(lambda g, s, q: tx.update(g, s, **kw(q)), axis_name=AX), sp, ss, sp)
+  with pytest.raises(ValueError, match=r'hdet: update\(\) needs params \(the sync averages them\)'):
+    traced(lambda q: dict(params=None))
+  for bad in (1, np.bool_(True), 'yes'):
+    with pytest.raises(ValueError, match=f'hdet: sync must be None or a Python bool, got {type(bad).__name__}'):
+      traced(lambda q: dict(params=q, sync=bad))
+  for sync in (None, True, False):
+    updates, state = traced(lambda q: dict(params=q, sync=sync))
+    assert updates['w'].shape == (N, 2) and state.values.shape == (N, 1, N)
+
+
+def test_replica_value_is_this_replicas_column():
+  """Inside the map, replica r reads row g, column r of state.values (the coming step's [G, N] values); with a
+  (device, local) axis pair replica r = d * (N / D) + v."""
+  tx = H.hdet(optax.adam, 0.1, num_replicas=N, spread=0.2, sync_every=10, replica_axis=AX,
+              explore={'dropout': H.Explore(0.1, 0.05, additive=True, low=0.0, high=0.5, to_optimizer=False)})
+  like = jax.eval_shape(tx.init, {'w': jnp.zeros(3)})  # shapes only; replica_value reads the values alone
+  assert like.values.shape == (2, N)
+  values = np.broadcast_to(np.arange(2 * N, dtype=np.float32).reshape(2, N), (N, 2, N))  # [replica, G, N]
+  read = lambda axis: lambda v: jnp.stack([H.replica_value(like._replace(values=v), g, axis) for g in (0, 1)])
+  got, pairs = jax.jit(lambda v: (  # one compilation for both maps
+      jax.vmap(read(AX), axis_name=AX)(v),
+      jax.vmap(jax.vmap(read((AX, 'local')), axis_name='local'), axis_name=AX)(v.reshape(4, 2, 2, N))))(values)
+  want = np.stack([np.arange(N), np.arange(N, 2 * N)], 1)  # replica r: (values[0, r], values[1, r])
+  np.testing.assert_array_equal(np.asarray(got), want)
+  np.testing.assert_array_equal(np.asarray(pairs).reshape(N, 2), want)
+
+
 # --- the controllers as wired into hdet, with a real signal, against numpy oracles --------------
 
 

@@ -64,3 +64,14 @@ def test_why_the_usual_optax_lookups_do_not_apply():
     optax.tree_utils.tree_get(state, 'base')
   np.testing.assert_allclose(H.hyperparams(state)['learning_rate'], LR * H.multipliers.spread_multipliers(N, 0.25),
                              rtol=1e-6)
+
+
+def test_find_state_needs_exactly_one_hdet_state():
+  tx = H.hdet(optax.adam, LR, num_replicas=N, sync_every=5, replica_axis=AX)
+  state = jax.eval_shape(tx.init, {'w': jnp.zeros(3)})  # shapes only: find_state reads no values
+  assert H.views.find_state(state) is state
+  assert H.views.find_state((optax.EmptyState(), {'opt': state})) is state
+  with pytest.raises(ValueError, match='expected one HDETState in the optimizer state, found 0'):
+    H.hyperparams((optax.EmptyState(), {'w': jnp.zeros(3)}))
+  with pytest.raises(ValueError, match='expected one HDETState in the optimizer state, found 2'):
+    H.hyperparams((state, state))
