@@ -99,10 +99,3 @@ def _phases(max_lr, total_steps, pct_start, div_factor, final_div_factor, three_
         f'pct_start={pct_start!r} with total_steps={total_steps!r} leaves an empty phase; '
         'increase total_steps or move pct_start away from 0 and 1.')
   return np.array([0.0] + ends[:-1]), np.array(ends), values
-
-
-def final_value(schedule: optax.ScalarOrSchedule, total_steps: int) -> float:
-  """The schedule's value at its last step (``total_steps - 1``), as a Python float."""
-  if not callable(schedule):
-    return float(schedule)
-  return float(schedule(total_steps - 1))

@@ -333,29 +333,24 @@ def _check_auto_lr(a, spread) -> None:
   if not (isinstance(a.initial_scale, (int, float)) and 0.0 < a.initial_scale < math.inf):
     raise ValueError(f'auto_lr.initial_scale must be a number > 0 (1: start at the schedule), '
                      f'got {a.initial_scale!r}.')
-  if a.after_stop not in ('hold', 'rise') or (a.after_stop == 'rise' and a.controller != 'fit'):
+  if a.after_stop not in ('hold', 'rise'):
     raise ValueError(f"auto_lr.after_stop must be 'hold' or, with controller='fit', 'rise'; got {a.after_stop!r}.")
   for name in ('step_growth', 'max_gain'):
     v = getattr(a, name)
     if not (isinstance(v, (int, float)) and 1.0 <= v < math.inf):
       raise ValueError(f'auto_lr.{name} must be a number >= 1 (1: no acceleration), got {v!r}.')
-  if not isinstance(a.backoff, bool) or (a.backoff and a.controller != 'fit'):
-    raise ValueError(f"auto_lr.backoff must be a bool, and True only with controller='fit'; got {a.backoff!r}.")
+  if not isinstance(a.backoff, bool):
+    raise ValueError(f"auto_lr.backoff must be a bool, got {a.backoff!r}.")
   k = a.backoff_stderrs
   if not (isinstance(k, (int, float)) and not isinstance(k, bool) and 0.0 <= k < math.inf) or (k > 0 and not a.backoff):
     raise ValueError(f'auto_lr.backoff_stderrs must be a number >= 0, and > 0 only with backoff=True; got {k!r}.')
   f = a.backoff_fraction
   if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0) or (f > 0 and not a.backoff):
     raise ValueError(f'auto_lr.backoff_fraction must be a number in [0, 1), and > 0 only with backoff=True; got {f!r}.')
-  if not isinstance(a.settle, bool) or (a.settle and (a.controller != 'fit' or a.after_stop != 'rise')):
+  if not isinstance(a.settle, bool) or (a.settle and a.after_stop != 'rise'):
     raise ValueError(f"auto_lr.settle must be a bool, and True only with controller='fit' and after_stop='rise' "
                      f"(it ends a rise-only climb); got settle={a.settle!r}, controller={a.controller!r}, "
                      f"after_stop={a.after_stop!r}.")
-  if a.step_growth != 1.0 and a.controller != 'fit':
-    raise ValueError(f"auto_lr.step_growth={a.step_growth!r} needs controller='fit'; set it to 1.0.")
-  if a.initial_scale != 1.0 and a.controller != 'fit':
-    raise ValueError(f"auto_lr.initial_scale={a.initial_scale!r} needs controller='fit' (the paper's "
-                     "controller replaces the schedule instead of correcting it); set it to 1.0.")
   if spread == 0.0:
     raise ValueError(
         'auto_lr needs spread > 0: with spread=0 every replica trains at the same LR and the '

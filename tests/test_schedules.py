@@ -83,11 +83,3 @@ def test_an_empty_phase_names_pct_start(kw, valid, peak_step):
          for t in range(10)]
   np.testing.assert_allclose([float(sched(t)) for t in range(10)], ref, rtol=2e-5)
   assert int(np.argmax(ref)) == peak_step and float(sched(peak_step)) == pytest.approx(1.0, rel=1e-6)
-
-
-def test_final_value_is_the_value_at_the_last_step():
-  from hdet_jax.schedules import final_value
-  assert final_value(3e-4, 100) == 3e-4 and isinstance(final_value(1, 100), float)
-  # one_cycle ends at max_lr / (div * final_div) = 1 / 2.5e5; a linear schedule at its end value.
-  assert final_value(H.one_cycle(1.0, 100), 100) == pytest.approx(1 / 2.5e5, rel=1e-5)
-  assert final_value(lambda t: 10.0 - t, 7) == 4.0  # evaluated at S - 1 = 6
