@@ -116,6 +116,22 @@ def _train(base, workdir, *extra, timeout=300):
                         env=chaos._env(), capture_output=True, text=True, timeout=timeout)
 
 
+def _train_here(workdir, capsys, **overrides):
+  """The chaos run's config (``chaos.train_cmd``'s overrides) trained in this process, as train.py would: (the summary,
+  what it printed). The first such run here builds its programs and the next ones take them (program_cache: the
+  checkpoint cadence is not in a program), so they build nothing; the numbers are those of a fresh process
+  (test_trainer.py's resume test compares the two bit for bit, and these tests compare with the reference's bits)."""
+  capsys.readouterr()
+  config = tiny(**{'checkpoint_every': 2, 'max_checkpoints': 3, 'plots': False, **overrides})
+  summary = train_and_evaluate(config, workdir)
+  return summary, capsys.readouterr().out
+
+
+def _finished(summary):
+  """What train.py's exit status 0 says: the run ended at its last step, neither diverged nor preempted."""
+  return summary['step'] == 40 and summary['diverged_at'] is None and not summary['preempted']
+
+
 def _assert_equal_to_reference(base, workdir, step=40):
   a_state, a_avg, _ = chaos.load_checkpoint(os.path.join(base, 'reference'), step)
   b_state, b_avg, _ = chaos.load_checkpoint(workdir, step)
@@ -125,20 +141,23 @@ def _assert_equal_to_reference(base, workdir, step=40):
 
 
 @pytest.mark.parametrize('how', ['truncate', 'flip', 'stale', 'meta', 'missing'])
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(chaos_run, tmp_path, how):
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(chaos_run, tmp_path, capsys, how):
+  """The reference's workdir with its newest checkpoint corrupted, rerun with the same config: it warns, falls back to
+  step 38 and trains to the end. (Rerun in this process: one fresh process for each of the five would be five setups;
+  train.py's resume in a fresh process is the chaos run's, above.)"""
   base, _ = chaos_run
   workdir = str(tmp_path / 'w')
   shutil.copytree(os.path.join(base, 'reference'), workdir)
   _corrupt(os.path.join(workdir, 'checkpoints', '40'), how)
-  proc = _train(base, workdir)
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-  assert 'warning: checkpoint step 40:' in proc.stdout and 'falling back to the previous one' in proc.stdout
-  assert f'Resuming {workdir} from step 38.' in proc.stdout
-  fingerprint = re.search(r"of the \d+ arrays of 'state' read back other bits than were saved", proc.stdout)
+  summary, out = _train_here(workdir, capsys)
+  assert _finished(summary), out[-2000:]
+  assert 'warning: checkpoint step 40:' in out and 'falling back to the previous one' in out
+  assert f'Resuming {workdir} from step 38.' in out
+  fingerprint = re.search(r"of the \d+ arrays of 'state' read back other bits than were saved", out)
   if how == 'stale':  # orbax reads the item back without complaint: only the fingerprint sees it
-    assert fingerprint, proc.stdout[-2000:]
+    assert fingerprint, out[-2000:]
   if how == 'flip':  # (where the flipped bytes land, compressed or raw, depends on the bits the machine computed)
-    assert fingerprint or "'state' cannot be read" in proc.stdout, proc.stdout[-2000:]
+    assert fingerprint or "'state' cannot be read" in out, out[-2000:]
   events = read_metrics(os.path.join(workdir, 'metrics.jsonl'))['event']
   assert [e['step'] for e in events if e['event'] == 'corrupt_checkpoint'] == [40]
   assert os.listdir(os.path.join(workdir, 'checkpoints', 'corrupt'))[0].startswith('40-')
@@ -159,7 +178,7 @@ def test_every_checkpoint_corrupt_is_a_clear_error(chaos_run, tmp_path):
 
 # ---- SIGTERM writes a checkpoint before exiting. ----
 
-def test_sigterm_checkpoints_then_exits_and_resumes_bit_for_bit(chaos_run, tmp_path):
+def test_sigterm_checkpoints_then_exits_and_resumes_bit_for_bit(chaos_run, tmp_path, capsys):
   base, _ = chaos_run
   workdir = str(tmp_path / 'term')
   cmd = chaos.train_cmd(workdir, os.path.join(base, 'xla_cache'))
@@ -183,10 +202,11 @@ def test_sigterm_checkpoints_then_exits_and_resumes_bit_for_bit(chaos_run, tmp_p
   assert checkpoints.all_steps(workdir) == [stopped]  # checkpoint_every=0: only the preemption wrote one
   assert checkpoints.read_meta(workdir)['step'] == stopped
   assert exit_s < 30
-  # Rerunning the same command finishes the run: bit for bit the reference.
-  again = subprocess.run(cmd, cwd=ROOT, env=chaos._env(), capture_output=True, text=True, timeout=300)
-  assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-  assert f'Resuming {workdir} from step {stopped}.' in again.stdout
+  # Rerunning the same config finishes the run: bit for bit the reference. (In this process, with the programs the
+  # tests above kept: train.py resuming in a fresh process is the chaos run's.)
+  summary, again = _train_here(workdir, capsys, checkpoint_every=0)
+  assert _finished(summary), again[-2000:]
+  assert f'Resuming {workdir} from step {stopped}.' in again
   _assert_equal_to_reference(base, workdir)
 
 
@@ -228,13 +248,14 @@ def _records(workdir):
   return out
 
 
-def test_same_seed_same_metrics_other_seed_other_metrics(chaos_run, tmp_path):
+def test_same_seed_same_metrics_other_seed_other_metrics(chaos_run, tmp_path, capsys):
   """The same config and seed in another process give the same records: the chaos run's restarts, each a fresh
-  process, logged exactly the reference's (test_sigkill_three_times_resumes_bit_for_bit). Another seed: others."""
+  process, logged exactly the reference's (test_sigkill_three_times_resumes_bit_for_bit). Another seed: others (that
+  run in this process, checkpointing only at its end: the cadence is a run field and its records are not compared)."""
   base, r = chaos_run
   assert r['metrics_equal'] == {'train': True, 'controller': True, 'eval': True} and len(r['kills']) >= 3
-  proc = _train(base, str(tmp_path / 'other'), '--config.seed=1')
-  assert proc.returncode == 0, proc.stderr[-2000:]
+  summary, out = _train_here(str(tmp_path / 'other'), capsys, seed=1, checkpoint_every=0)
+  assert _finished(summary), out[-2000:]
   ref, other = (_records(d) for d in (os.path.join(base, 'reference'), tmp_path / 'other'))
   assert len(ref) > 40
   la = [r['loss'] for r in ref if r['kind'] == 'train']

@@ -406,27 +406,34 @@ def test_two_processes_match_one(straight, tmp_path):
 @pytest.mark.parametrize('victim', [1, pytest.param(0, marks=pytest.mark.skipif(
     not os.environ.get('HDET_MULTIPROCESS_TESTS'), reason='the coordinator dying too: set HDET_MULTIPROCESS_TESTS=1'))])
 def test_a_dead_process_makes_the_others_exit_not_hang(tmp_path, victim):
-  """2 processes x 4 CPU devices; SIGKILL one mid-training: the other exits with an error, in bounded time."""
+  """2 processes x 4 CPU devices; SIGKILL one mid-training: the other exits with an error, in bounded time.
+
+  The run is test_two_processes_match_one's (same config and flags): its programs come from the compilation cache
+  that test filled (process 0 writes it), not from a second compile. The kill comes once process 0 has logged its
+  first training steps (metrics flushed every 5 of the 40 steps), so it lands mid-training, well before the end."""
   import signal
   import time
   port, heartbeat = free_port(), 5
   env = process_env(4)
   logs = [tmp_path / f'p{i}.log' for i in range(2)]
+  metrics = tmp_path / 'w' / 'metrics.jsonl'
   procs = []
   for i in range(2):
     with open(logs[i], 'w') as log:
       procs.append(subprocess.Popen(
           [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', str(tmp_path / 'w'),
-           '--config.num_train_steps=5000', '--config.plots=False', f'--heartbeat_timeout={heartbeat}',
+           '--config.plots=False', f'--heartbeat_timeout={heartbeat}',
            f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
   try:
     deadline = time.time() + 240
-    while 'replicas on' not in logs[0].read_text() and time.time() < deadline:  # training has started
+    while time.time() < deadline and not ('replicas on' in logs[0].read_text() and metrics.exists()
+                                          and '"kind": "train"' in metrics.read_text()):  # training is under way
       assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
       time.sleep(0.2)
-    time.sleep(2)
+    assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]  # (neither has finished the run)
     procs[victim].send_signal(signal.SIGKILL)
+    logged = metrics.read_text().count('"kind": "train"')
     t_kill = time.time()
     survivor = procs[1 - victim]
     survivor.wait(timeout=heartbeat + 60)
@@ -437,8 +444,8 @@ def test_a_dead_process_makes_the_others_exit_not_hang(tmp_path, victim):
         p.kill()
         p.wait()
   out = logs[1 - victim].read_text()
-  print(f'process {victim} killed: process {1 - victim} exited after {exit_s:.1f}s with status '
-        f'{survivor.returncode} (heartbeat timeout {heartbeat}s)')
+  print(f'process {victim} killed ({logged} of 40 steps logged): process {1 - victim} exited after {exit_s:.1f}s '
+        f'with status {survivor.returncode} (heartbeat timeout {heartbeat}s)')
   assert survivor.returncode != 0
   # Either path ends it: the distributed service's heartbeat, or (killed mid-collective) the CPU collectives'
   # transport failing on the dead peer's half-sent data (seen once in CI: gloo's 'Received data size doesn't match').
@@ -528,5 +535,5 @@ def test_the_loop_keeps_one_program_in_flight_on_several_cpu_devices(monkeypatch
   waited = []
   real = jax.block_until_ready
   monkeypatch.setattr(trainer_lib.jax, 'block_until_ready', lambda x: waited.append(1) or real(x))
-  train_and_evaluate(tiny(), str(tmp_path / 'run'))  # 40 steps
+  train_and_evaluate(tiny(plots=False, tensorboard=False), str(tmp_path / 'run'))  # 40 steps (no plots: not the loop)
   assert len(waited) >= 40  # every step waited (the loop's own waits; other calls may add more)
