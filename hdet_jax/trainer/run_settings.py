@@ -102,12 +102,11 @@ def resolve(config: Any) -> RunSettings:
 def _resolve(config: Any) -> RunSettings:
   task = tasks_lib.get(config)
   h, m = config.hdet, config.mesh if 'mesh' in config else {}
-  windows = sync_windows(config)
   guard = config_lib.guard(h, config.optim.get('name'))
-  auto_lr = auto_lr_settings(config, guard)
-  names = hyperparam_names(config)
+  optimizer = optimizer_settings(config, guard)
+  windows, auto_lr = optimizer.windows, optimizer.auto_lr
+  names = H.hyperparam_names(param_groups=optimizer.param_groups, explore=optimizer.explore or {})
   common = bool(h.auto_lr) and h.get('score', 'window') == 'common'
-  optimizer = optimizer_settings(config, windows, auto_lr)
   programs = ProgramSettings(
       task=task, seed=int(config.seed), hyperparam_names=names, dropout=config.model.get('dropout', 0.0),
       attn_temperature=config.model.get('attn_temperature', 1.0), label_smoothing=config.optim.label_smoothing,
@@ -128,10 +127,9 @@ def _resolve(config: Any) -> RunSettings:
                      warm_init_nu=config.warm_init.nu, mesh=mesh, optimizer=optimizer, programs=programs, loop=loop)
 
 
-def optimizer_settings(config: Any, windows: tuple[int, ...] | None = None,
-                       auto_lr: H.AutoLR | None | bool = True) -> OptimizerSettings:
-  """``optim.*`` and ``hdet.*`` as :func:`optimizer.make_optimizer` takes them (``windows``, ``auto_lr``: already
-  resolved; the default True resolves it here)."""
+def optimizer_settings(config: Any, guard: dict[str, Any] | None = None) -> OptimizerSettings:
+  """``optim.*`` and ``hdet.*`` as :func:`optimizer.make_optimizer` takes them (``guard``: as for
+  :func:`auto_lr_settings`)."""
   o, h = config.optim, config.hdet
   explore = explored(config)
   if explore.get('weight_decay') is not None and o.name != 'adamw':
@@ -139,8 +137,8 @@ def optimizer_settings(config: Any, windows: tuple[int, ...] | None = None,
   return OptimizerSettings(
       name=o.name, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm,
       runtime_lr_scale=bool(o.get('runtime_lr_scale', False)), schedule=schedule(config, o.max_lr / lr_unit(config)),
-      spread=h.spread, windows=sync_windows(config) if windows is None else windows,
-      auto_lr=auto_lr_settings(config) if auto_lr is True else auto_lr, seed=config.seed,
+      spread=h.spread, windows=sync_windows(config),
+      auto_lr=auto_lr_settings(config, guard), seed=config.seed,
       param_groups=param_groups(config), explore=explore or None,
       average_opt_state=bool(h.get('average_opt_state', False)))
 

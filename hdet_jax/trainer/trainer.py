@@ -313,7 +313,6 @@ class _Inputs(NamedTuple):
   workdir: str                       # absolute
   n: int                             # replicas
   devices: int                       # D, the devices of the replica axis (N / D replicas on each)
-  task: tasks_lib.Task
   data: tasks_lib.TaskData           # .batches (by step), .eval_batch [N, k, ...], .probe(sync index)
   tx: Any                            # the HDET optimizer
   fields: dict                       # the config's training fields (what resuming must match)
@@ -393,7 +392,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     group = f' (groups of {size}, mesh {dict(records.mesh.shape)})' if size > 1 else ''
     per = f' ({inputs.n // inputs.devices} per device)' if inputs.n > inputs.devices else ''
     records.log(f'{inputs.n} replicas{group} on {records.mesh.devices.size} {jax.devices()[0].platform} devices{per} '
-                f'({jax.process_count()} process(es)); task {inputs.task.name}, model '
+                f'({jax.process_count()} process(es)); task {inputs.run.task.name}, model '
                 f'{model_lib.num_params(inputs.abstract_params):,} parameters; {inputs.data.description}; '
                 f'setup {setup_s:.1f}s.')
     # ---- Train. ----
@@ -426,7 +425,7 @@ def _check(run: run_settings.RunSettings, workdir: str) -> _Inputs:
   # Every process has read the workdir before process 0 creates checkpoints/ in it: a process that got
   # here late would otherwise see that directory, open it, and run orbax's collectives out of step.
   mesh_lib.barrier('hdet_workdir_checked')
-  return _Inputs(run, workdir, n, devices, task, data, tx, fields, resume, graphdef, abstract_params, init_src,
+  return _Inputs(run, workdir, n, devices, data, tx, fields, resume, graphdef, abstract_params, init_src,
                  n * run.mesh.batch_size * task.predictions_per_example(config))
 
 
@@ -477,7 +476,7 @@ def _initial_state(inputs: _Inputs, records: _Records) -> _Loop:
     raise RuntimeError(f'the optimizer state counts {count} steps but training resumes at step {start}.')
   if anchor is None and settings.rolls_back:  # before the first sync: the start
     anchor = program_cache.get(key, 'anchor', lambda: _anchor_program(
-        records.mesh, inputs.tx, params, opt_state, inputs.task))(params, opt_state)
+        records.mesh, inputs.tx, params, opt_state, inputs.run.task))(params, opt_state)
   return _Loop(params, opt_state, rng, start=start, step=start, anchor=anchor,
                wait_each_step=one_program_in_flight(records.mesh))
 
@@ -509,10 +508,10 @@ def _restore(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Rec
     records.writer.write('event', step=step, event='corrupt_checkpoint', reason=why)
     records.log(f'warning: checkpoint {why}; falling back to the previous one.')
   abstract = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), init(k))), root)
-  abstract = mesh_lib.with_layout(records.mesh, abstract, inputs.task)  # restored straight into the run's layout
+  abstract = mesh_lib.with_layout(records.mesh, abstract, inputs.run.task)  # restored straight into the run's layout
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(records.mesh))
   if settings.rolls_back:  # the state the last sync left, which the next one may return to
-    abstract['anchor'] = mesh_lib.anchor_shapes(records.mesh, abstract, inputs.task)
+    abstract['anchor'] = mesh_lib.anchor_shapes(records.mesh, abstract, inputs.run.task)
   t_restore = time.time()
   try:
     restored = records.ckpt.restore_latest(abstract, on_corrupt=corrupt)
@@ -534,7 +533,7 @@ def _restore(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Rec
 
 def _warm_start(run: run_settings.RunSettings, inputs: _Inputs, records: _Records, root: Any) -> tuple[Any, Any]:
   """(params, opt_state): the averaged model of ``init_from`` plus each replica's eq. 10 noise."""
-  rep, rs = mesh_lib.replicated(records.mesh), mesh_lib.param_layout(records.mesh, inputs.abstract_params, inputs.n, inputs.task)
+  rep, rs = mesh_lib.replicated(records.mesh), mesh_lib.param_layout(records.mesh, inputs.abstract_params, inputs.n, inputs.run.task)
   try:
     avg = checkpoints.restore_avg_params(inputs.init_src, jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), inputs.abstract_params))
@@ -544,7 +543,7 @@ def _warm_start(run: run_settings.RunSettings, inputs: _Inputs, records: _Record
   nu = run.warm_init_nu
   params = jax.jit(lambda p, k: warm_init.warm_noisy_init(p, inputs.n, nu, k), out_shardings=rs)(
       avg, jax.random.fold_in(root, _WARM_TAG))
-  opt_state = programs_lib.make_opt_init(inputs.tx, records.mesh, inputs.task)(params)
+  opt_state = programs_lib.make_opt_init(inputs.tx, records.mesh, inputs.run.task)(params)
   records.writer.write('event', step=0, event='start', init_from=inputs.init_src, nu=nu)
   records.log(f'Warm noisy start from {inputs.init_src} (nu={nu}).')
   return params, opt_state
@@ -589,16 +588,16 @@ def _build(inputs: _Inputs, mesh: Any, params: Any, opt_state: Any, data: Any, p
   """Traces, lowers and compiles the loop's programs for these arguments: :class:`_Programs`' fields but the data's."""
   packers = {s: programs_lib.MetricsPacker() for s in (False, True)}
   settings = inputs.run.programs
-  layout = mesh_lib.layout(mesh, params, opt_state, inputs.task)  # None on a 1-D mesh
+  layout = mesh_lib.layout(mesh, params, opt_state, inputs.run.task)  # None on a 1-D mesh
   step = programs_lib.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, settings=settings, packer=packers[False],
                             chunk_steps=_CHUNK, shardings=layout).lower(params, opt_state, data).compile()
   extra = [anchor] if anchor is not None else []
   window_end = programs_lib.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
                                   settings=settings, shardings=layout).lower(params, opt_state, *probe, *extra).compile()
-  anchor = (_anchor_program(mesh, inputs.tx, params, opt_state, inputs.task).lower(params, opt_state).compile()
+  anchor = (_anchor_program(mesh, inputs.tx, params, opt_state, inputs.run.task).lower(params, opt_state).compile()
             if anchor is not None else None)
-  evaluate = programs_lib.make_eval_step(inputs.graphdef, mesh, inputs.task).lower(params, val).compile()
-  average = programs_lib.make_average(mesh, params, inputs.task).lower(params).compile()
+  evaluate = programs_lib.make_eval_step(inputs.graphdef, mesh, inputs.run.task).lower(params, val).compile()
+  average = programs_lib.make_average(mesh, params, inputs.run.task).lower(params).compile()
   # Whether some replica's parameters are all finite (a checkpoint of only NaN/inf replicas is useless:
   # the loss that would reveal the last update's blow-up comes one step later).
   any_finite = jax.jit(lambda p: jax.numpy.any(jax.numpy.stack(
@@ -778,7 +777,7 @@ def _evaluate(inputs: _Inputs, programs: _Programs, writer: metrics_lib.MetricsW
   """The averaged model's held-out metrics (``val_loss`` and the task's others), recorded as an 'eval' record."""
   params = loop.params if programs.to_eval is None else programs.to_eval(loop.params, loop.opt_state)
   means = {k: float(np.mean(v)) for k, v in mesh_lib.fetch(programs.evaluate(params, programs.val)).items()}
-  loop.val = tasks_lib.eval_record(inputs.task, means)
+  loop.val = tasks_lib.eval_record(inputs.run.task, means)
   writer.write('eval', step=step, **loop.val)
   writer.flush()
 
@@ -831,10 +830,10 @@ def _finish(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Reco
       'step': step, 'num_train_steps': settings.num_train_steps, 'stopped_early': step < settings.num_train_steps,
       'diverged_at': loop.diverged_at, 'preempted': loop.preempted_at is not None,
       'final_train_loss': final_train,
-      **{f'final_train_{k}': v for k, v in inputs.task.loss_units(final_train).items()},
+      **{f'final_train_{k}': v for k, v in inputs.run.task.loss_units(final_train).items()},
       **{f'final_{k}': v for k, v in loop.val.items()},
       # The task's primary metric (lower is better): what "within 1% of the sweep" is measured on.
-      'task': inputs.task.name, 'unit': inputs.task.unit, 'metric': inputs.task.metric, 'final_metric': loop.val.get(inputs.task.metric, math.nan),
+      'task': inputs.run.task.name, 'unit': inputs.run.task.unit, 'metric': inputs.run.task.metric, 'final_metric': loop.val.get(inputs.run.task.metric, math.nan),
       'tokens_per_s': (loop.train_steps * inputs.tokens_per_step / loop.train_time if loop.train_time > 0
                        else math.nan),
       'setup_s': setup_s, 'wall_s': time.time() - t0,
