@@ -7,8 +7,8 @@ The core (this package's top-level modules) depends on jax, optax, numpy and che
 """
 
 from hdet_jax.packing import packed
-from hdet_jax.replicas import (average_replicas, group_shardings, pmean_finite, replica, shard_map_replicas,
-                               stack_replicas)
+from hdet_jax.replicas import (average_replicas, batch_shardings, group_shardings, over_replicas, pmean_finite,
+                               replica, shard_map_replicas, stack_replicas, stacked_shardings)
 from hdet_jax.schedules import one_cycle
 from hdet_jax.settings import AutoLR, Explore, hyperparam_names
 from hdet_jax.sync import apply_updates
@@ -23,6 +23,6 @@ __all__ = [
     'hyperparams', 'hyperparam_names', 'replica_value', 'is_sync_step',
     # Replicas on a mesh.
     'shard_map_replicas', 'stack_replicas', 'average_replicas', 'replica', 'pmean_finite', 'group_shardings',
-    'state_shardings',
+    'state_shardings', 'over_replicas', 'stacked_shardings', 'batch_shardings',
 ]
 __version__ = '1.0.0'  # pyproject.toml's; CHANGELOG.md says when it moves

@@ -22,6 +22,7 @@ _LINE = re.compile(r'=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>' + '|'.join(_OPS) + r'
 _ARRAY = re.compile(r'\b(pred|[subfc]\d+|bf16)\[([\d,]*)\]')
 _IOTA = re.compile(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
 _LIST = re.compile(r'replica_groups=\{((?:\{[\d,]*\},?)*)\}')
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")  # mesh['axis_0'=4,'axis_1'=2] {'axis_1'}
 _PAIRS = re.compile(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}')
 _BYTES = {'pred': 1, 'bf16': 2}
 
@@ -47,7 +48,16 @@ def _shape_bytes(shape: str) -> int:
 
 
 def _groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
-  """The device groups of a collective (iota ``[4,2]<=[8]`` or explicit ``{{0,2},{1,3}}``)."""
+  """The device groups of a collective (iota ``[4,2]<=[8]``, explicit ``{{0,2},{1,3}}``, or by mesh axes
+  ``mesh['axis_0'=4,'axis_1'=2] {'axis_1'}``: the devices that differ only along the named axes)."""
+  by_axes = _MESH.search(line)
+  if by_axes:
+    axes = re.findall(r"'([^']+)'=(\d+)", by_axes.group(1))
+    inside = set(re.findall(r"'([^']+)'", by_axes.group(2)))
+    ids = np.arange(int(np.prod([int(n) for _, n in axes]))).reshape([int(n) for _, n in axes])
+    order = [i for i, (a, _) in enumerate(axes) if a not in inside] + [i for i, (a, _) in enumerate(axes) if a in inside]
+    size = int(np.prod([int(n) for a, n in axes if a in inside]))
+    return tuple(tuple(int(i) for i in row) for row in ids.transpose(order).reshape(-1, size))
   iota = _IOTA.search(line)
   if iota:
     out, dims, perm = ([int(v) for v in g.split(',')] if g else None for g in iota.groups())

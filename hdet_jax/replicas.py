@@ -20,6 +20,8 @@ innermost (the vmap axis) first; with a single axis name they are ``lax``'s own 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 from typing import Any, Callable
 
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
 
 from hdet_jax.param_groups import path_string
 
@@ -193,6 +196,7 @@ def shard_map_replicas(
     replica_axis: str = 'data',
     *,
     stacked_argnums: tuple[int, ...] | None = None,
+    batch_argnames: tuple[str, ...] = (),
     check_vma: bool = True,
     per_device: int = 1,
     local_axis: str = 'local',
@@ -200,8 +204,19 @@ def shard_map_replicas(
   """Runs a per-replica function on stacked trees with ``jax.shard_map``.
 
   ``fn`` sees one replica's leaves (the leading axis dropped) and returns per-replica
-  trees; the wrapper restores the leading axis. Every argument in ``stacked_argnums``
-  (default: all) must carry the leading replica axis; the others are passed replicated.
+  trees; the wrapper restores the leading axis, so every output is stacked ``[N, ...]``. Each
+  argument of ``fn`` is, by default, stacked (a leading replica axis on every leaf). Others:
+
+  - ``batch_argnames``: a *global batch*, split by rows over the replica axis: replica r sees rows
+    ``[r B/N, (r+1) B/N)``, still a global array over the mesh's other axes (e.g. ``'data'`` for
+    FSDP), so a global-batch train step keeps its batch layout (:doc:`/add_to_trainer`).
+  - ``stacked_argnums`` (positions; default: all but the batch): the others are passed replicated.
+  - An argument whose leaves are all scalars (a Python float under ``jit``) is passed replicated; one
+    that holds anything but arrays (a ``static_argnames`` value of the enclosing jit, a Python flag or
+    callable) is passed to ``fn`` as it is.
+
+  The wrapper keeps ``fn``'s signature (``inspect.signature``, keyword calls), so
+  ``jax.jit(wrapped, donate_argnames=..., static_argnames=...)`` works as on ``fn`` itself.
 
   ``per_device = N / D > 1``: N replicas on the D devices of ``replica_axis``, each device
   running its N / D consecutive replicas under ``jax.vmap(..., axis_name=local_axis)``. ``fn``'s
@@ -210,38 +225,72 @@ def shard_map_replicas(
   This map runs unchecked (``check_vma=False``): jax 0.10 cannot type a collective over a vmap axis
   inside a checked shard_map (it asserts in ``pvary``), and the check's subject, values that vary
   over the *mesh* axis, is the same per-replica function as at ``per_device=1``, where it runs checked.
-  Every output is stacked ``P(replica_axis)`` either way, so nothing per-replica can be declared
-  replicated.
 
   On a mesh with further axes (e.g. ``('replica', 'fsdp')``) the map is manual over
   ``replica_axis`` only: ``fn`` then sees one group's leaves as global arrays over the inner
-  axes, which XLA partitions as their shardings say (put them with :func:`group_shardings`
-  and pass those as the jit's ``out_shardings`` so they stay put). Collectives over
+  axes, which XLA partitions as their shardings say (put them with :func:`group_shardings` or
+  :func:`stacked_shardings` and pass those as the jit's ``out_shardings`` so they stay put), and
+  ``with_sharding_constraint`` over the inner axes works inside ``fn``. Collectives over
   ``replica_axis`` in ``fn`` then run between groups, and a mean over a leaf sharded on an
-  inner axis is the group's mean.
+  inner axis is the group's mean. Why a map manual over the replica axis and not
+  ``jax.vmap(fn, spmd_axis_name=replica_axis)``: under ``vmap`` the per-replica step count is a
+  batched value, so ``hdet``'s ``lax.cond`` on it becomes a select and the window's parameter
+  all-reduce runs on every step; here each device reads its own replica's count and the all-reduce
+  runs only in the sync branch.
 
   Example:
     >>> step = jax.jit(shard_map_replicas(train_step, mesh, 'data'))
     >>> params, opt_state, loss = step(params, opt_state, batch)  # all stacked [N, ...]
+    >>> # a global-batch step on a ('replica', 'data') mesh, its state stacked [N, ...]:
+    >>> step = jax.jit(shard_map_replicas(train_step, mesh, 'replica', batch_argnames=('batch',)),
+    ...                donate_argnames=('state',))
     >>> # 8 replicas on a 2-device mesh, train_step's hdet built with replica_axis=('data', 'local'):
     >>> step = jax.jit(shard_map_replicas(train_step, mesh, 'data', per_device=4))
   """
   if not isinstance(per_device, int) or per_device < 1:
     raise ValueError(f'shard_map_replicas: per_device must be a positive integer, got {per_device!r}.')
+  if isinstance(batch_argnames, str):
+    batch_argnames = (batch_argnames,)
+  signature = _signature(fn)
+  unknown = [n for n in batch_argnames if signature is None or n not in signature.parameters]
+  if unknown:
+    names = 'none readable' if signature is None else tuple(signature.parameters)
+    raise ValueError(f'shard_map_replicas: batch_argnames {tuple(unknown)} are not parameters of '
+                     f'{getattr(fn, "__name__", fn)!r} (its parameters: {names}); name the batch argument(s).')
+  if replica_axis not in mesh.shape:
+    raise ValueError(f'shard_map_replicas: the mesh has no axis {replica_axis!r} (axes: '
+                     f'{tuple(mesh.axis_names)}); pass replica_axis= one of them.')
 
-  def _stacked(i):
-    return stacked_argnums is None or i in stacked_argnums
+  def role(position: int, name: str | None, value) -> str:
+    if name in batch_argnames:
+      return 'batch'
+    if all(jnp.ndim(x) == 0 for x in jax.tree.leaves(value)):
+      return 'replicated'  # scalars (a Python float under jit, a step number) cannot carry the replica axis
+    if stacked_argnums is None or position in stacked_argnums:
+      return 'stacked'
+    return 'replicated'
 
-  def body(*args):
-    if per_device > 1:  # [N / D, ...] here: the local replicas, mapped by vmap
-      in_axes = tuple(0 if _stacked(i) else None for i in range(len(args)))
-      return jax.vmap(fn, in_axes=in_axes, axis_name=local_axis)(*args)
-    args = [jax.tree.map(lambda a: a[0], x) if _stacked(i) else x for i, x in enumerate(args)]
-    out = fn(*args)
-    return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
+  def wrapped(*args, **kwargs):
+    bound = _bind(signature, args, kwargs)
+    roles, traced = [], []
+    for i, (name, value) in enumerate(bound):
+      if _holds_arrays(value):
+        roles.append(role(i, name, value))
+        traced.append(value)
+      else:
+        roles.append('static')
+    specs = tuple(P() if r == 'replicated' else P(replica_axis) for r in roles if r != 'static')
 
-  def wrapped(*args):
-    in_specs = tuple(P(replica_axis) if _stacked(i) else P() for i in range(len(args)))
+    def body(*local):
+      local = iter(local)
+      values = [value if r == 'static' else _local_view(next(local), r, per_device)
+                for r, (_, value) in zip(roles, bound)]
+      if per_device > 1:  # [N / D, ...] here: the local replicas, mapped by vmap
+        axes = [0 if r in ('stacked', 'batch') else None for r in roles]
+        call = lambda *v: _call(fn, bound, v)
+        return jax.vmap(call, in_axes=tuple(axes), axis_name=local_axis)(*values)
+      return jax.tree.map(lambda a: jnp.asarray(a)[None], _call(fn, bound, values))
+
     # Manual over the replica axis: on a 1-D mesh that is every axis (the plain case); on a 2-D
     # mesh the inner axes stay Auto and the partitioner shards inside each group. Axes of size 1
     # go manual too: nothing to shard there, and leaving them Auto still runs the partitioner,
@@ -249,10 +298,160 @@ def shard_map_replicas(
     # path by an ulp here and there), where fully manual gives the 1-D numbers bit for bit.
     manual = {replica_axis} | {a for a, size in mesh.shape.items() if size == 1}
     return jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=P(replica_axis),
-        check_vma=check_vma and per_device == 1, axis_names=frozenset(manual))(*args)
+        body, mesh=mesh, in_specs=specs, out_specs=P(replica_axis),
+        check_vma=check_vma and per_device == 1, axis_names=frozenset(manual))(*traced)
 
+  if signature is not None:
+    wrapped = functools.wraps(fn)(wrapped)  # inspect.signature(wrapped) is fn's: jit's *_argnames resolve
   return wrapped
+
+
+def over_replicas(
+    train_step: Callable[..., Any],
+    mesh: jax.sharding.Mesh,
+    replica_axis: str = 'replica',
+    *,
+    batch_argnames: tuple[str, ...] = ('batch',),
+) -> Callable[..., Any]:
+  """Runs a global-batch train step (one ``jit`` with shardings) as N diverging HDET replicas.
+
+  The step stays as it is: its ``jit``, in/out shardings, donation, ``with_sharding_constraint``
+  calls on your mesh, its axis names, and FSDP or tensor parallelism inside each replica. HDET adds
+  one mesh axis for the replicas (``replica_axis``, a name your step does not use), and:
+
+  - the state stacked on a leading ``[N]`` axis (:func:`stack_replicas`), sharded with
+    :func:`stacked_shardings` (your shardings with ``replica_axis`` in front);
+  - the batch (the arguments in ``batch_argnames``) stays global ``[B, ...]``, put with
+    :func:`batch_shardings`; replica r trains on its ``B / N`` rows;
+  - one line in the step, ``grads = jax.lax.pmean(grads, replica_axis)``, and ``value=loss`` passed to
+    ``tx.update``;
+  - every output comes back stacked ``[N, ...]`` (a metric: one value per replica).
+
+  It is :func:`shard_map_replicas`, manual over ``replica_axis`` only (the other axes stay under
+  XLA's partitioner) and unchecked (``check_vma=False``): a ``with_sharding_constraint`` naming your
+  concrete mesh fails jax's varying-type check inside a partly manual map. Why a map and not
+  ``jax.vmap(step, spmd_axis_name=replica_axis)``, which would also add the axis to your shardings:
+  under ``vmap`` the per-replica step count is batched, so ``hdet``'s ``lax.cond`` on it becomes a
+  select and the window's parameter all-reduce would run on every step (measured in
+  results/benchmarks.md); here each device reads its own replica's count and the all-reduce runs
+  only at the end of a window. The signature is ``train_step``'s, so ``donate_argnames`` and
+  ``static_argnames`` work as before.
+
+  Example:
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'data'))  # was (8,), ('data',)
+    >>> step = jax.jit(over_replicas(train_step, mesh, 'replica'),
+    ...                in_shardings=(stacked_shardings(state_sharding, 'replica'),
+    ...                              batch_shardings(batch_sharding, 'replica')),
+    ...                donate_argnames=('state',))
+  """
+  return shard_map_replicas(train_step, mesh, replica_axis, batch_argnames=batch_argnames, check_vma=False)
+
+
+def _signature(fn) -> inspect.Signature | None:
+  try:
+    return inspect.signature(fn)
+  except (TypeError, ValueError):  # some builtins and C callables have none: positional calls only
+    return None
+
+
+def _bind(signature, args, kwargs) -> list[tuple[str | None, Any]]:
+  """The call's arguments in ``fn``'s parameter order, as (parameter name, value) pairs.
+
+  Keyword arguments bind as ``fn`` would bind them; ``*args`` and ``**kwargs`` parameters are
+  expanded, so each value keeps its own role.
+  """
+  if signature is None:
+    if kwargs:
+      raise TypeError('shard_map_replicas: this function has no readable signature; call it positionally.')
+    return [(None, a) for a in args]
+  bound = signature.bind(*args, **kwargs)
+  bound.apply_defaults()  # every parameter present, so positions stay fn's when some are left out
+  pairs = []
+  for name, value in bound.arguments.items():
+    kind = signature.parameters[name].kind
+    if kind is inspect.Parameter.VAR_POSITIONAL:
+      pairs += [(None, v) for v in value]
+    elif kind is inspect.Parameter.VAR_KEYWORD:
+      pairs += [(k, v) for k, v in value.items()]
+    else:
+      pairs.append((name, value))
+  return pairs
+
+
+def _call(fn, bound, values):
+  """Calls ``fn`` with ``values`` in place of the bound arguments: positional where they came positionally
+  in ``fn``'s order, by keyword for keyword-only parameters and ``**kwargs`` entries."""
+  signature = _signature(fn)
+  if signature is None:
+    return fn(*values)
+  args, kwargs = [], {}
+  kinds = {name: p.kind for name, p in signature.parameters.items()}
+  for (name, _), value in zip(bound, values):
+    kind = kinds.get(name) if name is not None else None
+    if name is None:
+      args.append(value)
+    elif kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) and not kwargs:
+      args.append(value)
+    else:
+      kwargs[name] = value
+  return fn(*args, **kwargs)
+
+
+def _holds_arrays(value) -> bool:
+  """Whether an argument goes through the map: a pytree of arrays (or tracers). Anything else (a Python
+  number, a string, a callable: a jit's static argument) reaches ``fn`` as it is."""
+  leaves = jax.tree.leaves(value)
+  return bool(leaves) and all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves)
+
+
+def _local_view(value, role: str, per_device: int):
+  """One device's view of an argument: a stacked tree without its size-1 leading axis; a batch split
+  into [N / D, rows per replica, ...] where the device runs several replicas."""
+  if role == 'stacked' and per_device == 1:
+    return jax.tree.map(lambda a: a[0], value)
+  if role == 'batch' and per_device > 1:
+    return jax.tree.map(lambda a: a.reshape((per_device, a.shape[0] // per_device) + a.shape[1:]), value)
+  return value
+
+
+def stacked_shardings(shardings: ArrayTree, replica_axis: str) -> ArrayTree:
+  """The shardings of a stacked tree from one replica's: ``P(*spec)`` becomes ``P(replica_axis, *spec)``.
+
+  Keep your trainer's state shardings (FSDP, tensor parallel, from ``nn.get_sharding`` or your own
+  rules) and add the leading replica axis; each replica's copy then lives, sharded as before, on its
+  own slice of the mesh. Leaves may be ``NamedSharding`` or ``PartitionSpec``.
+
+  Example:
+    >>> mesh = jax.make_mesh((4, 2), ('replica', 'data'))   # was ((8,), ('data',))
+    >>> state_sharding = stacked_shardings(state_sharding, 'replica')
+  """
+  return jax.tree.map(lambda s: _map_spec(s, lambda spec: P(replica_axis, *spec)), shardings,
+                      is_leaf=lambda s: isinstance(s, (NamedSharding, P)))
+
+
+def batch_shardings(shardings: ArrayTree, replica_axis: str) -> ArrayTree:
+  """The shardings of a global batch split by rows over the replicas: the replica axis joins the
+  leading dimension's axes (``P('data')`` becomes ``P(('replica', 'data'))``), so each replica's rows
+  are on its own devices and split as before inside them.
+
+  Example:
+    >>> batch_sharding = batch_shardings(NamedSharding(mesh, P('data')), 'replica')
+  """
+  def spec(spec):
+    first = spec[0] if len(spec) else None
+    first = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+    return P((replica_axis, *first), *spec[1:])
+  return jax.tree.map(lambda s: _map_spec(s, spec), shardings,
+                      is_leaf=lambda s: isinstance(s, (NamedSharding, P)))
+
+
+def _map_spec(sharding, fn):
+  if isinstance(sharding, NamedSharding):
+    return NamedSharding(sharding.mesh, fn(sharding.spec), memory_kind=sharding.memory_kind)
+  if isinstance(sharding, P):
+    return fn(sharding)
+  raise ValueError(f'stacked_shardings/batch_shardings: expected NamedSharding or PartitionSpec leaves, got '
+                   f'{type(sharding).__name__}; build the shardings on a jax.sharding.Mesh.')
 
 
 def replica_axes(replica_axis: str, per_device: int, local_axis: str = 'local') -> AxisName:

@@ -435,6 +435,11 @@ def _is_int(x) -> bool:
   return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+# What jax raises where a value needed at build time is traced (hdet() built from arrays computed under jit).
+_TRACED_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                  jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError)
+
+
 def evaluate_schedules(schedules, steps) -> list[list[float]]:
   """Values of several schedules (floats or callables) at several steps, in one compiled call.
 
@@ -442,6 +447,24 @@ def evaluate_schedules(schedules, steps) -> list[list[float]]:
   host memory for a one-cycle schedule on XLA:CPU); one jit of all of them costs a few MB.
   """
   fns = [s for s in schedules if callable(s)]
-  got = iter(np.asarray(jax.jit(lambda: jnp.stack([
-      jnp.stack([jnp.asarray(f(t), jnp.float32) for t in steps]) for f in fns]))()).tolist() if fns else [])
-  return [next(got) if callable(s) else [float(s)] * len(steps) for s in schedules]
+  # Evaluated at build time even when hdet() is built under jit, eval_shape or vmap (e.g. inside a
+  # trainer's jitted init): compile-time evaluation runs the jit below on concrete values, not into
+  # the enclosing trace.
+  with jax.ensure_compile_time_eval():
+    try:
+      got = iter(np.asarray(jax.jit(lambda: jnp.stack([
+          jnp.stack([jnp.asarray(f(t), jnp.float32) for t in steps]) for f in fns]))()).tolist() if fns else [])
+    except _TRACED_ERRORS as e:  # a schedule that closes over a traced value
+      raise ValueError('hdet: a schedule or value depends on a traced value, so it cannot be evaluated when hdet() '
+                       'is built; pass Python numbers (or a schedule of them), not arrays computed under jit, '
+                       f'or build hdet() outside the traced function ({type(e).__name__}).') from None
+  return [next(got) if callable(s) else [_as_float(s)] * len(steps) for s in schedules]
+
+
+def _as_float(value) -> float:
+  """A scalar setting as a Python float: one error line where it is a traced value."""
+  try:
+    return float(value)
+  except _TRACED_ERRORS:
+    raise ValueError(f'hdet: got a traced value ({jax.typeof(value)}) where a number is needed at build time; '
+                     'pass a Python number, or build hdet() outside the traced function.') from None

@@ -166,3 +166,50 @@ def test_packed_update_needs_params():
   sp, ss = H.stack_replicas(p, N), jax.eval_shape(lambda s: H.stack_replicas(s, N), state)
   updates, new = jax.eval_shape(jax.vmap(lambda g, s, q: tx.update(g, s, q, sync=False), axis_name=AX), sp, ss, sp)
   assert updates['w'].shape == (N, 3) and new.small.shape == (N,) + state.small.shape
+
+
+def _step(state, batch, scale=2.0, *, train=True):
+  """A per-replica step with a default, a keyword-only flag (a jit static argument) and a global batch."""
+  out = state * scale + jnp.mean(batch) if train else state
+  return out, jnp.sum(batch)
+
+
+def test_the_wrappers_keep_the_signature_keyword_calls_donation_and_static_arguments(mesh):
+  """inspect.signature names the step's parameters; keyword calls, an omitted default, donate_argnames and
+  static_argnames work as on the step itself. Oracle: numpy, per replica (the batch split by rows)."""
+  import inspect
+  for wrapped in (H.shard_map_replicas(_step, mesh, AX, batch_argnames=('batch',)),
+                  H.over_replicas(_step, mesh, AX)):
+    assert list(inspect.signature(wrapped).parameters) == ['state', 'batch', 'scale', 'train']
+    step = jax.jit(wrapped, donate_argnames=('state',), static_argnames=('train',))
+    state0 = np.arange(N, dtype=np.float32)
+    batch = np.arange(4 * N, dtype=np.float32)  # replica r sees rows [4r, 4r + 4)
+    rows = batch.reshape(N, 4)
+    state = jax.device_put(state0, H.replicas.replica_sharding(mesh, AX))
+    out, total = step(batch=batch, state=state)
+    assert state.is_deleted()  # donated
+    np.testing.assert_allclose(np.asarray(out), state0 * 2.0 + rows.mean(1))
+    np.testing.assert_allclose(np.asarray(total), rows.sum(1))
+    frozen, _ = step(jax.device_put(state0, H.replicas.replica_sharding(mesh, AX)), batch, 3.0, train=False)
+    np.testing.assert_array_equal(np.asarray(frozen), state0)  # the static flag took the other branch
+
+
+def test_batch_argnames_must_name_parameters_and_the_mesh_must_have_the_axis(mesh):
+  with pytest.raises(ValueError, match=r"batch_argnames \('data',\) are not parameters of '_step'"):
+    H.shard_map_replicas(_step, mesh, AX, batch_argnames=('data',))
+  with pytest.raises(ValueError, match=r"the mesh has no axis 'replica'"):
+    H.over_replicas(_step, mesh, 'replica')
+
+
+def test_stacked_and_batch_shardings_add_the_replica_axis():
+  from jax.sharding import Mesh, NamedSharding
+  mesh2 = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'data'))
+  tree = {'w': NamedSharding(mesh2, P(None, 'data')), 'b': NamedSharding(mesh2, P()), 'spec': P('data')}
+  stacked = H.stacked_shardings(tree, 'replica')
+  assert stacked['w'].spec == P('replica', None, 'data') and stacked['b'].spec == P('replica')
+  assert stacked['spec'] == P('replica', 'data') and stacked['w'].mesh is mesh2
+  batch = H.batch_shardings(tree, 'replica')
+  assert batch['w'].spec == P('replica', 'data') and batch['b'].spec == P('replica')
+  assert batch['spec'] == P(('replica', 'data'))
+  with pytest.raises(ValueError, match='expected NamedSharding or PartitionSpec leaves'):
+    H.stacked_shardings({'w': 'data'}, 'replica')

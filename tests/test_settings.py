@@ -298,9 +298,10 @@ def test_default_sync_windows(monkeypatch, total_steps, period):
     assert [t + 1 for t, s in enumerate(synced) if s] == [20, 40] and int(state.sync_count[0]) == 2
 
 
-USER_API = ['AutoLR', 'Explore', 'HDETState', 'apply_updates', 'average_replicas', 'group_shardings', 'hdet',
-            'hyperparam_names', 'hyperparams', 'is_sync_step', 'one_cycle', 'packed', 'pmean_finite', 'replica',
-            'replica_value', 'shard_map_replicas', 'stack_replicas', 'state_shardings']
+USER_API = ['AutoLR', 'Explore', 'HDETState', 'apply_updates', 'average_replicas', 'batch_shardings',
+            'group_shardings', 'hdet', 'hyperparam_names', 'hyperparams', 'is_sync_step', 'one_cycle', 'over_replicas',
+            'packed', 'pmean_finite', 'replica', 'replica_value', 'shard_map_replicas', 'stack_replicas',
+            'stacked_shardings', 'state_shardings']
 INTERNALS = {
     'hdet_jax.controller': ['ControllerState', 'controller_update', 'decay_for_schedule', 'reference_decay',
                             'softmax_weights', 'fit_update', 'accelerate', 'penalize_nonfinite'],
@@ -332,3 +333,34 @@ def test_the_removed_knobs_are_gone():
     importlib.import_module('hdet_jax.noise_scale')
   assert 'overshoot' not in inspect.signature(H.controller.fit_update).parameters
   assert 'log_offsets' not in settings_lib.Plan._fields
+
+
+def _build_and_init(params):
+  """hdet() and AutoLR built inside the function, with a schedule: what a trainer's jitted init does."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 10, 100)
+  tx = H.hdet(optax.adamw, schedule, num_replicas=4, auto_lr=H.AutoLR(total_steps=100), weight_decay=0.1)
+  return tx.init(params)
+
+
+def test_hdet_and_autolr_build_under_jit_eval_shape_and_vmap():
+  """The schedules are evaluated at build time even inside a trace (jax.ensure_compile_time_eval), so the state
+  built under eval_shape, jit and vmap is the one built eagerly."""
+  params = {'w': jnp.ones((3, 2)), 'b': jnp.zeros(2)}
+  eager = _build_and_init(params)
+  shapes = jax.eval_shape(_build_and_init, params)
+  assert jax.tree.map(lambda s: (s.shape, s.dtype), shapes) == jax.tree.map(lambda a: (a.shape, a.dtype), eager)
+  for a, b in zip(jax.tree.leaves(jax.jit(_build_and_init)(params)), jax.tree.leaves(eager)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  stacked = jax.vmap(_build_and_init)(H.stack_replicas(params, 4))
+  for a, b in zip(jax.tree.leaves(stacked), jax.tree.leaves(eager)):
+    np.testing.assert_array_equal(np.asarray(a), np.broadcast_to(np.asarray(b), (4,) + np.shape(b)))
+
+
+@pytest.mark.parametrize('traced', ['value', 'schedule'])
+def test_a_traced_learning_rate_at_build_time_is_one_clear_error(traced):
+  def build(params, lr):
+    value = lr if traced == 'value' else optax.cosine_decay_schedule(lr, 100)
+    return H.hdet(optax.adam, value, num_replicas=4, auto_lr=H.AutoLR(total_steps=100)).init(params)
+  with pytest.raises(ValueError, match=r'^hdet: .*traced value.*build hdet\(\) outside the traced function') as e:
+    jax.jit(build)({'w': jnp.ones(2)}, 1e-3)
+  assert '\n' not in str(e.value)
