@@ -447,17 +447,15 @@ def evaluate_schedules(schedules, steps) -> list[list[float]]:
   host memory for a one-cycle schedule on XLA:CPU); one jit of all of them costs a few MB.
   """
   fns = [s for s in schedules if callable(s)]
-  # Evaluated at build time even when hdet() is built under jit, eval_shape or vmap (e.g. inside a
-  # trainer's jitted init): compile-time evaluation runs the jit below on concrete values, not into
-  # the enclosing trace.
-  with jax.ensure_compile_time_eval():
-    try:
-      got = iter(np.asarray(jax.jit(lambda: jnp.stack([
-          jnp.stack([jnp.asarray(f(t), jnp.float32) for t in steps]) for f in fns]))()).tolist() if fns else [])
-    except _TRACED_ERRORS as e:  # a schedule that closes over a traced value
-      raise ValueError('hdet: a schedule or value depends on a traced value, so it cannot be evaluated when hdet() '
-                       'is built; pass Python numbers (or a schedule of them), not arrays computed under jit, '
-                       f'or build hdet() outside the traced function ({type(e).__name__}).') from None
+  table = lambda: jnp.stack([jnp.stack([jnp.asarray(f(t), jnp.float32) for t in steps]) for f in fns])
+  # A compiled executable runs at once even when hdet() is built under jit, eval_shape or vmap (a
+  # trainer's jitted init), where calling the jitted function would stage it into the enclosing trace;
+  # the values are the same bits either way.
+  if fns and any(isinstance(c, jax.core.Tracer) for c in jax.make_jaxpr(table)().consts):
+    raise ValueError('hdet: a schedule depends on a traced value, so it cannot be evaluated when hdet() is built; '
+                     'pass Python numbers (or a schedule of them), not arrays computed under jit, or build hdet() '
+                     'outside the traced function.')
+  got = iter(np.asarray(jax.jit(table).lower().compile()()).tolist() if fns else [])
   return [next(got) if callable(s) else [_as_float(s)] * len(steps) for s in schedules]
 
 
