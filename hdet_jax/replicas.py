@@ -99,11 +99,14 @@ def average_replicas(stacked: ArrayTree) -> ArrayTree:
   """The ensemble's model: the mean over the leading replica axis, outside any mapped context.
 
   This is the exact average of the replicas, whatever they hold; evaluate and export this,
-  not replica 0. Inside a mapped context use ``lax.pmean(tree, replica_axis)``.
+  not replica 0. Inside a mapped context use ``lax.pmean(tree, replica_axis)``. Integer and
+  boolean leaves (step counters, flags of a whole train state) are replica 0's: they have no mean.
   """
   # x0 + mean(x - x0): bitwise x0 when the replicas agree (right after a sync the exported
   # model then equals every replica), and less rounding than summing the raw values otherwise.
   def mean(x):
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+      return x[0]
     x0 = x[:1]
     return (x0 + jnp.mean(x - x0, axis=0, keepdims=True, dtype=x.dtype))[0]
   return jax.tree.map(mean, stacked)

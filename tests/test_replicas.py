@@ -213,3 +213,11 @@ def test_stacked_and_batch_shardings_add_the_replica_axis():
   assert batch['spec'] == P(('replica', 'data'))
   with pytest.raises(ValueError, match='expected NamedSharding or PartitionSpec leaves'):
     H.stacked_shardings({'w': 'data'}, 'replica')
+
+
+def test_average_replicas_takes_replica_zero_for_integer_and_boolean_leaves():
+  """A whole train state averages: floats are the mean, counters and flags (no mean) replica 0's."""
+  tree = {'w': jnp.arange(8.0).reshape(4, 2), 'step': jnp.array([3, 3, 3, 3]), 'ok': jnp.array([True, False] * 2)}
+  got = H.average_replicas(tree)
+  np.testing.assert_allclose(np.asarray(got['w']), [3.0, 4.0])
+  assert int(got['step']) == 3 and bool(got['ok']) is True and got['step'].dtype == jnp.int32
