@@ -50,6 +50,25 @@ try:
       'Training configuration file (a get_config() Python file); default: configs/default.py.', lock_config=True)
 except (AttributeError, KeyError, TypeError, ValueError) as _e:
   _bad_override(_e)
+
+
+class _ConfigFileParser(flags.ArgumentParser):
+  """--config FILE[:ARG] read as ml_collections' parser reads it (get_config(ARG), locked), but through
+  config_lib.load_config_file: a file that gives no config (missing, not Python, no get_config, ...) raises its
+  ConfigError here, which parse_flags reports as one line, not a traceback (nor ml_collections' error deferred
+  to the config's first use)."""
+
+  def parse(self, argument):
+    from hdet_jax.trainer import config_lib  # (every config imports it too)
+    config = config_lib.load_config_file(*argument.split(':', 1))
+    config.lock()  # (lock_config=True)
+    return config
+
+  def flag_type(self):
+    return 'config object'
+
+
+FLAGS['config'].parser = _ConfigFileParser()  # (the default file above was read at the definition)
 flags.DEFINE_string('workdir', 'workdirs/default', 'Where metrics, checkpoints and plots go; reusing it resumes.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for multi-process runs.')
 flags.DEFINE_integer('num_processes', None, 'Number of processes, for multi-process runs.')
@@ -99,7 +118,11 @@ def parse_flags(argv):
   try:
     return FLAGS(argv)
   except flags.Error as e:
-    print(f'error: {" ".join(str(e).split())} (python train.py --helpfull lists the flags)', file=sys.stderr)
+    from hdet_jax.trainer import config_lib  # (only on this error path)
+    if isinstance(e.__context__, config_lib.ConfigError):  # --config's file (_ConfigFileParser), as absl wraps it
+      print(f'error: {e.__context__}', file=sys.stderr)
+    else:
+      print(f'error: {" ".join(str(e).split())} (python train.py --helpfull lists the flags)', file=sys.stderr)
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     _bad_override(e)
   sys.exit(2)

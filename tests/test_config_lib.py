@@ -43,6 +43,34 @@ def test_sibling_loads_the_named_config_next_to_a_file():
   assert config_lib.sibling(os.path.join(CONFIGS, 'x.py'), 'default').num_train_steps == 1500
 
 
+@pytest.mark.parametrize('source,says', [
+    (None, 'no such file'),
+    ('def get_config(:\n', 'is not Python source (invalid syntax at line 1)'),
+    ('import hdet_no_such_module\n', "raised ModuleNotFoundError: No module named 'hdet_no_such_module' (line 1)"),
+    ('X = 1\n', 'defines no get_config()'),
+    ('def get_config():\n  return {}[0]\n', 'get_config() raised KeyError: 0 (line 2)'),
+    ('def get_config():\n  return [1]\n', 'get_config() returned list [1], not an ml_collections.ConfigDict'),
+    ('from hdet_jax.trainer.config_lib import sibling\ndef get_config():\n  return sibling(__file__, "gone")\n',
+     'gone.py: no such file'),  # a config building on a missing one names that one
+])
+def test_a_config_file_that_gives_no_config_is_one_config_error(tmp_path, source, says):
+  """train.py reads --config through load_config_file (its ConfigError is one error line, exit 2)."""
+  path = tmp_path / 'mine.py'
+  if source is not None:
+    path.write_text(source)
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.load_config_file(str(path))
+  assert says in str(e.value) and '\n' not in str(e.value)
+  assert str(e.value).startswith(f'--config {tmp_path / ("gone.py" if "gone" in says else "mine.py")}')
+
+
+def test_load_config_file_passes_get_config_its_argument(tmp_path):
+  """--config FILE:ARG calls get_config(ARG), as ml_collections' config_flags does."""
+  path = tmp_path / 'arg.py'
+  path.write_text('import ml_collections\ndef get_config(size):\n  return ml_collections.ConfigDict({"size": size})\n')
+  assert config_lib.load_config_file(str(path), 'big').size == 'big'
+
+
 @pytest.mark.parametrize('field,value', [('hdet.spread', 1.5), ('optim.max_lr', 0.0), ('data.batch_size', 0),
                                          ('hdet.warmup_steps', 40), ('optim.name', 'lion'),
                                          ('hdet.stop_fraction', -0.1), ('hdet.stop_fraction', 1.5),

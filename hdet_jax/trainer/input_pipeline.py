@@ -66,16 +66,24 @@ def load_corpus(path: str | None, corpus: str = 'kjv') -> np.ndarray:
   if path is None or path == '':
     return np.frombuffer(load_kjv(corpus), dtype=np.uint8)
   path = os.path.expanduser(path)
+  fix = 'Point --config.data.path at a local UTF-8 text file, or leave it unset for the built-in King James Bible.'
+  if os.path.isdir(path):
+    raise DataError(f'data.path={path!r} is a directory, not a text file. {fix}')
   if not os.path.isfile(path):
-    raise DataError(
-        f'data.path={path!r}: no such file. Point --config.data.path at a local UTF-8 text file, '
-        'or leave it unset for the built-in King James Bible.')
-  with open(path, 'rb') as f:
-    raw = f.read()
+    raise DataError(f'data.path={path!r}: no such file. {fix}')
+  try:
+    with open(path, 'rb') as f:
+      raw = f.read()
+  except OSError as e:
+    raise DataError(f'data.path={path!r} cannot be read ({e.strerror or e}). {fix}') from None
+  if not raw:
+    raise DataError(f'data.path={path!r} is empty. {fix}')
   try:
     raw.decode('utf-8')
   except UnicodeDecodeError as e:
     raise DataError(f'data.path={path!r} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8.') from e
+  if b'\0' in raw:  # valid UTF-8, but no text holds a NUL byte: a binary file (or a file of zeros)
+    raise DataError(f'data.path={path!r} is binary, not text (a NUL byte at byte {raw.index(0)}). {fix}')
   return np.frombuffer(raw, dtype=np.uint8)
 
 

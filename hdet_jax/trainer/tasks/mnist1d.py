@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import zipfile
+import zlib
 from typing import Any
 
 import jax
@@ -55,11 +57,25 @@ def generate(num_samples: int, train_split: float, dataset_seed: int) -> dict[st
 
 def read_npz(path: str, num_classes: int) -> dict[str, np.ndarray]:
   """A user's ``.npz`` checked: every key, matching lengths and shapes, integer labels in range, finite signals."""
-  where = f'data.path={path!r}'
-  if not os.path.isfile(os.path.expanduser(path)):
-    raise base.TaskError(f'{where}: no such file; point --config.data.path at an .npz with arrays {", ".join(NPZ_KEYS)}.')
+  where, full = f'data.path={path!r}', os.path.expanduser(path)
+  fix = f'point --config.data.path at an .npz (numpy.savez) with arrays {", ".join(NPZ_KEYS)}'
+  if os.path.isdir(full):
+    raise base.TaskError(f'{where} is a directory, not a file; {fix}.')
+  if not os.path.isfile(full):
+    raise base.TaskError(f'{where}: no such file; {fix}.')
   try:
-    with np.load(os.path.expanduser(path), allow_pickle=False) as f:
+    with open(full, 'rb') as f:
+      head = f.read(4)
+  except OSError as e:
+    raise base.TaskError(f'{where} cannot be read ({e.strerror or e}); {fix}.') from None
+  if not head:
+    raise base.TaskError(f'{where} is empty; {fix}.')
+  if not zipfile.is_zipfile(full):  # an .npz is a zip archive of .npy files
+    what = ('a truncated or corrupt .npz (its zip directory is missing)' if head == b'PK\x03\x04' else
+            'a single array (.npy), not an .npz' if head.startswith(b'\x93NUM') else 'not an .npz file (not a zip archive)')
+    raise base.TaskError(f'{where} is {what}; {fix}.')
+  try:
+    with np.load(full, allow_pickle=False) as f:
       missing = [k for k in NPZ_KEYS if k not in f.files]
       if missing:
         raise base.TaskError(f'{where} lacks the arrays {", ".join(missing)}; it needs {", ".join(NPZ_KEYS)} '
@@ -67,8 +83,9 @@ def read_npz(path: str, num_classes: int) -> dict[str, np.ndarray]:
       d = {k: np.asarray(f[k]) for k in NPZ_KEYS}
   except base.TaskError:
     raise  # already names the fix (a TaskError is a ValueError; not "unreadable")
-  except (OSError, ValueError) as e:
-    raise base.TaskError(f'{where} is not a readable .npz file ({" ".join(str(e).split())}).') from None
+  except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # a truncated or corrupt member
+    raise base.TaskError(f'{where} is not a readable .npz file ({" ".join(str(e).split())}); write it again '
+                         f'with numpy.savez (arrays {", ".join(NPZ_KEYS)}).') from None
   for split in ('', '_test'):
     x, y = d['x' + split], d['y' + split]
     if x.ndim not in (2, 3) or y.ndim != 1 or len(x) != len(y) or len(x) == 0:
