@@ -44,9 +44,10 @@ def _bad_override(e: Exception) -> None:
 
 # Without --config, ml_collections loads the default file and applies the --config.* overrides right
 # here, when the flag is defined (at import, before parse_flags runs), so a bad override raises here.
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
 try:
   config_flags.DEFINE_config_file(
-      'config', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py'),
+      'config', DEFAULT_CONFIG,
       'Training configuration file (a get_config() Python file); default: configs/default.py.', lock_config=True)
 except (AttributeError, KeyError, TypeError, ValueError) as _e:
   _bad_override(_e)
@@ -61,6 +62,12 @@ class _ConfigFileParser(flags.ArgumentParser):
   def parse(self, argument):
     from hdet_jax.trainer import config_lib  # (every config imports it too)
     config = config_lib.load_config_file(*argument.split(':', 1))
+    missing = config_lib.missing_fields(config, config_lib.load_config_file(DEFAULT_CONFIG))
+    if missing:
+      more = f' and {len(missing) - 4} more' if len(missing) > 4 else ''
+      raise config_lib.ConfigError(
+          f'--config {argument}: its config lacks {", ".join(missing[:4])}{more}; build it on configs/default.py '
+          "(config = sibling(__file__, 'default'), then set fields, as configs/tiny.py does).")
     config.lock()  # (lock_config=True)
     return config
 

@@ -20,6 +20,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, 'configs', 'tiny.py')  # the LM task
 MNIST1D = os.path.join(ROOT, 'configs', 'mnist1d.py')
+BRACKET = os.path.join(ROOT, 'configs', 'bracket.py')  # the LM task
 
 
 def _arrays() -> dict:
@@ -83,6 +84,8 @@ CASES = [
      ['returned dict', 'not an ml_collections.ConfigDict']),
     ('config_returns_none', None, 'def get_config():\n  config = 1\n', '--config',
      ['returned NoneType', 'not an ml_collections.ConfigDict']),
+    ('config_incomplete', None, 'import ml_collections\n\ndef get_config():\n  return ml_collections.ConfigDict('
+     '{"seed": 0})\n', '--config', ['its config lacks', 'build it on configs/default.py']),
     # ---- data.path of the mnist1d task: an .npz ----
     ('npz_text_file', MNIST1D, TEXT, 'data.path', ['not an .npz file']),
     ('npz_short_text_file', MNIST1D, b'hi\n', 'data.path', ['not an .npz file']),
@@ -160,3 +163,17 @@ def test_a_bad_config_file_leaves_no_new_workdir(tmp_path):
                          str(tmp_path / 'new')], cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2 and proc.stderr.startswith('error: --config '), proc.stderr
   assert not (tmp_path / 'new').exists()
+
+
+def test_a_bracket_checks_its_runs_before_it_writes_its_record(tmp_path):
+  """The LR bracket writes bracket.json into a new workdir before its first run; a bad data.path stops it first."""
+  bad = tmp_path / 'bad.txt'
+  bad.write_bytes(_npz_bytes())
+  workdir = tmp_path / 'new'
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config', BRACKET,
+                         f'--config.data.path={bad}', '--workdir', str(workdir)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+  assert proc.returncode == 2 and len(errors) == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  assert 'data.path' in errors[0] and 'not UTF-8 text' in errors[0], errors
+  assert not workdir.exists() or not any(workdir.rglob('*')), sorted(workdir.rglob('*'))

@@ -141,6 +141,8 @@ def run_bracket(config: Any, workdir: str) -> dict:
     state = {'fields': fields, 'lrs': point_lrs(config.optim.max_lr, b.points, b.factor),
              'compute_runs': compute_runs(b.points, rungs, total),
              'rungs': [], 'winner': None}
+    lr0 = state['lrs'][0]  # every check a run makes (its data, devices, workdir) before anything is written
+    trainer_lib.check(point_config(config, lr0, steps[0]), _point_dir(workdir, 0, lr0))
     _write_state(workdir, state)
   dirs = {lr: _point_dir(workdir, k, lr) for k, lr in enumerate(state['lrs'])}
   alive = state['rungs'][-1]['kept'] if state['rungs'] else list(state['lrs'])  # (a resumed bracket's last picks)

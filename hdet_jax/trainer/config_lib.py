@@ -358,6 +358,17 @@ CHECKED_FIELDS = tuple(r[0] for r in _RULES)
 _NONE_RESOLVES = frozenset({'hdet.backoff_stderrs', 'hdet.backoff_fraction'})
 
 
+def missing_fields(config: Any, reference: Any) -> list[str]:
+  """The trainer's fields (all but the task's own ``data.*`` and ``model.*``) that ``reference`` (configs/default.py's
+  config) has and ``config`` lacks: a config not built on the default one."""
+  def keys(c, prefix=''):
+    out = set()
+    for k, v in c.items():
+      out |= keys(v, f'{prefix}{k}.') if isinstance(v, ml_collections.ConfigDict) else {prefix + k}
+    return out
+  return sorted(k for k in keys(reference) - keys(config) if not k.startswith(('data.', 'model.')))
+
+
 def check_values(config: Any) -> None:
   """Every field's type and range, then the cross-field rules; raises ConfigError naming the field.
 

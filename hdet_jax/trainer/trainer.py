@@ -372,6 +372,12 @@ class _Loop:
   wait_each_step: bool = False
 
 
+def check(config: Any, workdir: str) -> None:
+  """Every check ``train_and_evaluate`` makes before it writes anything (the config, the task's data, the devices,
+  the workdir, init_from); raises ConfigError, writes nothing. For callers that write first (the LR bracket)."""
+  _check(run_settings.resolve(config), os.path.abspath(os.path.expanduser(workdir)))
+
+
 def train_and_evaluate(config: Any, workdir: str) -> dict:
   """Trains (or resumes) the run described by ``config`` in ``workdir``; returns the summary.
 
