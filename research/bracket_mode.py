@@ -232,6 +232,7 @@ def main(argv=None):
   p.add_argument('--cells', default=','.join(CELLS), help='workload:steps:optim,... to train (default: every cell; the report reads every cell)')
   p.add_argument('--seeds', default=','.join(map(str, SEEDS)), help='seeds to train (the report reads them all)')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
+  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny LM, 3 points, one start and seed')
   p.add_argument('--workdir', default=None, help='where the brackets train (default: workdirs/bracket_mode)')
   args = p.parse_args(argv)
@@ -258,7 +259,7 @@ def main(argv=None):
             recs[(start, seed)] = json.load(f)
     if recs:
       results[cell] = cell_rows(cell, recs, args.quick)
-  out = work_root if args.quick else os.path.join(REPO, 'results')
+  out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
   _, md = write_report(out, results, args.quick)
   with open(md, encoding='utf-8') as f:
     print(f.read())

@@ -341,6 +341,7 @@ def main(argv=None):
   p.add_argument('--probe-cells', default=','.join(PROBE_CELLS),
                  help='cells whose brackets from the best get their cut point probed (default: every cell but the held-out)')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
+  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny LM, 16 steps, one seed')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/workloads)')
   args = p.parse_args(argv)
@@ -360,7 +361,7 @@ def main(argv=None):
   probes = [p for start in PROBE_STARTS for c in (cells if args.quick else PROBE_CELLS)
             for p in probe_rows(c, args.quick, work_root, start)]
   mark_ends(probes, rows)
-  md = write_report(work_root if args.quick else os.path.join(REPO, 'results'), rows, args.quick, probes)
+  md = write_report(args.out or (work_root if args.quick else os.path.join(REPO, 'results')), rows, args.quick, probes)
   with open(md, encoding='utf-8') as f:
     print(f.read())
 

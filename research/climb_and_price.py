@@ -1,6 +1,7 @@
 """What sets the 'fit' climb's end point, and what sets the ensemble's price: both read from cached records.
 
     python -m research.climb_and_price            # results/climb_and_price.{md,json} from the committed records
+    python -m research.climb_and_price --report-only   # the same (nothing here trains)
     python -m research.climb_and_price --quick    # the same over research.workloads --quick's records
 
 Nothing trains here: the records are those of ``research.workloads`` (and ``research.autolr`` for the LM).
@@ -683,9 +684,11 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--quick', action='store_true', help="read research.workloads --quick's records")
   p.add_argument('--workdir', default=None, help='the workloads work root (default workdirs/workloads[_quick])')
+  p.add_argument('--report-only', action='store_true', help='read the records (as always: nothing here trains)')
+  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
   work_root = args.workdir or os.path.join(autolr.REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
-  out = work_root if args.quick else os.path.join(autolr.REPO, 'results')
+  out = args.out or (work_root if args.quick else os.path.join(autolr.REPO, 'results'))
   print('\n'.join(f'  {p}' for p in write_report(out, measure(args.quick, work_root), args.quick)))
 
 

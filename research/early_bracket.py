@@ -15,6 +15,7 @@ sweep's own runs where it has them). The gap is paired: the kept run's final aga
 sweep's best grid point (its 3-seed mean's).
 
     python -m research.early_bracket                      # reads the records (results/early_bracket.{md,json})
+    python -m research.early_bracket --report-only        # the same, and refuses --train
     python -m research.early_bracket --train --workload finetune,mnist1d   # complete seeds 0-2 (cached, resumable)
     python -m research.early_bracket --quick --train       # a smoke run over the quick sweep's records
 """
@@ -268,13 +269,17 @@ def main(argv=None):
   p.add_argument('--workload', default=','.join(workloads.WORKLOADS), help='comma-separated workloads to train')
   p.add_argument('--steps', default='', help='comma-separated run lengths to train (default: every length)')
   p.add_argument('--seeds', default='0,1,2', help='comma-separated seeds whose grids --train completes')
+  p.add_argument('--report-only', action='store_true', help='read the records, train nothing (the default)')
+  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  if args.report_only and args.train:
+    p.error('--train trains the grid and --report-only trains nothing; drop one of them')
   workloads.parse_cells(p, args)
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
   if args.train:
     from hdet_jax.trainer import trainer
     trainer.setup_jax(workloads.base_config('lm', 16, args.quick))  # 8 CPU devices, as the sweep's runs had
-  out = work_root if args.quick else os.path.join(REPO, 'results')
+  out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
   print('\n'.join(f'  {path}' for path in write_report(out, measure(args, work_root), args.quick)))
 
 

@@ -425,6 +425,7 @@ def main(argv=None):
   p.add_argument('--seeds', default=','.join(map(str, bracket_mode.SEEDS)), help='seeds to train (the report reads 0-2, and '
                  'for mnist1d and the held-out classifiers 3-7 in its 8-seed table)')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
+  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
   p.add_argument('--check', default=None, help='cell:start:seed: train the narrowest composed bracket for real')
   p.add_argument('--quick', action='store_true', help='a smoke run: the quick bracket on mnist1d\'s tiny CNN')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/workloads)')
@@ -454,7 +455,8 @@ def main(argv=None):
                 on_footing(got[k]['final_metric'], got[k]['kept_lr'], default, cell, start, seed, work_root, True)
   rows = {c: cell_rows(c, args.quick, work_root) for c in ([QUICK_CELL] if args.quick else CELLS)}
   eight = {} if args.quick else {c: e for c in MNIST1D + TASKS if (e := eight_seed_rows(c, work_root))['starts']}
-  md = write_report(work_root if args.quick else os.path.join(REPO, 'results'), {c: r for c, r in rows.items() if r},
+  out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
+  md = write_report(out, {c: r for c, r in rows.items() if r},
                     args.quick, eight)
   with open(md, encoding='utf-8') as f:
     print(f.read())

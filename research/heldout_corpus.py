@@ -4,6 +4,8 @@
     python -m research.autolr --config.data.path=workdirs/pystdlib.txt --optim adamw,sgd \\
         --variants fit_K15_cap100_settle,fit_K15_cap100_rollback_se2_f5_settle --report-only --out results/heldout
 
+(``python -m research.heldout [--report-only]`` is the study: the corpus, the runs, the report.)
+
 The defaults were chosen on the KJV LM, mnist1d and the Wycliffe fine-tuning (``results/workloads.md``).
 Source code is none of those: not prose, with its own byte statistics and long-range structure (indentation,
 names defined far above). The file is the running Python's ``stdlib`` ``.py`` files (no tests, ``idlelib``

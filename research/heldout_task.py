@@ -425,9 +425,9 @@ def check_lines(site: Site, r: dict) -> list[str]:
           (selection or selection_lines(site, plan(site)['seeds'])))
 
 
-def report(quick: bool, work_root: str) -> list[str]:
-  """Writes ``heldout_task.{md,json}`` (the full run's under results/, a quick one's in ``work_root``) for every check
-  with records; its lines."""
+def report(quick: bool, work_root: str, out: str | None = None) -> list[str]:
+  """Writes ``heldout_task.{md,json}`` into ``out`` (default: the full run's under results/, a quick one's in
+  ``work_root``) for every check with records; its lines."""
   sites = [Site(c, quick, work_root) for c in CHECKS]
   results = {s.check: summarize(s) for s in sites if load(grid_name(plan(s)['grid'][0], 0), s) is not None}
   lines = ['# Classifier sizes, data and run lengths no default was chosen on: mnist1d\'s CNN, an MLP, and other data', '',
@@ -438,7 +438,7 @@ def report(quick: bool, work_root: str) -> list[str]:
   for s in sites:
     if s.check in results:
       lines += check_lines(s, results[s.check])
-  out = work_root if quick else os.path.join(REPO, 'results')
+  out = out or (work_root if quick else os.path.join(REPO, 'results'))
   records.write_report(out, 'heldout_task', results, lines)
   return lines
 
@@ -447,6 +447,7 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--checks', default=','.join(CHECKS), help=f'comma-separated, of {", ".join(CHECKS)}')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
+  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny CNN, 2 grid points, the best start, '
                  'the first check')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/heldout_task)')
@@ -476,7 +477,7 @@ def main(argv=None):
           for lr in plan(site)['grid']:
             print(f'  {check} trace {lr:g} s{seed}: {rung_trace(lr, seed, site)["rungs"]}; annealed: '
                   f'{annealed_rung(lr, seed, site)["final_metric"]}', flush=True)
-  print('\n'.join(report(args.quick, work_root)))
+  print('\n'.join(report(args.quick, work_root, args.out)))
 
 
 if __name__ == '__main__':

@@ -279,6 +279,7 @@ def main(argv=None):
   p.add_argument('--cells', default=','.join(TRAIN_CELLS), help='workload:steps:optim,... whose runner-ups to train (the report reads every cell)')
   p.add_argument('--eight-seeds', default=','.join(EIGHT_SEED_CELLS), help='cells whose default bracket to train on seeds 3-7 too ("" for none)')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
+  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
   p.add_argument('--quick', action='store_true', help='a smoke run: wider_rung\'s quick bracket')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/workloads)')
   args = p.parse_args(argv)
@@ -297,7 +298,8 @@ def main(argv=None):
   cells = [wider_rung.QUICK_CELL] if args.quick else list(bracket_mode.CELLS)
   rows = {c: r for c in cells if (r := cell_rows(c, args.quick, work_root))}
   eight = {} if args.quick else {c: e for c in EIGHT_SEED_CELLS if (e := eight_seed_rows(c, work_root))['starts']}
-  paths = write_report(work_root if args.quick else os.path.join(REPO, 'results'), rows, eight, args.quick)
+  out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
+  paths = write_report(out, rows, eight, args.quick)
   with open(paths[1], encoding='utf-8') as f:
     print(f.read())
 

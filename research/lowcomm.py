@@ -15,6 +15,10 @@ devices (``mesh.replicas=4``, ``mesh.fsdp=2``) and ``data.batch_size=16``, so ev
 A finished run's summary is ``WORKDIR/summary.json``; a run cut short resumes from its checkpoint on the
 next call. The table (validation bits/byte of the averaged model, mean and per seed) is printed and
 written to ``results/lowcomm.md`` (not with ``--quick``).
+
+The committed ``results/lowcomm.md`` is not regenerable: its nine runs' summaries stayed in their workdirs and
+were never committed, so there is nothing to redraw it from (``--report-only`` says so); a full run trains them
+anew and writes the table over it.
 """
 
 from __future__ import annotations
@@ -72,7 +76,11 @@ def main(argv=None):
   parser.add_argument('--modes', default=','.join(MODES), help=f'comma-separated, of {", ".join(MODES)}')
   parser.add_argument('--quick', action='store_true', help='the tiny config, 16 steps, seed 0')
   parser.add_argument('--work-root', default='', help='where the workdirs go (default: workdirs/lowcomm[_quick])')
+  parser.add_argument('--report-only', action='store_true', help='(not regenerable: says why and exits)')
   args = parser.parse_args(argv)
+  if args.report_only:
+    raise SystemExit('error: --report-only: results/lowcomm.md is not regenerable: its runs\' summaries were never '
+                     'committed (research/README.md); python -m research.lowcomm trains them anew.')
   from hdet_jax import trainer
   from hdet_jax.trainer import config_lib
   # Before any JAX call: 8 simulated CPU devices (the config's num_cpu_devices), and the compilation

@@ -10,16 +10,16 @@ LR bracket (``bracket_mode.BRACKET``: 8 plain runs a factor 2 apart, 4 kept at 0
 default then) and the default bracket since (``bracket851``: ``configs/bracket.py``'s, 5 kept at 0.1).
 Seeds 1 and 2 (``--seeds``) rerun the sweep's best grid point and its two neighbours, and the default HDET and the
 default bracket from the starts ``--seed-starts`` names; over seeds 0-2 the report pairs each start's runs by seed
-with the sweep's best LR (its 3-seed mean, among the grid points every seed has).
+with the sweep's best LR (its 3-seed mean, among the grid points every seed has). The defaults, seeds 1,2 from every
+start, are what ``results/`` holds: ``--report-only`` with no other flag redraws the committed page.
 
 Each run is one record (``results/model_size/runs/<name>.json``: cached; a rerun trains only what is missing).
 ``--jobs N`` trains N runs at once, each in its own process (a GPU's host loop, not its compute, bounds these
 small models, so runs side by side fill it).
 
-    python -m research.model_size --jobs 3        # train what is missing, then report (results/model_size.md)
+    python -m research.model_size --jobs 8        # train what is missing, then report (results/model_size.md)
     python -m research.model_size --jobs 3 --seeds ''   # seed 0 alone
-    python -m research.model_size --jobs 8 --seeds 1,2 --seed-starts low,best,high   # what results/ holds
-    python -m research.model_size --report-only
+    python -m research.model_size --report-only   # redraw results/model_size.{md,json} (--out DIR: into DIR)
     python -m research.model_size --quick         # a smoke run: the tiny LM, 2 grid points, the best start
 """
 
@@ -188,8 +188,9 @@ def _row(name: str, rec: dict | None, reference: float, best_lr: float) -> str:
   return f'| {name} | {rec["lr"]:.4g} | {"-" if v is None else f"{v:.4f}"} | {gap} | {kept} | {rec["wall_s"]:.0f} s |'
 
 
-def report(quick: bool, work_root: str, seeds=(), starts=('best',)) -> list[str]:
-  """Writes ``model_size.{md,json}`` (the full run's under results/, a quick one's in ``work_root``); its lines."""
+def report(quick: bool, work_root: str, seeds=(), starts=('best',), out: str | None = None) -> list[str]:
+  """Writes ``model_size.{md,json}`` into ``out`` (default: the full run's under results/, a quick one's in
+  ``work_root``); its lines."""
   best = sweep_best(quick, work_root)
   if best is None:
     raise SystemExit('error: the sweep is incomplete; train it first (without --report-only).')
@@ -230,7 +231,7 @@ def report(quick: bool, work_root: str, seeds=(), starts=('best',)) -> list[str]
   if summary:
     lines += summary_lines(summary)
   results = {'best_lr': best_lr, 'best': best_value, 'runs': recs, 'seeds_summary': summary}
-  out = work_root if quick else os.path.join(REPO, 'results')
+  out = out or (work_root if quick else os.path.join(REPO, 'results'))
   records.write_report(out, 'model_size', results, lines)
   return lines
 
@@ -290,9 +291,10 @@ def main(argv=None):
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny LM, 2 grid points, the best start')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/model_size)')
   p.add_argument('--seeds', default=None, help='seeds besides 0 that rerun the best, its neighbours, HDET and the '
-                 'bracket from the best (default: 1; with --quick none; empty: none)')
-  p.add_argument('--seed-starts', default='best', help='starts those seeds run the default HDET and the default '
-                 'bracket from (default: best; low,best,high: all)')
+                 'bracket from the best (default: 1,2, what results/ holds; with --quick none; empty: none)')
+  p.add_argument('--seed-starts', default=None, help='starts those seeds run the default HDET and the default '
+                 'bracket from (default: low,best,high, what results/ holds; with --quick best)')
+  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
   p.add_argument('--job', default=None, help=argparse.SUPPRESS)  # one run, in this process (run_jobs' workers)
   args = p.parse_args(argv)
   if args.jobs < 1:
@@ -302,8 +304,8 @@ def main(argv=None):
   if args.job:
     train_job(args.job, args.quick, work_root)
     return
-  seeds = [int(x) for x in (args.seeds if args.seeds is not None else '' if args.quick else '1').split(',') if x]
-  starts = tuple(x for x in args.seed_starts.split(',') if x)
+  seeds = [int(x) for x in (args.seeds if args.seeds is not None else '' if args.quick else '1,2').split(',') if x]
+  starts = tuple(x for x in (args.seed_starts or ('best' if args.quick else ','.join(STARTS))).split(',') if x)
   if not set(starts) <= set(STARTS):
     p.error(f'--seed-starts: unknown {sorted(set(starts) - set(STARTS))}; choose from {",".join(STARTS)}')
   if not args.report_only:
@@ -311,7 +313,7 @@ def main(argv=None):
     run_jobs(grid, args.quick, work_root, args.jobs)
     run_jobs(after + [n for seed in seeds for n in seed_names(seed, args.quick, work_root, starts)], args.quick,
              work_root, args.jobs)
-  print('\n'.join(report(args.quick, work_root, seeds, starts)))
+  print('\n'.join(report(args.quick, work_root, seeds, starts, out=args.out)))
 
 
 if __name__ == '__main__':

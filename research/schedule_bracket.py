@@ -334,6 +334,7 @@ def main(argv=None):
   p.add_argument('--quick', action='store_true', help='a smoke run (the tiny LM, two grid points, one seed and start)')
   p.add_argument('--workdir', default=None, help='where runs train (default workdirs/workloads[_quick])')
   p.add_argument('--report-only', action='store_true', help='only redraw the report from the records')
+  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
   p.add_argument('--seeds', default=None, help='comma-separated seeds (default 0,1,2; --quick: 0)')
   p.add_argument('--starts', default=None, help='comma-separated HDET starts: low, best, high (--quick: best)')
   p.add_argument('--device', default='cpu', choices=('cpu', *DEVICE_CELLS),
@@ -348,7 +349,7 @@ def main(argv=None):
   if not args.report_only:
     from hdet_jax.trainer import trainer
     trainer.setup_jax(workloads.base_config('lm', 16, args.quick))  # 8 CPU devices, as the sweep's runs had
-  out = work_root if args.quick else os.path.join(REPO, 'results')
+  out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
   print('\n'.join(f'  {path}' for path in write_report(out, measure(args, work_root), args.quick)))
 
 

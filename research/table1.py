@@ -2,7 +2,8 @@
 
     python -m research.table1                 # the full experiment: 46 runs (about an hour on 2 cores)
     python -m research.table1 --quick         # a smoke run of every stage on a tiny model
-    python -m research.table1 --report-only   # redraw results/table1.md and its figures from the records
+    python -m research.table1 --report-only   # redraw the report and its figures from the records (none kept:
+                                              # results/table1.md is not regenerable, see below)
 
 Stages:
 
@@ -21,8 +22,11 @@ Every run is the trainer's own ``train_and_evaluate`` on ``configs/<row>.py`` wi
 steps, peak LR and seed; warm rows set ``init_from`` to the pre-training run's workdir. A finished
 run is one JSON record under ``results/table1/runs/`` (per-step losses and hyperparameters, the
 final validation loss, and each replica's distance from the replicas' mean just before every sync,
-or every ``LOG`` steps for runs that never average: the trainer's ``distance`` records), committed
-with the project, so a rerun skips finished runs and only redraws the report. The pre-training
+or every ``LOG`` steps for runs that never average: the trainer's ``distance`` records), to be committed
+with the project, so a rerun skips finished runs and only redraws the report. The committed
+``results/table1.md`` predates the records: its runs' records were never kept, so it is not regenerable
+(``--report-only`` says so and writes nothing), and a full run trains all 46 runs anew (a rerun of the
+sweep did not reproduce the page's numbers above the best LR: the page says how). The pre-training
 run's workdir (``workdirs/table1/pretrain``) is kept for its checkpoint, and retrained if it is gone.
 The report goes to ``results/table1.md`` and ``results/figures/``; ``--quick`` keeps runs, records
 and report in ``workdirs/table1_quick``.
@@ -258,6 +262,15 @@ def main(argv=None):
                       help='where runs train (default workdirs/table1; --quick: workdirs/table1_quick, records too)')
   parser.add_argument('--report-only', action='store_true', help='redraw the report from the records')
   args = parser.parse_args(argv)
+  work_root = args.workdir or os.path.join(REPO, 'workdirs', 'table1_quick' if args.quick else 'table1')
+  records_dir = os.path.join(work_root, 'records') if args.quick else os.path.join(REPO, 'results', 'table1', 'runs')
+  out_dir = work_root if args.quick else os.path.join(REPO, 'results')
+  kept = os.path.isdir(records_dir) and any(f.endswith('.json') for f in os.listdir(records_dir))
+  if args.report_only and not kept:
+    raise SystemExit(f'error: --report-only: no records in {records_dir}.' if args.quick else
+                     'error: --report-only: no records in results/table1/runs/: results/table1.md\'s runs were never '
+                     'kept, so the page is not regenerable (research/README.md); python -m research.table1 trains '
+                     'them anew.')
 
   from absl import logging
   from hdet_jax.trainer import trainer
@@ -265,9 +278,6 @@ def main(argv=None):
   settings = dict(steps=STEPS, warmup=WARMUP, grid=GRID, seeds=SEEDS)
   if args.quick:
     settings.update(QUICK)
-  work_root = args.workdir or os.path.join(REPO, 'workdirs', 'table1_quick' if args.quick else 'table1')
-  records_dir = os.path.join(work_root, 'records') if args.quick else os.path.join(REPO, 'results', 'table1', 'runs')
-  out_dir = work_root if args.quick else os.path.join(REPO, 'results')
   trainer.setup_jax(experiment_config('default', settings, lr=1.0, seed=0))
   t0 = time.time()
   ex = Experiment(records.RunCache(records_dir, work_root, make_record, describe), settings, args.report_only)

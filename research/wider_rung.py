@@ -366,6 +366,7 @@ def main(argv=None):
   p.add_argument('--cells', default=','.join(bracket_mode.CELLS), help='workload:steps:optim,... to train')
   p.add_argument('--seeds', default=','.join(map(str, bracket_mode.SEEDS)), help='seeds to train (the report reads them all)')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
+  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
   p.add_argument('--check', default=None, help='cell:start:seed: train that bracket in full with the widest rung and compare')
   p.add_argument('--quick', action='store_true', help='a smoke run: the quick bracket of research.bracket_mode')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/workloads)')
@@ -385,7 +386,8 @@ def main(argv=None):
         train_start(cell, start, seeds, args.quick, work_root)
   rows = {c: cell_rows(c, args.quick, work_root)
           for c in ([QUICK_CELL] if args.quick else bracket_mode.CELLS + bracket_mode.HELDOUT_CELLS)}
-  md = write_report(work_root if args.quick else os.path.join(REPO, 'results'), {c: r for c, r in rows.items() if r},
+  out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
+  md = write_report(out, {c: r for c, r in rows.items() if r},
                     args.quick)
   with open(md, encoding='utf-8') as f:
     print(f.read())

@@ -444,7 +444,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   p.add_argument('--variant', default=DEFAULT_VARIANT,
                  help='the HDET variant run and reported (autolr.VARIANT_SETTINGS; default: the main job\'s); another '
                       'variant\'s report goes to results/workloads_screens/<variant>/')
-  p.add_argument('--report-only', action='store_true')
+  p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
+  p.add_argument('--out', default=None, help='the report\'s folder (default: results/, a screen\'s '
+                 'results/workloads_screens/<variant>/; --quick: the workdir)')
   p.add_argument('--workdir', default=None, help='where runs train (default workdirs/workloads; quick: workdirs/workloads_quick)')
   args = p.parse_args(argv)
   if args.variant not in autolr.VARIANT_SETTINGS:
@@ -492,6 +494,7 @@ def main(argv=None):
   out = work_root if args.quick else os.path.join(REPO, 'results')
   if args.variant != DEFAULT_VARIANT:
     out = os.path.join(out, 'workloads_screens', args.variant)
+  out = args.out or out
   ordered = {w: dict(sorted(results[w].items(), key=lambda kv: int(kv[0]))) for w in WORKLOADS if w in results}
   print('\n'.join(f'  {p}' for p in write_report(out, ordered, args.quick, all_runs, args.variant)))
 

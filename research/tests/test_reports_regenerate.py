@@ -1,0 +1,109 @@
+"""Every results page is what its command writes (issue 67).
+
+research/README.md's "Reproducing them" table lists every study, its page and whether ``--report-only`` redraws it.
+Each one that does runs here, in this process, into a temporary folder (``--out``): every ``.md`` and ``.json`` it
+writes must equal the committed file beside its page byte for byte (nothing under results/ is written). The others
+must say on their page that they are not regenerable, and a live one's ``--report-only`` must say so too and write
+nothing. The table is checked against the studies table above it, the modules in research/ and the records under
+results/, so a new study cannot be left out of it.
+"""
+
+import difflib
+import importlib
+import pathlib
+import re
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+README = REPO / 'research' / 'README.md'
+REDRAWS, NOT_REGENERABLE = 'redraws it', 'not regenerable'
+
+
+def _table(text: str, header: str) -> list[list[str]]:
+  """The rows (their cells) of the markdown table whose header line starts with ``header``."""
+  lines = text.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith(header))
+  rows = []
+  for line in lines[start + 2:]:
+    if not line.startswith('|'):
+      break
+    rows.append([c.strip() for c in line.strip().strip('|').split('|')])
+  return rows
+
+
+def _index() -> dict[str, dict]:
+  """The "Reproducing them" table: study -> its page (a path under the repository) and its ``--report-only`` cell."""
+  rows = _table(README.read_text(encoding='utf-8'), '| study | results page | reproduce | `--report-only` |')
+  return {r[0]: {'page': r[1].strip('`'), 'report_only': r[3]} for r in rows}
+
+
+INDEX = _index()
+REGENERABLE = [s for s, row in INDEX.items() if row['report_only'] == REDRAWS]
+NOT_REGENERABLE_STUDIES = [s for s, row in INDEX.items() if row['report_only'] != REDRAWS]
+
+
+def _retired() -> set[str]:
+  rows = _table(README.read_text(encoding='utf-8'), '| study | question | answer')
+  return {re.match(r'\[(\w+)\]', r[0]).group(1) for r in rows if '(retired)' in r[0]}
+
+
+def test_the_index_lists_every_study_once_and_every_module_and_record_is_in_it():
+  text = README.read_text(encoding='utf-8')
+  studies = [re.match(r'\[(\w+)\]', r[0]).group(1) for r in _table(text, '| study | question | answer')]
+  assert studies == list(INDEX)  # the same studies, in the same order, in both tables
+  assert len(INDEX) == 18 and len(REGENERABLE) == 13  # (a new study, or one no longer regenerable, changes these)
+  links = dict(re.findall(r'^\[(\w+)\]: \.\./(\S+)$', text, flags=re.M))
+  assert links == {s: row['page'] for s, row in INDEX.items()}  # every study's link is its page
+  for study, row in INDEX.items():
+    assert row['report_only'] in (REDRAWS, NOT_REGENERABLE), (study, row['report_only'])
+    assert (REPO / row['page']).is_file(), row['page']
+  # Every module in research/ is a study of the index (one that is not retired) or a helper the README names.
+  helpers_text = text[text.index('Helpers, not studies:'):]
+  helpers = set(re.findall(r'`(\w+)\.py`', helpers_text[:helpers_text.index('\n\n')]))
+  assert helpers == {'records', 'autolr_report', 'table1_report', 'heldout_corpus', 'digits_npz'}
+  modules = {p.stem for p in (REPO / 'research').glob('*.py')} - {'__init__'}
+  retired = _retired()
+  assert retired == {'noise_scale', 'annealed_rung', 'noise_cost'}
+  unindexed, gone = modules - helpers - set(INDEX), set(INDEX) - retired - modules
+  assert not unindexed, f'research/ modules in neither research/README.md\'s index nor its helpers: {unindexed}'
+  assert not gone, f'studies in the index, not retired, without a module: {gone}'
+  # Every study's JSON at the top of results/ and every records folder results/<study>/runs/ is an indexed study's.
+  jsons = {p.stem for p in (REPO / 'results').glob('*.json')}
+  runs = {p.parent.name for p in (REPO / 'results').glob('*/runs')}
+  assert jsons <= set(INDEX) and runs <= set(INDEX), f'not in the index: {(jsons | runs) - set(INDEX)}'
+  assert {'autolr', 'workloads', 'model_size', 'noise_scale'} <= runs
+
+
+def _first_difference(got: bytes, want: bytes) -> str:
+  diff = difflib.unified_diff(want.decode('utf-8', 'replace').splitlines(), got.decode('utf-8', 'replace').splitlines(),
+                              'committed', 'redrawn', n=0, lineterm='')
+  return '\n'.join(line[:300] for line in list(diff)[:12])
+
+
+@pytest.mark.parametrize('study', REGENERABLE)
+def test_report_only_redraws_the_committed_page_byte_for_byte(study, tmp_path, monkeypatch, capsys):
+  from hdet_jax.trainer import trainer
+  monkeypatch.setattr(trainer, 'setup_jax', lambda *a, **k: None)  # nothing trains: leave this process's JAX as it is
+  importlib.import_module(f'research.{study}').main(['--report-only', '--out', str(tmp_path)])
+  capsys.readouterr()
+  page = REPO / INDEX[study]['page']
+  written = sorted(p.name for p in tmp_path.iterdir() if p.suffix in ('.md', '.json'))
+  assert written == sorted([page.name, page.stem + '.json'])
+  for name in written:
+    got, want = (tmp_path / name).read_bytes(), (page.parent / name).read_bytes()
+    assert got == want, (f'{page.parent.relative_to(REPO) / name} is not what `python -m research.{study} '
+                         f'--report-only` writes:\n{_first_difference(got, want)}')
+
+
+@pytest.mark.parametrize('study', NOT_REGENERABLE_STUDIES)
+def test_a_page_that_cannot_be_redrawn_says_so(study, capsys):
+  text = (REPO / INDEX[study]['page']).read_text(encoding='utf-8')
+  assert NOT_REGENERABLE in text.lower()
+  if study in _retired():
+    return  # (its code is gone: the page names the commit that has it)
+  assert not re.search(r'\bexperiments\.\w', text)  # a live study's page names research.<study>
+  before = sorted(p.relative_to(REPO) for p in (REPO / 'results').rglob('*'))
+  with pytest.raises(SystemExit, match=f'results/{study}.md.* not regenerable'):
+    importlib.import_module(f'research.{study}').main(['--report-only'])
+  assert sorted(p.relative_to(REPO) for p in (REPO / 'results').rglob('*')) == before  # nothing written
