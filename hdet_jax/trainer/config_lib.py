@@ -13,25 +13,16 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-# Fields that only steer a run (logging, evaluation, checkpoint cadence, where caches live):
-# they may change when a run resumes. Every other field defines the training trajectory.
-RUN_FIELDS = frozenset({
-    'stop_at_step', 'log_every', 'eval_every', 'eval_windows', 'checkpoint_every',
-    'max_checkpoints', 'stop_on_nan', 'plots', 'progress_bar', 'num_cpu_devices',
-    'compilation_cache', 'tensorboard', 'mesh.devices', 'deterministic_gpu',
-})
+from hdet_jax.trainer import schema
+
+# Fields that only steer a run (logging, evaluation, checkpoint cadence, where caches live): they may change when a
+# run resumes. Every other field defines the training trajectory. Declared by role in schema.FIELDS.
+RUN_FIELDS = schema.loop_only()
 
 
-# Fields added after runs were already on disk, left out of a run's recorded training fields while at
-# these defaults (which train exactly as those runs did), so such workdirs still resume.
-QUIET_DEFAULTS = {'task': 'lm', 'data.corpus': 'kjv', 'model.kind': 'cnn', 'model.hidden': 128, 'mesh.replicas': 0, 'mesh.fsdp': 1, 'mesh.tensor': 1, 'hdet.low_communication': False,
-                  'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0, 'hdet.after_stop': 'hold',
-                  'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False, 'hdet.num_syncs': 0, 'hdet.longest_window': 100,
-                  'optim.runtime_lr_scale': False,
-                  'deterministic_gpu': True,  # (no effect without CUDA, where every record so far was made)
-                  # The LR bracket's fields (hdet_jax.trainer.bracket), as records made before it existed would
-                  # read (its rungs' default until 8-5-1): outside every run's training fields (defines_a_run).
-                  'bracket.points': 0, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10}
+# Fields added after runs were already on disk, left out of a run's recorded training fields while at these values
+# (which train exactly as those runs did), so such workdirs still resume: each row's ``legacy`` in schema.FIELDS.
+QUIET_DEFAULTS = schema.legacy_values()
 
 
 # Fields removed in hdet-jax 1.0 (measured, not adopted: research/README.md), each with what to use instead. A

@@ -27,13 +27,11 @@ from typing import Any, Callable
 
 import jax
 
-from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import config_lib, schema
 
-# Fields the loop reads and no program does: runs that differ only in them build the same programs. (The bracket's
-# rungs stop its runs at different steps and draw plots only for the kept run; a resumed run may checkpoint or
-# evaluate at other intervals.)
-NOT_IN_PROGRAMS = ('stop_at_step', 'plots', 'progress_bar', 'tensorboard', 'compilation_cache', 'checkpoint_every',
-                   'max_checkpoints', 'eval_every', 'stop_on_nan')
+# Fields the loop reads and no program does (role LOOP in schema.FIELDS): runs that differ only in them build the
+# same programs.
+NOT_IN_PROGRAMS = schema.not_in_programs()
 # JAX settings a compiled program depends on (its numerics or its checks).
 _JAX_SETTINGS = ('jax_enable_x64', 'jax_debug_nans', 'jax_debug_infs', 'jax_default_matmul_precision',
                  'jax_threefry_partitionable', 'jax_default_prng_impl', 'jax_numpy_rank_promotion')

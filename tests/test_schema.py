@@ -1,0 +1,75 @@
+"""The schema (hdet_jax/trainer/schema.py) agrees with the config files a user reads, and the tables derived from it
+are the ones records were made with."""
+
+import os
+
+from configs import default, mnist1d
+from hdet_jax.trainer import config_lib, program_cache, schema
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def disagreements(fields, path, values, task=None, others=()):
+  """What ``path`` (a config file; ``values`` its flattened config) and the rows of ``fields`` for ``task`` disagree
+  on: a field on one side only, a default, a help line. ``others``: fields the file also sets, declared elsewhere."""
+  rows = {f.name: f for f in fields if f.task == task}
+  documented = {k: v for k, v in schema.documented(path).items() if k not in others}
+  out = [f'{k}: in {os.path.basename(path)}, not in the schema' for k in documented if k not in rows]
+  out += [f'{k}: in the schema, not in {os.path.basename(path)}' for k in rows if k not in documented]
+  for k in rows.keys() & documented.keys():
+    if values[k] != rows[k].default or type(values[k]) is not type(rows[k].default):
+      out.append(f'{k}: default {values[k]!r} in the file, {rows[k].default!r} in the schema')
+    if documented[k] != rows[k].help:
+      out.append(f'{k}: help {documented[k]!r} in the file, {rows[k].help!r} in the schema')
+  return out
+
+
+def _default():
+  return os.path.join(ROOT, 'configs', 'default.py'), config_lib.flatten(default.get_config())
+
+
+def _mnist1d():
+  flat = config_lib.flatten(mnist1d.get_config())
+  return os.path.join(ROOT, 'configs', 'mnist1d.py'), flat, 'mnist1d', set(config_lib.flatten(default.get_config()))
+
+
+def test_default_py_agrees_with_the_schema():
+  assert disagreements(schema.FIELDS, *_default()) == []
+
+
+def test_a_task_config_agrees_with_its_rows():
+  assert disagreements(schema.FIELDS, *_mnist1d()) == []
+
+
+def test_a_row_without_its_line_in_default_py_fails_and_so_does_a_changed_default_or_help():
+  added = schema.FIELDS + (schema.Field('hdet.new_knob', 1, schema.RUN, 'A new knob.'),)
+  assert disagreements(added, *_default()) == ['hdet.new_knob: in the schema, not in default.py']
+  seed = schema.BY_NAME['seed']
+  changed = tuple(schema.Field('seed', 1, seed.role, 'Other help.') if f is seed else f for f in schema.FIELDS)
+  assert disagreements(changed, *_default()) == [
+      'seed: default 0 in the file, 1 in the schema', "seed: help 'Seeds everything random: model init, data "
+      "order, permutations, warm-init noise.' in the file, 'Other help.' in the schema"]
+  dropped = tuple(f for f in schema.FIELDS if f.name != 'seed')
+  assert disagreements(dropped, *_default()) == ['seed: in default.py, not in the schema']
+
+
+# The hand-kept tables the schema replaced, as of 1b9826f: records and workdirs were made against these.
+_RUN_FIELDS = {'stop_at_step', 'log_every', 'eval_every', 'eval_windows', 'checkpoint_every', 'max_checkpoints',
+               'stop_on_nan', 'plots', 'progress_bar', 'num_cpu_devices', 'compilation_cache', 'tensorboard',
+               'mesh.devices', 'deterministic_gpu'}
+_QUIET_DEFAULTS = {
+    'task': 'lm', 'data.corpus': 'kjv', 'model.kind': 'cnn', 'model.hidden': 128, 'mesh.replicas': 0, 'mesh.fsdp': 1,
+    'mesh.tensor': 1, 'hdet.low_communication': False, 'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0,
+    'hdet.after_stop': 'hold', 'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False,
+    'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False,
+    'hdet.num_syncs': 0, 'hdet.longest_window': 100, 'optim.runtime_lr_scale': False, 'deterministic_gpu': True,
+    'bracket.points': 0, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10}
+_NOT_IN_PROGRAMS = {'stop_at_step', 'plots', 'progress_bar', 'tensorboard', 'compilation_cache', 'checkpoint_every',
+                    'max_checkpoints', 'eval_every', 'stop_on_nan'}
+
+
+def test_the_derived_tables_are_the_ones_records_were_made_with():
+  assert config_lib.RUN_FIELDS == _RUN_FIELDS
+  assert config_lib.QUIET_DEFAULTS == _QUIET_DEFAULTS
+  assert set(program_cache.NOT_IN_PROGRAMS) == _NOT_IN_PROGRAMS
+  assert set(program_cache.NOT_IN_PROGRAMS) <= config_lib.RUN_FIELDS
