@@ -73,45 +73,6 @@ def _load(name):
 
 
 # ------------------------------------------------------------------------------------------------
-# Collectives that always run and those inside a conditional's branch (tests/test_add_to_trainer.py's logic).
-# ------------------------------------------------------------------------------------------------
-def _branch_computations(hlo):
-  """({computation: its lines}, names of the computations that run only inside a conditional's branch)."""
-  calls = {}
-  name = None
-  for line in hlo.splitlines():
-    m = re.match(r'^(?:ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$', line)
-    if m and not line.startswith(' '):
-      name = m.group(1).lstrip('%')
-      calls[name] = []
-    elif name is not None:
-      calls[name].append(line)
-  branches = set()
-  for body in calls.values():
-    for line in body:
-      if ' conditional(' in line:
-        names = re.findall(r'(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))', line)
-        for group, single in names:
-          branches |= {n.strip().lstrip('%') for n in group.split(',') if n.strip()} | ({single} if single else set())
-  frontier = list(branches)
-  while frontier:
-    for line in calls.get(frontier.pop(), ()):
-      for callee in re.findall(r'(?:calls|to_apply|body|condition)=%?([\w.\-]+)', line):
-        if callee not in branches:
-          branches.add(callee)
-          frontier.append(callee)
-  return calls, branches
-
-
-def collectives_by_place(hlo, mesh_shape):
-  """(collectives on every step, collectives inside a conditional's branch) of a compiled program's HLO."""
-  calls, branches = _branch_computations(hlo)
-  always = '\n'.join(l for n, body in calls.items() if n not in branches for l in body)
-  inside = '\n'.join(l for n, body in calls.items() if n in branches for l in body)
-  return comm.collectives(always, mesh_shape), comm.collectives(inside, mesh_shape)
-
-
-# ------------------------------------------------------------------------------------------------
 # The programs: (compiled, state, batch) each.
 # ------------------------------------------------------------------------------------------------
 def _error_line(e: BaseException) -> str:
@@ -206,7 +167,7 @@ def counts(compiled, mesh_shape) -> dict:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   hlo = compiled.as_text()
-  always, inside = collectives_by_place(hlo, mesh_shape)
+  always, inside = comm.collectives_by_place(hlo, mesh_shape)
   ops = {}
   for c in always + inside:
     ops[c.op] = ops.get(c.op, 0) + 1

@@ -7,7 +7,8 @@ every collective in the compiled program, its per-device operand bytes, and whet
 groups span more than one replica. A pure text parser over numpy; no device work.
 
 Collectives inside a ``lax.cond`` branch are counted as if the branch ran: compile the sync and
-the non-sync program separately (``sync=True/False``) to tell them apart.
+the non-sync program separately (``sync=True/False``) to tell them apart, or split one program's
+collectives by place with :func:`collectives_by_place`.
 """
 
 from __future__ import annotations
@@ -101,3 +102,39 @@ def collectives(hlo_text: str, mesh_shape: tuple[int, ...], replica_dim: int = 0
 def replica_axis_bytes(hlo_text: str, mesh_shape: tuple[int, ...], replica_dim: int = 0) -> int:
   """Per-device operand bytes of the collectives whose groups span more than one replica."""
   return sum(c.operand_bytes for c in collectives(hlo_text, mesh_shape, replica_dim) if c.crosses_replicas)
+
+
+def _branch_computations(hlo_text: str) -> tuple[dict[str, list[str]], set[str]]:
+  """({computation name: its lines}, the computations that run only inside a conditional's branch, and what
+  those call)."""
+  bodies, name = {}, None
+  for line in hlo_text.splitlines():
+    m = re.match(r'^(?:ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$', line)
+    if m and not line.startswith(' '):
+      name = m.group(1).lstrip('%')
+      bodies[name] = []
+    elif name is not None:
+      bodies[name].append(line)
+  branches = set()
+  for line in (line for body in bodies.values() for line in body if ' conditional(' in line):
+    for group, single in re.findall(r'(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))',
+                                    line):
+      branches |= {n.strip().lstrip('%') for n in group.split(',') if n.strip()} | ({single} if single else set())
+  frontier = list(branches)
+  while frontier:
+    for line in bodies.get(frontier.pop(), ()):
+      for callee in re.findall(r'(?:calls|to_apply|body|condition)=%?([\w.\-]+)', line):
+        if callee not in branches:
+          branches.add(callee)
+          frontier.append(callee)
+  return bodies, branches
+
+
+def collectives_by_place(hlo_text: str, mesh_shape: tuple[int, ...],
+                         replica_dim: int = 0) -> tuple[list[Collective], list[Collective]]:
+  """The collectives of a compiled program that run on every call, and those inside a conditional's branch
+  (``hdet``'s sync under the ``lax.cond`` dispatch), each as :func:`collectives` gives them."""
+  bodies, branches = _branch_computations(hlo_text)
+  always = '\n'.join(line for n, body in bodies.items() if n not in branches for line in body)
+  inside = '\n'.join(line for n, body in bodies.items() if n in branches for line in body)
+  return collectives(always, mesh_shape, replica_dim), collectives(inside, mesh_shape, replica_dim)

@@ -159,48 +159,13 @@ def test_stacking_the_state_equals_initializing_each_replica():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _branch_computations(hlo):
-  """Names of the computations that run only inside a conditional's branch (and what those call)."""
-  calls = {}
-  name = None
-  for line in hlo.splitlines():
-    m = re.match(r'^(?:ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$', line)
-    if m and not line.startswith(' '):
-      name = m.group(1).lstrip('%')
-      calls[name] = []
-    elif name is not None:
-      calls[name].append(line)
-  branches = set()
-  for body in calls.values():
-    for line in body:
-      if ' conditional(' in line:
-        names = re.findall(r'(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))', line)
-        for group, single in names:
-          branches |= {n.strip().lstrip('%') for n in group.split(',') if n.strip()} | ({single} if single else set())
-  frontier = list(branches)
-  while frontier:
-    for line in calls.get(frontier.pop(), ()):
-      for callee in re.findall(r'(?:calls|to_apply|body|condition)=%?([\w.\-]+)', line):
-        if callee not in branches:
-          branches.add(callee)
-          frontier.append(callee)
-  return calls, branches
-
-
-def _collectives_by_place(hlo, mesh_shape):
-  calls, branches = _branch_computations(hlo)
-  always = '\n'.join(l for n, body in calls.items() if n not in branches for l in body)
-  inside = '\n'.join(l for n, body in calls.items() if n in branches for l in body)
-  return comm.collectives(always, mesh_shape), comm.collectives(inside, mesh_shape)
-
-
 def test_between_syncs_only_the_gradient_crosses_replicas():
   mesh = Mesh(np.array(jax.devices()).reshape(hdet.N, -1), ('replica', 'data'))
   init, step, _, split_batch = hdet.make_trainer(mesh)
   state = init(jax.random.key(0))
   micro = jax.device_put(np.split(next(hdet.batches(0)), hdet.ACCUM)[0], split_batch)
   hlo = step.lower(state, micro).compile().as_text()
-  always, in_branches = _collectives_by_place(hlo, tuple(mesh.devices.shape))
+  always, in_branches = comm.collectives_by_place(hlo, tuple(mesh.devices.shape))
   across = [c for c in always if c.crosses_replicas]
   # The gradient: every parameter's bytes on one device (the kernels and the embedding are split over 'data').
   params = jax.tree.leaves(state.params)

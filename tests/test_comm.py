@@ -59,3 +59,25 @@ def test_pairs_and_unlisted_groups():
   assert comm.replica_axis_bytes('\n'.join(lines), MESH) == 16 + 12 + 20
   # On a mesh of one replica group nothing crosses.
   assert comm.replica_axis_bytes('\n'.join(lines), (1, 8)) == 0
+
+
+def test_collectives_by_place_splits_what_runs_every_call_from_what_a_branch_runs():
+  """A hand-written HLO: ENTRY all-reduces 16 bytes and calls a conditional whose true branch calls a computation
+  that all-reduces 64; the false branch has none. The branch's callee counts as inside a branch."""
+  hlo = '\n'.join([
+      '%inner (p: f32[16]) -> f32[16] {',
+      '  %ar.2 = f32[16]{0} all-reduce(%p), replica_groups={{0,2},{1,3}}, to_apply=%add',
+      '}',
+      '%true_branch (t: f32[16]) -> f32[16] {',
+      '  ROOT %c = f32[16]{0} call(%t), to_apply=%inner',
+      '}',
+      '%false_branch (f: f32[16]) -> f32[16] {',
+      '  ROOT %f = f32[16]{0} copy(%f)',
+      '}',
+      'ENTRY %main (a: f32[4], p: pred[]) -> f32[16] {',
+      '  %ar.1 = f32[4]{0} all-reduce(%a), replica_groups={{0,1},{2,3}}, to_apply=%add',
+      '  ROOT %r = f32[16]{0} conditional(%p, %x, %x), true_computation=%true_branch, false_computation=%false_branch',
+      '}'])
+  always, inside = comm.collectives_by_place(hlo, (2, 2))
+  assert [(c.op, c.operand_bytes, c.crosses_replicas) for c in always] == [('all-reduce', 16, False)]
+  assert [(c.op, c.operand_bytes, c.crosses_replicas) for c in inside] == [('all-reduce', 64, True)]
