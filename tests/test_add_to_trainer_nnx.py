@@ -6,7 +6,6 @@ and counted; both train; HDET's replicas run apart and agree after a sync; its k
 inside each replica; and save, restore, continue equals an uninterrupted run bit for bit.
 """
 
-import importlib.util
 import pathlib
 import re
 
@@ -17,6 +16,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import hdet_jax
+from test_add_to_trainer import PAGE, _diff, _load  # the linen pair's helpers: the same files' layout
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / 'examples' / 'add_to_trainer'
@@ -27,19 +27,11 @@ STEPS = 18
 ADDED, REMOVED = 18, 10  # 15 statements; 3 added lines are continuations at the docs' 88 columns
 
 
-def _load(name):
-  spec = importlib.util.spec_from_file_location(f'add_to_trainer_{name}', EXAMPLES / f'{name}.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 plain = _load('plain_nnx')
 hdet = _load('hdet_nnx')
 
 
 def test_the_page_shows_the_nnx_diff_and_it_is_small():
-  from test_add_to_trainer import PAGE, _diff
   diff = _diff('plain_nnx.py', 'hdet_nnx.py')
   blocks = re.findall(r'^```diff\n(.*?)^```', PAGE.read_text(), re.S | re.M)
   assert len(blocks) >= 2 and blocks[1].splitlines() == diff, '\n'.join(diff)
