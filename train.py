@@ -31,9 +31,9 @@ def _bad_override(e: Exception) -> None:
            and bad in a.split('=', 1)[0].split('.')]
   where = f' {given[0]}' if given else ''
   field = given[0].lstrip('-')[len('config.'):] if given else ''
-  from hdet_jax.trainer import config_lib  # (only on this error path)
-  if field in config_lib.REMOVED:
-    print(f'error: bad --config override{where}: {config_lib.removed_message(field)}', file=sys.stderr)
+  from hdet_jax.trainer import compat  # (only on this error path)
+  if field in compat.REMOVED:
+    print(f'error: bad --config override{where}: {compat.removed_message(field)}', file=sys.stderr)
     sys.exit(2)
   detail = (f'no field named {bad!r}; did you mean {m.group(1)!r}?' if m else
             f'no field named {text!r}.' if isinstance(e, (AttributeError, KeyError)) else text)

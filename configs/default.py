@@ -109,6 +109,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.warm_init.nu = 0.01  # nu of eq. 10: noise std is nu * ||theta_0|| / sqrt(d) (with init_from).
 
   config.log_every = 25  # Steps between metric flushes (JSONL, progress bar); also the NaN check interval.
+  config.chunk_steps = 25  # Steps whose batches go to the devices in one transfer (fewer: less device memory).
   config.eval_every = 250  # Steps between validations of the averaged model (and one at the end); 0: at the end.
   config.eval_windows = 512  # Validation windows per evaluation (0: the whole validation split).
   config.checkpoint_every = 500  # Steps between checkpoints (and one at the end); 0: only at the end.

@@ -4,7 +4,12 @@ are the ones records were made with."""
 import os
 
 from configs import default, mnist1d
-from hdet_jax.trainer import config_lib, program_cache, schema
+import math
+
+import numpy as np
+import pytest
+
+from hdet_jax.trainer import compat, config_lib, program_cache, schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,7 +74,55 @@ _NOT_IN_PROGRAMS = {'stop_at_step', 'plots', 'progress_bar', 'tensorboard', 'com
 
 
 def test_the_derived_tables_are_the_ones_records_were_made_with():
-  assert config_lib.RUN_FIELDS == _RUN_FIELDS
-  assert config_lib.QUIET_DEFAULTS == _QUIET_DEFAULTS
+  assert schema.RUN_FIELDS == _RUN_FIELDS | {'chunk_steps'}  # (added since: loop-only, so in no record)
+  assert compat.QUIET_DEFAULTS == _QUIET_DEFAULTS
   assert set(program_cache.NOT_IN_PROGRAMS) == _NOT_IN_PROGRAMS
-  assert set(program_cache.NOT_IN_PROGRAMS) <= config_lib.RUN_FIELDS
+  assert set(program_cache.NOT_IN_PROGRAMS) <= schema.RUN_FIELDS
+
+
+def test_every_default_passes_its_own_check_and_the_checked_fields_are_the_old_rules():
+  for f in schema.FIELDS:
+    assert f.error(f.default) is None, f.name
+  # config_lib._RULES (63 rows) as of 1b9826f, its five choices, optim.runtime_lr_scale's bool and the two paths.
+  # (and chunk_steps, added since)
+  assert sum(f.check is not None for f in schema.FIELDS) == 63 + 5 + 1 + 2 + 1
+
+
+# (field, values a row must reject, values it must take): the ranges config_lib._RULES held, each at its edges.
+EDGES = [
+    ('seed', [-1, 2**32, 1.0, True, '0'], [0, 2**32 - 1, np.int64(5)]),
+    ('num_train_steps', [1, 2.0], [2]),
+    ('data.val_fraction', [0, 1, math.nan, math.inf, None], [0.5, 1e-9]),
+    ('optim.b1', [1.0, -0.1], [0.0, 0.999]),
+    ('hdet.spread', [1.0, -1e-9], [0.0, 0.999]),
+    ('hdet.stop_fraction', [1.0001, -0.1], [0, 1]),
+    ('hdet.step_growth', [0.99], [1, 2.5]),
+    ('hdet.backoff_fraction', [1.0, -0.01], [None, 0.0, 0.5]),
+    ('bracket.points', [1, -2], [0, 2, 8]),
+    ('bracket.factor', [1.0], [1.0001]),
+    ('optim.name', ['adamx', None], ['adamw', 'adam_plateau']),
+    ('hdet.controller', ['Fit'], ['fit', 'paper']),
+    ('optim.runtime_lr_scale', [0, 1, 'True'], [True, False, np.bool_(True)]),
+    ('init_from', [3, b'x'], [None, 'workdirs/a']),
+]
+
+
+@pytest.mark.parametrize('name,bad,good', EDGES, ids=[e[0] for e in EDGES])
+def test_a_row_rejects_values_outside_its_range_with_one_line_naming_it(name, bad, good):
+  field = schema.BY_NAME[name]
+  for value in good:
+    assert field.error(value) is None, value
+  for value in bad:
+    assert field.error(value) == f'{name} must be {field.check.what}, got {value!r}.', value
+    with pytest.raises(ValueError, match=f'^{name} must be '):
+      schema.check_fields({**schema.complete({}), name: value})
+
+
+def test_a_field_a_config_lacks_reads_as_its_legacy_value_else_its_default():
+  got = schema.complete({'seed': 3, 'my.extra': 1})
+  assert got['seed'] == 3 and got['my.extra'] == 1
+  assert got['hdet.after_stop'] == 'hold' and got['hdet.initial_scale'] == 1.0  # legacy values, not the defaults
+  assert got['optim.max_lr'] == 0.03 and got['hdet.controller'] == 'fit'  # no legacy value: the default
+  assert 'model.kind' not in got and schema.complete({'task': 'mnist1d'})['model.kind'] == 'cnn'
+  full = config_lib.flatten(default.get_config())
+  assert schema.complete(full) == full  # a complete config reads as it is

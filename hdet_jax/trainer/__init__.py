@@ -5,6 +5,7 @@ or :func:`train_and_evaluate` from Python. This package imports the core (``hdet
 """
 
 from hdet_jax.trainer.config_lib import ConfigError
-from hdet_jax.trainer.trainer import format_summary, setup_jax, train_and_evaluate
+from hdet_jax.trainer.process import setup_jax
+from hdet_jax.trainer.trainer import format_summary, train_and_evaluate
 
 __all__ = ['ConfigError', 'format_summary', 'setup_jax', 'train_and_evaluate']

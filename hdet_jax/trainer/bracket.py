@@ -43,9 +43,13 @@ from typing import Any
 
 import numpy as np
 
+from hdet_jax.trainer import compat
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import mesh as mesh_lib
 from hdet_jax.trainer import metrics as metrics_lib
+from hdet_jax.trainer import process
+from hdet_jax.trainer import run_settings
+from hdet_jax.trainer import schema
 from hdet_jax.trainer import trainer as trainer_lib
 from hdet_jax.trainer.config_lib import ConfigError
 
@@ -59,7 +63,7 @@ def point_lrs(max_lr: float, points: int, factor: float) -> list[float]:
 
 def compute_runs(points: int, rungs: list[tuple[float, int]], total: int) -> float:
   """The steps the bracket trains, in runs of ``total`` steps (each rung's survivors from the rung before on)."""
-  steps = config_lib.bracket_steps(rungs, total) + [total]
+  steps = schema.rung_steps(rungs, total) + [total]
   alive = [points] + [k for _, k in rungs]
   return sum(n * (b - a) for n, a, b in zip(alive, [0] + steps[:-1], steps)) / total
 
@@ -83,9 +87,10 @@ def window_loss(metrics_path: str, step: int, compare_steps: int, diverged_at: i
   return float(np.mean(window)) if all(np.isfinite(window)) else math.inf
 
 
-def _fields(config: Any) -> dict:
+def _fields(run: run_settings.RunSettings) -> dict:
   """What defines the bracket: its runs' training fields (at the centre LR) and the bracket's own."""
-  return {'training': config_lib.training_fields(config, config.hdet.num_replicas), 'bracket': config.bracket.to_dict()}
+  return {'training': run.training_fields(run.mesh.num_replicas),
+          'bracket': {k[len('bracket.'):]: v for k, v in run.given.items() if k.startswith('bracket.')}}
 
 
 def point_config(config: Any, lr: float, stop_at_step: int) -> Any:
@@ -107,13 +112,13 @@ def _load_state(workdir: str, fields: dict) -> dict | None:
   if os.path.exists(path):
     with open(path, encoding='utf-8') as f:
       state = json.load(f)
-    state['fields']['training'] = config_lib.run_identity(state['fields']['training'])  # (see trainer._check_workdir)
+    state['fields']['training'] = schema.run_identity(state['fields']['training'])  # (see trainer._check_workdir)
     if state['fields']['bracket'].pop('anneal', 0.0):  # (0: as a bracket of 1.0 reads)
       raise ConfigError(f'workdir {workdir} holds an LR bracket with bracket.anneal: '
-                        f'{config_lib.removed_message("bracket.anneal")} Pass a new --workdir (nothing in this one '
+                        f'{compat.removed_message("bracket.anneal")} Pass a new --workdir (nothing in this one '
                         'was changed).')
     if state['fields'] != fields:
-      diff = config_lib.differences(config_lib.flatten(state['fields']), config_lib.flatten(fields))
+      diff = schema.differences(config_lib.flatten(state['fields']), config_lib.flatten(fields))
       raise ConfigError(f'workdir {workdir} holds an LR bracket of a different config ({diff}); rerun with the same '
                         'config to resume it, or pass a new --workdir.')
     return state
@@ -127,18 +132,18 @@ def _load_state(workdir: str, fields: dict) -> dict | None:
 def run_bracket(config: Any, workdir: str) -> dict:
   """Trains the LR bracket of ``config`` (``bracket.points > 0``) in ``workdir``; returns the kept run's summary with
   a ``'bracket'`` entry (the record written to ``workdir/bracket.json``). Resumes a bracket already there."""
-  config_lib.check_values(config)
-  if config.bracket.points == 0:
+  run = run_settings.resolve(config)
+  if run.bracket.points == 0:
     raise ConfigError('run_bracket needs bracket.points > 0 (e.g. --config.bracket.points=8); 0 trains one run.')
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  b, total = config.bracket, config.num_train_steps
-  rungs = config_lib.bracket_rungs(b.rungs)
-  steps = config_lib.bracket_steps(rungs, total)
-  fields = _fields(config)
+  b, total = run.bracket, run.loop.num_train_steps
+  rungs = list(b.rungs)
+  steps = schema.rung_steps(rungs, total)
+  fields = _fields(run)
   state = _load_state(workdir, fields)
   mesh_lib.barrier('hdet_bracket_loaded')  # every process has read the workdir before process 0 writes to it
   if state is None:  # a new bracket: its record first, so that a bracket stopped before its first rung resumes
-    state = {'fields': fields, 'lrs': point_lrs(config.optim.max_lr, b.points, b.factor),
+    state = {'fields': fields, 'lrs': point_lrs(b.max_lr, b.points, b.factor),
              'compute_runs': compute_runs(b.points, rungs, total),
              'rungs': [], 'winner': None}
     lr0 = state['lrs'][0]  # every check a run makes (its data, devices, workdir) before anything is written
@@ -174,7 +179,7 @@ def _write_state(workdir: str, state: dict) -> None:
   import jax
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
-    trainer_lib.write_json_atomic(os.path.join(workdir, STATE_FILE), metrics_lib.to_json_safe(state), indent=1)
+    process.write_json_atomic(os.path.join(workdir, STATE_FILE), metrics_lib.to_json_safe(state), indent=1)
 
 
 def format_bracket(state: dict) -> str:

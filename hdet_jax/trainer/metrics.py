@@ -39,6 +39,13 @@ from typing import Any, Iterable
 import numpy as np
 
 
+def num_params(params: Any) -> int:
+  """The number of parameters of a pytree of arrays or shapes (``jax.ShapeDtypeStruct``): the sum of each leaf's
+  product of its shape."""
+  import jax  # (imported here: reading records needs no jax)
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+
+
 def to_json_safe(x: Any) -> Any:
   """JSON-safe: numpy to Python, non-finite floats to the strings 'nan' / 'inf' / '-inf'."""
   if isinstance(x, dict):

@@ -17,7 +17,7 @@ from hdet_jax.trainer.mesh import replica_axis
 
 class OptimizerSettings(NamedTuple):
   """What :func:`make_optimizer` builds from (``run_settings.optimizer_settings`` reads them from the config)."""
-  name: str                          # optim.name: the base optax optimizer (:data:`config_lib.OPTIMIZERS`)
+  name: str                          # optim.name: the base optax optimizer (:data:`schema.OPTIMIZERS`)
   b1: float                          # Adam's b1, SGD's momentum
   b2: float                          # Adam's b2
   weight_decay: float                # AdamW's decoupled weight decay (matrices only)

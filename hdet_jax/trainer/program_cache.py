@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import jax
 
-from hdet_jax.trainer import config_lib, schema
+from hdet_jax.trainer import schema
 
 # Fields the loop reads and no program does (role LOOP in schema.FIELDS): runs that differ only in them build the
 # same programs.
@@ -40,13 +40,11 @@ KEPT_CONFIGS = 4
 _kept: collections.OrderedDict[str, dict] = collections.OrderedDict()
 
 
-def programs_key(config: Any, lr_unit: float, num_replicas: int, mesh: Any, data_description: str) -> str:
-  """The key of the programs a run of ``config`` builds on ``mesh`` (see the module's docstring); ``lr_unit``: the
-  run's ``optim.runtime_lr_scale`` factor (``run_settings.lr_unit``)."""
-  fields = config_lib.flatten(json.loads(config.to_json()))
-  for name in NOT_IN_PROGRAMS:
-    fields.pop(name, None)
-  fields['optim.max_lr'] = config.optim.max_lr / lr_unit  # exact: a power of two
+def programs_key(given: dict[str, Any], lr_unit: float, num_replicas: int, mesh: Any, data_description: str) -> str:
+  """The key of the programs a run builds on ``mesh`` (see the module's docstring): ``given``, the run's fields as
+  given (``RunSettings.given``); ``lr_unit``, its ``optim.runtime_lr_scale`` factor (``run_settings.lr_unit``)."""
+  fields = {k: v for k, v in given.items() if k not in NOT_IN_PROGRAMS}
+  fields['optim.max_lr'] = given['optim.max_lr'] / lr_unit  # exact: a power of two
   place = {'replicas': num_replicas, 'mesh': dict(mesh.shape), 'devices': [d.id for d in mesh.devices.flat],
            'platform': mesh.devices.flat[0].platform, 'process': [jax.process_index(), jax.process_count()]}
   settings = {name: str(getattr(jax.config, name, None)) for name in _JAX_SETTINGS}

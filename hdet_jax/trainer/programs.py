@@ -49,12 +49,11 @@ class ProgramSettings(NamedTuple):
     return self.task or tasks_lib.get()
 
 
-def make_init(config: Any, tx: optax.GradientTransformation, mesh: Mesh, num_replicas: int) -> Callable:
+def make_init(task: tasks_lib.Task, settings: tasks_lib.TaskSettings, tx: optax.GradientTransformation, mesh: Mesh,
+              num_replicas: int) -> Callable:
   """Jitted ``key -> (params, opt_state)``: the same random init on every replica (cold start)."""
-  task = tasks_lib.get(config)
-
   def init(key):
-    _, params = task.init_model(config, key)
+    _, params = task.init_model(settings, key)
     stacked = H.stack_replicas(params, num_replicas)
     return stacked, jax.vmap(packed_init(tx))(stacked)
   shardings = replica_sharding(mesh)
@@ -291,8 +290,8 @@ def make_anchor(mesh: Mesh, tx: optax.GradientTransformation, shardings: Any = N
 
   After a sync every replica holds the same parameters (the average, assigned exactly), and the wrapped
   optimizer state is the same on every replica throughout (it sees the shared, all-reduced gradient, and an
-  optimizer of ``config_lib.SHARED_STATE_OPTIMIZERS`` keeps nothing else; the low-communication mode qualifies
-  only with ``hdet.average_opt_state``: see ``config_lib.guard``, which turns the rollback off elsewhere). So each
+  optimizer of ``run_settings.SHARED_STATE_OPTIMIZERS`` keeps nothing else; the low-communication mode qualifies
+  only with ``hdet.average_opt_state``: see ``run_settings.guard``, which turns the rollback off elsewhere). So each
   device takes its first replica's copy, with no communication, and N replicas on one device keep one copy of
   the state instead of N. (The map is unchecked: it declares replicated what it knows to be equal.)
   """

@@ -1,11 +1,14 @@
 """The config, checked and resolved once: each part of the trainer gets its own settings.
 
-``resolve(config)`` runs every check of ``config_lib.check_values``, then reads the ConfigDict once and returns a
-:class:`RunSettings`: the optimizer's (:class:`optimizer.OptimizerSettings`), the compiled programs'
-(:class:`programs.ProgramSettings`), the loop's (:class:`LoopSettings`), the device layout's
-(:class:`MeshSettings`) and the start's. Defaults that depend on other fields (the sync window, the back-off guard,
+``resolve(config)`` is the last function that takes the ConfigDict. It flattens the config, completes it from
+the schema (``schema.complete``: a field a config lacks reads as its row says), checks every field
+(``schema.check_fields``) and the rules across fields (:func:`check`), and returns a :class:`RunSettings`: the
+task's (:class:`tasks.TaskSettings`), the optimizer's (:class:`optimizer.OptimizerSettings`), the compiled
+programs' (:class:`programs.ProgramSettings`), the loop's (:class:`LoopSettings`), the device layout's
+(:class:`MeshSettings`), the start's, and the fields as given (what ``config.json``, the run's training fields and
+the programs' cache key are made of). Defaults that depend on other fields (the sync window, the back-off guard,
 ``hdet.settle``, the LR's power of two) are resolved here and nowhere else, as ``hdet_jax.hdet()`` resolves its
-``Plan``. After it, only the task reads the ConfigDict, and only its own fields (``data.*``, ``model.*``).
+``Plan``. The functions below :func:`resolve` read ``f``, the completed fields (a flat mapping of dotted names).
 
 Example::
 
@@ -16,17 +19,23 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import optax
 
 import hdet_jax as H
 from hdet_jax import windows as window_lib
+from hdet_jax.trainer import compat
 from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import schema
 from hdet_jax.trainer import tasks as tasks_lib
+from hdet_jax.trainer.config_lib import ConfigError
 from hdet_jax.trainer.optimizer import OptimizerSettings
 from hdet_jax.trainer.programs import ProgramSettings
+
+Fields = Mapping[str, Any]  # completed fields by dotted name (schema.complete)
 
 
 class MeshSettings(NamedTuple):
@@ -44,6 +53,7 @@ class LoopSettings(NamedTuple):
   num_train_steps: int               # the run's length
   stop_at_step: int                  # stop (as if preempted) at this step; 0: run to the end
   log_every: int                     # steps between the metrics' fetches
+  chunk_steps: int                   # steps whose batches go to the devices in one transfer
   eval_every: int                    # steps between evaluations (0: only at the end)
   checkpoint_every: int              # steps between checkpoints (0: only at the end)
   max_checkpoints: int               # checkpoints kept (0: all)
@@ -77,103 +87,150 @@ class LoopSettings(NamedTuple):
     return window_lib.syncs_through(self.windows, step)
 
 
+class Guard(NamedTuple):
+  """The back-off guard's fields, those left at None resolved (:func:`guard`)."""
+  backoff: bool                      # step the LR correction down on a window whose training loss rose
+  rollback: bool                     # ... and return the replicas to the sync before it
+  backoff_stderrs: float             # the rise's margin in standard errors
+  backoff_fraction: float            # ... and as a fraction of the loss
+
+
+class BracketSettings(NamedTuple):
+  """An LR bracket's fields (``bracket.*``; ``hdet_jax.trainer.bracket``)."""
+  points: int                        # runs at peak LRs a factor apart (0: no bracket, one run)
+  factor: float                      # the ratio of neighbouring points' peak LRs
+  rungs: tuple[tuple[float, int], ...]  # (fraction of the run, runs kept) at each rung
+  compare_steps: int                 # a rung ranks runs by their mean training loss over this many steps
+  max_lr: float                      # optim.max_lr: the points' geometric centre
+
+
 class RunSettings(NamedTuple):
   """Every part's settings of one run (:func:`resolve`)."""
-  config: Any                        # the ConfigDict as given: config.json records it, the task reads its fields
+  given: dict                        # the config's fields as given, flattened (JSON values): config.json, identity
   task: tasks_lib.Task               # config.task's workload
+  task_settings: tasks_lib.TaskSettings  # its own fields (data.*, model.*, ...), completed from the schema
   seed: int                          # the run's key: init, warm-start noise, data order
   init_from: str | None              # a workdir whose averaged model a warm start reads (None: random init)
   warm_init_nu: float                # the warm start's noise scale (eq. 10)
+  guard: Guard                       # the back-off guard, resolved
   mesh: MeshSettings
   optimizer: OptimizerSettings
   programs: ProgramSettings
   loop: LoopSettings
+  bracket: BracketSettings
+
+  def training_fields(self, num_replicas: int) -> dict[str, Any]:
+    """The fields that define the trajectory (what a resume compares), with N and the fields left at None
+    resolved; those at their legacy value (``compat.QUIET_DEFAULTS``) are left out, as records before them lack
+    them."""
+    return identity(self.given, num_replicas)
+
+
+def identity(given: Fields, num_replicas: int) -> dict[str, Any]:
+  """:meth:`RunSettings.training_fields` of the (flattened) fields ``given``."""
+  flat = compat.quiet(schema.run_identity(resolved(given)))
+  flat = {k: flat[k] for k in sorted(flat, key=lambda k: k.split('.'))}  # (the order config.json always had)
+  flat['hdet.num_replicas'] = int(num_replicas)
+  return json.loads(json.dumps(flat, default=str))
 
 
 def resolve(config: Any) -> RunSettings:
-  """``config`` checked (``config_lib.check_values``: raises ConfigError naming the field) and resolved once."""
-  config_lib.check_values(config)
+  """``config`` checked (raises ConfigError naming the field and the fix) and resolved once."""
+  given = config_lib.flatten(json.loads(config.to_json()))
+  removed = compat.first_removed(given)
+  if removed:
+    raise ConfigError(compat.removed_message(removed))
   try:
-    return _resolve(config)
+    task = tasks_lib.get(schema.task_of(given))
+  except tasks_lib.TaskError as e:
+    raise ConfigError(str(e)) from None
+  f = schema.complete(given, task.name)
+  check(f, task)
+  try:
+    return _resolve(given, f, task)
   except ValueError as e:  # a combination no single field's rule sees (e.g. a model hyperparameter the task lacks)
-    raise config_lib.ConfigError(f'config: {e}') from None
+    raise ConfigError(f'config: {e}') from None
 
 
-def _resolve(config: Any) -> RunSettings:
-  task = tasks_lib.get(config)
-  h, m = config.hdet, config.mesh if 'mesh' in config else {}
-  guard = config_lib.guard(h, config.optim.get('name'))
-  optimizer = optimizer_settings(config, guard)
-  windows, auto_lr = optimizer.windows, optimizer.auto_lr
+def _resolve(given: dict, f: Fields, task: tasks_lib.Task) -> RunSettings:
+  g = guard(f)
+  optimizer = optimizer_settings(f, task, g)
   names = H.hyperparam_names(param_groups=optimizer.param_groups, explore=optimizer.explore or {})
-  common = bool(h.auto_lr) and h.get('score', 'window') == 'common'
+  common = bool(f['hdet.auto_lr']) and f['hdet.score'] == 'common'
   programs = ProgramSettings(
-      task=task, seed=int(config.seed), hyperparam_names=names, dropout=config.model.get('dropout', 0.0),
-      attn_temperature=config.model.get('attn_temperature', 1.0), label_smoothing=config.optim.label_smoothing,
-      shares_gradient=not h.get('low_communication', False), common_batch=common, rolls_back=guard['rollback'],
-      plateau=config.optim.name == 'adam_plateau', schedule_free=config.optim.name == 'schedule_free_adamw')
+      task=task, seed=int(f['seed']), hyperparam_names=names, dropout=f['model.dropout'],
+      attn_temperature=f['model.attn_temperature'], label_smoothing=f['optim.label_smoothing'],
+      shares_gradient=not f['hdet.low_communication'], common_batch=common, rolls_back=g.rollback,
+      plateau=f['optim.name'] == 'adam_plateau', schedule_free=f['optim.name'] == 'schedule_free_adamw')
   loop = LoopSettings(
-      num_train_steps=int(config.num_train_steps), stop_at_step=int(config.stop_at_step),
-      log_every=int(config.log_every), eval_every=int(config.eval_every),
-      checkpoint_every=int(config.checkpoint_every), max_checkpoints=int(config.max_checkpoints),
-      stop_on_nan=bool(config.stop_on_nan), progress_bar=bool(config.progress_bar), plots=bool(config.plots),
-      tensorboard=bool(config.get('tensorboard', True)), windows=windows, common_batch=common,
-      rolls_back=guard['rollback'], lr_unit=lr_unit(config), hyperparam_names=names,
-      controller=h.controller if auto_lr is not None else None)
-  mesh = MeshSettings(num_replicas=int(h.num_replicas), devices=int(m.get('devices', 0)),
-                      replicas=int(m.get('replicas', 0)), fsdp=int(m.get('fsdp', 1)), tensor=int(m.get('tensor', 1)),
-                      batch_size=int(config.data.batch_size))
-  return RunSettings(config=config, task=task, seed=int(config.seed), init_from=config.init_from or None,
-                     warm_init_nu=config.warm_init.nu, mesh=mesh, optimizer=optimizer, programs=programs, loop=loop)
+      num_train_steps=int(f['num_train_steps']), stop_at_step=int(f['stop_at_step']),
+      log_every=int(f['log_every']), chunk_steps=int(f['chunk_steps']), eval_every=int(f['eval_every']),
+      checkpoint_every=int(f['checkpoint_every']), max_checkpoints=int(f['max_checkpoints']),
+      stop_on_nan=bool(f['stop_on_nan']), progress_bar=bool(f['progress_bar']), plots=bool(f['plots']),
+      tensorboard=bool(f['tensorboard']), windows=optimizer.windows, common_batch=common,
+      rolls_back=g.rollback, lr_unit=lr_unit(f), hyperparam_names=names,
+      controller=f['hdet.controller'] if optimizer.auto_lr is not None else None)
+  mesh = MeshSettings(num_replicas=int(f['hdet.num_replicas']), devices=int(f['mesh.devices']),
+                      replicas=int(f['mesh.replicas']), fsdp=int(f['mesh.fsdp']), tensor=int(f['mesh.tensor']),
+                      batch_size=int(f['data.batch_size']))
+  return RunSettings(given=given, task=task, task_settings=task_settings(f, task), seed=int(f['seed']),
+                     init_from=f['init_from'] or None, warm_init_nu=f['warm_init.nu'], guard=g, mesh=mesh,
+                     optimizer=optimizer, programs=programs, loop=loop, bracket=BracketSettings(
+                         points=int(f['bracket.points']), factor=float(f['bracket.factor']),
+                         rungs=tuple(schema.parse_rungs(f['bracket.rungs'])) if f['bracket.points'] else (),
+                         compare_steps=int(f['bracket.compare_steps']), max_lr=float(f['optim.max_lr'])))
 
 
-def optimizer_settings(config: Any, guard: dict[str, Any] | None = None) -> OptimizerSettings:
-  """``optim.*`` and ``hdet.*`` as :func:`optimizer.make_optimizer` takes them (``guard``: as for
-  :func:`auto_lr_settings`)."""
-  o, h = config.optim, config.hdet
-  explore = explored(config)
-  if explore.get('weight_decay') is not None and o.name != 'adamw':
-    raise ValueError(f'hdet.explore.weight_decay needs optim.name=adamw, got {o.name!r}.')
+def task_settings(f: Fields, task: tasks_lib.Task) -> tasks_lib.TaskSettings:
+  """The task's own fields: ``data.*`` and ``model.*``, the seed, and what its data reads of the loop's."""
+  def section(prefix):
+    return tasks_lib.Section({k[len(prefix):]: v for k, v in f.items() if k.startswith(prefix)})
+  return tasks_lib.TaskSettings(name=task.name, seed=int(f['seed']), data=section('data.'), model=section('model.'),
+                                eval_windows=int(f['eval_windows']), probe_windows=int(f['hdet.probe_windows']))
+
+
+def optimizer_settings(f: Fields, task: tasks_lib.Task, guard_: Guard) -> OptimizerSettings:
+  """``optim.*`` and ``hdet.*`` as :func:`optimizer.make_optimizer` takes them."""
+  explore = explored(f, task)
+  if explore.get('weight_decay') is not None and f['optim.name'] != 'adamw':
+    raise ValueError(f"hdet.explore.weight_decay needs optim.name=adamw, got {f['optim.name']!r}.")
   return OptimizerSettings(
-      name=o.name, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay, grad_clip_norm=o.grad_clip_norm,
-      runtime_lr_scale=bool(o.get('runtime_lr_scale', False)), schedule=schedule(config, o.max_lr / lr_unit(config)),
-      spread=h.spread, windows=sync_windows(config),
-      auto_lr=auto_lr_settings(config, guard), seed=config.seed,
-      param_groups=param_groups(config), explore=explore or None,
-      average_opt_state=bool(h.get('average_opt_state', False)))
+      name=f['optim.name'], b1=f['optim.b1'], b2=f['optim.b2'], weight_decay=f['optim.weight_decay'],
+      grad_clip_norm=f['optim.grad_clip_norm'], runtime_lr_scale=bool(f['optim.runtime_lr_scale']),
+      schedule=schedule(f, f['optim.max_lr'] / lr_unit(f)), spread=f['hdet.spread'], windows=sync_windows(f),
+      auto_lr=auto_lr_settings(f, guard_), seed=f['seed'], param_groups=param_groups(f, task),
+      explore=explore or None, average_opt_state=bool(f['hdet.average_opt_state']))
 
 
-def sync_windows(config: Any) -> tuple[int, ...]:
+def sync_windows(f: Fields) -> tuple[int, ...]:
   """The core's ``sync_every``, one window length T: ``hdet.sync_every`` when it is > 0, else with ``hdet.num_syncs
   = K > 0`` ``round(num_train_steps / K)`` (windows counted per run), at most ``hdet.longest_window`` steps
   (:func:`hdet_jax.windows.default_period`). Both 0 means never sync (plain data parallel): T past the last step."""
-  h = config.hdet
-  every = int(h.sync_every)
-  if every == 0 and h.get('num_syncs', 0) > 0:
-    every = window_lib.default_period(config.num_train_steps, h.num_syncs, h.get('longest_window', 0))
-  return (every if every > 0 else int(config.num_train_steps) + 1,)
+  every = int(f['hdet.sync_every'])
+  if every == 0 and f['hdet.num_syncs'] > 0:
+    every = window_lib.default_period(f['num_train_steps'], f['hdet.num_syncs'], f['hdet.longest_window'])
+  return (every if every > 0 else int(f['num_train_steps']) + 1,)
 
 
-def schedule(config: Any, max_lr: float | None = None) -> optax.Schedule:
+def schedule(f: Fields, max_lr: float | None = None) -> optax.Schedule:
   """The base schedule: torch's one-cycle (cosine up over pct_start of the run, then down), a linear warmup over
   pct_start of the run then a cosine decay (the usual LM schedule; both from max_lr / div_factor to max_lr, ending
   at max_lr / (div_factor * final_div_factor) on the last step), or max_lr throughout. ``max_lr``: another peak
   than ``optim.max_lr`` (the programs' own under ``optim.runtime_lr_scale``: :func:`lr_unit`)."""
-  o = config.optim
-  peak = o.max_lr if max_lr is None else max_lr
-  name = o.get('schedule', 'one_cycle')
+  peak = f['optim.max_lr'] if max_lr is None else max_lr
+  name, total, div = f['optim.schedule'], f['num_train_steps'], f['optim.div_factor']
   if name == 'constant':
     return optax.constant_schedule(peak)
   if name == 'warmup_cosine':
-    initial = peak / o.div_factor
+    initial = peak / div
     return optax.warmup_cosine_decay_schedule(
-        init_value=initial, peak_value=peak, warmup_steps=int(round(o.pct_start * config.num_train_steps)),
-        decay_steps=config.num_train_steps - 1, end_value=initial / o.final_div_factor)
-  return H.one_cycle(max_lr=peak, total_steps=config.num_train_steps, pct_start=o.pct_start,
-                     div_factor=o.div_factor, final_div_factor=o.final_div_factor)
+        init_value=initial, peak_value=peak, warmup_steps=int(round(f['optim.pct_start'] * total)),
+        decay_steps=total - 1, end_value=initial / f['optim.final_div_factor'])
+  return H.one_cycle(max_lr=peak, total_steps=total, pct_start=f['optim.pct_start'], div_factor=div,
+                     final_div_factor=f['optim.final_div_factor'])
 
 
-def lr_unit(config: Any) -> float:
+def lr_unit(f: Fields) -> float:
   """The power of two ``2**e`` that ``optim.runtime_lr_scale`` applies at run time (1.0 when it is off).
 
   ``optim.max_lr = m * 2**e`` with ``m`` in [0.5, 1) (``math.frexp``, exact): the programs are built for the peak
@@ -183,58 +240,224 @@ def lr_unit(config: Any) -> float:
   a power of two (an LR bracket or sweep a factor 2 apart) build identical programs, and the persistent compilation
   cache compiles them once.
   """
-  if not config.optim.get('runtime_lr_scale', False):
+  if not f['optim.runtime_lr_scale']:
     return 1.0
-  return math.ldexp(1.0, math.frexp(config.optim.max_lr)[1])
+  return math.ldexp(1.0, math.frexp(f['optim.max_lr'])[1])
 
 
-def explored(config: Any) -> dict[str, H.Explore]:
+def explored(f: Fields, task: tasks_lib.Task) -> dict[str, H.Explore]:
   """The hyperparameters besides the learning rate(s) that the config explores, in order."""
-  e, o, m = config.hdet.explore, config.optim, config.model
-  task, out = tasks_lib.get(config), {}
+  out = {}
   for name in ('dropout', 'attn_temperature'):
-    if e.get(name, 0.0) > 0 and name not in task.explorable:
+    if f[f'hdet.explore.{name}'] > 0 and name not in task.explorable:
       raise ValueError(f'hdet.explore.{name}: the {task.name} task\'s model has no {name}; set it to 0.')
-  if e.weight_decay > 0:
-    out['weight_decay'] = H.Explore(o.weight_decay, e.weight_decay, low=0.0)
-  if e.dropout > 0:  # additive: a base rate of 0 must still be explorable
-    out['dropout'] = H.Explore(m.dropout, e.dropout, additive=True, low=0.0, high=0.9, to_optimizer=False)
-  if e.label_smoothing > 0:
-    out['label_smoothing'] = H.Explore(o.label_smoothing, e.label_smoothing, additive=True, low=0.0,
-                                       high=0.5, to_optimizer=False)
-  if e.attn_temperature > 0:
-    out['attn_temperature'] = H.Explore(m.attn_temperature, e.attn_temperature, low=0.05, to_optimizer=False)
+  if f['hdet.explore.weight_decay'] > 0:
+    out['weight_decay'] = H.Explore(f['optim.weight_decay'], f['hdet.explore.weight_decay'], low=0.0)
+  if f['hdet.explore.dropout'] > 0:  # additive: a base rate of 0 must still be explorable
+    out['dropout'] = H.Explore(f['model.dropout'], f['hdet.explore.dropout'], additive=True, low=0.0, high=0.9,
+                               to_optimizer=False)
+  if f['hdet.explore.label_smoothing'] > 0:
+    out['label_smoothing'] = H.Explore(f['optim.label_smoothing'], f['hdet.explore.label_smoothing'], additive=True,
+                                       low=0.0, high=0.5, to_optimizer=False)
+  if f['hdet.explore.attn_temperature'] > 0:
+    out['attn_temperature'] = H.Explore(f['model.attn_temperature'], f['hdet.explore.attn_temperature'], low=0.05,
+                                        to_optimizer=False)
   return out
 
 
-def param_groups(config: Any) -> dict[str, str] | None:
+def param_groups(f: Fields, task: tasks_lib.Task) -> dict[str, str] | None:
   """The task's parameter groups (regexes on parameter paths) where ``hdet.param_groups`` is on, else None."""
-  return dict(tasks_lib.get(config).param_groups) if config.hdet.param_groups else None
+  return dict(task.param_groups) if f['hdet.param_groups'] else None
 
 
-def hyperparam_names(config: Any) -> tuple[str, ...]:
-  """The order of the optimizer state's [G] fields (and of the logged ``values``/``bases``)."""
-  return H.hyperparam_names(param_groups=param_groups(config), explore=explored(config))
-
-
-def auto_lr_settings(config: Any, guard: dict[str, Any] | None = None) -> H.AutoLR | None:
-  """The auto-LR controller's settings from ``config.hdet``, or None when it is off: ``hdet.controller='fit'`` at
+def auto_lr_settings(f: Fields, guard_: Guard) -> H.AutoLR | None:
+  """The auto-LR controller's settings from ``hdet.*``, or None when it is off: ``hdet.controller='fit'`` at
   the config's defaults is ``hdet_jax.AutoLR(total_steps=num_train_steps)``, the guarded climb; ``'paper'`` is
-  ``hdet_jax.AutoLR.paper(...)`` (the 'fit' fields then do not apply). ``guard``: ``config_lib.guard``'s
-  resolution of the back-off's fields, where the caller has it."""
-  h = config.hdet
-  if not h.auto_lr:
+  ``hdet_jax.AutoLR.paper(...)`` (the 'fit' fields then do not apply). ``guard_``: :func:`guard`'s."""
+  if not f['hdet.auto_lr']:
     return None
-  stop = h.get('stop_fraction', 1.0)
-  stop_steps = None if stop >= 1 else int(stop * config.num_train_steps)
-  if h.get('controller', 'paper') == 'paper':
-    return H.AutoLR.paper(total_steps=config.num_train_steps, warmup_steps=h.warmup_steps, temperature=h.temperature,
-                          lr_of_lr=h.lr_of_lr, momentum=h.momentum, smooth_decay=h.smooth_decay, stop_steps=stop_steps)
-  guard = config_lib.guard(h) if guard is None else guard  # the back-off's fields, those left at None resolved
+  total, stop = f['num_train_steps'], f['hdet.stop_fraction']
+  stop_steps = None if stop >= 1 else int(stop * total)
+  common = dict(total_steps=total, warmup_steps=f['hdet.warmup_steps'], temperature=f['hdet.temperature'],
+                lr_of_lr=f['hdet.lr_of_lr'], momentum=f['hdet.momentum'], smooth_decay=f['hdet.smooth_decay'],
+                stop_steps=stop_steps)
+  if f['hdet.controller'] == 'paper':
+    return H.AutoLR.paper(**common)
   return H.AutoLR(
-      total_steps=config.num_train_steps, controller='fit', warmup_steps=h.warmup_steps,
-      initial_scale=h.initial_scale, trust=h.trust, memory=h.memory, step_growth=h.step_growth,
-      max_gain=h.max_gain, stop_steps=stop_steps, after_stop=h.after_stop, backoff=guard['backoff'],
-      backoff_stderrs=guard['backoff_stderrs'], backoff_fraction=guard['backoff_fraction'],
-      settle=config_lib.settles(h), temperature=h.temperature, lr_of_lr=h.lr_of_lr, momentum=h.momentum,
-      smooth_decay=h.smooth_decay)
+      controller='fit', initial_scale=f['hdet.initial_scale'], trust=f['hdet.trust'], memory=f['hdet.memory'],
+      step_growth=f['hdet.step_growth'], max_gain=f['hdet.max_gain'], after_stop=f['hdet.after_stop'],
+      backoff=guard_.backoff, backoff_stderrs=guard_.backoff_stderrs, backoff_fraction=guard_.backoff_fraction,
+      settle=settles(f), **common)
+
+
+# ---- Defaults that depend on other fields: each resolved here only. ----
+
+def settles(f: Fields) -> bool:
+  """Whether ``hdet.settle`` is on: as set, or where it is left at None (the default), wherever it applies (the
+  'fit' controller's rise-only climb: ``auto_lr``, ``controller='fit'``, ``after_stop='rise'``)."""
+  if f['hdet.settle'] is not None:
+    return bool(f['hdet.settle'])
+  return _settle_applies(f)
+
+
+def _settle_applies(f: Fields) -> bool:
+  return bool(f['hdet.auto_lr']) and f['hdet.controller'] == 'fit' and f['hdet.after_stop'] == 'rise'
+
+
+# The back-off guard where its fields are left at None (configs/default.py): wherever the back-off applies, it
+# fires on a rise of the window's training loss beyond 2 standard errors and 5% and rolls back; elsewhere it is off.
+GUARD_ON = Guard(backoff=True, rollback=True, backoff_stderrs=2.0, backoff_fraction=0.05)
+GUARD_OFF = Guard(backoff=False, rollback=False, backoff_stderrs=0.0, backoff_fraction=0.0)
+
+
+def guard(f: Fields) -> Guard:
+  """The back-off's fields with those left at None resolved: the back-off on wherever it applies (the 'fit'
+  controller with ``auto_lr``), and the other three at :data:`GUARD_ON` where it is on, at :data:`GUARD_OFF` where
+  not; the rollback only where the replicas share their optimizer state (:func:`shared_opt_state`). Example:
+  ``guard(schema.complete({}))`` is ``GUARD_ON``."""
+  backoff = f['hdet.backoff']
+  backoff = _backoff_applies(f) if backoff is None else bool(backoff)
+  fallback = GUARD_ON if backoff else GUARD_OFF
+  if backoff and not shared_opt_state(f):  # no one copy of the optimizer state to return to
+    fallback = GUARD_ON._replace(rollback=False)
+  resolved_ = {name: getattr(fallback, name) if f[f'hdet.{name}'] is None else type(getattr(GUARD_OFF, name))(
+      f[f'hdet.{name}']) for name in ('rollback', 'backoff_stderrs', 'backoff_fraction')}
+  return Guard(backoff=backoff, **resolved_)
+
+
+def _backoff_applies(f: Fields) -> bool:
+  return bool(f['hdet.auto_lr']) and f['hdet.controller'] == 'fit'
+
+
+# The optimizers whose state is a function of the gradients alone (moments, momentum), so that the shared gradient
+# gives every replica the same state. The LR-free ones keep LR-dependent estimates (Prodigy's and D-Adaptation's d,
+# DoG's distance, Mechanize's scale, schedule-free's z), which the replicas' own LRs set apart.
+SHARED_STATE_OPTIMIZERS = ('adamw', 'adam', 'sgd')
+
+
+def shared_opt_state(f: Fields) -> bool:
+  """Whether every replica holds the same wrapped optimizer state after a sync, so that the rollback's one copy
+  of it (its anchor) is every replica's: an optimizer of :data:`SHARED_STATE_OPTIMIZERS` on the shared gradient,
+  or in the low-communication mode averaging the state."""
+  if f['optim.name'] not in SHARED_STATE_OPTIMIZERS:
+    return False
+  return not f['hdet.low_communication'] or bool(f['hdet.average_opt_state'])
+
+
+def resolved(flat: Fields) -> dict[str, Any]:
+  """A flattened config or record with the fields left at None ("wherever it applies") written as what they
+  resolve to, so a run, a resumed run and a cached record compare what trains (``hdet.settle``: :func:`settles`;
+  the back-off's fields: :func:`guard`). Fields ``flat`` lacks stay absent."""
+  f = schema.complete(flat)
+  out = dict(flat)
+  if 'hdet.settle' in flat and flat['hdet.settle'] is None:
+    out['hdet.settle'] = settles(f)
+  if any(f'hdet.{name}' in flat and flat[f'hdet.{name}'] is None for name in Guard._fields):
+    out.update({f'hdet.{k}': v for k, v in guard(f)._asdict().items() if f'hdet.{k}' in flat})
+  return out
+
+
+# ---- The rules across fields (each field's own: schema.check_fields). ----
+
+def check(f: Fields, task: tasks_lib.Task) -> None:
+  """Every field's type and range, then the rules across fields, then the task's own; raises ConfigError naming the
+  field and the fix. Runs before anything touches JAX, so a bad value never surfaces from inside it."""
+  try:
+    schema.check_fields(f)
+    task.check(task_settings(f, task))
+  except ValueError as e:  # (a TaskError is one)
+    raise ConfigError(str(e)) from None
+  _check_schedule(f)
+  _check_bracket(f)
+  _check_runtime_lr_scale(f)
+  if f['hdet.auto_lr'] and f['hdet.spread'] > 0 and f['hdet.warmup_steps'] >= f['num_train_steps']:
+    raise ConfigError(f"hdet.warmup_steps={f['hdet.warmup_steps']} must be < num_train_steps={f['num_train_steps']} "
+                      '(the controller would never start); lower it or set hdet.auto_lr=False.')
+  _check_num_syncs(f)
+  _check_guard(f)
+  if f['hdet.settle'] and not _settle_applies(f):
+    raise ConfigError("hdet.settle=True ends the 'fit' controller's rise-only climb: it needs hdet.auto_lr=True, "
+                      f"hdet.controller='fit' and hdet.after_stop='rise' (got {f['hdet.controller']!r}, "
+                      f"{f['hdet.after_stop']!r}), or set hdet.settle=False.")
+
+
+def _check_guard(f: Fields) -> None:
+  """The back-off's fields set where it cannot act (a field left at None resolves where it can: :func:`guard`)."""
+  if f['hdet.backoff'] and not _backoff_applies(f):
+    raise ConfigError(f"hdet.backoff=True steps the 'fit' controller's LR correction down: it needs hdet.auto_lr=True "
+                      f"and hdet.controller='fit' (got {f['hdet.controller']!r}), or set hdet.backoff=False.")
+  on = guard(f).backoff
+  for margin in ('backoff_stderrs', 'backoff_fraction'):
+    if (f[f'hdet.{margin}'] or 0.0) > 0 and not on:
+      raise ConfigError(f"hdet.{margin}={f[f'hdet.{margin}']} sets how far the window's training loss must rise for "
+                        f"the back-off: it needs hdet.backoff=True (or None, with the 'fit' controller), or set "
+                        f"hdet.{margin}=0.")
+  rollback, optimizer = f['hdet.rollback'], f['optim.name']
+  if rollback and not on:
+    raise ConfigError("hdet.rollback=True returns to the last sync's state where the back-off fires, so it needs "
+                      "hdet.backoff=True or None (with hdet.auto_lr=True and hdet.controller='fit'); or set "
+                      "hdet.rollback=False.")
+  if rollback and optimizer not in SHARED_STATE_OPTIMIZERS:
+    raise ConfigError(f"hdet.rollback=True keeps one copy of the optimizer state for every replica to return to, but "
+                      f"optim.name={optimizer!r} keeps LR-dependent state that differs between the replicas: use one of "
+                      f"{', '.join(SHARED_STATE_OPTIMIZERS)}, or set hdet.rollback=False.")
+  if rollback and not shared_opt_state(f):
+    raise ConfigError("hdet.rollback=True keeps one copy of the optimizer state for every replica to return to, but "
+                      "with hdet.low_communication=True each replica's state is its own: set "
+                      "hdet.average_opt_state=True (the replicas then share it after each sync), or hdet.rollback=False.")
+
+
+def _check_schedule(f: Fields) -> None:
+  """The warmup must leave a decay: one-cycle's phases each at least a step, warmup_cosine's warmup ending before
+  the last step."""
+  name, pct, total = f['optim.schedule'], f['optim.pct_start'], f['num_train_steps']
+  if name == 'warmup_cosine' and not round(pct * total) < total - 1:
+    raise ConfigError(f"optim.pct_start={pct} with num_train_steps={total} leaves optim.schedule='warmup_cosine' no "
+                      f'step to decay over (its warmup is round(pct_start * num_train_steps) = {round(pct * total)} '
+                      'steps, which must end before the last step); lower optim.pct_start or raise num_train_steps.')
+  if name == 'one_cycle' and not (pct * total - 1 > 0 and total - 1 > pct * total - 1):
+    raise ConfigError(f"optim.pct_start={pct} with num_train_steps={total} leaves optim.schedule='one_cycle' an empty "
+                      'phase (its warmup ends at step pct_start * num_train_steps - 1, which must lie inside the run); '
+                      'move optim.pct_start away from 0 and 1 or raise num_train_steps.')
+
+
+def _check_runtime_lr_scale(f: Fields) -> None:
+  """``optim.runtime_lr_scale`` is for runs whose learning rates no controller sets."""
+  if f['optim.runtime_lr_scale'] and f['hdet.auto_lr']:
+    raise ConfigError('optim.runtime_lr_scale=True applies the learning rate\'s power of two outside the programs, '
+                      'where the auto-LR controller would not see it: set hdet.auto_lr=False, or '
+                      'optim.runtime_lr_scale=False.')
+
+
+def _check_bracket(f: Fields) -> None:
+  """An LR bracket's rungs must fit the run and narrow it down to one run; its runs must train at a fixed LR."""
+  points, rungs_text, total = f['bracket.points'], f['bracket.rungs'], f['num_train_steps']
+  if points == 0:
+    return
+  try:
+    rungs = schema.parse_rungs(rungs_text)
+  except ValueError as e:
+    raise ConfigError(f"bracket.rungs={rungs_text!r} must be 'fraction:kept,...' (e.g. '0.1:4,0.3:1'): {e}.") from None
+  steps, kept = schema.rung_steps(rungs, total), [k for _, k in rungs]
+  alive = [points] + kept
+  if not (0 < steps[0] and all(a < c for a, c in zip(steps, steps[1:])) and steps[-1] < total
+          and all(a > c >= 1 for a, c in zip(alive, alive[1:])) and kept[-1] == 1):
+    raise ConfigError(
+        f'bracket.rungs={rungs_text!r} with bracket.points={points} and num_train_steps={total} '
+        f'(rung steps {steps}) must compare at increasing steps inside the run (0 < fraction * num_train_steps < '
+        'num_train_steps) and keep fewer runs at each rung, the last keeping 1; e.g. '
+        f"'0.1:{max(1, points // 2)},0.3:1'.")
+  if f['hdet.auto_lr']:
+    raise ConfigError('bracket.points > 0 looks for the LR by comparing runs trained apart at fixed LRs, but '
+                      'hdet.auto_lr=True would move each run\'s LR too: set hdet.auto_lr=False (configs/bracket.py '
+                      'trains plain data parallel), or bracket.points=0 for one HDET run.')
+  if f['stop_at_step'] > 0:
+    raise ConfigError(f"stop_at_step={f['stop_at_step']} cannot stop an LR bracket, which stops its runs at its "
+                      'rungs itself: set stop_at_step=0 (a preempted bracket resumes where it stopped).')
+
+
+def _check_num_syncs(f: Fields) -> None:
+  k, total = f['hdet.num_syncs'], f['num_train_steps']
+  if f['hdet.sync_every'] == 0 and k > total:  # (a sync_every > 0 sets T instead)
+    raise ConfigError(f'hdet.num_syncs={k} windows do not fit in num_train_steps={total} '
+                      '(each window is at least one step): lower hdet.num_syncs, or set it to 0 and use hdet.sync_every.')

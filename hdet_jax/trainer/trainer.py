@@ -1,8 +1,9 @@
 """``train_and_evaluate(config, workdir)``: HDET on the task ``config.task`` names (``tasks/``).
 
 The loop knows a task only through :class:`tasks.Task` (its data, model, loss and metric); the device
-layout is ``mesh.py``, the optimizer ``optimizer.py``, the compiled programs ``programs.py``. The config is checked and
-resolved once, at the start (``run_settings.resolve``); each part then gets its own settings.
+layout is ``mesh.py``, the optimizer ``optimizer.py``, the compiled programs ``programs.py``, the process-level setup
+``process.py``. The config is checked and resolved once, at the start (``run_settings.resolve``); each part then
+gets its own settings.
 
 Everything that can be wrong with the config, the task's data, the workdir, the devices or
 ``init_from`` is checked first and reported as one :class:`ConfigError` line, before any
@@ -11,14 +12,10 @@ training starts and before anything is written.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import importlib.util
 import json
 import math
 import os
-import signal
-import threading
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -26,77 +23,19 @@ import jax
 import numpy as np
 
 from hdet_jax.trainer import checkpoints
+from hdet_jax.trainer import compat
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import metrics as metrics_lib
-from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer import process
 from hdet_jax.trainer import program_cache
 from hdet_jax.trainer import run_settings
+from hdet_jax.trainer import schema
 from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
 from hdet_jax.trainer import warm_init
 from hdet_jax.trainer.config_lib import ConfigError
 
 _INIT_TAG, _WARM_TAG = 1, 2  # fold_in tags of the run key: model init, warm-init noise.
-
-
-# XLA's GPU kernels that use atomics (scatter-adds, some reductions) sum in a varying order: on one H100 the
-# main job's seed-0 run ended at 2.0806, 2.0767 and 2.0759 bits/byte in three runs, and at 2.080280 twice with
-# this flag (results/benchmarks_gpu.md).
-DETERMINISTIC_GPU_FLAG = '--xla_gpu_deterministic_ops=true'
-_CUDA_PLUGINS = ('jax_cuda13_plugin', 'jax_cuda12_plugin', 'jax_plugins.xla_cuda13', 'jax_plugins.xla_cuda12')
-
-
-def deterministic_xla_flags(flags: str, gpu: bool) -> str:
-  """``flags`` (XLA_FLAGS) with XLA's deterministic GPU ops on: unchanged without a GPU, or where they already set it.
-
-  Example:
-    >>> deterministic_xla_flags('--xla_dump_to=dumps', gpu=True)
-    '--xla_dump_to=dumps --xla_gpu_deterministic_ops=true'
-  """
-  if not gpu or 'xla_gpu_deterministic_ops' in flags:
-    return flags
-  return f'{flags} {DETERMINISTIC_GPU_FLAG}'.strip()
-
-
-def cuda_installed() -> bool:
-  """Whether a CUDA plugin of jax is installed (read before the backend starts, as XLA_FLAGS must be set then)."""
-  def found(name):
-    try:
-      return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # 'jax_plugins' itself absent
-      return False
-  return any(found(name) for name in _CUDA_PLUGINS)
-
-
-def setup_jax(config: Any, *, coordinator_address: str | None = None, num_processes: int | None = None,
-              process_id: int | None = None, heartbeat_timeout_s: int = 20) -> None:
-  """Process-level JAX setup; call before any other JAX call (train.py does).
-
-  Starts ``jax.distributed`` when a coordinator is given, or under a SLURM job step with
-  several tasks (JAX reads the rest from SLURM's environment); sets the number of simulated CPU
-  devices (``config.num_cpu_devices`` split over the processes, unless JAX_NUM_CPU_DEVICES or
-  XLA_FLAGS already say); turns on the persistent compilation cache; on a CUDA install, XLA's
-  deterministic GPU ops (``config.deterministic_gpu``), so a seed gives the same numbers run to run.
-  """
-  if config.get('deterministic_gpu', True):
-    os.environ['XLA_FLAGS'] = deterministic_xla_flags(os.environ.get('XLA_FLAGS', ''), cuda_installed())
-  slurm = int(os.environ.get('SLURM_NTASKS', '1') or 1) > 1 and 'SLURM_JOB_ID' in os.environ
-  procs = num_processes or (int(os.environ['SLURM_NTASKS']) if slurm else 1)
-  if ('JAX_NUM_CPU_DEVICES' not in os.environ
-      and 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
-      and config.num_cpu_devices > 0):
-    try:
-      jax.config.update('jax_num_cpu_devices', max(1, config.num_cpu_devices // procs))
-    except RuntimeError:
-      pass  # the backend is already up (e.g. in a test); keep its device count.
-  if coordinator_address:
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_s)
-  elif slurm:
-    jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s)
-  if config.compilation_cache:
-    jax.config.update('jax_compilation_cache_dir', os.path.expanduser(config.compilation_cache))
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
 
 def _resolve_replicas(run: run_settings.RunSettings) -> tuple[int, int]:
@@ -142,7 +81,7 @@ def _resolve_groups(run: run_settings.RunSettings, devices: int) -> int:
     raise ConfigError(f'data.batch_size={m.batch_size} (windows per replica group) must be divisible by '
                       f'mesh.fsdp={fsdp}, which splits them over the group\'s devices.')
   try:
-    run.task.check_tensor_parallel(run.config, tensor)
+    run.task.check_tensor_parallel(run.task_settings, tensor)
   except ValueError as e:
     raise ConfigError(f'mesh.tensor={tensor}: {e}') from None
   return n
@@ -173,15 +112,15 @@ def _check_workdir(workdir: str, fields: dict) -> bool:
     except (OSError, ValueError, AttributeError):
       saved = None  # unreadable (cut short by a kill in an older version): the checkpoints decide
   if saved is not None:  # (a version before bracket.* left a run's identity wrote them where not at their defaults)
-    saved = config_lib.run_identity(saved)
-    gone = [k for k in saved if k in config_lib.REMOVED]
+    saved = schema.run_identity(saved)
+    gone = [k for k in saved if k in compat.REMOVED]
     if gone:
       raise ConfigError(f'workdir {workdir} holds {what} that set {gone[0]}={saved[gone[0]]!r}: '
-                        f'{config_lib.removed_message(gone[0])} Resume it with the version that wrote it, or pass a '
+                        f'{compat.removed_message(gone[0])} Resume it with the version that wrote it, or pass a '
                         'new --workdir (nothing in this one was changed).')
   if saved is not None and saved != fields:
     raise ConfigError(
-        f'workdir {workdir} holds {what} of a different config ({config_lib.differences(saved, fields)}); '
+        f'workdir {workdir} holds {what} of a different config ({schema.differences(saved, fields)}); '
         'rerun with the same config to resume it, or pass a new --workdir.')
   return bool(checkpoints.all_steps(workdir))
 
@@ -205,105 +144,6 @@ def _check_init_from(init_from: str | None, abstract_params: Any) -> str | None:
         f'init_from={init_from!r} (step {step}) holds a model of another shape than model.* and '
         'data.seq_len describe; use the same model settings as that run or another init_from.')
   return src
-
-
-class _StopSignals:
-  """SIGTERM / SIGINT set a flag that the training loop checks; a second signal acts as usual.
-
-  Installed only from the main thread (signal handlers cannot be set elsewhere), and undone on exit.
-  """
-
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-  def __init__(self):
-    self.received: str | None = None
-    self._old = {}
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      for sig in self.SIGNALS:
-        self._old[sig] = signal.signal(sig, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    self.received = signal.Signals(signum).name
-    # The next one of this signal does what it would have done without us: end the process now.
-    signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
-
-  def __exit__(self, *exc):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
-    return False
-
-
-def _any_process(flag: bool) -> bool:
-  """True on every process iff ``flag`` on some process (a no-op with one process)."""
-  if jax.process_count() == 1:
-    return flag
-  from jax.experimental import multihost_utils
-  return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
-
-
-def machine() -> dict:
-  """Where a run ran, recorded in its summary (and by the research studies in each record): the CPU model, the first
-  device's platform and kind, jax's and jaxlib's versions and XLA_FLAGS (less any path).
-
-  XLA rounds differently by CPU model and by version: the same config and seed gave first-rung losses apart from
-  the 8th digit, and MNIST-1D ends several percent apart, on two x86 CPU models. So runs are compared bit for bit
-  only where this matches.
-  """
-  import jaxlib
-  device = jax.devices()[0]
-  return {'cpu': cpu_model(), 'platform': device.platform, 'device_kind': device.device_kind,
-          'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'xla_flags': _xla_flags_without_paths()}
-
-
-def _xla_flags_without_paths() -> str:
-  """XLA_FLAGS less the flags that name a path (``--xla_dump_to=...``): records are committed, and a path is this
-  machine's, not a setting that changes the numbers."""
-  return ' '.join(flag for flag in os.environ.get('XLA_FLAGS', '').split() if os.sep not in flag)
-
-
-def cpu_model(cpuinfo: str = '/proc/cpuinfo') -> str:
-  """The CPU's model name: the first ``model name`` of ``cpuinfo`` (Linux), else ``platform.processor()`` or
-  ``platform.machine()``."""
-  import platform
-  try:
-    with open(cpuinfo, encoding='utf-8', errors='replace') as f:
-      for line in f:
-        key, _, value = line.partition(':')
-        if key.strip() == 'model name' and value.strip():
-          return value.strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
-def write_json_atomic(path: str, obj: Any, **kwargs) -> None:
-  """Writes ``path`` via a temporary file and a rename: a kill leaves the old file or the new one."""
-  tmp = f'{path}.tmp-{os.getpid()}'
-  with open(tmp, 'w', encoding='utf-8') as f:
-    json.dump(obj, f, **kwargs)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
-def release_host_memory() -> None:
-  """Returns the memory the compiler freed to the operating system (glibc only; else nothing).
-
-  glibc keeps freed heap memory for reuse; after compiling, that is tens of MB per program that
-  the process holds but no longer uses (on CPU the devices' buffers live on the same heap).
-  """
-  try:
-    ctypes.CDLL('libc.so.6').malloc_trim(0)
-  except (OSError, AttributeError):
-    pass
-
-
-# Steps whose batches go to the devices in one transfer (one per step cost about 1% of the loop).
-_CHUNK = 25
 
 
 class _Inputs(NamedTuple):
@@ -357,7 +197,7 @@ class _Loop:
   rng: Any                           # the run's key data, replicated (checkpointed with the state)
   start: int                         # the step this call starts or resumes at
   step: int                          # steps done
-  data: Any = None                   # the chunk of _CHUNK steps' batches holding this step's, on the devices
+  data: Any = None                   # the chunk of chunk_steps steps' batches holding this step's, on the devices
   anchor: Any = None                 # the state the last sync left, one copy (hdet.rollback; programs.make_anchor)
   pending: list = dataclasses.field(default_factory=list)  # (step, sync, metrics) fetched at the next log
   t_mark: float = 0.0                # when the current log interval started
@@ -384,7 +224,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
   SIGTERM or SIGINT during training (a preemption, Ctrl-C) finishes the current step, writes a
   checkpoint and returns with ``summary['preempted']`` set; rerunning resumes from it.
   """
-  with _StopSignals() as stop:
+  with process.StopSignals() as stop:
     t0 = time.time()
     # ---- Checks: nothing is written before all of them pass. ----
     run = run_settings.resolve(config)
@@ -399,7 +239,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     per = f' ({inputs.n // inputs.devices} per device)' if inputs.n > inputs.devices else ''
     records.log(f'{inputs.n} replicas{group} on {records.mesh.devices.size} {jax.devices()[0].platform} devices{per} '
                 f'({jax.process_count()} process(es)); task {inputs.run.task.name}, model '
-                f'{model_lib.num_params(inputs.abstract_params):,} parameters; {inputs.data.description}; '
+                f'{metrics_lib.num_params(inputs.abstract_params):,} parameters; {inputs.data.description}; '
                 f'setup {setup_s:.1f}s.')
     # ---- Train. ----
     _train(run.loop, inputs, records, programs, loop, stop)
@@ -414,25 +254,25 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
 def _check(run: run_settings.RunSettings, workdir: str) -> _Inputs:
   """Every check of the task's data, devices, workdir and init_from (the config's are ``run_settings.resolve``'s);
   reads, never writes."""
-  config, task = run.config, run.task
+  task, settings = run.task, run.task_settings
   n, devices = _resolve_replicas(run)
   try:
-    data = task.load(config, n)
+    data = task.load(settings, n)
   except tasks_lib.TaskError as e:
     raise ConfigError(str(e)) from None
   try:
     tx = optimizer_lib.make_optimizer(run.optimizer, n, devices)
   except ValueError as e:
     raise ConfigError(f'config: {e}') from None
-  fields = config_lib.training_fields(config, n)
+  fields = run.training_fields(n)
   resume = _check_workdir(workdir, fields)
-  graphdef, abstract_params = task.abstract_model(config)
+  graphdef, abstract_params = task.abstract_model(settings)
   init_src = _check_init_from(run.init_from, abstract_params) if not resume else None
   # Every process has read the workdir before process 0 creates checkpoints/ in it: a process that got
   # here late would otherwise see that directory, open it, and run orbax's collectives out of step.
   mesh_lib.barrier('hdet_workdir_checked')
   return _Inputs(run, workdir, n, devices, data, tx, fields, resume, graphdef, abstract_params, init_src,
-                 n * run.mesh.batch_size * task.predictions_per_example(config))
+                 n * run.mesh.batch_size * task.predictions_per_example(settings))
 
 
 def _open_records(inputs: _Inputs) -> _Records:
@@ -442,7 +282,7 @@ def _open_records(inputs: _Inputs) -> _Records:
   lead = jax.process_index() == 0
   config_path = os.path.join(inputs.workdir, 'config.json')
   if lead and not os.path.exists(config_path):
-    write_json_atomic(config_path, {'training_fields': inputs.fields, 'config': json.loads(run.config.to_json())},
+    process.write_json_atomic(config_path, {'training_fields': inputs.fields, 'config': config_lib.unflatten(run.given)},
                        indent=1)
   mesh = mesh_lib.make_mesh(inputs.n, run.mesh.fsdp, run.mesh.tensor, devices=inputs.devices)
   ckpt = checkpoints.Checkpointer(inputs.workdir, run.loop.max_checkpoints)
@@ -450,7 +290,7 @@ def _open_records(inputs: _Inputs) -> _Records:
   writer = metrics_lib.MetricsWriter(os.path.join(inputs.workdir, 'metrics.jsonl'), enabled=lead,
                                      tensorboard=run.loop.tensorboard)
   log = (lambda msg: print(msg, flush=True)) if lead else (lambda msg: None)
-  key = program_cache.programs_key(run.config, run.loop.lr_unit, inputs.n, mesh, inputs.data.description)
+  key = program_cache.programs_key(run.given, run.loop.lr_unit, inputs.n, mesh, inputs.data.description)
   return _Records(mesh, writer, ckpt, log, lead, key)
 
 
@@ -459,7 +299,7 @@ def _initial_state(inputs: _Inputs, records: _Records) -> _Loop:
   run, settings = inputs.run, inputs.run.loop
   root = jax.random.key(run.seed)
   key = records.programs_key
-  init = program_cache.get(key, 'init', lambda: programs_lib.make_init(run.config, inputs.tx, records.mesh, inputs.n))
+  init = program_cache.get(key, 'init', lambda: programs_lib.make_init(run.task, run.task_settings, inputs.tx, records.mesh, inputs.n))
   restored = _restore(settings, inputs, records, init, root) if inputs.resume else None
   anchor = None
   if restored is not None:
@@ -474,7 +314,7 @@ def _initial_state(inputs: _Inputs, records: _Records) -> _Loop:
   records.writer.write('hyperparams', step=start, names=list(settings.hyperparam_names), controller=settings.controller)
   records.writer.flush()  # the start/resume is on record even if this start is killed before its first log interval
   rng = jax.device_put(np.asarray(jax.random.key_data(root)), mesh_lib.replicated(records.mesh))
-  # The step reads its batch from a chunk of _CHUNK steps' batches at the optimizer's step count,
+  # The step reads its batch from a chunk of chunk_steps steps' batches at the optimizer's step count,
   # so the count must be the step number.
   count = int(mesh_lib.fetch(program_cache.get(key, 'step_count', lambda: programs_lib.make_step_count(inputs.tx))(
       params, opt_state))[0])
@@ -557,8 +397,8 @@ def _warm_start(run: run_settings.RunSettings, inputs: _Inputs, records: _Record
 
 def _upload(inputs: _Inputs, mesh: Any, step: int) -> Any:
   """The chunk of batches holding step ``step``'s, on the devices."""
-  first = step - step % _CHUNK
-  return mesh_lib.put_stacked(inputs.data.batches.chunk(first, _CHUNK), mesh, batch_dim=2)  # [N, K, B, ...]
+  k = inputs.run.loop.chunk_steps
+  return mesh_lib.put_stacked(inputs.data.batches.chunk(step - step % k, k), mesh, batch_dim=2)  # [N, K, B, ...]
 
 
 def _probe(settings: run_settings.LoopSettings, inputs: _Inputs, mesh: Any, step: int) -> list:
@@ -596,7 +436,7 @@ def _build(inputs: _Inputs, mesh: Any, params: Any, opt_state: Any, data: Any, p
   settings = inputs.run.programs
   layout = mesh_lib.layout(mesh, params, opt_state, inputs.run.task)  # None on a 1-D mesh
   step = programs_lib.make_train_step(inputs.graphdef, inputs.tx, mesh, sync=False, settings=settings, packer=packers[False],
-                            chunk_steps=_CHUNK, shardings=layout).lower(params, opt_state, data).compile()
+                            chunk_steps=inputs.run.loop.chunk_steps, shardings=layout).lower(params, opt_state, data).compile()
   extra = [anchor] if anchor is not None else []
   window_end = programs_lib.make_window_end(inputs.tx, mesh, packer=packers[True], graphdef=inputs.graphdef,
                                   settings=settings, shardings=layout).lower(params, opt_state, *probe, *extra).compile()
@@ -611,7 +451,7 @@ def _build(inputs: _Inputs, mesh: Any, params: Any, opt_state: Any, data: Any, p
       out_shardings=mesh_lib.replicated(mesh)).lower(params).compile()
   # A run that never averages measures the replicas' distance from their mean at each log interval.
   distance = programs_lib.make_distance(mesh).lower(params).compile() if inputs.run.loop.never_syncs else None
-  release_host_memory()
+  process.release_host_memory()
   return dict(step=step, window_end=window_end, evaluate=evaluate, average=average, any_finite=any_finite,
               to_eval=programs_lib.make_eval_params(settings, mesh), packers=packers, distance=distance,
               anchor=anchor)
@@ -627,7 +467,7 @@ def _anchor_program(mesh: Any, tx: Any, params: Any, opt_state: Any, task: Any) 
 # ---------------------------------------------------------------------------------------------
 
 def _train(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
-           stop: _StopSignals) -> None:
+           stop: process.StopSignals) -> None:
   """Steps to the end (or ``stop_at_step``), logging, evaluating and checkpointing at their intervals."""
   end = settings.end
   bar = metrics_lib.ProgressBar(settings.num_train_steps, loop.start, enabled=records.lead and settings.progress_bar)
@@ -640,7 +480,7 @@ def _train(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Recor
     # A stop signal is checked every step (with several processes, at each log interval, where the
     # processes agree on it: they must all stop after the same step).
     if step < end and (jax.process_count() == 1 or step % settings.log_every == 0):
-      if _any_process(stop.received is not None):
+      if process.any_process(stop.received is not None):
         loop.preempted_at = step
         ckpt_due = True
     if step % settings.log_every == 0 or step == end or eval_due or ckpt_due:
@@ -653,7 +493,7 @@ def _one_step(settings: run_settings.LoopSettings, inputs: _Inputs, mesh: Any, p
   """Runs step ``loop.step`` (and the window end after it on sync steps); its metrics stay on the devices."""
   step = loop.step
   sync = settings.is_sync_step(step)
-  if step % _CHUNK == 0 and step != loop.start:
+  if step % settings.chunk_steps == 0 and step != loop.start:
     loop.data = _upload(inputs, mesh, step)
   loop.params, loop.opt_state, m = programs.step(loop.params, loop.opt_state, loop.data)
   if sync:
@@ -674,7 +514,7 @@ def _one_step(settings: run_settings.LoopSettings, inputs: _Inputs, mesh: Any, p
 
 
 def _end_interval(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
-                  bar: metrics_lib.ProgressBar, stop: _StopSignals, eval_due: bool, ckpt_due: bool) -> bool:
+                  bar: metrics_lib.ProgressBar, stop: process.StopSignals, eval_due: bool, ckpt_due: bool) -> bool:
   """Logs the steps since the last interval, then evaluates and checkpoints where due; False: stop."""
   step, writer = loop.step, records.writer
   _flush(programs, writer, loop, bar)
@@ -844,10 +684,10 @@ def _finish(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Reco
                        else math.nan),
       'setup_s': setup_s, 'wall_s': time.time() - t0,
       'num_replicas': inputs.n, 'num_devices': int(records.mesh.devices.size),
-      'replicas_per_device': inputs.n // inputs.devices, 'num_params': model_lib.num_params(inputs.abstract_params),
+      'replicas_per_device': inputs.n // inputs.devices, 'num_params': metrics_lib.num_params(inputs.abstract_params),
       'workdir': inputs.workdir, 'metrics': os.path.join(inputs.workdir, 'metrics.jsonl'),
       'checkpoints': checkpoints.checkpoint_dir(inputs.workdir), 'plots': [],
-      'machine': machine(),
+      'machine': process.machine(),
   }
   writer.write('event', event='end', **{k: v for k, v in summary.items() if k != 'plots'})
   writer.close()
@@ -856,7 +696,7 @@ def _finish(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Reco
     summary['plots'] = plots.plot_workdir(inputs.workdir)
   summary['wall_s'] = time.time() - t0
   if records.lead:
-    write_json_atomic(os.path.join(inputs.workdir, 'summary.json'), metrics_lib.to_json_safe(summary), indent=1)
+    process.write_json_atomic(os.path.join(inputs.workdir, 'summary.json'), metrics_lib.to_json_safe(summary), indent=1)
   return summary
 
 

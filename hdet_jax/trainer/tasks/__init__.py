@@ -9,16 +9,13 @@ A new task is a module here with a :class:`base.Task` subclass, registered in :d
 
 from __future__ import annotations
 
-from typing import Any
-
-from hdet_jax.trainer.tasks.base import Regularization, Task, TaskData, TaskError, eval_record
+from hdet_jax.trainer.tasks.base import Regularization, Section, Task, TaskData, TaskError, TaskSettings, eval_record
 
 TASKS = ('lm', 'mnist1d')
 
 
-def get(config: Any = None) -> Task:
-  """The task ``config.task`` names (a config without the field, or None: the LM)."""
-  name = 'lm' if config is None else config.get('task', 'lm')
+def get(name: str = 'lm') -> Task:
+  """The task named ``name`` (``config.task``)."""
   if name == 'lm':
     from hdet_jax.trainer.tasks import lm
     return lm.TASK
@@ -28,4 +25,4 @@ def get(config: Any = None) -> Task:
   raise TaskError(f'task must be one of {", ".join(map(repr, TASKS))}, got {name!r}.')
 
 
-__all__ = ['Regularization', 'TASKS', 'Task', 'TaskData', 'TaskError', 'eval_record', 'get']
+__all__ = ['Regularization', 'Section', 'TASKS', 'Task', 'TaskData', 'TaskError', 'TaskSettings', 'eval_record', 'get']

@@ -13,7 +13,7 @@ replica ``[N, ...]``, per chunk of steps ``[N, K, B, ...]``, and never looks ins
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +49,46 @@ def smoothed_cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing
   return ((1.0 - eps) * nll + eps * smooth).mean(), nll.mean()
 
 
+class Section(Mapping):
+  """A read-only section of a task's resolved fields (``data.*`` or ``model.*``), read as attributes:
+  ``settings.model.d_model``."""
+
+  def __init__(self, fields: Mapping[str, Any]):
+    object.__setattr__(self, '_fields', dict(fields))
+
+  def __getattr__(self, name: str) -> Any:
+    try:
+      return self._fields[name]
+    except KeyError:
+      raise AttributeError(f'no field {name!r} in this section (it has {", ".join(self._fields)})') from None
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    raise AttributeError('a task\'s settings are read-only')
+
+  def __getitem__(self, name: str) -> Any:
+    return self._fields[name]
+
+  def __iter__(self):
+    return iter(self._fields)
+
+  def __len__(self) -> int:
+    return len(self._fields)
+
+  def __repr__(self) -> str:
+    return f'Section({self._fields!r})'
+
+
+class TaskSettings(NamedTuple):
+  """A task's own fields, resolved (``run_settings.resolve``; those a config lacks at the schema's values): what
+  every :class:`Task` method reads. The trainer's fields are the trainer's."""
+  name: str                          # config.task
+  seed: int                          # the data order and the common batches
+  data: Section                      # data.*: path, batch_size and the task's own
+  model: Section                     # model.*
+  eval_windows: int                  # validation examples per evaluation (0: the whole split)
+  probe_windows: int                 # hdet.probe_windows: examples in a sync's common batch
+
+
 class TaskError(ValueError):
   """Data or settings a task cannot use; the message names the field and the fix (the trainer makes it a ConfigError)."""
 
@@ -78,8 +118,7 @@ def eval_record(task: 'Task', means: dict[str, float]) -> dict[str, float]:
 class Task:
   """A workload. Subclasses set the class attributes and implement the methods.
 
-  Every method taking ``config`` reads only the task's own fields (``config.data``, ``config.model``,
-  ``config.optim.label_smoothing``, ``config.seed``); the trainer's fields are the trainer's.
+  Every method taking ``settings`` reads only the task's own fields (:class:`TaskSettings`).
   """
   name: str = ''
   # The primary metric: the key of the 'eval' records and of the summary's ``final_val_*``; lower is better.
@@ -94,22 +133,22 @@ class Task:
   tensor_rules: tuple = ()
   fsdp_rules: tuple = ()
 
-  def check(self, config: Any) -> None:
+  def check(self, settings: TaskSettings) -> None:
     """Raises TaskError for a task field that cannot work (before anything is read or written)."""
 
-  def check_tensor_parallel(self, config: Any, tensor: int) -> None:
+  def check_tensor_parallel(self, settings: TaskSettings, tensor: int) -> None:
     """Raises ValueError unless the model splits over ``tensor`` devices (tasks without rules: only 1)."""
     if tensor > 1:
       raise ValueError(f'the {self.name} task has no tensor-parallel layout; use mesh.tensor=1.')
 
-  def load(self, config: Any, num_replicas: int) -> TaskData:
+  def load(self, settings: TaskSettings, num_replicas: int) -> TaskData:
     raise NotImplementedError
 
-  def abstract_model(self, config: Any) -> tuple[Any, Any]:
+  def abstract_model(self, settings: TaskSettings) -> tuple[Any, Any]:
     """(graphdef, one replica's parameter shapes) without computing anything."""
     raise NotImplementedError
 
-  def init_model(self, config: Any, key: jax.Array) -> tuple[Any, Any]:
+  def init_model(self, settings: TaskSettings, key: jax.Array) -> tuple[Any, Any]:
     """(graphdef, one replica's parameters as a pure dict) from ``key``; jitted by the trainer."""
     raise NotImplementedError
 
@@ -130,7 +169,7 @@ class Task:
     """A loss in other units worth recording beside it (the LM's bits per byte); keys without a prefix."""
     return {}
 
-  def predictions_per_example(self, config: Any) -> int:
+  def predictions_per_example(self, settings: TaskSettings) -> int:
     """How many predictions (``unit``) one example of a batch holds."""
     return 1
 

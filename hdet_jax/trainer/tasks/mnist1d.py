@@ -210,38 +210,38 @@ class MNIST1D(base.Task):
   param_groups = {'no_decay': r'bias$', 'conv': r'^(conv|dense)\d/kernel$', 'head': r'^linear/kernel$'}
   explorable = ('dropout',)
 
-  def check(self, config: Any) -> None:
-    d, m = config.data, config.model
+  def check(self, settings: base.TaskSettings) -> None:
+    d, m = settings.data, settings.model
     if d.path is None and (d.num_samples < 20 or not 0 < d.train_split < 1):
       raise base.TaskError(f'data.num_samples={d.num_samples} must be >= 20 and data.train_split={d.train_split} '
                            'in (0, 1).')
     if m.channels < 1 or m.num_classes < 2:
       raise base.TaskError(f'model.channels={m.channels} must be >= 1 and model.num_classes={m.num_classes} >= 2.')
-    if _kind(config) not in MODELS:
-      raise base.TaskError(f'model.kind={_kind(config)!r} is not a model of this task; use one of {", ".join(MODELS)}.')
+    if settings.model.kind not in MODELS:
+      raise base.TaskError(f'model.kind={settings.model.kind!r} is not a model of this task; use one of {", ".join(MODELS)}.')
 
-  def arrays(self, config: Any) -> dict[str, np.ndarray]:
-    d = config.data
+  def arrays(self, settings: base.TaskSettings) -> dict[str, np.ndarray]:
+    d = settings.data
     if d.path:
-      return read_npz(d.path, config.model.num_classes)
+      return read_npz(d.path, settings.model.num_classes)
     return generate(d.num_samples, d.train_split, d.dataset_seed)
 
-  def load(self, config: Any, num_replicas: int) -> base.TaskData:
-    a = self.arrays(config)
+  def load(self, settings: base.TaskSettings, num_replicas: int) -> base.TaskData:
+    a = self.arrays(settings)
     x, x_test = _channels_last(a['x']), _channels_last(a['x_test'])
-    if _kind(config) == 'cnn' and conv_length(conv_length(conv_length(x.shape[1], 5), 3), 3) < 1:
+    if settings.model.kind == 'cnn' and conv_length(conv_length(conv_length(x.shape[1], 5), 3), 3) < 1:
       raise base.TaskError(f'signals of length {x.shape[1]} are too short for the CNN (at least 4 samples).')
     per = len(a['y_test']) // num_replicas
-    if config.eval_windows > 0:
-      per = min(per, config.eval_windows // num_replicas)
+    if settings.eval_windows > 0:
+      per = min(per, settings.eval_windows // num_replicas)
     if per < 1:
       raise base.TaskError(f'the test split has {len(a["y_test"])} examples, fewer than one for each of '
                            f'{num_replicas} replicas; use more test examples.')
-    batches = ExampleBatches(x, a['y'], config.data.batch_size, num_replicas, config.seed)
-    probes = config.hdet.get('probe_windows', 16)
+    batches = ExampleBatches(x, a['y'], settings.data.batch_size, num_replicas, settings.seed)
+    probes = settings.probe_windows
 
     def probe(index):
-      rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([config.seed, _PROBE_TAG, index])))
+      rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([settings.seed, _PROBE_TAG, index])))
       idx = rng.integers(0, len(a['y']), size=probes)
       return {'x': x[idx], 'y': a['y'][idx]}
     return base.TaskData(
@@ -249,24 +249,24 @@ class MNIST1D(base.Task):
         probe=probe, description=f'{len(a["y"]):,} train / {len(a["y_test"]):,} test examples '
                                  f'(signals {x.shape[1]} x {x.shape[2]})')
 
-  def _make(self, config: Any, key: jax.Array, shape: tuple[int, int]) -> CNN1D | MLP1D:
-    if _kind(config) == 'mlp':
-      return MLP1D(length=shape[0], in_channels=shape[1], hidden=config.model.hidden,
-                   num_classes=config.model.num_classes, rngs=nnx.Rngs(params=key))
-    return CNN1D(length=shape[0], in_channels=shape[1], channels=config.model.channels,
-                 num_classes=config.model.num_classes, rngs=nnx.Rngs(params=key))
+  def _make(self, settings: base.TaskSettings, key: jax.Array, shape: tuple[int, int]) -> CNN1D | MLP1D:
+    if settings.model.kind == 'mlp':
+      return MLP1D(length=shape[0], in_channels=shape[1], hidden=settings.model.hidden,
+                   num_classes=settings.model.num_classes, rngs=nnx.Rngs(params=key))
+    return CNN1D(length=shape[0], in_channels=shape[1], channels=settings.model.channels,
+                 num_classes=settings.model.num_classes, rngs=nnx.Rngs(params=key))
 
-  def _signal_shape(self, config: Any) -> tuple[int, int]:
-    a = self.arrays(config)
+  def _signal_shape(self, settings: base.TaskSettings) -> tuple[int, int]:
+    a = self.arrays(settings)
     return _channels_last(a['x'][:1]).shape[1:]
 
-  def abstract_model(self, config: Any) -> tuple[Any, Any]:
-    shape = self._signal_shape(config)
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: self._make(config, jax.random.key(0), shape)), nnx.Param)
+  def abstract_model(self, settings: base.TaskSettings) -> tuple[Any, Any]:
+    shape = self._signal_shape(settings)
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: self._make(settings, jax.random.key(0), shape)), nnx.Param)
     return graphdef, nnx.to_pure_dict(params)
 
-  def init_model(self, config: Any, key: jax.Array) -> tuple[Any, Any]:
-    graphdef, params = nnx.split(self._make(config, key, self._signal_shape(config)), nnx.Param)
+  def init_model(self, settings: base.TaskSettings, key: jax.Array) -> tuple[Any, Any]:
+    graphdef, params = nnx.split(self._make(settings, key, self._signal_shape(settings)), nnx.Param)
     return graphdef, nnx.to_pure_dict(params)
 
   def logits(self, graphdef: Any, params: Any, x: jax.Array, reg: base.Regularization = base.Regularization()):
@@ -279,10 +279,6 @@ class MNIST1D(base.Task):
     logits = self.logits(graphdef, params, batch['x'])
     _, ce = base.smoothed_cross_entropy(logits, batch['y'], 0.0)
     return {'loss': ce, 'accuracy': jnp.mean((jnp.argmax(logits, -1) == batch['y']).astype(jnp.float32))}
-
-
-def _kind(config: Any) -> str:
-  return config.model.get('kind', 'cnn')  # (configs written before the MLP have no model.kind)
 
 
 TASK = MNIST1D()

@@ -152,7 +152,3 @@ def losses(graphdef: nnx.GraphDef, params: dict, batch: jax.Array,
 def bits_per_byte(nats: float) -> float:
   """Cross-entropy in nats per byte to bits per byte."""
   return nats / math.log(2.0)
-
-
-def num_params(params: Any) -> int:
-  return sum(int(x.size) for x in jax.tree.leaves(params))
