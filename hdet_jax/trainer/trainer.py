@@ -212,6 +212,17 @@ class _Loop:
   wait_each_step: bool = False
 
 
+class _Run(NamedTuple):
+  """What a run built before its loop, fixed from then on: the loop's functions take it whole."""
+  inputs: _Inputs
+  records: _Records
+  programs: _Programs
+
+  @property
+  def settings(self) -> run_settings.LoopSettings:
+    return self.inputs.run.loop
+
+
 def check(config: Any, workdir: str) -> None:
   """Every check ``train_and_evaluate`` makes before it writes anything (the config, the task's data, the devices,
   the workdir, init_from); raises ConfigError, writes nothing. For callers that write first (the LR bracket)."""
@@ -242,9 +253,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
                 f'{metrics_lib.num_params(inputs.abstract_params):,} parameters; {inputs.data.description}; '
                 f'setup {setup_s:.1f}s.')
     # ---- Train. ----
-    _train(run.loop, inputs, records, programs, loop, stop)
+    built = _Run(inputs, records, programs)
+    _train(built, loop, stop)
     # ---- The end: evaluate, checkpoint, plot, summarise. ----
-    return _finish(run.loop, inputs, records, programs, loop, t0, setup_s)
+    return _finish(built, loop, t0, setup_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +312,7 @@ def _initial_state(inputs: _Inputs, records: _Records) -> _Loop:
   root = jax.random.key(run.seed)
   key = records.programs_key
   init = program_cache.get(key, 'init', lambda: programs_lib.make_init(run.task, run.task_settings, inputs.tx, records.mesh, inputs.n))
-  restored = _restore(settings, inputs, records, init, root) if inputs.resume else None
+  restored = _restore(inputs, records, init, root) if inputs.resume else None
   anchor = None
   if restored is not None:
     params, opt_state, start, anchor = restored
@@ -347,8 +359,7 @@ def one_program_in_flight(mesh: Any) -> bool:
   return mesh.devices.size > 1 and all(d.platform == 'cpu' for d in mesh.devices.flat)
 
 
-def _restore(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Records, init: Callable,
-             root: Any) -> tuple | None:
+def _restore(inputs: _Inputs, records: _Records, init: Callable, root: Any) -> tuple | None:
   """(params, opt_state, step) of the latest readable checkpoint (a corrupt newer one is set aside)."""
   def corrupt(step, why):
     records.writer.write('event', step=step, event='corrupt_checkpoint', reason=why)
@@ -356,7 +367,7 @@ def _restore(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Rec
   abstract = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), init(k))), root)
   abstract = mesh_lib.with_layout(records.mesh, abstract, inputs.run.task)  # restored straight into the run's layout
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(records.mesh))
-  if settings.rolls_back:  # the state the last sync left, which the next one may return to
+  if inputs.run.loop.rolls_back:  # the state the last sync left, which the next one may return to
     abstract['anchor'] = mesh_lib.anchor_shapes(records.mesh, abstract, inputs.run.task)
   t_restore = time.time()
   try:
@@ -372,7 +383,7 @@ def _restore(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Rec
     raise ConfigError(f'checkpoint step {start} has data position {meta["data_position"]}, '
                       f'this data gives {inputs.data.batches.position(start)}: was data.path changed?')
   records.writer.write('event', step=start, event='resume', restore_s=time.time() - t_restore)
-  records.log(f'Resuming {inputs.workdir} from step {start}.' if start < settings.num_train_steps else
+  records.log(f'Resuming {inputs.workdir} from step {start}.' if start < inputs.run.loop.num_train_steps else
               f'{inputs.workdir} already holds the finished run ({start} steps): evaluating and plotting only.')
   return state['params'], state['opt_state'], start, state.get('anchor')
 
@@ -401,9 +412,10 @@ def _upload(inputs: _Inputs, mesh: Any, step: int) -> Any:
   return mesh_lib.put_stacked(inputs.data.batches.chunk(step - step % k, k), mesh, batch_dim=2)  # [N, K, B, ...]
 
 
-def _probe(settings: run_settings.LoopSettings, inputs: _Inputs, mesh: Any, step: int) -> list:
+def _probe(inputs: _Inputs, mesh: Any, step: int) -> list:
   """The window end's data for the sync after step ``step``: none, or the common batch (every replica gets the same
   windows)."""
+  settings = inputs.run.loop
   if not settings.common_batch:
     return []
   w = inputs.data.probe(settings.sync_index(step))
@@ -416,7 +428,7 @@ def _compile(inputs: _Inputs, records: _Records, loop: _Loop) -> _Programs:
   mesh, params = records.mesh, loop.params
   loop.data = _upload(inputs, mesh, loop.start)
   settings = inputs.run.loop
-  probe = _probe(settings, inputs, mesh, 0)
+  probe = _probe(inputs, mesh, 0)
   val = mesh_lib.put_stacked(inputs.data.eval_batch, mesh, batch_dim=1)
   # A run that builds the same programs as the last one takes that run's (an LR bracket's points, a resumed run).
   args = (params, loop.opt_state, loop.data, probe, loop.anchor, val)
@@ -466,14 +478,13 @@ def _anchor_program(mesh: Any, tx: Any, params: Any, opt_state: Any, task: Any) 
 # The training loop
 # ---------------------------------------------------------------------------------------------
 
-def _train(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
-           stop: process.StopSignals) -> None:
+def _train(r: _Run, loop: _Loop, stop: process.StopSignals) -> None:
   """Steps to the end (or ``stop_at_step``), logging, evaluating and checkpointing at their intervals."""
-  end = settings.end
-  bar = metrics_lib.ProgressBar(settings.num_train_steps, loop.start, enabled=records.lead and settings.progress_bar)
+  settings, end = r.settings, r.settings.end
+  bar = metrics_lib.ProgressBar(settings.num_train_steps, loop.start, enabled=r.records.lead and settings.progress_bar)
   loop.t_mark = time.time()
   while loop.step < end:
-    _one_step(settings, inputs, records.mesh, programs, loop)
+    _one_step(r, loop)
     step = loop.step
     eval_due = settings.eval_every > 0 and step % settings.eval_every == 0 and step < end
     ckpt_due = settings.checkpoint_every > 0 and step % settings.checkpoint_every == 0 and step < end
@@ -484,20 +495,20 @@ def _train(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Recor
         loop.preempted_at = step
         ckpt_due = True
     if step % settings.log_every == 0 or step == end or eval_due or ckpt_due:
-      if not _end_interval(settings, inputs, records, programs, loop, bar, stop, eval_due, ckpt_due):
+      if not _end_interval(r, loop, bar, stop, eval_due, ckpt_due):
         break
   bar.close()
 
 
-def _one_step(settings: run_settings.LoopSettings, inputs: _Inputs, mesh: Any, programs: _Programs, loop: _Loop) -> None:
+def _one_step(r: _Run, loop: _Loop) -> None:
   """Runs step ``loop.step`` (and the window end after it on sync steps); its metrics stay on the devices."""
-  step = loop.step
-  sync = settings.is_sync_step(step)
-  if step % settings.chunk_steps == 0 and step != loop.start:
-    loop.data = _upload(inputs, mesh, step)
+  step, programs = loop.step, r.programs
+  sync = r.settings.is_sync_step(step)
+  if step % r.settings.chunk_steps == 0 and step != loop.start:
+    loop.data = _upload(r.inputs, r.records.mesh, step)
   loop.params, loop.opt_state, m = programs.step(loop.params, loop.opt_state, loop.data)
   if sync:
-    common = _probe(settings, inputs, mesh, step)
+    common = _probe(r.inputs, r.records.mesh, step)
     anchor = [loop.anchor] if loop.anchor is not None else []  # hdet.rollback: where the back-off returns to
     loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common, *anchor)
     if anchor:  # the next anchor, the state this sync leaves; the last one's buffers go first (once read)
@@ -513,29 +524,29 @@ def _one_step(settings: run_settings.LoopSettings, inputs: _Inputs, mesh: Any, p
     jax.block_until_ready((m, loop.anchor))
 
 
-def _end_interval(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop,
-                  bar: metrics_lib.ProgressBar, stop: process.StopSignals, eval_due: bool, ckpt_due: bool) -> bool:
+def _end_interval(r: _Run, loop: _Loop, bar: metrics_lib.ProgressBar, stop: process.StopSignals, eval_due: bool,
+                  ckpt_due: bool) -> bool:
   """Logs the steps since the last interval, then evaluates and checkpoints where due; False: stop."""
-  step, writer = loop.step, records.writer
+  step, writer, programs, records = loop.step, r.records.writer, r.programs, r.records
   _flush(programs, writer, loop, bar)
   now = time.time()
   loop.train_time += now - loop.t_mark
   loop.train_steps += len(loop.pending)
   writer.write('throughput', step=step - 1, steps_per_s=len(loop.pending) / (now - loop.t_mark),
-               tokens_per_s=len(loop.pending) * inputs.tokens_per_step / (now - loop.t_mark))
+               tokens_per_s=len(loop.pending) * r.inputs.tokens_per_step / (now - loop.t_mark))
   loop.pending = []
   if programs.distance is not None:
     d = mesh_lib.fetch(programs.distance(loop.params))
     writer.write('distance', step=step - 1, distance=d['distance'], mean_norm=d['mean_norm'][0])
-  if loop.diverged_at is not None and settings.stop_on_nan and not _rollback_ahead(settings, loop):
+  if loop.diverged_at is not None and r.settings.stop_on_nan and not _rollback_ahead(r.settings, loop):
     bar.close()
     records.log(f'Training diverged: every replica\'s loss is NaN/inf at step {loop.diverged_at}. Stopping; the '
                 'last good checkpoint is kept. Lower optim.max_lr, or set --config.stop_on_nan=False to keep going.')
     return False
   if eval_due and loop.preempted_at is None:
-    _evaluate(inputs, programs, writer, loop, step)
+    _evaluate(r, loop, step)
   if ckpt_due:
-    _save(inputs, records, programs, loop, step)
+    _save(r, loop, step)
   writer.flush()
   if loop.preempted_at is not None:
     bar.close()
@@ -619,17 +630,19 @@ def _write_step(writer: metrics_lib.MetricsWriter, loop: _Loop, step: int, sync:
     loop.diverged_at, loop.rolled_back_at = None, step
 
 
-def _evaluate(inputs: _Inputs, programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, step: int) -> None:
+def _evaluate(r: _Run, loop: _Loop, step: int) -> None:
   """The averaged model's held-out metrics (``val_loss`` and the task's others), recorded as an 'eval' record."""
+  programs, writer = r.programs, r.records.writer
   params = loop.params if programs.to_eval is None else programs.to_eval(loop.params, loop.opt_state)
   means = {k: float(np.mean(v)) for k, v in mesh_lib.fetch(programs.evaluate(params, programs.val)).items()}
-  loop.val = tasks_lib.eval_record(inputs.run.task, means)
+  loop.val = tasks_lib.eval_record(r.inputs.run.task, means)
   writer.write('eval', step=step, **loop.val)
   writer.flush()
 
 
-def _save(inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop, step: int) -> None:
+def _save(r: _Run, loop: _Loop, step: int) -> None:
   """Checkpoints step ``step`` unless every replica's parameters are non-finite (then: diverged)."""
+  inputs, records, programs = r
   if not mesh_lib.fetch(programs.any_finite(loop.params)):
     if loop.diverged_at is None:
       loop.diverged_at = step
@@ -658,28 +671,28 @@ def _param_shapes(abstract_params: Any) -> Any:
 # The end
 # ---------------------------------------------------------------------------------------------
 
-def _finish(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Records, programs: _Programs, loop: _Loop, t0: float,
-            setup_s: float) -> dict:
+def _finish(r: _Run, loop: _Loop, t0: float, setup_s: float) -> dict:
   """The final evaluation and checkpoint, the summary (also summary.json) and the plots."""
+  (inputs, records, _), settings, task = r, r.settings, r.inputs.run.task
   step, writer = loop.step, records.writer
   # A preempted run has little time left: the checkpoint is what matters. A run stopped at ``stop_at_step`` stops
   # as if preempted (an LR bracket's runs stop at its rungs, which rank training losses, not validation): it is
   # evaluated when it reaches its end.
   stopped = 0 < settings.stop_at_step <= step < settings.num_train_steps
   if loop.preempted_at is None and not stopped:
-    _evaluate(inputs, programs, writer, loop, step)
+    _evaluate(r, loop, step)
   if loop.diverged_at is None and step > loop.start and records.ckpt.latest_step() != step:
-    _save(inputs, records, programs, loop, step)
+    _save(r, loop, step)
   records.ckpt.close()
-  final_train = _final_train_loss(settings, records, loop)
+  final_train = _final_train_loss(r, loop)
   summary = {
       'step': step, 'num_train_steps': settings.num_train_steps, 'stopped_early': step < settings.num_train_steps,
       'diverged_at': loop.diverged_at, 'preempted': loop.preempted_at is not None,
       'final_train_loss': final_train,
-      **{f'final_train_{k}': v for k, v in inputs.run.task.loss_units(final_train).items()},
+      **{f'final_train_{k}': v for k, v in task.loss_units(final_train).items()},
       **{f'final_{k}': v for k, v in loop.val.items()},
       # The task's primary metric (lower is better): what "within 1% of the sweep" is measured on.
-      'task': inputs.run.task.name, 'unit': inputs.run.task.unit, 'metric': inputs.run.task.metric, 'final_metric': loop.val.get(inputs.run.task.metric, math.nan),
+      'task': task.name, 'unit': task.unit, 'metric': task.metric, 'final_metric': loop.val.get(task.metric, math.nan),
       'tokens_per_s': (loop.train_steps * inputs.tokens_per_step / loop.train_time if loop.train_time > 0
                        else math.nan),
       'setup_s': setup_s, 'wall_s': time.time() - t0,
@@ -700,14 +713,15 @@ def _finish(settings: run_settings.LoopSettings, inputs: _Inputs, records: _Reco
   return summary
 
 
-def _final_train_loss(settings: run_settings.LoopSettings, records: _Records, loop: _Loop) -> float:
+def _final_train_loss(r: _Run, loop: _Loop) -> float:
   """The mean over replicas and the last log interval's steps of the training loss."""
+  records = r.records
   if loop.last_losses:
     return float(np.mean(loop.last_losses))
   # Nothing trained in this call (the workdir's run was already complete): the last recorded steps.
   records.writer.flush()
   recorded = metrics_lib.read_metrics(records.writer.path).get('train', []) if records.lead else []
-  return float(np.mean([r['loss'] for r in recorded[-settings.log_every:]])) if recorded else math.nan
+  return float(np.mean([rec['loss'] for rec in recorded[-r.settings.log_every:]])) if recorded else math.nan
 
 
 def format_summary(s: dict) -> str:
