@@ -7,8 +7,17 @@ The core (this package's top-level modules) depends on jax, optax, numpy and che
 """
 
 from hdet_jax.packing import packed
-from hdet_jax.replicas import (average_replicas, batch_shardings, group_shardings, over_replicas, pmean_finite,
-                               replica, shard_map_replicas, stack_replicas, stacked_shardings)
+from hdet_jax.replicas import (
+  average_replicas,
+  batch_shardings,
+  group_shardings,
+  over_replicas,
+  pmean_finite,
+  replica,
+  shard_map_replicas,
+  stack_replicas,
+  stacked_shardings,
+)
 from hdet_jax.schedules import one_cycle
 from hdet_jax.settings import AutoLR, Explore, hyperparam_names
 from hdet_jax.sync import apply_updates
@@ -17,12 +26,29 @@ from hdet_jax.views import hyperparams
 from hdet_jax.windows import is_sync_step
 
 __all__ = [
-    # The transformation and its settings.
-    'hdet', 'AutoLR', 'Explore', 'HDETState', 'one_cycle', 'apply_updates', 'packed',
-    # Reading the state.
-    'hyperparams', 'hyperparam_names', 'replica_value', 'is_sync_step',
-    # Replicas on a mesh.
-    'shard_map_replicas', 'stack_replicas', 'average_replicas', 'replica', 'pmean_finite', 'group_shardings',
-    'state_shardings', 'over_replicas', 'stacked_shardings', 'batch_shardings',
+  # The transformation and its settings.
+  'hdet',
+  'AutoLR',
+  'Explore',
+  'HDETState',
+  'one_cycle',
+  'apply_updates',
+  'packed',
+  # Reading the state.
+  'hyperparams',
+  'hyperparam_names',
+  'replica_value',
+  'is_sync_step',
+  # Replicas on a mesh.
+  'shard_map_replicas',
+  'stack_replicas',
+  'average_replicas',
+  'replica',
+  'pmean_finite',
+  'group_shardings',
+  'state_shardings',
+  'over_replicas',
+  'stacked_shardings',
+  'batch_shardings',
 ]
 __version__ = '1.0.0'  # pyproject.toml's; CHANGELOG.md says when it moves

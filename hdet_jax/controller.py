@@ -31,39 +31,45 @@ from hdet_jax import multipliers
 
 class ControllerState(NamedTuple):
   """What the controller carries from one sync to the next (G = explored hyperparameters, N = replicas)."""
-  base: jax.Array        # [G] float32: the base value of each hyperparameter for the current window.
-  velocity: jax.Array    # [G] float32: momentum of the base update (eq. 7); starts at 0, never reset;
-                         #   'fit': the last fitted slope b.
-  perm: jax.Array        # [G, N] int32: replica r takes multiplier rho[g, perm[g, r]].
-  key: jax.Array         # [2] uint32 raw PRNG key, identical on every replica; split at each draw.
+
+  base: jax.Array  # [G] float32: the base value of each hyperparameter for the current window.
+  # [G] float32: momentum of the base update (eq. 7); starts at 0, never reset; 'fit': the last fitted slope b.
+  velocity: jax.Array
+  perm: jax.Array  # [G, N] int32: replica r takes multiplier rho[g, perm[g, r]].
+  key: jax.Array  # [2] uint32 raw PRNG key, identical on every replica; split at each draw.
   window_losses: jax.Array  # [N] float32: each replica's mean loss over the last window (eq. 4's L_r).
-  weights: jax.Array     # [N] float32: the softmax weights of the last update (eq. 4).
-  delta: jax.Array       # [G] float32: the last hypergradient signal (eq. 6); 'fit': the last step
-                         #   of the correction.
-  correction: jax.Array  # [G] float32 ('fit'): log-scale (multiplicative) or shift (additive)
-                         #   applied to the schedule; 0 for 'paper'.
-  xtx: jax.Array         # [2G, 2G] float32 ('fit'): the regression's forgotten-over-syncs X^T X.
-  xty: jax.Array         # [2G] float32 ('fit'): ... and X^T y.
-  gain: jax.Array        # [G] float32 ('fit'): the last fitted step's gain, signed as that step (0: none yet).
-  asked: jax.Array       # [G] float32 ('fit'): the last fitted step, before the gain, the rise-only rule and
-                         #   the trust region (``delta`` is the step taken).
-  stderr: jax.Array      # [G] float32 ('fit'): the standard error of the last fitted slope (``velocity``).
-  train_loss: jax.Array  # [] float32 ('fit'): the replicas' mean training loss over the last window (NaN
-                         #   before the first sync): the back-off compares the next window's with it.
-  train_loss_se: jax.Array  # [] float32 ('fit'): the standard error of ``train_loss``, from its steps'
-                            #   step-to-step changes (NaN before the first sync).
-  backed_off: jax.Array  # [] bool ('fit'): whether the last sync's back-off stepped the LRs down (a
-                         #   trainer's rollback returns to the sync before it then).
-  settled: jax.Array     # [G] bool ('fit' with settle): the hyperparameter's climb has ended; its replicas
-                         #   train at the base (no spread) and its correction holds.
+  weights: jax.Array  # [N] float32: the softmax weights of the last update (eq. 4).
+  delta: jax.Array  # [G] float32: the last hypergradient signal (eq. 6); 'fit': the last step of the correction.
+  # [G] float32 ('fit'): log-scale (multiplicative) or shift (additive) applied to the schedule; 0 for 'paper'.
+  correction: jax.Array
+  xtx: jax.Array  # [2G, 2G] float32 ('fit'): the regression's forgotten-over-syncs X^T X.
+  xty: jax.Array  # [2G] float32 ('fit'): ... and X^T y.
+  gain: jax.Array  # [G] float32 ('fit'): the last fitted step's gain, signed as that step (0: none yet).
+  # [G] float32 ('fit'): the last fitted step, before the gain, the rise-only rule and the trust region (``delta`` is
+  # the step taken).
+  asked: jax.Array
+  stderr: jax.Array  # [G] float32 ('fit'): the standard error of the last fitted slope (``velocity``).
+  # [] float32 ('fit'): the replicas' mean training loss over the last window (NaN before the first sync): the back-off
+  # compares the next window's with it.
+  train_loss: jax.Array
+  # [] float32 ('fit'): the standard error of ``train_loss``, from its steps' step-to-step changes (NaN before the first
+  # sync).
+  train_loss_se: jax.Array
+  # [] bool ('fit'): whether the last sync's back-off stepped the LRs down (a trainer's rollback returns to the sync
+  # before it then).
+  backed_off: jax.Array
+  # [G] bool ('fit' with settle): the hyperparameter's climb has ended; its replicas train at the base (no spread) and
+  # its correction holds.
+  settled: jax.Array
 
 
 class ControllerUpdate(NamedTuple):
   """The intermediate quantities of one controller update, for logging and tests."""
-  weights: jax.Array     # [N]
-  delta: jax.Array       # [G]
-  velocity: jax.Array    # [G]
-  base: jax.Array        # [G], after the floor
+
+  weights: jax.Array  # [N]
+  delta: jax.Array  # [G]
+  velocity: jax.Array  # [G]
+  base: jax.Array  # [G], after the floor
 
 
 def softmax_weights(window_losses: jax.Array, temperature: float) -> jax.Array:
@@ -83,16 +89,16 @@ def softmax_weights(window_losses: jax.Array, temperature: float) -> jax.Array:
 
 
 def controller_update(
-    base: jax.Array,
-    velocity: jax.Array,
-    window_losses: jax.Array,
-    replica_values: jax.Array,
-    *,
-    temperature: float,
-    lr_of_lr: float,
-    momentum: float,
-    decay: float,
-    floor: jax.Array | float,
+  base: jax.Array,
+  velocity: jax.Array,
+  window_losses: jax.Array,
+  replica_values: jax.Array,
+  *,
+  temperature: float,
+  lr_of_lr: float,
+  momentum: float,
+  decay: float,
+  floor: jax.Array | float,
 ) -> ControllerUpdate:
   """One controller update, paper eqs. 4-7, for G hyperparameters at once.
 
@@ -147,8 +153,7 @@ def decay_for_schedule(start_value: float, final_value: float, num_updates: floa
   explicitly (see :func:`reference_decay`) to reproduce the reference.
   """
   if not (start_value > 0 and final_value > 0):
-    raise ValueError(
-        f'decay needs positive start and final values, got {start_value!r} and {final_value!r}.')
+    raise ValueError(f'decay needs positive start and final values, got {start_value!r} and {final_value!r}.')
   if num_updates <= 0:
     raise ValueError(f'num_updates must be positive, got {num_updates!r}.')
   return 1.0 - (final_value / start_value) ** (1.0 / num_updates)
@@ -159,30 +164,32 @@ def reference_decay(div_factor: float, final_div_factor: float, num_updates: flo
   return 1.0 - math.exp(-math.log(div_factor / final_div_factor) / num_updates)
 
 
-def init_controller_state(base: jax.Array, num_replicas: int, key: jax.Array,
-                          correction: jax.Array | None = None) -> ControllerState:
+def init_controller_state(
+  base: jax.Array, num_replicas: int, key: jax.Array, correction: jax.Array | None = None
+) -> ControllerState:
   """The state before any sync: identity permutations, zero velocity, uniform weights, and the
   given ('fit') correction of the schedule (default 0: none)."""
   g = base.shape[0]
   return ControllerState(
-      base=base.astype(jnp.float32),
-      velocity=jnp.zeros((g,), jnp.float32),
-      perm=multipliers.identity_permutations(g, num_replicas),
-      key=key,
-      window_losses=jnp.zeros((num_replicas,), jnp.float32),
-      weights=jnp.full((num_replicas,), 1.0 / num_replicas, jnp.float32),
-      delta=jnp.zeros((g,), jnp.float32),
-      correction=(jnp.zeros((g,), jnp.float32) if correction is None
-                  else jnp.asarray(correction, jnp.float32).reshape(g)),
-      xtx=jnp.zeros((2 * g, 2 * g), jnp.float32),
-      xty=jnp.zeros((2 * g,), jnp.float32),
-      gain=jnp.zeros((g,), jnp.float32),
-      asked=jnp.zeros((g,), jnp.float32),
-      stderr=jnp.zeros((g,), jnp.float32),
-      train_loss=jnp.full((), jnp.nan, jnp.float32),
-      train_loss_se=jnp.full((), jnp.nan, jnp.float32),
-      backed_off=jnp.zeros((), bool),
-      settled=jnp.zeros((g,), bool),
+    base=base.astype(jnp.float32),
+    velocity=jnp.zeros((g,), jnp.float32),
+    perm=multipliers.identity_permutations(g, num_replicas),
+    key=key,
+    window_losses=jnp.zeros((num_replicas,), jnp.float32),
+    weights=jnp.full((num_replicas,), 1.0 / num_replicas, jnp.float32),
+    delta=jnp.zeros((g,), jnp.float32),
+    correction=(
+      jnp.zeros((g,), jnp.float32) if correction is None else jnp.asarray(correction, jnp.float32).reshape(g)
+    ),
+    xtx=jnp.zeros((2 * g, 2 * g), jnp.float32),
+    xty=jnp.zeros((2 * g,), jnp.float32),
+    gain=jnp.zeros((g,), jnp.float32),
+    asked=jnp.zeros((g,), jnp.float32),
+    stderr=jnp.zeros((g,), jnp.float32),
+    train_loss=jnp.full((), jnp.nan, jnp.float32),
+    train_loss_se=jnp.full((), jnp.nan, jnp.float32),
+    backed_off=jnp.zeros((), bool),
+    settled=jnp.zeros((g,), bool),
   )
 
 
@@ -191,12 +198,13 @@ VARIANTS = ('paper', 'fit')
 
 class FitUpdate(NamedTuple):
   """The intermediate quantities of one ``'fit'`` update, for logging and tests."""
-  slope: jax.Array       # [G] b: d loss / d u at u = 0
-  curvature: jax.Array   # [G] c: (1/2) d^2 loss / d u^2
-  stderr: jax.Array      # [G] the standard error of b (from this sync's residuals)
-  step: jax.Array        # [G] the change of the correction (log units, or value units if additive)
-  xtx: jax.Array         # [2G, 2G] the updated statistics
-  xty: jax.Array         # [2G]
+
+  slope: jax.Array  # [G] b: d loss / d u at u = 0
+  curvature: jax.Array  # [G] c: (1/2) d^2 loss / d u^2
+  stderr: jax.Array  # [G] the standard error of b (from this sync's residuals)
+  step: jax.Array  # [G] the change of the correction (log units, or value units if additive)
+  xtx: jax.Array  # [2G, 2G] the updated statistics
+  xty: jax.Array  # [2G]
 
 
 def fit_features(offsets: jax.Array) -> jax.Array:
@@ -217,14 +225,14 @@ def penalize_nonfinite(scores: jax.Array) -> jax.Array:
 
 
 def fit_update(
-    xtx: jax.Array,
-    xty: jax.Array,
-    scores: jax.Array,
-    offsets: jax.Array,
-    multiplicative: jax.Array,
-    *,
-    memory: float,
-    trust: jax.Array | float,
+  xtx: jax.Array,
+  xty: jax.Array,
+  scores: jax.Array,
+  offsets: jax.Array,
+  multiplicative: jax.Array,
+  *,
+  memory: float,
+  trust: jax.Array | float,
 ) -> FitUpdate:
   """One ``'fit'`` update: a quadratic line search along every hyperparameter at once.
 
@@ -267,8 +275,7 @@ def fit_update(
   ridge = 1e-6 * jnp.trace(xtx) / (2 * g) + 1e-12
   theta = jnp.linalg.solve(xtx + ridge * jnp.eye(2 * g, dtype=xtx.dtype), xty)
   b, c = theta[:g], theta[g:]
-  step = _step_to_fitted_best(b, c, multiplicative,
-                              trust=jnp.broadcast_to(jnp.asarray(trust, jnp.float32), (g,)))
+  step = _step_to_fitted_best(b, c, multiplicative, trust=jnp.broadcast_to(jnp.asarray(trust, jnp.float32), (g,)))
   step = jnp.where(jnp.isfinite(step) & signal, step, 0.0)
   return FitUpdate(slope=b, curvature=c, stderr=_slope_stderr(x, y, ridge), step=step, xtx=xtx, xty=xty)
 
@@ -281,7 +288,7 @@ def _slope_stderr(x: jax.Array, y: jax.Array, ridge: jax.Array) -> jax.Array:
   this = jnp.linalg.solve(x.T @ x + ridge * eye, x.T @ y)
   resid = y - x @ this
   dof = jnp.maximum(y.shape[0] - 1 - 2 * g, 1)
-  cov = jnp.linalg.inv(x.T @ x + ridge * eye) * (jnp.sum(resid ** 2) / dof)
+  cov = jnp.linalg.inv(x.T @ x + ridge * eye) * (jnp.sum(resid**2) / dof)
   return jnp.sqrt(jnp.maximum(jnp.diag(cov)[:g], 0.0))
 
 
@@ -297,8 +304,15 @@ def _step_to_fitted_best(b, c, multiplicative, *, trust) -> jax.Array:
   return jnp.clip(jnp.where(multiplicative, log_target, add_target), -trust, trust)
 
 
-def accelerate(step: jax.Array, last_gain: jax.Array, *, growth: float, max_gain: float,
-               trust: jax.Array | float, confident: jax.Array | bool = True) -> tuple[jax.Array, jax.Array]:
+def accelerate(
+  step: jax.Array,
+  last_gain: jax.Array,
+  *,
+  growth: float,
+  max_gain: float,
+  trust: jax.Array | float,
+  confident: jax.Array | bool = True,
+) -> tuple[jax.Array, jax.Array]:
   """(the step taken, its signed gain): the fitted step, amplified while the fit keeps asking one way.
 
   .. math::
@@ -308,12 +322,11 @@ def accelerate(step: jax.Array, last_gain: jax.Array, *, growth: float, max_gain
     \\text{taken}_k &= \\mathrm{clip}(m_k s_k, -\\tau, \\tau)
 
   Rprop's rule (Riedmiller and Braun, 1993) on the fit's steps s: the fitted step's sign is reliable but
-  its size is compressed. Measured on the trainer's task, starts 10x apart ask for log-steps only about
-  0.4 apart at the same sync (short-horizon bias shrinks every ask), while consecutive asks keep their
-  sign until the LR is near where the line search wants it. A reversal resets the gain to 1, so the
-  acceleration undoes itself as soon as it overshoots. Only a confident step grows the gain (the fitted
-  slope b at least twice its standard error): a hyperparameter the losses carry no signal about would
-  otherwise random-walk at up to ``max_gain`` times its noise. ``growth = 1`` is the plain fit.
+  its size is compressed by short-horizon bias, and consecutive asks keep their sign until the LR is near
+  where the line search wants it (results/autolr.md, "Why amplify the line search's steps"). A reversal
+  resets the gain to 1, so the acceleration undoes itself as soon as it overshoots. Only a confident step
+  grows the gain (the fitted slope b at least twice its standard error): a hyperparameter the losses carry
+  no signal about would otherwise random-walk at up to ``max_gain`` times its noise. ``growth = 1`` is the plain fit.
 
   Args:
     step: [G] this sync's fitted step s_k (from :func:`fit_update`).

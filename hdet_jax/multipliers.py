@@ -27,14 +27,14 @@ def spread_multipliers(num_replicas: int, spread: float) -> np.ndarray:
     A float64 array of shape ``[N]``, increasing in r.
 
   Example:
+    >>> from hdet_jax.multipliers import spread_multipliers
     >>> spread_multipliers(4, 0.25)
     array([0.75      , 0.91666667, 1.08333333, 1.25      ])
   """
   if int(num_replicas) != num_replicas or num_replicas < 1:
     raise ValueError(f'num_replicas must be a positive integer, got {num_replicas!r}.')
   if not 0.0 <= spread < 1.0:
-    raise ValueError(
-        f'spread must be in [0, 1) so every multiplier 1 +- spread stays positive, got {spread!r}.')
+    raise ValueError(f'spread must be in [0, 1) so every multiplier 1 +- spread stays positive, got {spread!r}.')
   n = int(num_replicas)
   half = (n - 1) / 2.0
   r = np.arange(n, dtype=np.float64)

@@ -32,7 +32,10 @@ def group_labels(params: Any, groups: dict[str, str]) -> Any:
   group matches no leaf.
 
   Example:
-    >>> group_labels({'emb': {'w': w}, 'head': {'w': v}}, {'embed': '^emb', 'rest': '^head'})
+    >>> import jax.numpy as jnp
+    >>> from hdet_jax.param_groups import group_labels
+    >>> params = {'emb': {'w': jnp.ones((10, 4))}, 'head': {'w': jnp.ones((4, 2))}}
+    >>> group_labels(params, {'embed': '^emb', 'rest': '^head'})
     {'emb': {'w': 'embed'}, 'head': {'w': 'rest'}}
   """
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -43,12 +46,12 @@ def group_labels(params: Any, groups: dict[str, str]) -> Any:
     if len(hits) != 1:
       what = 'no group' if not hits else f'several groups {hits}'
       raise ValueError(
-          f'param_groups: parameter {path!r} matches {what}; make the regexes '
-          f'{dict(groups)} match each parameter exactly once.')
+        f'param_groups: parameter {path!r} matches {what}; make the regexes '
+        f'{dict(groups)} match each parameter exactly once.'
+      )
     labels.append(hits[0])
     used.add(hits[0])
   unused = [g for g in groups if g not in used]
   if unused:
-    raise ValueError(
-        f'param_groups: {unused} match no parameter (paths look like {paths[:3]}); fix or drop them.')
+    raise ValueError(f'param_groups: {unused} match no parameter (paths look like {paths[:3]}); fix or drop them.')
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), labels)

@@ -102,6 +102,7 @@ def average_replicas(stacked: ArrayTree) -> ArrayTree:
   not replica 0. Inside a mapped context use ``lax.pmean(tree, replica_axis)``. Integer and
   boolean leaves (step counters, flags of a whole train state) are replica 0's: they have no mean.
   """
+
   # x0 + mean(x - x0): bitwise x0 when the replicas agree (right after a sync the exported
   # model then equals every replica), and less rounding than summing the raw values otherwise.
   def mean(x):
@@ -109,6 +110,7 @@ def average_replicas(stacked: ArrayTree) -> ArrayTree:
       return x[0]
     x0 = x[:1]
     return (x0 + jnp.mean(x - x0, axis=0, keepdims=True, dtype=x.dtype))[0]
+
   return jax.tree.map(mean, stacked)
 
 
@@ -120,7 +122,7 @@ def replica(stacked: ArrayTree, index: int) -> ArrayTree:
 def vma(x: chex.Array) -> frozenset:
   """The mesh axes a value varies over (empty outside shard_map and under vmap/pmap)."""
   aval = jax.typeof(x)
-  mat = getattr(aval, 'mat', None)  # jax >= 0.10: aval.mat.varying; before: aval.vma
+  mat = getattr(aval, 'mat', None)  # the varying axes: aval.mat.varying (jax >= 0.10), else aval.vma
   return frozenset(getattr(mat, 'varying', ()) if mat is not None else getattr(aval, 'vma', ()))
 
 
@@ -132,9 +134,11 @@ def match_vma(x: ArrayTree, like: ArrayTree) -> ArrayTree:
   under ``vmap(axis_name=...)``, so only the missing axes are cast, and under vmap/pmap
   nothing is missing.
   """
+
   def cast(a, b):
     missing = tuple(sorted(vma(b) - vma(a)))
     return lax.pcast(a, missing, to='varying') if missing else a
+
   return jax.tree.map(cast, x, like)
 
 
@@ -144,26 +148,25 @@ def axis_size_or_raise(axis_name: AxisName, expected: int | None = None, who: st
     size = axis_size(axis_name)
   except (NameError, KeyError, ValueError) as e:
     raise ValueError(
-        f'{who}: replica_axis={axis_name!r} is not bound here. Call the update inside '
-        f"jax.shard_map over a mesh with an axis named {axis_name!r}, jax.pmap(..., axis_name="
-        f"{axis_name!r}) or jax.vmap(..., axis_name={axis_name!r}), or pass the right replica_axis."
+      f'{who}: replica_axis={axis_name!r} is not bound here. Call the update inside '
+      f'jax.shard_map over a mesh with an axis named {axis_name!r}, jax.pmap(..., axis_name='
+      f'{axis_name!r}) or jax.vmap(..., axis_name={axis_name!r}), or pass the right replica_axis.'
     ) from e
   if expected is not None and size != expected:
     raise ValueError(
-        f'{who}: num_replicas={expected} but the axis {axis_name!r} has size {size}. '
-        f'Set num_replicas={size} or map over {expected} replicas.')
+      f'{who}: num_replicas={expected} but the axis {axis_name!r} has size {size}. '
+      f'Set num_replicas={size} or map over {expected} replicas.'
+    )
   return size
 
 
 def all_finite(tree: ArrayTree) -> chex.Array:
   """[] bool: whether every element of every leaf is finite (on this replica)."""
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones([], bool)
 
 
-def finite_mean(tree: ArrayTree, axis_name: AxisName,
-                ok: chex.Array | None = None) -> tuple[ArrayTree, chex.Array]:
+def finite_mean(tree: ArrayTree, axis_name: AxisName, ok: chex.Array | None = None) -> tuple[ArrayTree, chex.Array]:
   """The mean over ``axis_name`` of the replicas whose leaves are all finite.
 
   Replicas with any NaN or inf are left out of the sum and the count (when ``ok`` is given, it
@@ -178,8 +181,10 @@ def finite_mean(tree: ArrayTree, axis_name: AxisName,
   mine = all_finite(tree) if ok is None else ok
   count = psum(mine.astype(jnp.int32), axis_name)
   total = psum(jax.tree.map(lambda x: jnp.where(mine, x, jnp.zeros_like(x)), tree), axis_name)
+
   def divide(s):
     return jnp.where(count > 0, s / count.astype(s.dtype), jnp.full_like(s, jnp.nan))
+
   return jax.tree.map(divide, total), count
 
 
@@ -194,15 +199,15 @@ def pmean_finite(tree: ArrayTree, axis_name: AxisName) -> ArrayTree:
 
 
 def shard_map_replicas(
-    fn: Callable[..., Any],
-    mesh: jax.sharding.Mesh,
-    replica_axis: str = 'data',
-    *,
-    stacked_argnums: tuple[int, ...] | None = None,
-    batch_argnames: tuple[str, ...] = (),
-    check_vma: bool = True,
-    per_device: int = 1,
-    local_axis: str = 'local',
+  fn: Callable[..., Any],
+  mesh: jax.sharding.Mesh,
+  replica_axis: str = 'data',
+  *,
+  stacked_argnums: tuple[int, ...] | None = None,
+  batch_argnames: tuple[str, ...] = (),
+  check_vma: bool = True,
+  per_device: int = 1,
+  local_axis: str = 'local',
 ) -> Callable[..., Any]:
   """Runs a per-replica function on stacked trees with ``jax.shard_map``.
 
@@ -242,13 +247,28 @@ def shard_map_replicas(
   runs only in the sync branch.
 
   Example:
-    >>> step = jax.jit(shard_map_replicas(train_step, mesh, 'data'))
-    >>> params, opt_state, loss = step(params, opt_state, batch)  # all stacked [N, ...]
-    >>> # a global-batch step on a ('replica', 'data') mesh, its state stacked [N, ...]:
-    >>> step = jax.jit(shard_map_replicas(train_step, mesh, 'replica', batch_argnames=('batch',)),
-    ...                donate_argnames=('state',))
-    >>> # 8 replicas on a 2-device mesh, train_step's hdet built with replica_axis=('data', 'local'):
-    >>> step = jax.jit(shard_map_replicas(train_step, mesh, 'data', per_device=4))
+    One replica on each of 8 devices:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, hdet_jax
+    >>> from jax.sharding import Mesh
+    >>> mesh = Mesh(np.array(jax.devices()), ('data',))
+    >>> tx = hdet_jax.hdet(optax.sgd, 0.1, num_replicas=8)
+    >>> def train_step(params, opt_state, batch):  # one replica's view
+    ...   loss, grads = jax.value_and_grad(lambda p: jnp.mean((batch @ p['w'] - 1) ** 2))(params)
+    ...   updates, opt_state = tx.update(jax.lax.pmean(grads, 'data'), opt_state, params, value=loss)
+    ...   return optax.apply_updates(params, updates), opt_state, loss
+    >>> params = hdet_jax.stack_replicas({'w': jnp.zeros(2)}, 8)
+    >>> opt_state = jax.vmap(tx.init)(params)
+    >>> step = jax.jit(hdet_jax.shard_map_replicas(train_step, mesh, 'data'))
+    >>> for _ in range(2):
+    ...   params, opt_state, loss = step(params, opt_state, jnp.ones((8, 4, 2)))  # all stacked [N, ...]
+    >>> [f'{x:.2f}' for x in loss.tolist()]  # the second step's loss, after each replica's own first step
+    ['0.49', '0.45', '0.41', '0.38', '0.34', '0.31', '0.28', '0.25']
+
+    A global-batch step on a ``('replica', 'data')`` mesh is ``shard_map_replicas(train_step, mesh,
+    'replica', batch_argnames=('batch',))`` (see :func:`over_replicas`); 8 replicas on 2 devices are
+    ``shard_map_replicas(train_step, mesh, 'data', per_device=4)``, with ``train_step``'s ``hdet`` built
+    with ``replica_axis=('data', 'local')``.
   """
   if not isinstance(per_device, int) or per_device < 1:
     raise ValueError(f'shard_map_replicas: per_device must be a positive integer, got {per_device!r}.')
@@ -258,11 +278,15 @@ def shard_map_replicas(
   unknown = [n for n in batch_argnames if signature is None or n not in signature.parameters]
   if unknown:
     names = 'none readable' if signature is None else tuple(signature.parameters)
-    raise ValueError(f'shard_map_replicas: batch_argnames {tuple(unknown)} are not parameters of '
-                     f'{getattr(fn, "__name__", fn)!r} (its parameters: {names}); name the batch argument(s).')
+    raise ValueError(
+      f'shard_map_replicas: batch_argnames {tuple(unknown)} are not parameters of '
+      f'{getattr(fn, "__name__", fn)!r} (its parameters: {names}); name the batch argument(s).'
+    )
   if replica_axis not in mesh.shape:
-    raise ValueError(f'shard_map_replicas: the mesh has no axis {replica_axis!r} (axes: '
-                     f'{tuple(mesh.axis_names)}); pass replica_axis= one of them.')
+    raise ValueError(
+      f'shard_map_replicas: the mesh has no axis {replica_axis!r} (axes: '
+      f'{tuple(mesh.axis_names)}); pass replica_axis= one of them.'
+    )
 
   def role(position: int, name: str | None, value) -> str:
     if name in batch_argnames:
@@ -286,8 +310,9 @@ def shard_map_replicas(
 
     def body(*local):
       local = iter(local)
-      values = [value if r == 'static' else _local_view(next(local), r, per_device)
-                for r, (_, value) in zip(roles, bound)]
+      values = [
+        value if r == 'static' else _local_view(next(local), r, per_device) for r, (_, value) in zip(roles, bound)
+      ]
       if per_device > 1:  # [N / D, ...] here: the local replicas, mapped by vmap
         axes = [0 if r in ('stacked', 'batch') else None for r in roles]
         call = lambda *v: _call(fn, bound, v)
@@ -296,13 +321,18 @@ def shard_map_replicas(
 
     # Manual over the replica axis: on a 1-D mesh that is every axis (the plain case); on a 2-D
     # mesh the inner axes stay Auto and the partitioner shards inside each group. Axes of size 1
-    # go manual too: nothing to shard there, and leaving them Auto still runs the partitioner,
-    # whose rewrites change the rounding of some ops (a transformer's step differed from the 1-D
-    # path by an ulp here and there), where fully manual gives the 1-D numbers bit for bit.
+    # go manual too: nothing to shard there, and an Auto axis still runs the partitioner, whose
+    # rewrites may change the rounding of some ops; fully manual keeps the 1-D path's numbers bit for
+    # bit (tests/test_mesh2d.py, test_group_size_one_equals_the_1d_path_bit_for_bit).
     manual = {replica_axis} | {a for a, size in mesh.shape.items() if size == 1}
     return jax.shard_map(
-        body, mesh=mesh, in_specs=specs, out_specs=P(replica_axis),
-        check_vma=check_vma and per_device == 1, axis_names=frozenset(manual))(*traced)
+      body,
+      mesh=mesh,
+      in_specs=specs,
+      out_specs=P(replica_axis),
+      check_vma=check_vma and per_device == 1,
+      axis_names=frozenset(manual),
+    )(*traced)
 
   if signature is not None:
     wrapped = functools.wraps(fn)(wrapped)  # inspect.signature(wrapped) is fn's: jit's *_argnames resolve
@@ -310,11 +340,11 @@ def shard_map_replicas(
 
 
 def over_replicas(
-    train_step: Callable[..., Any],
-    mesh: jax.sharding.Mesh,
-    replica_axis: str = 'replica',
-    *,
-    batch_argnames: tuple[str, ...] = ('batch',),
+  train_step: Callable[..., Any],
+  mesh: jax.sharding.Mesh,
+  replica_axis: str = 'replica',
+  *,
+  batch_argnames: tuple[str, ...] = ('batch',),
 ) -> Callable[..., Any]:
   """Runs a global-batch train step (one ``jit`` with shardings) as N diverging HDET replicas.
 
@@ -341,11 +371,27 @@ def over_replicas(
   ``static_argnames`` work as before.
 
   Example:
-    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'data'))  # was (8,), ('data',)
-    >>> step = jax.jit(over_replicas(train_step, mesh, 'replica'),
-    ...                in_shardings=(stacked_shardings(state_sharding, 'replica'),
-    ...                              batch_shardings(batch_sharding, 'replica')),
+    A step written for a ``('data',)`` mesh of 8 devices, run as 4 replicas of 2 devices each:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, hdet_jax
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'data'))  # the step's mesh: (8,), ('data',)
+    >>> tx = hdet_jax.hdet(optax.sgd, 0.1, num_replicas=4, replica_axis='replica')
+    >>> def train_step(state, batch):  # the global-batch step, its rows sharded over 'data'
+    ...   params, opt_state = state
+    ...   loss, grads = jax.value_and_grad(lambda p: jnp.mean((batch @ p - 1) ** 2))(params)
+    ...   grads = jax.lax.pmean(grads, 'replica')  # the line HDET adds
+    ...   updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+    ...   return (optax.apply_updates(params, updates), opt_state), loss
+    >>> state = hdet_jax.stack_replicas((jnp.zeros(2), tx.init(jnp.zeros(2))), 4)
+    >>> step = jax.jit(hdet_jax.over_replicas(train_step, mesh, 'replica'),
+    ...                in_shardings=(hdet_jax.stacked_shardings(NamedSharding(mesh, P()), 'replica'),
+    ...                              hdet_jax.batch_shardings(NamedSharding(mesh, P('data')), 'replica')),
     ...                donate_argnames=('state',))
+    >>> for _ in range(2):
+    ...   state, loss = step(state, jnp.ones((16, 2)))  # replica r trains on rows [4 r, 4 r + 4)
+    >>> [f'{x:.2f}' for x in loss.tolist()]  # one loss per replica
+    ['0.49', '0.40', '0.32', '0.25']
   """
   return shard_map_replicas(train_step, mesh, replica_axis, batch_argnames=batch_argnames, check_vma=False)
 
@@ -425,11 +471,18 @@ def stacked_shardings(shardings: ArrayTree, replica_axis: str) -> ArrayTree:
   own slice of the mesh. Leaves may be ``NamedSharding`` or ``PartitionSpec``.
 
   Example:
-    >>> mesh = jax.make_mesh((4, 2), ('replica', 'data'))   # was ((8,), ('data',))
-    >>> state_sharding = stacked_shardings(state_sharding, 'replica')
+    >>> import jax, numpy as np, hdet_jax
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'data'))  # the step's mesh: (8,), ('data',)
+    >>> state_sharding = {'w': NamedSharding(mesh, P(None, 'data')), 'count': NamedSharding(mesh, P())}
+    >>> jax.tree.map(lambda s: tuple(s.spec), hdet_jax.stacked_shardings(state_sharding, 'replica'))
+    {'count': ('replica',), 'w': ('replica', None, 'data')}
   """
-  return jax.tree.map(lambda s: _map_spec(s, lambda spec: P(replica_axis, *spec)), shardings,
-                      is_leaf=lambda s: isinstance(s, (NamedSharding, P)))
+  return jax.tree.map(
+    lambda s: _map_spec(s, lambda spec: P(replica_axis, *spec)),
+    shardings,
+    is_leaf=lambda s: isinstance(s, (NamedSharding, P)),
+  )
 
 
 def batch_shardings(shardings: ArrayTree, replica_axis: str) -> ArrayTree:
@@ -438,14 +491,19 @@ def batch_shardings(shardings: ArrayTree, replica_axis: str) -> ArrayTree:
   are on its own devices and split as before inside them.
 
   Example:
-    >>> batch_sharding = batch_shardings(NamedSharding(mesh, P('data')), 'replica')
+    >>> import jax, numpy as np, hdet_jax
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'data'))
+    >>> tuple(hdet_jax.batch_shardings(NamedSharding(mesh, P('data')), 'replica').spec)
+    (('replica', 'data'),)
   """
+
   def spec(spec):
     first = spec[0] if len(spec) else None
     first = () if first is None else (first,) if isinstance(first, str) else tuple(first)
     return P((replica_axis, *first), *spec[1:])
-  return jax.tree.map(lambda s: _map_spec(s, spec), shardings,
-                      is_leaf=lambda s: isinstance(s, (NamedSharding, P)))
+
+  return jax.tree.map(lambda s: _map_spec(s, spec), shardings, is_leaf=lambda s: isinstance(s, (NamedSharding, P)))
 
 
 def _map_spec(sharding, fn):
@@ -453,8 +511,10 @@ def _map_spec(sharding, fn):
     return NamedSharding(sharding.mesh, fn(sharding.spec), memory_kind=sharding.memory_kind)
   if isinstance(sharding, P):
     return fn(sharding)
-  raise ValueError(f'stacked_shardings/batch_shardings: expected NamedSharding or PartitionSpec leaves, got '
-                   f'{type(sharding).__name__}; build the shardings on a jax.sharding.Mesh.')
+  raise ValueError(
+    f'stacked_shardings/batch_shardings: expected NamedSharding or PartitionSpec leaves, got '
+    f'{type(sharding).__name__}; build the shardings on a jax.sharding.Mesh.'
+  )
 
 
 def replica_axes(replica_axis: str, per_device: int, local_axis: str = 'local') -> AxisName:
@@ -468,9 +528,16 @@ def replica_sharding(mesh: jax.sharding.Mesh, replica_axis: str = 'data') -> Nam
   return NamedSharding(mesh, P(replica_axis))
 
 
-def inner_spec(shape: tuple[int, ...], replica_axis: str, inner_axis: str | None,
-               inner_size: int, *, tensor_axis: str | None = None, tensor_dim: int | None = None,
-               inner_dim: int | None = None) -> P:
+def inner_spec(
+  shape: tuple[int, ...],
+  replica_axis: str,
+  inner_axis: str | None,
+  inner_size: int,
+  *,
+  tensor_axis: str | None = None,
+  tensor_dim: int | None = None,
+  inner_dim: int | None = None,
+) -> P:
   """The spec of a stacked leaf ``[N, ...]``: replica axis first, the inner axes on one dim each.
 
   ``tensor_dim`` (a dimension of the unstacked leaf, from a tensor-parallel rule) is split over
@@ -487,9 +554,15 @@ def inner_spec(shape: tuple[int, ...], replica_axis: str, inner_axis: str | None
     tensor_dim = None
   if tensor_axis is not None and tensor_dim is not None:
     axes[tensor_dim + 1] = tensor_axis
-  dims = [i for i in range(1, len(shape))
-          if inner_axis and inner_size > 1 and shape[i] % inner_size == 0 and i not in axes
-          and (inner_dim is None or i == inner_dim + 1)]
+  dims = [
+    i
+    for i in range(1, len(shape))
+    if inner_axis
+    and inner_size > 1
+    and shape[i] % inner_size == 0
+    and i not in axes
+    and (inner_dim is None or i == inner_dim + 1)
+  ]
   if dims:
     axes[max(dims, key=lambda i: (shape[i], -i))] = inner_axis
   if not axes:
@@ -518,17 +591,24 @@ def tensor_dim(path: str, shape: tuple[int, ...], rules, tensor_size: int, what:
       dim = dim + len(shape) - 1 if dim < 0 else dim  # -1: the last dimension
       if not 0 <= dim < len(shape) - 1 or shape[dim + 1] % tensor_size:
         raise ValueError(
-            f'{"tensor-parallel" if what == "tensor" else what} rule ({pattern!r}, {dim}) matches {path!r} of '
-            f'shape {tuple(shape[1:])}, whose dimension {dim} is not split evenly by the {what} axis of size '
-            f'{tensor_size}; choose a {what} size that divides it or change the rule.')
+          f'{"tensor-parallel" if what == "tensor" else what} rule ({pattern!r}, {dim}) matches {path!r} of '
+          f'shape {tuple(shape[1:])}, whose dimension {dim} is not split evenly by the {what} axis of size '
+          f'{tensor_size}; choose a {what} size that divides it or change the rule.'
+        )
       return dim
   return None
 
 
-def group_shardings(stacked: ArrayTree, mesh: jax.sharding.Mesh, replica_axis: str = 'data',
-                    inner_axis: str | None = 'fsdp', *, tensor_axis: str = 'tensor',
-                    tensor_rules: tuple[tuple[str, int], ...] = (),
-                    fsdp_rules: tuple[tuple[str, int], ...] = ()) -> ArrayTree:
+def group_shardings(
+  stacked: ArrayTree,
+  mesh: jax.sharding.Mesh,
+  replica_axis: str = 'data',
+  inner_axis: str | None = 'fsdp',
+  *,
+  tensor_axis: str = 'tensor',
+  tensor_rules: tuple[tuple[str, int], ...] = (),
+  fsdp_rules: tuple[tuple[str, int], ...] = (),
+) -> ArrayTree:
   """Per-leaf ``NamedSharding`` of a stacked tree on a mesh of replica groups (FSDP and/or tensor parallel).
 
   Each group holds one replica's copy. Leaves matching a tensor-parallel rule (see :func:`tensor_dim`;
@@ -541,15 +621,29 @@ def group_shardings(stacked: ArrayTree, mesh: jax.sharding.Mesh, replica_axis: s
   the replica axis only, so XLA's partitioner inserts the group's collectives from these shardings.
 
   Example:
-    >>> mesh = jax.make_mesh((4, 2), ('replica', 'fsdp'), axis_types=(AxisType.Auto,) * 2)
-    >>> params = jax.device_put(params, group_shardings(params, mesh, 'replica', 'fsdp'))
-    >>> mesh = jax.make_mesh((4, 2), ('replica', 'tensor'), axis_types=(AxisType.Auto,) * 2)
-    >>> rules = ((r'fc1/(kernel|bias)$', -1), (r'fc2/kernel$', 0))
-    >>> params = jax.device_put(params, group_shardings(params, mesh, 'replica', None, tensor_rules=rules))
+    4 replica groups of 2 devices, FSDP and then tensor parallel inside each group:
+
+    >>> import jax, jax.numpy as jnp, numpy as np, hdet_jax
+    >>> from jax.sharding import Mesh
+    >>> params = hdet_jax.stack_replicas({'fc1': {'kernel': jnp.ones((4, 6)), 'bias': jnp.ones(6)},
+    ...                                   'fc2': {'kernel': jnp.ones((6, 4))}}, 4)
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'fsdp'))
+    >>> params = jax.device_put(params, hdet_jax.group_shardings(params, mesh, 'replica', 'fsdp'))
+    >>> jax.tree.map(lambda x: tuple(x.sharding.spec), params)
+    {'fc1': {'bias': ('replica', 'fsdp'), 'kernel': ('replica', None, 'fsdp')},
+     'fc2': {'kernel': ('replica', 'fsdp')}}
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'tensor'))
+    >>> rules = ((r'fc1/(kernel|bias)$', -1), (r'fc2/kernel$', 0))  # column-, then row-parallel
+    >>> params = jax.device_put(params, hdet_jax.group_shardings(params, mesh, 'replica', None, tensor_rules=rules))
+    >>> jax.tree.map(lambda x: tuple(x.sharding.spec), params)
+    {'fc1': {'bias': ('replica', 'tensor'), 'kernel': ('replica', None, 'tensor')},
+     'fc2': {'kernel': ('replica', 'tensor')}}
   """
   if replica_axis not in mesh.shape:
-    raise ValueError(f'group_shardings: the mesh has no axis {replica_axis!r} (axes: '
-                     f'{tuple(mesh.axis_names)}); pass replica_axis= one of them.')
+    raise ValueError(
+      f'group_shardings: the mesh has no axis {replica_axis!r} (axes: '
+      f'{tuple(mesh.axis_names)}); pass replica_axis= one of them.'
+    )
   size = mesh.shape.get(inner_axis, 1) if inner_axis else 1
   tsize = mesh.shape.get(tensor_axis, 1)
 
@@ -558,6 +652,8 @@ def group_shardings(stacked: ArrayTree, mesh: jax.sharding.Mesh, replica_axis: s
     name = path_string(path)
     dim = tensor_dim(name, shape, tensor_rules, tsize) if tensor_rules else None
     fdim = tensor_dim(name, shape, fsdp_rules, size, 'fsdp') if fsdp_rules else None
-    return NamedSharding(mesh, inner_spec(shape, replica_axis, inner_axis, size,
-                                          tensor_axis=tensor_axis, tensor_dim=dim, inner_dim=fdim))
+    return NamedSharding(
+      mesh, inner_spec(shape, replica_axis, inner_axis, size, tensor_axis=tensor_axis, tensor_dim=dim, inner_dim=fdim)
+    )
+
   return jax.tree_util.tree_map_with_path(spec, stacked)

@@ -9,13 +9,13 @@ import optax
 
 
 def one_cycle(
-    max_lr: float,
-    total_steps: int,
-    pct_start: float = 0.3,
-    anneal_strategy: str = 'cos',
-    div_factor: float = 25.0,
-    final_div_factor: float = 1e4,
-    three_phase: bool = False,
+  max_lr: float,
+  total_steps: int,
+  pct_start: float = 0.3,
+  anneal_strategy: str = 'cos',
+  div_factor: float = 25.0,
+  final_div_factor: float = 1e4,
+  three_phase: bool = False,
 ) -> optax.Schedule:
   """torch's ``OneCycleLR`` as an optax schedule, with torch's argument names.
 
@@ -44,8 +44,10 @@ def one_cycle(
     A schedule ``step -> learning rate`` (float32).
 
   Example:
-    >>> sched = one_cycle(max_lr=1e-3, total_steps=2000)
-    >>> float(sched(0)), float(sched(599)), float(sched(1999))  # 4e-5, 1e-3, 4e-9
+    >>> import hdet_jax
+    >>> sched = hdet_jax.one_cycle(max_lr=1e-3, total_steps=2000)
+    >>> [f'{float(sched(t)):.3g}' for t in (0, 599, 1999)]  # max_lr / d, max_lr at p S - 1, max_lr / (d f)
+    ['4e-05', '0.001', '4e-09']
   """
   _check_one_cycle(max_lr, total_steps, pct_start, anneal_strategy, div_factor, final_div_factor)
   starts, ends, values = _phases(max_lr, total_steps, pct_start, div_factor, final_div_factor, three_phase)
@@ -79,8 +81,7 @@ def _check_one_cycle(max_lr, total_steps, pct_start, anneal_strategy, div_factor
   if anneal_strategy not in ('cos', 'linear'):
     raise ValueError(f"anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}.")
   if not div_factor > 0 or not final_div_factor > 0:
-    raise ValueError(
-        f'div_factor and final_div_factor must be > 0, got {div_factor!r}, {final_div_factor!r}.')
+    raise ValueError(f'div_factor and final_div_factor must be > 0, got {div_factor!r}, {final_div_factor!r}.')
 
 
 def _phases(max_lr, total_steps, pct_start, div_factor, final_div_factor, three_phase):
@@ -96,6 +97,7 @@ def _phases(max_lr, total_steps, pct_start, div_factor, final_div_factor, three_
     values = [initial, max_lr, minimum]
   if not all(b > a for a, b in zip([0.0] + ends[:-1], ends)):
     raise ValueError(
-        f'pct_start={pct_start!r} with total_steps={total_steps!r} leaves an empty phase; '
-        'increase total_steps or move pct_start away from 0 and 1.')
+      f'pct_start={pct_start!r} with total_steps={total_steps!r} leaves an empty phase; '
+      'increase total_steps or move pct_start away from 0 and 1.'
+    )
   return np.array([0.0] + ends[:-1]), np.array(ends), values

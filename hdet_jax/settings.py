@@ -41,9 +41,9 @@ class AutoLR:
   * it settles: once the climb has ended (two confident asks down in a row) the replicas stop spreading
     and the rest of the run trains at the base LR (``settle``).
 
-  Measured against an 8-run LR sweep, one run lands within about 0-2% of the sweep's best on text at the
-  default length, more on short runs and from a 10x too-low start, and tens of percent off on small
-  classifiers (docs: "Should I use HDET?").
+  Against an 8-run LR sweep, one run lands close to the sweep's best on text at the default length, further
+  off on short runs, from a 10x too-low start and on small classifiers: :doc:`/verdict` has the numbers, from
+  the committed records.
 
   The paper's controller (eqs. 4-9) is one call away: :meth:`AutoLR.paper`.
 
@@ -84,9 +84,15 @@ class AutoLR:
       the reference does).
 
   Example:
-    >>> auto_lr = AutoLR(total_steps=1500)               # the guarded climb
-    >>> paper = AutoLR.paper(total_steps=1500, warmup_steps=750)
+    >>> import hdet_jax
+    >>> auto_lr = hdet_jax.AutoLR(total_steps=1500)  # the guarded climb
+    >>> auto_lr.controller, auto_lr.initial_scale
+    ('fit', 0.1)
+    >>> paper = hdet_jax.AutoLR.paper(total_steps=1500, warmup_steps=750)  # eqs. 4-9
+    >>> paper.controller, paper.temperature
+    ('paper', 0.1)
   """
+
   total_steps: int
   controller: str = 'fit'
   warmup_steps: int = 0
@@ -109,25 +115,53 @@ class AutoLR:
   smooth_decay: bool = True
 
   @classmethod
-  def paper(cls, total_steps: int, *, warmup_steps: int = 0, temperature: float = 0.1, lr_of_lr: float = 0.5,
-            momentum: float = 0.9, decay: float | None = None, min_value: float | None = None,
-            smooth_decay: bool = True, stop_steps: int | None = None) -> 'AutoLR':
+  def paper(
+    cls,
+    total_steps: int,
+    *,
+    warmup_steps: int = 0,
+    temperature: float = 0.1,
+    lr_of_lr: float = 0.5,
+    momentum: float = 0.9,
+    decay: float | None = None,
+    min_value: float | None = None,
+    smooth_decay: bool = True,
+    stop_steps: int | None = None,
+  ) -> 'AutoLR':
     """The paper's controller (eqs. 4-9): a softmax over the replicas' window losses weights their
     values, the base moves additively toward the better ones and decays geometrically, replacing the
     schedule once the controller starts.
 
     Example:
-      >>> AutoLR.paper(total_steps=1500, warmup_steps=750, temperature=0.1).controller
+      >>> import hdet_jax
+      >>> hdet_jax.AutoLR.paper(total_steps=1500, warmup_steps=750, temperature=0.1).controller
       'paper'
     """
-    return cls(total_steps=total_steps, controller='paper', warmup_steps=warmup_steps, stop_steps=stop_steps,
-               temperature=temperature, lr_of_lr=lr_of_lr, momentum=momentum, decay=decay,
-               min_value=min_value, smooth_decay=smooth_decay, **_FIT_OFF)
+    return cls(
+      total_steps=total_steps,
+      controller='paper',
+      warmup_steps=warmup_steps,
+      stop_steps=stop_steps,
+      temperature=temperature,
+      lr_of_lr=lr_of_lr,
+      momentum=momentum,
+      decay=decay,
+      min_value=min_value,
+      smooth_decay=smooth_decay,
+      **_FIT_OFF,
+    )
 
 
 # The 'fit' fields at the values that leave a controller without them: what AutoLR.paper sets.
-_FIT_OFF = dict(initial_scale=1.0, step_growth=1.0, after_stop='hold', backoff=False, backoff_stderrs=0.0,
-                backoff_fraction=0.0, settle=False)
+_FIT_OFF = dict(
+  initial_scale=1.0,
+  step_growth=1.0,
+  after_stop='hold',
+  backoff=False,
+  backoff_stderrs=0.0,
+  backoff_fraction=0.0,
+  settle=False,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +185,7 @@ class Explore:
       for model or loss hyperparameters, which the train step reads from
       ``state.values`` (see :func:`hdet_jax.replica_value`).
   """
+
   value: Any
   spread: float
   additive: bool = False
@@ -164,32 +199,33 @@ class Plan(NamedTuple):
 
   The per-hyperparameter fields follow the ``[G]`` order of :func:`hyperparam_names`.
   """
-  optimizer: Callable[..., Any]        # the wrapped optax factory (called with learning_rate=).
-  optimizer_kwargs: dict[str, Any]     # fixed keywords for it (e.g. weight_decay=0.1).
-  names: tuple[str, ...]               # [G] hyperparameter names.
-  schedules: tuple[Any, ...]           # [G] float or optax schedule: the base value at step t.
-  spreads: tuple[float, ...]           # [G] alpha (multiplicative) or half-width (additive).
-  additive: tuple[bool, ...]           # [G] additive spread.
-  lows: tuple[float, ...]              # [G] valid range (-inf when unbounded).
-  highs: tuple[float, ...]             # [G] (inf when unbounded).
-  to_optimizer: tuple[bool, ...]       # [G] passed to the optimizer factory as a keyword.
-  scale: np.ndarray                    # [G, N] float32: multiplier rho of each slot (1 when additive).
-  offset: np.ndarray                   # [G, N] float32: additive offset of each slot (0 when multiplicative).
+
+  optimizer: Callable[..., Any]  # the wrapped optax factory (called with learning_rate=).
+  optimizer_kwargs: dict[str, Any]  # fixed keywords for it (e.g. weight_decay=0.1).
+  names: tuple[str, ...]  # [G] hyperparameter names.
+  schedules: tuple[Any, ...]  # [G] float or optax schedule: the base value at step t.
+  spreads: tuple[float, ...]  # [G] alpha (multiplicative) or half-width (additive).
+  additive: tuple[bool, ...]  # [G] additive spread.
+  lows: tuple[float, ...]  # [G] valid range (-inf when unbounded).
+  highs: tuple[float, ...]  # [G] (inf when unbounded).
+  to_optimizer: tuple[bool, ...]  # [G] passed to the optimizer factory as a keyword.
+  scale: np.ndarray  # [G, N] float32: multiplier rho of each slot (1 when additive).
+  offset: np.ndarray  # [G, N] float32: additive offset of each slot (0 when multiplicative).
   groups: tuple[tuple[str, str], ...]  # (group, regex) of the per-group learning rates; () for one LR.
-  num_replicas: int                    # N, the replica axis size.
-  sync_windows: tuple[int, ...]        # the windows' lengths in steps, the last repeating ((T,): every T).
+  num_replicas: int  # N, the replica axis size.
+  sync_windows: tuple[int, ...]  # the windows' lengths in steps, the last repeating ((T,): every T).
   replica_axis: str | tuple[str, ...]  # the mapped axis the replicas live on (or (device, local) axes).
-  auto_lr: AutoLR | None               # the controller's settings, or None.
-  controller_start: int                # the first step whose sync updates the controller (0: no controller).
-  decay: tuple[float, ...]             # [G] the paper controller's gamma (0 when not used).
-  floors: tuple[float, ...]            # [G] the paper controller's lowest base.
-  start_values: tuple[float, ...]      # [G] the schedule at controller_start (the controller's first base).
-  initial_correction: tuple[float, ...]  # [G] the 'fit' correction before the first sync (log of
-                                       #   auto_lr.initial_scale for learning rates, else 0).
-  exact_sync: bool                     # the sync's average is assigned by hdet_jax.apply_updates.
-  guard_nonfinite: bool                # non-finite replicas sit the average out.
-  seed: int                            # seeds the permutation key.
-  average_opt_state: bool = False      # a sync averages the wrapped optimizer's state too (low-communication mode).
+  auto_lr: AutoLR | None  # the controller's settings, or None.
+  controller_start: int  # the first step whose sync updates the controller (0: no controller).
+  decay: tuple[float, ...]  # [G] the paper controller's gamma (0 when not used).
+  floors: tuple[float, ...]  # [G] the paper controller's lowest base.
+  start_values: tuple[float, ...]  # [G] the schedule at controller_start (the controller's first base).
+  # [G] the 'fit' correction before the first sync (log of auto_lr.initial_scale for learning rates, else 0).
+  initial_correction: tuple[float, ...]
+  exact_sync: bool  # the sync's average is assigned by hdet_jax.apply_updates.
+  guard_nonfinite: bool  # non-finite replicas sit the average out.
+  seed: int  # seeds the permutation key.
+  average_opt_state: bool = False  # a sync averages the wrapped optimizer's state too (low-communication mode).
 
 
 def is_learning_rate(name: str) -> bool:
@@ -197,8 +233,9 @@ def is_learning_rate(name: str) -> bool:
   return name == 'learning_rate' or name.startswith('learning_rate/')
 
 
-def hyperparam_names(*, param_groups: dict[str, str] | None = None,
-                     explore: dict[str, Any] | None = None) -> tuple[str, ...]:
+def hyperparam_names(
+  *, param_groups: dict[str, str] | None = None, explore: dict[str, Any] | None = None
+) -> tuple[str, ...]:
   """The order of the state's [G] fields for these ``hdet`` arguments.
 
   The learning rate (``'learning_rate'``, or ``'learning_rate/<group>'`` per parameter group, in order),
@@ -208,9 +245,23 @@ def hyperparam_names(*, param_groups: dict[str, str] | None = None,
   return lrs + tuple(explore or ())
 
 
-def make_plan(optimizer, learning_rate, *, num_replicas, spread, sync_every, replica_axis, auto_lr,
-              exact_sync, seed, explore, param_groups, guard_nonfinite, optimizer_kwargs,
-              average_opt_state=False) -> Plan:
+def make_plan(
+  optimizer,
+  learning_rate,
+  *,
+  num_replicas,
+  spread,
+  sync_every,
+  replica_axis,
+  auto_lr,
+  exact_sync,
+  seed,
+  explore,
+  param_groups,
+  guard_nonfinite,
+  optimizer_kwargs,
+  average_opt_state=False,
+) -> Plan:
   """Validates every ``hdet`` argument eagerly and returns the frozen plan."""
   extra = _explored(explore, optimizer_kwargs)
   groups = _param_groups(param_groups)
@@ -225,19 +276,35 @@ def make_plan(optimizer, learning_rate, *, num_replicas, spread, sync_every, rep
   controlled = _controller_plan(auto_lr, hps, lows, spread, sync_windows)
   if not callable(optimizer):
     raise ValueError(
-        f'optimizer must be an optax factory such as optax.adam (called with learning_rate=), '
-        f'got {optimizer!r}. To wrap an existing instance use lambda learning_rate: ...')
+      f'optimizer must be an optax factory such as optax.adam (called with learning_rate=), '
+      f'got {optimizer!r}. To wrap an existing instance use lambda learning_rate: ...'
+    )
   spreads = tuple(float(h.spread) for _, h in hps)
   additive = tuple(bool(h.additive) for _, h in hps)
   scale, offset = _spread_tables(int(num_replicas), spreads, additive)
   return Plan(
-      optimizer=optimizer, optimizer_kwargs=dict(optimizer_kwargs), names=names,
-      schedules=tuple(h.value for _, h in hps), spreads=spreads, additive=additive, lows=lows,
-      highs=tuple(math.inf if h.high is None else float(h.high) for _, h in hps),
-      to_optimizer=tuple(h.to_optimizer for _, h in hps), scale=scale, offset=offset, groups=groups,
-      num_replicas=int(num_replicas), sync_windows=sync_windows, replica_axis=replica_axis,
-      auto_lr=auto_lr, **controlled, exact_sync=bool(exact_sync),
-      guard_nonfinite=bool(guard_nonfinite), seed=seed, average_opt_state=_flag('average_opt_state', average_opt_state))
+    optimizer=optimizer,
+    optimizer_kwargs=dict(optimizer_kwargs),
+    names=names,
+    schedules=tuple(h.value for _, h in hps),
+    spreads=spreads,
+    additive=additive,
+    lows=lows,
+    highs=tuple(math.inf if h.high is None else float(h.high) for _, h in hps),
+    to_optimizer=tuple(h.to_optimizer for _, h in hps),
+    scale=scale,
+    offset=offset,
+    groups=groups,
+    num_replicas=int(num_replicas),
+    sync_windows=sync_windows,
+    replica_axis=replica_axis,
+    auto_lr=auto_lr,
+    **controlled,
+    exact_sync=bool(exact_sync),
+    guard_nonfinite=bool(guard_nonfinite),
+    seed=seed,
+    average_opt_state=_flag('average_opt_state', average_opt_state),
+  )
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -256,7 +323,8 @@ def _explored(explore, optimizer_kwargs) -> tuple[tuple[str, Explore], ...]:
       spec = Explore(spec[0], spec[1])
     if not isinstance(spec, Explore):
       raise ValueError(
-          f'explore[{name!r}] must be an hdet_jax.Explore or a (value or schedule, spread) pair, got {spec!r}.')
+        f'explore[{name!r}] must be an hdet_jax.Explore or a (value or schedule, spread) pair, got {spec!r}.'
+      )
     extra.append((name, spec))
   return tuple(extra)
 
@@ -276,21 +344,33 @@ def _check_replicas(num_replicas, spread, replica_axis) -> None:
     raise ValueError(f'num_replicas must be a positive integer (the replica axis size), got {num_replicas!r}.')
   if not isinstance(spread, (int, float)) or not 0.0 <= spread < 1.0:
     raise ValueError(
-        f'spread (alpha) must be in [0, 1): the lowest multiplier 1 - spread must stay positive; got {spread!r}.')
+      f'spread (alpha) must be in [0, 1): the lowest multiplier 1 - spread must stay positive; got {spread!r}.'
+    )
   names = (replica_axis,) if isinstance(replica_axis, str) else replica_axis
-  if (not isinstance(names, tuple) or not names or len(set(names)) != len(names)
-      or not all(isinstance(a, str) and a for a in names)):
-    raise ValueError(f'replica_axis must be a mesh/map axis name, or a tuple of distinct ones (device axis, '
-                     f'local vmap axis), got {replica_axis!r}.')
+  if (
+    not isinstance(names, tuple)
+    or not names
+    or len(set(names)) != len(names)
+    or not all(isinstance(a, str) and a for a in names)
+  ):
+    raise ValueError(
+      f'replica_axis must be a mesh/map axis name, or a tuple of distinct ones (device axis, '
+      f'local vmap axis), got {replica_axis!r}.'
+    )
 
 
 def _check_explored_value(name: str, h: Explore) -> None:
   lo = -math.inf if h.low is None else h.low
   hi = math.inf if h.high is None else h.high
-  if not isinstance(h.spread, (int, float)) or not math.isfinite(h.spread) or h.spread < 0 or (
-      not h.additive and h.spread >= 1):
+  if (
+    not isinstance(h.spread, (int, float))
+    or not math.isfinite(h.spread)
+    or h.spread < 0
+    or (not h.additive and h.spread >= 1)
+  ):
     raise ValueError(
-        f'explore[{name!r}]: spread must be in [0, 1) (multiplicative) or >= 0 (additive), got {h.spread!r}.')
+      f'explore[{name!r}]: spread must be in [0, 1) (multiplicative) or >= 0 (additive), got {h.spread!r}.'
+    )
   if not lo < hi:
     raise ValueError(f'explore[{name!r}]: low={h.low!r} must be below high={h.high!r}.')
   v0 = evaluate_schedules([h.value], [0])[0][0]
@@ -299,8 +379,9 @@ def _check_explored_value(name: str, h: Explore) -> None:
   edge = (v0 - h.spread, v0 + h.spread) if h.additive else (v0 * (1 - h.spread), v0 * (1 + h.spread))
   if edge[0] < lo or edge[1] > hi:
     raise ValueError(
-        f'explore[{name!r}]: value {v0!r} with spread {h.spread!r} spans [{edge[0]:.4g}, {edge[1]:.4g}], '
-        f'which leaves the valid range [{lo}, {hi}]; lower the spread or move the value.')
+      f'explore[{name!r}]: value {v0!r} with spread {h.spread!r} spans [{edge[0]:.4g}, {edge[1]:.4g}], '
+      f'which leaves the valid range [{lo}, {hi}]; lower the spread or move the value.'
+    )
 
 
 def _check_auto_lr(a, spread) -> None:
@@ -309,8 +390,7 @@ def _check_auto_lr(a, spread) -> None:
   if not _is_int(a.total_steps) or a.total_steps < 2:
     raise ValueError(f'auto_lr.total_steps must be an integer >= 2, got {a.total_steps!r}.')
   if not _is_int(a.warmup_steps) or not 0 <= a.warmup_steps < a.total_steps:
-    raise ValueError(
-        f'auto_lr.warmup_steps must be in [0, total_steps={a.total_steps}), got {a.warmup_steps!r}.')
+    raise ValueError(f'auto_lr.warmup_steps must be in [0, total_steps={a.total_steps}), got {a.warmup_steps!r}.')
   if not a.temperature > 0:
     raise ValueError(f'auto_lr.temperature (sigma) must be > 0, got {a.temperature!r}.')
   if not 0.0 <= a.momentum < 1.0:
@@ -322,8 +402,10 @@ def _check_auto_lr(a, spread) -> None:
   if a.controller == 'paper':
     fit_set = [f'{k}={getattr(a, k)!r}' for k, v in _FIT_OFF.items() if getattr(a, k) != v]
     if fit_set:
-      raise ValueError(f"auto_lr: controller='paper' takes none of the 'fit' settings, got {', '.join(fit_set)}; "
-                       f"build it with hdet_jax.AutoLR.paper(total_steps=..., ...).")
+      raise ValueError(
+        f"auto_lr: controller='paper' takes none of the 'fit' settings, got {', '.join(fit_set)}; "
+        f'build it with hdet_jax.AutoLR.paper(total_steps=..., ...).'
+      )
   if not (isinstance(a.trust, (int, float)) and 0.0 < a.trust < math.inf):
     raise ValueError(f'auto_lr.trust must be > 0 (the largest log-step per sync), got {a.trust!r}.')
   if not (isinstance(a.memory, (int, float)) and 0.0 <= a.memory < 1.0):
@@ -331,8 +413,7 @@ def _check_auto_lr(a, spread) -> None:
   if a.stop_steps is not None and (not _is_int(a.stop_steps) or a.stop_steps < 0):
     raise ValueError(f'auto_lr.stop_steps must be None or an integer >= 0, got {a.stop_steps!r}.')
   if not (isinstance(a.initial_scale, (int, float)) and 0.0 < a.initial_scale < math.inf):
-    raise ValueError(f'auto_lr.initial_scale must be a number > 0 (1: start at the schedule), '
-                     f'got {a.initial_scale!r}.')
+    raise ValueError(f'auto_lr.initial_scale must be a number > 0 (1: start at the schedule), got {a.initial_scale!r}.')
   if a.after_stop not in ('hold', 'rise'):
     raise ValueError(f"auto_lr.after_stop must be 'hold' or, with controller='fit', 'rise'; got {a.after_stop!r}.")
   for name in ('step_growth', 'max_gain'):
@@ -340,7 +421,7 @@ def _check_auto_lr(a, spread) -> None:
     if not (isinstance(v, (int, float)) and 1.0 <= v < math.inf):
       raise ValueError(f'auto_lr.{name} must be a number >= 1 (1: no acceleration), got {v!r}.')
   if not isinstance(a.backoff, bool):
-    raise ValueError(f"auto_lr.backoff must be a bool, got {a.backoff!r}.")
+    raise ValueError(f'auto_lr.backoff must be a bool, got {a.backoff!r}.')
   k = a.backoff_stderrs
   if not (isinstance(k, (int, float)) and not isinstance(k, bool) and 0.0 <= k < math.inf) or (k > 0 and not a.backoff):
     raise ValueError(f'auto_lr.backoff_stderrs must be a number >= 0, and > 0 only with backoff=True; got {k!r}.')
@@ -348,13 +429,16 @@ def _check_auto_lr(a, spread) -> None:
   if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0) or (f > 0 and not a.backoff):
     raise ValueError(f'auto_lr.backoff_fraction must be a number in [0, 1), and > 0 only with backoff=True; got {f!r}.')
   if not isinstance(a.settle, bool) or (a.settle and a.after_stop != 'rise'):
-    raise ValueError(f"auto_lr.settle must be a bool, and True only with controller='fit' and after_stop='rise' "
-                     f"(it ends a rise-only climb); got settle={a.settle!r}, controller={a.controller!r}, "
-                     f"after_stop={a.after_stop!r}.")
+    raise ValueError(
+      f"auto_lr.settle must be a bool, and True only with controller='fit' and after_stop='rise' "
+      f'(it ends a rise-only climb); got settle={a.settle!r}, controller={a.controller!r}, '
+      f'after_stop={a.after_stop!r}.'
+    )
   if spread == 0.0:
     raise ValueError(
-        'auto_lr needs spread > 0: with spread=0 every replica trains at the same LR and the '
-        'controller gets no signal. Set spread (e.g. 0.25) or auto_lr=None.')
+      'auto_lr needs spread > 0: with spread=0 every replica trains at the same LR and the '
+      'controller gets no signal. Set spread (e.g. 0.25) or auto_lr=None.'
+    )
 
 
 def _controller_plan(auto_lr, hps, lows, spread, sync_windows) -> dict[str, Any]:
@@ -362,8 +446,9 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows) -> dict[str, Any]
   ``start_values``."""
   g = len(hps)
   if auto_lr is None:
-    return dict(controller_start=0, decay=(0.0,) * g, floors=lows, start_values=(0.0,) * g,
-                initial_correction=(0.0,) * g)
+    return dict(
+      controller_start=0, decay=(0.0,) * g, floors=lows, start_values=(0.0,) * g, initial_correction=(0.0,) * g
+    )
   a = auto_lr
   _check_auto_lr(a, spread)
   # The first sync at or after the warmup (syncs happen after steps T, 2T, ... for a fixed T).
@@ -371,9 +456,10 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows) -> dict[str, Any]
   last = int(a.total_steps) - 1
   if start >= last:
     raise ValueError(
-        f'auto_lr: the first sync at or after warmup_steps={a.warmup_steps} is step '
-        f'{start}, not before total_steps={a.total_steps}; lower auto_lr.warmup_steps '
-        f'or sync_every={sync_windows if len(sync_windows) > 1 else sync_windows[0]}.')
+      f'auto_lr: the first sync at or after warmup_steps={a.warmup_steps} is step '
+      f'{start}, not before total_steps={a.total_steps}; lower auto_lr.warmup_steps '
+      f'or sync_every={sync_windows if len(sync_windows) > 1 else sync_windows[0]}.'
+    )
   firsts, finals = zip(*evaluate_schedules([h.value for _, h in hps], [start, last]))
   if a.controller != 'fit':  # 'fit' scales the schedule; it needs no positive end value
     for (name, h), v0, v1 in zip(hps, firsts, finals):
@@ -384,12 +470,15 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows) -> dict[str, Any]
   if a.min_value is not None and not a.min_value > 0:
     raise ValueError(f'auto_lr.min_value must be > 0 (it keeps every LR positive), got {a.min_value!r}.')
   floors = tuple(
-      lo if h.additive else max(lo, float(a.min_value) if (a.min_value is not None and is_learning_rate(name))
-                                else 0.1 * v1)
-      for (name, h), v1, lo in zip(hps, finals, lows))
+    lo
+    if h.additive
+    else max(lo, float(a.min_value) if (a.min_value is not None and is_learning_rate(name)) else 0.1 * v1)
+    for (name, h), v1, lo in zip(hps, finals, lows)
+  )
   initial = tuple(math.log(a.initial_scale) if is_learning_rate(name) else 0.0 for name, _ in hps)
-  return dict(controller_start=start, decay=decay, floors=floors, start_values=tuple(firsts),
-              initial_correction=initial)
+  return dict(
+    controller_start=start, decay=decay, floors=floors, start_values=tuple(firsts), initial_correction=initial
+  )
 
 
 def _check_decays_to_positive(name, h, v0, v1, start, last) -> None:
@@ -399,13 +488,14 @@ def _check_decays_to_positive(name, h, v0, v1, start, last) -> None:
   who = 'learning_rate' if is_learning_rate(name) else f'explore[{name!r}]'
   if not (v1 > 0 and math.isfinite(v1)):
     raise ValueError(
-        f'{who}: the {name} schedule ends at {v1!r} at step {last}; the auto-LR '
-        'controller decays geometrically towards it and needs it > 0. Use a schedule with a '
-        'positive final value (e.g. one_cycle), an additive spread, or auto_lr=None.')
+      f'{who}: the {name} schedule ends at {v1!r} at step {last}; the auto-LR '
+      'controller decays geometrically towards it and needs it > 0. Use a schedule with a '
+      'positive final value (e.g. one_cycle), an additive spread, or auto_lr=None.'
+    )
   if not (v0 > 0 and math.isfinite(v0)):
     raise ValueError(
-        f'{who}: the {name} schedule is {v0!r} at step {start}, when the '
-        'controller starts; it must be > 0.')
+      f'{who}: the {name} schedule is {v0!r} at step {start}, when the controller starts; it must be > 0.'
+    )
 
 
 def _decays(a: AutoLR, hps, firsts, finals, num_syncs: float) -> tuple[float, ...]:
@@ -416,17 +506,21 @@ def _decays(a: AutoLR, hps, firsts, finals, num_syncs: float) -> tuple[float, ..
   so they get no decay; neither does the 'fit' controller, which follows the schedule itself.
   """
   return tuple(
-      0.0 if h.additive or a.controller == 'fit' else
-      float(a.decay) if (a.decay is not None and is_learning_rate(name)) else
-      ctrl.decay_for_schedule(v0, v1, num_syncs)
-      for (name, h), v0, v1 in zip(hps, firsts, finals))
+    0.0
+    if h.additive or a.controller == 'fit'
+    else float(a.decay)
+    if (a.decay is not None and is_learning_rate(name))
+    else ctrl.decay_for_schedule(v0, v1, num_syncs)
+    for (name, h), v0, v1 in zip(hps, firsts, finals)
+  )
 
 
 def _spread_tables(n: int, spreads, additive) -> tuple[np.ndarray, np.ndarray]:
   """[G, N] multipliers rho (eq. 1; 1 when additive) and [G, N] additive offsets (0 when multiplicative)."""
   unit = multipliers.unit_offsets(n)
-  scale = np.asarray([np.ones(n) if add else multipliers.spread_multipliers(n, sp)
-                      for sp, add in zip(spreads, additive)], np.float32)
+  scale = np.asarray(
+    [np.ones(n) if add else multipliers.spread_multipliers(n, sp) for sp, add in zip(spreads, additive)], np.float32
+  )
   offset = np.asarray([sp * unit if add else np.zeros(n) for sp, add in zip(spreads, additive)], np.float32)
   return scale, offset
 
@@ -436,15 +530,19 @@ def _is_int(x) -> bool:
 
 
 # What jax raises where a value needed at build time is traced (hdet() built from arrays computed under jit).
-_TRACED_ERRORS = (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
-                  jax.errors.TracerBoolConversionError, jax.errors.TracerIntegerConversionError)
+_TRACED_ERRORS = (
+  jax.errors.ConcretizationTypeError,
+  jax.errors.TracerArrayConversionError,
+  jax.errors.TracerBoolConversionError,
+  jax.errors.TracerIntegerConversionError,
+)
 
 
 def evaluate_schedules(schedules, steps) -> list[list[float]]:
   """Values of several schedules (floats or callables) at several steps, in one compiled call.
 
-  Evaluating an optax schedule eagerly compiles each of its ops separately (about 30 MB of
-  host memory for a one-cycle schedule on XLA:CPU); one jit of all of them costs a few MB.
+  Evaluating an optax schedule eagerly compiles each of its ops as a separate program, each one's
+  host memory kept in JAX's caches; one jit of all of them compiles a single program.
   """
   fns = [s for s in schedules if callable(s)]
   table = lambda: jnp.stack([jnp.stack([jnp.asarray(f(t), jnp.float32) for t in steps]) for f in fns])
@@ -452,9 +550,11 @@ def evaluate_schedules(schedules, steps) -> list[list[float]]:
   # trainer's jitted init), where calling the jitted function would stage it into the enclosing trace;
   # the values are the same bits either way.
   if fns and any(isinstance(c, jax.core.Tracer) for c in jax.make_jaxpr(table)().consts):
-    raise ValueError('hdet: a schedule depends on a traced value, so it cannot be evaluated when hdet() is built; '
-                     'pass Python numbers (or a schedule of them), not arrays computed under jit, or build hdet() '
-                     'outside the traced function.')
+    raise ValueError(
+      'hdet: a schedule depends on a traced value, so it cannot be evaluated when hdet() is built; '
+      'pass Python numbers (or a schedule of them), not arrays computed under jit, or build hdet() '
+      'outside the traced function.'
+    )
   got = iter(np.asarray(jax.jit(table).lower().compile()()).tolist() if fns else [])
   return [next(got) if callable(s) else [_as_float(s)] * len(steps) for s in schedules]
 
@@ -464,5 +564,7 @@ def _as_float(value) -> float:
   try:
     return float(value)
   except _TRACED_ERRORS:
-    raise ValueError(f'hdet: got a traced value ({jax.typeof(value)}) where a number is needed at build time; '
-                     'pass a Python number, or build hdet() outside the traced function.') from None
+    raise ValueError(
+      f'hdet: got a traced value ({jax.typeof(value)}) where a number is needed at build time; '
+      'pass a Python number, or build hdet() outside the traced function.'
+    ) from None

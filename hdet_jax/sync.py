@@ -78,8 +78,9 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
   if score is not None:  # the caller's comparison (e.g. every replica on one common batch)
     window_losses = replicas.all_gather(jnp.asarray(score, jnp.float32), plan.replica_axis)
   elif gather:
-    window_losses = replicas.all_gather(st.loss_sum / windows.window_length(plan.sync_windows, st.count),
-                                   plan.replica_axis)
+    window_losses = replicas.all_gather(
+      st.loss_sum / windows.window_length(plan.sync_windows, st.count), plan.replica_axis
+    )
   new_c = c._replace(window_losses=window_losses)
   a = plan.auto_lr
   if a is not None and a.controller == 'fit' and a.backoff:
@@ -95,11 +96,15 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
       new_c = _fit_controller(plan, c, new_c, window_losses, started & ~stopped)
   key, sub = jax.random.split(jax.random.wrap_key_data(c.key))
   new_c = new_c._replace(
-      key=jax.random.key_data(key),
-      perm=multipliers.draw_permutations(sub, len(plan.names), plan.num_replicas))
+    key=jax.random.key_data(key), perm=multipliers.draw_permutations(sub, len(plan.names), plan.num_replicas)
+  )
   return st._replace(
-      controller=new_c, loss_sum=jnp.zeros_like(st.loss_sum), loss_diff_sq_sum=jnp.zeros_like(st.loss_diff_sq_sum),
-      sync_count=st.sync_count + 1, synced=jnp.ones([], bool))
+    controller=new_c,
+    loss_sum=jnp.zeros_like(st.loss_sum),
+    loss_diff_sq_sum=jnp.zeros_like(st.loss_diff_sq_sum),
+    sync_count=st.sync_count + 1,
+    synced=jnp.ones([], bool),
+  )
 
 
 def window_train_loss(plan: Plan, st) -> dict[str, jax.Array]:
@@ -109,8 +114,10 @@ def window_train_loss(plan: Plan, st) -> dict[str, jax.Array]:
   ``se = sqrt(mean_r s_r^2 / n)`` (the steps taken as independent)."""
   n = windows.window_length(plan.sync_windows, st.count).astype(jnp.float32)
   train_loss, var = replicas.pmean((st.loss_sum / n, st.loss_diff_sq_sum / (2.0 * n)), plan.replica_axis)
-  return {'train_loss': jnp.asarray(train_loss, jnp.float32).reshape(()),
-          'train_loss_se': jnp.sqrt(jnp.asarray(var, jnp.float32) / n).reshape(())}
+  return {
+    'train_loss': jnp.asarray(train_loss, jnp.float32).reshape(()),
+    'train_loss_se': jnp.sqrt(jnp.asarray(var, jnp.float32) / n).reshape(()),
+  }
 
 
 def _paper_controller(plan: Plan, c, new_c, window_losses, active):
@@ -121,14 +128,24 @@ def _paper_controller(plan: Plan, c, new_c, window_losses, active):
   # softmax-weighted signal's direction unchanged).
   nominal = values.replica_values(plan, c.base, c.perm).T  # [N, G]
   out = ctrl.controller_update(
-      c.base, c.velocity, window_losses, nominal,
-      temperature=a.temperature, lr_of_lr=a.lr_of_lr, momentum=a.momentum,
-      decay=jnp.asarray(plan.decay, jnp.float32), floor=jnp.asarray(plan.floors, jnp.float32))
+    c.base,
+    c.velocity,
+    window_losses,
+    nominal,
+    temperature=a.temperature,
+    lr_of_lr=a.lr_of_lr,
+    momentum=a.momentum,
+    decay=jnp.asarray(plan.decay, jnp.float32),
+    floor=jnp.asarray(plan.floors, jnp.float32),
+  )
   new_base = jnp.minimum(out.base, jnp.asarray(plan.highs, jnp.float32))
   keep = lambda new, old: jnp.where(active, new, old)
   return new_c._replace(
-      base=keep(new_base, c.base), velocity=keep(out.velocity, c.velocity),
-      weights=keep(out.weights, c.weights), delta=keep(out.delta, c.delta))
+    base=keep(new_base, c.base),
+    velocity=keep(out.velocity, c.velocity),
+    weights=keep(out.weights, c.weights),
+    delta=keep(out.delta, c.delta),
+  )
 
 
 # A fitted slope is confident beyond this many standard errors: the gain grows only on such steps, and settle ends
@@ -144,14 +161,19 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
   # (multiplicative) or the additive offset, under the window's permutations.
   add = np.asarray(plan.additive)
   rho = jnp.take_along_axis(jnp.asarray(plan.scale), c.perm, axis=1)
-  u = jnp.where(add[:, None], jnp.take_along_axis(jnp.asarray(plan.offset), c.perm, axis=1),
-                rho - 1.0).T  # [N, G]
+  u = jnp.where(add[:, None], jnp.take_along_axis(jnp.asarray(plan.offset), c.perm, axis=1), rho - 1.0).T  # [N, G]
   if a.settle:
     u = jnp.where(c.settled[None, :], 0.0, u)  # a settled hyperparameter did not spread
   trust = jnp.asarray([sp if ad else a.trust for sp, ad in zip(plan.spreads, plan.additive)], jnp.float32)
   out = ctrl.fit_update(c.xtx, c.xty, scores, u, jnp.asarray(~add), memory=a.memory, trust=trust)
-  step, gain = ctrl.accelerate(out.step, c.gain, growth=a.step_growth, max_gain=a.max_gain, trust=trust,
-                               confident=jnp.abs(out.slope) > CONFIDENT_STDERRS * out.stderr)
+  step, gain = ctrl.accelerate(
+    out.step,
+    c.gain,
+    growth=a.step_growth,
+    max_gain=a.max_gain,
+    trust=trust,
+    confident=jnp.abs(out.slope) > CONFIDENT_STDERRS * out.stderr,
+  )
   step = jnp.where(rise_only, jnp.maximum(step, 0.0), step)
   settled = c.settled
   if a.settle:  # the climb ends at a second confident ask down in a row once the value has risen above its start
@@ -174,14 +196,28 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
     step, gain = jnp.where(back, -trust, step), jnp.where(back, -1.0, gain)
   keep = lambda new, old: jnp.where(active, new, old)
   return new_c._replace(
-      backed_off=jnp.logical_and(jnp.any(back), active).reshape(()), settled=settled,
-      correction=keep(c.correction + step, c.correction), xtx=keep(out.xtx, c.xtx),
-      xty=keep(out.xty, c.xty), delta=keep(step, c.delta), velocity=keep(out.slope, c.velocity),
-      gain=keep(gain, c.gain), asked=keep(out.step, c.asked), stderr=keep(out.stderr, c.stderr))
+    backed_off=jnp.logical_and(jnp.any(back), active).reshape(()),
+    settled=settled,
+    correction=keep(c.correction + step, c.correction),
+    xtx=keep(out.xtx, c.xtx),
+    xty=keep(out.xty, c.xty),
+    delta=keep(step, c.delta),
+    velocity=keep(out.slope, c.velocity),
+    gain=keep(gain, c.gain),
+    asked=keep(out.step, c.asked),
+    stderr=keep(out.stderr, c.stderr),
+  )
 
 
-def apply_updates(params: Any, updates: Any, state, *, replica_axis: replicas.AxisName = 'data',
-                  sync: bool | None = None, guard_nonfinite: bool = True) -> Any:
+def apply_updates(
+  params: Any,
+  updates: Any,
+  state,
+  *,
+  replica_axis: replicas.AxisName = 'data',
+  sync: bool | None = None,
+  guard_nonfinite: bool = True,
+) -> Any:
   """``optax.apply_updates`` that assigns the replicas' average exactly on sync steps.
 
   For a transformation built with ``exact_sync=True`` (whose sync-step update leaves the
@@ -191,8 +227,19 @@ def apply_updates(params: Any, updates: Any, state, *, replica_axis: replicas.Ax
   ``state`` the :class:`hdet_jax.HDETState` the update returned.
 
   Example:
-    >>> updates, opt_state = tx.update(grads, opt_state, params, value=loss)
-    >>> params = hdet_jax.apply_updates(params, updates, opt_state)
+    >>> import jax, jax.numpy as jnp, optax, hdet_jax
+    >>> tx = hdet_jax.hdet(optax.sgd, 0.1, num_replicas=4, sync_every=2, exact_sync=True)
+    >>> def train_step(params, opt_state, grads):  # one replica's view
+    ...   updates, opt_state = tx.update(grads, opt_state, params)
+    ...   return hdet_jax.apply_updates(params, updates, opt_state), opt_state
+    >>> step = jax.vmap(train_step, axis_name='data')
+    >>> params = hdet_jax.stack_replicas(jnp.ones(3), 4)
+    >>> params, opt_state = step(params, jax.vmap(tx.init)(params), jnp.ones((4, 3)))
+    >>> params[:, 0]  # each replica stepped at its own learning rate
+    Array([0.925     , 0.9083333 , 0.89166665, 0.875     ], dtype=float32)
+    >>> params, opt_state = step(params, opt_state, jnp.ones((4, 3)))  # the window's end
+    >>> bool(opt_state.synced[0]), bool((params == params[0]).all())  # every replica holds the average
+    (True, True)
   """
   new_params = optax.apply_updates(params, updates)
   mean = lambda p: average(p, replica_axis, guard_nonfinite, state.replica_ok)[0]
@@ -200,8 +247,4 @@ def apply_updates(params: Any, updates: Any, state, *, replica_axis: replicas.Ax
     return new_params
   if sync:
     return mean(new_params)
-  return lax.cond(
-      state.synced,
-      lambda p: replicas.match_vma(mean(p), p),
-      lambda p: p,
-      new_params)
+  return lax.cond(state.synced, lambda p: replicas.match_vma(mean(p), p), lambda p: p, new_params)

@@ -54,20 +54,24 @@ class HDETState(NamedTuple):
   shape, so an unread field placed earlier would shift that pairing and cost a copy of every
   later same-shaped field on every step.
   """
-  count: jax.Array          # [] int32: updates applied so far.
-  inner_state: Any          # the wrapped optimizer's state.
-  loss_sum: jax.Array       # [] float32: this replica's sum of ``value`` in the current window.
-  loss_diff_sq_sum: jax.Array  # [] float32: ... and of the squared change of ``value`` from the step before
-                            #   (the back-off's noise estimate; kept only with ``auto_lr.backoff``).
-  last_loss: jax.Array      # [] float32: this replica's last ``value`` (NaN before the first step; ditto).
-  values: jax.Array         # [G, N] float32: every replica's value for the coming step (read them in
-                            #   the forward pass for model and loss hyperparameters).
-  sync_count: jax.Array     # [] int32: syncs (parameter averages) done so far.
+
+  count: jax.Array  # [] int32: updates applied so far.
+  inner_state: Any  # the wrapped optimizer's state.
+  loss_sum: jax.Array  # [] float32: this replica's sum of ``value`` in the current window.
+  # [] float32: this replica's sum of the squared change of ``value`` from the step before, in the current window
+  # (the back-off's noise estimate; kept only with ``auto_lr.backoff``).
+  loss_diff_sq_sum: jax.Array
+  # [] float32: this replica's last ``value`` (NaN before the first step; kept only with ``auto_lr.backoff``).
+  last_loss: jax.Array
+  # [G, N] float32: every replica's value for the coming step (read them in the forward pass for model and loss
+  # hyperparameters).
+  values: jax.Array
+  sync_count: jax.Array  # [] int32: syncs (parameter averages) done so far.
   finite_replicas: jax.Array  # [] int32: replicas that entered the last average (N when all were finite).
-  replica_ok: jax.Array     # [] bool: whether this replica entered the last average.
+  replica_ok: jax.Array  # [] bool: whether this replica entered the last average.
   controller: ctrl.ControllerState  # base for the window, velocity, perm, key, losses, weights, delta.
-  base: jax.Array           # [G] float32: the base value for the coming step.
-  synced: jax.Array         # [] bool: whether the last update was a sync step.
+  base: jax.Array  # [G] float32: the base value for the coming step.
+  synced: jax.Array  # [] bool: whether the last update was a sync step.
 
   @property
   def learning_rates(self) -> jax.Array:
@@ -81,21 +85,21 @@ class HDETState(NamedTuple):
 
 
 def hdet(
-    optimizer: Callable[..., optax.GradientTransformation],
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    num_replicas: int,
-    spread: float = 0.25,
-    sync_every: int | Sequence[int] | None = None,
-    replica_axis: replicas.AxisName = 'data',
-    auto_lr: AutoLR | None = None,
-    exact_sync: bool = False,
-    seed: int = 0,
-    explore: dict[str, Explore | tuple[optax.ScalarOrSchedule, float]] | None = None,
-    param_groups: dict[str, str] | None = None,
-    guard_nonfinite: bool = True,
-    average_opt_state: bool = False,
-    **optimizer_kwargs: Any,
+  optimizer: Callable[..., optax.GradientTransformation],
+  learning_rate: optax.ScalarOrSchedule,
+  *,
+  num_replicas: int,
+  spread: float = 0.25,
+  sync_every: int | Sequence[int] | None = None,
+  replica_axis: replicas.AxisName = 'data',
+  auto_lr: AutoLR | None = None,
+  exact_sync: bool = False,
+  seed: int = 0,
+  explore: dict[str, Explore | tuple[optax.ScalarOrSchedule, float]] | None = None,
+  param_groups: dict[str, str] | None = None,
+  guard_nonfinite: bool = True,
+  average_opt_state: bool = False,
+  **optimizer_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Hyperparameter-Divergent Ensemble Training around an optax optimizer.
 
@@ -187,11 +191,22 @@ def hdet(
     a separate small program, instead of compiling the whole step a second time.
 
   Example:
-    >>> tx = hdet(optax.adam, one_cycle(max_lr=3e-3, total_steps=1000), num_replicas=8,
-    ...           auto_lr=AutoLR(total_steps=1000))  # the guarded climb; T = 67
-    >>> # inside shard_map over 'data', on one replica's params and the pmean'd grads:
-    >>> updates, opt_state = tx.update(grads, opt_state, params, value=loss)
-    >>> params = optax.apply_updates(params, updates)
+    Four replicas on one device (``jax.vmap`` binds the replica axis; :func:`hdet_jax.shard_map_replicas`
+    spreads them over devices):
+
+    >>> import jax, jax.numpy as jnp, optax, hdet_jax
+    >>> tx = hdet_jax.hdet(optax.adamw, hdet_jax.one_cycle(max_lr=3e-3, total_steps=1000), num_replicas=4,
+    ...                    auto_lr=hdet_jax.AutoLR(total_steps=1000), weight_decay=0.1)  # guarded climb, T = 67
+    >>> def train_step(params, opt_state, x):  # one replica's view
+    ...   loss, grads = jax.value_and_grad(lambda p: jnp.mean((x @ p['w']) ** 2))(params)
+    ...   grads = jax.lax.pmean(grads, 'data')  # plain data parallelism
+    ...   updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+    ...   return optax.apply_updates(params, updates), opt_state
+    >>> params = hdet_jax.stack_replicas({'w': jnp.ones(2)}, 4)  # [N, ...] on every leaf
+    >>> opt_state = jax.vmap(tx.init)(params)
+    >>> params, opt_state = jax.vmap(train_step, axis_name='data')(params, opt_state, jnp.ones((4, 8, 2)))
+    >>> [f'{lr:.2g}' for lr in hdet_jax.hyperparams(opt_state)['learning_rate'].tolist()]  # the next step's
+    ['9e-06', '1.1e-05', '1.3e-05', '1.5e-05']
   """
   removed = sorted(set(optimizer_kwargs) & set(REMOVED_ARGUMENTS))
   if removed:
@@ -199,10 +214,21 @@ def hdet(
   if sync_every is None:
     sync_every = windows.default_period(auto_lr.total_steps) if isinstance(auto_lr, AutoLR) else 100
   plan = settings.make_plan(
-      optimizer, learning_rate, num_replicas=num_replicas, spread=spread, sync_every=sync_every,
-      replica_axis=replica_axis, auto_lr=auto_lr, exact_sync=exact_sync, seed=seed, explore=explore,
-      param_groups=param_groups, guard_nonfinite=guard_nonfinite, optimizer_kwargs=optimizer_kwargs,
-      average_opt_state=average_opt_state)
+    optimizer,
+    learning_rate,
+    num_replicas=num_replicas,
+    spread=spread,
+    sync_every=sync_every,
+    replica_axis=replica_axis,
+    auto_lr=auto_lr,
+    exact_sync=exact_sync,
+    seed=seed,
+    explore=explore,
+    param_groups=param_groups,
+    guard_nonfinite=guard_nonfinite,
+    optimizer_kwargs=optimizer_kwargs,
+    average_opt_state=average_opt_state,
+  )
 
   def init_fn(params):
     return init(plan, params)
@@ -213,49 +239,55 @@ def hdet(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-# hdet()'s arguments removed in 1.0 (measured, not adopted), with what to do instead; without this check they would
-# reach the wrapped optimizer as keywords and fail there.
-REMOVED_ARGUMENTS = {'fan': "the learning rates fan out linearly (eq. 1, spread in [0, 1)); drop the argument"}
+# hdet()'s removed arguments, each with what to do instead (research/README.md, 'Retired in 1.0'): without this
+# check they would reach the wrapped optimizer as keywords and fail there.
+REMOVED_ARGUMENTS = {'fan': 'the learning rates fan out linearly (eq. 1, spread in [0, 1)); drop the argument'}
 
 
 def inner_optimizer(plan: Plan, values: list[jax.Array]) -> optax.GradientTransformation:
   """The wrapped optimizer built with one replica's values [G] (per-group LRs: a multi_transform)."""
   hp = dict(zip(plan.names, values))
-  kwargs = {k: v for k, v, to_opt in zip(plan.names, values, plan.to_optimizer)
-            if to_opt and not settings.is_learning_rate(k)}
+  kwargs = {
+    k: v for k, v, to_opt in zip(plan.names, values, plan.to_optimizer) if to_opt and not settings.is_learning_rate(k)
+  }
   make = lambda lr: plan.optimizer(learning_rate=lr, **kwargs, **plan.optimizer_kwargs)
   if not plan.groups:
     return make(hp['learning_rate'])
   return optax.multi_transform(
-      {group: make(hp[f'learning_rate/{group}']) for group, _ in plan.groups},
-      lambda params: group_labels(params, dict(plan.groups)))
+    {group: make(hp[f'learning_rate/{group}']) for group, _ in plan.groups},
+    lambda params: group_labels(params, dict(plan.groups)),
+  )
 
 
 def init(plan: Plan, params: Any) -> HDETState:
   """The state before the first step: the schedules' values at step 0, identity permutations."""
   g, n = len(plan.names), plan.num_replicas
   controller = ctrl.init_controller_state(
-      jnp.asarray(plan.start_values, jnp.float32), n, jax.random.key_data(jax.random.key(plan.seed)),
-      correction=jnp.asarray(plan.initial_correction, jnp.float32))
+    jnp.asarray(plan.start_values, jnp.float32),
+    n,
+    jax.random.key_data(jax.random.key(plan.seed)),
+    correction=jnp.asarray(plan.initial_correction, jnp.float32),
+  )
   start = values_lib.base_values(plan, jnp.zeros([], jnp.int32), controller)
   return HDETState(
-      count=jnp.zeros([], jnp.int32),
-      inner_state=inner_optimizer(plan, list(start)).init(params),
-      loss_sum=jnp.zeros([], jnp.float32),
-      loss_diff_sq_sum=jnp.zeros([], jnp.float32),
-      last_loss=jnp.full([], jnp.nan, jnp.float32),
-      values=values_lib.replica_values(plan, start, multipliers.identity_permutations(g, n), _settled(plan, controller)),
-      sync_count=jnp.zeros([], jnp.int32),
-      finite_replicas=jnp.full([], n, jnp.int32),
-      replica_ok=jnp.ones([], bool),
-      controller=controller,
-      base=start,
-      synced=jnp.zeros([], bool),
+    count=jnp.zeros([], jnp.int32),
+    inner_state=inner_optimizer(plan, list(start)).init(params),
+    loss_sum=jnp.zeros([], jnp.float32),
+    loss_diff_sq_sum=jnp.zeros([], jnp.float32),
+    last_loss=jnp.full([], jnp.nan, jnp.float32),
+    values=values_lib.replica_values(plan, start, multipliers.identity_permutations(g, n), _settled(plan, controller)),
+    sync_count=jnp.zeros([], jnp.int32),
+    finite_replicas=jnp.full([], n, jnp.int32),
+    replica_ok=jnp.ones([], bool),
+    controller=controller,
+    base=start,
+    synced=jnp.zeros([], bool),
   )
 
 
-def update(plan: Plan, updates, state: HDETState, params=None, *, value=None, sync=None, score=None,
-           **extra_args) -> tuple[Any, HDETState]:
+def update(
+  plan: Plan, updates, state: HDETState, params=None, *, value=None, sync=None, score=None, **extra_args
+) -> tuple[Any, HDETState]:
   """One step on one replica: the inner update at this replica's values, then the sync on sync steps.
 
   See :func:`hdet` for the arguments. ``updates=None`` runs only the end of a window.
@@ -266,20 +298,21 @@ def update(plan: Plan, updates, state: HDETState, params=None, *, value=None, sy
     updates = jax.tree.map(jnp.zeros_like, params)
   else:
     updates, state = _inner_step(plan, updates, state, params, value, extra_args)
-  end = lambda ops: sync_lib.end_window(
-      plan, params, *ops, score=score, gather=value is not None or window_end_only)
+  end = lambda ops: sync_lib.end_window(plan, params, *ops, score=score, gather=value is not None or window_end_only)
   if sync is None:
     updates, state = lax.cond(
-        windows.ends_window(plan.sync_windows, state.count),
-        lambda ops: replicas.match_vma(end(ops), ops),
-        lambda ops: ops,
-        (updates, state))
+      windows.ends_window(plan.sync_windows, state.count),
+      lambda ops: replicas.match_vma(end(ops), ops),
+      lambda ops: ops,
+      (updates, state),
+    )
   elif sync:
     updates, state = end((updates, state))
   # What the next step will use (after any reshuffle).
   base = values_lib.base_values(plan, state.count, state.controller)
   return updates, state._replace(
-      base=base, values=values_lib.replica_values(plan, base, state.controller.perm, _settled(plan, state.controller)))
+    base=base, values=values_lib.replica_values(plan, base, state.controller.perm, _settled(plan, state.controller))
+  )
 
 
 def _settled(plan: Plan, controller: ctrl.ControllerState) -> jax.Array | None:
@@ -295,8 +328,9 @@ def _inner_step(plan: Plan, grads, state: HDETState, params, value, extra_args) 
     extra_args = dict(extra_args, value=value)
   updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
   loss = jnp.zeros([], jnp.float32) if value is None else jnp.asarray(value, jnp.float32)
-  state = state._replace(count=state.count + 1, inner_state=inner_state, loss_sum=state.loss_sum + loss,
-                         synced=jnp.zeros([], bool))
+  state = state._replace(
+    count=state.count + 1, inner_state=inner_state, loss_sum=state.loss_sum + loss, synced=jnp.zeros([], bool)
+  )
   if plan.auto_lr is not None and plan.auto_lr.backoff:  # the back-off's noise estimate; no work without it
     change = jnp.where(jnp.isnan(state.last_loss), 0.0, jnp.square(loss - state.last_loss))
     state = state._replace(loss_diff_sq_sum=state.loss_diff_sq_sum + change, last_loss=loss)
@@ -308,28 +342,32 @@ def _check_update_args(plan: Plan, updates, params, value, sync, score) -> None:
   window_end_only = updates is None
   if window_end_only and (sync is not True or params is None or value is not None):
     raise ValueError(
-        'hdet: updates=None runs only the end of a window (the average and the controller, on the '
-        'parameters after the last step): call tx.update(None, state, params, sync=True).')
+      'hdet: updates=None runs only the end of a window (the average and the controller, on the '
+      'parameters after the last step): call tx.update(None, state, params, sync=True).'
+    )
   if score is not None and (sync is False or jnp.ndim(score) != 0):
     raise ValueError(
-        'hdet: score= is this replica\'s scalar loss for the controller at a sync (e.g. on a batch '
-        'common to all replicas); pass it with sync=True (or sync=None on a sync step).')
+      "hdet: score= is this replica's scalar loss for the controller at a sync (e.g. on a batch "
+      'common to all replicas); pass it with sync=True (or sync=None on a sync step).'
+    )
   if plan.auto_lr is not None and value is None and not window_end_only:
     raise ValueError(
-        'hdet: auto_lr is on, so update() needs this replica\'s loss: call '
-        'tx.update(grads, state, params, value=loss).')
+      "hdet: auto_lr is on, so update() needs this replica's loss: call tx.update(grads, state, params, value=loss)."
+    )
   if value is not None and jnp.ndim(value) != 0:
     raise ValueError(
-        f'hdet: value must be this replica\'s scalar loss, got shape {jnp.shape(value)}. '
-        'Reduce the per-example losses to their mean first.')
+      f"hdet: value must be this replica's scalar loss, got shape {jnp.shape(value)}. "
+      'Reduce the per-example losses to their mean first.'
+    )
   if params is None:
     raise ValueError('hdet: update() needs params (the sync averages them).')
   if sync is not None and not isinstance(sync, bool):
     raise ValueError(f'hdet: sync must be None or a Python bool, got {type(sync).__name__}.')
 
 
-def state_shardings(state: HDETState, mesh: jax.sharding.Mesh, replica_axis: str = 'data',
-                    inner_axis: str | None = 'fsdp', **tensor) -> HDETState:
+def state_shardings(
+  state: HDETState, mesh: jax.sharding.Mesh, replica_axis: str = 'data', inner_axis: str | None = 'fsdp', **tensor
+) -> HDETState:
   """Per-leaf shardings of a stacked :class:`HDETState` on a mesh of replica groups (see ``group_shardings``).
 
   The wrapped optimizer's state (Adam's moments: the parameters' shapes, and paths that end with the
@@ -340,7 +378,8 @@ def state_shardings(state: HDETState, mesh: jax.sharding.Mesh, replica_axis: str
   """
   whole = replicas.group_shardings(state, mesh, replica_axis, None)
   return whole._replace(
-      inner_state=replicas.group_shardings(state.inner_state, mesh, replica_axis, inner_axis, **tensor))
+    inner_state=replicas.group_shardings(state.inner_state, mesh, replica_axis, inner_axis, **tensor)
+  )
 
 
 def replica_value(state: HDETState, index: int, replica_axis: replicas.AxisName = 'data') -> jax.Array:

@@ -22,8 +22,9 @@ from hdet_jax.settings import Plan
 def replica_values(plan: Plan, base: jax.Array, perm: jax.Array, settled: jax.Array | None = None) -> jax.Array:
   """[G, N]: every replica's value for base [G] under permutations perm [G, N]; a settled hyperparameter
   ([G] bool, see ``AutoLR.settle``) takes the base on every replica."""
-  v = (base[:, None] * jnp.take_along_axis(jnp.asarray(plan.scale), perm, axis=1)
-       + jnp.take_along_axis(jnp.asarray(plan.offset), perm, axis=1))
+  v = base[:, None] * jnp.take_along_axis(jnp.asarray(plan.scale), perm, axis=1) + jnp.take_along_axis(
+    jnp.asarray(plan.offset), perm, axis=1
+  )
   if settled is not None:
     v = jnp.where(settled[:, None], base[:, None], v)
   return jnp.clip(v, np.asarray(plan.lows, np.float32)[:, None], np.asarray(plan.highs, np.float32)[:, None])

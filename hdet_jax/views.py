@@ -33,8 +33,9 @@ from hdet_jax.transform import HDETState
 
 def find_state(opt_state: Any) -> HDETState:
   """The one :class:`HDETState` in ``opt_state`` (itself, or inside ``optax.chain`` / ``multi_transform``)."""
-  found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, HDETState))
-           if isinstance(x, HDETState)]
+  found = [
+    x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, HDETState)) if isinstance(x, HDETState)
+  ]
   if len(found) != 1:
     raise ValueError(f'hyperparams: expected one HDETState in the optimizer state, found {len(found)}.')
   return found[0]
@@ -59,9 +60,14 @@ def hyperparams(opt_state: Any, names: Sequence[str] | None = None) -> dict[str,
     trains with.
 
   Example:
+    >>> import jax, jax.numpy as jnp, optax, hdet_jax
+    >>> tx = hdet_jax.hdet(optax.sgd, 0.1, num_replicas=4)
+    >>> opt_state = jax.vmap(tx.init)(hdet_jax.stack_replicas({'w': jnp.zeros(3)}, 4))
     >>> hp = hdet_jax.hyperparams(opt_state)  # the stacked state, outside the train step
     >>> hp['learning_rate']  # [N]
+    Array([0.075     , 0.09166667, 0.10833334, 0.125     ], dtype=float32)
     >>> hp['base_learning_rate']  # []
+    Array(0.1, dtype=float32)
   """
   state = find_state(opt_state)
   values, base = jnp.asarray(state.values), jnp.asarray(state.base)
@@ -72,8 +78,9 @@ def hyperparams(opt_state: Any, names: Sequence[str] | None = None) -> dict[str,
   if names is None:
     if g != 1:
       raise ValueError(
-          f'hyperparams: the state explores {g} hyperparameters; pass names=hdet_jax.hyperparam_names('
-          'param_groups=..., explore=...) with the arguments hdet was built with.')
+        f'hyperparams: the state explores {g} hyperparameters; pass names=hdet_jax.hyperparam_names('
+        'param_groups=..., explore=...) with the arguments hdet was built with.'
+      )
     names = ('learning_rate',)
   names = tuple(names)
   if len(names) != g:

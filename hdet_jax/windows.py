@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-# The measured default windows: K syncs a run, each window at most LONGEST_WINDOW steps (docs: the trainer's
-# hdet.num_syncs and hdet.longest_window), so a short run gets as many controller decisions as a long one.
+# The default windows: NUM_SYNCS syncs a run, each window at most LONGEST_WINDOW steps (the trainer's
+# hdet.num_syncs and hdet.longest_window), so a short run gets as many controller decisions as a long one
+# (why 15 and 100: research/workloads_discussion.md, "What changed: windows counted per run").
 NUM_SYNCS = 15
 LONGEST_WINDOW = 100
 
@@ -36,8 +37,9 @@ def as_windows(sync_every: int | Sequence[int]) -> tuple[int, ...]:
   lengths = (sync_every,) if _is_int(sync_every) else tuple(sync_every) if _is_seq(sync_every) else ()
   if not lengths or not all(_is_int(w) and w >= 1 for w in lengths):
     raise ValueError(
-        f'sync_every (T) must be an integer >= 1, or a sequence of them (window lengths in order, the last '
-        f'repeating, e.g. (25, 25, 100)); got {sync_every!r}.')
+      f'sync_every (T) must be an integer >= 1, or a sequence of them (window lengths in order, the last '
+      f'repeating, e.g. (25, 25, 100)); got {sync_every!r}.'
+    )
   return tuple(int(w) for w in lengths)
 
 
@@ -105,7 +107,8 @@ def is_sync_step(sync_every: int | Sequence[int], step: Any) -> Any:
   For a training loop that compiles the sync step apart (``tx.update(..., sync=True)``).
 
   Example:
-    >>> [t for t in range(300) if is_sync_step((25, 25, 100), t)]
+    >>> import hdet_jax
+    >>> [t for t in range(300) if hdet_jax.is_sync_step((25, 25, 100), t)]
     [24, 49, 149, 249]
   """
   ends = ends_window(as_windows(sync_every), step + 1)

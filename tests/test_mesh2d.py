@@ -15,7 +15,6 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
-from hdet_jax import comm
 
 AX, INNER = 'replica', 'fsdp'
 B, D_IN, D_H, D_OUT = 8, 16, 8, 4  # per-group batch; every dim divisible by 2 and 4
@@ -230,6 +229,7 @@ def test_controller_sees_one_loss_per_group_the_groups_mean(groups, size):
 def test_replica_axis_bytes_per_mode_from_the_hlo():
   """Shared gradient: each non-sync step all-reduces the gradient (params' bytes per group
   device) across groups. Low-communication: nothing crosses the groups between syncs."""
+  from benchmarks import comm  # (the checkout's benchmarks/: .ci/newest_jax runs this file on the installed core)
   mesh = mesh2d(4, 2)
   tx = make_tx(4, sync_every=1000, auto_lr=None)
   per_device_params = sum(np.prod(x.shape) * 4 for x in jax.tree.leaves(init_params())) / 2
