@@ -90,7 +90,7 @@ def window_loss(metrics_path: str, step: int, compare_steps: int, diverged_at: i
 def _fields(run: run_settings.RunSettings) -> dict:
   """What defines the bracket: its runs' training fields (at the centre LR) and the bracket's own."""
   return {'training': run.training_fields(run.mesh.num_replicas),
-          'bracket': {k[len('bracket.'):]: v for k, v in run.given.items() if k.startswith('bracket.')}}
+          'bracket': {k[len('bracket.'):]: v for k, v in sorted(run.given.items()) if k.startswith('bracket.')}}
 
 
 def point_config(config: Any, lr: float, stop_at_step: int) -> Any:
