@@ -68,8 +68,8 @@ def faulty_task(task: Any, faults: Mapping[int, Sequence[int] | None]) -> Any:
   import jax.numpy as jnp
 
   class Faulty(type(task)):
-    def load(self, config, num_replicas):
-      data = task.load(config, num_replicas)
+    def load(self, settings, num_replicas):
+      data = task.load(settings, num_replicas)
       return tasks_lib.TaskData(batches=FaultyBatches(data.batches, num_replicas, faults), eval_batch=data.eval_batch,
                                 probe=data.probe, description=f'{data.description}; test faults')
 
@@ -90,7 +90,7 @@ def install(faults: Mapping[int, Sequence[int] | None], setattr_=setattr) -> Non
   ``monkeypatch.setattr``, which undoes it after the test)."""
   from hdet_jax.trainer import tasks as tasks_lib
   get = getattr(tasks_lib.get, 'unfaulted', tasks_lib.get)  # (another install's faults replaced, not added to)
-  faulty_get = lambda config=None: faulty_task(get(config), faults)
+  faulty_get = lambda name='lm': faulty_task(get(name), faults)
   faulty_get.unfaulted = get
   setattr_(tasks_lib, 'get', faulty_get)
 

@@ -10,6 +10,8 @@ import pytest
 
 from hdet_jax.trainer import bracket
 from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import run_settings
+from hdet_jax.trainer import schema
 from hdet_jax.trainer.config_lib import ConfigError
 from trainer_testing import tiny
 
@@ -34,11 +36,11 @@ def test_compute_in_runs():
 
 
 def test_rungs_parse_and_steps():
-  assert config_lib.bracket_rungs('0.1:4, 0.3:1') == [(0.1, 4), (0.3, 1)]
-  assert config_lib.bracket_steps([(0.1, 4), (0.3, 1)], 750) == [75, 225]
-  assert config_lib.bracket_steps([(0.3, 1)], 40) == [12]  # 0.3 * 40 = 11.999...: not 11
+  assert schema.parse_rungs('0.1:4, 0.3:1') == [(0.1, 4), (0.3, 1)]
+  assert schema.rung_steps([(0.1, 4), (0.3, 1)], 750) == [75, 225]
+  assert schema.rung_steps([(0.3, 1)], 40) == [12]  # 0.3 * 40 = 11.999...: not 11
   with pytest.raises(ValueError):
-    config_lib.bracket_rungs('0.1-4')
+    schema.parse_rungs('0.1-4')
 
 
 def test_survivors_rank_by_loss_ties_to_the_lower_lr_and_nonfinite_loses():
@@ -79,20 +81,20 @@ def test_window_loss_reads_the_steps_before_the_rung(tmp_path):
 def test_bad_bracket_settings_are_refused_naming_the_field(over, names):
   config = tiny(**{**PLAIN, 'bracket.points': 8, **over})
   with pytest.raises(ConfigError, match=names.replace('.', r'\.')):
-    config_lib.check_values(config)
+    run_settings.resolve(config)
 
 
 def test_default_config_is_one_run_and_its_bracket_fields_stay_out_of_the_record():
   config = tiny()
   assert config.bracket.points == 0
-  config_lib.check_values(config)
-  fields = config_lib.training_fields(config, 8)
+  fields = run_settings.resolve(config).training_fields(8)
   assert not any(k.startswith('bracket.') for k in fields)
   # A bracket's runs never read bracket.*: no value of them changes a run's identity (its resume, its records).
+  # (The identity of the fields as given: tiny's auto-LR with bracket.points=8 would not resolve.)
   for over in ({'bracket.rungs': '0.1:4,0.3:1'}, {'bracket.points': 8}, {'bracket.factor': 4.0},
                {'bracket.compare_steps': 3}):
-    assert config_lib.training_fields(tiny(**over), 8) == fields, over
-  assert config_lib.training_fields(tiny(**{'seed': 1}), 8) != fields
+    assert run_settings.identity(config_lib.flatten(json.loads(tiny(**over).to_json())), 8) == fields, over
+  assert run_settings.resolve(tiny(**{'seed': 1})).training_fields(8) != fields
 
 
 def test_the_default_rungs_keep_5_then_1_for_2_5_runs():
@@ -100,19 +102,19 @@ def test_the_default_rungs_keep_5_then_1_for_2_5_runs():
   from trainer_testing import ROOT
   config = config_lib.load_config_file(os.path.join(ROOT, 'configs', 'bracket.py'))
   assert (config.bracket.points, config.bracket.factor) == (8, 2.0)
-  assert config_lib.bracket_rungs(config.bracket.rungs) == [(0.1, 5), (0.3, 1)]
-  assert bracket.compute_runs(8, config_lib.bracket_rungs(config.bracket.rungs), 1500) == pytest.approx(2.5)
+  assert schema.parse_rungs(config.bracket.rungs) == [(0.1, 5), (0.3, 1)]
+  assert bracket.compute_runs(8, schema.parse_rungs(config.bracket.rungs), 1500) == pytest.approx(2.5)
 
 
 def test_a_workdir_whose_recorded_fields_hold_bracket_fields_still_resumes(tmp_path):
   """A run written before bracket.* left a run's identity recorded them where not at their defaults."""
   from hdet_jax.trainer import trainer as trainer_lib
-  fields = config_lib.training_fields(tiny(), 8)
+  fields = run_settings.resolve(tiny()).training_fields(8)
   old = {**fields, 'bracket.rungs': '0.1:5,0.3:1', 'bracket.factor': 4.0}
   (tmp_path / 'config.json').write_text(json.dumps({'training_fields': old}))
   assert trainer_lib._check_workdir(str(tmp_path), fields) is False  # (no checkpoints: nothing to resume yet)
   with pytest.raises(ConfigError, match=r'different config \(seed: 0 -> 1\)'):
-    trainer_lib._check_workdir(str(tmp_path), config_lib.training_fields(tiny(seed=1), 8))
+    trainer_lib._check_workdir(str(tmp_path), run_settings.resolve(tiny(seed=1)).training_fields(8))
 
 
 def test_a_workdir_of_another_kind_is_refused_untouched(tmp_path):

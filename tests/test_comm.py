@@ -1,9 +1,9 @@
-"""hdet_jax.comm: collectives read from HLO text, their operand bytes and whether they cross replicas.
+"""benchmarks/comm.py: collectives read from HLO text, their operand bytes and whether they cross replicas.
 
 Lines in the forms XLA:CPU prints (jax 0.10), checked against hand-counted groups and bytes.
 """
 
-from hdet_jax import comm
+from benchmarks import comm
 
 MESH = (4, 2)  # 4 replica groups of 2 devices: device d is in group d // 2
 

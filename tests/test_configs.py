@@ -25,8 +25,8 @@ def test_config_is_valid_and_documented(path):
   doc = ast.get_docstring(ast.parse(open(path).read()))
   assert doc.startswith(f'python train.py --config configs/{name}'), doc.splitlines()[0]
   config = config_lib.load_config_file(path)
-  config_lib.check_values(config)
-  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), 8)
+  run = run_settings.resolve(config)
+  tx = optimizer_lib.make_optimizer(run.optimizer, 8)
   assert callable(tx.update)
 
 

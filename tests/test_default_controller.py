@@ -32,8 +32,9 @@ def _default(steps):
 def test_the_shortest_call_is_the_trainers_controller(steps):
   """The settings and the windows: AutoLR(total_steps=S) and T = round(S / 15) at most 100."""
   config = _default(steps)
-  assert run_settings.auto_lr_settings(config) == hdet_jax.AutoLR(total_steps=steps)
-  assert run_settings.sync_windows(config) == (min(round(steps / 15), 100),) == (windows.default_period(steps),)
+  run = run_settings.resolve(config)
+  assert run.optimizer.auto_lr == hdet_jax.AutoLR(total_steps=steps)
+  assert run.loop.windows == (min(round(steps / 15), 100),) == (windows.default_period(steps),)
 
 
 def _loss(params, batch):
@@ -53,7 +54,8 @@ def test_a_readme_loop_with_the_shortest_call_follows_the_trainers_base_lrs_bit_
       optax.adamw, hdet_jax.one_cycle(max_lr=o.max_lr, total_steps=steps, final_div_factor=o.final_div_factor),
       num_replicas=N, auto_lr=hdet_jax.AutoLR(total_steps=steps), exact_sync=True, b2=o.b2,
       weight_decay=o.weight_decay)
-  trainer = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), N)
+  run = run_settings.resolve(config)
+  trainer = optimizer_lib.make_optimizer(run.optimizer, N)
   assert jax.device_count() >= N
   mesh = Mesh(np.array(jax.devices()[:N]), ('data',))
   rng = np.random.default_rng(0)
@@ -88,7 +90,7 @@ def test_a_readme_loop_with_the_shortest_call_follows_the_trainers_base_lrs_bit_
   np.testing.assert_array_equal(base['library'][0], base['trainer'][0])
   np.testing.assert_array_equal(base['library'][1], base['trainer'][1])
   jax.tree.map(np.testing.assert_array_equal, base['library'][2], base['trainer'][2])
-  schedule = run_settings.schedule(config)
+  schedule = run.optimizer.schedule
   correction = base['library'][0] / np.asarray(jax.vmap(schedule)(jnp.arange(steps)))
   np.testing.assert_allclose(correction[:10], 0.1, rtol=1e-5)  # the cautious start
   assert correction[-1] > 0.15  # ... which the climb raised

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hdet_jax as H
-from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer.tasks import lm_model as model_lib
 from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
 from hdet_jax.trainer.config_lib import sibling
@@ -33,8 +33,9 @@ def test_dropout_rate_really_differs_per_replica():
   """Each replica's dropout rate (from the optimizer state) is what its activations see."""
   config = _tiny()
   n = 8
-  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n)
-  names = run_settings.hyperparam_names(config)
+  run = run_settings.resolve(config)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n)
+  names = run.loop.hyperparam_names
   assert names == ('learning_rate/embedding', 'learning_rate/no_decay', 'learning_rate/weights',
                    'weight_decay', 'dropout', 'label_smoothing')
   graphdef, params = model_lib.split_model(config.model, config.data.seq_len, jax.random.key(0))
@@ -43,7 +44,7 @@ def test_dropout_rate_really_differs_per_replica():
   x = jnp.ones((n, 64, 512))
 
   def measure(state, x):
-    reg, _ = programs_lib.regularization(run_settings.resolve(config).programs, state)
+    reg, _ = programs_lib.regularization(run.programs, state)
     y = model_lib.dropout(x, reg.dropout_rate, reg.dropout_key)
     return jnp.mean(y == 0), reg.dropout_rate
   zero_frac, rates = jax.vmap(measure, axis_name=mesh_lib.AXIS)(state, x)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hdet_jax.trainer import input_pipeline as ip
+from hdet_jax.trainer.tasks import lm_input_pipeline as ip
 
 
 def _synthetic(n_train=20_000, n_val=2_000):

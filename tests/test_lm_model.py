@@ -9,7 +9,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer import metrics
+from hdet_jax.trainer.tasks import lm_model as model_lib
 
 
 def _cfg(d=32, layers=2, heads=4):
@@ -57,7 +58,7 @@ def test_parameter_count_and_abstract_shapes():
   _, params = model_lib.abstract_model(_cfg(d, layers), seq)
   per_block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
   want = 256 * d + seq * d + layers * per_block + 2 * d
-  assert model_lib.num_params(params) == want == 120_576
+  assert metrics.num_params(params) == want == 120_576
   _, real = _init(_cfg(d, layers), seq, jax.random.key(0))
   assert jax.tree.map(lambda s: s.shape, params) == jax.tree.map(lambda s: s.shape, real)
 

@@ -10,7 +10,7 @@ import numpy as np
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
-from hdet_jax.trainer import config_lib, metrics, train_and_evaluate
+from hdet_jax.trainer import config_lib, metrics, run_settings, train_and_evaluate
 from hdet_jax.trainer.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,7 +169,7 @@ def test_tensorboard_is_a_run_setting_not_a_training_field():
   off = config_lib.load_config_file(TINY)
   with off.unlocked():
     off.tensorboard = False
-  assert config_lib.training_fields(off, 8) == config_lib.training_fields(plain, 8)
+  assert run_settings.resolve(off).training_fields(8) == run_settings.resolve(plain).training_fields(8)
 
 
 def test_a_resumed_writer_purges_like_tensorboardx(tmp_path):

@@ -14,6 +14,7 @@ import pytest
 
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import run_settings
+from hdet_jax.trainer import schema
 from hdet_jax.trainer import optimizer as optimizer_lib
 from trainer_testing import leaves, restore_raw, tiny
 
@@ -22,15 +23,20 @@ PLAIN = {'hdet.spread': 0.0, 'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.au
          'num_train_steps': 12, 'log_every': 4, 'eval_every': 0}
 
 
+def _fields(config):
+  """A (partial) config's fields, flattened and completed from the schema: what run_settings' functions read."""
+  return schema.complete(config_lib.flatten(config))
+
+
 @pytest.mark.parametrize('max_lr', [0.03, 0.01, 1e-3, 0.5, 1.0, 3.0, 2.0 ** -7])
 def test_lr_unit_is_the_power_of_two_whose_mantissa_is_in_half_to_one(max_lr):
   config = ml_collections.ConfigDict({'optim': {'max_lr': max_lr, 'runtime_lr_scale': True}})
-  unit = run_settings.lr_unit(config)
+  unit = run_settings.lr_unit(_fields(config))
   mantissa = max_lr / unit
   assert math.log2(unit) == int(math.log2(unit))  # a power of two
   assert 0.5 <= mantissa < 1.0 and mantissa * unit == max_lr  # exact
   config.optim.runtime_lr_scale = False
-  assert run_settings.lr_unit(config) == 1.0
+  assert run_settings.lr_unit(_fields(config)) == 1.0
 
 
 @pytest.mark.parametrize('name', ['one_cycle', 'warmup_cosine', 'constant'])
@@ -41,10 +47,11 @@ def test_every_schedule_at_the_mantissa_times_the_unit_is_the_schedule_bit_for_b
   config = ml_collections.ConfigDict({'num_train_steps': total, 'optim': {
       'schedule': name, 'max_lr': 0.03, 'pct_start': 0.3, 'div_factor': 25.0, 'final_div_factor': 10.0,
       'runtime_lr_scale': True}})
-  unit = run_settings.lr_unit(config)
+  fields = _fields(config)
+  unit = run_settings.lr_unit(fields)
   steps = jnp.arange(total + 3)
-  plain = np.asarray(jax.jit(jax.vmap(run_settings.schedule(config)))(steps))
-  scaled = np.asarray(jax.jit(jax.vmap(run_settings.schedule(config, 0.03 / unit)))(steps)) * np.float32(unit)
+  plain = np.asarray(jax.jit(jax.vmap(run_settings.schedule(fields)))(steps))
+  scaled = np.asarray(jax.jit(jax.vmap(run_settings.schedule(fields, 0.03 / unit)))(steps)) * np.float32(unit)
   assert plain.dtype == scaled.dtype == np.float32
   np.testing.assert_array_equal(scaled, plain)
   if name != 'constant':
@@ -116,7 +123,7 @@ def test_a_run_scaled_at_run_time_is_the_plain_run_bit_for_bit_and_shares_its_pr
   for key in ('lr', 'base_lr', 'values', 'bases'):
     assert [r[key] for r in logged['scaled']] == [r[key] for r in logged['plain']], key
   last = logged['plain'][-1]  # (the run's own LR, 2x the tiny config's 0.01 schedule, not the mantissa's)
-  assert last['lr'][0] == pytest.approx(float(run_settings.schedule(tiny(**PLAIN))(last['step'])) * 2, rel=1e-6)
+  assert last['lr'][0] == pytest.approx(float(run_settings.resolve(tiny(**PLAIN)).optimizer.schedule(last['step'])) * 2, rel=1e-6)
   (scaled_state, _, _), (plain_state, _, _) = (restore_raw(str(tmp_path / k), 12) for k in ('scaled', 'plain'))
   for a, b in zip(leaves(scaled_state['params']), leaves(plain_state['params']), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -128,13 +135,13 @@ def test_a_run_scaled_at_run_time_is_the_plain_run_bit_for_bit_and_shares_its_pr
 
 def test_runtime_lr_scale_is_refused_under_the_controller_and_must_be_a_bool():
   with pytest.raises(config_lib.ConfigError, match=r'optim\.runtime_lr_scale=True .* hdet\.auto_lr=False'):
-    config_lib.check_values(tiny(**{'hdet.auto_lr': True, 'optim.runtime_lr_scale': True}))
+    run_settings.resolve(tiny(**{'hdet.auto_lr': True, 'optim.runtime_lr_scale': True}))
   config = tiny(**PLAIN)  # (overrides keep the default's type; a config file written from scratch need not)
   config.optim = ml_collections.ConfigDict({**config.optim.to_dict(), 'runtime_lr_scale': 1})
   with pytest.raises(config_lib.ConfigError, match=r'optim\.runtime_lr_scale must be True or False, got 1'):
-    config_lib.check_values(config)
-  config_lib.check_values(tiny(**PLAIN, **{'optim.runtime_lr_scale': True}))
-  assert 'optim.runtime_lr_scale' not in config_lib.training_fields(tiny(), 8)  # off: no record's fields change
+    run_settings.resolve(config)
+  run_settings.resolve(tiny(**PLAIN, **{'optim.runtime_lr_scale': True}))
+  assert 'optim.runtime_lr_scale' not in run_settings.resolve(tiny()).training_fields(8)  # off: no record's fields change
 
 
 def test_a_workdir_is_not_resumed_with_the_flag_flipped(tmp_path):
@@ -157,7 +164,9 @@ def test_setting_the_factor_keeps_every_leaf_and_its_layout(fsdp):
   n = 8 // fsdp
   config = tiny(**PLAIN, **{'optim.runtime_lr_scale': True, 'mesh.fsdp': fsdp})
   mesh = mesh_lib.make_mesh(n, fsdp)
-  _, opt_state = programs_lib.make_init(config, optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n), mesh, n)(jax.random.key(0))
+  run = run_settings.resolve(config)
+  _, opt_state = programs_lib.make_init(run.task, run.task_settings, optimizer_lib.make_optimizer(run.optimizer, n), mesh,
+                                        n)(jax.random.key(0))
   is_scaled = lambda x: isinstance(x, optimizer_lib.RuntimeScaleState)
   before = [(np.array(x), x.sharding) for x in jax.tree.leaves(opt_state)]  # (copies: the setter donates)
   factors = [x.scale for x in jax.tree.leaves(opt_state, is_leaf=is_scaled) if is_scaled(x)]

@@ -58,8 +58,8 @@ def test_a_run_whose_programs_differ_builds_its_own(tmp_path, monkeypatch):
 def test_the_key_leaves_out_only_the_loops_fields_and_the_lrs_power_of_two():
   mesh = mesh_lib.make_mesh(8, 1)
   def key(**o):
-    config = tiny(**o)
-    return program_cache.programs_key(config, run_settings.lr_unit(config), 8, mesh, 'data')
+    run = run_settings.resolve(tiny(**o))
+    return program_cache.programs_key(run.given, run.loop.lr_unit, 8, mesh, 'data')
   scaled = {'optim.runtime_lr_scale': True, 'hdet.auto_lr': False}
   assert key(**scaled) == key(**scaled, **{'optim.max_lr': 0.01 * 2 ** 5})  # the power of two is a run-time value
   assert key(**scaled) != key(**scaled, **{'optim.max_lr': 0.03})  # another mantissa: another schedule
@@ -71,9 +71,10 @@ def test_the_key_leaves_out_only_the_loops_fields_and_the_lrs_power_of_two():
   for field, value in (('seed', 1), ('hdet.spread', 0.3), ('optim.weight_decay', 0.2), ('model.d_model', 16),
                        ('num_train_steps', 41), ('hdet.controller', 'paper'), ('log_every', 3)):
     assert key() != key(**{field: value}), field
-  base = program_cache.programs_key(tiny(), 1.0, 8, mesh, 'data')
-  assert base != program_cache.programs_key(tiny(), 1.0, 8, mesh, 'other data')
-  assert base != program_cache.programs_key(tiny(), 1.0, 8, mesh_lib.make_mesh(8, 1, devices=4), 'data')
+  given = run_settings.resolve(tiny()).given
+  base = program_cache.programs_key(given, 1.0, 8, mesh, 'data')
+  assert base != program_cache.programs_key(given, 1.0, 8, mesh, 'other data')
+  assert base != program_cache.programs_key(given, 1.0, 8, mesh_lib.make_mesh(8, 1, devices=4), 'data')
 
 
 def test_only_the_last_configs_are_kept():

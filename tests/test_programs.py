@@ -8,8 +8,8 @@ import numpy as np
 
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import run_settings
-from hdet_jax.trainer import input_pipeline as ip
-from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer.tasks import lm_input_pipeline as ip
+from hdet_jax.trainer.tasks import lm_model as model_lib
 from hdet_jax.trainer import mesh as mesh_lib
 from hdet_jax.trainer import optimizer as optimizer_lib
 from hdet_jax.trainer import programs as programs_lib
@@ -24,16 +24,17 @@ def test_chunked_data_reads_each_steps_batch_at_the_optimizer_count():
   # window end is a program of its own, test_window_end_*), so one program per chunking: half the compiles.
   n, k, steps = 8, 4, 9
   mesh = mesh_lib.make_mesh(n)
-  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n)
+  run = run_settings.resolve(config)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  init = programs_lib.make_init(config, tx, mesh, n)
+  init = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)
   rng = np.random.default_rng(0)
   batches = ip.TrainBatches(rng.integers(0, 256, 200_000, dtype=np.uint8), config.data.seq_len,
                             config.data.batch_size, n, seed=1)
   out = {}
   for chunk in (0, k):
     params, opt_state = init(jax.random.key(0))
-    step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run_settings.resolve(config).programs, chunk_steps=chunk)
+    step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs, chunk_steps=chunk)
     losses = []
     for t in range(steps):
       data = batches.batch(t) if chunk == 0 else batches.chunk(t - t % k, k)
@@ -54,9 +55,10 @@ def _tree_rows_norm(tree):
 def _tiny_start(config, n):
   """(mesh, tx, graphdef, params, opt_state, batches): ``n`` replicas of ``config`` at step 0, on random bytes."""
   mesh = mesh_lib.make_mesh(n)
-  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n)
+  run = run_settings.resolve(config)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
+  params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
   batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8),
                             config.data.seq_len, config.data.batch_size, n, seed=1)
   return mesh, tx, graphdef, params, opt_state, batches
@@ -97,12 +99,13 @@ def _fit_config(**overrides):
 def _window_setup(config, n=8):
   """(n, mesh, tx, graphdef, params, opt_state, data, batches, step program) of a tiny run on n replicas."""
   mesh = mesh_lib.make_mesh(n)
-  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n)
+  run = run_settings.resolve(config)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
+  params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
   data = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8)
   batches = ip.TrainBatches(data, config.data.seq_len, config.data.batch_size, n, seed=1)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run_settings.resolve(config).programs)
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs)
   return n, mesh, tx, graphdef, params, opt_state, data, batches, step
 
 
@@ -115,7 +118,7 @@ def test_window_end_scores_each_replicas_last_iterate_on_the_common_batch():
     params, opt_state, _ = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh))
   windows = ip.probe_windows(data, config.data.seq_len, config.hdet.probe_windows, config.seed, 0)
   common = mesh_lib.put_stacked(np.broadcast_to(windows, (n,) + windows.shape), mesh, batch_dim=1)
-  task = programs_lib.tasks_lib.get(config)
+  task = programs_lib.tasks_lib.get(config.task)
   # (each replica's slice read on the host: slicing the sharded arrays eagerly would queue one multi-device program per
   # leaf and replica, the pattern behind XLA:CPU's in-process all-reduce deadlock; CONTRIBUTING.md)
   host = jax.device_get(params)
@@ -141,8 +144,9 @@ def test_the_rollback_anchor_is_one_copy_per_device_in_the_groups_layout():
   for devices, fsdp in ((1, 1), (2, 1), (None, 2)):
     mesh = mesh_lib.make_mesh(n if fsdp == 1 else 4, fsdp=fsdp, devices=devices)
     reps = n if fsdp == 1 else 4
-    tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), reps, devices)
-    params, opt_state = programs_lib.make_init(config, tx, mesh, reps)(jax.random.key(0))
+    run = run_settings.resolve(config)
+    tx = optimizer_lib.make_optimizer(run.optimizer, reps, devices)
+    params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, reps)(jax.random.key(0))
     if fsdp > 1:
       layout = mesh_lib.layout(mesh, params, opt_state)
       params, inner = jax.device_put(params, layout[0]), jax.device_put(opt_state.inner_state, layout[1].inner_state)

@@ -11,8 +11,8 @@ import pytest
 
 from hdet_jax.trainer import ConfigError, checkpoints, config_lib, tasks, train_and_evaluate
 from hdet_jax.trainer import run_settings
-from hdet_jax.trainer import input_pipeline
-from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer.tasks import lm_input_pipeline as input_pipeline
+from hdet_jax.trainer.tasks import lm_model as model_lib
 from hdet_jax.trainer.metrics import read_metrics
 from hdet_jax.trainer.tasks import mnist1d
 
@@ -24,6 +24,11 @@ REFERENCE = os.path.join(ROOT, 'tests', 'data', 'lm_seam_reference.json')
 
 def _config(path, **overrides):
   return config_lib.with_overrides(config_lib.load_config_file(path), overrides)
+
+
+def _settings(config):
+  """The task's own settings of ``config`` (what every Task method reads)."""
+  return run_settings.resolve(config).task_settings
 
 
 def small_mnist1d(**overrides):
@@ -56,13 +61,15 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
   formats 6 and 7 added."""
   from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs
   n = config.hdet.num_replicas
-  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n, devices)
+  run = run_settings.resolve(config)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n, devices)
   mesh = mesh_lib.make_mesh(n, devices=devices)
-  abstract = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), programs.make_init(config, tx, mesh, n)(k))),
-                            jax.random.key(0))
+  abstract = jax.eval_shape(
+      lambda k: dict(zip(('params', 'opt_state'), programs.make_init(run.task, run.task_settings, tx, mesh, n)(k))),
+      jax.random.key(0))
   abstract = mesh_lib.with_layout(mesh, abstract)
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(mesh))
-  if run_settings.resolve(config).loop.rolls_back:  # the rollback's anchor (formats 7 and 9), which the reference predates
+  if run.loop.rolls_back:  # the rollback's anchor (formats 7 and 9), which the reference predates
     abstract['anchor'] = mesh_lib.anchor_shapes(mesh, abstract)
   ckpt = checkpoints.Checkpointer(workdir, 0)
   state, _ = ckpt.restore(step, abstract)
@@ -96,9 +103,9 @@ def test_lm_runs_bit_for_bit_as_before_the_seam(tmp_path):
   # XLA's flags (tests/conftest.py's or XLA's defaults: they round differently too). This reference names no processor
   # id, so it is compared to float32 rounding everywhere: 40 steps apart by at most 1e-6 relative here (AMD EPYC
   # 26/2/1) under the suite's flags, 8e-8 under XLA's defaults; the bound is a hundred times that.
-  from hdet_jax.trainer import trainer as trainer_lib
+  from hdet_jax.trainer import process
   if (ref['cpu'] and _cpu().startswith(ref['cpu']) and ref.get('cpu_id') == _cpu_id()
-      and ref.get('jax') == jax.__version__ and ref.get('xla_flags') == trainer_lib.machine()['xla_flags']):
+      and ref.get('jax') == jax.__version__ and ref.get('xla_flags') == process.machine()['xla_flags']):
     assert got_evals == ref['evals']
     assert got_train == ref['train_loss']
     fingerprint = checkpoints.read_meta(workdir, 40)['fingerprint']
@@ -112,18 +119,18 @@ def test_lm_runs_bit_for_bit_as_before_the_seam(tmp_path):
 
 
 def test_lm_task_is_the_model_and_pipeline_it_wraps():
-  """The LM task's loss, eval metrics, batches and common batches are model.py's and input_pipeline.py's."""
+  """The LM task's loss, eval metrics, batches and common batches are lm_model.py's and lm_input_pipeline.py's."""
   config = _config(TINY)
-  task = tasks.get(config)
-  assert task is tasks.get(None) and task.name == 'lm'
-  data = task.load(config, 8)
+  task = tasks.get(config.task)
+  assert task is tasks.get() and task.name == 'lm'
+  data = task.load(_settings(config), 8)
   corpus = input_pipeline.load_corpus(None)
   train, val = input_pipeline.split(corpus, config.data.val_fraction)
   want = input_pipeline.TrainBatches(train, 32, 4, 8, config.seed)
   np.testing.assert_array_equal(data.batches.chunk(25, 3), want.chunk(25, 3))
   np.testing.assert_array_equal(data.eval_batch, input_pipeline.validation_windows(val, 32, 8, config.eval_windows))
   np.testing.assert_array_equal(data.probe(3), input_pipeline.probe_windows(train, 32, 16, config.seed, 3))
-  graphdef, params = task.init_model(config, jax.random.key(0))
+  graphdef, params = task.init_model(_settings(config), jax.random.key(0))
   batch = want.batch(0)[0]
   got = task.eval_metrics(graphdef, params, batch)
   assert list(got) == ['loss'] and float(got['loss']) == float(model_lib.loss_fn(graphdef, params, batch))
@@ -153,15 +160,15 @@ def test_mnist1d_data_is_the_packages_generator_deterministic_and_leaves_numpy_a
 
 def test_mnist1d_batches_are_a_function_of_seed_and_step():
   config = small_mnist1d()
-  data = mnist1d.TASK.load(config, 8)
+  data = mnist1d.TASK.load(_settings(config), 8)
   chunk = data.batches.chunk(4, 3)
   assert chunk['x'].shape == (8, 3, 4, 40, 1) and chunk['y'].shape == (8, 3, 4)
   np.testing.assert_array_equal(chunk['x'][:, 1], data.batches.batch(5)['x'])  # a chunk is its steps' batches
   idx = data.batches.indices(0)
   assert len(np.unique(idx)) == idx.size  # within an epoch no two replicas share an example
-  again = mnist1d.TASK.load(config, 8).batches.indices(7)
+  again = mnist1d.TASK.load(_settings(config), 8).batches.indices(7)
   np.testing.assert_array_equal(again, data.batches.indices(7))
-  other = mnist1d.TASK.load(_config(MNIST1D, **{'data.num_samples': 400, 'data.batch_size': 4, 'seed': 1}), 8)
+  other = mnist1d.TASK.load(_settings(_config(MNIST1D, **{'data.num_samples': 400, 'data.batch_size': 4, 'seed': 1})), 8)
   assert not np.array_equal(other.batches.indices(0), idx)
   assert data.eval_batch['x'].shape == (8, 10, 40, 1)  # 80 test examples, 10 per replica
   probe = data.probe(2)
@@ -180,8 +187,8 @@ def _conv1d(x, kernel, bias, stride=2, pad=1):
 
 def test_cnn_loss_on_a_fixed_batch_matches_a_numpy_oracle():
   config = small_mnist1d(**{'model.channels': 5})
-  graphdef, params = mnist1d.TASK.init_model(config, jax.random.key(3))
-  data = mnist1d.TASK.load(config, 8)
+  graphdef, params = mnist1d.TASK.init_model(_settings(config), jax.random.key(3))
+  data = mnist1d.TASK.load(_settings(config), 8)
   batch = data.batches.batch(0)
   batch = {'x': batch['x'][0], 'y': batch['y'][0]}
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
@@ -218,10 +225,10 @@ def test_mnist1d_trains_through_the_trainer(tmp_path):
 
 def test_mlp_loss_on_a_fixed_batch_matches_a_numpy_oracle():
   config = small_mnist1d(**{'model.kind': 'mlp', 'model.hidden': 7})
-  graphdef, params = mnist1d.TASK.init_model(config, jax.random.key(4))
+  graphdef, params = mnist1d.TASK.init_model(_settings(config), jax.random.key(4))
   assert sorted(params) == ['dense1', 'dense2', 'linear']
   assert sum(a.size for a in jax.tree.leaves(params)) == (40 * 7 + 7) + (7 * 7 + 7) + (7 * 10 + 10)
-  batch = mnist1d.TASK.load(config, 8).batches.batch(0)
+  batch = mnist1d.TASK.load(_settings(config), 8).batches.batch(0)
   batch = {'x': batch['x'][0], 'y': batch['y'][0]}
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
   h = batch['x'].astype(np.float64).reshape(len(batch['x']), -1)
@@ -238,7 +245,7 @@ def test_mlp_hidden_kernels_are_the_conv_group():
   """Per-group LRs: the MLP's dense kernels fall in the group the CNN's convolutions form ('conv')."""
   from hdet_jax.param_groups import group_labels
   config = small_mnist1d(**{'model.kind': 'mlp', 'model.hidden': 7})
-  _, params = mnist1d.TASK.init_model(config, jax.random.key(0))
+  _, params = mnist1d.TASK.init_model(_settings(config), jax.random.key(0))
   labels = group_labels(params, mnist1d.TASK.param_groups)
   assert labels['dense1']['kernel'] == labels['dense2']['kernel'] == 'conv'
   assert labels['linear']['kernel'] == 'head' and labels['dense1']['bias'] == 'no_decay'
@@ -251,8 +258,8 @@ def test_mlp_trains_through_the_trainer_and_is_a_run_of_its_own(tmp_path):
   assert s['final_val_loss'] < np.log(10) - 0.05
   # The CNN at the same fields is another run (model.kind is in its identity); the default CNN's identity has
   # neither new field, so workdirs and records made before the MLP existed still resume.
-  cnn = config_lib.training_fields(small_mnist1d(), 8)
-  assert config_lib.training_fields(config, 8)['model.kind'] == 'mlp'
+  cnn = run_settings.resolve(small_mnist1d()).training_fields(8)
+  assert run_settings.resolve(config).training_fields(8)['model.kind'] == 'mlp'
   assert 'model.kind' not in cnn and 'model.hidden' not in cnn
 
 

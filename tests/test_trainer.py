@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from hdet_jax.trainer import ConfigError, config_lib, train_and_evaluate
+from hdet_jax.trainer import ConfigError, train_and_evaluate
 from hdet_jax.trainer.metrics import read_metrics
 from hdet_jax.trainer.trainer import format_summary
 from process_testing import free_port, process_env, run_two_processes
@@ -296,10 +296,10 @@ def test_unknown_config_key_on_the_command_line(tmp_path, with_config, override,
 def test_a_workdir_of_a_removed_field_is_refused_untouched(tmp_path):
   """A workdir whose run set a field removed in 1.0 (its config.json's training fields): one error naming the field
   and what to do, before anything is written; nothing in the workdir changes."""
-  from hdet_jax.trainer import config_lib
+  from hdet_jax.trainer import run_settings
   workdir = tmp_path / 'old'
   workdir.mkdir()
-  fields = {**config_lib.training_fields(tiny(), 8), 'hdet.fan': 'geometric'}
+  fields = {**run_settings.resolve(tiny()).training_fields(8), 'hdet.fan': 'geometric'}
   (workdir / 'config.json').write_text(json.dumps({'training_fields': fields}))
   before = _snapshot(str(workdir))
   with pytest.raises(ConfigError, match=r"set hdet\.fan='geometric': hdet\.fan was removed in hdet-jax 1\.0: .*new --workdir"):
@@ -498,30 +498,6 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(straight
   a = np.array([r['loss'] for r in read_metrics(os.path.join(ref, 'metrics.jsonl'))['train']])
   b = np.array([r['loss'] for r in read_metrics(metrics)['train']])
   assert a.shape == b.shape and float(np.max(np.abs(a - b))) <= 2e-6
-
-
-def test_gpu_runs_get_xla_deterministic_ops_unless_told_otherwise(monkeypatch):
-  from hdet_jax.trainer import trainer as trainer_lib
-  flag = '--xla_gpu_deterministic_ops=true'
-  # The pure rule: only with a GPU, appended to what is there, never over the user's own setting.
-  assert trainer_lib.deterministic_xla_flags('', gpu=False) == ''
-  assert trainer_lib.deterministic_xla_flags('', gpu=True) == flag
-  assert trainer_lib.deterministic_xla_flags('--xla_dump_to=d', gpu=True) == f'--xla_dump_to=d {flag}'
-  assert trainer_lib.deterministic_xla_flags('--xla_gpu_deterministic_ops=false', gpu=True) == (
-      '--xla_gpu_deterministic_ops=false')
-  # setup_jax applies it on a CUDA install (faked here), before the backend reads XLA_FLAGS ...
-  monkeypatch.setattr(trainer_lib, 'cuda_installed', lambda: True)
-  monkeypatch.setenv('XLA_FLAGS', '--xla_dump_to=d')
-  trainer_lib.setup_jax(tiny())
-  assert os.environ['XLA_FLAGS'] == f'--xla_dump_to=d {flag}'
-  # ... and not with deterministic_gpu=False, or without CUDA (this CPU machine's own answer).
-  monkeypatch.setenv('XLA_FLAGS', '')
-  trainer_lib.setup_jax(tiny(deterministic_gpu=False))
-  assert os.environ['XLA_FLAGS'] == ''
-  monkeypatch.undo()
-  assert not trainer_lib.cuda_installed()
-  # A resumed run may change it (it steers rounding on GPUs only): not a training field.
-  assert 'deterministic_gpu' in config_lib.RUN_FIELDS
 
 
 def test_the_loop_keeps_one_program_in_flight_on_several_cpu_devices(monkeypatch, tmp_path):

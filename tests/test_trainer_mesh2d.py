@@ -11,12 +11,12 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import hdet_jax
-from hdet_jax import comm
+from benchmarks import comm
 from hdet_jax.param_groups import path_string
 from hdet_jax.trainer import config_lib, train_and_evaluate
-from hdet_jax.trainer import run_settings
-from hdet_jax.trainer import input_pipeline as ip
-from hdet_jax.trainer import model as model_lib
+from hdet_jax.trainer import metrics, run_settings
+from hdet_jax.trainer.tasks import lm_input_pipeline as ip
+from hdet_jax.trainer.tasks import lm_model as model_lib
 from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,11 +29,12 @@ def tiny(**overrides):
 
 def run_steps(config, mesh, n, steps):
   """``steps`` trainer steps (the window end after each sync) on ``mesh``; (params, opt_state, losses)."""
-  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n)
+  run = run_settings.resolve(config)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
+  params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
   layout = mesh_lib.layout(mesh, params, opt_state)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run_settings.resolve(config).programs, shardings=layout)
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs, shardings=layout)
   window_end = programs_lib.make_window_end(tx, mesh, shardings=layout)
   batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8),
                             config.data.seq_len, config.data.batch_size, n, seed=1)
@@ -41,7 +42,7 @@ def run_steps(config, mesh, n, steps):
   for t in range(steps):
     params, opt_state, m = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh, batch_dim=1))
     losses.append(np.asarray(m['loss']))
-    if hdet_jax.is_sync_step(run_settings.sync_windows(config), t):
+    if hdet_jax.is_sync_step(run.loop.windows, t):
       params, opt_state, _ = window_end(params, opt_state)
     if layout is not None:  # the layout holds after every program, sync or not
       for tree, want in zip((params, opt_state), layout):
@@ -105,14 +106,15 @@ def test_low_communication_switch_removes_the_gradient_all_reduce_across_groups(
   test_replica_axis_bytes_per_mode_from_the_hlo)."""
   mesh, n = mesh_lib.make_mesh(4, 2), 4
   config = tiny(**{'hdet.low_communication': True, 'hdet.score': 'window'})
-  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n)
+  run = run_settings.resolve(config)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, abstract = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
+  params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
   data = mesh_lib.put_stacked(np.zeros((n, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run_settings.resolve(config).programs,
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs,
                             shardings=mesh_lib.layout(mesh, params, opt_state))
   got = comm.replica_axis_bytes(step.lower(params, opt_state, data).compile().as_text(), (4, 2))
-  assert got < 64 < model_lib.num_params(abstract)  # no gradient crosses groups
+  assert got < 64 < metrics.num_params(abstract)  # no gradient crosses groups
 
 
 def test_bad_mesh_config_is_one_clear_error(tmp_path):
