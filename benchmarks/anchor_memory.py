@@ -1,6 +1,6 @@
 """The rollback's memory: what the guard's anchor costs per device, counted in bytes (no timing).
 
-The default config rolls back (``hdet.rollback``, resolved by ``config_lib.guard``): it keeps the state the
+The default config rolls back (``hdet.rollback``, resolved by ``run_settings.guard``): it keeps the state the
 last sync left, the anchor, to return to where the back-off fires. Every replica holds the same parameters after
 a sync and the same wrapped optimizer state throughout, so the trainer keeps one copy of it per device
 (``programs.make_anchor``); a copy per replica, the layout before, costs N / D times that on each of D devices.
@@ -27,7 +27,8 @@ os.environ.setdefault('JAX_NUM_CPU_DEVICES', '8')
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hdet_jax.trainer import config_lib, input_pipeline as ip, mesh as mesh_lib, model as model_lib  # noqa: E402
+from hdet_jax.trainer import config_lib, mesh as mesh_lib  # noqa: E402
+from hdet_jax.trainer.tasks import lm_input_pipeline as ip  # noqa: E402
 from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import optimizer as optimizer_lib, programs as programs_lib  # noqa: E402
 
@@ -46,26 +47,28 @@ def footprint(compiled) -> int:
 
 
 def measure(config, devices: int) -> dict:
-  n = config.hdet.num_replicas
+  run = run_settings.resolve(config)
+  n, task, settings = run.mesh.num_replicas, run.task, run.task_settings
   mesh = mesh_lib.make_mesh(n, devices=devices)
-  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n, devices)
-  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
+  tx = optimizer_lib.make_optimizer(run.optimizer, n, devices)
+  graphdef, _ = task.abstract_model(settings)
+  params, opt_state = programs_lib.make_init(task, settings, tx, mesh, n)(jax.random.key(0))
   dev = mesh.devices.flat[0]
   anchor = programs_lib.make_anchor(mesh, tx)(params, opt_state)
   rng = np.random.default_rng(0)
-  windows = ip.probe_windows(rng.integers(0, 256, 100_000, dtype=np.uint8), config.data.seq_len,
-                             config.hdet.probe_windows, config.seed, 0)
+  windows = ip.probe_windows(rng.integers(0, 256, 100_000, dtype=np.uint8), settings.data.seq_len,
+                             settings.probe_windows, settings.seed, 0)
   common = mesh_lib.put_stacked(np.broadcast_to(windows, (n,) + windows.shape), mesh, batch_dim=1)
-  end = lambda c, *rest: programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=run_settings.resolve(c).programs).lower(
+  end = lambda programs, *rest: programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=programs).lower(
       params, opt_state, common, *rest).compile()
-  plain = config_lib.with_overrides(config.copy_and_resolve_references(), {'hdet.rollback': False})
+  no_rollback = config_lib.with_overrides(config.copy_and_resolve_references(), {'hdet.rollback': False})
+  plain = run_settings.resolve(no_rollback).programs
   return {
       'devices': devices, 'per_device': n // devices,
       'state': device_bytes((params, opt_state), dev),
       'anchor': device_bytes(anchor, dev),
       'anchor_per_replica': device_bytes((params, opt_state.inner_state), dev),
-      'window_end': footprint(end(config, anchor)),
+      'window_end': footprint(end(run.programs, anchor)),
       'window_end_no_rollback': footprint(end(plain)),
   }
 

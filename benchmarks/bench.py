@@ -217,7 +217,7 @@ def bench_fixed_work(size_name, runners, graphdef=None, shape=None, mesh=None):
 # ------------------------------------------------------------------------------------------------
 MEM_VARIANTS = {
     # The trainer's way: programs compiled ahead of time (HDET's sync program first), then the
-    # compiler's freed heap returned to the OS (trainer.release_host_memory), then the steps.
+    # compiler's freed heap returned to the OS (process.release_host_memory), then the steps.
     'plain_donate': Variant('plain_donate', 'plain', donate=True),
     'hdet_split_donate': Variant('split', 'hdet', 'split', donate=True, exact_sync=True, sync_every=2),
     # Compiled lazily by the first calls, nothing released: what a plain script does.
@@ -245,9 +245,9 @@ def memory_child(size_name, vname, steps):
   graphdef, _ = C.model_lib.abstract_model(m, seq)
   r = Runner(v, graphdef, m, seq, batch, mesh, phase='loop')
   if vname in AOT_MEMORY:
-    from hdet_jax.trainer import trainer
+    from hdet_jax.trainer import process
     r.compile_ahead()
-    trainer.release_host_memory()
+    process.release_host_memory()
   r.run(steps)  # crosses steps // T syncs (compiling lazily where nothing was compiled ahead).
   peak, current = _vm('VmHWM'), _vm('VmRSS')
   state_bytes = sum(int(x.nbytes) for x in jax.tree.leaves((r.params, r.opt_state)))
@@ -482,7 +482,7 @@ SECTIONS = [
      'Target: at most 1.05. CPU: host RSS (`VmHWM` / `VmRSS` of the child process); the 8 simulated '
      'devices live in host RAM. GPU: also the device allocator\'s `memory_stats()["peak_bytes_in_use"]`. The donating variants run the trainer\'s way: every program compiled '
      'before the first step, then the compiler\'s freed heap returned to the OS '
-     '(`trainer.release_host_memory`, glibc `malloc_trim`); the others compile lazily and release nothing. '
+     '(`process.release_host_memory`, glibc `malloc_trim`); the others compile lazily and release nothing. '
      'The compiled footprint is `memory_analysis()` of the larger of the step programs '
      '(arguments + outputs + temporaries - aliased, i.e. donated, bytes).'),
     ('compile', '## 3. Compilation (default model)',

@@ -35,7 +35,7 @@ def _train_points(config_path: str, points: int, steps: int, runtime: bool, keep
   from jax import monitoring
   from hdet_jax.trainer import bracket, config_lib, train_and_evaluate
   from hdet_jax.trainer import program_cache, trainer
-  from hdet_jax.trainer.trainer import setup_jax
+  from hdet_jax.trainer.process import setup_jax
   counts, seconds = collections.Counter(), collections.Counter()
   monitoring.register_event_listener(lambda event, **kw: counts.update([event]))
 

@@ -33,9 +33,9 @@ N = 8
 # ----------------------------------------------------------------------------------------------
 # Model: the trainer's flax.nnx TransformerLM.
 # ----------------------------------------------------------------------------------------------
-from hdet_jax.trainer import model as model_lib  # noqa: E402
+from hdet_jax.trainer.tasks import lm_model as model_lib  # noqa: E402
 
-MODEL_SOURCE = 'hdet_jax.trainer.model.TransformerLM'
+MODEL_SOURCE = 'hdet_jax.trainer.tasks.lm_model.TransformerLM'
 
 
 def default_model_config():

@@ -19,7 +19,7 @@ adamw)))``, same global micro-batch of 32 rows), four ways:
 * **plain**: plain_linen's step (no HDET) on a 1-D mesh of 8 devices.
 
 For each: XLA's cost analysis (flops, bytes accessed; a conditional counts as its costliest branch), the
-collectives of the compiled HLO (``hdet_jax.comm``) by op, the per-device bytes of those that cross replicas,
+collectives of the compiled HLO (``benchmarks/comm.py``) by op, the per-device bytes of those that cross replicas,
 split into those that run on every step and those inside a conditional's branch (HDET's window-end average), all
 collective bytes, and the median step time over interleaved rounds (each round calls every program K times, in a
 fresh random order), with its ratio to the shard_map path's. ``--write`` replaces (or appends) this benchmark's
@@ -53,7 +53,7 @@ import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import hdet_jax  # noqa: E402
-from hdet_jax import comm  # noqa: E402
+from benchmarks import comm  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / 'examples' / 'add_to_trainer'
@@ -355,7 +355,8 @@ def section(measured: dict, command: str) -> list[str]:
           "`jax.vmap(spmd_axis_name='replica')` with the new path's shardings; plain is plain_linen on a 1-D mesh "
           'of 8; the control row is the shard_map path on the new path\'s layout (the linen annotations\' '
           'shardings, unboxed, in place of `group_shardings`). Bytes are per device, from the compiled HLO '
-          '(`hdet_jax.comm`); "in branches" = inside a conditional\'s branch (runs only when its predicate says so); '
+          '(`benchmarks/comm.py`); "in branches" = inside a conditional\'s branch '
+          '(runs only when its predicate says so); '
           'XLA\'s cost analysis counts a conditional as its costliest branch.', ''] + table(measured) + [''] + [' '.join(reading(measured)), ''] + [
               NOTE.format(note) for note in measured['notes'].values()] + ([''] if measured['notes'] else [])
 

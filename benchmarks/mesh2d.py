@@ -8,7 +8,7 @@ inside a group), 4x1x2 (tensor parallel inside) and 2x2x2 (both) over 8 devices,
 global batch (64 windows a step: data.batch_size = 64 / groups) and the main job's model at T = 25:
 
 * bytes moved across the replica axis, per device, counted from the compiled HLO
-  (``hdet_jax.comm``): the step program (every step) and the window end (every T steps), for the
+  (``benchmarks/comm.py``): the step program (every step) and the window end (every T steps), for the
   shared-gradient mode, the low-communication mode, and the latter with ``average_opt_state``;
   per step = step + window end / T; and the bytes of the collectives inside a group (FSDP's gathers
   and scatters, tensor parallelism's activation all-reduces) in the step program;
@@ -38,10 +38,10 @@ import optax  # noqa: E402
 from jax import lax  # noqa: E402
 
 import hdet_jax as H  # noqa: E402
-from hdet_jax import comm  # noqa: E402
+from benchmarks import comm  # noqa: E402
 from hdet_jax.trainer import config_lib  # noqa: E402
 from hdet_jax.trainer import run_settings
-from hdet_jax.trainer import model as model_lib  # noqa: E402
+from hdet_jax.trainer.tasks import lm_model as model_lib  # noqa: E402
 from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,22 +69,24 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   """(config, mesh, params, opt_state, step, window_end, data, window end's further arguments): the trainer's
   programs, compiled."""
   config = config_for(groups, overrides)
+  run = run_settings.resolve(config)
   mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
-  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), groups)
-  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = programs_lib.make_init(config, tx, mesh, groups)(jax.random.key(0))
+  tx = optimizer_lib.make_optimizer(run.optimizer, groups)
+  graphdef, _ = run.task.abstract_model(run.task_settings)
+  params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, groups)(jax.random.key(0))
   layout = mesh_lib.layout(mesh, params, opt_state)
-  windows = np.zeros((groups, config.data.batch_size, config.data.seq_len + 1), np.uint8)
+  d = run.task_settings.data
+  windows = np.zeros((groups, d.batch_size, d.seq_len + 1), np.uint8)
   data = mesh_lib.put_stacked(windows, mesh, batch_dim=1)
-  probe = mesh_lib.put_stacked(np.zeros((groups, config.hdet.probe_windows, config.data.seq_len + 1), np.uint8),
+  probe = mesh_lib.put_stacked(np.zeros((groups, run.task_settings.probe_windows, d.seq_len + 1), np.uint8),
                          mesh, batch_dim=1)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run_settings.resolve(config).programs, shardings=layout).lower(
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs, shardings=layout).lower(
       params, opt_state, data).compile()
   # The window end's further arguments: the common batch, and the rollback's anchor where the config rolls back.
   shardings = mesh_lib.anchor_layout(mesh, params, opt_state.inner_state)
   anchor = ([programs_lib.make_anchor(mesh, tx, shardings)(params, opt_state)]
-            if run_settings.resolve(config).loop.rolls_back else [])
-  window_end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=run_settings.resolve(config).programs, shardings=layout).lower(
+            if run.loop.rolls_back else [])
+  window_end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=run.programs, shardings=layout).lower(
       params, opt_state, probe, *anchor).compile()
   return config, mesh, params, opt_state, step, window_end, data, (probe, *anchor)
 
@@ -177,13 +179,15 @@ def bare_step(graphdef, tx, hdet: bool, sync: bool):
 def compiled_pair(groups: int, fsdp: int, tensor: int, sync_every: int):
   """{'plain', 'nosync', 'sync'}: (compiled program, args) of bare steps on the layout."""
   config = config_for(groups, {'hdet.sync_every': sync_every, 'hdet.score': 'window'})
+  run = run_settings.resolve(config)
   mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
-  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params = programs_lib.make_init(config, optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), groups), mesh, groups)(jax.random.key(0))[0]
-  data = mesh_lib.put_stacked(np.zeros((groups, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
-  o = config.optim
-  txs = {'plain': optax.adamw(o.max_lr, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
-         'hdet': optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), groups)}
+  graphdef, _ = run.task.abstract_model(run.task_settings)
+  o = run.optimizer
+  txs = {'plain': optax.adamw(run.given['optim.max_lr'], b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
+         'hdet': optimizer_lib.make_optimizer(o, groups)}
+  params = programs_lib.make_init(run.task, run.task_settings, txs['hdet'], mesh, groups)(jax.random.key(0))[0]
+  d = run.task_settings.data
+  data = mesh_lib.put_stacked(np.zeros((groups, d.batch_size, d.seq_len + 1), np.uint8), mesh, 1)
   out = {}
   for name, hdet, sync in (('plain', False, False), ('nosync', True, False), ('sync', True, True)):
     tx = txs['hdet' if hdet else 'plain']

@@ -53,26 +53,29 @@ def _default_config(**overrides):
 def _programs(probe_windows: int):
   """(config, {name: compiled program}, {name: a call running it once to completion}) for the step and the
   window end with each score."""
-  from hdet_jax.trainer import input_pipeline, model as model_lib, mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib, run_settings
+  from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib, run_settings
+  from hdet_jax.trainer.tasks import lm_input_pipeline as input_pipeline
   config = _default_config(**{'hdet.probe_windows': probe_windows})
+  run = run_settings.resolve(config)
+  d = run.task_settings.data
   n = jax.device_count()
   mesh = mesh_lib.make_mesh(n)
-  tx = optimizer_lib.make_optimizer(run_settings.optimizer_settings(config), n)
-  graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
-  params, opt_state = programs_lib.make_init(config, tx, mesh, n)(jax.random.key(0))
-  train = input_pipeline.split(input_pipeline.load_corpus(None), config.data.val_fraction)[0]
-  batches = input_pipeline.TrainBatches(train, config.data.seq_len, config.data.batch_size, n, 0)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n)
+  graphdef, _ = run.task.abstract_model(run.task_settings)
+  params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
+  train = input_pipeline.split(input_pipeline.load_corpus(None), d.val_fraction)[0]
+  batches = input_pipeline.TrainBatches(train, d.seq_len, d.batch_size, n, 0)
   data = mesh_lib.put_stacked(batches.chunk(0, 25), mesh)
-  probe = input_pipeline.probe_windows(train, config.data.seq_len, probe_windows, 0, 0)
+  probe = input_pipeline.probe_windows(train, d.seq_len, probe_windows, 0, 0)
   probe = mesh_lib.put_stacked(np.broadcast_to(probe, (n,) + probe.shape), mesh)
-  programs = {'step': programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run_settings.resolve(config).programs, chunk_steps=25).lower(
-      params, opt_state, data).compile()}
+  programs = {'step': programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs,
+                                                   chunk_steps=25).lower(params, opt_state, data).compile()}
   inputs = {'step': [data]}
   for score, extra in (('window', []), ('common', [probe])):
-    c = _default_config(**{'hdet.score': score, 'hdet.probe_windows': probe_windows})
+    r = run_settings.resolve(_default_config(**{'hdet.score': score, 'hdet.probe_windows': probe_windows}))
     name = f'window end ({"window score" if score == "window" else "common batch"})'
-    extra = extra + ([programs_lib.make_anchor(mesh, tx)(params, opt_state)] if run_settings.resolve(c).loop.rolls_back else [])
-    programs[name] = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=run_settings.resolve(c).programs).lower(
+    extra = extra + ([programs_lib.make_anchor(mesh, tx)(params, opt_state)] if r.loop.rolls_back else [])
+    programs[name] = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=r.programs).lower(
         params, opt_state, *extra).compile()
     inputs[name] = extra  # (the common batch, and the rollback's anchor where the config rolls back)
   state = [params, opt_state]  # donation consumes the inputs: one live state threads through every call

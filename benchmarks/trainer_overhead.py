@@ -79,7 +79,8 @@ class _Compiled:
 
 @contextlib.contextmanager
 def _instrumented(clock):
-  from hdet_jax.trainer import checkpoints, input_pipeline, mesh as mesh_lib, metrics, programs as programs_lib
+  from hdet_jax.trainer import checkpoints, mesh as mesh_lib, metrics, programs as programs_lib
+  from hdet_jax.trainer.tasks import lm_input_pipeline as input_pipeline
   patches = [
       (programs_lib, 'make_train_step', lambda *a, **k: _Compiled(original['make_train_step'](*a, **k), clock, 'step')),
       (programs_lib, 'make_window_end', lambda *a, **k: _Compiled(original['make_window_end'](*a, **k), clock, 'step')),
@@ -117,7 +118,7 @@ def _config(steps):
 
 
 def measure(steps: int = 500) -> dict:
-  from hdet_jax.trainer import optimizer as optimizer_lib, program_cache, trainer, run_settings
+  from hdet_jax.trainer import program_cache, run_settings, trainer
   config = _config(steps)
   with tempfile.TemporaryDirectory() as workdir:
     plain = trainer.train_and_evaluate(config, workdir)
@@ -135,7 +136,7 @@ def measure(steps: int = 500) -> dict:
   outside = (loop_s - sec['step']) / loop_s
   other = loop_s - sum(sec.values())
   parts = ', '.join(f'{p} {sec[p]:.2f} s ({sec[p] / loop_s * 100:.1f}%)' for p in PHASES[1:])
-  period = run_settings.sync_windows(config)[-1]  # T (hdet.sync_every 0: counted per run)
+  period = run_settings.resolve(config).loop.windows[-1]  # T (hdet.sync_every 0: counted per run)
   layout = (f'{summary["num_replicas"]} replicas on {summary["num_devices"]} {jax.devices()[0].platform.upper()} '
             f'device(s)')
   head = (f'trainer[default config, {layout}, {steps} steps, T={period}, log every {config.log_every}, '

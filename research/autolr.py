@@ -38,7 +38,7 @@ import numpy as np
 
 from research import autolr_report
 from research import records
-from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import run_settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +67,7 @@ _ACCEL = {**_RISE, 'hdet.step_growth': 2.0, 'hdet.max_gain': 4.0}
 _K15_CAP100 = {**_ACCEL, 'hdet.stop_fraction': 0.01, 'hdet.sync_every': 0, 'hdet.num_syncs': 15,
                'hdet.longest_window': 100}
 # The guard off (configs/default.py leaves it at None: on for the 'fit' controller).
-GUARD_OFF = {f'hdet.{k}': v for k, v in config_lib.GUARD_OFF.items()}
+GUARD_OFF = {f'hdet.{k}': v for k, v in run_settings.GUARD_OFF._asdict().items()}
 _ROLLBACK_SE2 = {'hdet.backoff': True, 'hdet.rollback': True, 'hdet.backoff_stderrs': 2.0}
 # The default since the guard (configs/default.py's None fields, written out so its records stay its own).
 _GUARDED = {**_K15_CAP100, **_ROLLBACK_SE2, 'hdet.backoff_fraction': 0.05, 'hdet.settle': True}
@@ -481,7 +481,7 @@ def checked_base_config(task_overrides: dict, quick: bool):
       if key not in known and not any(k.startswith(key + '.') for k in known):
         raise KeyError(f'no field named {key!r} (the fields, each with a comment, are in configs/default.py)')
     base = base_config(task_overrides, quick)
-    config_lib.check_values(base)
+    run_settings.resolve(base)  # (raises ConfigError, a ValueError, naming the field)
   except (KeyError, AttributeError, TypeError, ValueError) as e:
     print(f'error: bad --config override: {e.args[0] if e.args else e}', file=sys.stderr)
     sys.exit(2)
@@ -527,13 +527,13 @@ def run_stages(cache: records.RunCache, args: argparse.Namespace, task_overrides
 
 def main(argv=None):
   args, task_overrides = parse_args(sys.argv[1:] if argv is None else argv)
-  from hdet_jax.trainer import trainer
+  from hdet_jax.trainer import process
   tag = task_tag(task_overrides, args.quick)
   work_root = os.path.join(args.workdir or os.path.join(REPO, 'workdirs', 'autolr_quick' if args.quick else 'autolr'), tag)
   records_dir = os.path.join(work_root, 'records') if args.quick else os.path.join(REPO, 'results', 'autolr', 'runs', tag)
   base = checked_base_config(task_overrides, args.quick)
   cache = records.RunCache(records_dir, work_root, make_record, describe)
-  trainer.setup_jax(base)
+  process.setup_jax(base)
   run_stages(cache, args, task_overrides, int(base.num_train_steps))
   # Another task's report goes beside its records, never over the default task's results/autolr.md.
   out = args.out or (work_root if args.quick else os.path.join(REPO, 'results') if tag == 'default'

@@ -113,10 +113,10 @@ def distinct_runs(records: list[dict]) -> list[dict]:
 def compares_after(record: dict, window: int) -> bool:
   """Whether the run compared its replicas on a common batch, at their last iterates, after fixed windows of
   ``window`` steps, trained on the shared gradient (the records :func:`ask_thresholds` reads)."""
-  import ml_collections
-  from hdet_jax.trainer import optimizer as optimizer_lib, run_settings
+  from hdet_jax.trainer import config_lib, run_settings, schema
   h = record['config']['hdet']
-  windows = run_settings.sync_windows(ml_collections.ConfigDict(record['config']))  # however T was set
+  # however T was set (an old record's fields, completed as the schema reads them; not validated)
+  windows = run_settings.sync_windows(schema.complete(config_lib.flatten(record['config'])))
   # (records written before 1.0 may hold fields removed then, read here as data: a tail's mean, or an annealed
   # copy, is another point than the last iterate, so other asks; early windows are other windows)
   return (h.get('score') == 'common' and windows == (window,) and not h.get('early_sync_every', 0)
@@ -218,10 +218,9 @@ def _best_schedule(grid: dict, grid_best: dict | None) -> np.ndarray | None:
   if not grid_best or not grid.get(grid_best['lr']):
     return None
   import jax
-  import ml_collections
-  from hdet_jax.trainer import optimizer as optimizer_lib, run_settings
-  config = ml_collections.ConfigDict(grid[grid_best['lr']][0]['config'])
-  return np.asarray(jax.jit(jax.vmap(run_settings.schedule(config)))(np.arange(int(config.num_train_steps))), float)
+  from hdet_jax.trainer import config_lib, run_settings, schema
+  f = schema.complete(config_lib.flatten(grid[grid_best['lr']][0]['config']))  # (a record's: not validated)
+  return np.asarray(jax.jit(jax.vmap(run_settings.schedule(f)))(np.arange(int(f['num_train_steps']))), float)
 
 
 def _fmt(s: dict | None, digits=3) -> str:

@@ -109,13 +109,13 @@ def train_probe(cell: str, seeds: list[int], quick: bool, work_root: str, start:
   trains it (its config, its seed) to the bracket's last rung, with its loss at every rung (the bracket's own
   statistic). The bracket's records hold its loss at the first rung only; this says what the last rung would have
   seen (cached records)."""
-  from hdet_jax.trainer import bracket, config_lib
+  from hdet_jax.trainer import bracket, schema
   for seed in seeds:
     path, lr = probe_path(cell, seed, quick, work_root, start), probe_lr(cell, seed, quick, work_root, start)
     if lr is None or os.path.exists(path):
       continue
     config = bracket_mode.config_for(cell, start, seed, quick, work_root)
-    steps = config_lib.bracket_steps(config_lib.bracket_rungs(config.bracket.rungs), config.num_train_steps)
+    steps = schema.rung_steps(schema.parse_rungs(config.bracket.rungs), config.num_train_steps)
     workload, total, optim = bracket_mode.parse_cell(cell)
     workdir = os.path.join(work_root, 'bracket_straddle_probe', workload, f'steps{total}', f'{optim}_below_{_tag(start, seed)}')
     summary = _train_point(config, lr, steps[-1], workdir)

@@ -312,8 +312,8 @@ def eight_seed_lines(eight: dict) -> list[str]:
 
 
 def compute_runs(keep: int, quick: bool) -> float:
-  from hdet_jax.trainer import bracket, config_lib
-  (first, k), *rest = config_lib.bracket_rungs(fields(quick)['bracket.rungs'])
+  from hdet_jax.trainer import bracket, schema
+  (first, k), *rest = schema.parse_rungs(fields(quick)['bracket.rungs'])
   return bracket.compute_runs(fields(quick)['bracket.points'], [(first, keep)] + rest, 1000)
 
 
@@ -400,10 +400,10 @@ def check_path(cell: str, quick: bool, work_root: str) -> str:
 def check(spec: str, quick: bool, work_root: str) -> dict:
   """Trains the bracket of ``cell:start:seed`` for real with its first rung keeping ``min(keeps)`` and compares its
   kept point and final with the composition's."""
-  from hdet_jax.trainer import bracket, config_lib
+  from hdet_jax.trainer import bracket, schema
   *cell, start, seed = spec.split(':')
   cell, seed, keep = ':'.join(cell), int(seed), min(keeps(quick))
-  (first, _), *rest = config_lib.bracket_rungs(fields(quick)['bracket.rungs'])
+  (first, _), *rest = schema.parse_rungs(fields(quick)['bracket.rungs'])
   rungs = ','.join(f'{f:g}:{k}' for f, k in [(first, keep)] + rest)
   workdir = os.path.join(work_root, 'finer_grid', 'check')
   shutil.rmtree(workdir, ignore_errors=True)

@@ -196,8 +196,8 @@ def train_fresh(site: Site, seeds: list[int]) -> None:
 
 def rung_steps(site: Site) -> list[int]:
   """The steps the default bracket's rungs compare at, in this check's runs."""
-  from hdet_jax.trainer import config_lib
-  return config_lib.bracket_steps(config_lib.bracket_rungs(BRACKET['bracket.rungs']), plan(site)['steps'])
+  from hdet_jax.trainer import schema
+  return schema.rung_steps(schema.parse_rungs(BRACKET['bracket.rungs']), plan(site)['steps'])
 
 
 def rung_trace(lr: float, seed: int, site: Site) -> dict:

@@ -34,7 +34,7 @@ def finite_or_none(x: Any) -> float | None:
   return x if math.isfinite(x) else None
 
 
-# The fields removed from the trainer in hdet-jax 1.0 (``hdet_jax.trainer.config_lib.REMOVED``), at the values every
+# The fields removed from the trainer in hdet-jax 1.0 (``hdet_jax.trainer.compat.REMOVED``), at the values every
 # run trained with unless it set them (0.x's defaults; ``log_noise_scale`` only steered logging): a record written
 # before 1.0 holds them, and where it holds these values its run is the one today's config trains.
 REMOVED_DEFAULTS = {'hdet.fan': 'linear', 'hdet.score_tail': 0.0, 'hdet.score_anneal': 0.0, 'hdet.early_sync_every': 0,
@@ -54,17 +54,17 @@ def without_removed(flat: dict) -> dict:
 def write_json(path: str, obj: Any, **dump_kwargs) -> None:
   """Writes ``obj`` to ``path`` (its folder made) through a temporary file and a rename: a reader, or a run killed
   midway, sees the old file or the whole new one."""
-  from hdet_jax.trainer import trainer  # (imported here: a report that only reads records needs no jax)
+  from hdet_jax.trainer import process  # (imported here: a report that only reads records needs no jax)
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-  trainer.write_json_atomic(path, obj, **dump_kwargs)
+  process.write_json_atomic(path, obj, **dump_kwargs)
 
 
 def write_record(path: str, rec: dict, **dump_kwargs) -> None:
   """Writes a run's record as :func:`write_json` does, naming the machine that trained it (``machine``, from
-  ``trainer.machine()``, unless ``rec`` has one): XLA rounds differently by CPU model, so records compare bit for bit
+  ``process.machine()``, unless ``rec`` has one): XLA rounds differently by CPU model, so records compare bit for bit
   only where it matches."""
-  from hdet_jax.trainer import trainer
-  write_json(path, {**rec, 'machine': rec.get('machine') or trainer.machine()}, **dump_kwargs)
+  from hdet_jax.trainer import process
+  write_json(path, {**rec, 'machine': rec.get('machine') or process.machine()}, **dump_kwargs)
 
 
 def mean_or_none(values: list) -> float | None:
@@ -165,10 +165,10 @@ class RunCache:
     with open(p, encoding='utf-8') as f:
       rec = json.load(f)
     if match:
-      from hdet_jax.trainer import config_lib
+      from hdet_jax.trainer import compat, config_lib, run_settings
       # A field added after the record was written matches at the value every run then had; one left at None
       # ("wherever it applies") at what it resolved to.
-      recorded = config_lib.resolved({**config_lib.QUIET_DEFAULTS, **config_lib.flatten(rec['config'])})
+      recorded = run_settings.resolved({**compat.QUIET_DEFAULTS, **config_lib.flatten(rec['config'])})
       if any(k not in recorded or recorded[k] != v for k, v in match.items()):
         return None
     return rec
@@ -219,7 +219,7 @@ class RunCache:
 
   def _train(self, name: str, config: Any, keep_workdir: bool) -> dict:
     """Trains ``config`` in run ``name``'s workdir and writes its record."""
-    from hdet_jax.trainer import trainer
+    from hdet_jax.trainer import process, trainer
     workdir = self.workdir(name)
     t0 = time.time()
     summary = trainer.train_and_evaluate(config, workdir)
@@ -227,7 +227,7 @@ class RunCache:
       self.log(f'  {name}: preempted; rerun to resume.')
       sys.exit(143)
     rec = self.make_record(name, config, summary, workdir, time.time() - t0)
-    rec.setdefault('machine', summary.get('machine') or trainer.machine())  # (records compare bit for bit only there)
+    rec.setdefault('machine', summary.get('machine') or process.machine())  # (records compare bit for bit only there)
     self.write(name, rec)
     if not keep_workdir:
       shutil.rmtree(workdir, ignore_errors=True)  # the record holds what the report needs

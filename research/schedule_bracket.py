@@ -347,8 +347,8 @@ def main(argv=None):
       p.error(f'--starts: {s!r} is not one of {", ".join(autolr.STARTS)}')
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
   if not args.report_only:
-    from hdet_jax.trainer import trainer
-    trainer.setup_jax(workloads.base_config('lm', 16, args.quick))  # 8 CPU devices, as the sweep's runs had
+    from hdet_jax.trainer import process
+    process.setup_jax(workloads.base_config('lm', 16, args.quick))  # 8 CPU devices, as the sweep's runs had
   out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
   print('\n'.join(f'  {path}' for path in write_report(out, measure(args, work_root), args.quick)))
 

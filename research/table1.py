@@ -103,15 +103,15 @@ def experiment_config(base: str, settings: dict, *, lr: float, seed: int, init_f
 
 def run_key(config) -> dict:
   """The fields a cached record must match: the training fields, less the warm start's (machine's) path."""
-  from hdet_jax.trainer import config_lib
-  flat = config_lib.resolved(config_lib.flatten(json.loads(config.to_json())))
-  return {k: v for k, v in flat.items() if config_lib.defines_a_run(k) and k != 'init_from'}
+  from hdet_jax.trainer import config_lib, run_settings, schema
+  flat = run_settings.resolved(config_lib.flatten(json.loads(config.to_json())))
+  return {k: v for k, v in flat.items() if schema.defines_a_run(k) and k != 'init_from'}
 
 
 def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -> dict:
   """The run's record from the trainer's summary and metrics: what the report and the LR choice read."""
   from hdet_jax.trainer import metrics as metrics_lib
-  from hdet_jax.trainer import model as model_lib
+  from hdet_jax.trainer.tasks import lm_model as model_lib
   m = metrics_lib.read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   loss = [np.asarray(r['loss'], np.float32) for r in m['train']]  # [N] each, as the trainer computed them
   values = [np.asarray(r['values']) for r in m['train']]  # [G, N] each
@@ -273,12 +273,12 @@ def main(argv=None):
                      'them anew.')
 
   from absl import logging
-  from hdet_jax.trainer import trainer
+  from hdet_jax.trainer import process
   logging.set_verbosity(logging.ERROR)  # orbax warns at every read-only open of the warm checkpoint
   settings = dict(steps=STEPS, warmup=WARMUP, grid=GRID, seeds=SEEDS)
   if args.quick:
     settings.update(QUICK)
-  trainer.setup_jax(experiment_config('default', settings, lr=1.0, seed=0))
+  process.setup_jax(experiment_config('default', settings, lr=1.0, seed=0))
   t0 = time.time()
   ex = Experiment(records.RunCache(records_dir, work_root, make_record, describe), settings, args.report_only)
   sweep, choice, named = sweep_and_choose(ex)

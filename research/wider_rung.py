@@ -107,7 +107,7 @@ def _scratch(cell: str, start: str, seed: int, lr: float, what: str, work_root: 
 def probe(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: str, train: bool = True) -> dict | None:
   """The bracket's point at ``lr`` trained to its last rung, with its loss at every rung (cached; None where it is
   not recorded and ``train`` is off)."""
-  from hdet_jax.trainer import bracket, config_lib
+  from hdet_jax.trainer import bracket, schema
   path = probe_path(cell, start, seed, lr, quick, work_root)
   got = _load(path)
   if got is not None or not train:
@@ -117,7 +117,7 @@ def probe(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: s
     steps, losses, source = straddle['rung_steps'], straddle['losses'], 'bracket_straddle'
   else:
     config = config_for(cell, start, seed, quick, work_root)
-    steps = config_lib.bracket_steps(config_lib.bracket_rungs(config.bracket.rungs), config.num_train_steps)
+    steps = schema.rung_steps(schema.parse_rungs(config.bracket.rungs), config.num_train_steps)
     workdir = _scratch(cell, start, seed, lr, 'rungs', work_root)
     summary = bracket_straddle._train_point(config, lr, steps[-1], workdir)
     losses = [bracket.window_loss(summary['metrics'], s, config.bracket.compare_steps, summary['diverged_at'])
@@ -189,8 +189,8 @@ def compose(cell: str, start: str, seed: int, quick: bool, work_root: str, train
 
 def wider_rungs(k: int, quick: bool) -> list[tuple[float, int]]:
   """The bracket's rungs with the first keeping ``k`` more."""
-  from hdet_jax.trainer import config_lib
-  (fraction, kept), *rest = config_lib.bracket_rungs(bracket_fields(quick)['bracket.rungs'])
+  from hdet_jax.trainer import schema
+  (fraction, kept), *rest = schema.parse_rungs(bracket_fields(quick)['bracket.rungs'])
   return [(fraction, kept + k)] + rest
 
 
@@ -288,10 +288,10 @@ def _row_line(cell: str, start: str, r: dict) -> str:
 
 
 def write_report(out_dir: str, rows: dict, quick: bool) -> str:
-  from hdet_jax.trainer import config_lib
+  from hdet_jax.trainer import schema
   k1, k2 = EXTRA
   b = bracket_fields(quick)
-  n, (first, last) = b['bracket.points'], config_lib.bracket_rungs(b['bracket.rungs'])
+  n, (first, last) = b['bracket.points'], schema.parse_rungs(b['bracket.rungs'])
   name = lambda k: f'{n}-{first[1] + k}-{last[1]}'
   c = {k: compute_runs(next(iter(rows), QUICK_CELL), k, quick) for k in (0,) + EXTRA}
   lines = [f'# A wider first rung: the bracket keeping {first[1] + k1} or {first[1] + k2} of its {n} points at {first[0]:g} of the run', '',

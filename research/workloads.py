@@ -141,13 +141,13 @@ def record_variant(variant: str, workload: str, steps: int) -> str:
   SAME_RUNS_FROM (before it, if it is one) that trains the same config there (the same fields but the two that set the windows, and the same
   windows). The default's 15 syncs of at most 100 steps are fit_K15's windows below 1500 steps and autolr.py's
   T=100 from 1500 on: those records are its runs, bit for bit (research/tests/test_workloads.py checks one)."""
-  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib, run_settings
+  from hdet_jax.trainer import config_lib, run_settings, schema
 
   def trained(v, optim):
     c = config_lib.with_overrides(base_config(workload, steps, False),
                                   autolr.run_overrides('hdet', optim, 0.01, 0, steps, variant=v))
-    flat = {k: x for k, x in config_lib.flatten(c).items() if k not in _WINDOW_FIELDS}
-    return flat, run_settings.sync_windows(c)
+    flat = config_lib.flatten(c)
+    return {k: x for k, x in flat.items() if k not in _WINDOW_FIELDS}, run_settings.sync_windows(schema.complete(flat))
 
   # A variant of SAME_RUNS_FROM may read only those before it (the first to have trained a run keeps it).
   earlier = SAME_RUNS_FROM[:SAME_RUNS_FROM.index(variant)] if variant in SAME_RUNS_FROM else SAME_RUNS_FROM
@@ -169,20 +169,20 @@ def alias_quiet_run(cache: records.RunCache, name: str, config, sibling: str) ->
   """Writes run ``name``'s record (``config``) from the strict back-off run ``sibling``'s, where that run's loss
   never rose and the two configs differ only in the back-off's threshold and rollback (see QUIET_BACKOFF_FROM).
   The record keeps ``same_run_as``: the run it was read from. Returns whether it wrote one."""
-  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib, run_settings
+  from hdet_jax.trainer import compat, config_lib, run_settings, schema
   rec = cache.get(sibling)
   if rec is None or os.path.exists(cache.path(name)) or not never_rose(rec):
     return False
   new = json.loads(config.to_json())
   ours = config_lib.flatten(new)
   # (a record written before 1.0 holds the fields removed then: at their old defaults it trains what ours does)
-  theirs = config_lib.with_quiet_defaults(records.without_removed(config_lib.flatten(rec['config'])), ours)
+  theirs = compat.with_quiet_defaults(records.without_removed(config_lib.flatten(rec['config'])), ours)
   # (run fields steer logging only, and a bracket's fields are not read by one run: a record made before one
   # existed, or changed, still trains the same)
-  differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k) and config_lib.defines_a_run(k)}
+  differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k) and schema.defines_a_run(k)}
   windows = differ & _WINDOW_FIELDS  # the same windows written another way (see record_variant)
-  if windows and run_settings.sync_windows(config) == run_settings.sync_windows(
-      config_lib.with_overrides(config, {k: theirs[k] for k in windows})):
+  windows_of = lambda flat: run_settings.sync_windows(schema.complete(flat))  # (theirs need not validate)
+  if windows and windows_of(ours) == windows_of({**ours, **{k: theirs[k] for k in windows}}):
     differ -= windows
   if not differ <= _BACKOFF_FIELDS or not theirs.get('hdet.backoff') or theirs.get('hdet.backoff_stderrs', 0.0) != 0.0:
     raise ValueError(f'{name} is not {sibling} but for the back-off threshold and rollback: {sorted(differ)}')
@@ -472,9 +472,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv=None):
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  from hdet_jax.trainer import trainer
+  from hdet_jax.trainer import process
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
-  trainer.setup_jax(base_config('lm', 16, args.quick))
+  process.setup_jax(base_config('lm', 16, args.quick))
   results, all_runs = {}, {}
   for workload in args.workloads:
     metric = 'val_loss' if workload == 'mnist1d' else 'val_bits_per_byte'

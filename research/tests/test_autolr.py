@@ -217,7 +217,7 @@ def test_the_report_averages_over_the_sweeps_seeds_whatever_trained():
 def test_retired_variants_are_refused_and_their_records_still_reported(capsys):
   """The variants whose knob was removed in 1.0 train no more (--variants refuses them), but the report reads their
   committed records, in the order they were measured; every live variant sets only fields today's config has."""
-  from hdet_jax.trainer import config_lib
+  from hdet_jax.trainer import compat, config_lib
   with pytest.raises(SystemExit) as e:
     A.parse_args(['--variants', 'fit_lr,fit_common'])
   assert e.value.code == 2 and 'retired in 1.0' in capsys.readouterr().err
@@ -227,4 +227,4 @@ def test_retired_variants_are_refused_and_their_records_still_reported(capsys):
   base = config_lib.flatten(A.base_config({}, False))
   for v in A.VARIANT_SETTINGS:
     o = A.run_overrides('hdet', 'adamw', 0.03, 0, 1500, variant=v)
-    assert set(o) <= set(base) and not set(o) & set(config_lib.REMOVED), v
+    assert set(o) <= set(base) and not set(o) & set(compat.REMOVED), v

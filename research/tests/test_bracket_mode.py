@@ -54,8 +54,8 @@ def test_quick_trains_a_bracket_and_reports_it(tmp_path):
   assert rec['compute_runs'] == pytest.approx((3 * 8 + 8) / 16)
   assert np.isfinite(rec['final_metric'])
   import jax, jaxlib
-  from hdet_jax.trainer import trainer
-  assert rec['machine'] == {'cpu': trainer.cpu_model(), 'platform': 'cpu', 'device_kind': 'cpu',
+  from hdet_jax.trainer import process
+  assert rec['machine'] == {'cpu': process.cpu_model(), 'platform': 'cpu', 'device_kind': 'cpu',
                             'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'xla_flags': os.environ['XLA_FLAGS']}
   assert not os.path.exists(os.path.join(str(tmp_path), 'bracket_mode', 'lm', 'steps16', 'adamw_best_s0'))
   rows = [l for l in open(tmp_path / 'bracket_mode.md').read().splitlines() if l.startswith('| lm:16:adamw |')]
@@ -66,10 +66,10 @@ def test_the_lm_cell_from_the_best_is_configs_bracket_py():
   """The report's LM row at 1500 steps from the best is what ``python train.py --config configs/bracket.py`` trains:
   the same runs; the default rungs keep 5 at 0.1 where the report's kept 4, and on that cell the fifth point changed
   no seed's kept run (results/wider_rung.json), so the same kept LR and final metric."""
-  from hdet_jax.trainer import config_lib
+  from hdet_jax.trainer import config_lib, run_settings
   mine = config_lib.load_config_file(os.path.join(exp.REPO, 'configs', 'bracket.py'))
   theirs = exp.config_for('lm:1500:adamw', 'best', 0, False, '/unused')
-  assert config_lib.training_fields(theirs, 8) == config_lib.training_fields(mine, 8)
+  assert run_settings.resolve(theirs).training_fields(8) == run_settings.resolve(mine).training_fields(8)
   assert mine.optim.max_lr == exp.anchor_lr('lm:1500:adamw', False)
   assert {**theirs.bracket.to_dict(), 'rungs': '0.1:5,0.3:1'} == mine.bracket.to_dict()
   assert theirs.bracket.rungs == '0.1:4,0.3:1'

@@ -83,8 +83,8 @@ def _first_difference(got: bytes, want: bytes) -> str:
 
 @pytest.mark.parametrize('study', REGENERABLE)
 def test_report_only_redraws_the_committed_page_byte_for_byte(study, tmp_path, monkeypatch, capsys):
-  from hdet_jax.trainer import trainer
-  monkeypatch.setattr(trainer, 'setup_jax', lambda *a, **k: None)  # nothing trains: leave this process's JAX as it is
+  from hdet_jax.trainer import process
+  monkeypatch.setattr(process, 'setup_jax', lambda *a, **k: None)  # nothing trains: leave this process's JAX as it is
   importlib.import_module(f'research.{study}').main(['--report-only', '--out', str(tmp_path)])
   capsys.readouterr()
   page = REPO / INDEX[study]['page']

@@ -23,12 +23,13 @@ def _fake_train_and_evaluate(calls):
   Peak LRs above 0.1 'crash' (their loss grows), so the sweep's choice is known: high 0.3, low 0.3 / 9.
   """
   from hdet_jax.trainer import metrics
-  from hdet_jax.trainer import optimizer as optimizer_lib, run_settings
+  from hdet_jax.trainer import run_settings
 
   def run(config, workdir):
     calls.append((os.path.basename(workdir), config.init_from, config.optim.max_lr))
     os.makedirs(workdir, exist_ok=True)
-    names, n, steps = list(run_settings.hyperparam_names(config)), 8, config.num_train_steps
+    loop = run_settings.resolve(config).loop
+    names, n, steps = list(loop.hyperparam_names), 8, config.num_train_steps
     lr, rng = config.optim.max_lr, np.random.default_rng(config.seed)
     w = metrics.MetricsWriter(os.path.join(workdir, 'metrics.jsonl'))
     w.write('hyperparams', step=0, names=names)
@@ -36,7 +37,7 @@ def _fake_train_and_evaluate(calls):
       loss = 5.5 + (s / steps) * (3.0 if lr > 0.1 else -2.0) + 0.01 * rng.random(n)
       w.write('train', step=s, loss=loss.astype(np.float32), lr=np.full(n, lr), base_lr=lr, sync=False,
               values=np.full((len(names), n), lr), bases=np.full(len(names), lr))
-      if (s + 1) % min(run_settings.sync_windows(config)[-1], config.log_every) == 0:
+      if (s + 1) % min(loop.windows[-1], config.log_every) == 0:
         w.write('distance', step=s, distance=rng.random(n), mean_norm=10.0)
     w.close()
     return {'step': steps, 'final_val_loss': 3.0 + (lr > 0.1), 'setup_s': 0.0, 'preempted': False}

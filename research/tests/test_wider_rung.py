@@ -53,8 +53,8 @@ def test_quick_composes_the_wider_bracket_as_a_real_one_trains_it(quick):
   checked = exp.check(f'{CELL}:best:0', True, work)
   assert checked['rungs'] == '0.25:4,0.5:1' and checked['equal'], checked
   check_rec = json.load(open(exp.check_path(CELL, 'best', 0, True, work), encoding='utf-8'))
-  from hdet_jax.trainer import trainer
-  assert check_rec.pop('machine')['cpu'] == trainer.cpu_model() and check_rec == checked  # the record names its machine
+  from hdet_jax.trainer import process
+  assert check_rec.pop('machine')['cpu'] == process.cpu_model() and check_rec == checked  # the record names its machine
   assert math.isfinite(checked['bracket']['final_metric'])
   saved = json.load(open(os.path.join(work, 'wider_rung.json'), encoding='utf-8'))
   assert saved['compute_runs'] == {'5-2-1': (5 * 4 + 2 * 4 + 8) / 16, '5-3-1': (5 * 4 + 3 * 4 + 8) / 16,

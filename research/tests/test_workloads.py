@@ -46,8 +46,8 @@ def test_report_values_are_the_records_primary_metric(quick):
     r = res[workload]['16']['adamw']
     lr = min(recs, key=lambda k: recs[k]['val_bpb'])
     assert r['grid_best']['lr'] == lr and r['grid_best']['value'] == recs[lr]['val_bpb']
-    from hdet_jax.trainer import trainer
-    assert all(rec['machine']['cpu'] == trainer.cpu_model() and rec['machine']['jax'] == jax.__version__
+    from hdet_jax.trainer import process
+    assert all(rec['machine']['cpu'] == process.cpu_model() and rec['machine']['jax'] == jax.__version__
                for rec in recs.values())  # each record names the machine it was trained on
     if workload == 'mnist1d':
       assert recs[lr]['metric'] == 'val_loss' and recs[lr]['val_bpb'] < np.log(10) + 0.1
@@ -103,20 +103,21 @@ def test_cache_keys_are_fields_the_runs_configs_hold(workload):
 def test_the_reported_variant_is_the_workloads_default_config(workload):
   """The HDET the report calls the default trains what the workload's config trains at every run length: the same
   sync windows, controller settings and comparison (so the tables describe `python train.py --config ...`)."""
-  from hdet_jax.trainer import config_lib, optimizer as optimizer_lib, run_settings
+  from hdet_jax.trainer import config_lib, run_settings
   for steps in workloads.lengths(workload, False):
     config = workloads.base_config(workload, steps, False)
     variant = workloads.record_variant(workloads.DEFAULT_VARIANT, workload, steps)
     ran = config_lib.with_overrides(workloads.base_config(workload, steps, False), autolr.run_overrides(
         'hdet', 'adamw', config.optim.max_lr, config.seed, steps, variant=variant))
-    assert run_settings.sync_windows(ran) == run_settings.sync_windows(config), (workload, steps)
-    first_sync = run_settings.sync_windows(config)[0]
+    run, default = run_settings.resolve(ran), run_settings.resolve(config)
+    assert run.loop.windows == default.loop.windows, (workload, steps)
+    first_sync = default.loop.windows[0]
     # A stop before the first sync makes the same decisions wherever it falls (rise-only from the first sync).
     same = lambda a: dataclasses.replace(a, stop_steps=-1 if a.stop_steps is not None and a.stop_steps < first_sync
                                          else a.stop_steps)
-    assert same(run_settings.auto_lr_settings(ran)) == same(run_settings.auto_lr_settings(config)), (workload, steps)
+    assert same(run.optimizer.auto_lr) == same(default.optimizer.auto_lr), (workload, steps)
     # The back-off's guard, the rollback (a trainer setting, not the controller's) included.
-    assert config_lib.guard(ran.hdet) == config_lib.guard(config.hdet), (workload, steps)
+    assert run.guard == default.guard, (workload, steps)
     for field in ('hdet.score', 'hdet.param_groups', 'hdet.spread', 'hdet.probe_windows'):
       assert config_lib.flatten(ran)[field] == config_lib.flatten(config)[field], (workload, steps, field)
 
@@ -137,14 +138,14 @@ def test_the_default_reads_the_records_of_the_variants_that_train_its_runs():
   runs = os.path.join(autolr.REPO, 'results', 'autolr', 'runs', 'default', 'adamw')
   own = json.load(open(os.path.join(runs, 'hdet_fit_K15_best_s0.json'), encoding='utf-8'))
   old = json.load(open(os.path.join(runs, f'hdet_{old_default}_best_s0.json'), encoding='utf-8'))
-  from hdet_jax.trainer import config_lib
+  from hdet_jax.trainer import compat, config_lib, schema
   # (less the fields removed in 1.0, which both records hold at the values every run then had, or lack)
   mine, theirs = (records.without_removed(config_lib.flatten(r['config'])) for r in (own, old))
   # The same fields, but for those added since (at the values every earlier run had) and N written as 8 instead
   # of 0 (one replica per device, on 8 devices), and the run fields.
   assert theirs['hdet.num_replicas'] == 0 and mine['hdet.num_replicas'] == 8
   newer = {k for k in mine if k not in theirs}
-  assert all(mine[k] == config_lib.QUIET_DEFAULTS[k] for k in newer if k not in config_lib.RUN_FIELDS), newer
+  assert all(mine[k] == compat.QUIET_DEFAULTS[k] for k in newer if k not in schema.RUN_FIELDS), newer
   assert {k: v for k, v in mine.items() if k in theirs and k != 'hdet.num_replicas'} == \
       {k: v for k, v in theirs.items() if k != 'hdet.num_replicas'}
   for key in ('val_bpb', 'evals', 'trajectory'):
