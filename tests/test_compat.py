@@ -44,3 +44,28 @@ def test_a_config_naming_a_removed_field_stops_with_one_line_saying_so(field):
   message = str(e.value)
   assert message.startswith(f'{field} was removed in hdet-jax 1.0: ') and 'remove the field' in message
   assert '\n' not in message
+
+
+def test_config_json_is_byte_for_byte_what_1_0_wrote_and_its_workdirs_resume(tmp_path):
+  """config.json of every shipped config, as 1.0 wrote it (tests/data/config_json_1.0.json, written by a7cea52's
+  config_lib.training_fields and ConfigDict.to_json): the refactored resolve writes the same bytes (but for the field
+  added since), and a workdir
+  holding 1.0's config.json is accepted by the resume check (and another config's is refused)."""
+  import json
+  from hdet_jax.trainer import trainer as trainer_lib
+  recorded = json.load(open(os.path.join(os.path.dirname(__file__), 'data', 'config_json_1.0.json')))['configs']
+  assert len(recorded) == 10
+  for name, old in recorded.items():
+    run = run_settings.resolve(config_lib.load_config_file(os.path.join(CONFIGS, f'{name}.py')))
+    # The config as given gained chunk_steps (a loop field added since, in no run's training fields); the rest is
+    # as it was, in the same order.
+    given = {k: v for k, v in run.given.items() if k != 'chunk_steps'}
+    new = {'training_fields': run.training_fields(8), 'config': config_lib.unflatten(given)}
+    assert json.dumps(new, indent=1) == json.dumps(old, indent=1), name
+    assert run.given['chunk_steps'] == 25
+    workdir = tmp_path / name
+    workdir.mkdir()
+    (workdir / 'config.json').write_text(json.dumps(old, indent=1))
+    assert trainer_lib._check_workdir(str(workdir), run.training_fields(8)) is False  # accepted; no checkpoints yet
+    with pytest.raises(config_lib.ConfigError, match='different config'):
+      trainer_lib._check_workdir(str(workdir), run.training_fields(4))
