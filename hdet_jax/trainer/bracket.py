@@ -15,9 +15,8 @@ step 0, so the bracket's result is that of a plain run at the kept LR. Compute, 
     points * f_1 + kept_1 * (f_2 - f_1) + ... + 1 * (1 - f_last)      (8 points, '0.1:5,0.3:1': 2.5 runs).
 
 Why: one HDET run's comparisons, on the shared gradient, rank points of one line and follow the start, not the
-sweep's best; runs apart at the full batch, compared at a fifth to a third of the run, kept a run within 1% of the
-sweep's best in 20-23 of 27 (warmup-cosine) and 32 of 43 (one-cycle) seed-cells (results/bracket_mode.md,
-results/wider_rung.md).
+sweep's best; runs apart at the full batch, compared at a fifth to a third of the run, rank whole runs, so the
+bracket keeps one near the sweep's best (how often: results/bracket_mode.md, results/wider_rung.md).
 
 Every run is built with ``optim.runtime_lr_scale``: its programs are those of the LR's mantissa, its power of two
 applied at run time, so the runs of a bracket whose factor is a power of two (2 by default) share one set of compiled

@@ -71,7 +71,7 @@ def grouped(mesh: Mesh) -> bool:
 
 def layout(mesh: Mesh, params: Any, opt_state: Any, task: tasks_lib.Task | None = None) -> tuple[Any, Any] | None:
   """(parameter shardings, optimizer-state shardings) per leaf on a 2-D mesh; None on a 1-D one,
-  where the programs keep the plain ``P('data')`` layout (and compile exactly as before).
+  where the programs keep the plain ``P('data')`` layout (no shardings pinned on their outputs).
   ``params`` and ``opt_state`` are stacked trees of arrays or shapes."""
   if not grouped(mesh):
     return None

@@ -22,9 +22,8 @@ import numpy as np
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import schema
 
-# XLA's GPU kernels that use atomics (scatter-adds, some reductions) sum in a varying order: on one H100 the
-# main job's seed-0 run ended at 2.0806, 2.0767 and 2.0759 bits/byte in three runs, and at 2.080280 twice with
-# this flag (results/benchmarks_gpu.md).
+# XLA's GPU kernels that use atomics (scatter-adds, some reductions) sum in a varying order, so a seed's run ends
+# apart run to run; with this flag it repeats bit for bit (results/benchmarks_gpu.md, 'Determinism on the GPU').
 DETERMINISTIC_GPU_FLAG = '--xla_gpu_deterministic_ops=true'
 _CUDA_PLUGINS = ('jax_cuda13_plugin', 'jax_cuda12_plugin', 'jax_plugins.xla_cuda13', 'jax_plugins.xla_cuda12')
 
@@ -125,9 +124,9 @@ def machine() -> dict:
   """Where a run ran, recorded in its summary (and by the research studies in each record): the CPU model, the first
   device's platform and kind, jax's and jaxlib's versions and XLA_FLAGS (less any path).
 
-  XLA rounds differently by CPU model and by version: the same config and seed gave first-rung losses apart from
-  the 8th digit, and MNIST-1D ends several percent apart, on two x86 CPU models. So runs are compared bit for bit
-  only where this matches.
+  XLA rounds differently by CPU model and by version, so the same config and seed can end apart on two machines
+  (results/autolr.md, 'How far apart two runs of one controller land'). So runs are compared bit for bit only
+  where this matches.
   """
   import jaxlib
   device = jax.devices()[0]
@@ -169,8 +168,8 @@ def write_json_atomic(path: str, obj: Any, **kwargs) -> None:
 def release_host_memory() -> None:
   """Returns the memory the compiler freed to the operating system (glibc only; else nothing).
 
-  glibc keeps freed heap memory for reuse; after compiling, that is tens of MB per program that
-  the process holds but no longer uses (on CPU the devices' buffers live on the same heap).
+  glibc keeps freed heap memory for reuse, so after compiling the process holds memory the compiler
+  no longer uses (on CPU the devices' buffers live on the same heap; results/benchmarks.md, '2. Peak memory').
   """
   try:
     ctypes.CDLL('libc.so.6').malloc_trim(0)

@@ -8,8 +8,8 @@ On a grouped mesh the programs pin the layout's shardings on their outputs, so t
 non-sync steps; XLA's partitioner adds the group's collectives.
 
 N replicas on D devices: each device runs its N / D replicas under ``vmap`` (:func:`_over_replicas`), on
-the replica axis ``('data', 'local')``; with one replica per device the programs are exactly the
-``shard_map`` over ``'data'`` they were before. Between programs the optimizer state is a
+the replica axis ``('data', 'local')``; with one replica per device the programs are a plain
+``shard_map`` over ``'data'`` (no ``vmap``). Between programs the optimizer state is a
 :class:`hdet_jax.packing.PackedState` (HDET's small fields in one vector), unpacked inside each program, so a
 step takes plain data parallel's input buffers plus one.
 """
@@ -133,7 +133,8 @@ class MetricsPacker:
   """Packs a step's metrics dict into one float32 vector per replica, and back on the host.
 
   One output array per step instead of a dozen: the host fetches a single ``[N, k]`` array per
-  step, which is most of the trainer's per-step host cost on small models.
+  step, one transfer instead of one per metric (the metrics' share of the loop: results/benchmarks.md,
+  '5. The trainer's overhead around the compiled step').
   """
 
   def __init__(self):

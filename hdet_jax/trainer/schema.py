@@ -304,8 +304,8 @@ FIELDS: tuple[Field, ...] = (
     Field('mesh.devices', 0, LOOP_PROGRAMS,
           'Train on the first D devices (1-D meshes); 0: as many as N needs.',
           check=integer(lambda v: v >= 0, 'an integer >= 0 (0: every visible device)')),
-    # The LR bracket's fields (hdet_jax.trainer.bracket), as records made before it existed read them (its rungs'
-    # legacy value was the default until 8-5-1): outside every run's training fields (defines_a_run).
+    # The LR bracket's fields (hdet_jax.trainer.bracket), as records made before it existed read them
+    # (bracket.rungs: the rungs those records' brackets ran): outside every run's training fields (defines_a_run).
     Field('bracket.points', 0, RUN,
           'Plain runs at peak LRs max_lr * factor ** (k - (points - 1) / 2); 0: off.', legacy=0,
           check=integer(lambda v: v == 0 or v >= 2, 'an integer >= 2, or 0 (off: one run)')),
@@ -359,7 +359,9 @@ FIELDS: tuple[Field, ...] = (
           "JAX's persistent compilation cache ('': off)."),
     # The mnist1d task's own fields (configs/mnist1d.py, which also sets some of default.py's).
     Field('data.num_samples', 100000, RUN,
-          "MNIST-1D's make_dataset arguments (the rest at get_dataset_args' defaults: 40-sample signals, 10 classes). 20x the published 5,000: measured at the AdamW sweep's 0.03, 3 seeds, the test cross-entropy's sd is 3.4% of its mean here (0.0538 +- 0.0018), 6% with 20,000 samples (0.0694 +- 0.0041). Generating it takes ~40 s (once per process).", task='mnist1d',
+          "MNIST-1D's make_dataset arguments (the rest at get_dataset_args' defaults: 40-sample signals, "
+          '10 classes). 20x the published 5,000, so that the test cross-entropy varies less from seed to seed '
+          "(research/workloads_discussion.md, 'The noise floor'). Generated once per process.", task='mnist1d',
           check=integer(lambda v: v >= 20, 'an integer >= 20')),
     Field('data.train_split', 0.8, RUN,
           'The first 80% of the generated examples train, the rest test.', task='mnist1d',

@@ -351,10 +351,10 @@ def one_program_in_flight(mesh: Any) -> bool:
   """Whether the loop waits for each step before dispatching the next: on CPU devices, where more than one take part.
 
   XLA:CPU runs an in-process collective's participants on a shared pool of threads; with several multi-device
-  programs queued (the loop dispatches ahead), we saw its all-reduce wait for a participant that never came and
-  abort the process ("Termination timeout ... only 7 of them arrived"; CONTRIBUTING.md, "Known XLA:CPU limit"): in long runs,
-  and in the test suite. One program in flight leaves every device's thread to that program. On CPU the steps take
-  tens of milliseconds, so the host's work that waiting no longer overlaps is small against them.
+  programs queued (the loop dispatches ahead), its all-reduce can wait for a participant that never comes and
+  abort the process ("Termination timeout ... only 7 of them arrived"; CONTRIBUTING.md, "Known XLA:CPU limit").
+  One program in flight leaves every device's thread to that program; the host's work that waiting no longer
+  overlaps is small against a step on CPU.
   """
   return mesh.devices.size > 1 and all(d.platform == 'cpu' for d in mesh.devices.flat)
 
