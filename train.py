@@ -27,18 +27,28 @@ def _bad_override(e: Exception) -> None:
   m = re.search(r'Did you mean "(\w+)" instead of "(\w+)"', str(e))
   text = ' '.join(re.sub(r"\\[nt]|['\"\\]", ' ', str(e)).split())
   bad = m.group(2) if m else text
-  given = [a.split('=', 1)[0] for a in sys.argv[1:] if re.match(r'--?config\.', a)
-           and bad in a.split('=', 1)[0].split('.')]
+  given = [
+    a.split('=', 1)[0] for a in sys.argv[1:] if re.match(r'--?config\.', a) and bad in a.split('=', 1)[0].split('.')
+  ]
   where = f' {given[0]}' if given else ''
-  field = given[0].lstrip('-')[len('config.'):] if given else ''
+  field = given[0].lstrip('-')[len('config.') :] if given else ''
   from hdet_jax.trainer import compat  # (only on this error path)
+
   if field in compat.REMOVED:
     print(f'error: bad --config override{where}: {compat.removed_message(field)}', file=sys.stderr)
     sys.exit(2)
-  detail = (f'no field named {bad!r}; did you mean {m.group(1)!r}?' if m else
-            f'no field named {text!r}.' if isinstance(e, (AttributeError, KeyError)) else text)
-  print(f'error: bad --config override{where}: {detail} The fields, each with a comment, are in the config '
-        'file (configs/default.py).', file=sys.stderr)
+  detail = (
+    f'no field named {bad!r}; did you mean {m.group(1)!r}?'
+    if m
+    else f'no field named {text!r}.'
+    if isinstance(e, (AttributeError, KeyError))
+    else text
+  )
+  print(
+    f'error: bad --config override{where}: {detail} The fields, each with a comment, are in the config '
+    'file (configs/default.py).',
+    file=sys.stderr,
+  )
   sys.exit(2)
 
 
@@ -47,8 +57,11 @@ def _bad_override(e: Exception) -> None:
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs', 'default.py')
 try:
   config_flags.DEFINE_config_file(
-      'config', DEFAULT_CONFIG,
-      'Training configuration file (a get_config() Python file); default: configs/default.py.', lock_config=True)
+    'config',
+    DEFAULT_CONFIG,
+    'Training configuration file (a get_config() Python file); default: configs/default.py.',
+    lock_config=True,
+  )
 except (AttributeError, KeyError, TypeError, ValueError) as _e:
   _bad_override(_e)
 
@@ -61,13 +74,15 @@ class _ConfigFileParser(flags.ArgumentParser):
 
   def parse(self, argument):
     from hdet_jax.trainer import config_lib  # (every config imports it too)
+
     config = config_lib.load_config_file(*argument.split(':', 1))
     missing = config_lib.missing_fields(config, config_lib.load_config_file(DEFAULT_CONFIG))
     if missing:
       more = f' and {len(missing) - 4} more' if len(missing) > 4 else ''
       raise config_lib.ConfigError(
-          f'--config {argument}: its config lacks {", ".join(missing[:4])}{more}; build it on configs/default.py '
-          "(config = sibling(__file__, 'default'), then set fields, as configs/tiny.py does).")
+        f'--config {argument}: its config lacks {", ".join(missing[:4])}{more}; build it on configs/default.py '
+        "(config = sibling(__file__, 'default'), then set fields, as configs/tiny.py does)."
+      )
     config.lock()  # (lock_config=True)
     return config
 
@@ -79,10 +94,13 @@ FLAGS['config'].parser = _ConfigFileParser()  # (the default file above was read
 flags.DEFINE_string('workdir', 'workdirs/default', 'Where metrics, checkpoints and plots go; reusing it resumes.')
 flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for multi-process runs.')
 flags.DEFINE_integer('num_processes', None, 'Number of processes, for multi-process runs.')
-flags.DEFINE_integer('process_id', None, 'This process\'s index in [0, num_processes).')
-flags.DEFINE_integer('heartbeat_timeout', 20,
-                     'Multi-process runs: seconds after which the other processes give up on one that stopped '
-                     'responding (killed, lost host) and exit with an error instead of hanging.')
+flags.DEFINE_integer('process_id', None, "This process's index in [0, num_processes).")
+flags.DEFINE_integer(
+  'heartbeat_timeout',
+  20,
+  'Multi-process runs: seconds after which the other processes give up on one that stopped '
+  'responding (killed, lost host) and exit with an error instead of hanging.',
+)
 
 # Exit statuses besides 0 (finished, or stopped at --config.stop_at_step) and 2 (bad config or workdir).
 EXIT_DIVERGED = 1  # every replica's loss went NaN/inf; the last good checkpoint is kept
@@ -95,10 +113,15 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
   from hdet_jax import trainer  # after flag parsing: JAX must start after setup_jax's settings.
   from hdet_jax.trainer import bracket
+
   config = FLAGS.config
-  trainer.setup_jax(config, coordinator_address=FLAGS.coordinator_address,
-                    num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
-                    heartbeat_timeout_s=FLAGS.heartbeat_timeout)
+  trainer.setup_jax(
+    config,
+    coordinator_address=FLAGS.coordinator_address,
+    num_processes=FLAGS.num_processes,
+    process_id=FLAGS.process_id,
+    heartbeat_timeout_s=FLAGS.heartbeat_timeout,
+  )
   try:
     if config.bracket.points > 0:  # an LR bracket: several plain runs, the worse stopped early
       summary = bracket.run_bracket(config, FLAGS.workdir)
@@ -108,13 +131,17 @@ def main(argv):
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
   import jax
+
   if jax.process_index() == 0:
     print(trainer.format_summary(summary), flush=True)
     if 'bracket' in summary:
       print(bracket.format_bracket(summary['bracket']), flush=True)
   if summary['diverged_at'] is not None:
-    print(f'error: training diverged at step {summary["diverged_at"]} (every replica\'s loss is NaN/inf); '
-          'the last good checkpoint is kept.', file=sys.stderr)
+    print(
+      f"error: training diverged at step {summary['diverged_at']} (every replica's loss is NaN/inf); "
+      'the last good checkpoint is kept.',
+      file=sys.stderr,
+    )
     sys.exit(EXIT_DIVERGED)
   if summary['preempted']:
     sys.exit(EXIT_PREEMPTED)
@@ -126,6 +153,7 @@ def parse_flags(argv):
     return FLAGS(argv)
   except flags.Error as e:
     from hdet_jax.trainer import config_lib  # (only on this error path)
+
     if isinstance(e.__context__, config_lib.ConfigError):  # --config's file (_ConfigFileParser), as absl wraps it
       print(f'error: {e.__context__}', file=sys.stderr)
     else:

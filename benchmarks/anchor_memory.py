@@ -56,33 +56,42 @@ def measure(config, devices: int) -> dict:
   dev = mesh.devices.flat[0]
   anchor = programs_lib.make_anchor(mesh, tx)(params, opt_state)
   rng = np.random.default_rng(0)
-  windows = ip.probe_windows(rng.integers(0, 256, 100_000, dtype=np.uint8), settings.data.seq_len,
-                             settings.probe_windows, settings.seed, 0)
+  windows = ip.probe_windows(
+    rng.integers(0, 256, 100_000, dtype=np.uint8), settings.data.seq_len, settings.probe_windows, settings.seed, 0
+  )
   common = mesh_lib.put_stacked(np.broadcast_to(windows, (n,) + windows.shape), mesh, batch_dim=1)
-  end = lambda programs, *rest: programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=programs).lower(
-      params, opt_state, common, *rest).compile()
+  end = lambda programs, *rest: (
+    programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=programs)
+    .lower(params, opt_state, common, *rest)
+    .compile()
+  )
   no_rollback = config_lib.with_overrides(config.copy_and_resolve_references(), {'hdet.rollback': False})
   plain = run_settings.resolve(no_rollback).programs
   return {
-      'devices': devices, 'per_device': n // devices,
-      'state': device_bytes((params, opt_state), dev),
-      'anchor': device_bytes(anchor, dev),
-      'anchor_per_replica': device_bytes((params, opt_state.inner_state), dev),
-      'window_end': footprint(end(run.programs, anchor)),
-      'window_end_no_rollback': footprint(end(plain)),
+    'devices': devices,
+    'per_device': n // devices,
+    'state': device_bytes((params, opt_state), dev),
+    'anchor': device_bytes(anchor, dev),
+    'anchor_per_replica': device_bytes((params, opt_state.inner_state), dev),
+    'window_end': footprint(end(run.programs, anchor)),
+    'window_end_no_rollback': footprint(end(plain)),
   }
 
 
 def table(rows) -> str:
   mb = lambda b: f'{b / 2**20:.2f}'
-  lines = ['| devices (replicas each) | training state MiB | anchor MiB: one copy (now) | a copy per replica (before) '
-           '| state + anchor, now / before | window end footprint MiB: rollback / none |',
-           '|---|---|---|---|---|---|']
+  lines = [
+    '| devices (replicas each) | training state MiB | anchor MiB: one copy (now) | a copy per replica (before) '
+    '| state + anchor, now / before | window end footprint MiB: rollback / none |',
+    '|---|---|---|---|---|---|',
+  ]
   for r in rows:
     now, before = r['state'] + r['anchor'], r['state'] + r['anchor_per_replica']
-    lines.append(f"| {r['devices']} ({r['per_device']}) | {mb(r['state'])} | {mb(r['anchor'])} | "
-                 f"{mb(r['anchor_per_replica'])} | {now / r['state']:.3f}x / {before / r['state']:.3f}x | "
-                 f"{mb(r['window_end'])} / {mb(r['window_end_no_rollback'])} |")
+    lines.append(
+      f'| {r["devices"]} ({r["per_device"]}) | {mb(r["state"])} | {mb(r["anchor"])} | '
+      f'{mb(r["anchor_per_replica"])} | {now / r["state"]:.3f}x / {before / r["state"]:.3f}x | '
+      f'{mb(r["window_end"])} / {mb(r["window_end_no_rollback"])} |'
+    )
   return '\n'.join(lines)
 
 

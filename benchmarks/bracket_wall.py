@@ -24,8 +24,11 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # name: (config file, steps, the bracket's centre: the workload's sweep's best peak LR, AdamW)
-CASES = {'mnist1d1000': ('configs/mnist1d.py', 1000, 0.06), 'lm750': ('configs/default.py', 750, 0.015),
-         'lm1500': ('configs/default.py', 1500, 0.015)}
+CASES = {
+  'mnist1d1000': ('configs/mnist1d.py', 1000, 0.06),
+  'lm750': ('configs/default.py', 750, 0.015),
+  'lm1500': ('configs/default.py', 1500, 0.015),
+}
 PLAIN = ('hdet.spread=0', 'hdet.sync_every=0', 'hdet.num_syncs=0', 'hdet.auto_lr=False', 'plots=False')
 
 
@@ -33,8 +36,15 @@ def _train(config: str, overrides: list[str], workdir: str) -> tuple[float, dict
   """``train.py`` in a fresh process with an empty compilation cache: its wall seconds and its record (a run's
   ``summary.json``, a bracket's ``bracket.json``)."""
   with tempfile.TemporaryDirectory() as cache:
-    args = [sys.executable, 'train.py', '--config', config, '--workdir', workdir,
-            *[f'--config.{o}' for o in (*PLAIN, f'compilation_cache={cache}', *overrides)]]
+    args = [
+      sys.executable,
+      'train.py',
+      '--config',
+      config,
+      '--workdir',
+      workdir,
+      *[f'--config.{o}' for o in (*PLAIN, f'compilation_cache={cache}', *overrides)],
+    ]
     t0 = time.perf_counter()
     out = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -51,27 +61,39 @@ def measure(case: str, repeats: int, rungs: str | None, root: str) -> dict:
   common = [f'num_train_steps={steps}']
   out = {'case': case, 'bracket': [], 'plain': []}
   for i in range(repeats):
-    bracket_over = [*common, f'optim.max_lr={centre}', 'bracket.points=8'] + ([f'bracket.rungs={rungs}'] if rungs else [])
+    bracket_over = [*common, f'optim.max_lr={centre}', 'bracket.points=8'] + (
+      [f'bracket.rungs={rungs}'] if rungs else []
+    )
     wall, state = _train(config, bracket_over, os.path.join(root, f'{case}_bracket{i}'))
     out['bracket'].append(wall)
-    out.update(kept_lr=state['winner']['lr'], compute_runs=state['compute_runs'],
-               final=state['winner']['final_metric'], rungs=rungs or 'default')
+    out.update(
+      kept_lr=state['winner']['lr'],
+      compute_runs=state['compute_runs'],
+      final=state['winner']['final_metric'],
+      rungs=rungs or 'default',
+    )
     for j in range(2):
-      wall, plain = _train(config, [*common, f'optim.max_lr={state["winner"]["lr"]!r}'],
-                           os.path.join(root, f'{case}_plain{i}_{j}'))
+      wall, plain = _train(
+        config, [*common, f'optim.max_lr={state["winner"]["lr"]!r}'], os.path.join(root, f'{case}_plain{i}_{j}')
+      )
       out['plain'].append(wall)
       out['plain_final'] = plain['final_metric']  # (the kept run's, bit for bit: the same run, built the same)
   return out
 
 
 def report(rows: list[dict]) -> str:
-  lines = ['| case | rungs | compute (runs) | kept LR | final metric: bracket / plain run | bracket wall s (median) | '
-           'plain run wall s (each) | bracket / plain (medians) |', '|---|---|---|---|---|---|---|---|']
+  lines = [
+    '| case | rungs | compute (runs) | kept LR | final metric: bracket / plain run | bracket wall s (median) | '
+    'plain run wall s (each) | bracket / plain (medians) |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
   for r in rows:
     b, p = statistics.median(r['bracket']), statistics.median(r['plain'])
-    lines.append(f'| {r["case"]} | {r["rungs"]} | {r["compute_runs"]:.2f} | {r["kept_lr"]:.4g} | '
-                 f'{r["final"]:.10g} / {r["plain_final"]:.10g} | {b:.1f} | '
-                 f'{", ".join(f"{w:.1f}" for w in r["plain"])} | {b / p:.2f}x |')
+    lines.append(
+      f'| {r["case"]} | {r["rungs"]} | {r["compute_runs"]:.2f} | {r["kept_lr"]:.4g} | '
+      f'{r["final"]:.10g} / {r["plain_final"]:.10g} | {b:.1f} | '
+      f'{", ".join(f"{w:.1f}" for w in r["plain"])} | {b / p:.2f}x |'
+    )
   return '\n'.join(lines)
 
 

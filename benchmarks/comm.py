@@ -23,17 +23,18 @@ _LINE = re.compile(r'=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>' + '|'.join(_OPS) + r'
 _ARRAY = re.compile(r'\b(pred|[subfc]\d+|bf16)\[([\d,]*)\]')
 _IOTA = re.compile(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?')
 _LIST = re.compile(r'replica_groups=\{((?:\{[\d,]*\},?)*)\}')
-_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")  # mesh['axis_0'=4,'axis_1'=2] {'axis_1'}
+_MESH = re.compile(r'replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}')  # mesh['axis_0'=4,'axis_1'=2] {'axis_1'}
 _PAIRS = re.compile(r'source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}')
 _BYTES = {'pred': 1, 'bf16': 2}
 
 
 class Collective(NamedTuple):
   """One collective of a compiled program."""
-  op: str                         # 'all-reduce', 'all-gather', ...
-  operand_bytes: int              # bytes each participating device sends into it (its operand).
+
+  op: str  # 'all-reduce', 'all-gather', ...
+  operand_bytes: int  # bytes each participating device sends into it (its operand).
   groups: tuple[tuple[int, ...], ...]  # device groups, by position in the mesh's flattened devices.
-  crosses_replicas: bool          # whether some group holds devices of more than one replica.
+  crosses_replicas: bool  # whether some group holds devices of more than one replica.
 
 
 def _element_bytes(dtype: str) -> int:
@@ -56,7 +57,9 @@ def _groups(line: str, num_devices: int) -> tuple[tuple[int, ...], ...]:
     axes = re.findall(r"'([^']+)'=(\d+)", by_axes.group(1))
     inside = set(re.findall(r"'([^']+)'", by_axes.group(2)))
     ids = np.arange(int(np.prod([int(n) for _, n in axes]))).reshape([int(n) for _, n in axes])
-    order = [i for i, (a, _) in enumerate(axes) if a not in inside] + [i for i, (a, _) in enumerate(axes) if a in inside]
+    order = [i for i, (a, _) in enumerate(axes) if a not in inside] + [
+      i for i, (a, _) in enumerate(axes) if a in inside
+    ]
     size = int(np.prod([int(n) for a, n in axes if a in inside]))
     return tuple(tuple(int(i) for i in row) for row in ids.transpose(order).reshape(-1, size))
   iota = _IOTA.search(line)
@@ -117,8 +120,9 @@ def _branch_computations(hlo_text: str) -> tuple[dict[str, list[str]], set[str]]
       bodies[name].append(line)
   branches = set()
   for line in (line for body in bodies.values() for line in body if ' conditional(' in line):
-    for group, single in re.findall(r'(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))',
-                                    line):
+    for group, single in re.findall(
+      r'(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+))', line
+    ):
       branches |= {n.strip().lstrip('%') for n in group.split(',') if n.strip()} | ({single} if single else set())
   frontier = list(branches)
   while frontier:
@@ -130,8 +134,9 @@ def _branch_computations(hlo_text: str) -> tuple[dict[str, list[str]], set[str]]
   return bodies, branches
 
 
-def collectives_by_place(hlo_text: str, mesh_shape: tuple[int, ...],
-                         replica_dim: int = 0) -> tuple[list[Collective], list[Collective]]:
+def collectives_by_place(
+  hlo_text: str, mesh_shape: tuple[int, ...], replica_dim: int = 0
+) -> tuple[list[Collective], list[Collective]]:
   """The collectives of a compiled program that run on every call, and those inside a conditional's branch
   (``hdet``'s sync under the ``lax.cond`` dispatch), each as :func:`collectives` gives them."""
   bodies, branches = _branch_computations(hlo_text)

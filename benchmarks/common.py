@@ -48,8 +48,9 @@ def default_model_config():
       spec.loader.exec_module(mod)
       cfg = mod.get_config()
       m = cfg.model
-      model = types.SimpleNamespace(d_model=int(m.d_model), num_layers=int(m.num_layers),
-                                    num_heads=int(m.num_heads), mlp_ratio=int(m.mlp_ratio))
+      model = types.SimpleNamespace(
+        d_model=int(m.d_model), num_layers=int(m.num_layers), num_heads=int(m.num_heads), mlp_ratio=int(m.mlp_ratio)
+      )
       return model, int(cfg.data.seq_len), int(cfg.data.batch_size), 'configs/default.py'
     except Exception as e:  # a config in flux: fall back, and say so.
       print(f'# configs/default.py not usable ({type(e).__name__}: {e}); using the built-in size')
@@ -63,8 +64,7 @@ def scaled_model_config(model, seq_len: int, factor: float = 10.0):
   heads, best = model.num_heads, None
   d = heads
   while True:
-    cand = types.SimpleNamespace(d_model=d, num_layers=model.num_layers, num_heads=heads,
-                                 mlp_ratio=model.mlp_ratio)
+    cand = types.SimpleNamespace(d_model=d, num_layers=model.num_layers, num_heads=heads, mlp_ratio=model.mlp_ratio)
     n = num_params(cand, seq_len)
     if best is None or abs(n - target) < abs(best[0] - target):
       best = (n, cand)
@@ -99,10 +99,15 @@ def plain_tx():
 
 def hdet_tx(sync_every: int, exact_sync: bool):
   return H.hdet(
-      optax.adam, H.one_cycle(max_lr=MAX_LR, total_steps=TOTAL_STEPS), num_replicas=N,
-      spread=0.25, sync_every=sync_every, replica_axis=AXIS,
-      auto_lr=H.AutoLR.paper(total_steps=TOTAL_STEPS, warmup_steps=0, temperature=0.1),
-      exact_sync=exact_sync)
+    optax.adam,
+    H.one_cycle(max_lr=MAX_LR, total_steps=TOTAL_STEPS),
+    num_replicas=N,
+    spread=0.25,
+    sync_every=sync_every,
+    replica_axis=AXIS,
+    auto_lr=H.AutoLR.paper(total_steps=TOTAL_STEPS, warmup_steps=0, temperature=0.1),
+    exact_sync=exact_sync,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +125,7 @@ class Variant:
   packed: keep HDET's state packed between calls (:class:`hdet_jax.packing.PackedState`: its small fields in one
     buffer, unpacked inside the program; the trainer's way), or pass the HDETState's leaves as they are.
   """
+
   name: str
   kind: str
   mode: str = 'static'
@@ -141,9 +147,11 @@ def _unpacking(tx, v: Variant, fn):
   """``fn(params, HDETState, *rest) -> (params, HDETState, ...)`` on packed states when ``v.packed``."""
   if v.kind == 'plain' or not v.packed:
     return fn
+
   def wrapped(params, packed, *rest):
     out = fn(params, H.packing.unpack_state(packed, jax.eval_shape(tx.init, params)), *rest)
     return (out[0], H.packing.pack_state(out[1]), *out[2:])
+
   return wrapped
 
 
@@ -162,6 +170,7 @@ def per_replica_step(graphdef, tx, v: Variant, sync):
       else:
         params = optax.apply_updates(params, updates)
     return params, opt_state, loss
+
   return step
 
 
@@ -172,9 +181,11 @@ def build_programs(graphdef, v: Variant, mesh) -> tuple[Any, dict]:
   flags = [None] if (v.kind == 'plain' or v.mode == 'cond') else [False] if v.mode == 'split' else [False, True]
   programs = {}
   if v.kind == 'hdet' and v.mode == 'split':
+
     def window_end(params, opt_state):
       updates, opt_state = tx.update(None, opt_state, params, sync=True)
       return H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True), opt_state
+
     programs['end'] = jax.jit(_over_replicas(_unpacking(tx, v, window_end), v, mesh), donate_argnums=donate)
   for flag in flags:
     body = per_replica_step(graphdef, tx, v, flag)
@@ -191,11 +202,13 @@ def _over_replicas(fn, v: Variant, mesh):
 
 def init_state(model_cfg, seq_len, tx, v: Variant, mesh, key=0):
   """Stacked params and optimizer state, on the mesh (shard_map) or on device 0 (vmap)."""
+
   def init(k):
     _, params = model_lib.split_model(model_cfg, seq_len, k)
     stacked = H.stack_replicas(params, N)
     init = tx.init if v.kind == 'plain' or not v.packed else lambda p: H.packing.pack_state(tx.init(p))
     return stacked, jax.vmap(init)(stacked)
+
   if v.backend == 'shard_map':
     sharding = NamedSharding(mesh, P(AXIS))
   else:
@@ -263,8 +276,7 @@ class Runner:
     start = time.perf_counter()
     for _ in range(k):
       fn = self.program(self.t)
-      self.params, self.opt_state, loss = fn(self.params, self.opt_state,
-                                             self.batches[self.t % len(self.batches)])
+      self.params, self.opt_state, loss = fn(self.params, self.opt_state, self.batches[self.t % len(self.batches)])
       if self.ends_window(self.t):
         self.params, self.opt_state = self.programs['end'](self.params, self.opt_state)
       self.t += 1
@@ -321,8 +333,8 @@ def hlo_counts(compiled) -> dict[str, int]:
   these counts are the per-step fixed work a program adds, free of timing noise.
   """
   text = compiled.as_text()
-  entry = text[text.index('ENTRY'):]
-  entry = entry[:entry.index('\n}')]
+  entry = text[text.index('ENTRY') :]
+  entry = entry[: entry.index('\n}')]
   counts: dict[str, int] = {}
   for line in entry.split('\n')[1:]:
     m = re.search(r'= \S+ ([a-z][\w-]*)\(', line)

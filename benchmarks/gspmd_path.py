@@ -102,6 +102,7 @@ def shard_map_path(hdet, mesh, micro, notes=None, layout='group'):
   the docs' example has no MultiSteps, and a 1-D mesh is fully manual). The error goes to ``notes`` and the step
   is built with ``check_vma=False``, as ``over_replicas`` builds it.
   """
+
   def train_step(state, batch):  # one replica's view: [B/N, ...] rows, arrays sharded over 'data'
     loss, grads = jax.value_and_grad(hdet.loss_fn)(state.params, state.apply_fn, batch)
     grads = jax.lax.pmean(grads, 'replica')  # across groups
@@ -118,10 +119,15 @@ def shard_map_path(hdet, mesh, micro, notes=None, layout='group'):
   state = jax.device_put(state, shardings)
   batch_sharding = NamedSharding(mesh, P('replica', 'data'))
   batch = jax.device_put(micro.reshape(hdet.N, -1, micro.shape[-1]), batch_sharding)
+
   def jitted(check_vma):
-    return jax.jit(hdet_jax.shard_map_replicas(train_step, mesh, 'replica', check_vma=check_vma),
-                   in_shardings=(shardings, batch_sharding),
-                   out_shardings=(shardings, NamedSharding(mesh, P('replica'))), donate_argnums=(0,))
+    return jax.jit(
+      hdet_jax.shard_map_replicas(train_step, mesh, 'replica', check_vma=check_vma),
+      in_shardings=(shardings, batch_sharding),
+      out_shardings=(shardings, NamedSharding(mesh, P('replica'))),
+      donate_argnums=(0,),
+    )
+
   try:
     lowered = jitted(True).lower(state, batch)
   except AssertionError as e:
@@ -139,8 +145,9 @@ def vmap_variant(hdet, mesh, micro):
   state_sharding = hdet_jax.stacked_shardings(nn.get_sharding(abstract, mesh), 'replica')
   batch_sharding = NamedSharding(mesh, P('replica', 'data'))
   mapped = jax.vmap(train_step, axis_name='replica', spmd_axis_name='replica')
-  vstep = jax.jit(mapped, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None),
-                  donate_argnums=(0,))
+  vstep = jax.jit(
+    mapped, in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None), donate_argnums=(0,)
+  )
   state = init(jax.random.key(0))
   batch = jax.device_put(micro.reshape(hdet.N, -1, micro.shape[-1]), batch_sharding)
   return vstep.lower(state, batch).compile(), state, batch
@@ -148,7 +155,7 @@ def vmap_variant(hdet, mesh, micro):
 
 def plain_path(plain, micro):
   """plain_linen's step (no HDET): FSDP and data parallelism over one 1-D mesh of the 8 devices."""
-  mesh = Mesh(np.array(jax.devices()[:GROUPS * FSDP]), ('data',))
+  mesh = Mesh(np.array(jax.devices()[: GROUPS * FSDP]), ('data',))
   init, step, _, batch_sharding = plain.make_trainer(mesh)
   state, batch = init(jax.random.key(0)), jax.device_put(micro, batch_sharding)
   return step.lower(state, batch).compile(), state, batch
@@ -172,14 +179,16 @@ def counts(compiled, mesh_shape) -> dict:
   for c in always + inside:
     ops[c.op] = ops.get(c.op, 0) + 1
   return {
-      'flops': float(cost['flops']), 'bytes accessed': float(cost['bytes accessed']),
-      'ops': dict(sorted(ops.items())), 'ops in branches': len(inside),
-      'always across': [c for c in always if c.crosses_replicas],
-      'inside across': [c for c in inside if c.crosses_replicas],
-      'conditionals': len(re.findall(r' conditional\(', hlo)),
-      'across always B': sum(c.operand_bytes for c in always if c.crosses_replicas),
-      'across in branches B': sum(c.operand_bytes for c in inside if c.crosses_replicas),
-      'all B': sum(c.operand_bytes for c in always + inside),
+    'flops': float(cost['flops']),
+    'bytes accessed': float(cost['bytes accessed']),
+    'ops': dict(sorted(ops.items())),
+    'ops in branches': len(inside),
+    'always across': [c for c in always if c.crosses_replicas],
+    'inside across': [c for c in inside if c.crosses_replicas],
+    'conditionals': len(re.findall(r' conditional\(', hlo)),
+    'across always B': sum(c.operand_bytes for c in always if c.crosses_replicas),
+    'across in branches B': sum(c.operand_bytes for c in inside if c.crosses_replicas),
+    'all B': sum(c.operand_bytes for c in always + inside),
   }
 
 
@@ -218,14 +227,16 @@ def measure(rounds: int = 21, k: int = 10, log=None) -> dict:
   if len(jax.devices()) < GROUPS * FSDP:
     raise RuntimeError(f'gspmd_path: needs {GROUPS * FSDP} devices, found {len(jax.devices())}')
   hdet, plain = _load('hdet_linen'), _load('plain_linen')
-  mesh = Mesh(np.array(jax.devices()[:GROUPS * FSDP]).reshape(GROUPS, FSDP), ('replica', 'data'))
+  mesh = Mesh(np.array(jax.devices()[: GROUPS * FSDP]).reshape(GROUPS, FSDP), ('replica', 'data'))
   micro = _micro_batch()
   out, timed, errors, notes, compile_s = {}, {}, {}, {}, {}
-  builders = {'new path': lambda: new_path(hdet, mesh, micro),
-              'shard_map path': lambda: shard_map_path(hdet, mesh, micro, notes),
-              CONTROL: lambda: shard_map_path(hdet, mesh, micro, None, layout='linen'),
-              'vmap variant': lambda: vmap_variant(hdet, mesh, micro),
-              'plain': lambda: plain_path(plain, micro)}
+  builders = {
+    'new path': lambda: new_path(hdet, mesh, micro),
+    'shard_map path': lambda: shard_map_path(hdet, mesh, micro, notes),
+    CONTROL: lambda: shard_map_path(hdet, mesh, micro, None, layout='linen'),
+    'vmap variant': lambda: vmap_variant(hdet, mesh, micro),
+    'plain': lambda: plain_path(plain, micro),
+  }
   for name, build in builders.items():
     start = time.perf_counter()
     try:
@@ -250,8 +261,11 @@ def measure(rounds: int = 21, k: int = 10, log=None) -> dict:
     for name, ts in times.items():  # per-round ratio to the shard_map path, then the median
       ratios = sorted(a / b for a, b in zip(ts, times[BASE]))
       out[name]['ratio'] = statistics.median(ratios)
-      out[name]['ratio iqr'] = (tuple(statistics.quantiles(ratios, n=4, method='inclusive'))[::2]
-                                if len(ratios) >= 4 else (ratios[0], ratios[-1]))
+      out[name]['ratio iqr'] = (
+        tuple(statistics.quantiles(ratios, n=4, method='inclusive'))[::2]
+        if len(ratios) >= 4
+        else (ratios[0], ratios[-1])
+      )
   return {'results': out, 'errors': errors, 'notes': notes, 'compile_s': compile_s, 'rounds': rounds, 'k': k}
 
 
@@ -260,10 +274,12 @@ def measure(rounds: int = 21, k: int = 10, log=None) -> dict:
 # ------------------------------------------------------------------------------------------------
 def table(measured: dict) -> list[str]:
   res, errors = measured['results'], measured['errors']
-  lines = ['| program | XLA flops | XLA bytes accessed | collectives by op (of which in branches) | '
-           'cross-replica B/device, every step | cross-replica B/device, in branches | all collectives B/device | '
-           'median step (ms) | / shard_map path (IQR over rounds) |',
-           '|---|---|---|---|---|---|---|---|---|']
+  lines = [
+    '| program | XLA flops | XLA bytes accessed | collectives by op (of which in branches) | '
+    'cross-replica B/device, every step | cross-replica B/device, in branches | all collectives B/device | '
+    'median step (ms) | / shard_map path (IQR over rounds) |',
+    '|---|---|---|---|---|---|---|---|---|',
+  ]
   for name in NAMES:
     if name in errors:
       lines.append(f'| {name} | failed: `{errors[name]}` | | | | | | | |')
@@ -273,8 +289,10 @@ def table(measured: dict) -> list[str]:
     across = '(no replicas)' if name == 'plain' else f'{r["across always B"]:,}'
     inside = '(no replicas)' if name == 'plain' else f'{r["across in branches B"]:,}'
     ratio = f'{r["ratio"]:.2f} ({r["ratio iqr"][0]:.2f}-{r["ratio iqr"][1]:.2f})' if 'ratio' in r else ''
-    lines.append(f'| {name} | {r["flops"]:,.0f} | {r["bytes accessed"]:,.0f} | {ops} | {across} | {inside} | '
-                 f'{r["all B"]:,} | {r["ms"]:.2f} | {ratio} |')
+    lines.append(
+      f'| {name} | {r["flops"]:,.0f} | {r["bytes accessed"]:,.0f} | {ops} | {across} | {inside} | '
+      f'{r["all B"]:,} | {r["ms"]:.2f} | {ratio} |'
+    )
   return lines
 
 
@@ -289,23 +307,37 @@ def reading(measured: dict) -> list[str]:
     c, d = new['across in branches B'], ref['across in branches B']
     same = kinds(new['always across']) == kinds(ref['always across']) and a == b and c == d
     out.append(
-        ('Across replicas the new path sends what the shard_map path sends' if same else
-         'Across replicas the new path and the shard_map path differ') +
-        f': on every step only the gradient\'s {kinds(new["always across"])}, '
-        + (f'{a:,} B per device in both' if a == b else f'{a:,} B per device against {b:,} B')
-        + f' (the parameters: {new["param B"]:,} B per device), and the window\'s average, '
-        + (f'{c:,} B in both' if c == d else f'{c:,} B against {d:,} B') + ', only inside the sync branch.')
-    by_layout = ctl is not None and new['flops'] <= ctl['flops'] * 1.001 and \
-        new['bytes accessed'] <= ctl['bytes accessed'] * 1.001 and new['all B'] <= ctl['all B']
+      (
+        'Across replicas the new path sends what the shard_map path sends'
+        if same
+        else 'Across replicas the new path and the shard_map path differ'
+      )
+      + f": on every step only the gradient's {kinds(new['always across'])}, "
+      + (f'{a:,} B per device in both' if a == b else f'{a:,} B per device against {b:,} B')
+      + f" (the parameters: {new['param B']:,} B per device), and the window's average, "
+      + (f'{c:,} B in both' if c == d else f'{c:,} B against {d:,} B')
+      + ', only inside the sync branch.'
+    )
+    by_layout = (
+      ctl is not None
+      and new['flops'] <= ctl['flops'] * 1.001
+      and new['bytes accessed'] <= ctl['bytes accessed'] * 1.001
+      and new['all B'] <= ctl['all B']
+    )
     out.append(
-        ('Inside a group they differ by layout, not by path' if by_layout else 'Inside a group they differ') +
-        ': `group_shardings` shards each leaf\'s largest dimension (and the biases) where `nn.with_partitioning` '
-        f'shards the kernels\' output dimension, so the partitioner places other gathers ({new["all B"]:,} B '
-        f'against {ref["all B"]:,} B of collectives per device, {new["bytes accessed"] / ref["bytes accessed"]:.2f}x '
-        'the bytes accessed)' + ('.' if ctl is None else
-        f'; on the new path\'s layout the shard_map path (the control row) moves {ctl["all B"]:,} B, and the new '
+      ('Inside a group they differ by layout, not by path' if by_layout else 'Inside a group they differ')
+      + ": `group_shardings` shards each leaf's largest dimension (and the biases) where `nn.with_partitioning` "
+      f"shards the kernels' output dimension, so the partitioner places other gathers ({new['all B']:,} B "
+      f'against {ref["all B"]:,} B of collectives per device, {new["bytes accessed"] / ref["bytes accessed"]:.2f}x '
+      'the bytes accessed)'
+      + (
+        '.'
+        if ctl is None
+        else f"; on the new path's layout the shard_map path (the control row) moves {ctl['all B']:,} B, and the new "
         f'path counts {new["flops"] / ctl["flops"]:.3f}x its flops and '
-        f'{new["bytes accessed"] / ctl["bytes accessed"]:.3f}x its bytes accessed.'))
+        f'{new["bytes accessed"] / ctl["bytes accessed"]:.3f}x its bytes accessed.'
+      )
+    )
   if 'vmap variant' in errors:
     out.append(f'The vmap variant did not build: `{errors["vmap variant"]}`.')
   elif vm and new:
@@ -313,20 +345,25 @@ def reading(measured: dict) -> list[str]:
     sync = max((x.operand_bytes for x in new['inside across'] if x.op == 'all-reduce'), default=0)
     every_step = sync and any(x.op == 'all-reduce' and x.operand_bytes >= sync for x in vm['always across'])
     out.append(
-        f'The vmap variant compiles to {vm["conditionals"]} conditionals (the new path to {new["conditionals"]}): '
-        'hdet\'s sync `lax.cond` on the batched step count became a select, so '
-        + (f'the window\'s parameter all-reduce ({sync:,} B) runs on every step beside the gradient\'s'
-           if every_step else 'no all-reduce of the parameters\' size runs on every step')
-        + f', and with the batched layout\'s all-to-alls and permutes it sends {vm["across always B"]:,} B across '
-        f'replicas per step, {extra:,} B ({extra / new["param B"]:.2f}x the parameters) more than the new path; '
-        f'XLA\'s flops barely move ({vm["flops"] / new["flops"]:.2f}x) because its cost analysis charges the new '
-        'path\'s conditional at its costliest branch.')
+      f'The vmap variant compiles to {vm["conditionals"]} conditionals (the new path to {new["conditionals"]}): '
+      "hdet's sync `lax.cond` on the batched step count became a select, so "
+      + (
+        f"the window's parameter all-reduce ({sync:,} B) runs on every step beside the gradient's"
+        if every_step
+        else "no all-reduce of the parameters' size runs on every step"
+      )
+      + f", and with the batched layout's all-to-alls and permutes it sends {vm['across always B']:,} B across "
+      f'replicas per step, {extra:,} B ({extra / new["param B"]:.2f}x the parameters) more than the new path; '
+      f"XLA's flops barely move ({vm['flops'] / new['flops']:.2f}x) because its cost analysis charges the new "
+      "path's conditional at its costliest branch."
+    )
   if new and ref and 'ratio' in new:
     ratios = [f'{n} {res[n]["ratio"]:.2f}' for n in NAMES if n != BASE and n in res and 'ratio' in res[n]]
     out.append(
-        f'Step time / the shard_map path\'s (median over {measured["rounds"]} interleaved rounds of '
-        f'{measured["k"]} steps): {"; ".join(ratios)}; on a shared 2-core CPU running 8 simulated devices these are '
-        'indicative only, and the counted work is the evidence.')
+      f"Step time / the shard_map path's (median over {measured['rounds']} interleaved rounds of "
+      f'{measured["k"]} steps): {"; ".join(ratios)}; on a shared 2-core CPU running 8 simulated devices these are '
+      'indicative only, and the counted work is the evidence.'
+    )
   return out
 
 
@@ -337,28 +374,42 @@ def machine() -> str:
       cpu = next(l.split(':', 1)[1].strip() for l in f if l.startswith('model name'))
   except (OSError, StopIteration):
     pass
-  return (f'{cpu}, {os.cpu_count()} cores; XLA:CPU, 8 simulated devices; Python {platform.python_version()}, '
-          f'jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}')
+  return (
+    f'{cpu}, {os.cpu_count()} cores; XLA:CPU, 8 simulated devices; Python {platform.python_version()}, '
+    f'jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}'
+  )
 
 
-NOTE = ('Note: the docs\' shard_map path as written (`check_vma=True`) does not trace on this mesh (`{}`, raised '
-        'in jax\'s `lax.full_like` under MultiSteps\' `optax.tree.zeros_like`, inside a shard_map manual over '
-        "'replica' only); it is built with `check_vma=False`, as `over_replicas` builds the new path.")
+NOTE = (
+  "Note: the docs' shard_map path as written (`check_vma=True`) does not trace on this mesh (`{}`, raised "
+  "in jax's `lax.full_like` under MultiSteps' `optax.tree.zeros_like`, inside a shard_map manual over "
+  "'replica' only); it is built with `check_vma=False`, as `over_replicas` builds the new path."
+)
 
 
 def section(measured: dict, command: str) -> list[str]:
-  return [HEADING, '',
-          f'`{command}` ({datetime.date.today().isoformat()}; {machine()}). 4 replicas x 2 FSDP devices (mesh '
-          "`('replica', 'data')`), one micro-batch step (32 rows) of examples/add_to_trainer's linen trainer: the new "
-          "path is hdet_linen's step (`over_replicas`); the shard_map path the docs' per-replica step under "
-          "`shard_map_replicas` with `group_shardings`; the vmap variant the global-batch step under "
-          "`jax.vmap(spmd_axis_name='replica')` with the new path's shardings; plain is plain_linen on a 1-D mesh "
-          'of 8; the control row is the shard_map path on the new path\'s layout (the linen annotations\' '
-          'shardings, unboxed, in place of `group_shardings`). Bytes are per device, from the compiled HLO '
-          '(`benchmarks/comm.py`); "in branches" = inside a conditional\'s branch '
-          '(runs only when its predicate says so); '
-          'XLA\'s cost analysis counts a conditional as its costliest branch.', ''] + table(measured) + [''] + [' '.join(reading(measured)), ''] + [
-              NOTE.format(note) for note in measured['notes'].values()] + ([''] if measured['notes'] else [])
+  return (
+    [
+      HEADING,
+      '',
+      f'`{command}` ({datetime.date.today().isoformat()}; {machine()}). 4 replicas x 2 FSDP devices (mesh '
+      "`('replica', 'data')`), one micro-batch step (32 rows) of examples/add_to_trainer's linen trainer: the new "
+      "path is hdet_linen's step (`over_replicas`); the shard_map path the docs' per-replica step under "
+      '`shard_map_replicas` with `group_shardings`; the vmap variant the global-batch step under '
+      "`jax.vmap(spmd_axis_name='replica')` with the new path's shardings; plain is plain_linen on a 1-D mesh "
+      "of 8; the control row is the shard_map path on the new path's layout (the linen annotations' "
+      'shardings, unboxed, in place of `group_shardings`). Bytes are per device, from the compiled HLO '
+      '(`benchmarks/comm.py`); "in branches" = inside a conditional\'s branch '
+      '(runs only when its predicate says so); '
+      "XLA's cost analysis counts a conditional as its costliest branch.",
+      '',
+    ]
+    + table(measured)
+    + ['']
+    + [' '.join(reading(measured)), '']
+    + [NOTE.format(note) for note in measured['notes'].values()]
+    + ([''] if measured['notes'] else [])
+  )
 
 
 def write(measured: dict, command: str, path=RESULTS) -> None:
@@ -368,7 +419,7 @@ def write(measured: dict, command: str, path=RESULTS) -> None:
   if HEADING in text:
     before, after = text.split(HEADING, 1)
     rest = re.search(r'^## ', after, re.M)
-    text = before + new + ('\n' + after[rest.start():] if rest else '')
+    text = before + new + ('\n' + after[rest.start() :] if rest else '')
   else:
     text = text.rstrip('\n') + '\n\n' + new
   pathlib.Path(path).write_text(text.rstrip('\n') + '\n')

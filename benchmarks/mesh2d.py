@@ -49,16 +49,17 @@ DEVICES = 8
 GLOBAL_WINDOWS = 64
 LAYOUTS = ((8, 1, 1), (4, 2, 1), (2, 4, 1), (4, 1, 2), (2, 2, 2))  # (groups, fsdp, tensor)
 MODES = {  # name -> config overrides
-    'shared gradient': {},
-    'low-communication': {'hdet.low_communication': True},
-    'low-comm + avg opt state': {'hdet.low_communication': True, 'hdet.average_opt_state': True},
+  'shared gradient': {},
+  'low-communication': {'hdet.low_communication': True},
+  'low-comm + avg opt state': {'hdet.low_communication': True, 'hdet.average_opt_state': True},
 }
 
 
 def config_for(groups: int, overrides: dict):
   config = config_lib.load_config_file(os.path.join(REPO, 'configs', 'default.py'))
-  return config_lib.with_overrides(config, {'data.batch_size': GLOBAL_WINDOWS // groups, 'hdet.sync_every': 25,
-                                            **overrides})
+  return config_lib.with_overrides(
+    config, {'data.batch_size': GLOBAL_WINDOWS // groups, 'hdet.sync_every': 25, **overrides}
+  )
 
 
 def label(groups: int, fsdp: int, tensor: int) -> str:
@@ -78,16 +79,22 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   d = run.task_settings.data
   windows = np.zeros((groups, d.batch_size, d.seq_len + 1), np.uint8)
   data = mesh_lib.put_stacked(windows, mesh, batch_dim=1)
-  probe = mesh_lib.put_stacked(np.zeros((groups, run.task_settings.probe_windows, d.seq_len + 1), np.uint8),
-                         mesh, batch_dim=1)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs, shardings=layout).lower(
-      params, opt_state, data).compile()
+  probe = mesh_lib.put_stacked(
+    np.zeros((groups, run.task_settings.probe_windows, d.seq_len + 1), np.uint8), mesh, batch_dim=1
+  )
+  step = (
+    programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs, shardings=layout)
+    .lower(params, opt_state, data)
+    .compile()
+  )
   # The window end's further arguments: the common batch, and the rollback's anchor where the config rolls back.
   shardings = mesh_lib.anchor_layout(mesh, params, opt_state.inner_state)
-  anchor = ([programs_lib.make_anchor(mesh, tx, shardings)(params, opt_state)]
-            if run.loop.rolls_back else [])
-  window_end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=run.programs, shardings=layout).lower(
-      params, opt_state, probe, *anchor).compile()
+  anchor = [programs_lib.make_anchor(mesh, tx, shardings)(params, opt_state)] if run.loop.rolls_back else []
+  window_end = (
+    programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=run.programs, shardings=layout)
+    .lower(params, opt_state, probe, *anchor)
+    .compile()
+  )
   return config, mesh, params, opt_state, step, window_end, data, (probe, *anchor)
 
 
@@ -97,8 +104,9 @@ def replica_bytes(compiled, mesh) -> int:
 
 def group_bytes(compiled, mesh) -> int:
   """Per-device operand bytes of the collectives that stay inside one group."""
-  return sum(c.operand_bytes for c in comm.collectives(compiled.as_text(), tuple(mesh.devices.shape))
-             if not c.crosses_replicas)
+  return sum(
+    c.operand_bytes for c in comm.collectives(compiled.as_text(), tuple(mesh.devices.shape)) if not c.crosses_replicas
+  )
 
 
 def device_bytes(tree) -> int:
@@ -132,9 +140,11 @@ def step_time(step, window_end, params, opt_state, data, probe, steps: int, sync
 
 
 def run(time_steps: int) -> list[str]:
-  lines = ['| layout | mode | step program (B/step) | window end (B/sync) | per step, T=25 | T=100 | T=1000 '
-           '| inside a group, step program (B/step) |' + (' median step (s) |' if time_steps else ''),
-           '|---|---|---|---|---|---|---|---|' + ('---|' if time_steps else '')]
+  lines = [
+    '| layout | mode | step program (B/step) | window end (B/sync) | per step, T=25 | T=100 | T=1000 '
+    '| inside a group, step program (B/step) |' + (' median step (s) |' if time_steps else ''),
+    '|---|---|---|---|---|---|---|---|' + ('---|' if time_steps else ''),
+  ]
   memory = {}
   for groups, fsdp, tensor in LAYOUTS:
     for mode, overrides in MODES.items():
@@ -142,21 +152,26 @@ def run(time_steps: int) -> list[str]:
       s, w = replica_bytes(step, mesh), replica_bytes(window_end, mesh)
       per = ' | '.join(f'{s + w / t:,.0f}' for t in (25, 100, 1000))
       if mode == 'shared gradient':  # (before timing, which donates the arrays)
-        memory[label(groups, fsdp, tensor)] = (device_bytes((params, opt_state)), sum(x.nbytes for x in jax.tree.leaves(
-            (params, opt_state))) // groups)
+        memory[label(groups, fsdp, tensor)] = (
+          device_bytes((params, opt_state)),
+          sum(x.nbytes for x in jax.tree.leaves((params, opt_state))) // groups,
+        )
       timing = ''
       if time_steps:
         timing = f' {step_time(step, window_end, params, opt_state, data, probe, time_steps, 25):.4f} |'
-      lines.append(f'| {label(groups, fsdp, tensor)} | {mode} | {s:,} | {w:,} | {per} | {group_bytes(step, mesh):,} |'
-                   f'{timing}')
+      lines.append(
+        f'| {label(groups, fsdp, tensor)} | {mode} | {s:,} | {w:,} | {per} | {group_bytes(step, mesh):,} |{timing}'
+      )
   return lines + [''] + memory_table(memory)
 
 
 def memory_table(memory: dict) -> list[str]:
   fsdp_dev, fsdp_total = plain_fsdp_bytes()
-  lines = ['| layout | params + opt state per device (B) | one copy (P + O, B) | rule (P + O) x groups / 8 |',
-           '|---|---|---|---|',
-           f'| plain FSDP over 8 (adamw) | {fsdp_dev:,} | {fsdp_total:,} | {fsdp_total // DEVICES:,} |']
+  lines = [
+    '| layout | params + opt state per device (B) | one copy (P + O, B) | rule (P + O) x groups / 8 |',
+    '|---|---|---|---|',
+    f'| plain FSDP over 8 (adamw) | {fsdp_dev:,} | {fsdp_total:,} | {fsdp_total // DEVICES:,} |',
+  ]
   for name, (dev, copy) in memory.items():
     groups = int(name.split('x')[0])
     lines.append(f'| HDET {name} | {dev:,} | {copy:,} | {copy * groups // DEVICES:,} |')
@@ -165,6 +180,7 @@ def memory_table(memory: dict) -> list[str]:
 
 def bare_step(graphdef, tx, hdet: bool, sync: bool):
   """One replica's step without the trainer's metrics: loss, all-reduced gradient, update."""
+
   def step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(lambda p: model_lib.loss_fn(graphdef, p, batch))(params)
     grads = lax.pmean(grads, mesh_lib.AXIS)
@@ -173,6 +189,7 @@ def bare_step(graphdef, tx, hdet: bool, sync: bool):
       return optax.apply_updates(params, updates), opt_state, loss
     updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
     return H.apply_updates(params, updates, opt_state, replica_axis=mesh_lib.AXIS, sync=sync), opt_state, loss
+
   return step
 
 
@@ -183,8 +200,10 @@ def compiled_pair(groups: int, fsdp: int, tensor: int, sync_every: int):
   mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
   graphdef, _ = run.task.abstract_model(run.task_settings)
   o = run.optimizer
-  txs = {'plain': optax.adamw(run.given['optim.max_lr'], b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
-         'hdet': optimizer_lib.make_optimizer(o, groups)}
+  txs = {
+    'plain': optax.adamw(run.given['optim.max_lr'], b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
+    'hdet': optimizer_lib.make_optimizer(o, groups),
+  }
   params = programs_lib.make_init(run.task, run.task_settings, txs['hdet'], mesh, groups)(jax.random.key(0))[0]
   d = run.task_settings.data
   data = mesh_lib.put_stacked(np.zeros((groups, d.batch_size, d.seq_len + 1), np.uint8), mesh, 1)
@@ -193,12 +212,18 @@ def compiled_pair(groups: int, fsdp: int, tensor: int, sync_every: int):
     tx = txs['hdet' if hdet else 'plain']
     state = jax.jit(jax.vmap(tx.init))(params)
     rules = mesh_lib.rules(mesh)
-    shardings = (H.group_shardings(params, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules),
-                 H.state_shardings(state, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules) if hdet else
-                 H.group_shardings(state, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules))
+    shardings = (
+      H.group_shardings(params, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules),
+      H.state_shardings(state, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules)
+      if hdet
+      else H.group_shardings(state, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules),
+    )
     args = (jax.device_put(params, shardings[0]), jax.device_put(state, shardings[1]), data)
-    fn = jax.jit(H.shard_map_replicas(bare_step(graphdef, tx, hdet, sync), mesh, mesh_lib.AXIS),
-                 out_shardings=(*shardings, mesh_lib.replica_sharding(mesh)), donate_argnums=(0, 1))
+    fn = jax.jit(
+      H.shard_map_replicas(bare_step(graphdef, tx, hdet, sync), mesh, mesh_lib.AXIS),
+      out_shardings=(*shardings, mesh_lib.replica_sharding(mesh)),
+      donate_argnums=(0, 1),
+    )
     out[name] = (fn.lower(*args).compile(), args)
   return out
 
@@ -206,15 +231,18 @@ def compiled_pair(groups: int, fsdp: int, tensor: int, sync_every: int):
 def kernels(compiled) -> dict[str, int]:
   """Fusions and copies of the entry computation: on XLA:CPU one kernel launch each per device and step."""
   text = compiled.as_text()
-  entry = text[text.index('ENTRY'):]
-  entry = entry[:entry.index('\n}')]
+  entry = text[text.index('ENTRY') :]
+  entry = entry[: entry.index('\n}')]
   ops = re.findall(r'= \S+ ([a-z][\w-]*)\(', entry)
   return {k: ops.count(k) for k in ('fusion', 'copy')}
 
 
 def cost_table(time_steps: int) -> list[str]:
-  lines = ['| layout | XLA flops, T=100 / T=1000 | XLA bytes accessed, T=100 / T=1000 | non-sync extra kernels '
-           '(fusions, copies) | HDET/plain step time, T=100 / T=1000 |', '|---|---|---|---|---|']
+  lines = [
+    '| layout | XLA flops, T=100 / T=1000 | XLA bytes accessed, T=100 / T=1000 | non-sync extra kernels '
+    '(fusions, copies) | HDET/plain step time, T=100 / T=1000 |',
+    '|---|---|---|---|---|',
+  ]
   for groups, fsdp, tensor in LAYOUTS:
     progs = compiled_pair(groups, fsdp, tensor, 1000)
     cost = {k: c.cost_analysis() for k, (c, _) in progs.items()}
@@ -252,8 +280,10 @@ def main():
   print(text)
   if args.out:
     with open(args.out, 'w', encoding='utf-8') as f:
-      f.write(f'# Replica groups: FSDP and tensor parallel inside ({jax.devices()[0].platform}, {jax.device_count()} devices)\n\n'
-              f'`python -m benchmarks.mesh2d{" --time " + str(args.time) if args.time else ""}`\n\n{text}\n')
+      f.write(
+        f'# Replica groups: FSDP and tensor parallel inside ({jax.devices()[0].platform}, {jax.device_count()} devices)\n\n'
+        f'`python -m benchmarks.mesh2d{" --time " + str(args.time) if args.time else ""}`\n\n{text}\n'
+      )
 
 
 if __name__ == '__main__':

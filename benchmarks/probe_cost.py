@@ -38,16 +38,20 @@ def main(argv=None):
   med = _median_times(calls, args.rounds)
   costs = {k: _cost(prog) for k, prog in programs.items()}
   n = jax.device_count()
-  print(f'# {n} replicas on {n} {jax.devices()[0].platform} devices; default model; '
-        f'{args.probe_windows} probe windows x {config.data.seq_len + 1} bytes; {args.rounds} interleaved rounds')
+  print(
+    f'# {n} replicas on {n} {jax.devices()[0].platform} devices; default model; '
+    f'{args.probe_windows} probe windows x {config.data.seq_len + 1} bytes; {args.rounds} interleaved rounds'
+  )
   _print_table(costs, med)
 
 
 def _default_config(**overrides):
   from hdet_jax.trainer import config_lib
+
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return config_lib.with_overrides(config_lib.load_config_file(os.path.join(repo, 'configs', 'default.py')),
-                                   {'hdet.controller': 'fit', **overrides})
+  return config_lib.with_overrides(
+    config_lib.load_config_file(os.path.join(repo, 'configs', 'default.py')), {'hdet.controller': 'fit', **overrides}
+  )
 
 
 def _programs(probe_windows: int):
@@ -55,6 +59,7 @@ def _programs(probe_windows: int):
   window end with each score."""
   from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib, run_settings
   from hdet_jax.trainer.tasks import lm_input_pipeline as input_pipeline
+
   config = _default_config(**{'hdet.probe_windows': probe_windows})
   run = run_settings.resolve(config)
   d = run.task_settings.data
@@ -68,15 +73,21 @@ def _programs(probe_windows: int):
   data = mesh_lib.put_stacked(batches.chunk(0, 25), mesh)
   probe = input_pipeline.probe_windows(train, d.seq_len, probe_windows, 0, 0)
   probe = mesh_lib.put_stacked(np.broadcast_to(probe, (n,) + probe.shape), mesh)
-  programs = {'step': programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs,
-                                                   chunk_steps=25).lower(params, opt_state, data).compile()}
+  programs = {
+    'step': programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs, chunk_steps=25)
+    .lower(params, opt_state, data)
+    .compile()
+  }
   inputs = {'step': [data]}
   for score, extra in (('window', []), ('common', [probe])):
     r = run_settings.resolve(_default_config(**{'hdet.score': score, 'hdet.probe_windows': probe_windows}))
     name = f'window end ({"window score" if score == "window" else "common batch"})'
     extra = extra + ([programs_lib.make_anchor(mesh, tx)(params, opt_state)] if r.loop.rolls_back else [])
-    programs[name] = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=r.programs).lower(
-        params, opt_state, *extra).compile()
+    programs[name] = (
+      programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=r.programs)
+      .lower(params, opt_state, *extra)
+      .compile()
+    )
     inputs[name] = extra  # (the common batch, and the rollback's anchor where the config rolls back)
   state = [params, opt_state]  # donation consumes the inputs: one live state threads through every call
 
@@ -84,7 +95,9 @@ def _programs(probe_windows: int):
     def run():
       state[0], state[1], m = programs[name](state[0], state[1], *inputs[name])
       jax.block_until_ready(m)
+
     return run
+
   return config, programs, {name: call(name) for name in programs}
 
 
@@ -111,9 +124,11 @@ def _print_table(costs: dict, med: dict) -> None:
   extra_t = med['window end (common batch)'] - med['window end (window score)']
   extra_f = costs['window end (common batch)'][0] - costs['window end (window score)'][0]
   for t in (25, 100):
-    print(f'Common batch, T={t}: +{1e3 * extra_t:.2f} ms per sync ({extra_t / med["step"]:.2f} steps), '
-          f'{100 * extra_t / (t * med["step"]):.2f}% of a window\'s step time; counted: +{extra_f:,.0f} flops '
-          f'per sync = {100 * extra_f / (t * costs["step"][0]):.2f}% of a window\'s step flops.')
+    print(
+      f'Common batch, T={t}: +{1e3 * extra_t:.2f} ms per sync ({extra_t / med["step"]:.2f} steps), '
+      f"{100 * extra_t / (t * med['step']):.2f}% of a window's step time; counted: +{extra_f:,.0f} flops "
+      f"per sync = {100 * extra_f / (t * costs['step'][0]):.2f}% of a window's step flops."
+    )
 
 
 if __name__ == '__main__':

@@ -55,6 +55,7 @@ class _Clock:
         self.seconds[phase] += time.perf_counter() - start
         self.calls[phase] += 1
         self.depth -= 1
+
     return timed
 
 
@@ -74,6 +75,7 @@ class _Compiled:
     class _Lowered:
       def compile(self):
         return clock.wrap(phase, lowered.compile(), wait=True)
+
     return _Lowered()
 
 
@@ -81,19 +83,32 @@ class _Compiled:
 def _instrumented(clock):
   from hdet_jax.trainer import checkpoints, mesh as mesh_lib, metrics, programs as programs_lib
   from hdet_jax.trainer.tasks import lm_input_pipeline as input_pipeline
+
   patches = [
-      (programs_lib, 'make_train_step', lambda *a, **k: _Compiled(original['make_train_step'](*a, **k), clock, 'step')),
-      (programs_lib, 'make_window_end', lambda *a, **k: _Compiled(original['make_window_end'](*a, **k), clock, 'step')),
-      # The rollback's anchor (taken after each sync with hdet.rollback): a compiled program of the step's too.
-      (programs_lib, 'make_anchor', lambda *a, **k: _Compiled(original['make_anchor'](*a, **k), clock, 'step')),
-      (programs_lib, 'make_eval_step', lambda *a, **k: _Compiled(original['make_eval_step'](*a, **k), clock, 'eval')),
-      (mesh_lib, 'put_stacked', None), (input_pipeline.TrainBatches, 'batch', None),
-      (mesh_lib, 'fetch', None), (metrics.MetricsWriter, 'write', None), (metrics.MetricsWriter, 'flush', None),
-      (checkpoints.Checkpointer, 'save', None), (checkpoints.Checkpointer, 'wait', None),
-      (checkpoints.Checkpointer, 'close', None),
+    (programs_lib, 'make_train_step', lambda *a, **k: _Compiled(original['make_train_step'](*a, **k), clock, 'step')),
+    (programs_lib, 'make_window_end', lambda *a, **k: _Compiled(original['make_window_end'](*a, **k), clock, 'step')),
+    # The rollback's anchor (taken after each sync with hdet.rollback): a compiled program of the step's too.
+    (programs_lib, 'make_anchor', lambda *a, **k: _Compiled(original['make_anchor'](*a, **k), clock, 'step')),
+    (programs_lib, 'make_eval_step', lambda *a, **k: _Compiled(original['make_eval_step'](*a, **k), clock, 'eval')),
+    (mesh_lib, 'put_stacked', None),
+    (input_pipeline.TrainBatches, 'batch', None),
+    (mesh_lib, 'fetch', None),
+    (metrics.MetricsWriter, 'write', None),
+    (metrics.MetricsWriter, 'flush', None),
+    (checkpoints.Checkpointer, 'save', None),
+    (checkpoints.Checkpointer, 'wait', None),
+    (checkpoints.Checkpointer, 'close', None),
   ]
-  phase_of = {'put_stacked': 'data', 'batch': 'data', 'fetch': 'metrics', 'write': 'metrics',
-              'flush': 'metrics', 'save': 'checkpoint', 'wait': 'checkpoint', 'close': 'checkpoint'}
+  phase_of = {
+    'put_stacked': 'data',
+    'batch': 'data',
+    'fetch': 'metrics',
+    'write': 'metrics',
+    'flush': 'metrics',
+    'save': 'checkpoint',
+    'wait': 'checkpoint',
+    'close': 'checkpoint',
+  }
   original = {name: getattr(owner, name) for owner, name, _ in patches}
   for owner, name, replacement in patches:
     setattr(owner, name, replacement or clock.wrap(phase_of[name], original[name]))
@@ -119,6 +134,7 @@ def _config(steps):
 
 def measure(steps: int = 500) -> dict:
   from hdet_jax.trainer import program_cache, run_settings, trainer
+
   config = _config(steps)
   with tempfile.TemporaryDirectory() as workdir:
     plain = trainer.train_and_evaluate(config, workdir)
@@ -137,37 +153,41 @@ def measure(steps: int = 500) -> dict:
   other = loop_s - sum(sec.values())
   parts = ', '.join(f'{p} {sec[p]:.2f} s ({sec[p] / loop_s * 100:.1f}%)' for p in PHASES[1:])
   period = run_settings.resolve(config).loop.windows[-1]  # T (hdet.sync_every 0: counted per run)
-  layout = (f'{summary["num_replicas"]} replicas on {summary["num_devices"]} {jax.devices()[0].platform.upper()} '
-            f'device(s)')
-  head = (f'trainer[default config, {layout}, {steps} steps, T={period}, log every {config.log_every}, '
-          f'eval every {config.eval_every}, checkpoint every {config.checkpoint_every}]')
+  layout = (
+    f'{summary["num_replicas"]} replicas on {summary["num_devices"]} {jax.devices()[0].platform.upper()} device(s)'
+  )
+  head = (
+    f'trainer[default config, {layout}, {steps} steps, T={period}, log every {config.log_every}, '
+    f'eval every {config.eval_every}, checkpoint every {config.checkpoint_every}]'
+  )
   lines = [
-      f'{head}: loop {loop_s:.2f} s (setup {summary["setup_s"]:.1f} s), inside the compiled steps {sec["step"]:.2f} s '
-      f'({clock.calls["step"]} calls of the step, window-end and anchor programs); outside '
-      f'{outside * 100:.1f}% of the loop: {parts}, other {other:.2f} s ({other / loop_s * 100:.1f}%)',
-      f'{head}: uninstrumented run (asynchronous steps): loop {loop_async:.2f} s = '
-      f'{loop_async / loop_s:.3f} x the instrumented loop',
+    f'{head}: loop {loop_s:.2f} s (setup {summary["setup_s"]:.1f} s), inside the compiled steps {sec["step"]:.2f} s '
+    f'({clock.calls["step"]} calls of the step, window-end and anchor programs); outside '
+    f'{outside * 100:.1f}% of the loop: {parts}, other {other:.2f} s ({other / loop_s * 100:.1f}%)',
+    f'{head}: uninstrumented run (asynchronous steps): loop {loop_async:.2f} s = '
+    f'{loop_async / loop_s:.3f} x the instrumented loop',
   ]
   rows = [
-      '| run | loop wall (s) | inside the compiled steps (s) | outside | data | metrics | eval | checkpoints | other | '
-      'uninstrumented loop (s) |',
-      '|---|---|---|---|---|---|---|---|---|---|',
-      f'| configs/default.py, {layout}, {steps} steps (T={period}, log every {config.log_every}, eval every '
-      f'{config.eval_every}, checkpoint every {config.checkpoint_every}) | {loop_s:.2f} | {sec["step"]:.2f} '
-      f'| **{outside * 100:.1f}%** | '
-      + ' | '.join(f'{sec[p] / loop_s * 100:.1f}%' for p in PHASES[1:])
-      + f' | {other / loop_s * 100:.1f}% | {loop_async:.2f} |',
-      '',
-      'Instrumented run: each compiled step call is timed until its outputs are ready; data (batch assembly and '
-      'host-to-device), metrics (fetching the packed per-step metrics and writing metrics.jsonl), eval (the compiled '
-      'evaluation), checkpoints (orbax saves, fingerprints, waiting for them) are timed around their calls; other = '
-      'the rest of the loop. Loop wall = `wall_s - setup_s` of the run (the last evaluation and checkpoint '
-      'included). The uninstrumented run is the same config as it normally runs (asynchronous steps). '
-      'Target: under 5% outside.',
+    '| run | loop wall (s) | inside the compiled steps (s) | outside | data | metrics | eval | checkpoints | other | '
+    'uninstrumented loop (s) |',
+    '|---|---|---|---|---|---|---|---|---|---|',
+    f'| configs/default.py, {layout}, {steps} steps (T={period}, log every {config.log_every}, eval every '
+    f'{config.eval_every}, checkpoint every {config.checkpoint_every}) | {loop_s:.2f} | {sec["step"]:.2f} '
+    f'| **{outside * 100:.1f}%** | '
+    + ' | '.join(f'{sec[p] / loop_s * 100:.1f}%' for p in PHASES[1:])
+    + f' | {other / loop_s * 100:.1f}% | {loop_async:.2f} |',
+    '',
+    'Instrumented run: each compiled step call is timed until its outputs are ready; data (batch assembly and '
+    'host-to-device), metrics (fetching the packed per-step metrics and writing metrics.jsonl), eval (the compiled '
+    'evaluation), checkpoints (orbax saves, fingerprints, waiting for them) are timed around their calls; other = '
+    'the rest of the loop. Loop wall = `wall_s - setup_s` of the run (the last evaluation and checkpoint '
+    'included). The uninstrumented run is the same config as it normally runs (asynchronous steps). '
+    'Target: under 5% outside.',
   ]
   return {'lines': lines, 'rows': rows, 'outside': outside, 'calls': dict(clock.calls)}
 
 
 if __name__ == '__main__':
   import sys
+
   print('\n'.join(measure(int(sys.argv[1]) if len(sys.argv) > 1 else 500)['lines']))

@@ -13,7 +13,9 @@ LR where plain data parallel crashed or clearly degraded); baseline_low uses a n
 
 from hdet_jax.trainer.config_lib import sibling
 
-HIGH_LR = 8.1e-2  # The ablation family's aggressive peak LR: the sweep's edge (the paper's 9e-4 against a 1e-4 baseline).
+HIGH_LR = (
+  8.1e-2  # The ablation family's aggressive peak LR: the sweep's edge (the paper's 9e-4 against a 1e-4 baseline).
+)
 
 
 def get_config():

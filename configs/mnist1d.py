@@ -19,7 +19,9 @@ from hdet_jax.trainer.config_lib import sibling
 def get_config() -> ml_collections.ConfigDict:
   config = sibling(__file__, 'default')
   config.task = 'mnist1d'  # The workload (hdet_jax/trainer/tasks/mnist1d.py).
-  config.num_train_steps = 1000  # S: total optimizer steps (3.2 epochs of the 80,000 training examples at 8 x 32 a step).
+  config.num_train_steps = (
+    1000  # S: total optimizer steps (3.2 epochs of the 80,000 training examples at 8 x 32 a step).
+  )
 
   config.data = ml_collections.ConfigDict()
   config.data.path = config_dict.placeholder(str)  # An .npz with x, y, x_test, y_test; None: generate MNIST-1D.

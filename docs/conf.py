@@ -14,11 +14,11 @@ copyright = 'hdet-jax authors'  # noqa: A001
 release = version = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']['version']
 
 extensions = [
-    'myst_parser',
-    'sphinx.ext.autodoc',
-    'sphinx.ext.napoleon',
-    'sphinx.ext.mathjax',
-    'sphinx.ext.viewcode',
+  'myst_parser',
+  'sphinx.ext.autodoc',
+  'sphinx.ext.napoleon',
+  'sphinx.ext.mathjax',
+  'sphinx.ext.viewcode',
 ]
 
 source_suffix = {'.rst': 'restructuredtext', '.md': 'markdown'}
@@ -52,7 +52,7 @@ mathjax_path = 'mathjax/tex-svg.js'
 html_theme = 'sphinx_book_theme'
 html_title = f'hdet-jax {version}'
 html_theme_options = {
-    'show_toc_level': 2,
-    'use_download_button': False,
-    'use_fullscreen_button': False,
+  'show_toc_level': 2,
+  'use_download_button': False,
+  'use_fullscreen_button': False,
 }

@@ -31,13 +31,21 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGE = ROOT / 'docs' / 'verdict.md'
 
 # Every file the page reads, relative to results/ (the test copies these to change one).
-RECORDS = ('workloads.json', 'wider_rung.json', 'autolr.json', 'heldout/autolr.json', 'benchmarks_gpu.md',
-           'benchmarks.md', 'anchor_memory.md', 'bracket_compiles.md')
+RECORDS = (
+  'workloads.json',
+  'wider_rung.json',
+  'autolr.json',
+  'heldout/autolr.json',
+  'benchmarks_gpu.md',
+  'benchmarks.md',
+  'anchor_memory.md',
+  'bracket_compiles.md',
+)
 
 WORKLOADS = {  # record key: (name on the page, metric), in the page's order
-    'lm': ('LM', 'validation bits/byte'),
-    'finetune': ('fine-tuning', 'validation bits/byte'),
-    'mnist1d': ('MNIST-1D', 'test cross-entropy (nats)'),
+  'lm': ('LM', 'validation bits/byte'),
+  'finetune': ('fine-tuning', 'validation bits/byte'),
+  'mnist1d': ('MNIST-1D', 'test cross-entropy (nats)'),
 }
 OPTIMIZERS = {'adamw': 'AdamW', 'sgd': 'SGD'}
 TEXT = ('lm', 'finetune')
@@ -48,6 +56,7 @@ HELDOUT_CELLS = {'pystdlib:1500:adamw': 'adamw', 'pystdlib:1500:sgd': 'sgd'}
 
 
 # ---- reading the records ---------------------------------------------------------------------------------
+
 
 def _json(results: pathlib.Path, name: str):
   return json.loads((results / name).read_text())
@@ -99,14 +108,26 @@ def load(results: pathlib.Path) -> dict:
         b = bracket['rows'].get(f'{task}:{steps}:{optim}')
         peer = min(c['peers'].items(), key=lambda kv: kv[1]['value']) if c['peers'] else None
         lr = c['grid_best']['lr']
-        near = [_gap(v['value'], best) for k, v in c['grid'].items()
-                if abs(float(k) / lr - 2) < 1e-6 or abs(float(k) / lr - 0.5) < 1e-6]
-        cells.append(dict(
-            task=task, steps=int(steps), optim=optim, best=best, best_lr=lr, near=near,
-            seeds=c['grid_best']['n'], hdet={s: _gap(c['hdet'][s]['value'], best) for s in STARTS},
+        near = [
+          _gap(v['value'], best)
+          for k, v in c['grid'].items()
+          if abs(float(k) / lr - 2) < 1e-6 or abs(float(k) / lr - 0.5) < 1e-6
+        ]
+        cells.append(
+          dict(
+            task=task,
+            steps=int(steps),
+            optim=optim,
+            best=best,
+            best_lr=lr,
+            near=near,
+            seeds=c['grid_best']['n'],
+            hdet={s: _gap(c['hdet'][s]['value'], best) for s in STARTS},
             hdet_seeds=min(c['hdet'][s]['n'] for s in STARTS),
             bracket={s: _gap(b[s][BRACKET_KEY], b[s]['sweep_best']) for s in STARTS} if b else None,
-            peer=(peer[0], _gap(peer[1]['value'], best)) if peer else None))
+            peer=(peer[0], _gap(peer[1]['value'], best)) if peer else None,
+          )
+        )
   default_steps = {c['task']: c['steps'] for c in cells if c['peer']}
 
   held = _json(results, 'heldout/autolr.json')
@@ -118,25 +139,36 @@ def load(results: pathlib.Path) -> dict:
     peers = {k: v for k, v in h['peers'].items() if isinstance(v, dict) and v.get('val_bpb') is not None}
     peer = min(peers.items(), key=lambda kv: kv[1]['val_bpb']) if peers else None
     b = bracket['rows'][key]
-    heldout.append(dict(
-        optim=optim, steps=int(key.split(':')[1]), best=best, best_lr=h['grid_best']['lr'],
+    heldout.append(
+      dict(
+        optim=optim,
+        steps=int(key.split(':')[1]),
+        best=best,
+        best_lr=h['grid_best']['lr'],
         hdet={s: _gap(variant[s]['val_bpb'], best) for s in STARTS},
         bracket={s: _gap(b[s][BRACKET_KEY], b[s]['sweep_best']) for s in STARTS},
-        peer=(peer[0], _gap(peer[1]['val_bpb'], best)) if peer else None))
+        peer=(peer[0], _gap(peer[1]['val_bpb'], best)) if peer else None,
+      )
+    )
 
   lm = _json(results, 'autolr.json')['adamw']
-  paper = {s: dict(gap=_gap(v['val_bpb'], lm['grid_best']['val_bpb']), peak=v['peak_lr'] / lm['grid_best']['lr'])
-           for s, v in lm['variants']['paper'].items()}
-  climb = {s: dict(gap=_gap(v['val_bpb'], lm['grid_best']['val_bpb']), peak=v['peak_lr'] / lm['grid_best']['lr'])
-           for s, v in lm['variants'][lm['default_variant']].items()}
+  paper = {
+    s: dict(gap=_gap(v['val_bpb'], lm['grid_best']['val_bpb']), peak=v['peak_lr'] / lm['grid_best']['lr'])
+    for s, v in lm['variants']['paper'].items()
+  }
+  climb = {
+    s: dict(gap=_gap(v['val_bpb'], lm['grid_best']['val_bpb']), peak=v['peak_lr'] / lm['grid_best']['lr'])
+    for s, v in lm['variants'][lm['default_variant']].items()
+  }
 
   gpu = (results / 'benchmarks_gpu.md').read_text()
   packed = 'donation), HDET / plain, median over interleaved rounds'  # the table with the packed state
   step_time = {}
   for label, row in (('1.2M', '10x (1.19M), 90 rounds'), ('12M', '100x (12.0M), 26 rounds')):
     cells_ = _row(gpu, row, after=packed)
-    step_time[label] = dict(step_ms=_number(cells_[1]), nonsync=_number(cells_[3]), t100=_number(cells_[4]),
-                            t1000=_number(cells_[5]))
+    step_time[label] = dict(
+      step_ms=_number(cells_[1]), nonsync=_number(cells_[3]), t100=_number(cells_[4]), t1000=_number(cells_[5])
+    )
   guarded = '## The default with its guard'
   main_hdet = _number(_row(gpu, 'HDET (default, guard on), run 1', after=guarded)[4])
   main_plain = _number(_row(gpu, 'plain DP, N=8', after=guarded)[4])
@@ -148,13 +180,25 @@ def load(results: pathlib.Path) -> dict:
   wall = (results / 'bracket_compiles.md').read_text()
   walls = {name: (_number(_row(wall, name)[2]), _number(_row(wall, name)[-1])) for name in ('lm750', 'mnist1d1000')}
 
-  return dict(cells=cells, default_steps=default_steps, heldout=heldout, paper=paper, climb=climb,
-              lm_best_lr=lm['grid_best']['lr'], step_time=step_time, main_memory=main_hdet / main_plain,
-              state_memory=state, anchor_one=anchor_one, anchor_each=anchor_each, walls=walls,
-              bracket_runs=bracket['compute_runs']['8-5-1'])
+  return dict(
+    cells=cells,
+    default_steps=default_steps,
+    heldout=heldout,
+    paper=paper,
+    climb=climb,
+    lm_best_lr=lm['grid_best']['lr'],
+    step_time=step_time,
+    main_memory=main_hdet / main_plain,
+    state_memory=state,
+    anchor_one=anchor_one,
+    anchor_each=anchor_each,
+    walls=walls,
+    bracket_runs=bracket['compute_runs']['8-5-1'],
+  )
 
 
 # ---- writing the page ------------------------------------------------------------------------------------
+
 
 def _pct(x: float) -> str:
   """'+1.8%'; a gap that rounds to zero is '0.0%'; within 1% is bold."""
@@ -252,15 +296,20 @@ def _header() -> list[str]:
   """The generated-file marker, the title and the introduction."""
   out = []
   add = out.append
-  add('<!-- Generated by docs/verdict.py from the records under results/; do not edit by hand:'
-      ' python docs/verdict.py -->\n')
+  add(
+    '<!-- Generated by docs/verdict.py from the records under results/; do not edit by hand:'
+    ' python docs/verdict.py -->\n'
+  )
   add('# Should I use HDET?\n')
-  add('What one HDET run with the default controller, `hdet_jax.AutoLR(total_steps=S)` (the guarded climb), '
-      'buys against what you would otherwise do: an 8-run learning-rate sweep (plain data parallel, peak LRs a '
-      'factor 2 apart), the LR bracket (`configs/bracket.py`) or an LR-free optimizer from `optax.contrib`. '
-      'Every figure on this page is generated from the committed records (`python docs/verdict.py`; the '
-      'sources are listed at the end), and a test fails when the page and the records disagree.\n')
+  add(
+    'What one HDET run with the default controller, `hdet_jax.AutoLR(total_steps=S)` (the guarded climb), '
+    'buys against what you would otherwise do: an 8-run learning-rate sweep (plain data parallel, peak LRs a '
+    'factor 2 apart), the LR bracket (`configs/bracket.py`) or an LR-free optimizer from `optax.contrib`. '
+    'Every figure on this page is generated from the committed records (`python docs/verdict.py`; the '
+    'sources are listed at the end), and a test fails when the page and the records disagree.\n'
+  )
   return out
+
 
 def _answer(r: dict) -> list[str]:
   """The answer: one HDET run, the bracket, the paper's controller, the cost."""
@@ -278,31 +327,44 @@ def _answer(r: dict) -> list[str]:
   out = []
   add = out.append
   add('## The answer\n')
-  add(f'- **On text at the default run length** (the LM at {default["lm"]} steps, fine-tuning at '
-      f'{default["finetune"]}), one HDET run ends '
-      f'{_span(_gaps(cells, "hdet", lambda c: text(c) and at_default(c)))} from the sweep\'s best, started with '
-      f'its peak LR 10x too low, right or 10x too high. It is ahead of the best LR-free optimizer '
-      f'({_span(peers_text)}) {_starts(ahead_text, n_text)}.')
-  add(f'- **Short runs and a 10x too low start cost more:** '
-      f'{_span(_gaps(cells, "hdet", lambda c: text(c) and short(c)))} on the shortest text runs (the LM at '
-      f'{shortest["lm"]} steps, fine-tuning at {shortest["finetune"]}). Give the highest peak LR you would '
-      'consider: the guarded climb starts at a tenth of it and only rises.')
-  add(f'- **On small classifiers it misses by tens of percent** (a 5k-parameter CNN on MNIST-1D: '
-      f'{_span(_gaps(cells, "hdet", classifier))}); the best LR-free optimizer ({_span(peers_cls)}) is ahead '
-      f'of it {_starts(n_cls - ahead_cls, n_cls)} at the default length.')
-  add(f'- **If you can afford {runs} runs of compute, the LR bracket reaches the sweep\'s best on text** '
-      f'({_span(_gaps(cells, "bracket", text))} from every start and length) and misses MNIST-1D by less '
-      f'({_span(_gaps(cells, "bracket", classifier))}). Within 1% of the sweep\'s best: the bracket in '
-      f'{bracket_in} of {bracket_total} cases, one HDET run in {hdet_in} of {total}.')
-  add(f"- **The paper's controller** (`AutoLR.paper`) never corrected a 10x error on the LM: from 10x too low "
-      f'its peak LR stayed at {paper["low"]["peak"]:.2g}x the sweep\'s best ({_plain(paper["low"]["gap"])}; '
-      f'the guarded climb rose to {climb["low"]["peak"]:.2g}x, {_plain(climb["low"]["gap"])}), and from 10x '
-      f'too high it ended {_plain(paper["high"]["gap"])}. The paper\'s Table 1 did not reproduce on this LM '
-      '({doc}`results/table1`).')
-  add(f'- **Cost:** {_extra(st["12M"]["t100"])} to {_extra(st["1.2M"]["t100"])} step time over plain data '
-      f'parallel (one GPU, 12M and 1.2M parameters per replica, T=100), and the default guard keeps one more '
-      'copy of the training state on each device. Details below.\n')
+  add(
+    f'- **On text at the default run length** (the LM at {default["lm"]} steps, fine-tuning at '
+    f'{default["finetune"]}), one HDET run ends '
+    f"{_span(_gaps(cells, 'hdet', lambda c: text(c) and at_default(c)))} from the sweep's best, started with "
+    f'its peak LR 10x too low, right or 10x too high. It is ahead of the best LR-free optimizer '
+    f'({_span(peers_text)}) {_starts(ahead_text, n_text)}.'
+  )
+  add(
+    f'- **Short runs and a 10x too low start cost more:** '
+    f'{_span(_gaps(cells, "hdet", lambda c: text(c) and short(c)))} on the shortest text runs (the LM at '
+    f'{shortest["lm"]} steps, fine-tuning at {shortest["finetune"]}). Give the highest peak LR you would '
+    'consider: the guarded climb starts at a tenth of it and only rises.'
+  )
+  add(
+    f'- **On small classifiers it misses by tens of percent** (a 5k-parameter CNN on MNIST-1D: '
+    f'{_span(_gaps(cells, "hdet", classifier))}); the best LR-free optimizer ({_span(peers_cls)}) is ahead '
+    f'of it {_starts(n_cls - ahead_cls, n_cls)} at the default length.'
+  )
+  add(
+    f"- **If you can afford {runs} runs of compute, the LR bracket reaches the sweep's best on text** "
+    f'({_span(_gaps(cells, "bracket", text))} from every start and length) and misses MNIST-1D by less '
+    f"({_span(_gaps(cells, 'bracket', classifier))}). Within 1% of the sweep's best: the bracket in "
+    f'{bracket_in} of {bracket_total} cases, one HDET run in {hdet_in} of {total}.'
+  )
+  add(
+    f"- **The paper's controller** (`AutoLR.paper`) never corrected a 10x error on the LM: from 10x too low "
+    f"its peak LR stayed at {paper['low']['peak']:.2g}x the sweep's best ({_plain(paper['low']['gap'])}; "
+    f'the guarded climb rose to {climb["low"]["peak"]:.2g}x, {_plain(climb["low"]["gap"])}), and from 10x '
+    f"too high it ended {_plain(paper['high']['gap'])}. The paper's Table 1 did not reproduce on this LM "
+    '({doc}`results/table1`).'
+  )
+  add(
+    f'- **Cost:** {_extra(st["12M"]["t100"])} to {_extra(st["1.2M"]["t100"])} step time over plain data '
+    f'parallel (one GPU, 12M and 1.2M parameters per replica, T=100), and the default guard keeps one more '
+    'copy of the training state on each device. Details below.\n'
+  )
   return out
+
 
 def _per_workload(r: dict) -> list[str]:
   """The tables per workload and run length, the held-out corpus and the two controllers."""
@@ -311,33 +373,43 @@ def _per_workload(r: dict) -> list[str]:
   out = []
   add = out.append
   add('## Per workload and run length\n')
-  add('Each cell is how far the 3-seed mean of the final metric ends from the sweep\'s best 3-seed mean, in '
-      'per cent (lower is better; **bold**: within 1%). One HDET run and the bracket were each started with '
-      'their peak LR 10x below, at and 10x above the sweep\'s best (the three numbers of a cell); the '
-      "LR-free optimizers ran at each workload's default length. The workloads: a byte-level transformer LM "
-      '(120k parameters) on the King James Bible, and fine-tuned on the Wycliffe Bible (validation bits per '
-      'byte); a 5k-parameter 1-D CNN on MNIST-1D (test cross-entropy); AdamW unless said.\n')
-  add(f"| workload | steps | sweep's best (8 runs) at peak LR | one HDET run (10x low / best / 10x high), % "
-      f'| LR bracket ({runs} runs), % |')
+  add(
+    "Each cell is how far the 3-seed mean of the final metric ends from the sweep's best 3-seed mean, in "
+    'per cent (lower is better; **bold**: within 1%). One HDET run and the bracket were each started with '
+    "their peak LR 10x below, at and 10x above the sweep's best (the three numbers of a cell); the "
+    "LR-free optimizers ran at each workload's default length. The workloads: a byte-level transformer LM "
+    '(120k parameters) on the King James Bible, and fine-tuned on the Wycliffe Bible (validation bits per '
+    'byte); a 5k-parameter 1-D CNN on MNIST-1D (test cross-entropy); AdamW unless said.\n'
+  )
+  add(
+    f"| workload | steps | sweep's best (8 runs) at peak LR | one HDET run (10x low / best / 10x high), % "
+    f'| LR bracket ({runs} runs), % |'
+  )
   add('|---|---|---|---|---|')
   for c in cells:
-    add(f'| {_workload(c)} | {c["steps"]} | {c["best"]:.4g} at {_lr(c["best_lr"])} '
-        f'| {_three(c["hdet"])} | {_three(c["bracket"])} |')
+    add(
+      f'| {_workload(c)} | {c["steps"]} | {c["best"]:.4g} at {_lr(c["best_lr"])} '
+      f'| {_three(c["hdet"])} | {_three(c["bracket"])} |'
+    )
   add('')
   peers = [f'{_workload(c)} at {c["steps"]} steps {_plain(c["peer"][1])} ({c["peer"][0]})' for c in cells if c['peer']]
   add(f"The best LR-free optimizer, at each workload's default length: {'; '.join(peers)}.\n")
-  add(f'On a corpus no default was chosen on (Python\'s standard library source; the LM at '
-      f'{r["heldout"][0]["steps"]} steps, validation bits per byte):\n')
+  add(
+    f"On a corpus no default was chosen on (Python's standard library source; the LM at "
+    f'{r["heldout"][0]["steps"]} steps, validation bits per byte):\n'
+  )
   add("| optimizer | sweep's best at peak LR | one HDET run (10x low / best / 10x high), % | LR bracket, % |")
   add('|---|---|---|---|')
   for h in r['heldout']:
-    add(f'| {OPTIMIZERS[h["optim"]]} | {h["best"]:.4g} at {_lr(h["best_lr"])} | {_three(h["hdet"])} '
-        f'| {_three(h["bracket"])} |')
+    add(
+      f'| {OPTIMIZERS[h["optim"]]} | {h["best"]:.4g} at {_lr(h["best_lr"])} | {_three(h["hdet"])} '
+      f'| {_three(h["bracket"])} |'
+    )
   add('')
   peers = [f'{OPTIMIZERS[h["optim"]]}: {_plain(h["peer"][1])} ({h["peer"][0]})' for h in r['heldout'] if h['peer']]
   if peers:
-    add(f"The best LR-free optimizer there: {'; '.join(peers)}.\n")
-  add(f"The two controllers on the LM ({lm_default['steps']} steps, AdamW):\n")
+    add(f'The best LR-free optimizer there: {"; ".join(peers)}.\n')
+  add(f'The two controllers on the LM ({lm_default["steps"]} steps, AdamW):\n')
   add("| controller | % from the sweep's best | its peak LR, x the sweep's best |")
   add('|---|---|---|')
   for name, v in (('the guarded climb, `AutoLR(total_steps=S)`', climb), ("the paper's, `AutoLR.paper(...)`", paper)):
@@ -345,6 +417,7 @@ def _per_workload(r: dict) -> list[str]:
     add(f'| {name} | {_three({s: v[s]["gap"] for s in STARTS})} | {peaks} |')
   add('')
   return out
+
 
 def _costs(r: dict) -> list[str]:
   """The step time, memory and compute against plain data parallel."""
@@ -356,22 +429,31 @@ def _costs(r: dict) -> list[str]:
   add('|---|---|')
   for label in ('1.2M', '12M'):
     s = st[label]
-    add(f'| step time, {label} parameters per replica (one GPU; a plain step takes {s["step_ms"]:g} ms) '
-        f'| {_extra(s["nonsync"])} a step between syncs; {_extra(s["t100"])} over a window of T=100 steps, '
-        f'{_extra(s["t1000"])} at T=1000 |')
+    add(
+      f'| step time, {label} parameters per replica (one GPU; a plain step takes {s["step_ms"]:g} ms) '
+      f'| {_extra(s["nonsync"])} a step between syncs; {_extra(s["t100"])} over a window of T=100 steps, '
+      f'{_extra(s["t1000"])} at T=1000 |'
+    )
   add(f'| parameters and optimizer state | {_ratio(r["state_memory"])} (HDET adds a few numbers per replica) |')
-  add(f"| the guard's rollback copy | one copy of the training state per device: {_ratio(r['anchor_one'], 3)} "
-      f'the state with 8 replicas on a device, {_ratio(r["anchor_each"], 3)} with one replica per device '
-      '(`--config.hdet.rollback=False` drops it, and with it most of the guard\'s gain) |')
+  add(
+    f"| the guard's rollback copy | one copy of the training state per device: {_ratio(r['anchor_one'], 3)} "
+    f'the state with 8 replicas on a device, {_ratio(r["anchor_each"], 3)} with one replica per device '
+    "(`--config.hdet.rollback=False` drops it, and with it most of the guard's gain) |"
+  )
   add(f'| peak device memory, the main job on one GPU | {_ratio(r["main_memory"])} |')
-  add(f'| the LR bracket | {runs} runs of compute; wall time {_ratio(walls["lm750"][1], 2)} one plain run on the '
-      f'LM at 750 steps, {_ratio(walls["mnist1d1000"][1], 2)} on MNIST-1D at 1000 steps (where a run is mostly '
-      'setup, which the bracket pays once) |')
+  add(
+    f'| the LR bracket | {runs} runs of compute; wall time {_ratio(walls["lm750"][1], 2)} one plain run on the '
+    f'LM at 750 steps, {_ratio(walls["mnist1d1000"][1], 2)} on MNIST-1D at 1000 steps (where a run is mostly '
+    'setup, which the bracket pays once) |'
+  )
   add('| an LR sweep | 8 runs |')
   add('')
-  add('On CPU the step-time difference is smaller than what timing resolves; {doc}`results/benchmarks` '
-      'has the counted figures (flops, kernels, buffers).\n')
+  add(
+    'On CPU the step-time difference is smaller than what timing resolves; {doc}`results/benchmarks` '
+    'has the counted figures (flops, kernels, buffers).\n'
+  )
   return out
+
 
 def _advice(r: dict) -> list[str]:
   """When to prefer what."""
@@ -381,31 +463,48 @@ def _advice(r: dict) -> list[str]:
   out = []
   add = out.append
   add('## When to prefer what\n')
-  add(f'- **You know the best learning rate** (a sweep on this very task found it): train plainly at it. One '
-      f"HDET run started there ends {_span(best_text)} behind it on text at the default length, and plain runs "
-      f"at half or twice it {_span(near_text)}: HDET does not improve a right guess.")
-  add("- **One run's budget, text-like data, the LR unknown within 10x:** one HDET run with "
-      '`AutoLR(total_steps=S)`, its peak LR at the high end of your guess.')
-  add(f"- **{runs} runs' budget:** the LR bracket, `python train.py --config configs/bracket.py` "
-      '({doc}`trainer`): plain runs apart, halved at 0.1 and 0.3 of the run. It needs no controller; in your '
-      'own loop, successive halving over plain runs does the same.')
-  add('- **Small classifiers, or a task trained past memorizing its training set:** a sweep. Neither one HDET '
-      'run nor the bracket finds its best reliably there ({doc}`results/heldout_task`).\n')
+  add(
+    f'- **You know the best learning rate** (a sweep on this very task found it): train plainly at it. One '
+    f'HDET run started there ends {_span(best_text)} behind it on text at the default length, and plain runs '
+    f'at half or twice it {_span(near_text)}: HDET does not improve a right guess.'
+  )
+  add(
+    "- **One run's budget, text-like data, the LR unknown within 10x:** one HDET run with "
+    '`AutoLR(total_steps=S)`, its peak LR at the high end of your guess.'
+  )
+  add(
+    f"- **{runs} runs' budget:** the LR bracket, `python train.py --config configs/bracket.py` "
+    '({doc}`trainer`): plain runs apart, halved at 0.1 and 0.3 of the run. It needs no controller; in your '
+    'own loop, successive halving over plain runs does the same.'
+  )
+  add(
+    '- **Small classifiers, or a task trained past memorizing its training set:** a sweep. Neither one HDET '
+    'run nor the bracket finds its best reliably there ({doc}`results/heldout_task`).\n'
+  )
   return out
+
 
 def _sources() -> list[str]:
   """Where the numbers come from."""
   out = []
   add = out.append
   add('## Where the numbers come from\n')
-  add('- {doc}`results/workloads` (`results/workloads.json`): the sweep, one HDET run and the LR-free '
-      'optimizers on every workload and length, 3 seeds.')
-  add('- {doc}`results/wider_rung` (`results/wider_rung.json`): the LR bracket with its default rungs, from '
-      'the same starts and seeds; {doc}`results/bracket_mode` and {doc}`results/last_rung` look closer.')
-  add('- {doc}`results/autolr` (`results/autolr.json`): every controller on the LM, AdamW and SGD; '
-      '{doc}`results/heldout` (`results/heldout/autolr.json`): the held-out corpus.')
-  add('- {doc}`results/benchmarks_gpu`, {doc}`results/benchmarks`, {doc}`results/anchor_memory` and '
-      "{doc}`results/bracket_compiles`: step time, memory and the bracket's wall time.")
+  add(
+    '- {doc}`results/workloads` (`results/workloads.json`): the sweep, one HDET run and the LR-free '
+    'optimizers on every workload and length, 3 seeds.'
+  )
+  add(
+    '- {doc}`results/wider_rung` (`results/wider_rung.json`): the LR bracket with its default rungs, from '
+    'the same starts and seeds; {doc}`results/bracket_mode` and {doc}`results/last_rung` look closer.'
+  )
+  add(
+    '- {doc}`results/autolr` (`results/autolr.json`): every controller on the LM, AdamW and SGD; '
+    '{doc}`results/heldout` (`results/heldout/autolr.json`): the held-out corpus.'
+  )
+  add(
+    '- {doc}`results/benchmarks_gpu`, {doc}`results/benchmarks`, {doc}`results/anchor_memory` and '
+    "{doc}`results/bracket_compiles`: step time, memory and the bracket's wall time."
+  )
   add('- {doc}`results/index`: a summary of every measurement, with the research log beneath it.')
   return out
 

@@ -93,8 +93,13 @@ def ask_threshold(points: list[tuple[float, bool]]) -> dict:
   xs = [x for x, _ in pts]
   errors = [sum(up for _, up in pts[k:]) + sum(not up for _, up in pts[:k]) for k in range(len(pts) + 1)]
   best = [k for k, e in enumerate(errors) if e == min(errors)]  # split k: pts[:k] below it, pts[k:] above
-  return {'low': xs[best[0] - 1] if best[0] > 0 else None, 'high': xs[best[-1]] if best[-1] < len(xs) else None,
-          'misplaced': int(min(errors)), 'n': len(pts), 'up': int(sum(up for _, up in pts))}
+  return {
+    'low': xs[best[0] - 1] if best[0] > 0 else None,
+    'high': xs[best[-1]] if best[-1] < len(xs) else None,
+    'misplaced': int(min(errors)),
+    'n': len(pts),
+    'up': int(sum(up for _, up in pts)),
+  }
 
 
 def distinct_runs(records: list[dict]) -> list[dict]:
@@ -114,14 +119,20 @@ def compares_after(record: dict, window: int) -> bool:
   """Whether the run compared its replicas on a common batch, at their last iterates, after fixed windows of
   ``window`` steps, trained on the shared gradient (the records :func:`ask_thresholds` reads)."""
   from hdet_jax.trainer import config_lib, run_settings, schema
+
   h = record['config']['hdet']
   # however T was set (an old record's fields, completed as the schema reads them; not validated)
   windows = run_settings.sync_windows(schema.complete(config_lib.flatten(record['config'])))
   # (records written before 1.0 may hold fields removed then, read here as data: a tail's mean, or an annealed
   # copy, is another point than the last iterate, so other asks; early windows are other windows)
-  return (h.get('score') == 'common' and windows == (window,) and not h.get('early_sync_every', 0)
-          and not h.get('score_tail', 0) and not h.get('score_anneal', 0)
-          and not h.get('low_communication', False))  # (replicas on their own gradients: another regime)
+  return (
+    h.get('score') == 'common'
+    and windows == (window,)
+    and not h.get('early_sync_every', 0)
+    and not h.get('score_tail', 0)
+    and not h.get('score_anneal', 0)
+    and not h.get('low_communication', False)
+  )  # (replicas on their own gradients: another regime)
 
 
 def ask_thresholds(records: list[dict], reference, window: int = 100, min_runs: int = 6) -> list[dict]:
@@ -132,8 +143,11 @@ def ask_thresholds(records: list[dict], reference, window: int = 100, min_runs: 
   offset (the slope of :func:`signal_per_sync`)."""
   by_step = {}
   for r in distinct_runs([r for r in records if compares_after(r, window)]):
-    lrs = {c['step']: float(np.mean(np.asarray(c['values'], float)[lr_index(r)])) for c in r.get('controller', [])
-           if c.get('values')}
+    lrs = {
+      c['step']: float(np.mean(np.asarray(c['values'], float)[lr_index(r)]))
+      for c in r.get('controller', [])
+      if c.get('values')
+    }
     for sig in signal_per_sync(r):
       by_step.setdefault(sig['step'], []).append((lrs[sig['step']] / reference(sig['step']), sig['diff'] < 0))
   return [{'step': step, **ask_threshold(pts)} for step, pts in sorted(by_step.items()) if len(pts) >= min_runs]
@@ -158,8 +172,13 @@ def summarize(runs: dict, anchor_lr: float | None, default_variant: str) -> dict
   complete = {lr: rs for lr, rs in grid.items() if rs}
   if complete:
     best_lr, best = grid_best(complete)
-    res['grid_best'] = {'lr': best_lr, 'val_bpb': best, 'n_seeds': len(complete[best_lr]),
-                        'sd': _stats(complete[best_lr])['sd']}
+    res['grid_best'] = {
+      'lr': best_lr,
+      'val_bpb': best,
+      'n_seeds': len(complete[best_lr]),
+      'sd': _stats(complete[best_lr])['sd'],
+    }
+
   def hdet_block(by_start):
     block = {}
     for st, rs in by_start.items():
@@ -173,6 +192,7 @@ def summarize(runs: dict, anchor_lr: float | None, default_variant: str) -> dict
         s['vs_grid_best_pct'] = 100.0 * (s['val_bpb'] / res['grid_best']['val_bpb'] - 1.0)
       block[st] = s
     return block
+
   res['variants'] = {v: hdet_block(b) for v, b in runs['hdet'].items() if any(b.values())}
   res['hdet'] = res['variants'].get(default_variant, {})
   res['default_variant'] = default_variant
@@ -180,8 +200,9 @@ def summarize(runs: dict, anchor_lr: float | None, default_variant: str) -> dict
   return res
 
 
-def write(out_dir: str, runs: dict, anchors: dict, *, default_variant: str, quick: bool = False,
-          task: dict | None = None) -> list[str]:
+def write(
+  out_dir: str, runs: dict, anchors: dict, *, default_variant: str, quick: bool = False, task: dict | None = None
+) -> list[str]:
   """The report from the records of each optimizer by stage (``runs[optim]``: see ``autolr.collect``) and
   each optimizer's anchor LR (None before it is fixed); optimizers without grid records are left out.
 
@@ -219,6 +240,7 @@ def _best_schedule(grid: dict, grid_best: dict | None) -> np.ndarray | None:
     return None
   import jax
   from hdet_jax.trainer import config_lib, run_settings, schema
+
   f = schema.complete(config_lib.flatten(grid[grid_best['lr']][0]['config']))  # (a record's: not validated)
   return np.asarray(jax.jit(jax.vmap(run_settings.schedule(f)))(np.arange(int(f['num_train_steps']))), float)
 
@@ -236,27 +258,40 @@ def _g(x) -> str:
 
 def _markdown(results: dict, all_runs: dict, quick: bool, task: dict) -> str:
   overrides = ' '.join(f'--config.{k}={v}' for k, v in sorted(task.items()))
-  lines = ['# Auto-LR against an LR sweep' + (' (quick smoke run)' if quick else ''), '',
-           f'Generated by `python -m research.autolr{" " + overrides if overrides else ""}` from the run records '
-           'in `results/autolr/runs/`; final validation bits/byte of the averaged model, mean ± sd over seeds '
-           '(n = seeds run so far).', '']
+  lines = [
+    '# Auto-LR against an LR sweep' + (' (quick smoke run)' if quick else ''),
+    '',
+    f'Generated by `python -m research.autolr{" " + overrides if overrides else ""}` from the run records '
+    'in `results/autolr/runs/`; final validation bits/byte of the averaged model, mean ± sd over seeds '
+    '(n = seeds run so far).',
+    '',
+  ]
   for optim, res in results.items():
     lines += [f'## {optim}', '']
     gb = res.get('grid_best')
     if gb:
-      lines += [f'Grid best: peak LR {gb["lr"]:.4g}, {gb["val_bpb"]:.4f} bits/byte ({gb["n_seeds"]} seeds). '
-                f'HDET starts are multiples of the first seed\'s best, {_g(res["anchor_lr"])}.', '']
-    lines += ['| method | start (peak LR) | val bits/byte | vs grid best | compute (runs) | final LR | peak LR |',
-              '|---|---|---|---|---|---|---|']
+      lines += [
+        f'Grid best: peak LR {gb["lr"]:.4g}, {gb["val_bpb"]:.4f} bits/byte ({gb["n_seeds"]} seeds). '
+        f"HDET starts are multiples of the first seed's best, {_g(res['anchor_lr'])}.",
+        '',
+      ]
+    lines += [
+      '| method | start (peak LR) | val bits/byte | vs grid best | compute (runs) | final LR | peak LR |',
+      '|---|---|---|---|---|---|---|',
+    ]
     for lr, s in res['grid'].items():
       lines.append(f'| plain DP grid point | {lr} | {_fmt(s)} | | 1 | | |')
     if gb:
-      lines.append(f'| **grid best (the sweep)** | {gb["lr"]:.4g} | **{gb["val_bpb"]:.3f}** | 0 | {len(res["grid"])} | | |')
+      lines.append(
+        f'| **grid best (the sweep)** | {gb["lr"]:.4g} | **{gb["val_bpb"]:.3f}** | 0 | {len(res["grid"])} | | |'
+      )
     for v, block in res['variants'].items():
       for st, s in block.items():
         pct = s.get('vs_grid_best_pct')
-        lines.append(f'| HDET `{v}` | {st} ({s["start_lr"]:.3g}) | {_fmt(s)} | '
-                     f'{"-" if pct is None else f"{pct:+.1f}%"} | 1 | {_g(s["final_lr"])} | {_g(s["peak_lr"])} |')
+        lines.append(
+          f'| HDET `{v}` | {st} ({s["start_lr"]:.3g}) | {_fmt(s)} | '
+          f'{"-" if pct is None else f"{pct:+.1f}%"} | 1 | {_g(s["final_lr"])} | {_g(s["peak_lr"])} |'
+        )
     for p, s in res['peers'].items():
       pct = None if not gb or s['val_bpb'] is None else 100 * (s['val_bpb'] / gb['val_bpb'] - 1)
       lines.append(f'| {p} (optax.contrib) | default | {_fmt(s)} | {"-" if pct is None else f"{pct:+.1f}%"} | 1 | | |')
@@ -268,14 +303,23 @@ def _markdown(results: dict, all_runs: dict, quick: bool, task: dict) -> str:
           sig = signal_per_sync(rs[0])
           if sig:
             ratio = np.asarray([abs(x['diff']) / x['noise'] for x in sig if x['noise'] > 0])
-            sig_rows.append(f'| `{v}` | {st} | {len(sig)} | {np.median(np.abs([x["diff"] for x in sig])):.4f} | '
-                            f'{np.median([x["noise"] for x in sig]):.4f} | {np.median(ratio):.2f} | '
-                            f'{np.mean(ratio > 2):.0%} |')
+            sig_rows.append(
+              f'| `{v}` | {st} | {len(sig)} | {np.median(np.abs([x["diff"] for x in sig])):.4f} | '
+              f'{np.median([x["noise"] for x in sig]):.4f} | {np.median(ratio):.2f} | '
+              f'{np.mean(ratio > 2):.0%} |'
+            )
     if sig_rows:
-      lines += ['The signal each controller compares (first seed): per sync, the least-squares slope of the compared '
-                'losses on the LR offset, as the loss difference across the spread, against its standard error.', '',
-                '| variant | start | syncs | median abs difference (nats) | median noise (nats) | median ratio | syncs with ratio > 2 |',
-                '|---|---|---|---|---|---|---|'] + sig_rows + ['']
+      lines += (
+        [
+          'The signal each controller compares (first seed): per sync, the least-squares slope of the compared '
+          'losses on the LR offset, as the loss difference across the spread, against its standard error.',
+          '',
+          '| variant | start | syncs | median abs difference (nats) | median noise (nats) | median ratio | syncs with ratio > 2 |',
+          '|---|---|---|---|---|---|---|',
+        ]
+        + sig_rows
+        + ['']
+      )
     lines += _threshold_lines(res.get('ask_thresholds'))
     for name in (f'autolr_lr_{optim}.png', f'autolr_signal_{optim}.png'):
       lines.append(f'![{name}](figures/{name})')
@@ -290,6 +334,7 @@ def _threshold_lines(by_horizon: dict | None) -> list[str]:
   """The split table: a row per sync after a multiple of 100 steps, a column per horizon T."""
   if not by_horizon or not any(by_horizon.values()):
     return []
+
   def where(t):
     if t is None:
       return ''
@@ -297,25 +342,35 @@ def _threshold_lines(by_horizon: dict | None) -> list[str]:
       return f'below {t["high"]:.3g}x' if t['low'] is None else f'above {t["low"]:.3g}x'
     low, high = f'{t["low"]:.3g}', f'{t["high"]:.3g}'
     return f'{low}x' if low == high else f'{low}x-{high}x'
+
   rows = {h: {t['step']: t for t in ts} for h, ts in by_horizon.items()}
   steps = sorted({s for r in rows.values() for s in r if (s + 1) % 100 == 0})
   heads = [f'T={h}: the split (x grid best) | T={h}: up / syncs, misplaced' for h in rows]
   cell = lambda t: f'{where(t)} | ' + ('' if t is None else f'{t["up"]} / {t["n"]}, {t["misplaced"]}')
-  return ['Where the line search turns: at each sync, every run that compared the replicas on a common batch '
-          'after windows of T steps (every such variant, start and seed) places the base LR as a multiple of the '
-          'grid best\'s scheduled LR at that step; the split is where the syncs below it ask for a larger LR and '
-          'those above it for a smaller one (misplaced: syncs on the wrong side of it). A controller that follows '
-          'the asks tracks this split, not the sweep\'s best (1x).', '',
-          '| sync after step | ' + ' | '.join(heads) + ' |', '|---|' + '---|---|' * len(rows)] + [
-          f'| {s + 1} | ' + ' | '.join(cell(rows[h].get(s)) for h in rows) + ' |' for s in steps] + ['']
+  return (
+    [
+      'Where the line search turns: at each sync, every run that compared the replicas on a common batch '
+      'after windows of T steps (every such variant, start and seed) places the base LR as a multiple of the '
+      "grid best's scheduled LR at that step; the split is where the syncs below it ask for a larger LR and "
+      'those above it for a smaller one (misplaced: syncs on the wrong side of it). A controller that follows '
+      "the asks tracks this split, not the sweep's best (1x).",
+      '',
+      '| sync after step | ' + ' | '.join(heads) + ' |',
+      '|---|' + '---|---|' * len(rows),
+    ]
+    + [f'| {s + 1} | ' + ' | '.join(cell(rows[h].get(s)) for h in rows) + ' |' for s in steps]
+    + ['']
+  )
 
 
 def _figures(fig_dir: str, results: dict, all_runs: dict, shown: tuple[str, ...]) -> list[str]:
   """The LR-trajectory and signal figures of the ``shown`` variants (the default first; every variant's
   numbers are in the tables)."""
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   os.makedirs(fig_dir, exist_ok=True)
   paths = []
   colors = {'low': 'tab:blue', 'best': 'tab:green', 'high': 'tab:red'}
@@ -343,8 +398,12 @@ def _figures(fig_dir: str, results: dict, all_runs: dict, shown: tuple[str, ...]
       ratio = [abs(x['diff']) / x['noise'] if x['noise'] > 0 else np.nan for x in sig]
       ax.plot(steps, ratio, style, color=colors[st], alpha=0.8, label=f'{v} {st}')
     ax.axhline(2.0, color='k', lw=0.8, ls=':', label='|t| = 2')
-    _label(ax, 'step (sync)', '|loss difference across the spread| / its noise',
-           f'{optim}: the controller\'s signal per sync (first seed)')
+    _label(
+      ax,
+      'step (sync)',
+      '|loss difference across the spread| / its noise',
+      f"{optim}: the controller's signal per sync (first seed)",
+    )
     paths.append(save_figure(fig, fig_dir, f'autolr_signal_{optim}.png'))
   return paths
 

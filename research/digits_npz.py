@@ -24,6 +24,7 @@ TEST_EXAMPLES = 360
 def arrays() -> dict[str, np.ndarray]:
   """x, y, x_test, y_test from scikit-learn's bundled digits (see the module's docstring)."""
   from sklearn.datasets import load_digits
+
   digits = load_digits()
   x = (digits.data / 16.0).astype(np.float16)  # [1797, 64], multiples of 1/16
   y = digits.target.astype(np.int8)

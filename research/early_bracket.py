@@ -48,8 +48,12 @@ WARMUP_END = 0.3  # the trainer's one-cycle schedule peaks there (optim.pct_star
 # grid are not trained; at the warmup's end no kept LR lies below a quarter of the best, so they would not win).
 FAN_SPAN = 128.0
 STARTS = {'10x low': 0.1, 'best': 1.0, '10x high': 10.0}
-HALVING = {'8-4-1 at 0.1 / 0.3': ((0.1, 4), (0.3, 1)), '8-2-1 at 0.1 / 0.3': ((0.1, 2), (0.3, 1)),
-           '8-4-2-1 at 0.1 / 0.2 / 0.3': ((0.1, 4), (0.2, 2), (0.3, 1)), '8-4-1 at 0.2 / 0.3': ((0.2, 4), (0.3, 1))}
+HALVING = {
+  '8-4-1 at 0.1 / 0.3': ((0.1, 4), (0.3, 1)),
+  '8-2-1 at 0.1 / 0.3': ((0.1, 2), (0.3, 1)),
+  '8-4-2-1 at 0.1 / 0.2 / 0.3': ((0.1, 4), (0.2, 2), (0.3, 1)),
+  '8-4-1 at 0.2 / 0.3': ((0.2, 4), (0.3, 1)),
+}
 # Every bracket the report reads, by table: single comparisons (named by their fraction) and the halving schedules.
 SCHEDULES = {'fractions': {f'{f:g}': ((f, 1),) for f in FRACTIONS}, 'halving': HALVING}
 _GRID = re.compile(r'grid_lr[^/]*_s(\d+)\.json$')
@@ -127,9 +131,12 @@ def complete_grids(workload: str, steps: int, optim: str, seeds, quick: bool, wo
   """Trains the sweep's grid points that ``seeds`` lack (the sweep's own config; cached, resumable; several
   processes share the list). Returns how many runs it trained or found cached here."""
   folder = workloads.records_dir(workload, steps, quick, work_root)
-  cache = records.RunCache(extra_dir(workload, steps, quick, work_root),
-                           os.path.join(work_root, workload, f'bracket_steps{steps}'), workloads.make_record,
-                           autolr.describe)
+  cache = records.RunCache(
+    extra_dir(workload, steps, quick, work_root),
+    os.path.join(work_root, workload, f'bracket_steps{steps}'),
+    workloads.make_record,
+    autolr.describe,
+  )
   run = workloads.plain_runner(cache, workload, steps, optim, quick, work_root, train=True)
   n = 0
   for seed in seeds:
@@ -155,8 +162,10 @@ def cell_report(folder: str, optim: str, lrs, extra: str | None = None) -> dict 
       if got:
         out[table][name] = {'compute_runs': compute_runs(rungs), **got}
   for start, x in STARTS.items():  # one comparison at the warmup's end, over the points a fan around the start spans
-    span = {s: {lr: r for lr, r in g.items() if abs(math.log(lr / (best_lr * x))) <= math.log(FAN_SPAN) / 2 + 1e-9}
-            for s, g in seeds.items()}
+    span = {
+      s: {lr: r for lr, r in g.items() if abs(math.log(lr / (best_lr * x))) <= math.log(FAN_SPAN) / 2 + 1e-9}
+      for s, g in seeds.items()
+    }
     got = kept_by_seed(span, ((WARMUP_END, 1),), best_lr)
     if got:
       out['starts'][start] = {'points': [len(g) for g in span.values()], **got}
@@ -169,8 +178,11 @@ def kept_by_seed(seeds: dict[int, dict[float, dict]], rungs, best_lr: float, los
   if any(lr is None for lr in kept.values()):
     return None
   gaps = [100.0 * (final(seeds[s][lr]) / final(seeds[s][best_lr]) - 1.0) for s, lr in kept.items()]
-  return {'kept_x': [kept[s] / best_lr for s in sorted(kept)], 'gaps_pct': [records.finite_or_none(g) for g in gaps],
-          'kept_best': sum(1 for lr in kept.values() if lr == best_lr)}
+  return {
+    'kept_x': [kept[s] / best_lr for s in sorted(kept)],
+    'gaps_pct': [records.finite_or_none(g) for g in gaps],
+    'kept_best': sum(1 for lr in kept.values() if lr == best_lr),
+  }
 
 
 def measure(args, work_root: str) -> dict:
@@ -181,8 +193,12 @@ def measure(args, work_root: str) -> dict:
       for optim in workloads.WORKLOADS[w][2]:
         if args.train and w in args.workload and (not args.steps or steps in args.steps):
           complete_grids(w, steps, optim, args.seeds, args.quick, work_root)
-        c = cell_report(folder, optim, (autolr.QUICK_GRIDS if args.quick else autolr.GRIDS)[optim],
-                        extra_dir(w, steps, args.quick, work_root))
+        c = cell_report(
+          folder,
+          optim,
+          (autolr.QUICK_GRIDS if args.quick else autolr.GRIDS)[optim],
+          extra_dir(w, steps, args.quick, work_root),
+        )
         if c:
           results.setdefault(w, {}).setdefault(str(steps), {})[optim] = c
   return results
@@ -204,73 +220,119 @@ def tally(cells, schedules=None) -> list[str]:
       gaps = [math.inf if g is None else g for *_, c in cells if name in c[table] for g in c[table][name]['gaps_pct']]
       if gaps:
         label = f'one comparison at f = {name}' if table == 'fractions' else name
-        rows.append(f'| {label} | {compute_runs(rungs):.2g} | '
-                    f'{sum(1 for g in gaps if g <= 1.0)} of {len(gaps)} | {np.median(gaps):+.2f}% | {max(gaps):+.1f}% |')
-  return ['', '## Over all cells', '', 'Per seed and cell: within 1% of the same seed\'s run at the sweep\'s best '
-          'grid point, the median and the largest gap.', '',
-          '| bracket | compute (runs) | within 1% | median | largest |', '|---|---|---|---|---|'] + rows
+        rows.append(
+          f'| {label} | {compute_runs(rungs):.2g} | '
+          f'{sum(1 for g in gaps if g <= 1.0)} of {len(gaps)} | {np.median(gaps):+.2f}% | {max(gaps):+.1f}% |'
+        )
+  return [
+    '',
+    '## Over all cells',
+    '',
+    "Per seed and cell: within 1% of the same seed's run at the sweep's best "
+    'grid point, the median and the largest gap.',
+    '',
+    '| bracket | compute (runs) | within 1% | median | largest |',
+    '|---|---|---|---|---|',
+  ] + rows
 
 
 def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
-  cells = [(w, s, o, c) for w, by_steps in results.items() for s, by_optim in by_steps.items()
-           for o, c in by_optim.items()]
-  lines = ['# A bracket apart at the full batch, decided early', '',
-           f'Generated by `python -m research.early_bracket{" --quick" if quick else ""}` from the sweep\'s records '
-           '(nothing trained); the reading is in `research/workloads_discussion.md` (fifteenth pass).', '',
-           'The sweep\'s 8 runs (peak LRs a factor 2 apart) compared once at a fraction f of the run by their training '
-           'loss on the same batch (that of the last recorded step by then: records keep every 25th step\'s, one step\'s '
-           'global batch), the lowest kept and run on: its final '
-           'against the same seed\'s run at the sweep\'s best grid point (paired; mean over the seeds whose grid is '
-           'complete), and in brackets how many of them kept the best point. Compute: 1 + 7 f runs (HDET 1, the '
-           'sweep 8). Diverged runs lose.', '',
-           '| workload | steps | optim | seeds | '
-           + ' | '.join(f'f = {n} ({compute_runs(r):.2g} runs)' for n, r in SCHEDULES['fractions'].items())
-           + ' |', '|---|---|---|---|' + '---|' * len(FRACTIONS)]
+  cells = [
+    (w, s, o, c) for w, by_steps in results.items() for s, by_optim in by_steps.items() for o, c in by_optim.items()
+  ]
+  lines = [
+    '# A bracket apart at the full batch, decided early',
+    '',
+    f"Generated by `python -m research.early_bracket{' --quick' if quick else ''}` from the sweep's records "
+    '(nothing trained); the reading is in `research/workloads_discussion.md` (fifteenth pass).',
+    '',
+    "The sweep's 8 runs (peak LRs a factor 2 apart) compared once at a fraction f of the run by their training "
+    "loss on the same batch (that of the last recorded step by then: records keep every 25th step's, one step's "
+    'global batch), the lowest kept and run on: its final '
+    "against the same seed's run at the sweep's best grid point (paired; mean over the seeds whose grid is "
+    'complete), and in brackets how many of them kept the best point. Compute: 1 + 7 f runs (HDET 1, the '
+    'sweep 8). Diverged runs lose.',
+    '',
+    '| workload | steps | optim | seeds | '
+    + ' | '.join(f'f = {n} ({compute_runs(r):.2g} runs)' for n, r in SCHEDULES['fractions'].items())
+    + ' |',
+    '|---|---|---|---|' + '---|' * len(FRACTIONS),
+  ]
   for w, steps, optim, c in cells:
-    lines.append(f'| {w} | {steps} | {optim} | {",".join(map(str, c["seeds"]))} | '
-                 + ' | '.join(fmt(c['fractions'].get(f'{f:g}')) for f in FRACTIONS) + ' |')
-  lines += ['', '## Successive halving, ending at the warmup\'s end', '',
-            'Rungs: at each fraction the runs with the lowest training loss go on (8 -> 4 -> 1: the best 4 at 0.1 of '
-            'the run, the best of those at 0.3); compute in runs. The schedules shown are all that were computed.', '',
-            '| workload | steps | optim | ' + ' | '.join(f'{n} ({compute_runs(r):.2g} runs)' for n, r in HALVING.items())
-            + ' |', '|---|---|---|' + '---|' * len(HALVING)]
+    lines.append(
+      f'| {w} | {steps} | {optim} | {",".join(map(str, c["seeds"]))} | '
+      + ' | '.join(fmt(c['fractions'].get(f'{f:g}')) for f in FRACTIONS)
+      + ' |'
+    )
+  lines += [
+    '',
+    "## Successive halving, ending at the warmup's end",
+    '',
+    'Rungs: at each fraction the runs with the lowest training loss go on (8 -> 4 -> 1: the best 4 at 0.1 of '
+    'the run, the best of those at 0.3); compute in runs. The schedules shown are all that were computed.',
+    '',
+    '| workload | steps | optim | '
+    + ' | '.join(f'{n} ({compute_runs(r):.2g} runs)' for n, r in HALVING.items())
+    + ' |',
+    '|---|---|---|' + '---|' * len(HALVING),
+  ]
   for w, steps, optim, c in cells:
     lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(fmt(c['halving'].get(n)) for n in HALVING) + ' |')
-  lines += ['', '## From each start: one comparison at the warmup\'s end over a 128x fan around it', '',
-            'The sweep\'s points within a factor sqrt(128) of the start (10x below, at or 10x above the sweep\'s best; '
-            'a fan of 8 a factor 2 apart spans 128x), compared at 0.3 of the run; in brackets the seeds that kept the '
-            'best point and the points per seed.', '',
-            '| workload | steps | optim | ' + ' | '.join(STARTS) + ' |', '|---|---|---|' + '---|' * len(STARTS)]
+  lines += [
+    '',
+    "## From each start: one comparison at the warmup's end over a 128x fan around it",
+    '',
+    "The sweep's points within a factor sqrt(128) of the start (10x below, at or 10x above the sweep's best; "
+    'a fan of 8 a factor 2 apart spans 128x), compared at 0.3 of the run; in brackets the seeds that kept the '
+    'best point and the points per seed.',
+    '',
+    '| workload | steps | optim | ' + ' | '.join(STARTS) + ' |',
+    '|---|---|---|' + '---|' * len(STARTS),
+  ]
   for w, steps, optim, c in cells:
-    lines.append(f'| {w} | {steps} | {optim} | ' + ' | '.join(
+    lines.append(
+      f'| {w} | {steps} | {optim} | '
+      + ' | '.join(
         fmt(c['starts'].get(k)) + ('' if k not in c['starts'] else f', {min(c["starts"][k]["points"])} points')
-        for k in STARTS) + ' |')
+        for k in STARTS
+      )
+      + ' |'
+    )
   lines += tally(cells) + kept_table(cells, FRACTIONS)
   return records.write_report(out_dir, 'early_bracket', results, lines)
 
 
 def kept_table(cells, fractions, label=lambda workload, cell: workload) -> list[str]:
   """The report's last table: the LR each single comparison kept per seed, as multiples of the sweep's best."""
-  lines = ['', 'The LR kept, as multiples of the sweep\'s best grid point (per seed):', '',
-           '| workload | steps | optim | ' + ' | '.join(f'f = {f:g}' for f in fractions) + ' |',
-           '|---|---|---|' + '---|' * len(fractions)]
+  lines = [
+    '',
+    "The LR kept, as multiples of the sweep's best grid point (per seed):",
+    '',
+    '| workload | steps | optim | ' + ' | '.join(f'f = {f:g}' for f in fractions) + ' |',
+    '|---|---|---|' + '---|' * len(fractions),
+  ]
   for w, steps, optim, c in cells:
-    lines.append(f'| {label(w, c)} | {steps} | {optim} | ' + ' | '.join(
+    lines.append(
+      f'| {label(w, c)} | {steps} | {optim} | '
+      + ' | '.join(
         '-' if f'{f:g}' not in c['fractions'] else ' '.join(f'{x:g}' for x in c['fractions'][f'{f:g}']['kept_x'])
-        for f in fractions) + ' |')
+        for f in fractions
+      )
+      + ' |'
+    )
   return lines
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--quick', action='store_true', help='the quick sweep\'s records (run research.workloads --quick)')
+  p.add_argument('--quick', action='store_true', help="the quick sweep's records (run research.workloads --quick)")
   p.add_argument('--workdir', default=None, help='the workloads work root (default workdirs/workloads[_quick])')
   p.add_argument('--train', action='store_true', help='train the grid points the seeds lack (else read records only)')
   p.add_argument('--workload', default=','.join(workloads.WORKLOADS), help='comma-separated workloads to train')
   p.add_argument('--steps', default='', help='comma-separated run lengths to train (default: every length)')
   p.add_argument('--seeds', default='0,1,2', help='comma-separated seeds whose grids --train completes')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing (the default)')
-  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
+  p.add_argument('--out', default=None, help="the report's folder (default: results/; --quick: the workdir)")
   args = p.parse_args(sys.argv[1:] if argv is None else argv)
   if args.report_only and args.train:
     p.error('--train trains the grid and --report-only trains nothing; drop one of them')
@@ -278,6 +340,7 @@ def main(argv=None):
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'workloads_quick' if args.quick else 'workloads')
   if args.train:
     from hdet_jax.trainer import process
+
     process.setup_jax(workloads.base_config('lm', 16, args.quick))  # 8 CPU devices, as the sweep's runs had
   out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
   print('\n'.join(f'  {path}' for path in write_report(out, measure(args, work_root), args.quick)))

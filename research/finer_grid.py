@@ -40,10 +40,15 @@ from research import records
 from research import wider_rung
 
 REPO = autolr.REPO
-FINE = {'bracket.points': 15, 'bracket.factor': 2 ** 0.5, 'bracket.rungs': '0.1:9,0.3:1', 'bracket.compare_steps': 10}
+FINE = {'bracket.points': 15, 'bracket.factor': 2**0.5, 'bracket.rungs': '0.1:9,0.3:1', 'bracket.compare_steps': 10}
 KEEPS = (5, 7, 9)  # points the first rung keeps (the last: FINE's own, trained; the others composed)
 QUICK_CELL = 'mnist1d:16:adamw'
-QUICK_FINE = {'bracket.points': 5, 'bracket.factor': 2 ** 0.5, 'bracket.rungs': '0.25:3,0.5:1', 'bracket.compare_steps': 3}
+QUICK_FINE = {
+  'bracket.points': 5,
+  'bracket.factor': 2**0.5,
+  'bracket.rungs': '0.25:3,0.5:1',
+  'bracket.compare_steps': 3,
+}
 QUICK_KEEPS = (2, 3)
 MNIST1D = tuple(c for c in bracket_mode.CELLS if c.startswith('mnist1d'))
 # The held-out classifiers it was run on: heldout_task.CHECKS' first two, and (after the twenty-eighth pass) the MLP.
@@ -79,6 +84,7 @@ def end_path(cell: str, start: str, seed: int, lr: float, quick: bool, work_root
 def config_for(cell: str, start: str, seed: int, quick: bool, work_root: str, rungs: str | None = None):
   """The finer bracket's config (``rungs``: another ``bracket.rungs``, for ``--check``)."""
   from hdet_jax.trainer import config_lib
+
   f = {**fields(quick), **({'bracket.rungs': rungs} if rungs else {})}
   if cell.startswith('task:'):  # (heldout_task's bracket config, with the finer grid)
     return config_lib.with_overrides(heldout_task.config_for(f'bracket_{start}_s{seed}', _site(cell)), f)
@@ -105,10 +111,14 @@ def bracket_record(cell: str, start: str, seed: int, quick: bool, work_root: str
   path = record_path(cell, start, seed, quick, work_root)
   got = _load(path)
   if got is None and train:
-    got = _train(f'{cell.replace(":", "_")}_{start}_s{seed}', config_for(cell, start, seed, quick, work_root), path,
-                 work_root)
-    print(f'  {cell} {start} s{seed}: kept {got["kept_lr"] / anchor(cell, quick):.3g}x, final {got["final_metric"]}, '
-          f'{got["wall_s"]:.0f}s', flush=True)
+    got = _train(
+      f'{cell.replace(":", "_")}_{start}_s{seed}', config_for(cell, start, seed, quick, work_root), path, work_root
+    )
+    print(
+      f'  {cell} {start} s{seed}: kept {got["kept_lr"] / anchor(cell, quick):.3g}x, final {got["final_metric"]}, '
+      f'{got["wall_s"]:.0f}s',
+      flush=True,
+    )
   return got
 
 
@@ -116,6 +126,7 @@ def kept_at(rec: dict, keep: int) -> float:
   """The point the same bracket keeps with its first rung keeping ``keep`` (at most the record's): the best ``keep``
   at the first rung (``bracket.survivors``), ranked again by their losses at the last."""
   from hdet_jax.trainer import bracket
+
   first, last = rec['rungs'][0], rec['rungs'][-1]
   # (the rungs' keys are the LRs to 6 digits: the points' own LRs are the record's, exactly)
   pool = bracket.survivors({lr: first['losses'][f'{lr:.6g}'] for lr in rec['lrs']}, keep)
@@ -126,6 +137,7 @@ def kept_at(rec: dict, keep: int) -> float:
 def end(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: str, train: bool) -> float | None:
   """The finer bracket's point ``lr`` trained to the end, as a bracket trains its winner (cached)."""
   from hdet_jax.trainer import bracket
+
   path = end_path(cell, start, seed, lr, quick, work_root)
   got = _load(path)
   if got is None and train:
@@ -156,12 +168,14 @@ def default_bracket(cell: str, start: str, seed: int) -> dict | None:
     rec = heldout_task.load(f'bracket_{start}_s{seed}', _site(cell))
     return None if rec is None else {'kept_lr': rec['kept_lr'], 'final_metric': rec['final_metric'], 'here': True}
   got = last_rung.runner_up(cell, start, seed, False, '', False)
-  return None if got is None else {'kept_lr': got['kept_lr'], 'final_metric': got['final_metric'],
-                                   'here': got['reproduced']}
+  return (
+    None if got is None else {'kept_lr': got['kept_lr'], 'final_metric': got['final_metric'], 'here': got['reproduced']}
+  )
 
 
-def on_footing(final: float | None, kept_lr: float, default: dict, cell: str, start: str, seed: int, work_root: str,
-               train: bool) -> float | None:
+def on_footing(
+  final: float | None, kept_lr: float, default: dict, cell: str, start: str, seed: int, work_root: str, train: bool
+) -> float | None:
   """A finer bracket's final trained here, on the records' footing: itself where the records are this CPU's; else
   the default's recorded final plus the difference of the two kept points' ends trained here."""
   if default['here'] or final is None:
@@ -190,7 +204,7 @@ def cell_rows(cell: str, quick: bool, work_root: str, train: bool = False) -> di
   seeds = [0] if quick else list(bracket_mode.SEEDS)
   ref = None if quick else sweep_reference(cell)
   out = {}
-  for start in (['best'] if quick else list(bracket_mode.STARTS)):
+  for start in ['best'] if quick else list(bracket_mode.STARTS):
     got = [composed(cell, start, s, quick, work_root, train) for s in seeds]
     if None in got:
       continue
@@ -205,8 +219,13 @@ def cell_rows(cell: str, quick: bool, work_root: str, train: bool = False) -> di
       continue
     row['sweep_lr'], row['sweep'] = ref
     row['default'] = {'finals': [d['final_metric'] for d in defaults], 'kept_x': [d['kept_lr'] / a for d in defaults]}
-    row['finals'] = {k: [on_footing(g[k]['final_metric'], g[k]['kept_lr'], d, cell, start, s, work_root, train)
-                         for g, d, s in zip(got, defaults, seeds)] for k in keeps(quick)}
+    row['finals'] = {
+      k: [
+        on_footing(g[k]['final_metric'], g[k]['kept_lr'], d, cell, start, s, work_root, train)
+        for g, d, s in zip(got, defaults, seeds)
+      ]
+      for k in keeps(quick)
+    }
     for name, finals in [('default', row['default']['finals'])] + [(k, row['finals'][k]) for k in keeps(quick)]:
       gap, se = records.paired_gap(finals, ref[1])
       row.setdefault('gaps', {})[name] = {'gap': gap, 'se': se, 'verdict': last_rung.verdict({'gap': gap, 'se': se})}
@@ -232,8 +251,11 @@ def eight_seed_reference(cell: str, work_root: str) -> dict | None:
   (seeds 0-2 its composition, 3-7 trained there); a held-out classifier: ``heldout_task``'s records."""
   if not cell.startswith('task:'):
     base = last_rung.eight_seed_rows(cell, work_root)
-    return {'sweep_lr': base['sweep_lr'], 'sweep': base['sweep'],
-            'default': {start: {'finals': d['finals'], 'kept_x': d['kept_x']} for start, d in base['starts'].items()}}
+    return {
+      'sweep_lr': base['sweep_lr'],
+      'sweep': base['sweep'],
+      'default': {start: {'finals': d['finals'], 'kept_x': d['kept_x']} for start, d in base['starts'].items()},
+    }
   site, a = _site(cell), anchor(cell, False)
   grid = {}
   for lr in heldout_task.plan(site)['grid']:
@@ -269,8 +291,12 @@ def eight_seed_rows(cell: str, work_root: str) -> dict:
     for k in KEEPS:
       finals = three[start]['finals'][k] + [g[k]['final_metric'] for g in fresh]
       gap, se = records.paired_gap(finals, ref['sweep'])
-      row[str(k)] = {'finals': finals, 'kept_x': three[start]['kept_x'][k] + [g[k]['kept_lr'] / a for g in fresh],
-                     'gap': gap, 'se': se}
+      row[str(k)] = {
+        'finals': finals,
+        'kept_x': three[start]['kept_x'][k] + [g[k]['kept_lr'] / a for g in fresh],
+        'gap': gap,
+        'se': se,
+      }
     for g in row.values():
       g['verdict'] = last_rung.verdict(g)
     row['vs_default'] = _versus(row[str(max(KEEPS))]['finals'], d['finals'])
@@ -281,30 +307,45 @@ def eight_seed_rows(cell: str, work_root: str) -> dict:
 def eight_seed_lines(eight: dict) -> list[str]:
   """The 8-seed table, its tally and the paired comparison with the default."""
   n, top = FINE['bracket.points'], max(KEEPS)
-  lines = ['', '## On 8 seeds: mnist1d and the held-out classifiers', '',
-           'The finer bracket trained on the sweep\'s fresh seeds 3-7 too, beside the default bracket on the same 8 '
-           'seeds (mnist1d: `results/last_rung.md`\'s 8-seed table, seeds 0-2 its composition, 3-7 trained there; the '
-           'held-out classifiers: their sweep and the default bracket trained on seeds 3-7 in '
-           '`results/heldout_task/runs/`). Against the sweep\'s best LR over the 8 seeds (among the LRs recorded on '
-           'all 8), paired by seed. The tally is over all rows; by start and family in the discussion.', '',
-           '| cell | start | sweep best LR (8 seeds) | default 8-5-1 | ' + ' | '.join(f'{n}-{k}-1' for k in KEEPS)
-           + f' | {n}-{top}-1 against the default, paired | kept (x the start\'s reference), per seed: default; '
-           f'{n}-{top}-1 |', '|---|---|---|---|' + '---|' * len(KEEPS) + '---|---|']
+  lines = [
+    '',
+    '## On 8 seeds: mnist1d and the held-out classifiers',
+    '',
+    "The finer bracket trained on the sweep's fresh seeds 3-7 too, beside the default bracket on the same 8 "
+    "seeds (mnist1d: `results/last_rung.md`'s 8-seed table, seeds 0-2 its composition, 3-7 trained there; the "
+    'held-out classifiers: their sweep and the default bracket trained on seeds 3-7 in '
+    "`results/heldout_task/runs/`). Against the sweep's best LR over the 8 seeds (among the LRs recorded on "
+    'all 8), paired by seed. The tally is over all rows; by start and family in the discussion.',
+    '',
+    '| cell | start | sweep best LR (8 seeds) | default 8-5-1 | '
+    + ' | '.join(f'{n}-{k}-1' for k in KEEPS)
+    + f" | {n}-{top}-1 against the default, paired | kept (x the start's reference), per seed: default; "
+    f'{n}-{top}-1 |',
+    '|---|---|---|---|' + '---|' * len(KEEPS) + '---|---|',
+  ]
   t = {}
   for cell, e in eight.items():
     for start, r in e['starts'].items():
       kept = '; '.join(' / '.join(f'{x:.3g}' for x in r[name]['kept_x']) for name in ('default', str(top)))
       vs = r['vs_default']
-      lines.append(f'| {cell} | {start} | {e["sweep_lr"]:g} | ' + ' | '.join(
-          _gap(r[name]) for name in ['default'] + [str(k) for k in KEEPS]) + f' | {_versus_text(vs)} | {kept} |')
+      lines.append(
+        f'| {cell} | {start} | {e["sweep_lr"]:g} | '
+        + ' | '.join(_gap(r[name]) for name in ['default'] + [str(k) for k in KEEPS])
+        + f' | {_versus_text(vs)} | {kept} |'
+      )
       for name in ['default'] + [str(k) for k in KEEPS]:
         t.setdefault(name, {'within': 0, 'miss': 0, 'not resolved': 0})[r[name]['verdict']] += 1
       t.setdefault('vs', []).append(vs['resolved'])
   sides = t.pop('vs', [])
-  lines += ['', f'{n}-{top}-1 against the default bracket on the same 8 seeds, beyond 2 standard errors: ahead in '
-            f'{sides.count("ahead")}, behind in {sides.count("behind")}, neither in {sides.count(None)} of '
-            f'{len(sides)} cell-starts.', '', '| bracket | within 1% | miss (beyond 2 se) | not resolved |',
-            '|---|---|---|---|']
+  lines += [
+    '',
+    f'{n}-{top}-1 against the default bracket on the same 8 seeds, beyond 2 standard errors: ahead in '
+    f'{sides.count("ahead")}, behind in {sides.count("behind")}, neither in {sides.count(None)} of '
+    f'{len(sides)} cell-starts.',
+    '',
+    '| bracket | within 1% | miss (beyond 2 se) | not resolved |',
+    '|---|---|---|---|',
+  ]
   for name, c in t.items():
     label = 'default 8-5-1' if name == 'default' else f'{n}-{name}-1 ({compute_runs(int(name), False):.2g} runs)'
     lines.append(f'| {label} | {c["within"]} | {c["miss"]} | {c["not resolved"]} |')
@@ -313,6 +354,7 @@ def eight_seed_lines(eight: dict) -> list[str]:
 
 def compute_runs(keep: int, quick: bool) -> float:
   from hdet_jax.trainer import bracket, schema
+
   (first, k), *rest = schema.parse_rungs(fields(quick)['bracket.rungs'])
   return bracket.compute_runs(fields(quick)['bracket.points'], [(first, keep)] + rest, 1000)
 
@@ -340,37 +382,55 @@ def _gap(g: dict) -> str:
 def write_report(out_dir: str, rows: dict, quick: bool, eight: dict | None = None) -> str:
   n, f = fields(quick)['bracket.points'], fields(quick)['bracket.factor']
   names = [f'{n}-{k}-1 ({compute_runs(k, quick):.2g} runs)' for k in keeps(quick)]
-  lines = [f'# A finer LR grid: {n} points a factor {f:.4g} apart, the first rung keeping {", ".join(map(str, keeps(quick)))}', '',
-           f'Made by `python -m research.finer_grid{" --quick" if quick else ""}` (records in `results/finer_grid/runs/`). '
-           f'One bracket of {n} points a factor 2^0.5 apart (the default bracket\'s 8 and the 7 between them; the '
-           f'same 128x span), its first rung at 0.1 of the run keeping {max(keeps(quick))}, per cell, start and seed; '
-           'keeping fewer is composed from its record and the kept point trained to the end where it differs. Gaps: '
-           'paired by seed against the sweep\'s best LR (3-seed means) ± the standard error of the per-seed gaps; bold: '
-           'a miss beyond 2 standard errors (`last_rung.verdict`). The default bracket (8-5-1, 2.5 runs) is on the same '
-           'seeds: `results/last_rung.md`\'s and `results/heldout_task.md`\'s records. "task:" cells are '
-           '`research.heldout_task`\'s classifiers. The LM and fine-tuning: the finer bracket trained here, entered on '
-           'the records\' footing (the module\'s docstring). The reading is in `research/workloads_discussion.md` '
-           '(twenty-fifth and twenty-sixth passes).', '',
-           '| cell | start | sweep best LR | default 8-5-1 | ' + ' | '.join(names) + f' | {n}-{max(keeps(quick))}-1 against the '
-           'default, paired | kept (x the start\'s reference), per seed: '
-           f'default; {n}-{max(keeps(quick))}-1 |', '|---|---|---|---|' + '---|' * len(names) + '---|---|']
+  lines = [
+    f'# A finer LR grid: {n} points a factor {f:.4g} apart, the first rung keeping {", ".join(map(str, keeps(quick)))}',
+    '',
+    f'Made by `python -m research.finer_grid{" --quick" if quick else ""}` (records in `results/finer_grid/runs/`). '
+    f"One bracket of {n} points a factor 2^0.5 apart (the default bracket's 8 and the 7 between them; the "
+    f'same 128x span), its first rung at 0.1 of the run keeping {max(keeps(quick))}, per cell, start and seed; '
+    'keeping fewer is composed from its record and the kept point trained to the end where it differs. Gaps: '
+    "paired by seed against the sweep's best LR (3-seed means) ± the standard error of the per-seed gaps; bold: "
+    'a miss beyond 2 standard errors (`last_rung.verdict`). The default bracket (8-5-1, 2.5 runs) is on the same '
+    'seeds: `results/last_rung.md`\'s and `results/heldout_task.md`\'s records. "task:" cells are '
+    "`research.heldout_task`'s classifiers. The LM and fine-tuning: the finer bracket trained here, entered on "
+    "the records' footing (the module's docstring). The reading is in `research/workloads_discussion.md` "
+    '(twenty-fifth and twenty-sixth passes).',
+    '',
+    '| cell | start | sweep best LR | default 8-5-1 | '
+    + ' | '.join(names)
+    + f' | {n}-{max(keeps(quick))}-1 against the '
+    "default, paired | kept (x the start's reference), per seed: "
+    f'default; {n}-{max(keeps(quick))}-1 |',
+    '|---|---|---|---|' + '---|' * len(names) + '---|---|',
+  ]
   for cell, starts in rows.items():
     for start, r in starts.items():
       if 'gaps' not in r:
-        lines.append(f'| {cell} | {start} | - | - | ' + ' | '.join(
-            ' / '.join(map(str, r['finals'][k])) for k in keeps(quick)) + ' | - | - |')
+        lines.append(
+          f'| {cell} | {start} | - | - | '
+          + ' | '.join(' / '.join(map(str, r['finals'][k])) for k in keeps(quick))
+          + ' | - | - |'
+        )
         continue
-      kept = '; '.join(' / '.join(f'{x:.3g}' for x in xs) for xs in (r['default']['kept_x'], r['kept_x'][max(keeps(quick))]))
-      lines.append(f'| {cell} | {start} | {r["sweep_lr"]:g} | {_gap(r["gaps"]["default"])} | ' +
-                   ' | '.join(_gap(r['gaps'][k]) for k in keeps(quick)) + f' | {_versus_text(r["vs_default"])} | {kept} |')
-  groups = {'mnist1d': MNIST1D, 'held-out classifiers': TASKS, 'LM and fine-tuning': CELLS[len(MNIST1D) + len(TASKS):]}
+      kept = '; '.join(
+        ' / '.join(f'{x:.3g}' for x in xs) for xs in (r['default']['kept_x'], r['kept_x'][max(keeps(quick))])
+      )
+      lines.append(
+        f'| {cell} | {start} | {r["sweep_lr"]:g} | {_gap(r["gaps"]["default"])} | '
+        + ' | '.join(_gap(r['gaps'][k]) for k in keeps(quick))
+        + f' | {_versus_text(r["vs_default"])} | {kept} |'
+      )
+  groups = {'mnist1d': MNIST1D, 'held-out classifiers': TASKS, 'LM and fine-tuning': CELLS[len(MNIST1D) + len(TASKS) :]}
   tallies = {g: tally(rows, cells) for g, cells in groups.items()}
   tallies['all'] = tally(rows, list(rows))
   sides = [r['vs_default']['resolved'] for starts in rows.values() for r in starts.values() if 'vs_default' in r]
   if not quick:
-    lines += ['', f'{n}-{max(keeps(quick))}-1 against the default bracket on the same seeds, beyond 2 standard errors: '
-              f'ahead in {sides.count("ahead")}, behind in {sides.count("behind")}, neither in {sides.count(None)} of '
-              f'{len(sides)} cell-starts.']
+    lines += [
+      '',
+      f'{n}-{max(keeps(quick))}-1 against the default bracket on the same seeds, beyond 2 standard errors: '
+      f'ahead in {sides.count("ahead")}, behind in {sides.count("behind")}, neither in {sides.count(None)} of '
+      f'{len(sides)} cell-starts.',
+    ]
     lines += ['', '| cells | bracket | within 1% | miss (beyond 2 se) | not resolved |', '|---|---|---|---|---|']
     for g, t in tallies.items():
       for name, c in t.items():
@@ -378,15 +438,29 @@ def write_report(out_dir: str, rows: dict, quick: bool, eight: dict | None = Non
         lines.append(f'| {g} | {label} | {c["within"]} | {c["miss"]} | {c["not resolved"]} |')
   done = [c for c in (_load(check_path(cell, quick, out_dir if quick else '')) for cell in rows) if c]
   if done:
-    lines += ['', 'Checked (`--check`): a composed bracket trained for real: ' + '; '.join(
+    lines += [
+      '',
+      'Checked (`--check`): a composed bracket trained for real: '
+      + '; '.join(
         f'{c["spec"]} (rungs {c["rungs"]}): kept {c["bracket"]["kept_lr"]:.6g}, final {c["bracket"]["final_metric"]}, '
-        f'{"equal to" if c["equal"] else "NOT equal to"} its composition' for c in done) + '.']
+        f'{"equal to" if c["equal"] else "NOT equal to"} its composition'
+        for c in done
+      )
+      + '.',
+    ]
   if eight:
     lines += eight_seed_lines(eight)
   os.makedirs(out_dir, exist_ok=True)
-  records.write_json(os.path.join(out_dir, 'finer_grid.json'),
-                     {'rows': rows, 'tally': tallies, 'compute_runs': {str(k): compute_runs(k, quick) for k in keeps(quick)},
-                      **({'eight_seeds': eight} if eight else {})}, indent=1)
+  records.write_json(
+    os.path.join(out_dir, 'finer_grid.json'),
+    {
+      'rows': rows,
+      'tally': tallies,
+      'compute_runs': {str(k): compute_runs(k, quick) for k in keeps(quick)},
+      **({'eight_seeds': eight} if eight else {}),
+    },
+    indent=1,
+  )
   md = os.path.join(out_dir, 'finer_grid.md')
   with open(md, 'w', encoding='utf-8') as fh:
     fh.write('\n'.join(lines) + '\n')
@@ -401,6 +475,7 @@ def check(spec: str, quick: bool, work_root: str) -> dict:
   """Trains the bracket of ``cell:start:seed`` for real with its first rung keeping ``min(keeps)`` and compares its
   kept point and final with the composition's."""
   from hdet_jax.trainer import bracket, schema
+
   *cell, start, seed = spec.split(':')
   cell, seed, keep = ':'.join(cell), int(seed), min(keeps(quick))
   (first, _), *rest = schema.parse_rungs(fields(quick)['bracket.rungs'])
@@ -410,9 +485,15 @@ def check(spec: str, quick: bool, work_root: str) -> dict:
   summary = bracket.run_bracket(config_for(cell, start, seed, quick, work_root, rungs), workdir)
   shutil.rmtree(workdir, ignore_errors=True)
   comp = composed(cell, start, seed, quick, work_root, train=True)[keep]
-  got = {'spec': spec, 'rungs': rungs,
-         'bracket': {'kept_lr': summary['bracket']['winner']['lr'], 'final_metric': records.finite_or_none(summary['final_metric'])},
-         'composed': comp}
+  got = {
+    'spec': spec,
+    'rungs': rungs,
+    'bracket': {
+      'kept_lr': summary['bracket']['winner']['lr'],
+      'final_metric': records.finite_or_none(summary['final_metric']),
+    },
+    'composed': comp,
+  }
   got['equal'] = got['bracket'] == comp
   records.write_record(check_path(cell, quick, work_root), got, indent=1)
   return got
@@ -422,12 +503,15 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--cells', default=','.join(CELLS), help='cells to train (mnist1d:1000:adamw, task:wide, ...)')
   p.add_argument('--starts', default=','.join(bracket_mode.STARTS), help='starts to train')
-  p.add_argument('--seeds', default=','.join(map(str, bracket_mode.SEEDS)), help='seeds to train (the report reads 0-2, and '
-                 'for mnist1d and the held-out classifiers 3-7 in its 8-seed table)')
+  p.add_argument(
+    '--seeds',
+    default=','.join(map(str, bracket_mode.SEEDS)),
+    help='seeds to train (the report reads 0-2, and for mnist1d and the held-out classifiers 3-7 in its 8-seed table)',
+  )
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
-  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
+  p.add_argument('--out', default=None, help="the report's folder (default: results/; --quick: the workdir)")
   p.add_argument('--check', default=None, help='cell:start:seed: train the narrowest composed bracket for real')
-  p.add_argument('--quick', action='store_true', help='a smoke run: the quick bracket on mnist1d\'s tiny CNN')
+  p.add_argument('--quick', action='store_true', help="a smoke run: the quick bracket on mnist1d's tiny CNN")
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/workloads)')
   args = p.parse_args(argv)
   if args.report_only and args.check:
@@ -440,7 +524,10 @@ def main(argv=None):
   if not args.report_only:
     from hdet_jax import trainer
     from research import workloads
-    trainer.setup_jax(workloads.base_config('lm', 16, True))  # (8 CPU devices, as every record's runs: before any JAX call)
+
+    trainer.setup_jax(
+      workloads.base_config('lm', 16, True)
+    )  # (8 CPU devices, as every record's runs: before any JAX call)
     if args.check:
       print(json.dumps(check(args.check, args.quick, work_root), indent=1))
     for start in ['best'] if args.quick else args.starts.split(','):
@@ -456,8 +543,7 @@ def main(argv=None):
   rows = {c: cell_rows(c, args.quick, work_root) for c in ([QUICK_CELL] if args.quick else CELLS)}
   eight = {} if args.quick else {c: e for c in MNIST1D + TASKS if (e := eight_seed_rows(c, work_root))['starts']}
   out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
-  md = write_report(out, {c: r for c, r in rows.items() if r},
-                    args.quick, eight)
+  md = write_report(out, {c: r for c, r in rows.items() if r}, args.quick, eight)
   with open(md, encoding='utf-8') as f:
     print(f.read())
 

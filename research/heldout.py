@@ -24,25 +24,38 @@ from research import heldout_corpus
 
 CORPUS = 'workdirs/pystdlib.txt'  # relative to the repository root, as the records' configs name it
 # research.autolr's command for this study, less --report-only and --out.
-ARGS = (f'--config.data.path={CORPUS}', '--optim', 'adamw,sgd',
-        '--variants', f'{autolr.UNGUARDED_DEFAULT},{autolr.DEFAULT_VARIANT}')
+ARGS = (
+  f'--config.data.path={CORPUS}',
+  '--optim',
+  'adamw,sgd',
+  '--variants',
+  f'{autolr.UNGUARDED_DEFAULT},{autolr.DEFAULT_VARIANT}',
+)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
-  p.add_argument('--out', default=None, help='the report\'s folder (default: results/heldout/)')
+  p.add_argument('--out', default=None, help="the report's folder (default: results/heldout/)")
   args = p.parse_args(argv)
   if not args.report_only and not os.path.exists(CORPUS):
     data = heldout_corpus.build(sysconfig.get_paths()['stdlib'])
     if hashlib.sha256(data).hexdigest() != heldout_corpus.RECORDED_SHA256:
-      raise SystemExit('error: this Python\'s stdlib is not the corpus the records were made from '
-                       '(research.heldout_corpus: CPython 3.11.7); its runs would all train anew.')
+      raise SystemExit(
+        "error: this Python's stdlib is not the corpus the records were made from "
+        '(research.heldout_corpus: CPython 3.11.7); its runs would all train anew.'
+      )
     os.makedirs(os.path.dirname(CORPUS), exist_ok=True)
     with open(CORPUS, 'wb') as f:
       f.write(data)
-  autolr.main([*ARGS, *(['--report-only'] if args.report_only else []),
-               '--out', args.out or os.path.join(autolr.REPO, 'results', 'heldout')])
+  autolr.main(
+    [
+      *ARGS,
+      *(['--report-only'] if args.report_only else []),
+      '--out',
+      args.out or os.path.join(autolr.REPO, 'results', 'heldout'),
+    ]
+  )
 
 
 if __name__ == '__main__':

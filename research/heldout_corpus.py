@@ -31,8 +31,11 @@ SIZE = 4_200_000  # bytes: stop after the file that passes this
 
 def stdlib_sources(lib: str) -> list[str]:
   """The stdlib's ``.py`` files but tests, idlelib and site-packages, in the corpus's fixed order."""
-  files = [f for f in glob.glob(os.path.join(lib, '**', '*.py'), recursive=True)
-           if not any(part in '/' + os.path.relpath(f, lib) for part in ('/test', 'site-packages', 'idlelib'))]
+  files = [
+    f
+    for f in glob.glob(os.path.join(lib, '**', '*.py'), recursive=True)
+    if not any(part in '/' + os.path.relpath(f, lib) for part in ('/test', 'site-packages', 'idlelib'))
+  ]
   return sorted(files, key=lambda f: hashlib.md5(os.path.relpath(f, lib).encode()).hexdigest())
 
 
@@ -60,7 +63,7 @@ def main() -> None:
   with open(args.out, 'wb') as f:
     f.write(data)
   sha = hashlib.sha256(data).hexdigest()
-  same = 'the recorded runs\' corpus' if sha == RECORDED_SHA256 else 'NOT the recorded runs\' corpus (another Python)'
+  same = "the recorded runs' corpus" if sha == RECORDED_SHA256 else "NOT the recorded runs' corpus (another Python)"
   print(f'wrote {args.out}: {len(data):,} bytes, sha256 {sha} ({same})')
 
 

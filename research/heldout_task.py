@@ -46,13 +46,15 @@ from research import wider_rung
 
 REPO = autolr.REPO
 # name: (overrides of configs/mnist1d.py, steps). Each changes the model, the data and the length at once.
-CHECKS = {'wide': ({'model.channels': 64, 'data.dataset_seed': 7}, 1000),
-          'narrow': ({'model.channels': 16, 'data.dataset_seed': 11}, 500),
-          # Other data: handwritten digits (research/digits_npz.py), 64-sample signals, an eighth of the batch.
-          'digits': ({'data.path': 'research/data/digits.npz', 'data.batch_size': 8}, 600),
-          # Another model family (added after the twenty-eighth pass): an MLP, two ReLU layers of 128 units (23k
-          # parameters), on dataset seed 13, for 750 steps, a length no mnist1d default was measured at.
-          'mlp': ({'model.kind': 'mlp', 'model.hidden': 128, 'data.dataset_seed': 13}, 750)}
+CHECKS = {
+  'wide': ({'model.channels': 64, 'data.dataset_seed': 7}, 1000),
+  'narrow': ({'model.channels': 16, 'data.dataset_seed': 11}, 500),
+  # Other data: handwritten digits (research/digits_npz.py), 64-sample signals, an eighth of the batch.
+  'digits': ({'data.path': 'research/data/digits.npz', 'data.batch_size': 8}, 600),
+  # Another model family (added after the twenty-eighth pass): an MLP, two ReLU layers of 128 units (23k
+  # parameters), on dataset seed 13, for 750 steps, a length no mnist1d default was measured at.
+  'mlp': ({'model.kind': 'mlp', 'model.hidden': 128, 'data.dataset_seed': 13}, 750),
+}
 OPTIM, SEEDS = 'adamw', (0, 1, 2)
 STARTS = bracket_mode.STARTS
 # configs/default.py's bracket, pinned so that the records stay this bracket's (research/tests/test_heldout_task.py checks
@@ -66,6 +68,7 @@ BRACKETS = ('bracket',)
 
 class Site(NamedTuple):
   """Where one check's runs live: the check, a quick smoke run or the full one, the workdir root."""
+
   check: str
   quick: bool
   work_root: str
@@ -74,15 +77,26 @@ class Site(NamedTuple):
 def plan(site: Site) -> dict:
   """What the check trains: the grid, seeds, starts, bracket and steps (quick: a smoke run's)."""
   if site.quick:
-    return {'grid': autolr.QUICK_GRIDS[OPTIM], 'seeds': (0,), 'starts': ('best',),
-            'bracket': wider_rung.QUICK_BRACKET, 'steps': 16}
-  return {'grid': autolr.GRIDS[OPTIM], 'seeds': SEEDS, 'starts': tuple(STARTS), 'bracket': BRACKET,
-          'steps': CHECKS[site.check][1]}
+    return {
+      'grid': autolr.QUICK_GRIDS[OPTIM],
+      'seeds': (0,),
+      'starts': ('best',),
+      'bracket': wider_rung.QUICK_BRACKET,
+      'steps': 16,
+    }
+  return {
+    'grid': autolr.GRIDS[OPTIM],
+    'seeds': SEEDS,
+    'starts': tuple(STARTS),
+    'bracket': BRACKET,
+    'steps': CHECKS[site.check][1],
+  }
 
 
 def record_path(name: str, site: Site) -> str:
-  root = (os.path.join(site.work_root, 'records') if site.quick
-          else os.path.join(REPO, 'results', 'heldout_task', 'runs'))
+  root = (
+    os.path.join(site.work_root, 'records') if site.quick else os.path.join(REPO, 'results', 'heldout_task', 'runs')
+  )
   return os.path.join(root, site.check, name + '.json')
 
 
@@ -97,10 +111,12 @@ def load(name: str, site: Site) -> dict | None:
 def base_config(site: Site):
   """configs/mnist1d.py with the check's overrides (quick: the tiny CNN, on the check's data)."""
   from hdet_jax.trainer import config_lib
+
   c = workloads.base_config('mnist1d', plan(site)['steps'], site.quick)
   overrides = CHECKS[site.check][0]
-  return config_lib.with_overrides(c, {k: v for k, v in overrides.items() if k.startswith('data.')} if site.quick
-                                   else overrides)
+  return config_lib.with_overrides(
+    c, {k: v for k, v in overrides.items() if k.startswith('data.')} if site.quick else overrides
+  )
 
 
 def grid_name(lr: float, seed: int) -> str:
@@ -120,6 +136,7 @@ def config_for(name: str, site: Site, lr: float | None = None):
   bracket), or the narrower bracket's kept run ``end_lr<lr>_at_<start>_s<seed>`` (``lr`` given, exactly: that point of the bracket, trained to
   the end)."""
   from hdet_jax.trainer import bracket, config_lib
+
   kind, rest = name.split('_', 1)
   tag, seed = rest.rsplit('_s', 1)
   seed, p, c = int(seed), plan(site), base_config(site)
@@ -151,6 +168,7 @@ def narrower_kept(rec: dict) -> float:
   """The kept LR of the same bracket with its first rung keeping one fewer: the best ``kept - 1`` at the first rung,
   ranked again by their losses at the last (``bracket.survivors``, as the bracket ranks)."""
   from hdet_jax.trainer import bracket
+
   first, last = rec['rungs'][0], rec['rungs'][-1]
   # (the rungs' keys are the LRs to 6 digits: the points' own LRs are the record's, exactly)
   fewer = bracket.survivors({lr: first['losses'][f'{lr:.6g}'] for lr in rec['lrs']}, len(first['kept']) - 1)
@@ -179,8 +197,9 @@ def train_all(site: Site) -> None:
   for seed in p['seeds']:
     for start in p['starts']:
       for kind in ('hdet', 'bracket'):
-        print(f'  {site.check} {kind}_{start}_s{seed}: {train(f"{kind}_{start}_s{seed}", site)["final_metric"]}',
-              flush=True)
+        print(
+          f'  {site.check} {kind}_{start}_s{seed}: {train(f"{kind}_{start}_s{seed}", site)["final_metric"]}', flush=True
+        )
       narrower_final(start, seed, site, train_missing=True)
 
 
@@ -197,6 +216,7 @@ def train_fresh(site: Site, seeds: list[int]) -> None:
 def rung_steps(site: Site) -> list[int]:
   """The steps the default bracket's rungs compare at, in this check's runs."""
   from hdet_jax.trainer import schema
+
   return schema.rung_steps(schema.parse_rungs(BRACKET['bracket.rungs']), plan(site)['steps'])
 
 
@@ -206,6 +226,7 @@ def rung_trace(lr: float, seed: int, site: Site) -> dict:
   there, and the final metric (cached as ``trace_lr<lr>_s<seed>``). Evaluating changes no training step, so the final
   is the grid record's, bit for bit (tested)."""
   from hdet_jax.trainer import config_lib
+
   name = f'trace_lr{records.lr_tag(lr, 4)}_s{seed}'
   rec = load(name, site)
   if rec is not None:
@@ -243,28 +264,41 @@ def annealed_rung(lr: float, seed: int, site: Site) -> dict:
 def annealed_config(lr: float, seed: int, site: Site):
   """:func:`annealed_rung`'s config (one-cycle runs only: another schedule's warmup would not end at the rung)."""
   from hdet_jax.trainer import config_lib
+
   config = config_for(grid_name(lr, seed), site)
   if config.optim.get('schedule', 'one_cycle') != 'one_cycle':
-    raise ValueError(f'annealed_rung needs the one-cycle schedule (its warmup is moved to end at the rung); '
-                     f'{site.check} runs optim.schedule={config.optim.schedule!r}.')
+    raise ValueError(
+      f'annealed_rung needs the one-cycle schedule (its warmup is moved to end at the rung); '
+      f'{site.check} runs optim.schedule={config.optim.schedule!r}.'
+    )
   rung, k = rung_steps(site)[-1], int(round(ANNEAL_FRACTION * plan(site)['steps']))
-  return config_lib.with_overrides(config, {
-      'num_train_steps': rung + k, 'optim.pct_start': rung / (rung + k), 'eval_every': 0})
+  return config_lib.with_overrides(
+    config, {'num_train_steps': rung + k, 'optim.pct_start': rung / (rung + k), 'eval_every': 0}
+  )
 
 
 def _traced_run(name: str, config, site: Site, steps: list[int]) -> dict:
   """Trains ``config`` in this process; its final metric and, at each of ``steps``, the training loss a rung ranks
   (``bracket.window_loss``) and the test metric where it was evaluated."""
   from hdet_jax.trainer import bracket, metrics as metrics_lib
+
   workdir = os.path.join(site.work_root, 'runs', site.check, name)
   with contextlib.chdir(REPO):
     run = records.train_run(name, config, workdir)
   path = os.path.join(workdir, 'metrics.jsonl')
   evals = {r['step']: r['val_loss'] for r in metrics_lib.read_metrics(path).get('eval', [])}
-  rec = {'name': name, 'lr': run['lr'], 'final_metric': run['final_metric'],
-         'rungs': {str(step): {'train_loss': bracket.window_loss(path, step, BRACKET['bracket.compare_steps'],
-                                                                 run['diverged_at']),
-                               'test_metric': records.finite_or_none(evals.get(step))} for step in steps}}
+  rec = {
+    'name': name,
+    'lr': run['lr'],
+    'final_metric': run['final_metric'],
+    'rungs': {
+      str(step): {
+        'train_loss': bracket.window_loss(path, step, BRACKET['bracket.compare_steps'], run['diverged_at']),
+        'test_metric': records.finite_or_none(evals.get(step)),
+      }
+      for step in steps
+    },
+  }
   shutil.rmtree(workdir, ignore_errors=True)
   return rec
 
@@ -279,20 +313,28 @@ def selection_lines(site: Site, seeds: tuple[int, ...]) -> list[str]:
   if any(r is None for r in list(traces.values()) + list(anneals.values())):
     return []
   steps = sorted(traces[grid[0], seeds[0]]['rungs'], key=int)
-  criteria = [(f'training loss before step {st}', lambda lr, s, st=st: traces[lr, s]['rungs'][st]['train_loss'])
-              for st in steps]
-  criteria += [(f'test metric at step {st}', lambda lr, s, st=st: traces[lr, s]['rungs'][st]['test_metric'])
-               for st in steps]
-  criteria += [('training loss after the anneal', lambda lr, s: anneals[lr, s]['train_loss']),
-               ('test metric after the anneal', lambda lr, s: anneals[lr, s]['final_metric']),
-               ('test metric at the end (the sweep\'s own, per seed)', lambda lr, s: final(grid_name(lr, s), site))]
+  criteria = [
+    (f'training loss before step {st}', lambda lr, s, st=st: traces[lr, s]['rungs'][st]['train_loss']) for st in steps
+  ]
+  criteria += [
+    (f'test metric at step {st}', lambda lr, s, st=st: traces[lr, s]['rungs'][st]['test_metric']) for st in steps
+  ]
+  criteria += [
+    ('training loss after the anneal', lambda lr, s: anneals[lr, s]['train_loss']),
+    ('test metric after the anneal', lambda lr, s: anneals[lr, s]['final_metric']),
+    ("test metric at the end (the sweep's own, per seed)", lambda lr, s: final(grid_name(lr, s), site)),
+  ]
   finals = {lr: [final(grid_name(lr, s), site) for s in seeds] for lr in grid}
   best = records.best_lr(finals)
-  lines = [f'Which of the sweep\'s LRs each comparison picks, seeds {", ".join(map(str, seeds))}, and where the sweep\'s '
-           f'run at the picked LR ends, paired by seed with its run at its best LR ({best:g}). The annealed copies '
-           f'(`annealed_rung`) run to the last rung as the sweep does, then anneal to its end LR in '
-           f'{round(ANNEAL_FRACTION * plan(site)["steps"])} steps:', '',
-           '| ranked by | picked LR, per seed | its end against the best LR\'s, paired |', '|---|---|---|']
+  lines = [
+    f"Which of the sweep's LRs each comparison picks, seeds {', '.join(map(str, seeds))}, and where the sweep's "
+    f'run at the picked LR ends, paired by seed with its run at its best LR ({best:g}). The annealed copies '
+    f'(`annealed_rung`) run to the last rung as the sweep does, then anneal to its end LR in '
+    f'{round(ANNEAL_FRACTION * plan(site)["steps"])} steps:',
+    '',
+    "| ranked by | picked LR, per seed | its end against the best LR's, paired |",
+    '|---|---|---|',
+  ]
   for label, get in criteria:
     picks = [min(grid, key=lambda lr, s=s: (get(lr, s), lr)) for s in seeds]
     gap, se = records.paired_gap([final(grid_name(lr, s), site) for lr, s in zip(picks, seeds)], finals[best])
@@ -313,12 +355,17 @@ def rank_flip_lines(site: Site, seed: int) -> list[str]:
   cols += [('test metric at the end', lambda r: r['final_metric'])]
   rank = lambda get: {r['lr']: 1 + sorted(get(x) for x in recs).index(get(r)) for r in recs}
   ranks = [rank(get) for _, get in cols]
-  lines = [f'Do the rungs\' rankings hold to the end? The sweep\'s seed-{seed} runs again, evaluated at the rungs too '
-           f'(`rung_trace`; the same finals bit for bit); value (rank, 1 = lowest):', '',
-           '| peak LR | ' + ' | '.join(c for c, _ in cols) + ' |', '|---' * (len(cols) + 1) + '|']
+  lines = [
+    f"Do the rungs' rankings hold to the end? The sweep's seed-{seed} runs again, evaluated at the rungs too "
+    f'(`rung_trace`; the same finals bit for bit); value (rank, 1 = lowest):',
+    '',
+    '| peak LR | ' + ' | '.join(c for c, _ in cols) + ' |',
+    '|---' * (len(cols) + 1) + '|',
+  ]
   for r in recs:
-    lines.append(f'| {r["lr"]:g} | ' + ' | '.join(f'{get(r):.4f} ({rk[r["lr"]]})' for (_, get), rk in zip(cols, ranks))
-                 + ' |')
+    lines.append(
+      f'| {r["lr"]:g} | ' + ' | '.join(f'{get(r):.4f} ({rk[r["lr"]]})' for (_, get), rk in zip(cols, ranks)) + ' |'
+    )
   return lines + ['']
 
 
@@ -330,8 +377,11 @@ def summarize(site: Site) -> dict:
   for lr in p['grid']:
     recs = [load(grid_name(lr, s), site) for s in p['seeds']]
     finals = [r['final_metric'] for r in recs if r is not None]
-    grid[f'{lr:g}'] = {'mean': records.mean_or_none(finals) if len(finals) == len(recs) else None,
-                       'sd': float(np.std(finals, ddof=1)) if len(finals) > 1 else None, 'n': len(finals)}
+    grid[f'{lr:g}'] = {
+      'mean': records.mean_or_none(finals) if len(finals) == len(recs) else None,
+      'sd': float(np.std(finals, ddof=1)) if len(finals) > 1 else None,
+      'n': len(finals),
+    }
   done = {k: v['mean'] for k, v in grid.items() if v['mean'] is not None}
   best_lr = min(done, key=done.get) if done else None
   best = done.get(best_lr)
@@ -348,10 +398,18 @@ def summarize(site: Site) -> dict:
     row['narrower'] = records.mean_or_none([narrower_final(start, s, site, False) for s in p['seeds']])
     row.update({f'{k}_gap': gap(row[k]) for k in ('hdet', 'bracket', 'narrower')})
     starts[start] = row
-  return {'grid': grid, 'best_lr': best_lr, 'best': best, 'anchor_lr': anchor_lr(site), 'starts': starts,
-          'overrides': CHECKS[site.check][0], 'steps': p['steps'], 'bracket': p['bracket'],
-          'paired3': paired(site, p['seeds']),
-          'paired8': None if site.quick else paired(site, p['seeds'] + FRESH_SEEDS, ('bracket',))}
+  return {
+    'grid': grid,
+    'best_lr': best_lr,
+    'best': best,
+    'anchor_lr': anchor_lr(site),
+    'starts': starts,
+    'overrides': CHECKS[site.check][0],
+    'steps': p['steps'],
+    'bracket': p['bracket'],
+    'paired3': paired(site, p['seeds']),
+    'paired8': None if site.quick else paired(site, p['seeds'] + FRESH_SEEDS, ('bracket',)),
+  }
 
 
 FRESH_SEEDS = (3, 4, 5, 6, 7)  # the sweep's and the default bracket's further seeds (--fresh-seeds)
@@ -385,14 +443,21 @@ def paired_lines(r: dict) -> list[str]:
   three, eight = r.get('paired3'), r.get('paired8')
   if three is None:
     return []
-  text = lambda g: '-' if g['gap'] is None else f"{100 * g['gap']:+.1f} ± {100 * (g['se'] or 0):.1f}% " \
-                                               f"({records.verdict(g)})"
-  head = f'Paired by seed with the sweep\'s run at its best LR (by the mean over the same seeds: {three["best_lr"]:g} ' \
-         f'on seeds 0-2'
+  text = lambda g: (
+    '-' if g['gap'] is None else f'{100 * g["gap"]:+.1f} ± {100 * (g["se"] or 0):.1f}% ({records.verdict(g)})'
+  )
+  head = (
+    f"Paired by seed with the sweep's run at its best LR (by the mean over the same seeds: {three['best_lr']:g} "
+    f'on seeds 0-2'
+  )
   head += f', {eight["best_lr"]:g} on seeds 0-7' if eight else ''
-  lines = [head + '); ± the standard error of the per-seed gaps; "within" 1% of it or below, a "miss" beyond 1% by '
-           'more than 2 of them (`records.verdict`), or "not resolved":', '',
-           '| start | bracket (default), seeds 0-2 | bracket, seeds 0-7 | default HDET, seeds 0-2 |', '|---|---|---|---|']
+  lines = [
+    head + '); ± the standard error of the per-seed gaps; "within" 1% of it or below, a "miss" beyond 1% by '
+    'more than 2 of them (`records.verdict`), or "not resolved":',
+    '',
+    '| start | bracket (default), seeds 0-2 | bracket, seeds 0-7 | default HDET, seeds 0-2 |',
+    '|---|---|---|---|',
+  ]
   for start, row in three['starts'].items():
     e = text(eight['starts'][start]['bracket']) if eight else '-'
     lines.append(f'| {start} | {text(row["bracket"])} | {e} | {text(row["hdet"])} |')
@@ -403,26 +468,41 @@ def check_lines(site: Site, r: dict) -> list[str]:
   """One check's section of the report."""
   rec = load(grid_name(plan(site)['grid'][0], 0), site)
   params = f'{rec["num_params"]:,} parameters' if rec else 'not trained'
-  lines = [f'## {site.check}: {", ".join(f"{k}={v}" for k, v in CHECKS[site.check][0].items())}, {r["steps"]} steps',
-           '', f'{params} (quick: the tiny CNN); the sweep (plain one-cycle runs):', '',
-           '| peak LR | 3-seed mean | sd |', '|---|---|---|']
+  lines = [
+    f'## {site.check}: {", ".join(f"{k}={v}" for k, v in CHECKS[site.check][0].items())}, {r["steps"]} steps',
+    '',
+    f'{params} (quick: the tiny CNN); the sweep (plain one-cycle runs):',
+    '',
+    '| peak LR | 3-seed mean | sd |',
+    '|---|---|---|',
+  ]
   for lr, g in r['grid'].items():
-    mean = '-' if g['mean'] is None else f"{g['mean']:.5f}"
-    sd = '-' if g['sd'] is None else f"{g['sd']:.5f}"
+    mean = '-' if g['mean'] is None else f'{g["mean"]:.5f}'
+    sd = '-' if g['sd'] is None else f'{g["sd"]:.5f}'
     lines.append(f'| {lr} | {mean} | {sd} |')
   best = '-' if r['best'] is None else f'{r["best"]:.5f} at {r["best_lr"]}'
-  lines += ['', f'The sweep\'s best 3-seed mean: {best}; the starts are centred on its first seed\'s best, '
-            f'{r["anchor_lr"]}. From 10x below, at and 10x above it:', '',
-            '| start | default HDET (1 run) | bracket, 5 kept at 0.1 (default, 2.5 runs) | bracket, 4 kept at 0.1 (2.3 '
-            'runs) | bracket\'s kept LR (x the start\'s reference), per seed |', '|---|---|---|---|---|']
+  lines += [
+    '',
+    f"The sweep's best 3-seed mean: {best}; the starts are centred on its first seed's best, "
+    f'{r["anchor_lr"]}. From 10x below, at and 10x above it:',
+    '',
+    '| start | default HDET (1 run) | bracket, 5 kept at 0.1 (default, 2.5 runs) | bracket, 4 kept at 0.1 (2.3 '
+    "runs) | bracket's kept LR (x the start's reference), per seed |",
+    '|---|---|---|---|---|',
+  ]
   for start, row in r['starts'].items():
     kept = ' / '.join('-' if x is None else f'{x:.3g}' for x in row['kept_x'])
     gaps = ' | '.join(records.pct(row[f'{k}_gap']) for k in ('hdet', 'bracket', 'narrower'))
     lines.append(f'| {start} | {gaps} | {kept} |')
   eight = plan(site)['seeds'] + FRESH_SEEDS
   selection = selection_lines(site, eight) if not site.quick else []  # (on 8 seeds where they are all traced)
-  return (lines + [''] + paired_lines(r) + rank_flip_lines(site, 0) +
-          (selection or selection_lines(site, plan(site)['seeds'])))
+  return (
+    lines
+    + ['']
+    + paired_lines(r)
+    + rank_flip_lines(site, 0)
+    + (selection or selection_lines(site, plan(site)['seeds']))
+  )
 
 
 def report(quick: bool, work_root: str, out: str | None = None) -> list[str]:
@@ -430,11 +510,15 @@ def report(quick: bool, work_root: str, out: str | None = None) -> list[str]:
   ``work_root``) for every check with records; its lines."""
   sites = [Site(c, quick, work_root) for c in CHECKS]
   results = {s.check: summarize(s) for s in sites if load(grid_name(plan(s)['grid'][0], 0), s) is not None}
-  lines = ['# Classifier sizes, data and run lengths no default was chosen on: mnist1d\'s CNN, an MLP, and other data', '',
-           'Made by `python -m research.heldout_task` (records in `results/heldout_task/runs/<check>/`): the mnist1d '
-           'task (the default CNN has 25 channels, about 5.2k parameters, and was tuned on dataset seed 42 at 500-2000 '
-           'steps), AdamW, seeds 0, 1, 2 (quick: 0), 8 replicas on 8 CPU devices. The metric: the averaged model\'s test '
-           'cross-entropy (nats, lower is better). Gaps: 3-seed means against the sweep\'s best 3-seed mean.', '']
+  lines = [
+    "# Classifier sizes, data and run lengths no default was chosen on: mnist1d's CNN, an MLP, and other data",
+    '',
+    'Made by `python -m research.heldout_task` (records in `results/heldout_task/runs/<check>/`): the mnist1d '
+    'task (the default CNN has 25 channels, about 5.2k parameters, and was tuned on dataset seed 42 at 500-2000 '
+    "steps), AdamW, seeds 0, 1, 2 (quick: 0), 8 replicas on 8 CPU devices. The metric: the averaged model's test "
+    "cross-entropy (nats, lower is better). Gaps: 3-seed means against the sweep's best 3-seed mean.",
+    '',
+  ]
   for s in sites:
     if s.check in results:
       lines += check_lines(s, results[s.check])
@@ -447,25 +531,36 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--checks', default=','.join(CHECKS), help=f'comma-separated, of {", ".join(CHECKS)}')
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
-  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
-  p.add_argument('--quick', action='store_true', help='a smoke run: the tiny CNN, 2 grid points, the best start, '
-                 'the first check')
+  p.add_argument('--out', default=None, help="the report's folder (default: results/; --quick: the workdir)")
+  p.add_argument(
+    '--quick', action='store_true', help='a smoke run: the tiny CNN, 2 grid points, the best start, the first check'
+  )
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/heldout_task)')
-  p.add_argument('--rung-trace', action='store_true', help='the sweep\'s runs again, evaluated at the bracket\'s '
-                 'rungs, and copies annealed at its last rung (cached; the report\'s last two tables); with '
-                 '--fresh-seeds on those seeds too (the selection table then reads 8 seeds)')
-  p.add_argument('--fresh-seeds', default='', help='more seeds for the sweep and the default bracket, e.g. 3,4,5,6,7 '
-                 '(read by research.finer_grid\'s 8-seed table, not by this report)')
+  p.add_argument(
+    '--rung-trace',
+    action='store_true',
+    help="the sweep's runs again, evaluated at the bracket's "
+    "rungs, and copies annealed at its last rung (cached; the report's last two tables); with "
+    '--fresh-seeds on those seeds too (the selection table then reads 8 seeds)',
+  )
+  p.add_argument(
+    '--fresh-seeds',
+    default='',
+    help='more seeds for the sweep and the default bracket, e.g. 3,4,5,6,7 '
+    "(read by research.finer_grid's 8-seed table, not by this report)",
+  )
   args = p.parse_args(argv)
   fresh = [int(x) for x in args.fresh_seeds.split(',') if x.strip()] if args.fresh_seeds.strip() else []
   if set(fresh) & set(SEEDS) or (fresh and args.quick):
-    p.error(f'--fresh-seeds must be seeds other than {",".join(map(str, SEEDS))}, without --quick; got '
-            f'{args.fresh_seeds!r}')
+    p.error(
+      f'--fresh-seeds must be seeds other than {",".join(map(str, SEEDS))}, without --quick; got {args.fresh_seeds!r}'
+    )
   checks = [c for c in args.checks.split(',') if c]
   if not checks or set(checks) - set(CHECKS):
     p.error(f'--checks must name some of {", ".join(CHECKS)}, got {args.checks!r}')
-  work_root = os.path.abspath(args.workdir or os.path.join(REPO, 'workdirs', 'heldout_task_quick' if args.quick
-                                                           else 'heldout_task'))
+  work_root = os.path.abspath(
+    args.workdir or os.path.join(REPO, 'workdirs', 'heldout_task_quick' if args.quick else 'heldout_task')
+  )
   if not args.report_only:
     for check in checks[:1] if args.quick else checks:
       train_all(Site(check, args.quick, work_root))
@@ -475,8 +570,11 @@ def main(argv=None):
         site = Site(check, args.quick, work_root)
         for seed in list(plan(site)['seeds']) + fresh:
           for lr in plan(site)['grid']:
-            print(f'  {check} trace {lr:g} s{seed}: {rung_trace(lr, seed, site)["rungs"]}; annealed: '
-                  f'{annealed_rung(lr, seed, site)["final_metric"]}', flush=True)
+            print(
+              f'  {check} trace {lr:g} s{seed}: {rung_trace(lr, seed, site)["rungs"]}; annealed: '
+              f'{annealed_rung(lr, seed, site)["final_metric"]}',
+              flush=True,
+            )
   print('\n'.join(report(args.quick, work_root, args.out)))
 
 

@@ -55,8 +55,14 @@ RESOLVE_SE = records.RESOLVE_SE  # a miss is resolved where gap - RESOLVE_SE * s
 # The default bracket trained on the sweep's fresh seeds, where the sweep has them at its best LR and both
 # neighbours, and the default HDET too: mnist1d's six cells (8 seeds each, against the 3 of every other figure).
 DEFAULT_BRACKET = heldout_task.BRACKET  # (the default, pinned: research/tests/test_heldout_task.py checks it)
-EIGHT_SEED_CELLS = ('mnist1d:1000:adamw', 'mnist1d:1000:sgd', 'mnist1d:500:adamw', 'mnist1d:500:sgd',
-                    'mnist1d:2000:adamw', 'mnist1d:2000:sgd')
+EIGHT_SEED_CELLS = (
+  'mnist1d:1000:adamw',
+  'mnist1d:1000:sgd',
+  'mnist1d:500:adamw',
+  'mnist1d:500:sgd',
+  'mnist1d:2000:adamw',
+  'mnist1d:2000:sgd',
+)
 
 
 def recorded_finals(cell: str, names: list[str]) -> list[float | None]:
@@ -74,8 +80,9 @@ def sweep_finals(cell: str, seeds) -> list[float | None]:
   return recorded_finals(cell, [autolr.grid_name(optim, lr, s) for s in seeds])
 
 
-def last_rung_losses(comp: dict, cell: str, start: str, seed: int, quick: bool, work_root: str,
-                     train: bool) -> dict | None:
+def last_rung_losses(
+  comp: dict, cell: str, start: str, seed: int, quick: bool, work_root: str, train: bool
+) -> dict | None:
   """The default bracket's survivors at its last rung (``comp``: its ``wider_rung.compose``), each with its loss
   there, on one footing: the record's where its probes reproduce it, else all retrained here (None: not trained and
   ``train`` is off)."""
@@ -105,8 +112,15 @@ def runner_up(cell: str, start: str, seed: int, quick: bool, work_root: str, tra
   if comp is None:
     return None
   winner = comp['wider'][str(K)]['kept_lr']  # (the composition's, on the record's footing)
-  out = {'seed': seed, 'anchor_lr': comp['anchor_lr'], 'kept_lr': winner, 'final_metric': wider_rung.paired_final(comp, K),
-         'runner_up_lr': None, 'runner_up_final': None, 'reproduced': comp['reproduced']}
+  out = {
+    'seed': seed,
+    'anchor_lr': comp['anchor_lr'],
+    'kept_lr': winner,
+    'final_metric': wider_rung.paired_final(comp, K),
+    'runner_up_lr': None,
+    'runner_up_final': None,
+    'reproduced': comp['reproduced'],
+  }
   losses = last_rung_losses(comp, cell, start, seed, quick, work_root, train)
   if losses is None:
     return out
@@ -133,7 +147,7 @@ def cell_rows(cell: str, quick: bool, work_root: str, train: bool = False) -> di
   sweep = None if quick else sweep_finals(cell, seeds)
   fresh = None if quick else [v for v in sweep_finals(cell, FRESH_SEEDS) if v is not None]
   out = {}
-  for start in (['best'] if quick else list(bracket_mode.STARTS)):
+  for start in ['best'] if quick else list(bracket_mode.STARTS):
     got = [runner_up(cell, start, s, quick, work_root, train) for s in seeds]
     if any(g is None for g in got):
       continue
@@ -143,7 +157,7 @@ def cell_rows(cell: str, quick: bool, work_root: str, train: bool = False) -> di
     row = {'seeds': got, 'sweep': sweep}
     for name, values in (('kept', kept), ('runner_up', second), ('better', better)):
       row[name] = None if sweep is None else dict(zip(('gap', 'se'), records.paired_gap(values, sweep)))
-    row['runner_up_ahead'] = (None if None in kept + second else sum(b < a for a, b in zip(kept, second)))
+    row['runner_up_ahead'] = None if None in kept + second else sum(b < a for a, b in zip(kept, second))
     if sweep is not None and len(fresh) >= 3 and None not in sweep:
       row['sweep_fresh'] = {'n': len(fresh), 'shift': float(np.mean(fresh) / np.mean(sweep) - 1)}
     out[start] = row
@@ -152,9 +166,12 @@ def cell_rows(cell: str, quick: bool, work_root: str, train: bool = False) -> di
 
 # ---- The default bracket on 8 seeds (the sweep's 3 and its 5 fresh ones) ----
 
+
 def fresh_path(cell: str, start: str, seed: int) -> str:
   workload, steps, optim = bracket_mode.parse_cell(cell)
-  return os.path.join(REPO, 'results', 'last_rung', 'runs', workload, f'steps{steps}', optim, f'bracket_{start}_s{seed}.json')
+  return os.path.join(
+    REPO, 'results', 'last_rung', 'runs', workload, f'steps{steps}', optim, f'bracket_{start}_s{seed}.json'
+  )
 
 
 def fresh_bracket(cell: str, start: str, seed: int, work_root: str, train: bool) -> dict | None:
@@ -167,11 +184,18 @@ def fresh_bracket(cell: str, start: str, seed: int, work_root: str, train: bool)
   workload, steps, optim = bracket_mode.parse_cell(cell)
   workdir = os.path.join(work_root, 'last_rung', workload, f'steps{steps}', f'{optim}_{start}_s{seed}')
   config = bracket_mode.config_for(cell, start, seed, False, work_root, DEFAULT_BRACKET)
-  got = {'cell': cell, 'start': start, 'seed': seed, 'anchor_lr': bracket_mode.anchor_lr(cell, False),
-         **records.train_run(f'bracket_{start}_s{seed}', config, workdir)}
+  got = {
+    'cell': cell,
+    'start': start,
+    'seed': seed,
+    'anchor_lr': bracket_mode.anchor_lr(cell, False),
+    **records.train_run(f'bracket_{start}_s{seed}', config, workdir),
+  }
   records.write_record(path, got, indent=1)
   shutil.rmtree(workdir, ignore_errors=True)
-  print(f'  {cell} {start} s{seed}: kept {got["kept_lr"] / got["anchor_lr"]:.3g}x, final {got["final_metric"]}', flush=True)
+  print(
+    f'  {cell} {start} s{seed}: kept {got["kept_lr"] / got["anchor_lr"]:.3g}x, final {got["final_metric"]}', flush=True
+  )
   return got
 
 
@@ -186,8 +210,12 @@ def eight_seed_rows(cell: str, work_root: str, train: bool = False) -> dict:
     if None not in finals:
       grid[float(lr)] = finals
   best_lr = records.best_lr(grid)
-  out = {'sweep_lr': best_lr, 'sweep': grid[best_lr], 'sweep_means': {f'{lr:g}': float(np.mean(v)) for lr, v in grid.items()},
-         'starts': {}}
+  out = {
+    'sweep_lr': best_lr,
+    'sweep': grid[best_lr],
+    'sweep_means': {f'{lr:g}': float(np.mean(v)) for lr, v in grid.items()},
+    'starts': {},
+  }
   for start in bracket_mode.STARTS:
     first = [runner_up(cell, start, s, False, work_root, False) for s in bracket_mode.SEEDS]
     fresh = [fresh_bracket(cell, start, s, work_root, train) for s in FRESH_SEEDS]
@@ -213,20 +241,24 @@ def _gap_text(g: dict | None) -> str:
 
 
 def write_report(out_dir: str, rows: dict, eight: dict, quick: bool) -> list[str]:
-  lines = ['# The default bracket\'s last rung, and what 3 seeds resolve', '',
-           f'Made by `python -m research.last_rung{" --quick" if quick else ""}` (end runs in `results/wider_rung/runs/`). '
-           'The default bracket (`bracket.rungs = \'0.1:5,0.3:1\'`, 2.5 runs; `research.wider_rung`\'s 8-5-1 '
-           'composition) against the sweep at its best LR on the same 3 seeds: the gap is the ratio of the 3-seed '
-           'means, ± the standard error of the 3 per-seed gaps. Verdict: "within" at or below 1%, "miss" where the gap '
-           f'less {RESOLVE_SE:g} se is above 1% (2 degrees of freedom: a rough screen), else "not resolved". The '
-           'runner-up is the last rung\'s second lowest loss (0.3 of the run), trained to the end as the bracket trains '
-           'its winner; "better of the two" picks by the final metric itself (an oracle bound at 3.2 runs, not a '
-           'method); "ahead" counts seeds where the runner-up ends lower. "Fresh seeds": the sweep\'s best LR rerun on '
-           'seeds 3-7 where recorded, its mean against seeds 0-2\'s. The reading is in '
-           '`research/workloads_discussion.md` (twenty-fourth pass).', '',
-           '| cell | start | default bracket gap ± se | verdict | kept (x best), per seed | runner-up (x best), per seed | '
-           'runner-up gap ± se | ahead | better of the two ± se | sweep\'s best on fresh seeds |',
-           '|---|---|---|---|---|---|---|---|---|---|']
+  lines = [
+    "# The default bracket's last rung, and what 3 seeds resolve",
+    '',
+    f'Made by `python -m research.last_rung{" --quick" if quick else ""}` (end runs in `results/wider_rung/runs/`). '
+    "The default bracket (`bracket.rungs = '0.1:5,0.3:1'`, 2.5 runs; `research.wider_rung`'s 8-5-1 "
+    'composition) against the sweep at its best LR on the same 3 seeds: the gap is the ratio of the 3-seed '
+    'means, ± the standard error of the 3 per-seed gaps. Verdict: "within" at or below 1%, "miss" where the gap '
+    f'less {RESOLVE_SE:g} se is above 1% (2 degrees of freedom: a rough screen), else "not resolved". The '
+    "runner-up is the last rung's second lowest loss (0.3 of the run), trained to the end as the bracket trains "
+    'its winner; "better of the two" picks by the final metric itself (an oracle bound at 3.2 runs, not a '
+    'method); "ahead" counts seeds where the runner-up ends lower. "Fresh seeds": the sweep\'s best LR rerun on '
+    "seeds 3-7 where recorded, its mean against seeds 0-2's. The reading is in "
+    '`research/workloads_discussion.md` (twenty-fourth pass).',
+    '',
+    '| cell | start | default bracket gap ± se | verdict | kept (x best), per seed | runner-up (x best), per seed | '
+    "runner-up gap ± se | ahead | better of the two ± se | sweep's best on fresh seeds |",
+    '|---|---|---|---|---|---|---|---|---|---|',
+  ]
   tally = {'within': 0, 'miss': 0, 'not resolved': 0, '-': 0}
   better_within = with_runner_up = 0
   for cell, starts in rows.items():
@@ -238,49 +270,73 @@ def write_report(out_dir: str, rows: dict, eight: dict, quick: bool) -> list[str
       ratio = lambda key: ' / '.join('-' if g[key] is None else f'{g[key] / g["anchor_lr"]:.3g}' for g in r['seeds'])
       ahead = '-' if r['runner_up_ahead'] is None else f'{r["runner_up_ahead"]} of {len(r["seeds"])}'
       fresh = f'{records.pct(r["sweep_fresh"]["shift"])} (n={r["sweep_fresh"]["n"]})' if 'sweep_fresh' in r else '-'
-      lines.append(f'| {cell} | {start} | {_gap_text(r["kept"])} | {v} | {ratio("kept_lr")} | {ratio("runner_up_lr")} | '
-                   f'{_gap_text(r["runner_up"])} | {ahead} | '
-                   f'{_gap_text(r["better"])} | {fresh} |')
+      lines.append(
+        f'| {cell} | {start} | {_gap_text(r["kept"])} | {v} | {ratio("kept_lr")} | {ratio("runner_up_lr")} | '
+        f'{_gap_text(r["runner_up"])} | {ahead} | '
+        f'{_gap_text(r["better"])} | {fresh} |'
+      )
   total = sum(tally.values()) - tally['-']
-  lines += ['', f'Of {total} cell-starts, the default bracket is within 1% in {tally["within"]}, misses by more than 1% '
-            f'beyond {RESOLVE_SE:g} se in {tally["miss"]}, and is not resolved by 3 seeds in {tally["not resolved"]}. '
-            f'Where the runner-up was trained ({with_runner_up} cell-starts), the better of it and the kept point (an oracle '
-            f'at 3.2 runs) would be within 1% in {better_within}.']
+  lines += [
+    '',
+    f'Of {total} cell-starts, the default bracket is within 1% in {tally["within"]}, misses by more than 1% '
+    f'beyond {RESOLVE_SE:g} se in {tally["miss"]}, and is not resolved by 3 seeds in {tally["not resolved"]}. '
+    f'Where the runner-up was trained ({with_runner_up} cell-starts), the better of it and the kept point (an oracle '
+    f'at 3.2 runs) would be within 1% in {better_within}.',
+  ]
   lines += _eight_seed_lines(rows, eight)
-  return records.write_report(out_dir, 'last_rung', {'rows': rows, 'tally': tally, 'better_within': better_within,
-                                                     'eight_seeds': eight}, lines)
+  return records.write_report(
+    out_dir, 'last_rung', {'rows': rows, 'tally': tally, 'better_within': better_within, 'eight_seeds': eight}, lines
+  )
 
 
 def _eight_seed_lines(rows: dict, eight: dict) -> list[str]:
   if not eight:
     return []
   tally = {'within': 0, 'miss': 0, 'not resolved': 0, '-': 0}
-  lines = ['', '## Eight seeds', '',
-           f'The default bracket (`{DEFAULT_BRACKET["bracket.rungs"]}`) trained on the sweep\'s fresh seeds 3-7 too (records in '
-           '`results/last_rung/runs/`), against the sweep\'s best over the same 8 seeds (among its LRs recorded on all 8), '
-           'paired by seed; the 3-seed gap is the table\'s above. The last column: the default HDET from the same start on the '
-           'same 8 seeds (`results/workloads/runs/`, the ninth pass\'s fresh seeds).', '',
-           '| cell | start | sweep\'s best, 8 seeds | 3-seed gap | 8-seed gap ± se | verdict | kept (x the first-seed best), seeds 0-7 | '
-           'default HDET, 8 seeds ± se |',
-           '|---|---|---|---|---|---|---|---|']
+  lines = [
+    '',
+    '## Eight seeds',
+    '',
+    f"The default bracket (`{DEFAULT_BRACKET['bracket.rungs']}`) trained on the sweep's fresh seeds 3-7 too (records in "
+    "`results/last_rung/runs/`), against the sweep's best over the same 8 seeds (among its LRs recorded on all 8), "
+    "paired by seed; the 3-seed gap is the table's above. The last column: the default HDET from the same start on the "
+    "same 8 seeds (`results/workloads/runs/`, the ninth pass's fresh seeds).",
+    '',
+    "| cell | start | sweep's best, 8 seeds | 3-seed gap | 8-seed gap ± se | verdict | kept (x the first-seed best), seeds 0-7 | "
+    'default HDET, 8 seeds ± se |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
   for cell, e in eight.items():
     for start, r in e['starts'].items():
       g = {'gap': r['gap'], 'se': r['se']}
-      lines.append(f'| {cell} | {start} | {np.mean(e["sweep"]):.4g} at {e["sweep_lr"]:g} | {_gap_text(rows[cell][start]["kept"])} | '
-                   f'{_gap_text(g)} | {verdict(g)} | {" / ".join(f"{x:.3g}" for x in r["kept_x"])} | {_gap_text(r.get("hdet"))} |')
+      lines.append(
+        f'| {cell} | {start} | {np.mean(e["sweep"]):.4g} at {e["sweep_lr"]:g} | {_gap_text(rows[cell][start]["kept"])} | '
+        f'{_gap_text(g)} | {verdict(g)} | {" / ".join(f"{x:.3g}" for x in r["kept_x"])} | {_gap_text(r.get("hdet"))} |'
+      )
       tally[verdict(g)] += 1
-  lines += ['', f'Of {sum(tally.values())} cell-starts on 8 seeds, the default bracket is within 1% in {tally["within"]}, '
-            f'misses beyond {RESOLVE_SE:g} se in {tally["miss"]}, and is not resolved in {tally["not resolved"]}.']
+  lines += [
+    '',
+    f'Of {sum(tally.values())} cell-starts on 8 seeds, the default bracket is within 1% in {tally["within"]}, '
+    f'misses beyond {RESOLVE_SE:g} se in {tally["miss"]}, and is not resolved in {tally["not resolved"]}.',
+  ]
   return lines
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument('--cells', default=','.join(TRAIN_CELLS), help='workload:steps:optim,... whose runner-ups to train (the report reads every cell)')
-  p.add_argument('--eight-seeds', default=','.join(EIGHT_SEED_CELLS), help='cells whose default bracket to train on seeds 3-7 too ("" for none)')
+  p.add_argument(
+    '--cells',
+    default=','.join(TRAIN_CELLS),
+    help='workload:steps:optim,... whose runner-ups to train (the report reads every cell)',
+  )
+  p.add_argument(
+    '--eight-seeds',
+    default=','.join(EIGHT_SEED_CELLS),
+    help='cells whose default bracket to train on seeds 3-7 too ("" for none)',
+  )
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
-  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
-  p.add_argument('--quick', action='store_true', help='a smoke run: wider_rung\'s quick bracket')
+  p.add_argument('--out', default=None, help="the report's folder (default: results/; --quick: the workdir)")
+  p.add_argument('--quick', action='store_true', help="a smoke run: wider_rung's quick bracket")
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/workloads)')
   args = p.parse_args(argv)
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'last_rung_quick' if args.quick else 'workloads')
@@ -289,6 +345,7 @@ def main(argv=None):
   eight_cells = [] if args.quick else [c for c in args.eight_seeds.split(',') if c]
   if not args.report_only:
     from hdet_jax import trainer
+
     trainer.setup_jax(workloads.base_config('lm', 16, True))
     for cell in [wider_rung.QUICK_CELL] if args.quick else [c for c in args.cells.split(',') if c]:
       for start, r in cell_rows(cell, args.quick, work_root, train=True).items():

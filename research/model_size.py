@@ -57,7 +57,7 @@ DEFAULT_BRACKET = 'bracket851'
 
 # The sweep: autolr's 8 AdamW points (3.75e-3 ... 0.48) and two below them, since at this size the lowest of the
 # 8 was the best (a sweep whose best sits at its edge has not found it).
-GRID = tuple(0.03 * 2.0 ** k for k in range(-5, 5))
+GRID = tuple(0.03 * 2.0**k for k in range(-5, 5))
 
 
 def grid_lrs(quick: bool) -> tuple:
@@ -68,8 +68,10 @@ def job_names(quick: bool) -> tuple[list[str], list[str]]:
   """The sweep's runs, then those that start from its best (HDET and the bracket, from each start)."""
   starts = ['best'] if quick else list(STARTS)
   kinds = ('hdet', 'bracket') if quick else ('hdet', *BRACKETS)  # (quick: one quick bracket stands for both)
-  return ([f'grid_lr{records.lr_tag(lr, 4)}' for lr in grid_lrs(quick)],
-          [f'{kind}_{start}' for kind in kinds for start in starts])
+  return (
+    [f'grid_lr{records.lr_tag(lr, 4)}' for lr in grid_lrs(quick)],
+    [f'{kind}_{start}' for kind in kinds for start in starts],
+  )
 
 
 def seed_names(seed: int, quick: bool, work_root: str, starts=('best',)) -> list[str]:
@@ -82,9 +84,12 @@ def seed_names(seed: int, quick: bool, work_root: str, starts=('best',)) -> list
   grid = [lr for lr in grid_lrs(quick) if best[0] / 2.01 < lr < best[0] * 2.01]
   brackets = ['bracket'] if quick else list(BRACKETS)
   others = [s for s in STARTS if s in starts and s != 'best']
-  return ([f'grid_lr{records.lr_tag(lr, 4)}_s{seed}' for lr in grid] + [f'hdet_best_s{seed}']
-          + [f'{kind}_best_s{seed}' for kind in brackets]
-          + [f'{kind}_{s}_s{seed}' for kind in ('hdet', 'bracket' if quick else DEFAULT_BRACKET) for s in others])
+  return (
+    [f'grid_lr{records.lr_tag(lr, 4)}_s{seed}' for lr in grid]
+    + [f'hdet_best_s{seed}']
+    + [f'{kind}_best_s{seed}' for kind in brackets]
+    + [f'{kind}_{s}_s{seed}' for kind in ('hdet', 'bracket' if quick else DEFAULT_BRACKET) for s in others]
+  )
 
 
 def split_name(name: str) -> tuple[str, str, int]:
@@ -126,6 +131,7 @@ def sweep_best(quick: bool, work_root: str) -> tuple[float, float] | None:
 def config_for(name: str, quick: bool, work_root: str):
   """The run's config: the LM (quick: the tiny one) at the larger size, with the grid's or the start's peak LR."""
   from hdet_jax.trainer import config_lib
+
   base = workloads.base_config('lm', 16 if quick else STEPS, quick)
   if not quick:
     config_lib.with_overrides(base, {**MODEL, 'data.path': bracket_mode.heldout_corpus('pystdlib')})
@@ -148,6 +154,7 @@ def config_for(name: str, quick: bool, work_root: str):
 def train_job(name: str, quick: bool, work_root: str) -> dict:
   """One run (or one bracket), in this process; its record."""
   import jax
+
   path = os.path.join(record_dir(quick, work_root), name + '.json')
   if os.path.exists(path):
     return load(name, quick, work_root)
@@ -199,33 +206,48 @@ def report(quick: bool, work_root: str, seeds=(), starts=('best',), out: str | N
   recs = {n: load(n, quick, work_root) for n in grid + after}
   anyrec = next(r for r in recs.values() if r)
   size = 'the quick tiny LM' if quick else 'd_model 192, 4 layers'
-  lines = ['# A model size and a corpus the defaults were never chosen on: the LM at 15x the parameters', '',
-           f'Made by `python -m research.model_size` (records in `results/model_size/runs/`): the LM task at {size} '
-           f'({anyrec["num_params"]:,} parameters; the default 120,576) on the held-out corpus of Python source, {STEPS} '
-           f'steps, AdamW, seed {SEED} (other seeds below), 8 replicas on {anyrec["device"]}. This table is one seed: '
-           'gaps under about 0.5% are not resolved in it (the last table pairs 3 seeds).', '',
-           '| run | peak LR (start) | final val bits/byte | vs the sweep\'s best | kept LR (x best) | wall |',
-           '|---|---|---|---|---|---|']
+  lines = [
+    '# A model size and a corpus the defaults were never chosen on: the LM at 15x the parameters',
+    '',
+    f'Made by `python -m research.model_size` (records in `results/model_size/runs/`): the LM task at {size} '
+    f'({anyrec["num_params"]:,} parameters; the default 120,576) on the held-out corpus of Python source, {STEPS} '
+    f'steps, AdamW, seed {SEED} (other seeds below), 8 replicas on {anyrec["device"]}. This table is one seed: '
+    'gaps under about 0.5% are not resolved in it (the last table pairs 3 seeds).',
+    '',
+    "| run | peak LR (start) | final val bits/byte | vs the sweep's best | kept LR (x best) | wall |",
+    '|---|---|---|---|---|---|',
+  ]
   lines += [_row(n, recs[n], best_value, best_lr) for n in grid + after]
-  lines += ['', f'The sweep\'s best: {best_value:.4f} at {best_lr:g}. HDET: one run of compute; the sweep 8. `bracket`: '
-            f'8 points, `{bracket_mode.BRACKET["bracket.rungs"]}` (2.3 runs; the default when this experiment first '
-            f'ran); `bracket851`: the default bracket since, `{heldout_task.BRACKET["bracket.rungs"]}` (2.5 runs); '
-            f'`bracket1591`: `research.finer_grid`\'s 15 points a factor 2^0.5 apart, '
-            f'`{finer_grid.FINE["bracket.rungs"]}` (4.0 runs). '
-            'Walls were taken with runs side by side (`--jobs`), so they are rough.']
+  lines += [
+    '',
+    f"The sweep's best: {best_value:.4f} at {best_lr:g}. HDET: one run of compute; the sweep 8. `bracket`: "
+    f'8 points, `{bracket_mode.BRACKET["bracket.rungs"]}` (2.3 runs; the default when this experiment first '
+    f'ran); `bracket851`: the default bracket since, `{heldout_task.BRACKET["bracket.rungs"]}` (2.5 runs); '
+    f"`bracket1591`: `research.finer_grid`'s 15 points a factor 2^0.5 apart, "
+    f'`{finer_grid.FINE["bracket.rungs"]}` (4.0 runs). '
+    'Walls were taken with runs side by side (`--jobs`), so they are rough.',
+  ]
   for seed in seeds:
     names = seed_names(seed, quick, work_root, starts)
     got = {n: load(n, quick, work_root) for n in names}
     recs.update(got)
-    grid_got = [r['final_metric'] for n, r in got.items() if r and n.startswith('grid') and r['final_metric'] is not None]
+    grid_got = [
+      r['final_metric'] for n, r in got.items() if r and n.startswith('grid') and r['final_metric'] is not None
+    ]
     if not grid_got:
       continue
     seed_best = min(grid_got)
-    lines += ['', f'## Seed {seed}', '', f'The sweep\'s best grid point and its neighbours on seed {seed}, then the default '
-              f'HDET and the bracket from the best (seed {SEED}\'s); each against the best of those grid points on '
-              f'seed {seed} ({seed_best:.4f}).', '',
-              '| run | peak LR (start) | final val bits/byte | vs that seed\'s best | kept LR (x best) | wall |',
-              '|---|---|---|---|---|---|']
+    lines += [
+      '',
+      f'## Seed {seed}',
+      '',
+      f"The sweep's best grid point and its neighbours on seed {seed}, then the default "
+      f"HDET and the bracket from the best (seed {SEED}'s); each against the best of those grid points on "
+      f'seed {seed} ({seed_best:.4f}).',
+      '',
+      "| run | peak LR (start) | final val bits/byte | vs that seed's best | kept LR (x best) | wall |",
+      '|---|---|---|---|---|---|',
+    ]
     lines += [_row(n, r, seed_best, best_lr) for n, r in got.items()]
   summary = seed_summary(quick, work_root, seeds)
   if summary:
@@ -246,8 +268,9 @@ def seed_summary(quick: bool, work_root: str, seeds=()) -> dict | None:
   name = lambda base, seed: base if seed == SEED else f'{base}_s{seed}'
   grid = {}
   for lr in grid_lrs(quick):
-    finals = [(load(name(f'grid_lr{records.lr_tag(lr, 4)}', s), quick, work_root) or {}).get('final_metric')
-              for s in all_seeds]
+    finals = [
+      (load(name(f'grid_lr{records.lr_tag(lr, 4)}', s), quick, work_root) or {}).get('final_metric') for s in all_seeds
+    ]
     if None not in finals:
       grid[lr] = finals
   if not grid:
@@ -261,20 +284,31 @@ def seed_summary(quick: bool, work_root: str, seeds=()) -> dict | None:
         continue
       finals = [r['final_metric'] for r in got]
       gap, se = records.paired_gap(finals, grid[best_lr])
-      out['runs'][f'{kind}_{start}'] = {'finals': finals, 'gap': gap, 'se': se,
-                                        'kept_x': [r['kept_lr'] / best_lr for r in got] if 'kept_lr' in got[0] else None}
+      out['runs'][f'{kind}_{start}'] = {
+        'finals': finals,
+        'gap': gap,
+        'se': se,
+        'kept_x': [r['kept_lr'] / best_lr for r in got] if 'kept_lr' in got[0] else None,
+      }
   return out
 
 
 def summary_lines(summary: dict) -> list[str]:
   """The seeds' summary as a table: per run, its per-seed finals and its paired gap against the sweep's best."""
   seeds = ', '.join(map(str, summary['seeds']))
-  lines = ['', f'## Seeds {seeds}: against the sweep\'s best LR', '',
-           f'The sweep\'s best LR by its mean over seeds {seeds} (among the grid points every seed has): '
-           f'{summary["best_lr"]:g}, mean {np.mean(summary["sweep"]):.4f} (per seed '
-           + ' / '.join(f'{v:.4f}' for v in summary['sweep']) + '). Each run against it, paired by seed: the gap of '
-           'the means, ± the standard error of the per-seed gaps.', '',
-           '| run | per seed | mean | vs the sweep\'s best LR | kept LR (x best), per seed |', '|---|---|---|---|---|']
+  lines = [
+    '',
+    f"## Seeds {seeds}: against the sweep's best LR",
+    '',
+    f"The sweep's best LR by its mean over seeds {seeds} (among the grid points every seed has): "
+    f'{summary["best_lr"]:g}, mean {np.mean(summary["sweep"]):.4f} (per seed '
+    + ' / '.join(f'{v:.4f}' for v in summary['sweep'])
+    + '). Each run against it, paired by seed: the gap of '
+    'the means, ± the standard error of the per-seed gaps.',
+    '',
+    "| run | per seed | mean | vs the sweep's best LR | kept LR (x best), per seed |",
+    '|---|---|---|---|---|',
+  ]
   for run, r in summary['runs'].items():
     gap = 'diverged' if r['gap'] is None else f'{100 * r["gap"]:+.2f} ± {100 * r["se"]:.2f}%'
     kept = '' if r['kept_x'] is None else ' / '.join(f'{k:.3g}' for k in r['kept_x'])
@@ -290,17 +324,26 @@ def main(argv=None):
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
   p.add_argument('--quick', action='store_true', help='a smoke run: the tiny LM, 2 grid points, the best start')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/model_size)')
-  p.add_argument('--seeds', default=None, help='seeds besides 0 that rerun the best, its neighbours, HDET and the '
-                 'bracket from the best (default: 1,2, what results/ holds; with --quick none; empty: none)')
-  p.add_argument('--seed-starts', default=None, help='starts those seeds run the default HDET and the default '
-                 'bracket from (default: low,best,high, what results/ holds; with --quick best)')
-  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
+  p.add_argument(
+    '--seeds',
+    default=None,
+    help='seeds besides 0 that rerun the best, its neighbours, HDET and the '
+    'bracket from the best (default: 1,2, what results/ holds; with --quick none; empty: none)',
+  )
+  p.add_argument(
+    '--seed-starts',
+    default=None,
+    help='starts those seeds run the default HDET and the default '
+    'bracket from (default: low,best,high, what results/ holds; with --quick best)',
+  )
+  p.add_argument('--out', default=None, help="the report's folder (default: results/; --quick: the workdir)")
   p.add_argument('--job', default=None, help=argparse.SUPPRESS)  # one run, in this process (run_jobs' workers)
   args = p.parse_args(argv)
   if args.jobs < 1:
     p.error(f'--jobs must be >= 1, got {args.jobs}')
-  work_root = os.path.abspath(args.workdir or os.path.join(REPO, 'workdirs', 'model_size_quick' if args.quick
-                                                           else 'model_size'))
+  work_root = os.path.abspath(
+    args.workdir or os.path.join(REPO, 'workdirs', 'model_size_quick' if args.quick else 'model_size')
+  )
   if args.job:
     train_job(args.job, args.quick, work_root)
     return
@@ -311,8 +354,12 @@ def main(argv=None):
   if not args.report_only:
     grid, after = job_names(args.quick)
     run_jobs(grid, args.quick, work_root, args.jobs)
-    run_jobs(after + [n for seed in seeds for n in seed_names(seed, args.quick, work_root, starts)], args.quick,
-             work_root, args.jobs)
+    run_jobs(
+      after + [n for seed in seeds for n in seed_names(seed, args.quick, work_root, starts)],
+      args.quick,
+      work_root,
+      args.jobs,
+    )
   print('\n'.join(report(args.quick, work_root, seeds, starts, out=args.out)))
 
 

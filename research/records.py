@@ -37,9 +37,17 @@ def finite_or_none(x: Any) -> float | None:
 # The fields removed from the trainer in hdet-jax 1.0 (``hdet_jax.trainer.compat.REMOVED``), at the values every
 # run trained with unless it set them (0.x's defaults; ``log_noise_scale`` only steered logging): a record written
 # before 1.0 holds them, and where it holds these values its run is the one today's config trains.
-REMOVED_DEFAULTS = {'hdet.fan': 'linear', 'hdet.score_tail': 0.0, 'hdet.score_anneal': 0.0, 'hdet.early_sync_every': 0,
-                    'hdet.early_sync_steps': 0, 'hdet.overshoot': 1.0, 'optim.anneal_at_step': 0,
-                    'optim.anneal_steps': 0, 'bracket.anneal': 0.0}
+REMOVED_DEFAULTS = {
+  'hdet.fan': 'linear',
+  'hdet.score_tail': 0.0,
+  'hdet.score_anneal': 0.0,
+  'hdet.early_sync_every': 0,
+  'hdet.early_sync_steps': 0,
+  'hdet.overshoot': 1.0,
+  'optim.anneal_at_step': 0,
+  'optim.anneal_steps': 0,
+  'bracket.anneal': 0.0,
+}
 REMOVED_RUN_FIELDS = frozenset({'log_noise_scale'})
 
 
@@ -47,14 +55,18 @@ def without_removed(flat: dict) -> dict:
   """A record's flattened config less the removed fields it holds at :data:`REMOVED_DEFAULTS` (and the removed run
   fields): what today's trainer reads. A removed field at another value stays, so the record differs from every
   config today's trainer takes (its run needs the removed knob)."""
-  return {k: v for k, v in flat.items()
-          if k not in REMOVED_RUN_FIELDS and not (k in REMOVED_DEFAULTS and v == REMOVED_DEFAULTS[k])}
+  return {
+    k: v
+    for k, v in flat.items()
+    if k not in REMOVED_RUN_FIELDS and not (k in REMOVED_DEFAULTS and v == REMOVED_DEFAULTS[k])
+  }
 
 
 def write_json(path: str, obj: Any, **dump_kwargs) -> None:
   """Writes ``obj`` to ``path`` (its folder made) through a temporary file and a rename: a reader, or a run killed
   midway, sees the old file or the whole new one."""
   from hdet_jax.trainer import process  # (imported here: a report that only reads records needs no jax)
+
   os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
   process.write_json_atomic(path, obj, **dump_kwargs)
 
@@ -64,12 +76,14 @@ def write_record(path: str, rec: dict, **dump_kwargs) -> None:
   ``process.machine()``, unless ``rec`` has one): XLA rounds differently by CPU model, so records compare bit for bit
   only where it matches."""
   from hdet_jax.trainer import process
+
   write_json(path, {**rec, 'machine': rec.get('machine') or process.machine()}, **dump_kwargs)
 
 
 def mean_or_none(values: list) -> float | None:
   """The mean of ``values``, or None where there are none or one is missing (None)."""
   import numpy as np
+
   return None if not values or any(v is None for v in values) else float(np.mean(values))
 
 
@@ -77,6 +91,7 @@ def best_lr(grid: dict) -> Any:
   """The sweep's best LR: the key of ``grid`` (LR -> its finals over the seeds) with the lowest mean final; a
   diverged seed (None) makes its LR's mean inf; ties go to the first."""
   import numpy as np
+
   return min(grid, key=lambda lr: np.inf if None in grid[lr] else float(np.mean(grid[lr])))
 
 
@@ -103,6 +118,7 @@ def paired_gap(values: list, reference: list) -> tuple[float | None, float | Non
   and the standard error of the per-seed gaps ``v_s / r_s - 1`` (``sd / sqrt(n)``, ddof 1; None under 2 seeds).
   Both None where a value is missing (None)."""
   import numpy as np
+
   if not values or len(values) != len(reference) or any(v is None for v in list(values) + list(reference)):
     return None, None
   v, r = np.asarray(values, float), np.asarray(reference, float)
@@ -117,17 +133,25 @@ def train_run(name: str, config: Any, workdir: str) -> dict:
   bracket's LRs, rungs and kept LR. A preempted run exits with status 143 (rerunning resumes it)."""
   from hdet_jax import trainer
   from hdet_jax.trainer import bracket
+
   trainer.setup_jax(config)
   t0 = time.time()
   summary = (bracket.run_bracket if config.bracket.points else trainer.train_and_evaluate)(config, workdir)
   if summary['preempted']:
     sys.exit(143)
-  rec = {'name': name, 'lr': config.optim.max_lr, 'final_metric': finite_or_none(summary['final_metric']),
-         'diverged_at': summary['diverged_at'], 'wall_s': time.time() - t0, 'num_params': summary['num_params'],
-         'machine': summary['machine']}
+  rec = {
+    'name': name,
+    'lr': config.optim.max_lr,
+    'final_metric': finite_or_none(summary['final_metric']),
+    'diverged_at': summary['diverged_at'],
+    'wall_s': time.time() - t0,
+    'num_params': summary['num_params'],
+    'machine': summary['machine'],
+  }
   if 'bracket' in summary:
-    rec.update(kept_lr=summary['bracket']['winner']['lr'], lrs=summary['bracket']['lrs'],
-               rungs=summary['bracket']['rungs'])
+    rec.update(
+      kept_lr=summary['bracket']['winner']['lr'], lrs=summary['bracket']['lrs'], rungs=summary['bracket']['rungs']
+    )
   return rec
 
 
@@ -145,8 +169,14 @@ def write_report(out_dir: str, stem: str, results: dict, lines: list[str]) -> li
 class RunCache:
   """Finished runs as JSON records under ``records_dir``; each run trains in ``work_root/<name>``."""
 
-  def __init__(self, records_dir: str, work_root: str, make_record: Callable[..., dict],
-               describe: Callable[[dict], str], log: Callable[..., None] = print):
+  def __init__(
+    self,
+    records_dir: str,
+    work_root: str,
+    make_record: Callable[..., dict],
+    describe: Callable[[dict], str],
+    log: Callable[..., None] = print,
+  ):
     self.dir, self.work_root, self.log = records_dir, work_root, log
     self.make_record, self.describe = make_record, describe
     os.makedirs(self.dir, exist_ok=True)
@@ -166,6 +196,7 @@ class RunCache:
       rec = json.load(f)
     if match:
       from hdet_jax.trainer import compat, config_lib, run_settings
+
       # A field added after the record was written matches at the value every run then had; one left at None
       # ("wherever it applies") at what it resolved to.
       recorded = run_settings.resolved({**compat.QUIET_DEFAULTS, **config_lib.flatten(rec['config'])})
@@ -173,8 +204,9 @@ class RunCache:
         return None
     return rec
 
-  def run(self, name: str, config: Any, match: dict | None = None, keep_workdir: bool = False,
-          skip_busy: bool = False) -> dict | None:
+  def run(
+    self, name: str, config: Any, match: dict | None = None, keep_workdir: bool = False, skip_busy: bool = False
+  ) -> dict | None:
     """The record of ``name`` (see :meth:`get`), or trains ``config`` and records it.
 
     A preempted run (SIGTERM) exits with status 143; rerunning resumes it from its workdir's checkpoint.
@@ -190,8 +222,9 @@ class RunCache:
         if skip_busy:
           self.log(f'  {name}: training in another process; skipped here.', flush=True)
           return None
-        raise RuntimeError(f'run {name!r} is training in another process (it holds {self.workdir(name)}.lock); '
-                           'wait for it, or stop it')
+        raise RuntimeError(
+          f'run {name!r} is training in another process (it holds {self.workdir(name)}.lock); wait for it, or stop it'
+        )
       rec = self.get(name, match)  # it may have finished between the first look and the claim.
       return rec if rec is not None else self._train(name, config, keep_workdir)
 
@@ -220,6 +253,7 @@ class RunCache:
   def _train(self, name: str, config: Any, keep_workdir: bool) -> dict:
     """Trains ``config`` in run ``name``'s workdir and writes its record."""
     from hdet_jax.trainer import process, trainer
+
     workdir = self.workdir(name)
     t0 = time.time()
     summary = trainer.train_and_evaluate(config, workdir)

@@ -50,7 +50,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ---- The experiment's settings (the full run). ----
 STEPS = 500  # Optimizer steps of every run (warm rows: after the pre-training run).
 WARMUP = 250  # The auto-LR controller starts at the first sync at or after this step (half, as default.py).
-GRID = tuple(1e-3 * 3.0 ** k for k in range(7))  # Peak LRs of the plain-DP sweep: 1e-3 ... 0.729, ratio 3.
+GRID = tuple(1e-3 * 3.0**k for k in range(7))  # Peak LRs of the plain-DP sweep: 1e-3 ... 0.729, ratio 3.
 SEEDS = (0, 1, 2)  # Seeds of every row and sweep point.
 PRETRAIN_SEED = 100  # Seed of the Baseline-Low run that makes the warm checkpoint.
 DEGRADE_BPB = 0.05  # "Clearly degrades": mean val bits/byte this much above the sweep's best LR.
@@ -58,19 +58,38 @@ BLOWUP_NATS = 0.5  # A crash: non-finite loss, or a final loss this far above th
 LOG = 25  # Steps per logged mean (the trainer's log_every) and the distance cadence of non-syncing runs.
 LR_DIGITS = 3  # Significant digits of a peak LR in run names.
 
-QUICK = dict(steps=40, warmup=20, grid=(3e-3, 3e-1), seeds=(0,), sync_every=10,
-             model=dict(d_model=32, num_layers=1, num_heads=2, mlp_ratio=2), seq_len=32, batch_size=4,
-             eval_windows=64, compilation_cache='')
+QUICK = dict(
+  steps=40,
+  warmup=20,
+  grid=(3e-3, 3e-1),
+  seeds=(0,),
+  sync_every=10,
+  model=dict(d_model=32, num_layers=1, num_heads=2, mlp_ratio=2),
+  seq_len=32,
+  batch_size=4,
+  eval_windows=64,
+  compilation_cache='',
+)
 # The trainer's fields that only steer a run: metrics every LOG steps, one evaluation and one checkpoint at the end.
-RUN = {'log_every': LOG, 'eval_every': 0, 'checkpoint_every': 0, 'max_checkpoints': 1, 'progress_bar': False,
-       'plots': False, 'tensorboard': False}
+RUN = {
+  'log_every': LOG,
+  'eval_every': 0,
+  'checkpoint_every': 0,
+  'max_checkpoints': 1,
+  'progress_bar': False,
+  'plots': False,
+  'tensorboard': False,
+}
 WARM_ROWS = ('warm_init', 'hdet_no_auto_lr', 'hdet_full')
 MECHANISM = {  # name: (the row config it changes, the changes, warm start)
-    'avg_no_spread': ('baseline_high', {'hdet.sync_every': 25}, False),
-    'spread_no_avg': ('hdet_cold', {'hdet.spread': 0.25, 'hdet.sync_every': 0, 'hdet.num_syncs': 0,
-                                     'hdet.auto_lr': False}, False),
-    'hdet_cold_no_auto_lr': ('hdet_cold', {'hdet.auto_lr': False}, False),
-    'baseline_low_warm': ('baseline_low', {}, True),
+  'avg_no_spread': ('baseline_high', {'hdet.sync_every': 25}, False),
+  'spread_no_avg': (
+    'hdet_cold',
+    {'hdet.spread': 0.25, 'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.auto_lr': False},
+    False,
+  ),
+  'hdet_cold_no_auto_lr': ('hdet_cold', {'hdet.auto_lr': False}, False),
+  'baseline_low_warm': ('baseline_low', {}, True),
 }
 
 
@@ -78,18 +97,29 @@ MECHANISM = {  # name: (the row config it changes, the changes, warm start)
 # Configs and records
 # ---------------------------------------------------------------------------------------------
 
+
 def load_row_config(name: str):
   from hdet_jax.trainer import config_lib
+
   return config_lib.load_config_file(os.path.join(REPO, 'configs', name + '.py'))
 
 
-def experiment_config(base: str, settings: dict, *, lr: float, seed: int, init_from: str | None = None,
-                      **changes):
+def experiment_config(base: str, settings: dict, *, lr: float, seed: int, init_from: str | None = None, **changes):
   """``configs/<base>.py`` with the experiment's steps, peak LR, seed and warm start (and ``changes``)."""
   from hdet_jax.trainer import config_lib
+
   c = load_row_config(base)
-  config_lib.with_overrides(c, {'num_train_steps': settings['steps'], 'hdet.warmup_steps': settings['warmup'],
-                                'optim.max_lr': float(lr), 'seed': int(seed), 'init_from': init_from, **RUN})
+  config_lib.with_overrides(
+    c,
+    {
+      'num_train_steps': settings['steps'],
+      'hdet.warmup_steps': settings['warmup'],
+      'optim.max_lr': float(lr),
+      'seed': int(seed),
+      'init_from': init_from,
+      **RUN,
+    },
+  )
   c.eval_windows = settings.get('eval_windows', c.eval_windows)
   c.compilation_cache = settings.get('compilation_cache', c.compilation_cache)
   if settings.get('model'):
@@ -104,6 +134,7 @@ def experiment_config(base: str, settings: dict, *, lr: float, seed: int, init_f
 def run_key(config) -> dict:
   """The fields a cached record must match: the training fields, less the warm start's (machine's) path."""
   from hdet_jax.trainer import config_lib, run_settings, schema
+
   flat = run_settings.resolved(config_lib.flatten(json.loads(config.to_json())))
   return {k: v for k, v in flat.items() if schema.defines_a_run(k) and k != 'init_from'}
 
@@ -112,23 +143,29 @@ def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -
   """The run's record from the trainer's summary and metrics: what the report and the LR choice read."""
   from hdet_jax.trainer import metrics as metrics_lib
   from hdet_jax.trainer.tasks import lm_model as model_lib
+
   m = metrics_lib.read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   loss = [np.asarray(r['loss'], np.float32) for r in m['train']]  # [N] each, as the trainer computed them
   values = [np.asarray(r['values']) for r in m['train']]  # [G, N] each
   diverged = [r['step'] for r, x in zip(m['train'], loss) if not np.isfinite(x).any()]
   val_loss = float(summary['final_val_loss'])
   rec = {
-      'name': name, 'config': json.loads(config.to_json()),
-      'hyperparam_names': next((r['names'] for r in m.get('hyperparams', [])), []),
-      'steps_run': summary['step'], 'diverged_at': diverged[0] if diverged else None,
-      'loss_mean': [float(np.mean(x)) for x in loss], 'loss_min': [float(np.min(x)) for x in loss],
-      'loss_max': [float(np.max(x)) for x in loss],
-      'bases': [[float(b) for b in r['bases']] for r in m['train']],
-      'values_min': [[float(x) for x in v.min(1)] for v in values],
-      'values_max': [[float(x) for x in v.max(1)] for v in values],
-      'dists': [[d['step'], [float(x) for x in d['distance']], float(d['mean_norm'])] for d in m.get('distance', [])],
-      'val_loss': val_loss, 'val_bpb': model_lib.bits_per_byte(val_loss) if math.isfinite(val_loss) else None,
-      'setup_s': summary['setup_s'], 'wall_s': wall_s,
+    'name': name,
+    'config': json.loads(config.to_json()),
+    'hyperparam_names': next((r['names'] for r in m.get('hyperparams', [])), []),
+    'steps_run': summary['step'],
+    'diverged_at': diverged[0] if diverged else None,
+    'loss_mean': [float(np.mean(x)) for x in loss],
+    'loss_min': [float(np.min(x)) for x in loss],
+    'loss_max': [float(np.max(x)) for x in loss],
+    'bases': [[float(b) for b in r['bases']] for r in m['train']],
+    'values_min': [[float(x) for x in v.min(1)] for v in values],
+    'values_max': [[float(x) for x in v.max(1)] for v in values],
+    'dists': [[d['step'], [float(x) for x in d['distance']], float(d['mean_norm'])] for d in m.get('distance', [])],
+    'val_loss': val_loss,
+    'val_bpb': model_lib.bits_per_byte(val_loss) if math.isfinite(val_loss) else None,
+    'setup_s': summary['setup_s'],
+    'wall_s': wall_s,
   }
   rec.update(summarize(rec))
   return rec
@@ -137,15 +174,17 @@ def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -
 def describe(rec: dict) -> str:
   """A finished run in one line."""
   vb = rec['val_bpb']
-  return (f'train {rec["final_train_loss"]} nats, val {"nan" if vb is None else f"{vb:.4f}"} bits/byte, '
-          f'{"CRASHED" if rec["crashed"] else "ok"}, {rec["wall_s"]:.0f}s')
+  return (
+    f'train {rec["final_train_loss"]} nats, val {"nan" if vb is None else f"{vb:.4f}"} bits/byte, '
+    f'{"CRASHED" if rec["crashed"] else "ok"}, {rec["wall_s"]:.0f}s'
+  )
 
 
 def summarize(r: dict) -> dict:
   """Final train loss (mean of the last LOG steps), crash flags and the loss's largest rise."""
   loss = np.asarray(r['loss_mean'], dtype=np.float64)
   k = len(loss) // LOG
-  windows = loss[:k * LOG].reshape(k, LOG).mean(1) if k else loss[None].mean(1)
+  windows = loss[: k * LOG].reshape(k, LOG).mean(1) if k else loss[None].mean(1)
   final = float(np.mean(loss[-LOG:])) if len(loss) else math.nan
   finite = np.isfinite(windows)
   best = float(np.min(windows[finite])) if finite.any() else math.nan
@@ -155,17 +194,23 @@ def summarize(r: dict) -> dict:
     rise = float(np.max(np.where(finite, windows - running, np.inf)))
   nonfinite = r['diverged_at'] is not None or not np.all(np.isfinite(loss))
   blowup = (not nonfinite) and final > best + BLOWUP_NATS
-  return {'final_train_loss': final if math.isfinite(final) else None, 'best_window_loss': best,
-          'max_rise': rise if math.isfinite(rise) else None, 'nonfinite': bool(nonfinite),
-          'crashed': bool(nonfinite or blowup)}
+  return {
+    'final_train_loss': final if math.isfinite(final) else None,
+    'best_window_loss': best,
+    'max_rise': rise if math.isfinite(rise) else None,
+    'nonfinite': bool(nonfinite),
+    'crashed': bool(nonfinite or blowup),
+  }
 
 
 def choose_lrs(sweep: dict[float, list[dict]]) -> dict:
   """baseline_high: the lowest grid LR above the best whose seeds crashed or clearly degraded."""
   lrs = sorted(sweep)
+
   def mean_bpb(lr):
     v = [r['val_bpb'] for r in sweep[lr] if r['val_bpb'] is not None and not r['crashed']]
     return float(np.mean(v)) if len(v) == len(sweep[lr]) else math.inf
+
   bpb = {lr: mean_bpb(lr) for lr in lrs}
   best = min(lrs, key=lambda lr: bpb[lr])
   reasons = {}
@@ -178,13 +223,13 @@ def choose_lrs(sweep: dict[float, list[dict]]) -> dict:
   bad = [lr for lr in lrs if lr > best and lr in reasons]
   found = bool(bad)
   high = bad[0] if found else lrs[-1]
-  return {'best': best, 'high': high, 'low': high / 9, 'found_edge': found, 'reasons': reasons,
-          'mean_bpb': bpb}
+  return {'best': best, 'high': high, 'low': high / 9, 'found_edge': found, 'reasons': reasons, 'mean_bpb': bpb}
 
 
 # ---------------------------------------------------------------------------------------------
 # The experiment
 # ---------------------------------------------------------------------------------------------
+
 
 class Experiment:
   """The runs of one invocation: each one's record, cached, or (``report_only``) only read back."""
@@ -210,6 +255,7 @@ class Experiment:
   def warm_checkpoint(self, config) -> None:
     """The pre-training run's final checkpoint in its workdir (kept with its record; retrained if gone)."""
     from hdet_jax.trainer import checkpoints, trainer
+
     self.run('pretrain', config, keep_workdir=True)
     workdir = self.cache.workdir('pretrain')
     if not self.report_only and checkpoints.latest_step(workdir) is None:
@@ -221,21 +267,28 @@ def sweep_and_choose(ex: Experiment) -> tuple[dict, dict, dict]:
   """Stage 1: the plain data-parallel sweep, the LRs it picks and the baseline rows at them."""
   s = ex.settings
   tag = lambda lr: records.lr_tag(lr, LR_DIGITS)
-  print(f'1. LR sweep, plain data parallel: {len(s["grid"])} peak LRs x {len(s["seeds"])} seeds, '
-        f'{s["steps"]} steps.', flush=True)
-  sweep = {lr: [ex.run(f'sweep_lr{tag(lr)}_s{seed}', ex.config('baseline_high', lr, seed)) for seed in s['seeds']]
-           for lr in s['grid']}
+  print(
+    f'1. LR sweep, plain data parallel: {len(s["grid"])} peak LRs x {len(s["seeds"])} seeds, {s["steps"]} steps.',
+    flush=True,
+  )
+  sweep = {
+    lr: [ex.run(f'sweep_lr{tag(lr)}_s{seed}', ex.config('baseline_high', lr, seed)) for seed in s['seeds']]
+    for lr in s['grid']
+  }
   choice = choose_lrs(sweep)
   high, low = choice['high'], choice['low']
-  print(f'   best LR {tag(choice["best"])}; baseline_high {tag(high)} '
-        f'({choice["reasons"].get(high, "no LR in the grid was bad: the largest")}); baseline_low {tag(low)}.',
-        flush=True)
+  print(
+    f'   best LR {tag(choice["best"])}; baseline_high {tag(high)} '
+    f'({choice["reasons"].get(high, "no LR in the grid was bad: the largest")}); baseline_low {tag(low)}.',
+    flush=True,
+  )
   named = {'baseline_high': sweep[high]}
   if any(math.isclose(low, g, rel_tol=1e-6) for g in sweep):
     named['baseline_low'] = sweep[min(sweep, key=lambda g: abs(g - low))]
   else:
-    named['baseline_low'] = [ex.run(f'baseline_low_lr{tag(low)}_s{seed}', ex.config('baseline_low', low, seed))
-                             for seed in s['seeds']]
+    named['baseline_low'] = [
+      ex.run(f'baseline_low_lr{tag(low)}_s{seed}', ex.config('baseline_low', low, seed)) for seed in s['seeds']
+    ]
   return sweep, choice, named
 
 
@@ -244,7 +297,7 @@ def rows_and_mechanism(ex: Experiment, choice: dict, named: dict) -> None:
   s, high, low = ex.settings, choice['high'], choice['low']
   print('2. Warm checkpoint: Baseline-Low, seed', PRETRAIN_SEED, flush=True)
   ex.warm_checkpoint(ex.config('baseline_low', low, PRETRAIN_SEED))
-  print(f'3. The paper\'s rows at peak LR {records.lr_tag(high, LR_DIGITS)}.', flush=True)
+  print(f"3. The paper's rows at peak LR {records.lr_tag(high, LR_DIGITS)}.", flush=True)
   for row in ('warm_init', 'hdet_no_auto_lr', 'hdet_cold', 'hdet_full'):
     named[row] = [ex.run(f'{row}_s{seed}', ex.config(row, high, seed, warm=row in WARM_ROWS)) for seed in s['seeds']]
   print('4. Mechanism runs.', flush=True)
@@ -258,8 +311,11 @@ def rows_and_mechanism(ex: Experiment, choice: dict, named: dict) -> None:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--quick', action='store_true', help='a smoke run of every stage on a tiny model')
-  parser.add_argument('--workdir', default=None,
-                      help='where runs train (default workdirs/table1; --quick: workdirs/table1_quick, records too)')
+  parser.add_argument(
+    '--workdir',
+    default=None,
+    help='where runs train (default workdirs/table1; --quick: workdirs/table1_quick, records too)',
+  )
   parser.add_argument('--report-only', action='store_true', help='redraw the report from the records')
   args = parser.parse_args(argv)
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'table1_quick' if args.quick else 'table1')
@@ -267,13 +323,17 @@ def main(argv=None):
   out_dir = work_root if args.quick else os.path.join(REPO, 'results')
   kept = os.path.isdir(records_dir) and any(f.endswith('.json') for f in os.listdir(records_dir))
   if args.report_only and not kept:
-    raise SystemExit(f'error: --report-only: no records in {records_dir}.' if args.quick else
-                     'error: --report-only: no records in results/table1/runs/: results/table1.md\'s runs were never '
-                     'kept, so the page is not regenerable (research/README.md); python -m research.table1 trains '
-                     'them anew.')
+    raise SystemExit(
+      f'error: --report-only: no records in {records_dir}.'
+      if args.quick
+      else "error: --report-only: no records in results/table1/runs/: results/table1.md's runs were never "
+      'kept, so the page is not regenerable (research/README.md); python -m research.table1 trains '
+      'them anew.'
+    )
 
   from absl import logging
   from hdet_jax.trainer import process
+
   logging.set_verbosity(logging.ERROR)  # orbax warns at every read-only open of the warm checkpoint
   settings = dict(steps=STEPS, warmup=WARMUP, grid=GRID, seeds=SEEDS)
   if args.quick:
@@ -284,8 +344,14 @@ def main(argv=None):
   sweep, choice, named = sweep_and_choose(ex)
   rows_and_mechanism(ex, choice, named)
   print(f'Runs done in {time.time() - t0:.0f}s; writing the report.', flush=True)
-  report_settings = dict(settings, log=LOG, pretrain_seed=PRETRAIN_SEED, blowup_nats=BLOWUP_NATS,
-                         degrade_bpb=DEGRADE_BPB, lr_digits=LR_DIGITS)
+  report_settings = dict(
+    settings,
+    log=LOG,
+    pretrain_seed=PRETRAIN_SEED,
+    blowup_nats=BLOWUP_NATS,
+    degrade_bpb=DEGRADE_BPB,
+    lr_digits=LR_DIGITS,
+  )
   paths = table1_report.write(out_dir, report_settings, sweep, choice, named, ex.done, quick=args.quick)
   print('\n'.join(f'  {p}' for p in paths))
 

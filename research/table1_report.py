@@ -17,19 +17,24 @@ from hdet_jax.trainer.plots import save_figure
 
 ROWS = ('baseline_low', 'baseline_high', 'warm_init', 'hdet_no_auto_lr', 'hdet_cold', 'hdet_full')
 PAPER = {  # Table 1 of arXiv 2604.24708: (description, avg LR, train loss, crashed)
-    'baseline_low': ('Standard DDP, alpha=0', '0.0001', 3.294, False),
-    'baseline_high': ('Standard DDP, alpha=0', '0.0009', 4.169, True),
-    'warm_init': ('Perturbed init, alpha=0', '0.0009', 4.674, True),
-    'hdet_no_auto_lr': ('LR spread + warm init, no auto-LR', '0.0009', 3.280, False),
-    'hdet_cold': ('LR spread + auto-LR, cold start', '0.0009', 3.281, False),
-    'hdet_full': ('LR spread + warm init + auto-LR', '0.0009', 3.277, False),
+  'baseline_low': ('Standard DDP, alpha=0', '0.0001', 3.294, False),
+  'baseline_high': ('Standard DDP, alpha=0', '0.0009', 4.169, True),
+  'warm_init': ('Perturbed init, alpha=0', '0.0009', 4.674, True),
+  'hdet_no_auto_lr': ('LR spread + warm init, no auto-LR', '0.0009', 3.280, False),
+  'hdet_cold': ('LR spread + auto-LR, cold start', '0.0009', 3.281, False),
+  'hdet_full': ('LR spread + warm init + auto-LR', '0.0009', 3.277, False),
 }
 TITLES = {
-    'baseline_low': 'Baseline-Low', 'baseline_high': 'Baseline-High', 'warm_init': 'Warm-Init',
-    'hdet_no_auto_lr': 'HDET w/o auto-LR', 'hdet_cold': 'HDET w/o warm init', 'hdet_full': 'HDET (full)',
-    'avg_no_spread': 'Averaging, no spread', 'spread_no_avg': 'Spread, no averaging',
-    'hdet_cold_no_auto_lr': 'Spread + averaging (cold, no auto-LR)',
-    'baseline_low_warm': 'Baseline-Low from the warm checkpoint',
+  'baseline_low': 'Baseline-Low',
+  'baseline_high': 'Baseline-High',
+  'warm_init': 'Warm-Init',
+  'hdet_no_auto_lr': 'HDET w/o auto-LR',
+  'hdet_cold': 'HDET w/o warm init',
+  'hdet_full': 'HDET (full)',
+  'avg_no_spread': 'Averaging, no spread',
+  'spread_no_avg': 'Spread, no averaging',
+  'hdet_cold_no_auto_lr': 'Spread + averaging (cold, no auto-LR)',
+  'baseline_low_warm': 'Baseline-Low from the warm checkpoint',
 }
 
 
@@ -69,7 +74,7 @@ def _blowups(runs, log):
   for r in runs:
     loss = np.asarray(r['loss_mean'], dtype=np.float64)
     k = len(loss) // log
-    w = loss[:k * log].reshape(k, log).mean(1) if k else loss
+    w = loss[: k * log].reshape(k, log).mean(1) if k else loss
     if np.any(~np.isfinite(w)) or np.nanmax(w) > math.log(256):
       worst.append(float(np.nanmax(w)))
   return f'{len(worst)}/{len(runs)}' + (f' (worst {max(worst):.1f} nats)' if worst else '')
@@ -77,8 +82,11 @@ def _blowups(runs, log):
 
 def _paired(a_runs, b_runs, key='val_bpb'):
   """Mean and std over seeds of a - b (same seeds), and whether |mean| > 2 standard errors."""
-  d = [x[key] - y[key] for x, y in zip(a_runs, b_runs)
-       if x[key] is not None and y[key] is not None and math.isfinite(x[key]) and math.isfinite(y[key])]
+  d = [
+    x[key] - y[key]
+    for x, y in zip(a_runs, b_runs)
+    if x[key] is not None and y[key] is not None and math.isfinite(x[key]) and math.isfinite(y[key])
+  ]
   if not d:
     return math.nan, math.nan, False, 0
   m = float(np.mean(d))
@@ -108,9 +116,15 @@ def _rel_dist(r, after=0):
 def _schedule(config):
   """The one-cycle base schedule of a recorded config (what the rows without auto-LR follow)."""
   from hdet_jax import schedules
+
   o = config['optim']
-  return schedules.one_cycle(max_lr=o['max_lr'], total_steps=config['num_train_steps'], pct_start=o['pct_start'],
-                             div_factor=o['div_factor'], final_div_factor=o['final_div_factor'])
+  return schedules.one_cycle(
+    max_lr=o['max_lr'],
+    total_steps=config['num_train_steps'],
+    pct_start=o['pct_start'],
+    div_factor=o['div_factor'],
+    final_div_factor=o['final_div_factor'],
+  )
 
 
 def _schedule_lr(config, step):
@@ -129,9 +143,15 @@ def write(out_dir, settings, sweep, choice, named, records, *, quick=False):
 
 
 def _markdown(settings, sweep, choice, named, records, figs, quick):
-  sections = (_intro(settings, named, records, quick), _sweep_section(settings, sweep, choice, named, figs),
-              _rows_section(named, figs), _claims_section(named), _mechanism_section(settings, choice, named, figs),
-              _controller_lr_section(settings, named), _discussion(quick))
+  sections = (
+    _intro(settings, named, records, quick),
+    _sweep_section(settings, sweep, choice, named, figs),
+    _rows_section(named, figs),
+    _claims_section(named),
+    _mechanism_section(settings, choice, named, figs),
+    _controller_lr_section(settings, named),
+    _discussion(quick),
+  )
   return '\n'.join(line for section in sections for line in section) + '\n'
 
 
@@ -145,36 +165,43 @@ def _intro(settings, named, records, quick) -> Iterator[str]:
   if quick:
     yield '**`--quick` smoke run: a tiny model and a few steps; these numbers mean nothing.**\n'
   yield 'Regenerate (runs whose record exists under `results/table1/runs/` are reused):\n'
-  yield ('```bash\npython -m research.table1          # full: ' f'{n_runs} runs\n'
-         'python -m research.table1 --quick  # smoke run of every stage on a tiny model\n```\n')
+  yield (
+    '```bash\npython -m research.table1          # full: '
+    f'{n_runs} runs\n'
+    'python -m research.table1 --quick  # smoke run of every stage on a tiny model\n```\n'
+  )
   m = c0['model']
-  yield (f'**Setup.** The trainer\'s byte-level transformer (d_model {m["d_model"]}, {m["num_layers"]} '
-         f'layer{"s" if m["num_layers"] > 1 else ""}, '
-         f'{m["num_heads"]} heads), sequence {c0["data"]["seq_len"]} bytes, {c0["data"]["batch_size"]} windows per '
-         f'replica, N = {c0["hdet"]["num_replicas"] or 8} replicas on 8 simulated CPU devices, AdamW '
-         f'(b2 {c0["optim"]["b2"]}, weight decay {c0["optim"]["weight_decay"]}), one-cycle base schedule '
-         f'(pct_start {c0["optim"]["pct_start"]}, div {c0["optim"]["div_factor"]}, final div '
-         f'{c0["optim"]["final_div_factor"]}: the schedule ends at max_lr / '
-         f'{c0["optim"]["div_factor"] * c0["optim"]["final_div_factor"]:g}). Every run: '
-         f'**{settings["steps"]} steps**, seeds {", ".join(map(str, settings["seeds"]))}. HDET rows: spread alpha = '
-         f'{c0["hdet"]["spread"]}, sync every T = {c0["hdet"]["sync_every"]} steps, auto-LR from step '
-         f'{settings["warmup"]} (sigma {c0["hdet"]["temperature"]}, lambda {c0["hdet"]["lr_of_lr"]}, beta '
-         f'{c0["hdet"]["momentum"]}), **per-group LRs** ({", ".join(names)}; each group its own base LR, '
-         f'velocity and permutation, like the paper\'s per-group runs, which had four groups). Warm rows start '
-         f'from the averaged final model '
-         f'of one Baseline-Low run (seed {settings["pretrain_seed"]}, {settings["steps"]} steps) plus eq. 10 noise '
-         f'(nu = {c0["warm_init"]["nu"]}), then train {settings["steps"]} steps like every row. '
-         f'Total: {n_runs} runs, {total_s / 60:.1f} min of run time (setup, compile and eval included) on a 2-core '
-         'CPU shared with other jobs.\n')
-  yield ('**Metrics.** *Train loss*: mean over replicas of each replica\'s loss on its own batch, over the last '
-         f'{settings["log"]} steps (the trainer\'s summary; the paper\'s metric), in nats per byte; HDET replicas are '
-         'measured at their spread points, not at their average. *Val bits/byte*: the replicas\' averaged model '
-         f'(the model HDET exports) on {c0["eval_windows"]} held-out windows of the KJV\'s last 5%. *Crashed*: '
-         f'a non-finite loss, or a final train loss more than {settings["blowup_nats"]} nats above the run\'s best '
-         f'{settings["log"]}-step mean ("loss grew unboundedly"). *Max rise*: the largest rise of the '
-         f'{settings["log"]}-step mean '
-         'loss above its running minimum (0 for a monotone run). Mean ± sample std over seeds. Paired '
-         'differences use the same seed (same data order; cold rows also the same init).\n')
+  yield (
+    f"**Setup.** The trainer's byte-level transformer (d_model {m['d_model']}, {m['num_layers']} "
+    f'layer{"s" if m["num_layers"] > 1 else ""}, '
+    f'{m["num_heads"]} heads), sequence {c0["data"]["seq_len"]} bytes, {c0["data"]["batch_size"]} windows per '
+    f'replica, N = {c0["hdet"]["num_replicas"] or 8} replicas on 8 simulated CPU devices, AdamW '
+    f'(b2 {c0["optim"]["b2"]}, weight decay {c0["optim"]["weight_decay"]}), one-cycle base schedule '
+    f'(pct_start {c0["optim"]["pct_start"]}, div {c0["optim"]["div_factor"]}, final div '
+    f'{c0["optim"]["final_div_factor"]}: the schedule ends at max_lr / '
+    f'{c0["optim"]["div_factor"] * c0["optim"]["final_div_factor"]:g}). Every run: '
+    f'**{settings["steps"]} steps**, seeds {", ".join(map(str, settings["seeds"]))}. HDET rows: spread alpha = '
+    f'{c0["hdet"]["spread"]}, sync every T = {c0["hdet"]["sync_every"]} steps, auto-LR from step '
+    f'{settings["warmup"]} (sigma {c0["hdet"]["temperature"]}, lambda {c0["hdet"]["lr_of_lr"]}, beta '
+    f'{c0["hdet"]["momentum"]}), **per-group LRs** ({", ".join(names)}; each group its own base LR, '
+    f"velocity and permutation, like the paper's per-group runs, which had four groups). Warm rows start "
+    f'from the averaged final model '
+    f'of one Baseline-Low run (seed {settings["pretrain_seed"]}, {settings["steps"]} steps) plus eq. 10 noise '
+    f'(nu = {c0["warm_init"]["nu"]}), then train {settings["steps"]} steps like every row. '
+    f'Total: {n_runs} runs, {total_s / 60:.1f} min of run time (setup, compile and eval included) on a 2-core '
+    'CPU shared with other jobs.\n'
+  )
+  yield (
+    "**Metrics.** *Train loss*: mean over replicas of each replica's loss on its own batch, over the last "
+    f"{settings['log']} steps (the trainer's summary; the paper's metric), in nats per byte; HDET replicas are "
+    "measured at their spread points, not at their average. *Val bits/byte*: the replicas' averaged model "
+    f"(the model HDET exports) on {c0['eval_windows']} held-out windows of the KJV's last 5%. *Crashed*: "
+    f"a non-finite loss, or a final train loss more than {settings['blowup_nats']} nats above the run's best "
+    f'{settings["log"]}-step mean ("loss grew unboundedly"). *Max rise*: the largest rise of the '
+    f'{settings["log"]}-step mean '
+    'loss above its running minimum (0 for a monotone run). Mean ± sample std over seeds. Paired '
+    'differences use the same seed (same data order; cold rows also the same init).\n'
+  )
 
 
 def _sweep_section(settings, sweep, choice, named, figs) -> Iterator[str]:
@@ -182,15 +209,19 @@ def _sweep_section(settings, sweep, choice, named, figs) -> Iterator[str]:
   high, low = choice['high'], choice['low']
   c0 = named['hdet_full'][0]['config']
   yield '## 1. Choosing the LRs: plain data-parallel sweep\n'
-  yield (f'Plain data parallel (`configs/baseline_high.py`: no spread, no averaging, no controller) at '
-         f'{len(sweep)} peak LRs (log grid, ratio 3). Rule, fixed before the sweep ran: `baseline_high` is the '
-         f'lowest grid LR above the best one where some seed crashed or the mean val bits/byte is more than '
-         f'{settings["degrade_bpb"]} above the best LR\'s; `baseline_low` = `baseline_high` / 9 (two grid points '
-         'lower, '
-         'the paper\'s ratio).\n')
-  yield ('| peak LR | final train loss | val bits/byte | crashed | max rise | transient blow-ups | '
-         'per-seed val bits/byte | '
-         'verdict |')
+  yield (
+    f'Plain data parallel (`configs/baseline_high.py`: no spread, no averaging, no controller) at '
+    f'{len(sweep)} peak LRs (log grid, ratio 3). Rule, fixed before the sweep ran: `baseline_high` is the '
+    f'lowest grid LR above the best one where some seed crashed or the mean val bits/byte is more than '
+    f"{settings['degrade_bpb']} above the best LR's; `baseline_low` = `baseline_high` / 9 (two grid points "
+    'lower, '
+    "the paper's ratio).\n"
+  )
+  yield (
+    '| peak LR | final train loss | val bits/byte | crashed | max rise | transient blow-ups | '
+    'per-seed val bits/byte | '
+    'verdict |'
+  )
   yield '|---|---|---|---|---|---|---|---|'
   for lr in sorted(sweep):
     runs = sweep[lr]
@@ -204,55 +235,73 @@ def _sweep_section(settings, sweep, choice, named, figs) -> Iterator[str]:
     if math.isclose(lr, low, rel_tol=1e-6):
       verdict.append('**= baseline_low**')
     per = ', '.join('NaN' if v is None else f'{v:.3f}' for v in _vals(runs, 'val_bpb'))
-    yield (f'| {_lr(lr)} | {_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | '
-           f'{_crashes(runs)} | {_ms(_vals(runs, "max_rise"), 2)} | {_blowups(runs, settings["log"])} | {per} | '
-           f'{"; ".join(verdict)} |')
+    yield (
+      f'| {_lr(lr)} | {_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | '
+      f'{_crashes(runs)} | {_ms(_vals(runs, "max_rise"), 2)} | {_blowups(runs, settings["log"])} | {per} | '
+      f'{"; ".join(verdict)} |'
+    )
   yield ''
-  yield (f'*Transient blow-ups* (added after the sweep ran, to describe what the crash rule above does not catch; it '
-         f'changes no choice): seeds whose {settings["log"]}-step mean loss went above ln 256 = 5.55 nats (worse '
-         'than a uniform '
-         'guess over bytes) at some point, with the worst such mean; the crash rule does not count them when the '
-         'loss came back to within 0.5 nats of its best.\n')
+  yield (
+    f'*Transient blow-ups* (added after the sweep ran, to describe what the crash rule above does not catch; it '
+    f'changes no choice): seeds whose {settings["log"]}-step mean loss went above ln 256 = 5.55 nats (worse '
+    'than a uniform '
+    'guess over bytes) at some point, with the worst such mean; the crash rule does not count them when the '
+    'loss came back to within 0.5 nats of its best.\n'
+  )
   if not choice['found_edge']:
-    yield '**No LR in the grid crashed or clearly degraded**: `baseline_high` is the grid\'s largest LR.\n'
-  yield (f'Chosen: **baseline_high = {_lr(high)}**, **baseline_low = {_lr(low)}**; the HDET rows '
-         f'use peak LR {_lr(high)} (the mean replica\'s LR; replicas span [{1 - c0["hdet"]["spread"]:g}, '
-         f'{1 + c0["hdet"]["spread"]:g}] times it).\n')
+    yield "**No LR in the grid crashed or clearly degraded**: `baseline_high` is the grid's largest LR.\n"
+  yield (
+    f'Chosen: **baseline_high = {_lr(high)}**, **baseline_low = {_lr(low)}**; the HDET rows '
+    f"use peak LR {_lr(high)} (the mean replica's LR; replicas span [{1 - c0['hdet']['spread']:g}, "
+    f'{1 + c0["hdet"]["spread"]:g}] times it).\n'
+  )
   yield f'![LR sweep](figures/{os.path.basename(figs[0])})\n'
 
 
 def _rows_section(named, figs) -> Iterator[str]:
   """Section 2: the paper's six rows."""
-  yield '## 2. The paper\'s six rows\n'
-  yield ('| row | description | peak LR | paper: train loss | train loss | val bits/byte | crashed | max rise | '
-         'wall s/run |')
+  yield "## 2. The paper's six rows\n"
+  yield (
+    '| row | description | peak LR | paper: train loss | train loss | val bits/byte | crashed | max rise | wall s/run |'
+  )
   yield '|---|---|---|---|---|---|---|---|---|'
   for row in ROWS:
     runs = named[row]
     desc, plr, ploss, pcrash = PAPER[row]
     lr = runs[0]['config']['optim']['max_lr']
-    yield (f'| {TITLES[row]} | {desc} | {_lr(lr)} | {ploss:.3f}{"†" if pcrash else ""} (LR {plr}) | '
-           f'{_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | {_crashes(runs)} | '
-           f'{_ms(_vals(runs, "max_rise"), 2)} | {np.mean(_vals(runs, "wall_s")):.0f} |')
-  yield '\n† the paper\'s crashed runs. Baseline-Low and Baseline-High are the sweep\'s runs at those LRs.\n'
+    yield (
+      f'| {TITLES[row]} | {desc} | {_lr(lr)} | {ploss:.3f}{"†" if pcrash else ""} (LR {plr}) | '
+      f'{_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | {_crashes(runs)} | '
+      f'{_ms(_vals(runs, "max_rise"), 2)} | {np.mean(_vals(runs, "wall_s")):.0f} |'
+    )
+  yield "\n† the paper's crashed runs. Baseline-Low and Baseline-High are the sweep's runs at those LRs.\n"
   yield f'![Loss against step](figures/{os.path.basename(figs[1])})\n'
   yield f'![LR schedules per group](figures/{os.path.basename(figs[2])})\n'
 
 
 def _claims_section(named) -> Iterator[str]:
   """Section 3: the paper's claims as paired differences."""
-  yield '## 3. The paper\'s claims, measured here\n'
-  yield ('Paired differences of val bits/byte (negative: the first is better), mean ± std over seeds; "beyond 2 '
-         's.e." means |mean| > 2 std / sqrt(seeds).\n')
+  yield "## 3. The paper's claims, measured here\n"
+  yield (
+    'Paired differences of val bits/byte (negative: the first is better), mean ± std over seeds; "beyond 2 '
+    's.e." means |mean| > 2 std / sqrt(seeds).\n'
+  )
   yield '| claim (paper §4) | comparison | val bits/byte difference | train loss difference |'
   yield '|---|---|---|---|'
+
   def cmp(claim, a, b):
-    return (f'| {claim} | {TITLES[a]} - {TITLES[b]} | {_fmt_paired(named[a], named[b])} | '
-            f'{_fmt_paired(named[a], named[b], "final_train_loss")} |')
+    return (
+      f'| {claim} | {TITLES[a]} - {TITLES[b]} | {_fmt_paired(named[a], named[b])} | '
+      f'{_fmt_paired(named[a], named[b], "final_train_loss")} |'
+    )
+
   yield f'| Baseline-High crashes | crashes | {_crashes(named["baseline_high"])} | |'
   yield f'| Warm-Init crashes too | crashes | {_crashes(named["warm_init"])} | |'
-  yield ('| every HDET variant trains stably at that LR | crashes | ' + ', '.join(
-         f'{TITLES[r]} {_crashes(named[r])}' for r in ('hdet_no_auto_lr', 'hdet_cold', 'hdet_full')) + ' | |')
+  yield (
+    '| every HDET variant trains stably at that LR | crashes | '
+    + ', '.join(f'{TITLES[r]} {_crashes(named[r])}' for r in ('hdet_no_auto_lr', 'hdet_cold', 'hdet_full'))
+    + ' | |'
+  )
   yield cmp('HDET w/o auto-LR beats Baseline-Low', 'hdet_no_auto_lr', 'baseline_low')
   yield cmp('HDET (full) beats Baseline-Low', 'hdet_full', 'baseline_low')
   yield cmp('HDET (full) beats Baseline-High', 'hdet_full', 'baseline_high')
@@ -267,16 +316,30 @@ def _mechanism_section(settings, choice, named, figs) -> Iterator[str]:
   """Section 4: where any stability comes from."""
   high, low = choice['high'], choice['low']
   yield '## 4. Where any stability comes from\n'
-  yield ('All at peak LR ' + _lr(high) + ' from a cold start unless stated; the control is at '
-         f'{_lr(low)}. *Distance*: each replica\'s L2 distance from the replicas\' mean just before a sync '
-         f'(for runs that never average: every {settings["log"]} steps), relative to the norm of the mean, '
-         'averaged over '
-         'replicas; given as the mean over all syncs and at the last one.\n')
-  yield ('| run | spread | averaging | auto-LR | init | train loss | val bits/byte | crashed | max rise | '
-         'distance (mean / last) | val bits/byte vs plain DP, same LR and init |')
+  yield (
+    'All at peak LR ' + _lr(high) + ' from a cold start unless stated; the control is at '
+    f"{_lr(low)}. *Distance*: each replica's L2 distance from the replicas' mean just before a sync "
+    f'(for runs that never average: every {settings["log"]} steps), relative to the norm of the mean, '
+    'averaged over '
+    'replicas; given as the mean over all syncs and at the last one.\n'
+  )
+  yield (
+    '| run | spread | averaging | auto-LR | init | train loss | val bits/byte | crashed | max rise | '
+    'distance (mean / last) | val bits/byte vs plain DP, same LR and init |'
+  )
   yield '|---|---|---|---|---|---|---|---|---|---|---|'
-  mech_rows = ['baseline_high', 'avg_no_spread', 'spread_no_avg', 'hdet_cold_no_auto_lr', 'hdet_cold',
-               'warm_init', 'hdet_no_auto_lr', 'hdet_full', 'baseline_low', 'baseline_low_warm']
+  mech_rows = [
+    'baseline_high',
+    'avg_no_spread',
+    'spread_no_avg',
+    'hdet_cold_no_auto_lr',
+    'hdet_cold',
+    'warm_init',
+    'hdet_no_auto_lr',
+    'hdet_full',
+    'baseline_low',
+    'baseline_low_warm',
+  ]
   for row in mech_rows:
     runs = named[row]
     c = runs[0]['config']
@@ -286,14 +349,21 @@ def _mechanism_section(settings, choice, named, figs) -> Iterator[str]:
     warm = 'warm' if row in ('warm_init', 'hdet_no_auto_lr', 'hdet_full', 'baseline_low_warm') else 'cold'
     dm = [np.mean([d for _, d in _rel_dist(r)]) for r in runs if _rel_dist(r)]
     dl = [_rel_dist(r)[-1][1] for r in runs if _rel_dist(r)]
-    dist = (f'{np.mean(dm):.2e} / {np.mean(dl):.2e}' if dm and np.mean(dm) > 1e-6
-            else '0 (identical)' if dm else 'n/a')
-    ref = {'warm_init': None, 'hdet_no_auto_lr': 'warm_init', 'hdet_full': 'warm_init', 'baseline_low': None,
-           'baseline_low_warm': None, 'baseline_high': None}.get(row, 'baseline_high')
+    dist = f'{np.mean(dm):.2e} / {np.mean(dl):.2e}' if dm and np.mean(dm) > 1e-6 else '0 (identical)' if dm else 'n/a'
+    ref = {
+      'warm_init': None,
+      'hdet_no_auto_lr': 'warm_init',
+      'hdet_full': 'warm_init',
+      'baseline_low': None,
+      'baseline_low_warm': None,
+      'baseline_high': None,
+    }.get(row, 'baseline_high')
     vs = f'{_fmt_paired(runs, named[ref])} vs {TITLES[ref]}' if ref else ''
-    yield (f'| {TITLES[row]} | {h["spread"]} | {avg} | {"on" if h["auto_lr"] else "off"} | {warm} | '
-           f'{_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | {_crashes(runs)} | '
-           f'{_ms(_vals(runs, "max_rise"), 2)} | {dist} | {vs} |')
+    yield (
+      f'| {TITLES[row]} | {h["spread"]} | {avg} | {"on" if h["auto_lr"] else "off"} | {warm} | '
+      f'{_ms(_vals(runs, "final_train_loss"))} | {_ms(_vals(runs, "val_bpb"))} | {_crashes(runs)} | '
+      f'{_ms(_vals(runs, "max_rise"), 2)} | {dist} | {vs} |'
+    )
   yield ''
   yield f'![Replica distance before each sync](figures/{os.path.basename(figs[3])})\n'
 
@@ -301,10 +371,14 @@ def _mechanism_section(settings, choice, named, figs) -> Iterator[str]:
 def _controller_lr_section(settings, named) -> Iterator[str]:
   """The LR the controller ended at, against the schedule."""
   yield '### The LR the controller ended at\n'
-  yield ('Final base LR of each group (the mean replica\'s LR at the last step), against the one-cycle '
-         'schedule\'s final value that the rows without auto-LR end at, and the largest base LR the controller set.\n')
-  yield ('| row | group | schedule final LR | controller final LR (per seed) | ratio to schedule | max base LR after '
-         'warmup |')
+  yield (
+    "Final base LR of each group (the mean replica's LR at the last step), against the one-cycle "
+    "schedule's final value that the rows without auto-LR end at, and the largest base LR the controller set.\n"
+  )
+  yield (
+    '| row | group | schedule final LR | controller final LR (per seed) | ratio to schedule | max base LR after '
+    'warmup |'
+  )
   yield '|---|---|---|---|---|---|'
   for row in ('hdet_cold', 'hdet_full'):
     runs = named[row]
@@ -312,9 +386,13 @@ def _controller_lr_section(settings, named) -> Iterator[str]:
     sched_end = _schedule_lr(c, c['num_train_steps'] - 1)
     for g, name in enumerate(runs[0]['hyperparam_names']):
       finals = [r['bases'][-1][g] for r in runs if r['bases']]
-      peaks = [max(b[g] for b in r['bases'][settings['warmup']:]) for r in runs if len(r['bases']) > settings['warmup']]
-      yield (f'| {TITLES[row]} | {name} | {sched_end:.2e} | {", ".join(f"{x:.2e}" for x in finals)} | '
-             f'{np.mean(finals) / sched_end:.2f}x | {", ".join(f"{x:.2e}" for x in peaks)} |')
+      peaks = [
+        max(b[g] for b in r['bases'][settings['warmup'] :]) for r in runs if len(r['bases']) > settings['warmup']
+      ]
+      yield (
+        f'| {TITLES[row]} | {name} | {sched_end:.2e} | {", ".join(f"{x:.2e}" for x in finals)} | '
+        f'{np.mean(finals) / sched_end:.2f}x | {", ".join(f"{x:.2e}" for x in peaks)} |'
+      )
   yield ''
 
 
@@ -331,9 +409,16 @@ def _discussion(quick) -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------
 
 COLORS = {
-    'baseline_low': '#999999', 'baseline_high': '#555555', 'warm_init': '#1b9e9e', 'hdet_full': '#08306b',
-    'hdet_cold': '#4a90d9', 'hdet_no_auto_lr': '#9b59b6', 'spread_no_avg': '#d95f02',
-    'hdet_cold_no_auto_lr': '#66a61e', 'avg_no_spread': '#e7298a', 'baseline_low_warm': '#bbbbbb',
+  'baseline_low': '#999999',
+  'baseline_high': '#555555',
+  'warm_init': '#1b9e9e',
+  'hdet_full': '#08306b',
+  'hdet_cold': '#4a90d9',
+  'hdet_no_auto_lr': '#9b59b6',
+  'spread_no_avg': '#d95f02',
+  'hdet_cold_no_auto_lr': '#66a61e',
+  'avg_no_spread': '#e7298a',
+  'baseline_low_warm': '#bbbbbb',
 }
 
 
@@ -347,12 +432,16 @@ def _smooth(y, w):
 
 def _figures(fig_dir, settings, sweep, choice, named):
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
-  figures = [(_sweep_figure(plt, settings, sweep, choice), 'table1_sweep.png'),
-             (_loss_figure(plt, settings, named), 'table1_loss.png'),
-             (_lr_figure(plt, settings, named), 'table1_lr.png'),
-             (_distance_figure(plt, named), 'table1_distance.png')]
+
+  figures = [
+    (_sweep_figure(plt, settings, sweep, choice), 'table1_sweep.png'),
+    (_loss_figure(plt, settings, named), 'table1_loss.png'),
+    (_lr_figure(plt, settings, named), 'table1_lr.png'),
+    (_distance_figure(plt, named), 'table1_distance.png'),
+  ]
   return [save_figure(fig, fig_dir, name, dpi=None) for fig, name in figures]
 
 
@@ -386,18 +475,30 @@ def _loss_figure(plt, settings, named):
   """The counterpart of the paper's Fig. 2: loss against step."""
   fig, ax = plt.subplots(figsize=(8, 4.5), dpi=90)
   lo = []
-  for row, ls in (('baseline_low', '--'), ('baseline_high', '-'), ('warm_init', '-'), ('hdet_cold', '-'),
-                  ('hdet_full', '-')):
+  for row, ls in (
+    ('baseline_low', '--'),
+    ('baseline_high', '-'),
+    ('warm_init', '-'),
+    ('hdet_cold', '-'),
+    ('hdet_full', '-'),
+  ):
     for i, r in enumerate(named[row]):
       x, y = _smooth(r['loss_mean'], settings['log'])
       lo += list(y[np.isfinite(y)])
-      ax.plot(x, y, ls, color=COLORS[row], lw=1.2, alpha=0.85,
-              label=f'{TITLES[row]} (LR {_lr(r["config"]["optim"]["max_lr"])})' if i == 0 else None)
+      ax.plot(
+        x,
+        y,
+        ls,
+        color=COLORS[row],
+        lw=1.2,
+        alpha=0.85,
+        label=f'{TITLES[row]} (LR {_lr(r["config"]["optim"]["max_lr"])})' if i == 0 else None,
+      )
   if lo:
     ax.set_ylim(min(lo) - 0.05, min(max(lo), min(lo) + 1.5))
   ax.set_xlabel('step')
   ax.set_ylabel(f'train loss, nats/byte ({settings["log"]}-step mean, mean over replicas)')
-  ax.set_title('Counterpart of the paper\'s Fig. 2 (one line per seed)')
+  ax.set_title("Counterpart of the paper's Fig. 2 (one line per seed)")
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
   return fig
@@ -421,8 +522,14 @@ def _lr_figure(plt, settings, named):
     r = named['hdet_full'][0]
     vmin = np.asarray([x[g] for x in r['values_min']])
     vmax = np.asarray([x[g] for x in r['values_max']])
-    ax.fill_between(np.arange(len(vmin)), vmin, vmax, color=COLORS['hdet_full'], alpha=0.15,
-                    label='HDET (full) seed 0: replicas\' range')
+    ax.fill_between(
+      np.arange(len(vmin)),
+      vmin,
+      vmax,
+      color=COLORS['hdet_full'],
+      alpha=0.15,
+      label="HDET (full) seed 0: replicas' range",
+    )
     ax.axvline(settings['warmup'], color='k', ls=':', lw=1)
     ax.set_yscale('log')
     ax.set_title(f'group {name.split("/")[-1]}')
@@ -430,7 +537,7 @@ def _lr_figure(plt, settings, named):
     ax.grid(alpha=0.3)
   axes[0].set_ylabel('learning rate')
   axes[0].legend(fontsize=7, loc='lower left')
-  fig.suptitle('Counterpart of the paper\'s Fig. 3: per-group LRs (dotted: auto-LR starts)', fontsize=10)
+  fig.suptitle("Counterpart of the paper's Fig. 3: per-group LRs (dotted: auto-LR starts)", fontsize=10)
   return fig
 
 
@@ -442,12 +549,19 @@ def _distance_figure(plt, named):
       d = _rel_dist(r)
       if not d:
         continue
-      ax.plot([s for s, _ in d], [v for _, v in d], '.-', color=COLORS.get(row, 'k'), lw=1, ms=3,
-              label=TITLES[row] if i == 0 else None)
+      ax.plot(
+        [s for s, _ in d],
+        [v for _, v in d],
+        '.-',
+        color=COLORS.get(row, 'k'),
+        lw=1,
+        ms=3,
+        label=TITLES[row] if i == 0 else None,
+      )
   ax.set_yscale('log')
   ax.set_xlabel('step')
   ax.set_ylabel('||theta_r - mean|| / ||mean|| (mean over replicas)')
-  ax.set_title('Replicas\' distance from their mean just before each sync')
+  ax.set_title("Replicas' distance from their mean just before each sync")
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
   return fig

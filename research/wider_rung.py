@@ -41,7 +41,12 @@ EXTRA = (1, 2)  # points the wider first rung keeps beyond the bracket's: 8-5-1 
 QUICK_CELL = 'lm:16:adamw'
 # The quick bracket has two rungs, as the real one (research.bracket_mode's quick bracket has one): 5 points, 2 kept
 # at a quarter of the run, 1 at half; its wider rungs keep 3 and 4.
-QUICK_BRACKET = {'bracket.points': 5, 'bracket.factor': 2.0, 'bracket.rungs': '0.25:2,0.5:1', 'bracket.compare_steps': 3}
+QUICK_BRACKET = {
+  'bracket.points': 5,
+  'bracket.factor': 2.0,
+  'bracket.rungs': '0.25:2,0.5:1',
+  'bracket.compare_steps': 3,
+}
 
 
 def bracket_fields(quick: bool) -> dict:
@@ -73,7 +78,7 @@ def first_rung_order(rec: dict) -> list[float]:
 def extra_points(rec: dict) -> list[float]:
   """The points a first rung keeping ``max(EXTRA)`` more would add, in its order."""
   kept = len(rec['rungs'][0]['kept'])
-  return first_rung_order(rec)[kept:kept + max(EXTRA)]
+  return first_rung_order(rec)[kept : kept + max(EXTRA)]
 
 
 def _load(path: str) -> dict | None:
@@ -108,6 +113,7 @@ def probe(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: s
   """The bracket's point at ``lr`` trained to its last rung, with its loss at every rung (cached; None where it is
   not recorded and ``train`` is off)."""
   from hdet_jax.trainer import bracket, schema
+
   path = probe_path(cell, start, seed, lr, quick, work_root)
   got = _load(path)
   if got is not None or not train:
@@ -120,8 +126,9 @@ def probe(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: s
     steps = schema.rung_steps(schema.parse_rungs(config.bracket.rungs), config.num_train_steps)
     workdir = _scratch(cell, start, seed, lr, 'rungs', work_root)
     summary = bracket_straddle._train_point(config, lr, steps[-1], workdir)
-    losses = [bracket.window_loss(summary['metrics'], s, config.bracket.compare_steps, summary['diverged_at'])
-              for s in steps]
+    losses = [
+      bracket.window_loss(summary['metrics'], s, config.bracket.compare_steps, summary['diverged_at']) for s in steps
+    ]
     source = 'wider_rung'
     shutil.rmtree(workdir, ignore_errors=True)
   got = {'cell': cell, 'start': start, 'seed': seed, 'lr': lr, 'rung_steps': steps, 'losses': losses, 'source': source}
@@ -138,7 +145,13 @@ def end(cell: str, start: str, seed: int, lr: float, quick: bool, work_root: str
     config = config_for(cell, start, seed, quick, work_root)
     workdir = _scratch(cell, start, seed, lr, 'end', work_root)
     summary = bracket_straddle._train_point(config, lr, 0, workdir)
-    got = {'cell': cell, 'start': start, 'seed': seed, 'lr': lr, 'final_metric': records.finite_or_none(summary['final_metric'])}
+    got = {
+      'cell': cell,
+      'start': start,
+      'seed': seed,
+      'lr': lr,
+      'final_metric': records.finite_or_none(summary['final_metric']),
+    }
     records.write_record(path, got, indent=1)
     shutil.rmtree(workdir, ignore_errors=True)
   return got
@@ -168,13 +181,26 @@ def compose(cell: str, start: str, seed: int, quick: bool, work_root: str, train
     if p is None:
       return None
     last[kept] = p['losses'][-1]
-  out = {'cell': cell, 'start': start, 'seed': seed, 'anchor_lr': rec['anchor_lr'], 'kept_lr': kept,
-         'final_metric': rec['final_metric'], 'extras': extras, 'last_rung': {f'{lr:.6g}': v for lr, v in last.items()},
-         'reproduced': reproduced, 'wider': {}}
+  out = {
+    'cell': cell,
+    'start': start,
+    'seed': seed,
+    'anchor_lr': rec['anchor_lr'],
+    'kept_lr': kept,
+    'final_metric': rec['final_metric'],
+    'extras': extras,
+    'last_rung': {f'{lr:.6g}': v for lr, v in last.items()},
+    'reproduced': reproduced,
+    'wider': {},
+  }
   for k in EXTRA:
     pool = [kept] + extras[:k]
     winner = min(pool, key=lambda lr: _key(last, lr))
-    e = {'final_metric': rec['final_metric']} if winner == kept else end(cell, start, seed, winner, quick, work_root, train)
+    e = (
+      {'final_metric': rec['final_metric']}
+      if winner == kept
+      else end(cell, start, seed, winner, quick, work_root, train)
+    )
     if e is None:
       return None
     out['wider'][str(k)] = {'kept_lr': winner, 'final_metric': e['final_metric']}
@@ -190,13 +216,17 @@ def compose(cell: str, start: str, seed: int, quick: bool, work_root: str, train
 def wider_rungs(k: int, quick: bool) -> list[tuple[float, int]]:
   """The bracket's rungs with the first keeping ``k`` more."""
   from hdet_jax.trainer import schema
+
   (fraction, kept), *rest = schema.parse_rungs(bracket_fields(quick)['bracket.rungs'])
   return [(fraction, kept + k)] + rest
 
 
 def compute_runs(cell: str, k: int, quick: bool) -> float:
   from hdet_jax.trainer import bracket
-  return bracket.compute_runs(bracket_fields(quick)['bracket.points'], wider_rungs(k, quick), bracket_mode.parse_cell(cell)[1])
+
+  return bracket.compute_runs(
+    bracket_fields(quick)['bracket.points'], wider_rungs(k, quick), bracket_mode.parse_cell(cell)[1]
+  )
 
 
 def rungs_text(k: int, quick: bool) -> str:
@@ -208,19 +238,27 @@ def check(spec: str, quick: bool, work_root: str) -> dict:
   """Trains the bracket of ``cell:start:seed`` in full with the first rung keeping ``max(EXTRA)`` more, and returns
   its kept LR and final metric beside the composition's."""
   from hdet_jax.trainer import bracket, config_lib
+
   *cell, start, seed = spec.split(':')
   cell, seed, k = ':'.join(cell), int(seed), max(EXTRA)
-  config = config_lib.with_overrides(config_for(cell, start, seed, quick, work_root),
-                                     {'bracket.rungs': rungs_text(k, quick)})
+  config = config_lib.with_overrides(
+    config_for(cell, start, seed, quick, work_root), {'bracket.rungs': rungs_text(k, quick)}
+  )
   workdir = _scratch(cell, start, seed, 0.0, 'check', work_root)
   shutil.rmtree(workdir, ignore_errors=True)
   summary = bracket.run_bracket(config, workdir)
   shutil.rmtree(workdir, ignore_errors=True)
   composed = compose(cell, start, seed, quick, work_root, train=True)['wider'][str(k)]
-  got = {'cell': cell, 'start': start, 'seed': seed, 'rungs': config.bracket.rungs,
-         'bracket': {'kept_lr': summary['bracket']['winner']['lr'], 'final_metric': summary['final_metric']},
-         'composed': composed,
-         'equal': summary['bracket']['winner']['lr'] == composed['kept_lr'] and summary['final_metric'] == composed['final_metric']}
+  got = {
+    'cell': cell,
+    'start': start,
+    'seed': seed,
+    'rungs': config.bracket.rungs,
+    'bracket': {'kept_lr': summary['bracket']['winner']['lr'], 'final_metric': summary['final_metric']},
+    'composed': composed,
+    'equal': summary['bracket']['winner']['lr'] == composed['kept_lr']
+    and summary['final_metric'] == composed['final_metric'],
+  }
   records.write_record(check_path(cell, start, seed, quick, work_root), got, indent=1)
   return got
 
@@ -258,7 +296,7 @@ def cell_rows(cell: str, quick: bool, work_root: str) -> dict:
   best = None if quick else bracket_mode.sweep_cell(cell)['grid_best']['value']
   gap = lambda v: None if v is None or best is None else v / best - 1
   out = {}
-  for start in (['best'] if quick else list(bracket_mode.STARTS)):
+  for start in ['best'] if quick else list(bracket_mode.STARTS):
     seeds = [compose(cell, start, s, quick, work_root, train=False) for s in ([0] if quick else bracket_mode.SEEDS)]
     if any(s is None for s in seeds):
       continue
@@ -278,46 +316,67 @@ def _row_line(cell: str, start: str, r: dict) -> str:
   k1, k2 = EXTRA
   seeds = r['seeds']
   kept = ' / '.join(f'{s["wider"][str(k2)]["kept_lr"] / s["anchor_lr"]:.3g}' for s in seeds)
-  footing = 'record' if all(s['reproduced'] for s in seeds) else 'here (' + ', '.join(
-      f's{s["seed"]}' for s in seeds if not s['reproduced']) + ')'
-  here = ', '.join(f's{s["seed"]} {s["final_metric"]:.4g} / {s["kept_end_here"]:.4g}' for s in seeds if 'kept_end_here' in s) or '-'
+  footing = (
+    'record'
+    if all(s['reproduced'] for s in seeds)
+    else 'here (' + ', '.join(f's{s["seed"]}' for s in seeds if not s['reproduced']) + ')'
+  )
+  here = (
+    ', '.join(f's{s["seed"]} {s["final_metric"]:.4g} / {s["kept_end_here"]:.4g}' for s in seeds if 'kept_end_here' in s)
+    or '-'
+  )
   best = '-' if r['sweep_best'] is None else f'{r["sweep_best"]:.4g}'
-  return (f'| {cell} | {start} | {best} | {records.pct(r["base_gap"])} | {records.pct(r[f"wider{k1}_gap"])} '
-          f'({r[f"wider{k1}_changed"]}) | {records.pct(r[f"wider{k2}_gap"])} ({r[f"wider{k2}_changed"]}) | {kept} | '
-          f'{footing} | {here} |')
+  return (
+    f'| {cell} | {start} | {best} | {records.pct(r["base_gap"])} | {records.pct(r[f"wider{k1}_gap"])} '
+    f'({r[f"wider{k1}_changed"]}) | {records.pct(r[f"wider{k2}_gap"])} ({r[f"wider{k2}_changed"]}) | {kept} | '
+    f'{footing} | {here} |'
+  )
 
 
 def write_report(out_dir: str, rows: dict, quick: bool) -> str:
   from hdet_jax.trainer import schema
+
   k1, k2 = EXTRA
   b = bracket_fields(quick)
   n, (first, last) = b['bracket.points'], schema.parse_rungs(b['bracket.rungs'])
   name = lambda k: f'{n}-{first[1] + k}-{last[1]}'
   c = {k: compute_runs(next(iter(rows), QUICK_CELL), k, quick) for k in (0,) + EXTRA}
-  lines = [f'# A wider first rung: the bracket keeping {first[1] + k1} or {first[1] + k2} of its {n} points at {first[0]:g} of the run', '',
-           f'Made by `python -m research.wider_rung{" --quick" if quick else ""}` (records in `results/wider_rung/runs/`). '
-           f'Each bracket of `results/bracket_mode.md` ({n} points a factor {b["bracket.factor"]:g} apart; {first[1]} kept at '
-           f'{first[0]:g} of the run, {last[1]} at {last[0]:g}) recomposed with its first rung keeping {first[1] + k1} '
-           f'({c[k1]:.2g} runs) or {first[1] + k2} ({c[k2]:.2g} runs) instead of {first[1]} ({c[0]:.2g} runs): the '
-           'committed records plus the points the first rung ranked next, trained to the last '
-           'rung and, where one then beats the kept point, to the end. Gaps are 3-seed means against the sweep\'s best '
-           '3-seed mean. "Changed": seeds whose kept point moved. "Footing": "here" where a probe\'s first-rung loss is '
-           'not the record\'s bit for bit (a record made on another CPU; fine-tuning\'s pretrained checkpoint, retrained '
-           'here): the kept point is then retrained to the last rung here, and where it is replaced, to the end too, '
-           'and the new point\'s final enters as the record\'s plus the difference of the two ends trained here (the '
-           'last column: the kept point\'s end as recorded and as trained here). The reading is in `research/workloads_discussion.md` '
-           '(twenty-second pass).', '']
-  header = [f'| cell | start | sweep best | {name(0)} gap | {name(k1)} gap (changed) | {name(k2)} gap (changed) | {name(k2)} kept (x the sweep\'s first-seed best), '
-           'per seed | footing | kept point\'s end: record / here, where replaced |',
-            '|---|---|---|---|---|---|---|---|---|']
+  lines = [
+    f'# A wider first rung: the bracket keeping {first[1] + k1} or {first[1] + k2} of its {n} points at {first[0]:g} of the run',
+    '',
+    f'Made by `python -m research.wider_rung{" --quick" if quick else ""}` (records in `results/wider_rung/runs/`). '
+    f'Each bracket of `results/bracket_mode.md` ({n} points a factor {b["bracket.factor"]:g} apart; {first[1]} kept at '
+    f'{first[0]:g} of the run, {last[1]} at {last[0]:g}) recomposed with its first rung keeping {first[1] + k1} '
+    f'({c[k1]:.2g} runs) or {first[1] + k2} ({c[k2]:.2g} runs) instead of {first[1]} ({c[0]:.2g} runs): the '
+    'committed records plus the points the first rung ranked next, trained to the last '
+    "rung and, where one then beats the kept point, to the end. Gaps are 3-seed means against the sweep's best "
+    '3-seed mean. "Changed": seeds whose kept point moved. "Footing": "here" where a probe\'s first-rung loss is '
+    "not the record's bit for bit (a record made on another CPU; fine-tuning's pretrained checkpoint, retrained "
+    'here): the kept point is then retrained to the last rung here, and where it is replaced, to the end too, '
+    "and the new point's final enters as the record's plus the difference of the two ends trained here (the "
+    "last column: the kept point's end as recorded and as trained here). The reading is in `research/workloads_discussion.md` "
+    '(twenty-second pass).',
+    '',
+  ]
+  header = [
+    f"| cell | start | sweep best | {name(0)} gap | {name(k1)} gap (changed) | {name(k2)} gap (changed) | {name(k2)} kept (x the sweep's first-seed best), "
+    "per seed | footing | kept point's end: record / here, where replaced |",
+    '|---|---|---|---|---|---|---|---|---|',
+  ]
   lines += header
   tallies = {}
   for cell, starts in rows.items():
     group = 'heldout' if bracket_mode.parse_cell(cell)[0] in bracket_mode.HELDOUT else 'cells'
     if group == 'heldout' and 'heldout' not in tallies:
-      lines += ['', '## On the held-out corpus', '', 'The LM on Python\'s standard library source (`research.heldout_corpus`), '
-                'which neither the bracket\'s rungs nor this pass were chosen on; its sweep as in `results/bracket_mode.md`.', '',
-                *header]
+      lines += [
+        '',
+        '## On the held-out corpus',
+        '',
+        "The LM on Python's standard library source (`research.heldout_corpus`), "
+        "which neither the bracket's rungs nor this pass were chosen on; its sweep as in `results/bracket_mode.md`.",
+        '',
+        *header,
+      ]
     t = tallies.setdefault(group, {'total': 0, **{name(k): 0 for k in (0,) + EXTRA}})
     for start, r in starts.items():
       lines.append(_row_line(cell, start, r))
@@ -327,18 +386,31 @@ def write_report(out_dir: str, rows: dict, quick: bool) -> str:
           t[name(k)] += r[key] is not None and r[key] <= 0.01
   for group, t in tallies.items():
     where = ' on the held-out corpus' if group == 'heldout' else ''
-    lines += ['', f'Within 1% of the sweep\'s best (3-seed means){where}, of {t["total"]} cell-starts: '
-              + ', '.join(f'{name(k)} {t[name(k)]}' for k in (0,) + EXTRA) + '.']
+    lines += [
+      '',
+      f"Within 1% of the sweep's best (3-seed means){where}, of {t['total']} cell-starts: "
+      + ', '.join(f'{name(k)} {t[name(k)]}' for k in (0,) + EXTRA)
+      + '.',
+    ]
   done = checks(quick, out_dir)
   if done:
-    lines += ['', f'Checked (`--check`): a real bracket with the widest rung trained in full equals its composition bit for bit '
-              f'(kept LR and final metric) in {sum(c["equal"] for c in done)} of {len(done)}: ' + '; '.join(
-                  f'{c["cell"]} from {c["start"]}, seed {c["seed"]} (rungs {c["rungs"]}): kept '
-                  f'{c["bracket"]["kept_lr"]:.4g}, final {c["bracket"]["final_metric"]:.6g}' for c in done) + '.']
+    lines += [
+      '',
+      f'Checked (`--check`): a real bracket with the widest rung trained in full equals its composition bit for bit '
+      f'(kept LR and final metric) in {sum(c["equal"] for c in done)} of {len(done)}: '
+      + '; '.join(
+        f'{c["cell"]} from {c["start"]}, seed {c["seed"]} (rungs {c["rungs"]}): kept '
+        f'{c["bracket"]["kept_lr"]:.4g}, final {c["bracket"]["final_metric"]:.6g}'
+        for c in done
+      )
+      + '.',
+    ]
   os.makedirs(out_dir, exist_ok=True)
-  records.write_json(os.path.join(out_dir, 'wider_rung.json'),
-                     {'rows': rows, 'tally': tallies,
-                      'compute_runs': {name(k): v for k, v in c.items()}}, indent=1)
+  records.write_json(
+    os.path.join(out_dir, 'wider_rung.json'),
+    {'rows': rows, 'tally': tallies, 'compute_runs': {name(k): v for k, v in c.items()}},
+    indent=1,
+  )
   md = os.path.join(out_dir, 'wider_rung.md')
   with open(md, 'w', encoding='utf-8') as f:
     f.write('\n'.join(lines) + '\n')
@@ -356,18 +428,27 @@ def train_start(cell: str, start: str, seeds: list[int], quick: bool, work_root:
     got = compose(cell, start, seed, quick, work_root, train=True)
     if got is not None:
       w = got['wider']
-      print(f'  {cell} {start} s{seed}: kept x ' + ' / '.join(f'{w[str(k)]["kept_lr"] / got["anchor_lr"]:.3g}'
-            for k in EXTRA) + f' (was {got["kept_lr"] / got["anchor_lr"]:.3g}), final ' +
-            ' / '.join(str(w[str(k)]['final_metric']) for k in EXTRA) + f' (was {got["final_metric"]})', flush=True)
+      print(
+        f'  {cell} {start} s{seed}: kept x '
+        + ' / '.join(f'{w[str(k)]["kept_lr"] / got["anchor_lr"]:.3g}' for k in EXTRA)
+        + f' (was {got["kept_lr"] / got["anchor_lr"]:.3g}), final '
+        + ' / '.join(str(w[str(k)]['final_metric']) for k in EXTRA)
+        + f' (was {got["final_metric"]})',
+        flush=True,
+      )
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument('--cells', default=','.join(bracket_mode.CELLS), help='workload:steps:optim,... to train')
-  p.add_argument('--seeds', default=','.join(map(str, bracket_mode.SEEDS)), help='seeds to train (the report reads them all)')
+  p.add_argument(
+    '--seeds', default=','.join(map(str, bracket_mode.SEEDS)), help='seeds to train (the report reads them all)'
+  )
   p.add_argument('--report-only', action='store_true', help='read the records, train nothing')
-  p.add_argument('--out', default=None, help='the report\'s folder (default: results/; --quick: the workdir)')
-  p.add_argument('--check', default=None, help='cell:start:seed: train that bracket in full with the widest rung and compare')
+  p.add_argument('--out', default=None, help="the report's folder (default: results/; --quick: the workdir)")
+  p.add_argument(
+    '--check', default=None, help='cell:start:seed: train that bracket in full with the widest rung and compare'
+  )
   p.add_argument('--quick', action='store_true', help='a smoke run: the quick bracket of research.bracket_mode')
   p.add_argument('--workdir', default=None, help='where runs train (default: workdirs/workloads)')
   args = p.parse_args(argv)
@@ -377,6 +458,7 @@ def main(argv=None):
   if not args.report_only:
     from hdet_jax import trainer
     from research import workloads
+
     trainer.setup_jax(workloads.base_config('lm', 16, True))
     if args.check:
       print(json.dumps(check(args.check, args.quick, work_root), indent=1))
@@ -384,11 +466,12 @@ def main(argv=None):
     for start in ['best'] if args.quick else TRAIN_ORDER:
       for cell in cells:
         train_start(cell, start, seeds, args.quick, work_root)
-  rows = {c: cell_rows(c, args.quick, work_root)
-          for c in ([QUICK_CELL] if args.quick else bracket_mode.CELLS + bracket_mode.HELDOUT_CELLS)}
+  rows = {
+    c: cell_rows(c, args.quick, work_root)
+    for c in ([QUICK_CELL] if args.quick else bracket_mode.CELLS + bracket_mode.HELDOUT_CELLS)
+  }
   out = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
-  md = write_report(out, {c: r for c, r in rows.items() if r},
-                    args.quick)
+  md = write_report(out, {c: r for c, r in rows.items() if r}, args.quick)
   with open(md, encoding='utf-8') as f:
     print(f.read())
 

@@ -46,9 +46,19 @@ TMP_MARK = '.orbax-checkpoint-tmp'
 def train_cmd(workdir: str, cache: str, config: str = TINY, extra: tuple[str, ...] = ()) -> list[str]:
   """The one command every start runs (checkpoint cadence and the cache are run fields: they do not
   change the trajectory, so the reference may use the same ones)."""
-  return [sys.executable, os.path.join(ROOT, 'train.py'), '--config', config, '--workdir', workdir,
-          '--config.checkpoint_every=2', '--config.max_checkpoints=3', '--config.plots=False',
-          f'--config.compilation_cache={cache}', *extra]
+  return [
+    sys.executable,
+    os.path.join(ROOT, 'train.py'),
+    '--config',
+    config,
+    '--workdir',
+    workdir,
+    '--config.checkpoint_every=2',
+    '--config.max_checkpoints=3',
+    '--config.plots=False',
+    f'--config.compilation_cache={cache}',
+    *extra,
+  ]
 
 
 def _env() -> dict:
@@ -73,8 +83,9 @@ def run_once(cmd: list[str], log_path: str, timeout: float = 600) -> subprocess.
     return subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
 
 
-def start_and_kill(cmd: list[str], workdir: str, kind: str, rng: random.Random, log_path: str,
-                   expected_life: float) -> dict:
+def start_and_kill(
+  cmd: list[str], workdir: str, kind: str, rng: random.Random, log_path: str, expected_life: float
+) -> dict:
   """Starts ``cmd``, SIGKILLs it at a ``kind`` point, returns what happened."""
   before = _complete_steps(workdir)
   stale = {n for n in _ckpt_listing(workdir) if TMP_MARK in n}  # left by an earlier kill; removed at start
@@ -101,27 +112,31 @@ def start_and_kill(cmd: list[str], workdir: str, kind: str, rng: random.Random, 
   listing = _ckpt_listing(workdir)
   started = [e for e in _events(workdir)[events_before:] if e['event'] in ('start', 'resume')]
   return {
-      'kind': kind, 'killed_at_s': round(t_kill, 3), 'finished_before_kill': finished,
-      'returncode': proc.returncode,
-      'started_from_step': started[0]['step'] if started else None,  # None: killed before it got that far
-      'complete_steps_before': before,
-      'complete_steps_after': _complete_steps(workdir),
-      # A temporary directory left behind: the kill cut a checkpoint write short.
-      'cut_write': [n for n in listing if TMP_MARK in n and n not in stale],
-      'seen_write_in_progress': hit_write,
-      'trash_left': os.path.isdir(os.path.join(workdir, 'checkpoints', 'trash')) and
-                    bool(os.listdir(os.path.join(workdir, 'checkpoints', 'trash'))),
+    'kind': kind,
+    'killed_at_s': round(t_kill, 3),
+    'finished_before_kill': finished,
+    'returncode': proc.returncode,
+    'started_from_step': started[0]['step'] if started else None,  # None: killed before it got that far
+    'complete_steps_before': before,
+    'complete_steps_after': _complete_steps(workdir),
+    # A temporary directory left behind: the kill cut a checkpoint write short.
+    'cut_write': [n for n in listing if TMP_MARK in n and n not in stale],
+    'seen_write_in_progress': hit_write,
+    'trash_left': os.path.isdir(os.path.join(workdir, 'checkpoints', 'trash'))
+    and bool(os.listdir(os.path.join(workdir, 'checkpoints', 'trash'))),
   }
 
 
 def _events(workdir: str) -> list[dict]:
   from hdet_jax.trainer.metrics import read_metrics
+
   path = os.path.join(workdir, 'metrics.jsonl')
   return read_metrics(path)['event'] if os.path.exists(path) else []
 
 
-def chaos(workdir: str, cache: str, kills: int, seed: int, log_path: str, setup_s: float, train_s: float,
-          total_steps: int) -> dict:
+def chaos(
+  workdir: str, cache: str, kills: int, seed: int, log_path: str, setup_s: float, train_s: float, total_steps: int
+) -> dict:
   """Kills ``kills`` times (alternating write / random points), then runs to the end."""
   rng = random.Random(seed)
   cmd = train_cmd(workdir, cache, extra=(f'--config.num_train_steps={total_steps}',) if total_steps else ())
@@ -148,15 +163,23 @@ def chaos(workdir: str, cache: str, kills: int, seed: int, log_path: str, setup_
   if final.returncode != 0:
     raise RuntimeError(f'the final run failed with status {final.returncode} (see {log_path})')
   events = _events(workdir)
-  return {'kills': records, 'starts': starts, 'final_run_s': round(time.time() - t0, 2),
-          'resumes': [{'step': e['step'], 'restore_s': round(e.get('restore_s', float('nan')), 3)}
-                      for e in events if e['event'] == 'resume'],
-          'corrupt_events': [e for e in events if e['event'] == 'corrupt_checkpoint']}
+  return {
+    'kills': records,
+    'starts': starts,
+    'final_run_s': round(time.time() - t0, 2),
+    'resumes': [
+      {'step': e['step'], 'restore_s': round(e.get('restore_s', float('nan')), 3)}
+      for e in events
+      if e['event'] == 'resume'
+    ],
+    'corrupt_events': [e for e in events if e['event'] == 'corrupt_checkpoint'],
+  }
 
 
 def read_checkpoint(workdir: str, step: int) -> tuple[dict, dict, dict]:
   """A checkpoint's items (state, averaged parameters, meta), read without a target; needs 8 devices."""
   import orbax.checkpoint as ocp
+
   path = os.path.join(workdir, 'checkpoints', str(step))
   with ocp.StandardCheckpointer() as ckptr:
     state = ckptr.restore(os.path.join(path, 'state'))
@@ -169,6 +192,7 @@ def read_checkpoint(workdir: str, step: int) -> tuple[dict, dict, dict]:
 def load_checkpoint(workdir: str, step: int) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
   """A checkpoint's arrays as flat lists (enough to compare bits), and its meta; needs 8 devices."""
   import jax
+
   state, avg, meta = read_checkpoint(workdir, step)
   leaves = lambda t: [np.asarray(x) for x in jax.tree.leaves(t)]
   return leaves(state), leaves(avg), meta
@@ -177,21 +201,24 @@ def load_checkpoint(workdir: str, step: int) -> tuple[list[np.ndarray], list[np.
 def compare(ref: str, got: str) -> dict:
   """Bitwise comparison of the final checkpoints and of every training/eval/controller metric."""
   from hdet_jax.trainer.metrics import read_metrics
+
   step = _complete_steps(ref)[-1]
   a_state, a_avg, a_meta = load_checkpoint(ref, step)
   b_state, b_avg, b_meta = load_checkpoint(got, step)
-  same = lambda xs, ys: len(xs) == len(ys) and all(
-      x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes() for x, y in zip(xs, ys))
+  same = lambda xs, ys: (
+    len(xs) == len(ys)
+    and all(x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes() for x, y in zip(xs, ys))
+  )
   ra, rb = read_metrics(os.path.join(ref, 'metrics.jsonl')), read_metrics(os.path.join(got, 'metrics.jsonl'))
   metric_kinds = ('train', 'controller', 'eval')
   return {
-      'final_step': step,
-      'state_arrays': len(a_state),
-      'state_bitwise_equal': same(a_state, b_state),
-      'avg_params_bitwise_equal': same(a_avg, b_avg),
-      'fingerprints_equal': a_meta.get('fingerprint') == b_meta.get('fingerprint'),
-      'metrics_equal': {k: ra.get(k) == rb.get(k) for k in metric_kinds},
-      'train_steps_logged': [len(ra.get('train', [])), len(rb.get('train', []))],
+    'final_step': step,
+    'state_arrays': len(a_state),
+    'state_bitwise_equal': same(a_state, b_state),
+    'avg_params_bitwise_equal': same(a_avg, b_avg),
+    'fingerprints_equal': a_meta.get('fingerprint') == b_meta.get('fingerprint'),
+    'metrics_equal': {k: ra.get(k) == rb.get(k) for k in metric_kinds},
+    'train_steps_logged': [len(ra.get('train', [])), len(rb.get('train', []))],
   }
 
 
@@ -210,8 +237,7 @@ def run(base: str, kills: int, seed: int, steps: int | None = None) -> dict:
     summary = json.load(f)
   setup_s, train_s = summary['setup_s'], summary['wall_s'] - summary['setup_s']
   report = chaos(got, cache, kills, seed, log_path, setup_s, train_s, steps or summary['num_train_steps'])
-  report.update(compare(ref, got), reference_setup_s=round(setup_s, 2),
-                wall_s=round(time.time() - t0, 1), log=log_path)
+  report.update(compare(ref, got), reference_setup_s=round(setup_s, 2), wall_s=round(time.time() - t0, 1), log=log_path)
   report['reference_run_s'] = round(summary['wall_s'], 2)
   return report
 
@@ -222,21 +248,31 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--kills', type=int, default=20)
   p.add_argument('--seed', type=int, default=0)
-  p.add_argument('--steps', type=int, default=None, help='num_train_steps for both runs (default: the tiny config\'s 40)')
+  p.add_argument(
+    '--steps', type=int, default=None, help="num_train_steps for both runs (default: the tiny config's 40)"
+  )
   p.add_argument('--dir', default=None, help='where the two workdirs go (default: a temporary directory)')
   p.add_argument('--json', default=None, help='write the full report here')
   args = p.parse_args(argv)
   base = args.dir or tempfile.mkdtemp(prefix='hdet_chaos_')
   report = run(base, args.kills, args.seed, args.steps)
-  ok = (report['state_bitwise_equal'] and report['avg_params_bitwise_equal'] and
-        all(report['metrics_equal'].values()) and len(report['kills']) >= args.kills)
+  ok = (
+    report['state_bitwise_equal']
+    and report['avg_params_bitwise_equal']
+    and all(report['metrics_equal'].values())
+    and len(report['kills']) >= args.kills
+  )
   report['ok'] = bool(ok)
   for k in report['kills']:
-    print(f"kill {k['kind']:6s} at {k['killed_at_s']:6.2f}s (started from step {k['started_from_step']}): "
-          f"complete steps {k['complete_steps_after']}, write cut short: {bool(k['cut_write'])}")
-  print(f"resumes (step, restore s): {[(x['step'], x['restore_s']) for x in report['resumes']]}")
-  print(f"final state bitwise equal: {report['state_bitwise_equal']}, averaged model: "
-        f"{report['avg_params_bitwise_equal']}, metrics equal: {report['metrics_equal']}; {report['wall_s']}s")
+    print(
+      f'kill {k["kind"]:6s} at {k["killed_at_s"]:6.2f}s (started from step {k["started_from_step"]}): '
+      f'complete steps {k["complete_steps_after"]}, write cut short: {bool(k["cut_write"])}'
+    )
+  print(f'resumes (step, restore s): {[(x["step"], x["restore_s"]) for x in report["resumes"]]}')
+  print(
+    f'final state bitwise equal: {report["state_bitwise_equal"]}, averaged model: '
+    f'{report["avg_params_bitwise_equal"]}, metrics equal: {report["metrics_equal"]}; {report["wall_s"]}s'
+  )
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(report, f, indent=1)

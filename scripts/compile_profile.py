@@ -45,6 +45,7 @@ def _on_event(event: str, **kwargs) -> None:
 def pytest_configure(config) -> None:
   del config
   import jax
+
   jax.monitoring.register_event_duration_secs_listener(_on_duration)
   jax.monitoring.register_event_listener(_on_event)
 
@@ -55,8 +56,9 @@ def pytest_runtest_setup(item) -> None:
 
 def report(top: int = 25) -> str:
   """The tables: seconds and compiles per program name, seconds and cache misses per test file."""
-  lines = [f'XLA compiles in process {os.getpid()}: {sum(_by_program.values()):.1f} s, '
-           f'{sum(_programs.values())} programs']
+  lines = [
+    f'XLA compiles in process {os.getpid()}: {sum(_by_program.values()):.1f} s, {sum(_programs.values())} programs'
+  ]
   lines += [f'  {s:8.1f} s {_programs[name]:6d}  {name}' for name, s in _by_program.most_common(top)]
   lines.append('by test file (seconds, persistent-cache misses):')
   lines += [f'  {s:8.1f} s {_misses[name]:6d}  {name}' for name, s in _by_file.most_common(top)]

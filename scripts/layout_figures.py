@@ -6,6 +6,7 @@
 A code line is a line that is neither blank, a comment nor part of a docstring. A function's length counts
 its code lines, nested functions included (so a closure-heavy factory shows its full size).
 """
+
 import argparse
 import ast
 import glob
@@ -21,13 +22,23 @@ def code_lines(source: str) -> set[int]:
   for node in ast.walk(tree):
     if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
       body = node.body
-      if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], 'value', None), ast.Constant) \
-          and isinstance(body[0].value.value, str):
+      if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(getattr(body[0], 'value', None), ast.Constant)
+        and isinstance(body[0].value.value, str)
+      ):
         doc_lines.update(range(body[0].lineno, body[0].end_lineno + 1))
   lines = set()
   for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-    if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-                    tokenize.ENDMARKER):
+    if tok.type in (
+      tokenize.COMMENT,
+      tokenize.NL,
+      tokenize.NEWLINE,
+      tokenize.INDENT,
+      tokenize.DEDENT,
+      tokenize.ENDMARKER,
+    ):
       continue
     lines.update(range(tok.start[0], tok.end[0] + 1))
   return lines - doc_lines
@@ -48,6 +59,7 @@ def functions(path: str):
         visit(child, name + '.')
       elif isinstance(child, ast.ClassDef):
         visit(child, f'{prefix}{child.name}.')
+
   visit(ast.parse(source), '')
   return out, len(code)
 
@@ -70,7 +82,7 @@ def main():
   print(f'| all | {sum(r[1] for r in rows)} | {sum(r[2] for r in rows)} |')
   print(f'\nthe {args.top} longest functions (code lines)\n')
   print('| function | code lines |\n|---|---:|')
-  for name, k in sorted(funcs, key=lambda x: -x[1])[:args.top]:
+  for name, k in sorted(funcs, key=lambda x: -x[1])[: args.top]:
     print(f'| {name} | {k} |')
   over = [f for f in funcs if f[1] > 35]
   print(f'\nfunctions over 35 code lines: {len(over)} of {len(funcs)}')

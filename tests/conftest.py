@@ -31,10 +31,11 @@ chex.set_n_cpu_devices(8)
 # test's outcome may depend on the flags, nor on any other source of a result's last bits (another CPU's).
 FAST_COMPILE_FLAGS = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
 if os.environ.get('HDET_XLA_DEFAULT_FLAGS', '') not in ('', '0'):
-  os.environ['XLA_FLAGS'] = ' '.join(f for f in os.environ.get('XLA_FLAGS', '').split()
-                                     if f not in FAST_COMPILE_FLAGS.split())
+  os.environ['XLA_FLAGS'] = ' '.join(
+    f for f in os.environ.get('XLA_FLAGS', '').split() if f not in FAST_COMPILE_FLAGS.split()
+  )
 else:
-  os.environ['XLA_FLAGS'] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
+  os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {FAST_COMPILE_FLAGS}'.strip()
 
 
 # The slowest test files first, in the order of their summed test times in a 2-process run (2026-11-26, with a
@@ -42,10 +43,23 @@ else:
 # 38 s; the suite's sum 1946 s). pytest-xdist's --dist loadfile hands whole files to the processes in collection
 # order, so the long ones first leave only short ones for the end and the two processes finish together
 # (longest-processing-time-first scheduling).
-_SLOWEST_FIRST = ('test_trainer.py', 'test_reliability.py', 'test_trainer_controller.py', 'test_sync.py',
-                  'test_programs.py', 'test_bracket.py', 'test_explore_trainer.py', 'test_transform.py', 'test_mesh2d.py',
-                  'test_explore.py', 'test_program_cache.py', 'test_tasks.py', 'test_trainer_mesh2d.py', 'test_examples.py',
-                  'test_benchmarks.py')
+_SLOWEST_FIRST = (
+  'test_trainer.py',
+  'test_reliability.py',
+  'test_trainer_controller.py',
+  'test_sync.py',
+  'test_programs.py',
+  'test_bracket.py',
+  'test_explore_trainer.py',
+  'test_transform.py',
+  'test_mesh2d.py',
+  'test_explore.py',
+  'test_program_cache.py',
+  'test_tasks.py',
+  'test_trainer_mesh2d.py',
+  'test_examples.py',
+  'test_benchmarks.py',
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -58,7 +72,7 @@ import pytest  # noqa: E402
 
 
 def pytest_configure(config):
-  config.addinivalue_line('markers', 'own_programs: the test builds its runs\' programs itself (it counts compilations)')
+  config.addinivalue_line('markers', "own_programs: the test builds its runs' programs itself (it counts compilations)")
 
 
 @pytest.fixture(autouse=True)
@@ -69,6 +83,7 @@ def _own_programs(request):
   bit. A test that counts compilations (marked ``own_programs``) must not depend on which tests ran before it in
   its process: it starts and ends with none kept."""
   import sys
+
   # (only where the trainer is imported: the core's tests also run where its extras are not installed, .ci/newest_jax)
   cache = lambda: sys.modules.get('hdet_jax.trainer.program_cache')
   own = request.node.get_closest_marker('own_programs') is not None

@@ -35,8 +35,9 @@ TRAIN = os.path.join(ROOT, 'train.py')
 ALL = None  # a fault on every replica
 
 
-def poison(first: int, steps: int, num_replicas: int, batch_size: int,
-           faults: Mapping[int, Sequence[int] | None]) -> np.ndarray:
+def poison(
+  first: int, steps: int, num_replicas: int, batch_size: int, faults: Mapping[int, Sequence[int] | None]
+) -> np.ndarray:
   """``[N, steps, B]`` float32 factors of steps ``first ..``: NaN at each faulted (step, replica), else 1.0."""
   out = np.ones((num_replicas, steps, batch_size), np.float32)
   for step, replicas in faults.items():
@@ -53,6 +54,7 @@ class FaultyBatches:
 
   def chunk(self, first_step: int, steps: int) -> dict:
     import jax
+
     batch = self._batches.chunk(first_step, steps)
     size = jax.tree.leaves(batch)[0].shape[2]  # [N, K, B, ...]
     return {'batch': batch, 'poison': poison(first_step, steps, self._n, size, self._faults)}
@@ -70,8 +72,12 @@ def faulty_task(task: Any, faults: Mapping[int, Sequence[int] | None]) -> Any:
   class Faulty(type(task)):
     def load(self, settings, num_replicas):
       data = task.load(settings, num_replicas)
-      return tasks_lib.TaskData(batches=FaultyBatches(data.batches, num_replicas, faults), eval_batch=data.eval_batch,
-                                probe=data.probe, description=f'{data.description}; test faults')
+      return tasks_lib.TaskData(
+        batches=FaultyBatches(data.batches, num_replicas, faults),
+        eval_batch=data.eval_batch,
+        probe=data.probe,
+        description=f'{data.description}; test faults',
+      )
 
     def losses(self, graphdef, params, batch, reg=tasks_lib.Regularization(), label_smoothing=0.0):
       if not (isinstance(batch, dict) and 'poison' in batch):  # the eval and common batches: never faulted
@@ -89,6 +95,7 @@ def install(faults: Mapping[int, Sequence[int] | None], setattr_=setattr) -> Non
   """Every task the trainer asks for from now on is :func:`faulty_task` with ``faults`` (``setattr_``: a test's
   ``monkeypatch.setattr``, which undoes it after the test)."""
   from hdet_jax.trainer import tasks as tasks_lib
+
   get = getattr(tasks_lib.get, 'unfaulted', tasks_lib.get)  # (another install's faults replaced, not added to)
   faulty_get = lambda name='lm': faulty_task(get(name), faults)
   faulty_get.unfaulted = get

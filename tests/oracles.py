@@ -25,7 +25,7 @@ def numpy_fit(xtx, xty, scores, offsets, multiplicative, memory, trust):
   scores = np.asarray(scores, np.float64)
   u = np.asarray(offsets, np.float64)
   g = u.shape[1]
-  x = np.concatenate([u - u.mean(0), u ** 2 - (u ** 2).mean(0)], 1)
+  x = np.concatenate([u - u.mean(0), u**2 - (u**2).mean(0)], 1)
   y = scores - scores.mean()
   xtx = memory * xtx + x.T @ x
   xty = memory * xty + x.T @ y
@@ -40,7 +40,6 @@ def numpy_fit(xtx, xty, scores, offsets, multiplicative, memory, trust):
       target = -np.sign(b[k]) * trust[k]
     step[k] = np.clip(target, -trust[k], trust[k])
   return b, c, step, xtx, xty
-
 
 
 def numpy_accelerate(steps, growth, max_gain, trust, confident=None):
@@ -65,7 +64,7 @@ def numpy_slope_stderr(scores, offsets):
   y = y - y.mean()
   u = np.asarray(offsets, np.float64)
   g = u.shape[1]
-  x = np.concatenate([u - u.mean(0), u ** 2 - (u ** 2).mean(0)], 1)
+  x = np.concatenate([u - u.mean(0), u**2 - (u**2).mean(0)], 1)
   inv = np.linalg.inv(x.T @ x)
   resid = y - x @ (inv @ x.T @ y)
   dof = max(len(y) - 1 - 2 * g, 1)

@@ -28,10 +28,28 @@ def run_two_processes(config: str, workdir: str, extra_args=(), timeout: int = 3
   """Runs train.py as processes 0 and 1 of 2 on localhost (4 CPU devices each); returns their outputs."""
   port = free_port()
   env = process_env(4)
-  procs = [subprocess.Popen(
-      [sys.executable, os.path.join(ROOT, 'train.py'), '--config', config, '--workdir', workdir, *extra_args,
-       f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
-      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        os.path.join(ROOT, 'train.py'),
+        '--config',
+        config,
+        '--workdir',
+        workdir,
+        *extra_args,
+        f'--coordinator_address=127.0.0.1:{port}',
+        '--num_processes=2',
+        f'--process_id={i}',
+      ],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   outs = [p.communicate(timeout=timeout)[0] for p in procs]
   assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
   assert '(2 process(es))' in outs[0]

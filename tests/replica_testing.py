@@ -41,10 +41,11 @@ def quad_step(tx, sync=None, pmean_grads=True, exact=False):
     u, s = tx.update(g, s, p, value=loss, sync=sync)
     p = H.apply_updates(p, u, s, replica_axis=AX, sync=sync) if exact else optax.apply_updates(p, u)
     return p, s, loss
+
   return step
 
 
-def run(mesh, tx, steps, params, data, backend="shard_map", exact=False, record=False, sync=None):
+def run(mesh, tx, steps, params, data, backend='shard_map', exact=False, record=False, sync=None):
   sp = H.stack_replicas(params, N)
   ss = jax.jit(jax.vmap(tx.init))(sp)
   step = quad_step(tx, exact=exact, sync=sync)
@@ -73,10 +74,10 @@ def signal_run(tx, steps, lr_index=0):
     my_lr = s.values[lr_index, lax.axis_index(AX)]
     u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0 + 3.0 * (my_lr / 1e-2 - 1.0) ** 2)
     return optax.apply_updates(p, u), s
+
   f = jax.jit(jax.vmap(step, axis_name=AX))
   states = [jax.tree.map(lambda x: np.asarray(x[0]), ss)]
   for _ in range(steps):
     sp, ss = f(sp, ss)
     states.append(jax.tree.map(lambda x: np.asarray(x[0]), ss))
   return states
-

@@ -62,8 +62,15 @@ def test_the_page_shows_the_trainers_diff_and_it_is_small():
   removed = [line for line in diff if line.startswith('-')]
   # 17 statements; 3 of the 20 added lines are continuations at the docs' 88 columns
   assert (len(added), len(removed)) == (20, 10), (len(added), len(removed))
-  kept = ('with_sharding_constraint', "donate_argnames=('state',)", "nn.with_partitioning(init, (None, 'data'))",
-          'ocp.CheckpointManager', 'optax.MultiSteps', 'clip_by_global_norm', 'mask=decay_mask')
+  kept = (
+    'with_sharding_constraint',
+    "donate_argnames=('state',)",
+    "nn.with_partitioning(init, (None, 'data'))",
+    'ocp.CheckpointManager',
+    'optax.MultiSteps',
+    'clip_by_global_norm',
+    'mask=decay_mask',
+  )
   text = (EXAMPLES / 'hdet_linen.py').read_text()
   assert all(k in text for k in kept)
 
@@ -93,7 +100,7 @@ def test_both_trainers_learn_and_hdet_spreads_and_moves_the_learning_rate(runs):
 
 def test_save_restore_continue_equals_an_uninterrupted_run(runs):
   straight, resumed = runs['straight'], runs['resumed']
-  assert resumed[1] == straight[1][STEPS // 2:]  # the resumed run's losses, steps 10-19, bit for bit
+  assert resumed[1] == straight[1][STEPS // 2 :]  # the resumed run's losses, steps 10-19, bit for bit
   for a, b in zip(jax.tree.leaves(straight[0]), jax.tree.leaves(resumed[0])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert straight[2] == resumed[2]
@@ -116,14 +123,15 @@ def test_parameters_and_moments_stay_fsdp_sharded_inside_each_replica(runs):
 
 def _shard_map_reference(steps):
   """The docs' shard_map path: a per-replica step (the batch [N, B/N, ...]) on a 1-D mesh of N devices, no FSDP."""
-  mesh = Mesh(np.array(jax.devices()[:hdet.N]), ('replica',))
+  mesh = Mesh(np.array(jax.devices()[: hdet.N]), ('replica',))
 
   def train_step(state, batch):  # one replica's view
     loss, grads = jax.value_and_grad(hdet.loss_fn)(state.params, state.apply_fn, batch)
     grads = jax.lax.pmean(grads, 'replica')
     updates, opt_state = state.tx.update(grads, state.opt_state, state.params, value=loss)
-    return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                         opt_state=opt_state), loss
+    return state.replace(
+      step=state.step + 1, params=optax.apply_updates(state.params, updates), opt_state=opt_state
+    ), loss
 
   step = jax.jit(hdet_jax.shard_map_replicas(train_step, mesh, 'replica'))
   state = nn.meta.unbox(jax.jit(hdet.create_state)(jax.random.key(0)))  # plain arrays: no FSDP annotations

@@ -38,9 +38,18 @@ def test_the_page_shows_the_nnx_diff_and_it_is_small():
   added = [line for line in diff if line.startswith('+')]
   removed = [line for line in diff if line.startswith('-')]
   assert (len(added), len(removed)) == (ADDED, REMOVED), (len(added), len(removed))
-  kept = ('with_sharding_constraint', "donate_argnames=('state',)", "nnx.with_partitioning(init, (None, 'data'))",
-          'ocp.CheckpointManager', 'optax.MultiSteps', 'clip_by_global_norm', 'mask=decay_mask',
-          'nnx.split((model, optimizer))', 'nnx.merge(graphdef, state)', 'wrt=nnx.Param')
+  kept = (
+    'with_sharding_constraint',
+    "donate_argnames=('state',)",
+    "nnx.with_partitioning(init, (None, 'data'))",
+    'ocp.CheckpointManager',
+    'optax.MultiSteps',
+    'clip_by_global_norm',
+    'mask=decay_mask',
+    'nnx.split((model, optimizer))',
+    'nnx.merge(graphdef, state)',
+    'wrt=nnx.Param',
+  )
   for name in ('plain_nnx.py', 'hdet_nnx.py'):
     text = (EXAMPLES / name).read_text()
     assert all(k in text for k in kept), name
@@ -51,8 +60,7 @@ def test_the_page_shows_the_nnx_diff_and_it_is_small():
 def runs(tmp_path_factory):
   """The plain trainer; HDET straight to STEPS; HDET to 10 (a checkpoint) then resumed to STEPS (one process)."""
   root = tmp_path_factory.mktemp('add_to_trainer_nnx')
-  out = {'plain': plain.train(str(root / 'plain'), PLAIN_STEPS),
-         'straight': hdet.train(str(root / 'straight'), STEPS)}
+  out = {'plain': plain.train(str(root / 'plain'), PLAIN_STEPS), 'straight': hdet.train(str(root / 'straight'), STEPS)}
   out['first_half'] = hdet.train(str(root / 'resumed'), 10)
   out['resumed'] = hdet.train(str(root / 'resumed'), STEPS)
   return out

@@ -25,8 +25,12 @@ BRACKET = os.path.join(ROOT, 'configs', 'bracket.py')  # the LM task
 
 def _arrays() -> dict:
   rng = np.random.default_rng(0)
-  return {'x': rng.normal(size=(64, 12)).astype(np.float32), 'y': rng.integers(0, 10, 64),
-          'x_test': rng.normal(size=(16, 12)).astype(np.float32), 'y_test': rng.integers(0, 10, 16)}
+  return {
+    'x': rng.normal(size=(64, 12)).astype(np.float32),
+    'y': rng.integers(0, 10, 64),
+    'x_test': rng.normal(size=(16, 12)).astype(np.float32),
+    'y_test': rng.integers(0, 10, 16),
+  }
 
 
 def _npz_bytes(compressed: bool = False) -> bytes:
@@ -49,7 +53,7 @@ def _truncated_member_npz() -> bytes:
     for k, v in _arrays().items():
       npy = io.BytesIO()
       np.save(npy, v)
-      z.writestr(f'{k}.npy', npy.getvalue()[:len(npy.getvalue()) // 2] if k == 'x' else npy.getvalue())
+      z.writestr(f'{k}.npy', npy.getvalue()[: len(npy.getvalue()) // 2] if k == 'x' else npy.getvalue())
   return buf.getvalue()
 
 
@@ -67,41 +71,71 @@ NOT_PYTHON = b'\x00\x01\x02 binary \xff\xfe'
 # The bad path is tmp_path / 'bad' (+ a suffix), passed as --config or --config.data.path: a bytes value is the
 # file's content, a str a config file's source; DIR makes a directory there, ABSENT nothing, NO_PATH passes ''.
 CASES = [
-    # ---- --config: the config file itself ----
-    ('config_syntax_error', None, 'def get_config(:\n  pass\n', '--config', ['not Python source', 'line 1']),
-    ('config_missing', None, ABSENT, '--config', ['no such file']),
-    ('config_directory', None, DIR, '--config', ['is a directory']),
-    ('config_empty_path', None, NO_PATH, '--config', ['--config is empty']),
-    ('config_binary', None, NOT_PYTHON, '--config', ['not Python source']),
-    ('config_import_error', None, 'import ml_collections\nimport hdet_no_such_module\n\ndef get_config():\n'
-     '  return ml_collections.ConfigDict()\n', '--config', ['ModuleNotFoundError', 'hdet_no_such_module', 'line 2']),
-    ('config_without_get_config', None, 'import ml_collections\nCONFIG = ml_collections.ConfigDict()\n', '--config',
-     ['defines no get_config()']),
-    ('config_empty_file', None, b'', '--config', ['defines no get_config()']),
-    ('config_get_config_raises', None, 'def get_config():\n  raise RuntimeError("no such experiment")\n', '--config',
-     ['get_config() raised RuntimeError: no such experiment', 'line 2']),
-    ('config_returns_dict', None, 'def get_config():\n  return {"seed": 0}\n', '--config',
-     ['returned dict', 'not an ml_collections.ConfigDict']),
-    ('config_returns_none', None, 'def get_config():\n  config = 1\n', '--config',
-     ['returned NoneType', 'not an ml_collections.ConfigDict']),
-    ('config_incomplete', None, 'import ml_collections\n\ndef get_config():\n  return ml_collections.ConfigDict('
-     '{"seed": 0})\n', '--config', ['its config lacks', 'build it on configs/default.py']),
-    # ---- data.path of the mnist1d task: an .npz ----
-    ('npz_text_file', MNIST1D, TEXT, 'data.path', ['not an .npz file']),
-    ('npz_short_text_file', MNIST1D, b'hi\n', 'data.path', ['not an .npz file']),
-    ('npz_binary_file', MNIST1D, bytes(range(256)) * 20, 'data.path', ['not an .npz file']),
-    ('npz_empty_file', MNIST1D, b'', 'data.path', ['is empty']),
-    ('npz_directory', MNIST1D, DIR, 'data.path', ['is a directory']),
-    ('npz_single_array', MNIST1D, _npy_bytes(), 'data.path', ['a single array (.npy)']),
-    ('npz_truncated', MNIST1D, _npz_bytes()[:len(_npz_bytes()) // 2], 'data.path', ['truncated or corrupt .npz']),
-    ('npz_corrupt_member', MNIST1D, _corrupt_npz(), 'data.path', ['not a readable .npz', 'CRC']),
-    ('npz_truncated_member', MNIST1D, _truncated_member_npz(), 'data.path', ['not a readable .npz']),
-    # ---- data.path of the LM task: a UTF-8 text corpus ----
-    ('text_binary_file', TINY, _npz_bytes(), 'data.path', ['not UTF-8 text']),
-    ('text_nul_bytes', TINY, bytes(8192), 'data.path', ['binary, not text']),
-    ('text_truncated_utf8', TINY, (TEXT + 'Grü'.encode())[:-1], 'data.path', ['not UTF-8 text', 'end of data']),
-    ('text_empty_file', TINY, b'', 'data.path', ['is empty']),
-    ('text_directory', TINY, DIR, 'data.path', ['is a directory']),
+  # ---- --config: the config file itself ----
+  ('config_syntax_error', None, 'def get_config(:\n  pass\n', '--config', ['not Python source', 'line 1']),
+  ('config_missing', None, ABSENT, '--config', ['no such file']),
+  ('config_directory', None, DIR, '--config', ['is a directory']),
+  ('config_empty_path', None, NO_PATH, '--config', ['--config is empty']),
+  ('config_binary', None, NOT_PYTHON, '--config', ['not Python source']),
+  (
+    'config_import_error',
+    None,
+    'import ml_collections\nimport hdet_no_such_module\n\ndef get_config():\n  return ml_collections.ConfigDict()\n',
+    '--config',
+    ['ModuleNotFoundError', 'hdet_no_such_module', 'line 2'],
+  ),
+  (
+    'config_without_get_config',
+    None,
+    'import ml_collections\nCONFIG = ml_collections.ConfigDict()\n',
+    '--config',
+    ['defines no get_config()'],
+  ),
+  ('config_empty_file', None, b'', '--config', ['defines no get_config()']),
+  (
+    'config_get_config_raises',
+    None,
+    'def get_config():\n  raise RuntimeError("no such experiment")\n',
+    '--config',
+    ['get_config() raised RuntimeError: no such experiment', 'line 2'],
+  ),
+  (
+    'config_returns_dict',
+    None,
+    'def get_config():\n  return {"seed": 0}\n',
+    '--config',
+    ['returned dict', 'not an ml_collections.ConfigDict'],
+  ),
+  (
+    'config_returns_none',
+    None,
+    'def get_config():\n  config = 1\n',
+    '--config',
+    ['returned NoneType', 'not an ml_collections.ConfigDict'],
+  ),
+  (
+    'config_incomplete',
+    None,
+    'import ml_collections\n\ndef get_config():\n  return ml_collections.ConfigDict({"seed": 0})\n',
+    '--config',
+    ['its config lacks', 'build it on configs/default.py'],
+  ),
+  # ---- data.path of the mnist1d task: an .npz ----
+  ('npz_text_file', MNIST1D, TEXT, 'data.path', ['not an .npz file']),
+  ('npz_short_text_file', MNIST1D, b'hi\n', 'data.path', ['not an .npz file']),
+  ('npz_binary_file', MNIST1D, bytes(range(256)) * 20, 'data.path', ['not an .npz file']),
+  ('npz_empty_file', MNIST1D, b'', 'data.path', ['is empty']),
+  ('npz_directory', MNIST1D, DIR, 'data.path', ['is a directory']),
+  ('npz_single_array', MNIST1D, _npy_bytes(), 'data.path', ['a single array (.npy)']),
+  ('npz_truncated', MNIST1D, _npz_bytes()[: len(_npz_bytes()) // 2], 'data.path', ['truncated or corrupt .npz']),
+  ('npz_corrupt_member', MNIST1D, _corrupt_npz(), 'data.path', ['not a readable .npz', 'CRC']),
+  ('npz_truncated_member', MNIST1D, _truncated_member_npz(), 'data.path', ['not a readable .npz']),
+  # ---- data.path of the LM task: a UTF-8 text corpus ----
+  ('text_binary_file', TINY, _npz_bytes(), 'data.path', ['not UTF-8 text']),
+  ('text_nul_bytes', TINY, bytes(8192), 'data.path', ['binary, not text']),
+  ('text_truncated_utf8', TINY, (TEXT + 'Grü'.encode())[:-1], 'data.path', ['not UTF-8 text', 'end of data']),
+  ('text_empty_file', TINY, b'', 'data.path', ['is empty']),
+  ('text_directory', TINY, DIR, 'data.path', ['is a directory']),
 ]
 
 
@@ -130,8 +164,9 @@ def _snapshot(workdir) -> dict:
 
 
 @pytest.mark.parametrize('case, config, content, param, says', CASES, ids=[c[0] for c in CASES])
-def test_a_bad_input_is_one_error_line_and_exit_2_with_the_workdir_untouched(tmp_path, case, config, content, param,
-                                                                              says):
+def test_a_bad_input_is_one_error_line_and_exit_2_with_the_workdir_untouched(
+  tmp_path, case, config, content, param, says
+):
   workdir = tmp_path / 'workdir'  # a run's workdir already there: nothing in it may change
   workdir.mkdir()
   (workdir / 'sentinel.txt').write_text('left alone\n')
@@ -143,8 +178,13 @@ def test_a_bad_input_is_one_error_line_and_exit_2_with_the_workdir_untouched(tmp
   else:
     path = _make(tmp_path, content, '.npz' if config == MNIST1D else '.txt')
     args = ['--config', config, f'--config.data.path={path}']
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), *args, '--workdir', str(workdir)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'train.py'), *args, '--workdir', str(workdir)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 2, (case, proc.stderr[-3000:])
   assert 'Traceback' not in proc.stderr, proc.stderr[-3000:]
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
@@ -159,8 +199,13 @@ def test_a_bad_config_file_leaves_no_new_workdir(tmp_path):
   """A new workdir is not created when the input is refused."""
   bad = tmp_path / 'bad.py'
   bad.write_text('def get_config(:\n')
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config', str(bad), '--workdir',
-                         str(tmp_path / 'new')], cwd=ROOT, capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'train.py'), '--config', str(bad), '--workdir', str(tmp_path / 'new')],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 2 and proc.stderr.startswith('error: --config '), proc.stderr
   assert not (tmp_path / 'new').exists()
 
@@ -170,9 +215,21 @@ def test_a_bracket_checks_its_runs_before_it_writes_its_record(tmp_path):
   bad = tmp_path / 'bad.txt'
   bad.write_bytes(_npz_bytes())
   workdir = tmp_path / 'new'
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config', BRACKET,
-                         f'--config.data.path={bad}', '--workdir', str(workdir)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'train.py'),
+      '--config',
+      BRACKET,
+      f'--config.data.path={bad}',
+      '--workdir',
+      str(workdir),
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
   assert proc.returncode == 2 and len(errors) == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
   assert 'data.path' in errors[0] and 'not UTF-8 text' in errors[0], errors

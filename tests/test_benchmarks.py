@@ -16,9 +16,11 @@ def counts():
   mesh = C.make_mesh()
   graphdef, _ = C.model_lib.abstract_model(model, 8)
   out = {}
-  for name, v in (('plain', C.Variant('plain_donate', 'plain', donate=True)),
-                  ('hdet', C.Variant('static', 'hdet', 'static', donate=True, exact_sync=True)),
-                  ('unpacked', C.Variant('static_u', 'hdet', 'static', donate=True, exact_sync=True, packed=False))):
+  for name, v in (
+    ('plain', C.Variant('plain_donate', 'plain', donate=True)),
+    ('hdet', C.Variant('static', 'hdet', 'static', donate=True, exact_sync=True)),
+    ('unpacked', C.Variant('static_u', 'hdet', 'static', donate=True, exact_sync=True, packed=False)),
+  ):
     out[name] = bench.fixed_counts(C.Runner(v, graphdef, model, 8, 2, mesh, phase='nosync'))
   return out
 
@@ -44,6 +46,7 @@ def test_the_trainer_overhead_times_every_compiled_program_of_the_loop():
   each running the window-end program and (the guard's rollback) the anchor program after the step: the timed
   compiled calls are 30 + 15 + 15; one evaluation (the final one: eval_every is 250)."""
   from benchmarks import trainer_overhead
+
   got = trainer_overhead.measure(30)
   assert got['calls']['step'] == 30 + 15 + 15
   assert got['calls']['eval'] == 1
@@ -59,6 +62,7 @@ def test_the_jit_with_shardings_path_sends_across_replicas_what_the_shard_map_pa
   parameters' all-reduce on every step too. Measured: 74,688 B every step in both paths (parameters 75,648 B per
   device), the vmap variant 194,993 B and no conditional."""
   from benchmarks import gspmd_path
+
   got = gspmd_path.main(['--quick'])
   res, errors = got['results'], got['errors']
   new, ref = res['new path'], res['shard_map path']

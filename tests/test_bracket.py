@@ -15,8 +15,16 @@ from hdet_jax.trainer import schema
 from hdet_jax.trainer.config_lib import ConfigError
 from trainer_testing import tiny
 
-PLAIN = {'hdet.spread': 0.0, 'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.auto_lr': False,
-         'hdet.param_groups': False, 'plots': False, 'eval_windows': 16, 'checkpoint_every': 0}
+PLAIN = {
+  'hdet.spread': 0.0,
+  'hdet.sync_every': 0,
+  'hdet.num_syncs': 0,
+  'hdet.auto_lr': False,
+  'hdet.param_groups': False,
+  'plots': False,
+  'eval_windows': 16,
+  'checkpoint_every': 0,
+}
 
 
 def test_point_lrs_are_geometric_around_max_lr():
@@ -65,7 +73,9 @@ def test_window_loss_reads_the_steps_before_the_rung(tmp_path):
     bracket.window_loss(path, 20, 3, None)
 
 
-@pytest.mark.parametrize('over, names', [
+@pytest.mark.parametrize(
+  'over, names',
+  [
     ({'bracket.points': 1}, 'bracket.points'),
     ({'bracket.factor': 1.0}, 'bracket.factor'),
     ({'bracket.compare_steps': 0}, 'bracket.compare_steps'),
@@ -77,7 +87,8 @@ def test_window_loss_reads_the_steps_before_the_rung(tmp_path):
     ({'bracket.rungs': '0.5:4,1.0:1'}, 'bracket.rungs'),  # at the end: nothing left to run
     ({'hdet.auto_lr': True}, 'hdet.auto_lr'),
     ({'stop_at_step': 10}, 'stop_at_step'),
-])
+  ],
+)
 def test_bad_bracket_settings_are_refused_naming_the_field(over, names):
   config = tiny(**{**PLAIN, 'bracket.points': 8, **over})
   with pytest.raises(ConfigError, match=names.replace('.', r'\.')):
@@ -91,8 +102,12 @@ def test_default_config_is_one_run_and_its_bracket_fields_stay_out_of_the_record
   assert not any(k.startswith('bracket.') for k in fields)
   # A bracket's runs never read bracket.*: no value of them changes a run's identity (its resume, its records).
   # (The identity of the fields as given: tiny's auto-LR with bracket.points=8 would not resolve.)
-  for over in ({'bracket.rungs': '0.1:4,0.3:1'}, {'bracket.points': 8}, {'bracket.factor': 4.0},
-               {'bracket.compare_steps': 3}):
+  for over in (
+    {'bracket.rungs': '0.1:4,0.3:1'},
+    {'bracket.points': 8},
+    {'bracket.factor': 4.0},
+    {'bracket.compare_steps': 3},
+  ):
     assert run_settings.identity(config_lib.flatten(json.loads(tiny(**over).to_json())), 8) == fields, over
   assert run_settings.resolve(tiny(**{'seed': 1})).training_fields(8) != fields
 
@@ -100,6 +115,7 @@ def test_default_config_is_one_run_and_its_bracket_fields_stay_out_of_the_record
 def test_the_default_rungs_keep_5_then_1_for_2_5_runs():
   """The default bracket (configs/bracket.py): 8 points, 5 kept at 0.1 of the run, 1 at 0.3: 0.8 + 1.0 + 0.7 runs."""
   from trainer_testing import ROOT
+
   config = config_lib.load_config_file(os.path.join(ROOT, 'configs', 'bracket.py'))
   assert (config.bracket.points, config.bracket.factor) == (8, 2.0)
   assert schema.parse_rungs(config.bracket.rungs) == [(0.1, 5), (0.3, 1)]
@@ -109,6 +125,7 @@ def test_the_default_rungs_keep_5_then_1_for_2_5_runs():
 def test_a_workdir_whose_recorded_fields_hold_bracket_fields_still_resumes(tmp_path):
   """A run written before bracket.* left a run's identity recorded them where not at their defaults."""
   from hdet_jax.trainer import trainer as trainer_lib
+
   fields = run_settings.resolve(tiny()).training_fields(8)
   old = {**fields, 'bracket.rungs': '0.1:5,0.3:1', 'bracket.factor': 4.0}
   (tmp_path / 'config.json').write_text(json.dumps({'training_fields': old}))
@@ -129,6 +146,7 @@ def test_a_workdir_of_another_kind_is_refused_untouched(tmp_path):
 
 def _train_losses(workdir):
   from hdet_jax.trainer.metrics import read_metrics
+
   return {r['step']: float(np.mean(r['loss'])) for r in read_metrics(os.path.join(workdir, 'metrics.jsonl'))['train']}
 
 
@@ -136,13 +154,16 @@ def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path, monkeypa
   """4 points a factor 8 apart, 16 steps, rungs at 0.25 (keep 2) and 0.5 (keep 1), compared over 3 steps: the picks
   are those the same LRs' straight 16-step runs give, and the kept run ends bit for bit as its straight run."""
   from hdet_jax.trainer import train_and_evaluate
+
   over = {**PLAIN, 'num_train_steps': 16, 'optim.max_lr': 0.01, 'log_every': 4, 'eval_every': 0}
-  config = tiny(**over, **{'bracket.points': 4, 'bracket.factor': 8.0, 'bracket.rungs': '0.25:2,0.5:1',
-                           'bracket.compare_steps': 3})
+  config = tiny(
+    **over, **{'bracket.points': 4, 'bracket.factor': 8.0, 'bracket.rungs': '0.25:2,0.5:1', 'bracket.compare_steps': 3}
+  )
 
   def killed(run_config, workdir):  # a bracket killed inside its first run, before any rung was decided
     os.makedirs(os.path.join(workdir, 'checkpoints'))
     raise KeyboardInterrupt
+
   with monkeypatch.context() as m:
     m.setattr(bracket.trainer_lib, 'train_and_evaluate', killed)
     with pytest.raises(KeyboardInterrupt):
@@ -155,17 +176,21 @@ def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path, monkeypa
   # The oracle: each LR trained straight to the end in a workdir of its own, ranked by numpy. (Built as the points
   # are, with the LR's power of two applied at run time, so that they reuse the points' compiled programs; such a
   # run is the plain one bit for bit: tests/test_optimizer.py.)
-  straight = {lr: train_and_evaluate(tiny(**{**over, 'optim.max_lr': lr, 'optim.runtime_lr_scale': True}),
-                                     str(tmp_path / f's{k}'))
-              for k, lr in enumerate(state['lrs'])}
+  straight = {
+    lr: train_and_evaluate(
+      tiny(**{**over, 'optim.max_lr': lr, 'optim.runtime_lr_scale': True}), str(tmp_path / f's{k}')
+    )
+    for k, lr in enumerate(state['lrs'])
+  }
   losses = {lr: _train_losses(s['workdir']) for lr, s in straight.items()}
   at4 = {lr: np.mean([losses[lr][s] for s in (1, 2, 3)]) for lr in lrs}
   kept4 = sorted(sorted(lrs, key=lambda lr: at4[lr])[:2])
   at8 = {lr: np.mean([losses[lr][s] for s in (5, 6, 7)]) for lr in kept4}
   winner = min(kept4, key=lambda lr: at8[lr])
   assert [r['step'] for r in state['rungs']] == [4, 8]
-  np.testing.assert_allclose([state['rungs'][0]['losses'][f'{lr:.6g}'] for lr in lrs], [at4[lr] for lr in lrs],
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    [state['rungs'][0]['losses'][f'{lr:.6g}'] for lr in lrs], [at4[lr] for lr in lrs], rtol=1e-6
+  )
   np.testing.assert_allclose(state['rungs'][0]['kept'], kept4, rtol=1e-12)
   np.testing.assert_allclose(state['rungs'][1]['kept'], [winner], rtol=1e-12)
   assert state['winner']['lr'] == pytest.approx(winner, rel=1e-12)
@@ -186,12 +211,19 @@ def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path, monkeypa
   assert again['bracket']['rungs'] == json.loads(json.dumps(state['rungs']))
   assert again['final_metric'] == summary['final_metric']
   with pytest.raises(ConfigError, match='different config'):
-    bracket.run_bracket(tiny(**over, **{'bracket.points': 4, 'bracket.factor': 4.0, 'bracket.rungs': '0.25:2,0.5:1',
-                                        'bracket.compare_steps': 3}), str(tmp_path / 'b'))
+    bracket.run_bracket(
+      tiny(
+        **over,
+        **{'bracket.points': 4, 'bracket.factor': 4.0, 'bracket.rungs': '0.25:2,0.5:1', 'bracket.compare_steps': 3},
+      ),
+      str(tmp_path / 'b'),
+    )
 
 
-@pytest.mark.skipif(not os.environ.get('HDET_MULTIPROCESS_TESTS'),
-                    reason='a bracket in one process, then in two x 4 CPU devices: 1-2 minutes; set HDET_MULTIPROCESS_TESTS=1')
+@pytest.mark.skipif(
+  not os.environ.get('HDET_MULTIPROCESS_TESTS'),
+  reason='a bracket in one process, then in two x 4 CPU devices: 1-2 minutes; set HDET_MULTIPROCESS_TESTS=1',
+)
 def test_two_processes_run_the_bracket_one_process_runs(tmp_path):
   """train.py as 2 processes x 4 CPU devices (jax.distributed on localhost): 3 points a factor 8 apart, one rung at
   half of 16 steps. Both processes rank the same losses and keep the same run as the bracket in one process of 8
@@ -199,12 +231,23 @@ def test_two_processes_run_the_bracket_one_process_runs(tmp_path):
   2e-7 relative), grown by the kept run's high LR to 2e-4 in its final metric by step 16."""
   from process_testing import run_two_processes
   from trainer_testing import ROOT
-  over = {**PLAIN, 'num_train_steps': 16, 'optim.max_lr': 0.01, 'log_every': 4, 'eval_every': 0,
-          'bracket.points': 3, 'bracket.factor': 8.0, 'bracket.rungs': '0.5:1', 'bracket.compare_steps': 3}
+
+  over = {
+    **PLAIN,
+    'num_train_steps': 16,
+    'optim.max_lr': 0.01,
+    'log_every': 4,
+    'eval_every': 0,
+    'bracket.points': 3,
+    'bracket.factor': 8.0,
+    'bracket.rungs': '0.5:1',
+    'bracket.compare_steps': 3,
+  }
   one = bracket.run_bracket(tiny(**over), str(tmp_path / 'one'))['bracket']
   two_dir = str(tmp_path / 'two')
-  outs = run_two_processes(os.path.join(ROOT, 'configs', 'tiny.py'), two_dir,
-                           [f'--config.{k}={v}' for k, v in over.items()])
+  outs = run_two_processes(
+    os.path.join(ROOT, 'configs', 'tiny.py'), two_dir, [f'--config.{k}={v}' for k, v in over.items()]
+  )
   assert 'LR bracket over 3 peak LRs' in outs[0] and 'LR bracket over' not in outs[1]  # (process 0 reports)
   two = json.load(open(os.path.join(two_dir, 'bracket.json')))
   assert two['lrs'] == one['lrs'] and [r['kept'] for r in two['rungs']] == [r['kept'] for r in one['rungs']]
@@ -219,9 +262,23 @@ def test_a_bad_bracket_on_the_command_line_is_one_error_line_and_writes_nothing(
   import subprocess
   import sys
   from trainer_testing import ROOT, chaos
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config', os.path.join(ROOT, 'configs',
-                         'bracket.py'), '--workdir', str(tmp_path / 'w'), '--config.bracket.rungs=0.3:4,0.1:1'],
-                        cwd=ROOT, env=chaos._env(), capture_output=True, text=True, timeout=120)
+
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'train.py'),
+      '--config',
+      os.path.join(ROOT, 'configs', 'bracket.py'),
+      '--workdir',
+      str(tmp_path / 'w'),
+      '--config.bracket.rungs=0.3:4,0.1:1',
+    ],
+    cwd=ROOT,
+    env=chaos._env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 2, proc.stderr
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('error: bracket.rungs=') and 'Traceback' not in proc.stderr
@@ -229,12 +286,13 @@ def test_a_bad_bracket_on_the_command_line_is_one_error_line_and_writes_nothing(
 
 
 def test_format_bracket_lists_each_rung_and_the_kept_run():
-  state = {'lrs': [0.01, 0.02, 0.04], 'compute_runs': 1.6,
-           'rungs': [{'fraction': 0.3, 'step': 30, 'losses': {'0.01': 2.5, '0.02': 2.25, '0.04': math.inf},
-                      'kept': [0.02]}],
-           'winner': {'lr': 0.02, 'final_metric': 2.125, 'workdir': 'W/bracket/point1_lr0.02'}}
+  state = {
+    'lrs': [0.01, 0.02, 0.04],
+    'compute_runs': 1.6,
+    'rungs': [{'fraction': 0.3, 'step': 30, 'losses': {'0.01': 2.5, '0.02': 2.25, '0.04': math.inf}, 'kept': [0.02]}],
+    'winner': {'lr': 0.02, 'final_metric': 2.125, 'workdir': 'W/bracket/point1_lr0.02'},
+  }
   lines = bracket.format_bracket(state).splitlines()
   assert lines[0] == 'LR bracket over 3 peak LRs (0.01, 0.02, 0.04); compute 1.60 runs.'
   assert lines[1] == '  step 30 (0.3 of the run): training loss 0.01 2.5000, 0.02 2.2500, 0.04 inf; kept 0.02'
   assert lines[2] == '  kept run: peak LR 0.02, final metric 2.1250 (W/bracket/point1_lr0.02)'
-

@@ -67,16 +67,25 @@ def test_a_plain_orbax_save_is_unaffected_by_the_trainers_checkpoints(tmp_path):
 
 def test_the_trainers_manager_writes_replicated_arrays_whole(tmp_path):
   """Large replicated arrays: orbax's default cuts them with eager slices (compilations); the trainer's does not."""
+
   def save(whole, rows):
     tree = {f'a{i}': _replicated((rows + i, 1024)) for i in range(4)}  # shapes no other save compiled for
     jax.block_until_ready(tree)
 
     def run():
       with checkpoints._manager(str(tmp_path / f'whole_{whole}'), whole=whole) as mngr:
-        mngr.save(1, args=ocp.args.Composite(**{
-            checkpoints.STATE: ocp.args.StandardSave(tree), checkpoints.AVG: ocp.args.StandardSave(tree),
-            checkpoints.META: ocp.args.JsonSave({'step': 1})}))
+        mngr.save(
+          1,
+          args=ocp.args.Composite(
+            **{
+              checkpoints.STATE: ocp.args.StandardSave(tree),
+              checkpoints.AVG: ocp.args.StandardSave(tree),
+              checkpoints.META: ocp.args.JsonSave({'step': 1}),
+            }
+          ),
+        )
         mngr.wait_until_finished()
+
     return _compilations(run)
 
   assert save(whole=True, rows=301) == 0
@@ -103,8 +112,12 @@ def test_fingerprint_values_match_a_numpy_oracle():
   """Per leaf, in tree order: the wrapping uint32 sum of the words times 1 + i * 2654435761, the wrapping sum of
   u ^ (u >> 13), and the word count (float32 words as their bits; bool and int8 widened to uint32)."""
   rng = np.random.default_rng(0)
-  leaves = {'a': rng.standard_normal((7, 13)).astype(np.float32), 'b': rng.random(5) > 0.5,
-            'c': rng.integers(-128, 128, 9).astype(np.int8), 'd': np.zeros((0,), np.float32)}
+  leaves = {
+    'a': rng.standard_normal((7, 13)).astype(np.float32),
+    'b': rng.random(5) > 0.5,
+    'c': rng.integers(-128, 128, 9).astype(np.int8),
+    'd': np.zeros((0,), np.float32),
+  }
 
   def oracle(x):
     u = (x.view(np.uint32) if x.dtype == np.float32 else x.astype(np.uint8).astype(np.uint32)).ravel().astype(np.uint64)
@@ -121,6 +134,7 @@ def test_reading_checkpoints_logs_no_read_only_warnings(tmp_path, caplog):
   ('... read_only=True, setting save_interval_steps=0.' and 'Given directory is read only=...'): six per warm start.
   Neither is logged now; other absl warnings still are."""
   from absl import logging as absl_logging
+
   os.makedirs(checkpoints.checkpoint_dir(str(tmp_path)))
   with caplog.at_level('WARNING'):
     assert checkpoints.all_steps(str(tmp_path)) == [] and checkpoints.latest_step(str(tmp_path)) is None

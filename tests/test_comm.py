@@ -7,7 +7,8 @@ from benchmarks import comm
 
 MESH = (4, 2)  # 4 replica groups of 2 devices: device d is in group d // 2
 
-HLO = '\n'.join([
+HLO = '\n'.join(
+  [
     # the gradient all-reduce across groups: devices {0,2,4,6} and {1,3,5,7} (one per group each)
     '%ar = f32[64,16]{1,0} all-reduce(%g), channel_id=1, replica_groups={{0,2,4,6},{1,3,5,7}}, '
     'use_global_device_ids=true, to_apply=%add',
@@ -20,7 +21,8 @@ HLO = '\n'.join([
     'ROOT %rs = f32[10]{0} reduce-scatter(%y), channel_id=4, replica_groups={{0,1},{2,3},{4,5},{6,7}}, '
     'dimensions={0}, to_apply=%add',
     '%not_a_collective = f32[4]{0} add(%p, %q)',
-])
+  ]
+)
 
 
 def test_collectives_groups_bytes_and_crossing():
@@ -45,10 +47,10 @@ def test_pairs_and_unlisted_groups():
   """collective-permute's source-target pairs are groups of two; no groups listed (or an empty list) is one group of
   every device, which crosses the replicas whenever there are several."""
   lines = [
-      '%cp = f32[4]{0} collective-permute(%x), channel_id=5, source_target_pairs={{0,2},{2,4},{4,6},{6,0}}',
-      '%cp2 = s32[3]{0} collective-permute(%y), channel_id=6, source_target_pairs={{0,1},{1,0}}',
-      '%ar = f32[3]{0} all-reduce(%g), channel_id=7, to_apply=%add',
-      '%ar2 = f32[5]{0} all-reduce(%g), channel_id=8, replica_groups={}, to_apply=%add',
+    '%cp = f32[4]{0} collective-permute(%x), channel_id=5, source_target_pairs={{0,2},{2,4},{4,6},{6,0}}',
+    '%cp2 = s32[3]{0} collective-permute(%y), channel_id=6, source_target_pairs={{0,1},{1,0}}',
+    '%ar = f32[3]{0} all-reduce(%g), channel_id=7, to_apply=%add',
+    '%ar2 = f32[5]{0} all-reduce(%g), channel_id=8, replica_groups={}, to_apply=%add',
   ]
   got = comm.collectives('\n'.join(lines), MESH)
   assert [c.op for c in got] == ['collective-permute', 'collective-permute', 'all-reduce', 'all-reduce']
@@ -64,7 +66,8 @@ def test_pairs_and_unlisted_groups():
 def test_collectives_by_place_splits_what_runs_every_call_from_what_a_branch_runs():
   """A hand-written HLO: ENTRY all-reduces 16 bytes and calls a conditional whose true branch calls a computation
   that all-reduces 64; the false branch has none. The branch's callee counts as inside a branch."""
-  hlo = '\n'.join([
+  hlo = '\n'.join(
+    [
       '%inner (p: f32[16]) -> f32[16] {',
       '  %ar.2 = f32[16]{0} all-reduce(%p), replica_groups={{0,2},{1,3}}, to_apply=%add',
       '}',
@@ -77,7 +80,9 @@ def test_collectives_by_place_splits_what_runs_every_call_from_what_a_branch_run
       'ENTRY %main (a: f32[4], p: pred[]) -> f32[16] {',
       '  %ar.1 = f32[4]{0} all-reduce(%a), replica_groups={{0,1},{2,3}}, to_apply=%add',
       '  ROOT %r = f32[16]{0} conditional(%p, %x, %x), true_computation=%true_branch, false_computation=%false_branch',
-      '}'])
+      '}',
+    ]
+  )
   always, inside = comm.collectives_by_place(hlo, (2, 2))
   assert [(c.op, c.operand_bytes, c.crosses_replicas) for c in always] == [('all-reduce', 16, False)]
   assert [(c.op, c.operand_bytes, c.crosses_replicas) for c in inside] == [('all-reduce', 64, True)]

@@ -15,8 +15,18 @@ def _tiny():
   return config_lib.load_config_file(os.path.join(CONFIGS, 'tiny.py'))
 
 
-REMOVED_1_0 = ['hdet.fan', 'hdet.score_tail', 'hdet.score_anneal', 'hdet.early_sync_every', 'hdet.early_sync_steps',
-               'hdet.overshoot', 'optim.anneal_at_step', 'optim.anneal_steps', 'bracket.anneal', 'log_noise_scale']
+REMOVED_1_0 = [
+  'hdet.fan',
+  'hdet.score_tail',
+  'hdet.score_anneal',
+  'hdet.early_sync_every',
+  'hdet.early_sync_steps',
+  'hdet.overshoot',
+  'optim.anneal_at_step',
+  'optim.anneal_steps',
+  'bracket.anneal',
+  'log_noise_scale',
+]
 
 
 def test_the_fields_removed_in_1_0_are_listed_and_gone_from_every_config():
@@ -53,6 +63,7 @@ def test_config_json_is_byte_for_byte_what_1_0_wrote_and_its_workdirs_resume(tmp
   holding 1.0's config.json is accepted by the resume check (and another config's is refused)."""
   import json
   from hdet_jax.trainer import trainer as trainer_lib
+
   recorded = json.load(open(os.path.join(os.path.dirname(__file__), 'data', 'config_json_1.0.json')))['configs']
   assert len(recorded) == 10
   for name, old in recorded.items():

@@ -6,27 +6,50 @@ import sys
 
 from trainer_testing import ROOT
 
-_TESTS = '''
+_TESTS = """
 import jax, jax.numpy as jnp
 
 def test_two_programs():
   f = jax.jit(lambda x: jnp.sin(x) * 2)
   f(jnp.ones(3)); f(jnp.ones(3))  # the same shapes: compiled once
   jax.jit(jnp.cumsum)(jnp.ones(5))
-'''
+"""
 
 
 def _profile(tmp_path, run):
   report = tmp_path / f'report{run}.txt'
-  env = dict(os.environ, JAX_PLATFORMS='cpu', HDET_COMPILE_PROFILE=str(report),
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'cache'), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
-  proc = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'scripts.compile_profile', '-p',
-                         'no:cacheprovider', '--rootdir', str(tmp_path), str(tmp_path / 'test_tiny.py')],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS='cpu',
+    HDET_COMPILE_PROFILE=str(report),
+    JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'cache'),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+  )
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'pytest',
+      '-q',
+      '-p',
+      'scripts.compile_profile',
+      '-p',
+      'no:cacheprovider',
+      '--rootdir',
+      str(tmp_path),
+      str(tmp_path / 'test_tiny.py'),
+    ],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stdout + proc.stderr
   lines = report.read_text().splitlines()
-  programs = {l.split()[-1]: int(l.split()[2]) for l in lines if l.strip().startswith(tuple('0123456789'))
-              and 'jit(' in l}
+  programs = {
+    l.split()[-1]: int(l.split()[2]) for l in lines if l.strip().startswith(tuple('0123456789')) and 'jit(' in l
+  }
   misses = [int(l.split()[2]) for l in lines if l.rstrip().endswith('test_tiny.py')]
   assert lines[0].startswith('XLA compiles in process') and sum('XLA compiles' in l for l in lines) == 1
   return programs, misses, int(lines[0].split()[-2])

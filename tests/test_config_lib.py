@@ -33,16 +33,21 @@ def test_sibling_loads_the_named_config_next_to_a_file():
   assert config_lib.sibling(os.path.join(CONFIGS, 'x.py'), 'default').num_train_steps == 1500
 
 
-@pytest.mark.parametrize('source,says', [
+@pytest.mark.parametrize(
+  'source,says',
+  [
     (None, 'no such file'),
     ('def get_config(:\n', 'is not Python source (invalid syntax at line 1)'),
     ('import hdet_no_such_module\n', "raised ModuleNotFoundError: No module named 'hdet_no_such_module' (line 1)"),
     ('X = 1\n', 'defines no get_config()'),
     ('def get_config():\n  return {}[0]\n', 'get_config() raised KeyError: 0 (line 2)'),
     ('def get_config():\n  return [1]\n', 'get_config() returned list [1], not an ml_collections.ConfigDict'),
-    ('from hdet_jax.trainer.config_lib import sibling\ndef get_config():\n  return sibling(__file__, "gone")\n',
-     'gone.py: no such file'),  # a config building on a missing one names that one
-])
+    (
+      'from hdet_jax.trainer.config_lib import sibling\ndef get_config():\n  return sibling(__file__, "gone")\n',
+      'gone.py: no such file',
+    ),  # a config building on a missing one names that one
+  ],
+)
 def test_a_config_file_that_gives_no_config_is_one_config_error(tmp_path, source, says):
   """train.py reads --config through load_config_file (its ConfigError is one error line, exit 2)."""
   path = tmp_path / 'mine.py'

@@ -15,8 +15,16 @@ CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), '..', 'config
 
 def test_the_configs_are_there():
   names = {os.path.basename(p)[:-3] for p in CONFIGS}
-  assert {'default', 'tiny', 'baseline_low', 'baseline_high', 'warm_init', 'hdet_no_auto_lr', 'hdet_cold',
-          'hdet_full'} <= names
+  assert {
+    'default',
+    'tiny',
+    'baseline_low',
+    'baseline_high',
+    'warm_init',
+    'hdet_no_auto_lr',
+    'hdet_cold',
+    'hdet_full',
+  } <= names
 
 
 @pytest.mark.parametrize('path', CONFIGS, ids=lambda p: os.path.basename(p))
@@ -32,8 +40,9 @@ def test_config_is_valid_and_documented(path):
 
 def test_ablation_rows_differ_as_the_paper_says():
   load = lambda n: config_lib.load_config_file(os.path.join(os.path.dirname(CONFIGS[0]), n + '.py'))
-  full, cold, no_auto, warm, high, low = map(load, ['hdet_full', 'hdet_cold', 'hdet_no_auto_lr', 'warm_init',
-                                                      'baseline_high', 'baseline_low'])
+  full, cold, no_auto, warm, high, low = map(
+    load, ['hdet_full', 'hdet_cold', 'hdet_no_auto_lr', 'warm_init', 'baseline_high', 'baseline_low']
+  )
   lr = full.optim.max_lr
   assert cold.optim.max_lr == no_auto.optim.max_lr == warm.optim.max_lr == high.optim.max_lr == lr
   assert low.optim.max_lr == pytest.approx(lr / 9)

@@ -24,8 +24,16 @@ def test_against_numpy_oracle():
     sigma, lam, beta, gamma = rng.uniform(0.01, 0.2), rng.uniform(0, 1), rng.uniform(0, 0.99), rng.uniform(-0.1, 0.1)
     floor = 1e-5
     out = ctrl.controller_update(
-        jnp.zeros(g, jnp.float32), jnp.asarray(v0, jnp.float32), jnp.asarray(losses, jnp.float32),
-        jnp.asarray(lrs, jnp.float32), temperature=sigma, lr_of_lr=lam, momentum=beta, decay=gamma, floor=floor)
+      jnp.zeros(g, jnp.float32),
+      jnp.asarray(v0, jnp.float32),
+      jnp.asarray(losses, jnp.float32),
+      jnp.asarray(lrs, jnp.float32),
+      temperature=sigma,
+      lr_of_lr=lam,
+      momentum=beta,
+      decay=gamma,
+      floor=floor,
+    )
     w, delta, v, base = numpy_controller(v0, losses.astype(np.float32), lrs, sigma, lam, beta, gamma, floor)
     np.testing.assert_allclose(out.weights, w, rtol=2e-4, atol=1e-7)
     np.testing.assert_allclose(out.delta, delta, rtol=2e-3, atol=1e-10)
@@ -35,8 +43,17 @@ def test_against_numpy_oracle():
 
 def test_weights_closed_form_two_replicas():
   # N = 2: w_0 = 1 / (1 + exp((L_0 - L_1) / sigma)).
-  out = ctrl.controller_update(jnp.zeros(1), jnp.zeros(1), jnp.array([1.0, 1.02]), jnp.array([[1.0], [2.0]]),
-                               temperature=0.01, lr_of_lr=1.0, momentum=0.0, decay=0.0, floor=0.0)
+  out = ctrl.controller_update(
+    jnp.zeros(1),
+    jnp.zeros(1),
+    jnp.array([1.0, 1.02]),
+    jnp.array([[1.0], [2.0]]),
+    temperature=0.01,
+    lr_of_lr=1.0,
+    momentum=0.0,
+    decay=0.0,
+    floor=0.0,
+  )
   w0 = 1 / (1 + np.exp(-2.0))
   np.testing.assert_allclose(out.weights, [w0, 1 - w0], rtol=1e-5)
   np.testing.assert_allclose(out.delta, [w0 * 1 + (1 - w0) * 2 - 1.5], rtol=1e-5)
@@ -77,9 +94,16 @@ def test_against_reference_traces(run):
     j = sync_steps.index(step)
     v_before = jnp.asarray(velocity[j - 1] if j > 0 else np.zeros(g), jnp.float32)
     out = ctrl.controller_update(
-        jnp.zeros(g, jnp.float32), v_before, jnp.asarray(d[f'{run}/gathered_loss'][k], jnp.float32),
-        jnp.asarray(d[f'{run}/gathered_lr'][k], jnp.float32), temperature=meta['loss_scale'],
-        lr_of_lr=meta['lr_of_lr'], momentum=meta['mom'], decay=gamma, floor=-jnp.inf)  # the reference has no floor
+      jnp.zeros(g, jnp.float32),
+      v_before,
+      jnp.asarray(d[f'{run}/gathered_loss'][k], jnp.float32),
+      jnp.asarray(d[f'{run}/gathered_lr'][k], jnp.float32),
+      temperature=meta['loss_scale'],
+      lr_of_lr=meta['lr_of_lr'],
+      momentum=meta['mom'],
+      decay=gamma,
+      floor=-jnp.inf,
+    )  # the reference has no floor
     # Velocity: 5 significant digits relative to its scale in this run.
     scale = np.max(np.abs(velocity)) + 1e-30
     np.testing.assert_allclose(np.asarray(out.velocity) / scale, velocity[j] / scale, atol=1e-5)
@@ -87,7 +111,9 @@ def test_against_reference_traces(run):
     for gi in range(g):
       perm = perms[k * g + gi]
       ours = np.asarray(out.base[gi]) * rho[perm]
-      np.testing.assert_allclose(ours, lr_after[:, step, gi], rtol=1e-5, atol=1e-5 * np.max(np.abs(lr_after[:, step, gi])))
+      np.testing.assert_allclose(
+        ours, lr_after[:, step, gi], rtol=1e-5, atol=1e-5 * np.max(np.abs(lr_after[:, step, gi]))
+      )
     checked += 1
   assert checked == len(steps) >= 80
 
@@ -100,8 +126,17 @@ def test_direction():
     for _ in range(20):
       lrs = base[0] * rho
       losses = 2.0 - sign * 100.0 * (lrs - lrs.mean())  # higher LR -> lower loss when sign = +1
-      out = ctrl.controller_update(base, v, jnp.asarray(losses, jnp.float32), jnp.asarray(lrs[:, None]),
-                                   temperature=0.01, lr_of_lr=0.5, momentum=0.9, decay=0.0, floor=1e-6)
+      out = ctrl.controller_update(
+        base,
+        v,
+        jnp.asarray(losses, jnp.float32),
+        jnp.asarray(lrs[:, None]),
+        temperature=0.01,
+        lr_of_lr=0.5,
+        momentum=0.9,
+        decay=0.0,
+        floor=1e-6,
+      )
       base, v = out.base, out.velocity
       assert np.sign(float(out.delta[0])) == sign
     assert (float(base[0]) - 1e-3) * sign > 0
@@ -135,15 +170,21 @@ def test_fit_update_against_numpy_oracle():
     offsets = np.stack([rng.permutation(H.multipliers.spread_multipliers(n, 0.25) - 1.0) for _ in range(g)], 1)
     # Losses from a random quadratic per hyperparameter plus noise, so the fit has a real answer.
     b_true, c_true = rng.normal(0, 0.2, g), rng.uniform(-0.5, 2.0, g)
-    scores = 3.0 + offsets @ b_true + (offsets ** 2) @ c_true + rng.normal(0, 1e-3, n)
+    scores = 3.0 + offsets @ b_true + (offsets**2) @ c_true + rng.normal(0, 1e-3, n)
     xtx0 = np.eye(2 * g) * rng.uniform(0, 0.01)
     xty0 = rng.normal(0, 1e-3, 2 * g)
     mult = rng.random(g) < 0.7
     trust = rng.uniform(0.05, 0.5, g)
     memory = rng.uniform(0, 0.9)
-    out = ctrl.fit_update(jnp.asarray(xtx0, jnp.float32), jnp.asarray(xty0, jnp.float32),
-                          jnp.asarray(scores, jnp.float32), jnp.asarray(offsets, jnp.float32), jnp.asarray(mult),
-                          memory=memory, trust=jnp.asarray(trust, jnp.float32))
+    out = ctrl.fit_update(
+      jnp.asarray(xtx0, jnp.float32),
+      jnp.asarray(xty0, jnp.float32),
+      jnp.asarray(scores, jnp.float32),
+      jnp.asarray(offsets, jnp.float32),
+      jnp.asarray(mult),
+      memory=memory,
+      trust=jnp.asarray(trust, jnp.float32),
+    )
     b, c, step, xtx, xty = numpy_fit(xtx0, xty0, scores, offsets, mult, memory, trust)
     np.testing.assert_allclose(out.xtx, xtx, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(out.slope, b, rtol=2e-2, atol=2e-3)
@@ -159,14 +200,28 @@ def test_fit_closed_form_quadratic():
   rho = H.multipliers.spread_multipliers(8, 0.25)
   u = rho - 1.0
   scores = (rho - 0.8) ** 2
-  out = ctrl.fit_update(jnp.zeros((2, 2)), jnp.zeros(2), jnp.asarray(scores, jnp.float32),
-                        jnp.asarray(u[:, None], jnp.float32), jnp.array([True]), memory=0.0, trust=1.0)
+  out = ctrl.fit_update(
+    jnp.zeros((2, 2)),
+    jnp.zeros(2),
+    jnp.asarray(scores, jnp.float32),
+    jnp.asarray(u[:, None], jnp.float32),
+    jnp.array([True]),
+    memory=0.0,
+    trust=1.0,
+  )
   np.testing.assert_allclose(out.slope, [2 * 0.2], rtol=1e-3)  # d/du (u + 0.2)^2 at u = 0
   np.testing.assert_allclose(out.curvature, [1.0], rtol=1e-3)
   np.testing.assert_allclose(out.step, [np.log(0.8)], rtol=1e-3)
   # No interior minimum (losses falling linearly with rho): the full trust step up.
-  out = ctrl.fit_update(jnp.zeros((2, 2)), jnp.zeros(2), jnp.asarray(-rho, jnp.float32),
-                        jnp.asarray(u[:, None], jnp.float32), jnp.array([True]), memory=0.0, trust=0.2)
+  out = ctrl.fit_update(
+    jnp.zeros((2, 2)),
+    jnp.zeros(2),
+    jnp.asarray(-rho, jnp.float32),
+    jnp.asarray(u[:, None], jnp.float32),
+    jnp.array([True]),
+    memory=0.0,
+    trust=0.2,
+  )
   np.testing.assert_allclose(out.step, [0.2], rtol=1e-6)
 
 
@@ -174,9 +229,15 @@ def test_fit_nonfinite_replica_counts_as_worst():
   rho = H.multipliers.spread_multipliers(8, 0.25)
   scores = np.full(8, 2.0)
   scores[-1] = np.nan  # the largest multiplier blew up: the step must go down
-  out = ctrl.fit_update(jnp.zeros((2, 2)), jnp.zeros(2), jnp.asarray(scores, jnp.float32),
-                        jnp.asarray((rho - 1)[:, None], jnp.float32), jnp.array([True]),
-                        memory=0.0, trust=0.2)
+  out = ctrl.fit_update(
+    jnp.zeros((2, 2)),
+    jnp.zeros(2),
+    jnp.asarray(scores, jnp.float32),
+    jnp.asarray((rho - 1)[:, None], jnp.float32),
+    jnp.array([True]),
+    memory=0.0,
+    trust=0.2,
+  )
   assert float(out.step[0]) < 0 and np.isfinite(out.step).all()
   np.testing.assert_allclose(ctrl.penalize_nonfinite(jnp.array([1.0, jnp.nan, 3.0])), [1.0, 5.0, 3.0])
   np.testing.assert_allclose(ctrl.penalize_nonfinite(jnp.array([jnp.nan, jnp.inf])), [0.0, 0.0])
@@ -198,8 +259,9 @@ def test_accelerate_against_numpy_oracle(growth, max_gain):
   sure = [True, True, False, True, True, True, True, True, True, True, True, True]
   gain, unsure = jnp.zeros(1, jnp.float32), []
   for s, ok in zip(steps, sure):
-    taken, gain = ctrl.accelerate(jnp.asarray([s], jnp.float32), gain, growth=growth, max_gain=max_gain,
-                                  trust=trust, confident=jnp.asarray([ok]))
+    taken, gain = ctrl.accelerate(
+      jnp.asarray([s], jnp.float32), gain, growth=growth, max_gain=max_gain, trust=trust, confident=jnp.asarray([ok])
+    )
     unsure.append(float(taken[0]))
   np.testing.assert_allclose(unsure, numpy_accelerate(steps, growth, max_gain, trust, sure), rtol=1e-6, atol=1e-7)
   assert unsure[2] == pytest.approx(0.05)

@@ -51,9 +51,14 @@ def test_a_readme_loop_with_the_shortest_call_follows_the_trainers_base_lrs_bit_
   config = _default(steps)
   o = config.optim
   library = hdet_jax.hdet(  # the README's call, with the trainer's optimizer hyperparameters
-      optax.adamw, hdet_jax.one_cycle(max_lr=o.max_lr, total_steps=steps, final_div_factor=o.final_div_factor),
-      num_replicas=N, auto_lr=hdet_jax.AutoLR(total_steps=steps), exact_sync=True, b2=o.b2,
-      weight_decay=o.weight_decay)
+    optax.adamw,
+    hdet_jax.one_cycle(max_lr=o.max_lr, total_steps=steps, final_div_factor=o.final_div_factor),
+    num_replicas=N,
+    auto_lr=hdet_jax.AutoLR(total_steps=steps),
+    exact_sync=True,
+    b2=o.b2,
+    weight_decay=o.weight_decay,
+  )
   run = run_settings.resolve(config)
   trainer = optimizer_lib.make_optimizer(run.optimizer, N)
   assert jax.device_count() >= N
@@ -72,6 +77,7 @@ def test_a_readme_loop_with_the_shortest_call_follows_the_trainers_base_lrs_bit_
       score = _loss(params, common) if sync else None  # (scored before this step's update, as a window end does)
       updates, opt_state = tx.update(grads, opt_state, params, value=loss, score=score, sync=sync)
       return hdet_jax.apply_updates(params, updates, opt_state, sync=sync), opt_state
+
     return jax.jit(hdet_jax.shard_map_replicas(step, mesh, 'data'))
 
   init = {'w': jnp.zeros((6, 3), jnp.float32)}

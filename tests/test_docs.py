@@ -29,13 +29,17 @@ PYTHON_BLOCK = re.compile(r'^( *)```python\n(.*?)^\1```', re.S | re.M)  # (some 
 API_ENTRY = re.compile(r'^\.\. auto(?:function|class|data|attribute)::\s+(\S+)', re.M)
 # The user guide: every page but the research log (docs/results/*, which include the files under results/ as
 # the studies wrote them) and the changelog (whose versions carry their dates).
-USER_PAGES = [p for p in PAGES if not (p.parent.name == 'results' and p.name != 'index.md')
-              and p.name != 'changelog.md'] + sorted((DOCS / 'api').glob('*.rst'))
+USER_PAGES = [
+  p for p in PAGES if not (p.parent.name == 'results' and p.name != 'index.md') and p.name != 'changelog.md'
+] + sorted((DOCS / 'api').glob('*.rst'))
 # Words of a lab notebook: dates, machine names, passes and sessions, the default controller's internal IDs.
-NOTEBOOK = re.compile(r'20\d\d-\d\d-\d\d|Xeon|EPYC|\bAMD\b|Intel|\bH100\b|\bH200\b|'
-                      r'(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|'
-                      r'\w+teenth|\w+tieth|\d+(?:st|nd|rd|th)) pass\b|'
-                      r'\bsession|fit_K\d|fit_lr_T|_settle\b|rollback_se2', re.I)
+NOTEBOOK = re.compile(
+  r'20\d\d-\d\d-\d\d|Xeon|EPYC|\bAMD\b|Intel|\bH100\b|\bH200\b|'
+  r'(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|'
+  r'\w+teenth|\w+tieth|\d+(?:st|nd|rd|th)) pass\b|'
+  r'\bsession|fit_K\d|fit_lr_T|_settle\b|rollback_se2',
+  re.I,
+)
 CODE_WIDTH = 88  # columns a code block shows without scrolling (docs/_static/custom.css)
 
 
@@ -81,8 +85,7 @@ def test_api_pages_have_an_entry_for_every_public_name():
 
 def test_user_pages_read_as_a_guide():
   """No dates, machine names, pass or session narration, or internal variant IDs outside the research log."""
-  hits = {str(p.relative_to(DOCS)): sorted({m.group() for m in NOTEBOOK.finditer(p.read_text())})
-          for p in USER_PAGES}
+  hits = {str(p.relative_to(DOCS)): sorted({m.group() for m in NOTEBOOK.finditer(p.read_text())}) for p in USER_PAGES}
   assert {page: words for page, words in hits.items() if words} == {}
 
 
@@ -128,8 +131,12 @@ def test_a_changed_workload_record_changes_the_verdict_page(tmp_path):
   row = next(line for line in after.splitlines() if line.startswith('| LM | 1500 |'))
   assert '+12.3\u00a0/' in row, row
   assert 'ends +0.1% to +12.3% from the sweep' in after
-  assert subprocess.run([sys.executable, str(DOCS / 'verdict.py'), '--check', '--results', str(results)],
-                        cwd=ROOT, capture_output=True).returncode == 1
+  assert (
+    subprocess.run(
+      [sys.executable, str(DOCS / 'verdict.py'), '--check', '--results', str(results)], cwd=ROOT, capture_output=True
+    ).returncode
+    == 1
+  )
 
 
 def test_a_changed_bracket_record_changes_the_verdict_page(tmp_path):
@@ -179,23 +186,51 @@ def built_docs(tmp_path_factory):
   out = tmp_path_factory.mktemp('docs')
   start = time.perf_counter()
   proc = subprocess.run(
-      [sys.executable, '-m', 'sphinx', '-W', '--keep-going', '-E', '-q', '-b', 'html', '-d', str(out / 'doctrees'),
-       str(DOCS), str(out / 'html')],
-      capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS='ignore'), timeout=300)
+    [
+      sys.executable,
+      '-m',
+      'sphinx',
+      '-W',
+      '--keep-going',
+      '-E',
+      '-q',
+      '-b',
+      'html',
+      '-d',
+      str(out / 'doctrees'),
+      str(DOCS),
+      str(out / 'html'),
+    ],
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, PYTHONWARNINGS='ignore'),
+    timeout=300,
+  )
   return proc, out / 'html', time.perf_counter() - start
 
 
 def test_sphinx_build_passes_with_warnings_as_errors(built_docs):
   proc, html, seconds = built_docs
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-  for page in ('index', 'getting_started', 'verdict', 'own_step', 'scaling', 'trainer', 'api/index',
-               'results/index', 'changelog', 'citing'):
+  for page in (
+    'index',
+    'getting_started',
+    'verdict',
+    'own_step',
+    'scaling',
+    'trainer',
+    'api/index',
+    'results/index',
+    'changelog',
+    'citing',
+  ):
     assert (html / f'{page}.html').exists(), page
   assert seconds < 120, f'the build took {seconds:.0f} s'
 
 
 def test_objects_inv_has_every_public_name(built_docs):
   from sphinx.util.inventory import InventoryFile
+
   proc, html, _ = built_docs
   assert proc.returncode == 0, proc.stderr[-5000:]
   with open(html / 'objects.inv', 'rb') as f:
@@ -211,8 +246,11 @@ def test_the_site_needs_no_network(built_docs):
   page = (html / 'how_it_works.html').read_text()
   assert re.search(r'<script[^>]+src="_static/mathjax/tex-svg\.js', page)
   assert (html / '_static' / 'mathjax' / 'tex-svg.js').stat().st_size > 1_000_000
-  remote = {str(p.relative_to(html)) for p in html.rglob('*.html')
-            if re.search(r'<(?:script|link)[^>]+(?:src|href)="(?:https?:)?//', p.read_text())}
+  remote = {
+    str(p.relative_to(html))
+    for p in html.rglob('*.html')
+    if re.search(r'<(?:script|link)[^>]+(?:src|href)="(?:https?:)?//', p.read_text())
+  }
   assert not remote, sorted(remote)
 
 
@@ -232,7 +270,7 @@ def test_the_stated_jax_range_is_the_pinned_one():
   tests the newest jax the pin allows) is executable."""
   pyproject = (ROOT / 'pyproject.toml').read_text()
   low, cap = re.search(r'"jax>=([\d.]+),<([\d.]+)"', pyproject).groups()
-  tested = re.findall(r'(\d+\.\d+\.\d+(?:\.\d+)?) \(', pyproject[:pyproject.index('"jax>=')])
+  tested = re.findall(r'(\d+\.\d+\.\d+(?:\.\d+)?) \(', pyproject[: pyproject.index('"jax>=')])
   version = lambda v: tuple(int(x) for x in v.split('.'))
   assert low in tested and all(version(low) <= version(v) < version(cap) for v in tested), (low, cap, tested)
   assert f'`jax>={low},<{cap}`' in (DOCS / 'getting_started.md').read_text()
@@ -254,6 +292,7 @@ def test_project_files():
   """LICENSE is the Apache-2.0 text pyproject names; CITATION.cff cites the paper; pyproject links the paper (the
   project has no public home yet: no made-up URLs)."""
   import tomllib
+
   project = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project']
   assert project['license'] == 'Apache-2.0'
   license_text = (ROOT / 'LICENSE').read_text()

@@ -22,8 +22,9 @@ def test_example_runs_quick(path, tmp_path):
   env = dict(os.environ)
   env.pop('XLA_FLAGS', None)  # the example sets its own 8 simulated devices (jax_num_cpu_devices)
   env['JAX_PLATFORMS'] = 'cpu'
-  proc = subprocess.run([sys.executable, str(path), '--quick'], cwd=tmp_path, env=env, capture_output=True,
-                        text=True, timeout=600)
+  proc = subprocess.run(
+    [sys.executable, str(path), '--quick'], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+  )
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
   out = proc.stdout
   if path.name == 'nnx_shard_map.py':

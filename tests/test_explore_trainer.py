@@ -36,8 +36,14 @@ def test_dropout_rate_really_differs_per_replica():
   run = run_settings.resolve(config)
   tx = optimizer_lib.make_optimizer(run.optimizer, n)
   names = run.loop.hyperparam_names
-  assert names == ('learning_rate/embedding', 'learning_rate/no_decay', 'learning_rate/weights',
-                   'weight_decay', 'dropout', 'label_smoothing')
+  assert names == (
+    'learning_rate/embedding',
+    'learning_rate/no_decay',
+    'learning_rate/weights',
+    'weight_decay',
+    'dropout',
+    'label_smoothing',
+  )
   graphdef, params = model_lib.split_model(config.model, config.data.seq_len, jax.random.key(0))
   stacked = H.stack_replicas(params, n)
   state = jax.vmap(tx.init)(stacked)
@@ -47,6 +53,7 @@ def test_dropout_rate_really_differs_per_replica():
     reg, _ = programs_lib.regularization(run.programs, state)
     y = model_lib.dropout(x, reg.dropout_rate, reg.dropout_key)
     return jnp.mean(y == 0), reg.dropout_rate
+
   zero_frac, rates = jax.vmap(measure, axis_name=mesh_lib.AXIS)(state, x)
   rates, zero_frac = np.asarray(rates), np.asarray(zero_frac)
   expected = 0.2 + 0.15 * H.multipliers.unit_offsets(n)
@@ -68,6 +75,7 @@ def test_evaluation_uses_no_dropout():
 
 def test_explore_run_end_to_end(tmp_path):
   from hdet_jax.trainer.trainer import train_and_evaluate
+
   config = _tiny()
   config.plots = True
   workdir = str(tmp_path / 'run')
@@ -90,6 +98,7 @@ def test_common_batch_score_removes_the_dropout_bias(tmp_path, score):
   bias toward less dropout), while on the common batch without dropout they are equal, so the
   controller gets no spurious dropout signal and the dropout base does not move."""
   from hdet_jax.trainer.trainer import train_and_evaluate
+
   config = _tiny(explore=False)
   config.num_train_steps, config.hdet.sync_every, config.hdet.warmup_steps = 16, 8, 0
   config.optim.max_lr = 1e-9

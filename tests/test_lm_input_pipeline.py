@@ -60,7 +60,7 @@ def test_replicas_get_distinct_windows_within_an_epoch():
   for r in range(1, 8):
     assert not np.array_equal(batch[0], batch[r])
   # Each window is the corpus at its offset.
-  np.testing.assert_array_equal(batch[2, 1], train[offsets[0, 2, 1]:offsets[0, 2, 1] + 32])
+  np.testing.assert_array_equal(batch[2, 1], train[offsets[0, 2, 1] : offsets[0, 2, 1] + 32])
 
 
 def test_validation_bytes_never_appear_in_training_batches():
@@ -79,7 +79,7 @@ def test_validation_windows_cover_the_split_prefix():
   _, val = ip.split(data, frac)
   w = ip.validation_windows(val, 31, 8, max_windows=40)
   assert w.shape == (8, 5, 32)
-  np.testing.assert_array_equal(w.reshape(-1), val[:8 * 5 * 32])
+  np.testing.assert_array_equal(w.reshape(-1), val[: 8 * 5 * 32])
   assert ip.validation_windows(val, 31, 8, max_windows=0).shape == (8, len(val) // 32 // 8, 32)
 
 

@@ -88,8 +88,9 @@ def test_label_smoothing_loss_closed_form():
   logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
   onehot = np.eye(256)[batch[:, 1:]]
   plain = -(onehot * logp).sum(-1).mean()
-  losses = jax.jit(lambda p, eps: model_lib.losses(graphdef, p, jnp.asarray(batch, jnp.uint8),
-                                                   model_lib.Regularization(), eps))
+  losses = jax.jit(
+    lambda p, eps: model_lib.losses(graphdef, p, jnp.asarray(batch, jnp.uint8), model_lib.Regularization(), eps)
+  )
   for eps in (0.0, 0.1, 0.3):
     want = -(((1 - eps) * onehot + eps / 256) * logp).sum(-1).mean()
     train, ce = (float(x) for x in losses(params, eps))

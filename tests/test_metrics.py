@@ -22,11 +22,11 @@ def _records(path):
   data = open(path, 'rb').read()
   out, i = [], 0
   while i < len(data):
-    header = data[i:i + 8]
+    header = data[i : i + 8]
     (n,) = struct.unpack('<Q', header)
-    assert struct.unpack('<I', data[i + 8:i + 12])[0] == masked_crc32c(header)
-    body = data[i + 12:i + 12 + n]
-    assert struct.unpack('<I', data[i + 12 + n:i + 16 + n])[0] == masked_crc32c(body)
+    assert struct.unpack('<I', data[i + 8 : i + 12])[0] == masked_crc32c(header)
+    body = data[i + 12 : i + 12 + n]
+    assert struct.unpack('<I', data[i + 12 + n : i + 16 + n])[0] == masked_crc32c(body)
     out.append(event_pb2.Event.FromString(body))
     i += 16 + n
   return out
@@ -93,8 +93,9 @@ def test_jsonl_records_round_trip_non_finite_numbers_and_keep_the_last_of_each_s
   """NaN and inf survive as strings, numpy values as plain JSON; a resumed run's rewrite of a step wins; a
   line a kill cut short is cut before appending, so the next record starts a fresh line."""
   path = str(tmp_path / 'metrics.jsonl')
-  assert metrics.to_json_safe({'a': np.float32(np.nan), 'b': [np.inf, -np.inf], 'c': np.arange(2), 'd': np.bool_(1)}) \
-      == {'a': 'nan', 'b': ['inf', '-inf'], 'c': [0, 1], 'd': True}
+  assert metrics.to_json_safe(
+    {'a': np.float32(np.nan), 'b': [np.inf, -np.inf], 'c': np.arange(2), 'd': np.bool_(1)}
+  ) == {'a': 'nan', 'b': ['inf', '-inf'], 'c': [0, 1], 'd': True}
   w = metrics.MetricsWriter(path)
   w.write('train', step=0, loss=np.array([1.5, np.nan], np.float32))
   w.write('train', step=1, loss=np.array([1.0, 2.0], np.float32))
@@ -136,21 +137,40 @@ def test_trainer_event_files_hold_the_jsonl_numbers(tmp_path):
 
 def test_controller_tags_follow_the_controller(tmp_path):
   """The paper's controller keeps its eq. 4-7 tags; 'fit' gets its own (the correction as a factor)."""
-  rec = dict(step=9, weights=[0.5, 0.5], window_losses=[1.0, 2.0], deltas=[0.2], velocities=[-0.3],
-             corrections=[math.log(0.25)], asks=[0.1], stderrs=[0.05], gains=[2.0])
+  rec = dict(
+    step=9,
+    weights=[0.5, 0.5],
+    window_losses=[1.0, 2.0],
+    deltas=[0.2],
+    velocities=[-0.3],
+    corrections=[math.log(0.25)],
+    asks=[0.1],
+    stderrs=[0.05],
+    gains=[2.0],
+  )
   tags = {}
   for controller in ('paper', 'fit'):
     w = metrics.TensorBoardWriter(str(tmp_path / controller))
     w.write('hyperparams', dict(step=0, names=['learning_rate'], controller=controller))
     tags[controller] = w._scalars('controller', rec)  # pylint: disable=protected-access
     w.close()
-  assert tags['paper'] == {'controller/window_loss/replica_0': 1.0, 'controller/window_loss/replica_1': 2.0,
-                           'controller/weight/replica_0': 0.5, 'controller/weight/replica_1': 0.5,
-                           'controller/delta/learning_rate': 0.2, 'controller/velocity/learning_rate': -0.3}
+  assert tags['paper'] == {
+    'controller/window_loss/replica_0': 1.0,
+    'controller/window_loss/replica_1': 2.0,
+    'controller/weight/replica_0': 0.5,
+    'controller/weight/replica_1': 0.5,
+    'controller/delta/learning_rate': 0.2,
+    'controller/velocity/learning_rate': -0.3,
+  }
   fit = {k: v for k, v in tags['fit'].items() if not k.startswith('controller/window_loss/')}
-  assert fit == {'controller/lr_correction/learning_rate': 0.25, 'controller/step_asked/learning_rate': 0.1,
-                 'controller/step_taken/learning_rate': 0.2, 'controller/slope/learning_rate': -0.3,
-                 'controller/slope_stderr/learning_rate': 0.05, 'controller/gain/learning_rate': 2.0}
+  assert fit == {
+    'controller/lr_correction/learning_rate': 0.25,
+    'controller/step_asked/learning_rate': 0.1,
+    'controller/step_taken/learning_rate': 0.2,
+    'controller/slope/learning_rate': -0.3,
+    'controller/slope_stderr/learning_rate': 0.05,
+    'controller/gain/learning_rate': 2.0,
+  }
 
 
 def test_tensorboard_off_writes_only_the_jsonl(tmp_path):
@@ -176,6 +196,7 @@ def test_a_resumed_writer_purges_like_tensorboardx(tmp_path):
   """A resume at step 3 opens its file the way tensorboardX's SummaryWriter(purge_step=3) does, so the
   steps a killed run logged after its checkpoint are shown once (the resumed run's values)."""
   from tensorboardX import SummaryWriter
+
   ours, theirs = tmp_path / 'ours', tmp_path / 'theirs'
   ours.mkdir()
   w = metrics.MetricsWriter(str(ours / 'metrics.jsonl'), tensorboard=True)

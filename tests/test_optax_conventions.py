@@ -90,6 +90,7 @@ def test_reduce_on_plateau_chained_after_hdet():
 
 def _gain():
   """A transformation that needs an extra argument of its own: updates times ``gain``."""
+
   def init(params):
     del params
     return optax.EmptyState()
@@ -97,6 +98,7 @@ def _gain():
   def update(updates, state, params=None, *, gain, **extra):
     del params, extra
     return jax.tree.map(lambda u: gain * u, updates), state
+
   return optax.GradientTransformationExtraArgs(init, update)
 
 
@@ -110,5 +112,3 @@ def test_any_extra_argument_is_forwarded_and_value_is_optional():
 
 
 # --- hdet_jax.hyperparams ---------------------------------------------------------------------------
-
-

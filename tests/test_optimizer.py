@@ -18,9 +18,19 @@ from hdet_jax.trainer import schema
 from hdet_jax.trainer import optimizer as optimizer_lib
 from trainer_testing import leaves, restore_raw, tiny
 
-PLAIN = {'hdet.spread': 0.0, 'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.auto_lr': False,
-         'hdet.param_groups': False, 'plots': False, 'eval_windows': 16, 'checkpoint_every': 0,
-         'num_train_steps': 12, 'log_every': 4, 'eval_every': 0}
+PLAIN = {
+  'hdet.spread': 0.0,
+  'hdet.sync_every': 0,
+  'hdet.num_syncs': 0,
+  'hdet.auto_lr': False,
+  'hdet.param_groups': False,
+  'plots': False,
+  'eval_windows': 16,
+  'checkpoint_every': 0,
+  'num_train_steps': 12,
+  'log_every': 4,
+  'eval_every': 0,
+}
 
 
 def _fields(config):
@@ -28,7 +38,7 @@ def _fields(config):
   return schema.complete(config_lib.flatten(config))
 
 
-@pytest.mark.parametrize('max_lr', [0.03, 0.01, 1e-3, 0.5, 1.0, 3.0, 2.0 ** -7])
+@pytest.mark.parametrize('max_lr', [0.03, 0.01, 1e-3, 0.5, 1.0, 3.0, 2.0**-7])
 def test_lr_unit_is_the_power_of_two_whose_mantissa_is_in_half_to_one(max_lr):
   config = ml_collections.ConfigDict({'optim': {'max_lr': max_lr, 'runtime_lr_scale': True}})
   unit = run_settings.lr_unit(_fields(config))
@@ -44,9 +54,19 @@ def test_every_schedule_at_the_mantissa_times_the_unit_is_the_schedule_bit_for_b
   """What makes the run-time scale exact: each schedule is linear in its peak, computed so that a power of two
   passes through every float32 operation without rounding."""
   total = 300
-  config = ml_collections.ConfigDict({'num_train_steps': total, 'optim': {
-      'schedule': name, 'max_lr': 0.03, 'pct_start': 0.3, 'div_factor': 25.0, 'final_div_factor': 10.0,
-      'runtime_lr_scale': True}})
+  config = ml_collections.ConfigDict(
+    {
+      'num_train_steps': total,
+      'optim': {
+        'schedule': name,
+        'max_lr': 0.03,
+        'pct_start': 0.3,
+        'div_factor': 25.0,
+        'final_div_factor': 10.0,
+        'runtime_lr_scale': True,
+      },
+    }
+  )
   fields = _fields(config)
   unit = run_settings.lr_unit(fields)
   steps = jnp.arange(total + 3)
@@ -58,9 +78,11 @@ def test_every_schedule_at_the_mantissa_times_the_unit_is_the_schedule_bit_for_b
     assert len(np.unique(plain)) > total // 2  # (a schedule's many values compared, not a few)
 
 
-@pytest.mark.parametrize('factory', [
-    lambda lr: optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.1),
-    lambda lr: optax.sgd(lr, momentum=0.9)], ids=['adamw', 'sgd'])
+@pytest.mark.parametrize(
+  'factory',
+  [lambda lr: optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=0.1), lambda lr: optax.sgd(lr, momentum=0.9)],
+  ids=['adamw', 'sgd'],
+)
 def test_the_wrapped_optimizer_at_scale_s_is_the_optimizer_at_lr_times_s(factory):
   """Bit for bit for a power of two s (a product with it is exact), to rounding for another s."""
   keys = jax.random.split(jax.random.key(0), 6)
@@ -97,6 +119,7 @@ def _misses(fn):
     del kwargs
     if active[0] and event == '/jax/compilation_cache/cache_misses':
       count[0] += 1
+
   jax.monitoring.register_event_listener(listener)
   try:
     return fn(), count[0]
@@ -111,6 +134,7 @@ def test_a_run_scaled_at_run_time_is_the_plain_run_bit_for_bit_and_shares_its_pr
   cache, tests/conftest.py). The plain build at 0.08 would compile its step anew (its LR is baked in)."""
   from hdet_jax.trainer import train_and_evaluate
   from hdet_jax.trainer.metrics import read_metrics
+
   assert jax.config.jax_compilation_cache_dir  # (conftest's; the trainer's tiny config sets none)
 
   def run(name, lr, scaled):
@@ -123,7 +147,9 @@ def test_a_run_scaled_at_run_time_is_the_plain_run_bit_for_bit_and_shares_its_pr
   for key in ('lr', 'base_lr', 'values', 'bases'):
     assert [r[key] for r in logged['scaled']] == [r[key] for r in logged['plain']], key
   last = logged['plain'][-1]  # (the run's own LR, 2x the tiny config's 0.01 schedule, not the mantissa's)
-  assert last['lr'][0] == pytest.approx(float(run_settings.resolve(tiny(**PLAIN)).optimizer.schedule(last['step'])) * 2, rel=1e-6)
+  assert last['lr'][0] == pytest.approx(
+    float(run_settings.resolve(tiny(**PLAIN)).optimizer.schedule(last['step'])) * 2, rel=1e-6
+  )
   (scaled_state, _, _), (plain_state, _, _) = (restore_raw(str(tmp_path / k), 12) for k in ('scaled', 'plain'))
   for a, b in zip(leaves(scaled_state['params']), leaves(plain_state['params']), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -141,13 +167,16 @@ def test_runtime_lr_scale_is_refused_under_the_controller_and_must_be_a_bool():
   with pytest.raises(config_lib.ConfigError, match=r'optim\.runtime_lr_scale must be True or False, got 1'):
     run_settings.resolve(config)
   run_settings.resolve(tiny(**PLAIN, **{'optim.runtime_lr_scale': True}))
-  assert 'optim.runtime_lr_scale' not in run_settings.resolve(tiny()).training_fields(8)  # off: no record's fields change
+  assert 'optim.runtime_lr_scale' not in run_settings.resolve(tiny()).training_fields(
+    8
+  )  # off: no record's fields change
 
 
 def test_a_workdir_is_not_resumed_with_the_flag_flipped(tmp_path):
   """The flag changes the optimizer state's structure (its factor), so the checkpoint of one build cannot resume in
   the other: the workdir check names the field before any work, and the workdir is left as it was."""
   from hdet_jax.trainer import train_and_evaluate
+
   over = {**PLAIN, 'optim.max_lr': 0.02, 'stop_at_step': 4}
   train_and_evaluate(tiny(**over, **{'optim.runtime_lr_scale': True}), str(tmp_path / 'w'))
   before = sorted(p.name for p in (tmp_path / 'w').rglob('*'))
@@ -161,12 +190,14 @@ def test_setting_the_factor_keeps_every_leaf_and_its_layout(fsdp):
   """The trainer's setter on a fresh state, one replica per device and in groups of 2 devices (FSDP): the factor
   leaves, one per replica, take the value; every other leaf keeps its bits; every leaf keeps its sharding."""
   from hdet_jax.trainer import mesh as mesh_lib, programs as programs_lib, trainer
+
   n = 8 // fsdp
   config = tiny(**PLAIN, **{'optim.runtime_lr_scale': True, 'mesh.fsdp': fsdp})
   mesh = mesh_lib.make_mesh(n, fsdp)
   run = run_settings.resolve(config)
-  _, opt_state = programs_lib.make_init(run.task, run.task_settings, optimizer_lib.make_optimizer(run.optimizer, n), mesh,
-                                        n)(jax.random.key(0))
+  _, opt_state = programs_lib.make_init(
+    run.task, run.task_settings, optimizer_lib.make_optimizer(run.optimizer, n), mesh, n
+  )(jax.random.key(0))
   is_scaled = lambda x: isinstance(x, optimizer_lib.RuntimeScaleState)
   before = [(np.array(x), x.sharding) for x in jax.tree.leaves(opt_state)]  # (copies: the setter donates)
   factors = [x.scale for x in jax.tree.leaves(opt_state, is_leaf=is_scaled) if is_scaled(x)]

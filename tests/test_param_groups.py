@@ -10,11 +10,15 @@ from hdet_jax.param_groups import path_string
 
 N, AX = 8, 'data'
 
-@pytest.mark.parametrize('groups, match', [
+
+@pytest.mark.parametrize(
+  'groups, match',
+  [
     ({'embedding': r'^embed/', 'rest': r'kernel', 'ghost': r'does_not_exist'}, 'match no parameter'),
     ({'a': r'kernel', 'b': r'attn'}, 'several groups'),
     ({'a': r'kernel'}, 'matches no group'),
-])
+  ],
+)
 def test_bad_groups(groups, match):
   params = {'embed': {'table': jnp.zeros(2)}, 'attn': {'kernel': jnp.zeros(2)}}
   tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX, param_groups=groups)

@@ -22,11 +22,28 @@ def _write_run(workdir, steps=30, n=8, sync_every=10):
   for s in range(steps):
     base = 1e-3 * (1 + s)
     sync = (s + 1) % sync_every == 0
-    w.write('train', step=s, loss=5.5 - 0.05 * s + 0.01 * rng.random(n), lr=base * rho, base_lr=base, sync=sync,
-            values=np.outer([base, 2 * base, 3 * base], rho), bases=[base, 2 * base, 3 * base])
+    w.write(
+      'train',
+      step=s,
+      loss=5.5 - 0.05 * s + 0.01 * rng.random(n),
+      lr=base * rho,
+      base_lr=base,
+      sync=sync,
+      values=np.outer([base, 2 * base, 3 * base], rho),
+      bases=[base, 2 * base, 3 * base],
+    )
     if sync:
-      w.write('controller', step=s, weights=np.full(n, 1 / n), window_losses=rng.random(n), delta=0.1,
-              velocity=0.2, base_lr=base, deltas=[0.1] * 3, velocities=[0.2] * 3)
+      w.write(
+        'controller',
+        step=s,
+        weights=np.full(n, 1 / n),
+        window_losses=rng.random(n),
+        delta=0.1,
+        velocity=0.2,
+        base_lr=base,
+        deltas=[0.1] * 3,
+        velocities=[0.2] * 3,
+      )
   for s in (15, 30):
     w.write('eval', step=s, val_loss=5.0 - 0.02 * s, val_bits_per_byte=(5.0 - 0.02 * s) / np.log(2))
   w.close()
@@ -34,19 +51,30 @@ def _write_run(workdir, steps=30, n=8, sync_every=10):
 
 def test_plot_cli_redraws_from_metrics(tmp_path):
   _write_run(str(tmp_path))
-  proc = subprocess.run([sys.executable, '-m', 'hdet_jax.trainer.plots', str(tmp_path)], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [sys.executable, '-m', 'hdet_jax.trainer.plots', str(tmp_path)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   drawn = [os.path.basename(p) for p in proc.stdout.split()]
   assert drawn == ['loss.png', 'lr.png', 'controller.png', 'hyperparams.png'], drawn
   for name in drawn:
     path = tmp_path / 'plots' / name
     assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and path.stat().st_size > 10_000
-  missing = subprocess.run([sys.executable, '-m', 'hdet_jax.trainer.plots', str(tmp_path / 'nothing')], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+  missing = subprocess.run(
+    [sys.executable, '-m', 'hdet_jax.trainer.plots', str(tmp_path / 'nothing')],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert missing.returncode == 1 and 'no metrics file' in missing.stderr
-  usage = subprocess.run([sys.executable, '-m', 'hdet_jax.trainer.plots'], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+  usage = subprocess.run(
+    [sys.executable, '-m', 'hdet_jax.trainer.plots'], cwd=ROOT, capture_output=True, text=True, timeout=120
+  )
   assert usage.returncode == 2 and 'usage: python -m hdet_jax.trainer.plots WORKDIR' in usage.stderr
 
 
@@ -59,20 +87,44 @@ def _fit_run(workdir, n=8, sync_every=10, steps=40, settle_at=39):
   schedule = 1e-3 + 1e-2 * np.sin(np.pi * np.arange(steps) / steps)
   taken = {9: 1.0, 19: 0.5, 29: 0.0, 39: 0.0}
   asks = {9: 0.6, 19: 0.5, 29: -0.2, 39: -0.4}
-  slope, stderr, gain = {9: -0.3, 19: -0.1, 29: 0.02, 39: 0.05}, {9: 0.01, 19: 0.02, 29: 0.03, 39: 0.01}, \
-      {9: 1.0, 19: 2.0, 29: -1.0, 39: -2.0}
+  slope, stderr, gain = (
+    {9: -0.3, 19: -0.1, 29: 0.02, 39: 0.05},
+    {9: 0.01, 19: 0.02, 29: 0.03, 39: 0.01},
+    {9: 1.0, 19: 2.0, 29: -1.0, 39: -2.0},
+  )
   log_corr, rho = np.log(0.1), np.linspace(0.75, 1.25, n)
   for s in range(steps):
     base = schedule[s] * np.exp(log_corr)  # a window trains at the correction its closing sync started from
     sync = (s + 1) % sync_every == 0
-    w.write('train', step=s, loss=5.0 - 0.01 * s + 0.01 * rho, lr=base * rho, base_lr=base, sync=sync,
-            values=[base * rho], bases=[base])
+    w.write(
+      'train',
+      step=s,
+      loss=5.0 - 0.01 * s + 0.01 * rho,
+      lr=base * rho,
+      base_lr=base,
+      sync=sync,
+      values=[base * rho],
+      bases=[base],
+    )
     if sync:
       log_corr += taken[s]
-      w.write('controller', step=s, weights=np.full(n, 1 / n), window_losses=5.0 + 0.01 * rho, delta=taken[s],
-              velocity=slope[s], base_lr=base, deltas=[taken[s]], velocities=[slope[s]], corrections=[log_corr],
-              asks=[asks[s]], stderrs=[stderr[s]], gains=[gain[s]],
-              **({'backed_off': True} if s == 29 else {}), **({'settled': [True]} if s >= settle_at else {}))
+      w.write(
+        'controller',
+        step=s,
+        weights=np.full(n, 1 / n),
+        window_losses=5.0 + 0.01 * rho,
+        delta=taken[s],
+        velocity=slope[s],
+        base_lr=base,
+        deltas=[taken[s]],
+        velocities=[slope[s]],
+        corrections=[log_corr],
+        asks=[asks[s]],
+        stderrs=[stderr[s]],
+        gains=[gain[s]],
+        **({'backed_off': True} if s == 29 else {}),
+        **({'settled': [True]} if s >= settle_at else {}),
+      )
   w.close()
   return schedule, *(np.array(list(d.values())) for d in (asks, taken, slope, stderr, gain))
 
@@ -82,8 +134,10 @@ def test_fit_controller_figure_shows_its_own_quantities(tmp_path):
   asked and taken, the slope with two standard errors and the gain, not the paper's delta and weights; the syncs
   that backed off and where the climb settled are marked."""
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   schedule, asks, taken, slope, stderr, gain = _fit_run(str(tmp_path))
   run = plots._RunArrays(metrics.read_metrics(str(tmp_path / 'metrics.jsonl')), plt)  # pylint: disable=protected-access
   fig = plots._controller_figure(run, plt)  # pylint: disable=protected-access
@@ -102,8 +156,13 @@ def test_fit_controller_figure_shows_its_own_quantities(tmp_path):
   assert not any('eq.' in label for label in lines)
   # The sync that backed off (29) and the one where the climb settled (39) are marked on every panel.
   for ax in (top, steps_ax, slope_ax, gain_ax):
-    assert sorted(l.get_xdata()[0] for l in ax.get_lines() if l.get_linestyle() in (':', '--')
-                  and l.get_xdata()[0] == l.get_xdata()[-1] and l.get_label() != 'the schedule alone') == [29, 39]
+    assert sorted(
+      l.get_xdata()[0]
+      for l in ax.get_lines()
+      if l.get_linestyle() in (':', '--')
+      and l.get_xdata()[0] == l.get_xdata()[-1]
+      and l.get_label() != 'the schedule alone'
+    ) == [29, 39]
   assert lines['back-off'].get_xdata()[0] == 29 and lines['settled (LR): no spread after'].get_xdata()[0] == 39
   plt.close(fig)
   # After a climb settles its replicas no longer spread, so the line search fits nothing new: the asked step,
@@ -139,8 +198,10 @@ def test_a_run_without_training_steps_draws_nothing(tmp_path):
 
 def test_save_figure_writes_at_the_figures_own_resolution_or_the_given_one(tmp_path):
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   sizes = {}
   for name, dpi in (('own.png', None), ('given.png', 50)):
     fig, ax = plt.subplots(figsize=(4, 3), dpi=90)

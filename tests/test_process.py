@@ -14,7 +14,8 @@ def test_gpu_runs_get_xla_deterministic_ops_unless_told_otherwise(monkeypatch):
   assert process.deterministic_xla_flags('', gpu=True) == flag
   assert process.deterministic_xla_flags('--xla_dump_to=d', gpu=True) == f'--xla_dump_to=d {flag}'
   assert process.deterministic_xla_flags('--xla_gpu_deterministic_ops=false', gpu=True) == (
-      '--xla_gpu_deterministic_ops=false')
+    '--xla_gpu_deterministic_ops=false'
+  )
   # setup_jax applies it on a CUDA install (faked here), before the backend reads XLA_FLAGS ...
   monkeypatch.setattr(process, 'cuda_installed', lambda: True)
   monkeypatch.setenv('XLA_FLAGS', '--xla_dump_to=d')

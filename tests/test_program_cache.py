@@ -10,14 +10,23 @@ from hdet_jax.trainer import mesh as mesh_lib
 from trainer_testing import compiled, tiny
 
 # A short HDET run: spread, averaging every 4 steps and (unless turned off) the fit controller from the first sync.
-_RUN = {'num_train_steps': 12, 'log_every': 4, 'eval_every': 0, 'checkpoint_every': 0, 'plots': False,
-        'eval_windows': 16, 'hdet.sync_every': 4, 'hdet.warmup_steps': 0}
+_RUN = {
+  'num_train_steps': 12,
+  'log_every': 4,
+  'eval_every': 0,
+  'checkpoint_every': 0,
+  'plots': False,
+  'eval_windows': 16,
+  'hdet.sync_every': 4,
+  'hdet.warmup_steps': 0,
+}
 
 pytestmark = pytest.mark.own_programs  # every test here counts what it compiles
 
 
 def _run(tmp_path, name, **overrides):
   from hdet_jax.trainer import train_and_evaluate
+
   summary, built = compiled(lambda: train_and_evaluate(tiny(**_RUN, **overrides), str(tmp_path / name)))
   losses = [r['loss'] for r in map(json.loads, open(tmp_path / name / 'metrics.jsonl')) if r['kind'] == 'train']
   return summary['final_metric'], losses, built
@@ -57,19 +66,36 @@ def test_a_run_whose_programs_differ_builds_its_own(tmp_path, monkeypatch):
 
 def test_the_key_leaves_out_only_the_loops_fields_and_the_lrs_power_of_two():
   mesh = mesh_lib.make_mesh(8, 1)
+
   def key(**o):
     run = run_settings.resolve(tiny(**o))
     return program_cache.programs_key(run.given, run.loop.lr_unit, 8, mesh, 'data')
+
   scaled = {'optim.runtime_lr_scale': True, 'hdet.auto_lr': False}
-  assert key(**scaled) == key(**scaled, **{'optim.max_lr': 0.01 * 2 ** 5})  # the power of two is a run-time value
+  assert key(**scaled) == key(**scaled, **{'optim.max_lr': 0.01 * 2**5})  # the power of two is a run-time value
   assert key(**scaled) != key(**scaled, **{'optim.max_lr': 0.03})  # another mantissa: another schedule
   assert key() != key(**{'optim.max_lr': 0.02})  # without run-time scaling the LR is the programs' own
-  for field, value in (('stop_at_step', 7), ('plots', False), ('progress_bar', True), ('tensorboard', False),
-                       ('compilation_cache', '/elsewhere'), ('checkpoint_every', 3), ('max_checkpoints', 0),
-                       ('eval_every', 5), ('stop_on_nan', False)):
+  for field, value in (
+    ('stop_at_step', 7),
+    ('plots', False),
+    ('progress_bar', True),
+    ('tensorboard', False),
+    ('compilation_cache', '/elsewhere'),
+    ('checkpoint_every', 3),
+    ('max_checkpoints', 0),
+    ('eval_every', 5),
+    ('stop_on_nan', False),
+  ):
     assert key() == key(**{field: value}), field
-  for field, value in (('seed', 1), ('hdet.spread', 0.3), ('optim.weight_decay', 0.2), ('model.d_model', 16),
-                       ('num_train_steps', 41), ('hdet.controller', 'paper'), ('log_every', 3)):
+  for field, value in (
+    ('seed', 1),
+    ('hdet.spread', 0.3),
+    ('optim.weight_decay', 0.2),
+    ('model.d_model', 16),
+    ('num_train_steps', 41),
+    ('hdet.controller', 'paper'),
+    ('log_every', 3),
+  ):
     assert key() != key(**{field: value}), field
   given = run_settings.resolve(tiny()).given
   base = program_cache.programs_key(given, 1.0, 8, mesh, 'data')
@@ -87,4 +113,3 @@ def test_only_the_last_configs_are_kept():
   assert program_cache.get('config 2', 'other', lambda: 'new') == 'new'
   program_cache.clear()
   assert program_cache.get('config 1', 'step', lambda: -1) == -1
-

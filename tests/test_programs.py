@@ -29,8 +29,9 @@ def test_chunked_data_reads_each_steps_batch_at_the_optimizer_count():
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   init = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)
   rng = np.random.default_rng(0)
-  batches = ip.TrainBatches(rng.integers(0, 256, 200_000, dtype=np.uint8), config.data.seq_len,
-                            config.data.batch_size, n, seed=1)
+  batches = ip.TrainBatches(
+    rng.integers(0, 256, 200_000, dtype=np.uint8), config.data.seq_len, config.data.batch_size, n, seed=1
+  )
   out = {}
   for chunk in (0, k):
     params, opt_state = init(jax.random.key(0))
@@ -49,7 +50,7 @@ def test_chunked_data_reads_each_steps_batch_at_the_optimizer_count():
 def _tree_rows_norm(tree):
   """[N]: each replica's L2 norm over every leaf (float64 on the host)."""
   leaves = [np.asarray(x, np.float64).reshape(np.shape(x)[0], -1) for x in jax.tree.leaves(tree)]
-  return np.sqrt(sum((x ** 2).sum(1) for x in leaves))
+  return np.sqrt(sum((x**2).sum(1) for x in leaves))
 
 
 def _tiny_start(config, n):
@@ -59,8 +60,13 @@ def _tiny_start(config, n):
   tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
-  batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8),
-                            config.data.seq_len, config.data.batch_size, n, seed=1)
+  batches = ip.TrainBatches(
+    np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8),
+    config.data.seq_len,
+    config.data.batch_size,
+    n,
+    seed=1,
+  )
   return mesh, tx, graphdef, params, opt_state, batches
 
 
@@ -84,16 +90,18 @@ def test_window_end_and_distance_measure_each_replicas_distance_from_the_mean():
 
   after, _, m = programs_lib.make_window_end(tx, mesh)(params, opt_state)
   after = jax.tree.map(np.asarray, after)
-  chex.assert_trees_all_close(jax.tree.map(lambda a: a[0], after), jax.tree.map(lambda x: x[0], mean), rtol=1e-5,
-                              atol=1e-6)
+  chex.assert_trees_all_close(
+    jax.tree.map(lambda a: a[0], after), jax.tree.map(lambda x: x[0], mean), rtol=1e-5, atol=1e-6
+  )
   np.testing.assert_allclose(np.asarray(m['distance']), want, rtol=1e-4)
   np.testing.assert_allclose(np.asarray(m['mean_norm']), _tree_rows_norm(after), rtol=1e-6)
 
 
 def _fit_config(**overrides):
-  return config_lib.with_overrides(config_lib.load_config_file(TINY), {
-      'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.rollback': False,
-      **overrides})  # (no anchor: the window end's only extra argument is the common batch)
+  return config_lib.with_overrides(
+    config_lib.load_config_file(TINY),
+    {'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.rollback': False, **overrides},
+  )  # (no anchor: the window end's only extra argument is the common batch)
 
 
 def _window_setup(config, n=8):
@@ -153,7 +161,8 @@ def test_the_rollback_anchor_is_one_copy_per_device_in_the_groups_layout():
       opt_state = opt_state._replace(inner_state=inner)
     stacked = {'params': params, 'inner': opt_state.inner_state}
     anchor = programs_lib.make_anchor(mesh, tx, mesh_lib.anchor_layout(mesh, params, opt_state.inner_state))(
-        params, opt_state)
+      params, opt_state
+    )
     c = programs_lib.unpack(tx, *jax.tree.map(lambda a: a[0], (params, opt_state))).controller
     assert np.isnan(anchor.pop('train_loss')) and np.isnan(anchor.pop('train_loss_se'))  # no window yet
     assert np.isnan(c.train_loss)
@@ -163,8 +172,9 @@ def test_the_rollback_anchor_is_one_copy_per_device_in_the_groups_layout():
     assert copies == (1 / 8 if devices == 1 else 1 / 4 if devices == 2 else 1.0), (devices, fsdp, copies)
     if fsdp > 1:  # each leaf split in its group as the stacked one is: half a copy per device
       from jax.sharding import NamedSharding, PartitionSpec as P
-      same = jax.tree.map(lambda a, s: a.sharding.is_equivalent_to(NamedSharding(mesh, P(*s.sharding.spec[1:])), a.ndim),
-                          anchor, stacked)
+
+      same = jax.tree.map(
+        lambda a, s: a.sharding.is_equivalent_to(NamedSharding(mesh, P(*s.sharding.spec[1:])), a.ndim), anchor, stacked
+      )
       assert all(jax.tree.leaves(same))
       assert any('fsdp' in a.sharding.spec for a in jax.tree.leaves(anchor))
-

@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 README = ROOT / 'README.md'
 
 # What the example leaves to the reader: a loss, initial parameters and batches.
-PRELUDE = '''
+PRELUDE = """
 import jax, jax.numpy as jnp
 def loss_fn(params, batch):
   x, y = batch
@@ -34,13 +34,16 @@ class _OneStepInFlight:
       yield item
     jax.block_until_ready(globals().get('params'))  # (the last step too, before the example averages)
 batches = _OneStepInFlight([(_x, _y)] * 200)
-'''
+"""
 
 # Words of a lab notebook, not of a front page: dates, machine names, passes and sessions, internal IDs.
-NOTEBOOK = re.compile(r'20\d\d-\d\d-\d\d|Xeon|EPYC|\bAMD\b|Intel|\bH100\b|\bH200\b|'
-                      r'(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|'
-                      r'\w+teenth|\w+tieth|\d+(?:st|nd|rd|th)) pass\b|'
-                      r'\bsession|fit_K\d|fit_lr_T|_settle\b|rollback_se2', re.I)
+NOTEBOOK = re.compile(
+  r'20\d\d-\d\d-\d\d|Xeon|EPYC|\bAMD\b|Intel|\bH100\b|\bH200\b|'
+  r'(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|'
+  r'\w+teenth|\w+tieth|\d+(?:st|nd|rd|th)) pass\b|'
+  r'\bsession|fit_K\d|fit_lr_T|_settle\b|rollback_se2',
+  re.I,
+)
 
 
 def _blocks():
@@ -80,8 +83,9 @@ def test_readme_keeps_the_two_commands_of_a_fresh_machine():
   """The set-up-and-train command and the test command are the README's first two bash blocks (.ci/run runs the
   second)."""
   bash = re.findall(r'```bash\n(.*?)```', README.read_text(), re.S)
-  assert bash[0] == ("python3 -m venv .venv && .venv/bin/pip install -e '.[trainer,test]' && "
-                     '.venv/bin/python train.py\n')
+  assert bash[0] == (
+    "python3 -m venv .venv && .venv/bin/pip install -e '.[trainer,test]' && .venv/bin/python train.py\n"
+  )
   assert bash[1] == '.venv/bin/python -m pytest -q -n 2 --dist loadfile tests\n'
 
 

@@ -33,6 +33,7 @@ def tiny(**overrides):
 
 # ---- Preemption: SIGKILL at random points and during checkpoint writes. ----
 
+
 @pytest.fixture(scope='module')
 def chaos_run(tmp_path_factory):
   """scripts/chaos.py's run: a reference, then the same command killed 3 times (two during a checkpoint
@@ -79,6 +80,7 @@ def test_leftovers_of_killed_writes_are_cleaned(chaos_run):
 
 
 # ---- Corrupt or partial checkpoints are never loaded. ----
+
 
 def _largest_file(d):
   files = [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
@@ -182,13 +184,13 @@ def test_every_checkpoint_corrupt_is_a_clear_error(chaos_run, tmp_path):
 
 # ---- SIGTERM writes a checkpoint before exiting. ----
 
+
 def test_sigterm_checkpoints_then_exits_and_resumes_bit_for_bit(chaos_run, tmp_path, capsys):
   base, _ = chaos_run
   workdir = str(tmp_path / 'term')
   cmd = chaos.train_cmd(workdir, os.path.join(base, 'xla_cache'))
   cmd = [c for c in cmd if not c.startswith('--config.checkpoint_every')] + ['--config.checkpoint_every=0']
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=chaos._env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=chaos._env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   path = os.path.join(workdir, 'metrics.jsonl')
   deadline = time.time() + 120
   while time.time() < deadline:  # wait for training to be under way: a 'train' record on disk
@@ -216,6 +218,7 @@ def test_sigterm_checkpoints_then_exits_and_resumes_bit_for_bit(chaos_run, tmp_p
 
 # ---- Every replica non-finite: a clear stop, the last good checkpoint intact. ----
 
+
 def test_divergence_stops_with_an_error_and_keeps_the_last_good_checkpoint(chaos_run, tmp_path):
   """train.py with every replica's loss made NaN at step 9 (tests/fault_testing.py: a NaN factor in the batch, so the
   gradient and every replica's parameters are NaN after it; a divergence at a step the test chooses, not where a high
@@ -224,8 +227,9 @@ def test_divergence_stops_with_an_error_and_keeps_the_last_good_checkpoint(chaos
   and the checkpoints before the divergence are kept; none after it is written."""
   base, _ = chaos_run
   workdir = str(tmp_path / 'nan')
-  proc = _train(base, workdir, '--config.hdet.auto_lr=False', '--config.max_checkpoints=0', '--config.log_every=1',
-                faults='9')
+  proc = _train(
+    base, workdir, '--config.hdet.auto_lr=False', '--config.max_checkpoints=0', '--config.log_every=1', faults='9'
+  )
   assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
   assert 'error: training diverged at step 9 ' in proc.stderr and 'last good checkpoint is kept' in proc.stderr
   assert 'Traceback' not in proc.stderr
@@ -238,6 +242,7 @@ def test_divergence_stops_with_an_error_and_keeps_the_last_good_checkpoint(chaos
   assert all(np.all(np.isfinite(x)) for x in avg)
   assert any(np.all(np.isfinite(x)) for x in state)
   import jax.numpy as jnp
+
   assert checkpoints.fingerprint([jnp.asarray(x) for x in avg]) == meta['fingerprint']['avg_params']
 
 
@@ -280,45 +285,48 @@ def test_same_seed_same_metrics_other_seed_other_metrics(chaos_run, tmp_path, ca
 _NAN, _INF = float('nan'), float('inf')
 # field -> invalid values of the field's type (a wrong type is refused by ml_collections itself).
 _INVALID = {
-    'seed': [-1, 2**32],
-    'num_train_steps': [-5, 0, 1],
-    'data.val_fraction': [0.0, 1.0, -0.1, _NAN],
-    'data.seq_len': [0, -3],
-    'data.batch_size': [0, -1],
-    'model.d_model': [0, -8],
-    'model.num_layers': [0, -1],
-    'model.num_heads': [0, -2],
-    'model.mlp_ratio': [0, -1],
-    'optim.max_lr': [0.0, -1e-3, _NAN, _INF],
-    'optim.pct_start': [0.0, 1.0, 1.5, _NAN],
-    'optim.div_factor': [0.0, -1.0, _INF],
-    'optim.final_div_factor': [0.0, -2.0, _NAN],
-    'optim.b1': [1.0, -0.1, _NAN],
-    'optim.b2': [1.0, 2.0, _NAN],
-    'optim.weight_decay': [-0.1, _NAN, _INF],
-    'optim.grad_clip_norm': [-1.0, _NAN],
-    'hdet.num_replicas': [-1],
-    'hdet.spread': [1.0, 1.5, -0.1, _NAN, _INF],
-    'hdet.sync_every': [-1, -100],
-    'hdet.warmup_steps': [-1, 40, 1000],
-    'hdet.temperature': [0.0, -0.1, _NAN],
-    'hdet.lr_of_lr': [-0.5, _NAN],
-    'hdet.momentum': [1.0, -0.1, _NAN],
-    'warm_init.nu': [-0.01, _NAN],
-    'log_every': [0, -1],
-    'eval_every': [-1],
-    'eval_windows': [-1],
-    'checkpoint_every': [-1],
-    'max_checkpoints': [-1],
-    'stop_at_step': [-1],
-    'num_cpu_devices': [-1],
-    'optim.name': ['adamax', '', 'ADAM', 'lion'],
+  'seed': [-1, 2**32],
+  'num_train_steps': [-5, 0, 1],
+  'data.val_fraction': [0.0, 1.0, -0.1, _NAN],
+  'data.seq_len': [0, -3],
+  'data.batch_size': [0, -1],
+  'model.d_model': [0, -8],
+  'model.num_layers': [0, -1],
+  'model.num_heads': [0, -2],
+  'model.mlp_ratio': [0, -1],
+  'optim.max_lr': [0.0, -1e-3, _NAN, _INF],
+  'optim.pct_start': [0.0, 1.0, 1.5, _NAN],
+  'optim.div_factor': [0.0, -1.0, _INF],
+  'optim.final_div_factor': [0.0, -2.0, _NAN],
+  'optim.b1': [1.0, -0.1, _NAN],
+  'optim.b2': [1.0, 2.0, _NAN],
+  'optim.weight_decay': [-0.1, _NAN, _INF],
+  'optim.grad_clip_norm': [-1.0, _NAN],
+  'hdet.num_replicas': [-1],
+  'hdet.spread': [1.0, 1.5, -0.1, _NAN, _INF],
+  'hdet.sync_every': [-1, -100],
+  'hdet.warmup_steps': [-1, 40, 1000],
+  'hdet.temperature': [0.0, -0.1, _NAN],
+  'hdet.lr_of_lr': [-0.5, _NAN],
+  'hdet.momentum': [1.0, -0.1, _NAN],
+  'warm_init.nu': [-0.01, _NAN],
+  'log_every': [0, -1],
+  'eval_every': [-1],
+  'eval_windows': [-1],
+  'checkpoint_every': [-1],
+  'max_checkpoints': [-1],
+  'stop_at_step': [-1],
+  'num_cpu_devices': [-1],
+  'optim.name': ['adamax', '', 'ADAM', 'lion'],
 }
 _OPTIONAL = {  # fields of newer configs, checked when present
-    'model.dropout': [1.0, -0.1, _NAN], 'model.attn_temperature': [0.0, -1.0, _NAN],
-    'optim.label_smoothing': [1.0, -0.1], 'hdet.explore.weight_decay': [1.0, -0.5],
-    'hdet.explore.dropout': [-0.1, _NAN], 'hdet.explore.label_smoothing': [-0.1, _INF],
-    'hdet.explore.attn_temperature': [1.0, -0.1],
+  'model.dropout': [1.0, -0.1, _NAN],
+  'model.attn_temperature': [0.0, -1.0, _NAN],
+  'optim.label_smoothing': [1.0, -0.1],
+  'hdet.explore.weight_decay': [1.0, -0.5],
+  'hdet.explore.dropout': [-0.1, _NAN],
+  'hdet.explore.label_smoothing': [-0.1, _INF],
+  'hdet.explore.attn_temperature': [1.0, -0.1],
 }
 _BASE = tiny()
 for _field, _values in _OPTIONAL.items():
@@ -344,26 +352,39 @@ def test_invalid_config_values_are_one_line_naming_the_field(data, tmp_path_fact
 @given(data=st.data())
 def test_valid_edge_values_pass_the_checks(data):
   valid = {
-      'seed': st.integers(0, 2**32 - 1), 'data.val_fraction': st.floats(1e-6, 0.999),
-      'optim.b1': st.floats(0, 0.999), 'hdet.spread': st.floats(0, 0.999), 'hdet.sync_every': st.integers(0, 50),
-      'optim.max_lr': st.floats(1e-8, 10), 'hdet.momentum': st.floats(0, 0.999), 'eval_every': st.integers(0, 100),
+    'seed': st.integers(0, 2**32 - 1),
+    'data.val_fraction': st.floats(1e-6, 0.999),
+    'optim.b1': st.floats(0, 0.999),
+    'hdet.spread': st.floats(0, 0.999),
+    'hdet.sync_every': st.integers(0, 50),
+    'optim.max_lr': st.floats(1e-8, 10),
+    'hdet.momentum': st.floats(0, 0.999),
+    'eval_every': st.integers(0, 100),
   }
   fields = data.draw(st.lists(st.sampled_from(sorted(valid)), min_size=1, max_size=4, unique=True))
   run_settings.resolve(tiny(**{f: data.draw(valid[f], label=f) for f in fields}))
 
 
-@pytest.mark.parametrize('override,field', [
+@pytest.mark.parametrize(
+  'override,field',
+  [
     ('--config.num_train_steps=-5', 'num_train_steps'),
     ('--config.hdet.spread=1.0', 'hdet.spread'),
     ('--config.data.batch_size=0', 'data.batch_size'),
     ('--config.optim.name=adamax', 'optim.name'),
     ('--config.hdet.sync_every=-1', 'hdet.sync_every'),
     ('--config.num_train_steps=2.5', 'num_train_steps'),  # a wrong type, refused while parsing the flags
-])
+  ],
+)
 def test_bad_values_on_the_command_line(tmp_path, override, field):
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY,
-                         '--workdir', str(tmp_path / 'w'), override],
-                        cwd=ROOT, env=chaos._env(), capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', str(tmp_path / 'w'), override],
+    cwd=ROOT,
+    env=chaos._env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 2
   assert 'Traceback' not in proc.stderr and field.split('.')[-1] in proc.stderr, proc.stderr
   assert not os.path.exists(tmp_path / 'w')

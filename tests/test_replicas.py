@@ -19,8 +19,9 @@ def mesh():
 
 def test_average_replicas_is_the_mean_and_exact_on_agreeing_replicas():
   x = jax.random.normal(jax.random.key(0), (N, 1000)) * 3 + 1
-  np.testing.assert_allclose(np.asarray(H.average_replicas({'a': x})['a']),
-                             np.asarray(x, np.float64).mean(0), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(H.average_replicas({'a': x})['a']), np.asarray(x, np.float64).mean(0), rtol=1e-6, atol=1e-6
+  )
   same = jnp.broadcast_to(x[3], x.shape)
   np.testing.assert_array_equal(np.asarray(H.average_replicas(same)), np.asarray(x[3]))
 
@@ -38,6 +39,7 @@ def test_collectives_over_a_device_axis_and_a_vmap_axis_are_the_replica_axis(dev
   """8 replicas on ``devices`` devices (shard_map x vmap, replica axis ('data', 'local')): each replica's index,
   the mean, the sum and the gather equal numpy's over the 8 rows, in replica order r = d * (8 / D) + v."""
   from jax.sharding import Mesh, NamedSharding
+
   mesh = Mesh(np.asarray(jax.devices()[:devices]), (AX,))
   k = N // devices
   axis = H.replicas.replica_axes(AX, k)
@@ -45,11 +47,17 @@ def test_collectives_over_a_device_axis_and_a_vmap_axis_are_the_replica_axis(dev
   x = np.asarray(jax.random.normal(jax.random.key(1), (N, 6)), np.float32)
 
   def per_replica(a):
-    return {'index': H.replicas.axis_index(axis), 'size': jnp.asarray(H.replicas.axis_size(axis)),
-            'mean': H.replicas.pmean(a, axis), 'sum': H.replicas.psum(a, axis),
-            'gather': H.replicas.all_gather(a[0], axis)}
+    return {
+      'index': H.replicas.axis_index(axis),
+      'size': jnp.asarray(H.replicas.axis_size(axis)),
+      'mean': H.replicas.pmean(a, axis),
+      'sum': H.replicas.psum(a, axis),
+      'gather': H.replicas.all_gather(a[0], axis),
+    }
+
   out = jax.jit(H.shard_map_replicas(per_replica, mesh, AX, per_device=k))(
-      jax.device_put(x, NamedSharding(mesh, P(AX))))
+    jax.device_put(x, NamedSharding(mesh, P(AX)))
+  )
   out = jax.tree.map(np.asarray, out)
   assert out['index'].tolist() == list(range(N)) and out['size'].tolist() == [N] * N
   np.testing.assert_allclose(out['mean'], np.broadcast_to(x.astype(np.float64).mean(0), x.shape), rtol=2e-6, atol=1e-7)
@@ -67,12 +75,24 @@ def test_shard_map_replicas_refuses_a_bad_per_device():
 def test_packed_state_round_trips_bit_for_bit_and_is_one_vector():
   """pack_state / unpack_state on a real HDETState (NaN payloads, negative zeros, bools, the uint32 key)."""
   import optax
-  tx = H.hdet(optax.adam, 1e-3, num_replicas=N, sync_every=4, replica_axis=AX,
-              auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0))
+
+  tx = H.hdet(
+    optax.adam,
+    1e-3,
+    num_replicas=N,
+    sync_every=4,
+    replica_axis=AX,
+    auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0),
+  )
   params = {'w': jnp.ones((3, 2)), 'b': jnp.zeros((2,))}
   state = tx.init(params)
-  state = state._replace(loss_sum=jnp.float32(-0.0), replica_ok=jnp.zeros([], bool), synced=jnp.ones([], bool),
-                         base=jnp.full_like(state.base, jnp.nan), count=jnp.int32(-7))
+  state = state._replace(
+    loss_sum=jnp.float32(-0.0),
+    replica_ok=jnp.zeros([], bool),
+    synced=jnp.ones([], bool),
+    base=jnp.full_like(state.base, jnp.nan),
+    count=jnp.int32(-7),
+  )
   packed = H.packing.pack_state(state)
   small_leaves = jax.tree.leaves(state._replace(inner_state=None))
   assert packed.small.dtype == jnp.uint32 and packed.small.shape == (sum(x.size for x in small_leaves),)
@@ -80,7 +100,9 @@ def test_packed_state_round_trips_bit_for_bit_and_is_one_vector():
   assert jax.tree.structure(back) == jax.tree.structure(state)
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
     assert a.dtype == b.dtype and a.shape == b.shape
-    np.testing.assert_array_equal(np.atleast_1d(np.asarray(a)).view(np.uint8), np.atleast_1d(np.asarray(b)).view(np.uint8))
+    np.testing.assert_array_equal(
+      np.atleast_1d(np.asarray(a)).view(np.uint8), np.atleast_1d(np.asarray(b)).view(np.uint8)
+    )
   with pytest.raises(ValueError, match='packed from another hdet'):
     H.packing.unpack_state(packed._replace(small=packed.small[1:]), jax.eval_shape(tx.init, params))
 
@@ -88,9 +110,17 @@ def test_packed_state_round_trips_bit_for_bit_and_is_one_vector():
 def test_packed_hdet_is_hdet_bit_for_bit_under_vmap():
   """packed(hdet(...)) steps exactly as hdet(...) over syncs (the controller moving), under vmap over 8 replicas."""
   import optax
+
   def make():
-    return H.hdet(optax.adam, 1e-2, num_replicas=N, sync_every=2, replica_axis=AX,
-                  auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0))
+    return H.hdet(
+      optax.adam,
+      1e-2,
+      num_replicas=N,
+      sync_every=2,
+      replica_axis=AX,
+      auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0),
+    )
+
   plain_tx, packed_tx = make(), H.packed(make())
   params = {'w': jnp.asarray(np.random.default_rng(0).normal(size=(N, 4)), jnp.float32)}
   targets = jnp.asarray(np.random.default_rng(1).normal(size=(6, N, 4)), jnp.float32)
@@ -100,10 +130,12 @@ def test_packed_hdet_is_hdet_bit_for_bit_under_vmap():
       loss, g = jax.value_and_grad(lambda p: 0.5 * jnp.sum((p['w'] - c) ** 2))(p)
       u, s = tx.update(lax.pmean(g, AX), s, p, value=loss)
       return optax.apply_updates(p, u), s
+
     p, s = params, jax.vmap(tx.init)(params)
     for t in range(6):
       p, s = jax.vmap(step, axis_name=AX)(p, s, targets[t])
     return p, jax.vmap(unpack)(s)
+
   p0, s0 = run(plain_tx, lambda s: s)
   p1, s1 = run(packed_tx, lambda s: H.packing.unpack_state(s, jax.eval_shape(plain_tx.init, {'w': params['w'][0]})))
   np.testing.assert_array_equal(np.asarray(p0['w']), np.asarray(p1['w']))
@@ -130,6 +162,7 @@ def test_group_shardings_rule_keeping_a_leaf_whole_and_a_size_one_tensor_axis():
   """Shapes only. A tensor rule with dim None keeps the leaf whole over the tensor axis (FSDP still takes its largest
   dimension); on a mesh whose tensor axis has size 1 the rules are not applied at all, even one no size divides."""
   from jax.sharding import Mesh
+
   leaf = {'w': jax.ShapeDtypeStruct((2, 4, 6), jnp.float32)}  # [replicas, 4, 6]
   mesh3 = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), (AX, 'fsdp', 'tensor'))
   assert H.group_shardings(leaf, mesh3, AX, tensor_rules=((r'w$', None),))['w'].spec == P(AX, None, 'fsdp')
@@ -145,6 +178,7 @@ def test_pack_state_refuses_a_leaf_without_an_exact_32_bit_word(dtype):
   """Shapes only (jax.eval_shape): a float16/bfloat16/int8/uint16 leaf raises naming its dtype; the state's own
   float32/int32/uint32/bool leaves pack into one uint32 vector of their total size."""
   import optax
+
   tx = H.hdet(optax.sgd, 1e-3, num_replicas=N, sync_every=4, replica_axis=AX)
   like = jax.eval_shape(tx.init, {'w': jnp.zeros(3)})
   packed = jax.eval_shape(H.packing.pack_state, like)
@@ -157,6 +191,7 @@ def test_pack_state_refuses_a_leaf_without_an_exact_32_bit_word(dtype):
 
 def test_packed_update_needs_params():
   import optax
+
   tx = H.packed(H.hdet(optax.sgd, 1e-3, num_replicas=N, sync_every=4, replica_axis=AX))
   p = {'w': jnp.zeros(3)}
   with pytest.raises(ValueError, match=r'packed\(hdet\): update\(\) needs params'):
@@ -178,8 +213,8 @@ def test_the_wrappers_keep_the_signature_keyword_calls_donation_and_static_argum
   """inspect.signature names the step's parameters; keyword calls, an omitted default, donate_argnames and
   static_argnames work as on the step itself. Oracle: numpy, per replica (the batch split by rows)."""
   import inspect
-  for wrapped in (H.shard_map_replicas(_step, mesh, AX, batch_argnames=('batch',)),
-                  H.over_replicas(_step, mesh, AX)):
+
+  for wrapped in (H.shard_map_replicas(_step, mesh, AX, batch_argnames=('batch',)), H.over_replicas(_step, mesh, AX)):
     assert list(inspect.signature(wrapped).parameters) == ['state', 'batch', 'scale', 'train']
     step = jax.jit(wrapped, donate_argnames=('state',), static_argnames=('train',))
     state0 = np.arange(N, dtype=np.float32)
@@ -203,6 +238,7 @@ def test_batch_argnames_must_name_parameters_and_the_mesh_must_have_the_axis(mes
 
 def test_stacked_and_batch_shardings_add_the_replica_axis():
   from jax.sharding import Mesh, NamedSharding
+
   mesh2 = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'data'))
   tree = {'w': NamedSharding(mesh2, P(None, 'data')), 'b': NamedSharding(mesh2, P()), 'spec': P('data')}
   stacked = H.stacked_shardings(tree, 'replica')

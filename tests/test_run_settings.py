@@ -58,13 +58,16 @@ def test_the_loops_sync_steps_and_sync_index_follow_the_window():
   assert never.never_syncs and not any(never.is_sync_step(t) for t in range(never.num_train_steps))
 
 
-@pytest.mark.parametrize('overrides, rolls_back', [
+@pytest.mark.parametrize(
+  'overrides, rolls_back',
+  [
     ({}, True),
     ({'optim.name': 'prodigy'}, False),  # LR-dependent state: no one copy to return to
     ({'hdet.low_communication': True}, False),  # each replica's own state
     ({'hdet.low_communication': True, 'hdet.average_opt_state': True}, True),
     ({'hdet.controller': 'paper'}, False),  # the guard is the 'fit' controller's
-])
+  ],
+)
 def test_the_guard_is_resolved_once_for_the_controller_the_loop_and_the_programs(overrides, rolls_back):
   config = _config(**overrides)
   run = run_settings.resolve(config)
@@ -73,39 +76,59 @@ def test_the_guard_is_resolved_once_for_the_controller_the_loop_and_the_programs
   assert run.loop.rolls_back is run.programs.rolls_back is guard.rollback is rolls_back
   if config.hdet.controller == 'fit':
     a = run.optimizer.auto_lr
-    assert (a.backoff, a.backoff_stderrs, a.backoff_fraction) == (guard.backoff, guard.backoff_stderrs,
-                                                                 guard.backoff_fraction) == (True, 2.0, 0.05)
+    assert (
+      (a.backoff, a.backoff_stderrs, a.backoff_fraction)
+      == (guard.backoff, guard.backoff_stderrs, guard.backoff_fraction)
+      == (True, 2.0, 0.05)
+    )
   else:
     assert run.optimizer.auto_lr.controller == 'paper'
   assert run.programs.shares_gradient is not overrides.get('hdet.low_communication', False)
 
 
 def test_regularization_and_optimizer_choices_reach_the_programs():
-  run = run_settings.resolve(_config(**{'model.dropout': 0.1, 'optim.label_smoothing': 0.05, 'seed': 7,
-                                        'optim.name': 'adam_plateau', 'hdet.auto_lr': False}))
+  run = run_settings.resolve(
+    _config(
+      **{
+        'model.dropout': 0.1,
+        'optim.label_smoothing': 0.05,
+        'seed': 7,
+        'optim.name': 'adam_plateau',
+        'hdet.auto_lr': False,
+      }
+    )
+  )
   p = run.programs
   assert (p.dropout, p.label_smoothing, p.seed, p.plateau, p.schedule_free) == (0.1, 0.05, 7, True, False)
   assert run.loop.controller is None and run.optimizer.auto_lr is None and not run.loop.common_batch
   explored = run_settings.resolve(_config(**{'hdet.explore.dropout': 0.05, 'hdet.explore.weight_decay': 0.5}))
-  assert explored.programs.hyperparam_names == explored.loop.hyperparam_names == (
-      'learning_rate', 'weight_decay', 'dropout')
+  assert (
+    explored.programs.hyperparam_names == explored.loop.hyperparam_names == ('learning_rate', 'weight_decay', 'dropout')
+  )
   assert run_settings.resolve(_config(**{'optim.name': 'schedule_free_adamw'})).programs.schedule_free
 
 
 def test_the_lrs_power_of_two_is_resolved_for_the_schedule_and_the_loop():
-  run = run_settings.resolve(_config(**{'optim.runtime_lr_scale': True, 'hdet.auto_lr': False,
-                                        'optim.max_lr': 0.01}))
-  assert run.loop.lr_unit == 2.0 ** -6  # 0.01 = 0.64 * 2**-6
+  run = run_settings.resolve(_config(**{'optim.runtime_lr_scale': True, 'hdet.auto_lr': False, 'optim.max_lr': 0.01}))
+  assert run.loop.lr_unit == 2.0**-6  # 0.01 = 0.64 * 2**-6
   plain = run_settings.resolve(_config(**{'optim.max_lr': 0.01})).optimizer.schedule
-  assert all(float(run.optimizer.schedule(t)) * run.loop.lr_unit == pytest.approx(float(plain(t)), rel=1e-6)
-             for t in (0, 300, 1499))
+  assert all(
+    float(run.optimizer.schedule(t)) * run.loop.lr_unit == pytest.approx(float(plain(t)), rel=1e-6)
+    for t in (0, 300, 1499)
+  )
 
 
-@pytest.mark.parametrize('overrides, message', [
+@pytest.mark.parametrize(
+  'overrides, message',
+  [
     ({'hdet.spread': 1.5}, r'hdet\.spread must be in \[0, 1\)'),  # a field's own rule (config_lib)
-    ({'hdet.explore.weight_decay': 0.5, 'optim.name': 'sgd'}, r'^config: hdet\.explore\.weight_decay needs optim\.name=adamw'),
+    (
+      {'hdet.explore.weight_decay': 0.5, 'optim.name': 'sgd'},
+      r'^config: hdet\.explore\.weight_decay needs optim\.name=adamw',
+    ),
     ({'hdet.fan': 'geometric'}, r'hdet\.fan was removed in hdet-jax 1\.0'),
-])
+  ],
+)
 def test_a_bad_config_stops_in_resolve_with_one_line_naming_the_field(overrides, message):
   config = _config()
   with config.unlocked():
@@ -119,15 +142,19 @@ def test_a_bad_config_stops_in_resolve_with_one_line_naming_the_field(overrides,
 
 def test_a_model_hyperparameter_the_task_lacks_stops_in_resolve():
   config = _config('mnist1d', **{'hdet.explore.attn_temperature': 0.1})
-  with pytest.raises(config_lib.ConfigError, match=r"hdet\.explore\.attn_temperature: the mnist1d task's model has no attn_temperature"):
+  with pytest.raises(
+    config_lib.ConfigError, match=r"hdet\.explore\.attn_temperature: the mnist1d task's model has no attn_temperature"
+  ):
     run_settings.resolve(config)
 
 
 def test_training_fields_leave_out_what_only_steers_a_run():
   """A resumed run may change how it logs, evaluates and checkpoints, not what it trains; N is resolved."""
   a = run_settings.resolve(_tiny()).training_fields(8)
-  steer = {f: {'plots': False, 'log_every': 7, 'tensorboard': False, 'compilation_cache': '/x'}.get(f, 3)
-           for f in ('plots', 'log_every', 'tensorboard', 'compilation_cache', 'eval_every', 'checkpoint_every')}
+  steer = {
+    f: {'plots': False, 'log_every': 7, 'tensorboard': False, 'compilation_cache': '/x'}.get(f, 3)
+    for f in ('plots', 'log_every', 'tensorboard', 'compilation_cache', 'eval_every', 'checkpoint_every')
+  }
   assert run_settings.resolve(config_lib.with_overrides(_tiny(), steer)).training_fields(8) == a
   assert not set(a) & schema.RUN_FIELDS and a['hdet.num_replicas'] == 8
   b = run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.spread': 0.2, 'seed': 1})).training_fields(8)
@@ -135,10 +162,20 @@ def test_training_fields_leave_out_what_only_steers_a_run():
   assert 'and 1 more' in schema.differences(a, {**b, 'x': 1, 'y': 2, 'z': 3}, limit=4)
 
 
-@pytest.mark.parametrize('field,value', [('hdet.spread', 1.5), ('optim.max_lr', 0.0), ('data.batch_size', 0),
-                                         ('hdet.warmup_steps', 40), ('optim.name', 'lion'),
-                                         ('hdet.stop_fraction', -0.1), ('hdet.stop_fraction', 1.5),
-                                         ('hdet.controller', 'climb'), ('hdet.spread', 1.0)])
+@pytest.mark.parametrize(
+  'field,value',
+  [
+    ('hdet.spread', 1.5),
+    ('optim.max_lr', 0.0),
+    ('data.batch_size', 0),
+    ('hdet.warmup_steps', 40),
+    ('optim.name', 'lion'),
+    ('hdet.stop_fraction', -0.1),
+    ('hdet.stop_fraction', 1.5),
+    ('hdet.controller', 'climb'),
+    ('hdet.spread', 1.0),
+  ],
+)
 def test_resolve_names_the_field(field, value):
   run_settings.resolve(_tiny())  # the tiny config itself passes
   with pytest.raises(config_lib.ConfigError, match=field.replace('.', r'\.')) as e:
@@ -154,13 +191,16 @@ def test_stop_fraction_zero_stops_before_the_first_sync(fraction, stop_steps):
   assert config.num_train_steps == 40 and run.optimizer.auto_lr.stop_steps == stop_steps
 
 
-@pytest.mark.parametrize('steps,num_syncs,want', [
-    (1500, 15, (100,)), (750, 15, (50,)), (300, 15, (20,)), (1000, 15, (67,)), (40, 0, (8,)), (40, 40, (1,))])
+@pytest.mark.parametrize(
+  'steps,num_syncs,want',
+  [(1500, 15, (100,)), (750, 15, (50,)), (300, 15, (20,)), (1000, 15, (67,)), (40, 0, (8,)), (40, 40, (1,))],
+)
 def test_num_syncs_counts_the_windows_per_run(steps, num_syncs, want):
   """With hdet.sync_every = 0, hdet.num_syncs = K > 0 makes T = round(steps / K); a sync_every > 0 wins (8 in
   the tiny config, with K = 0 here)."""
-  config = config_lib.with_overrides(_tiny(), {'num_train_steps': steps, 'hdet.num_syncs': num_syncs,
-                                               'hdet.sync_every': 0 if num_syncs else 8})
+  config = config_lib.with_overrides(
+    _tiny(), {'num_train_steps': steps, 'hdet.num_syncs': num_syncs, 'hdet.sync_every': 0 if num_syncs else 8}
+  )
   assert run_settings.resolve(config).loop.windows == want
 
 
@@ -178,8 +218,18 @@ def test_trainer_warmup_cosine_schedule_matches_its_closed_form():
   """optim.schedule='warmup_cosine': linear from max_lr / d to max_lr over round(pct_start S) steps, then a cosine
   down to max_lr / (d f) at the last step S - 1 (and held there)."""
   total, max_lr, pct, d, f = 200, 0.3, 0.05, 25.0, 10.0
-  config = ml_collections.ConfigDict({'num_train_steps': total, 'optim': {
-      'schedule': 'warmup_cosine', 'max_lr': max_lr, 'pct_start': pct, 'div_factor': d, 'final_div_factor': f}})
+  config = ml_collections.ConfigDict(
+    {
+      'num_train_steps': total,
+      'optim': {
+        'schedule': 'warmup_cosine',
+        'max_lr': max_lr,
+        'pct_start': pct,
+        'div_factor': d,
+        'final_div_factor': f,
+      },
+    }
+  )
   sched = run_settings.schedule(schema.complete(config_lib.flatten(config)))
   lo, end, warm = max_lr / d, max_lr / (d * f), 10
   t = np.arange(total + 5, dtype=np.float64)
@@ -192,21 +242,41 @@ def test_trainer_warmup_cosine_schedule_matches_its_closed_form():
   assert got.argmax() == warm and got[total - 1] == pytest.approx(end, rel=1e-6)
 
 
-@pytest.mark.parametrize('schedule, pct, steps, ok', [
-    ('warmup_cosine', 0.05, 40, True), ('warmup_cosine', 0.99, 40, False), ('warmup_cosine', 0.3, 2, False),
-    ('warmup_cosine', 0.3, 3, True), ('warmup_cosine', 0.5, 3, False), ('one_cycle', 0.3, 40, True), ('one_cycle', 0.01, 40, False),
-    ('one_cycle', 0.5, 2, False)])
+@pytest.mark.parametrize(
+  'schedule, pct, steps, ok',
+  [
+    ('warmup_cosine', 0.05, 40, True),
+    ('warmup_cosine', 0.99, 40, False),
+    ('warmup_cosine', 0.3, 2, False),
+    ('warmup_cosine', 0.3, 3, True),
+    ('warmup_cosine', 0.5, 3, False),
+    ('one_cycle', 0.3, 40, True),
+    ('one_cycle', 0.01, 40, False),
+    ('one_cycle', 0.5, 2, False),
+  ],
+)
 def test_a_warmup_that_leaves_no_decay_is_refused_before_any_work(schedule, pct, steps, ok):
   # warmup_cosine: round(0.99 * 40) = 40 warmup steps reach past the last step (39): no decay; one_cycle: its warmup
   # ends at step 0.01 * 40 - 1 < 0. Each one error naming the fields, before the schedule is built.
-  config = config_lib.with_overrides(_tiny(), {'optim.schedule': schedule, 'optim.pct_start': pct,
-                                               'num_train_steps': steps, 'hdet.num_syncs': 0, 'hdet.sync_every': 0,
-                                               'hdet.warmup_steps': 0})
+  config = config_lib.with_overrides(
+    _tiny(),
+    {
+      'optim.schedule': schedule,
+      'optim.pct_start': pct,
+      'num_train_steps': steps,
+      'hdet.num_syncs': 0,
+      'hdet.sync_every': 0,
+      'hdet.warmup_steps': 0,
+    },
+  )
   if ok:
     run_settings.resolve(config).optimizer.schedule(0)  # builds
     return
-  with pytest.raises(config_lib.ConfigError, match=rf"optim\.pct_start={pct} with num_train_steps={steps} .*"
-                                                   rf"optim\.schedule='{schedule}'") as e:
+  with pytest.raises(
+    config_lib.ConfigError,
+    match=rf'optim\.pct_start={pct} with num_train_steps={steps} .*'
+    rf"optim\.schedule='{schedule}'",
+  ) as e:
     run_settings.resolve(config)
   assert '\n' not in str(e.value)
 
@@ -222,7 +292,7 @@ def test_backoff_needs_the_fit_controller(other):
 @pytest.mark.parametrize('other', [{'hdet.backoff': False}, {'hdet.backoff': False, 'hdet.auto_lr': False}])
 def test_rollback_needs_the_back_off(other):
   run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.rollback': True}))
-  with pytest.raises(config_lib.ConfigError, match=r"hdet\.rollback=.*needs hdet\.backoff=True") as e:
+  with pytest.raises(config_lib.ConfigError, match=r'hdet\.rollback=.*needs hdet\.backoff=True') as e:
     run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.rollback': True, **other}))
   assert '\n' not in str(e.value)
 
@@ -241,16 +311,25 @@ def test_settle_left_unset_is_on_wherever_it_applies():
   A run's training fields, which a resume and the research's caches compare, hold what it resolves to."""
   default = config_lib.load_config_file(os.path.join(CONFIGS, 'default.py'))
   assert default.hdet.settle is None and run_settings.settles(_completed(default))
-  for other, on in [({}, True), ({'hdet.controller': 'paper'}, False), ({'hdet.auto_lr': False}, False),
-                    ({'hdet.after_stop': 'hold'}, False), ({'hdet.settle': False}, False)]:
+  for other, on in [
+    ({}, True),
+    ({'hdet.controller': 'paper'}, False),
+    ({'hdet.auto_lr': False}, False),
+    ({'hdet.after_stop': 'hold'}, False),
+    ({'hdet.settle': False}, False),
+  ]:
     c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), other)
     run = run_settings.resolve(c)
     assert run_settings.settles(_completed(c)) is on, other
     auto_lr = run.optimizer.auto_lr
     assert (auto_lr.settle if auto_lr else False) is on, other
     assert run.training_fields(8).get('hdet.settle', False) is on, other  # off: a quiet default, left out
-  assert run_settings.resolved({'hdet.settle': None, 'hdet.auto_lr': True, 'hdet.controller': 'fit',
-                                'hdet.after_stop': 'rise'})['hdet.settle'] is True
+  assert (
+    run_settings.resolved(
+      {'hdet.settle': None, 'hdet.auto_lr': True, 'hdet.controller': 'fit', 'hdet.after_stop': 'rise'}
+    )['hdet.settle']
+    is True
+  )
   assert run_settings.resolved({'hdet.settle': False, 'hdet.auto_lr': True})['hdet.settle'] is False
   assert not run_settings.settles(_completed(_tiny()))  # the tiny run holds after its stop: its recorded traces stand
 
@@ -264,14 +343,20 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
   assert all(default.hdet[f] is None for f in ('backoff', 'rollback', 'backoff_stderrs', 'backoff_fraction'))
   on = {'backoff': True, 'rollback': True, 'backoff_stderrs': 2.0, 'backoff_fraction': 0.05}
   off = {'backoff': False, 'rollback': False, 'backoff_stderrs': 0.0, 'backoff_fraction': 0.0}
-  for other, want in [({}, on), ({'hdet.controller': 'paper'}, off), ({'hdet.auto_lr': False}, off),
-                      ({'hdet.backoff': False}, off), ({'hdet.rollback': False}, {**on, 'rollback': False}),
-                      ({'hdet.backoff_fraction': 0.1}, {**on, 'backoff_fraction': 0.1}),
-                      ({'hdet.backoff': True, 'hdet.backoff_stderrs': 0.0}, {**on, 'backoff_stderrs': 0.0}),
-                      # the rollback's one copy of the optimizer state needs the replicas to share it
-                      ({'hdet.low_communication': True}, {**on, 'rollback': False}),
-                      ({'hdet.low_communication': True, 'hdet.average_opt_state': True}, on),
-                      ({'optim.name': 'prodigy'}, {**on, 'rollback': False}), ({'optim.name': 'sgd'}, on)]:
+  for other, want in [
+    ({}, on),
+    ({'hdet.controller': 'paper'}, off),
+    ({'hdet.auto_lr': False}, off),
+    ({'hdet.backoff': False}, off),
+    ({'hdet.rollback': False}, {**on, 'rollback': False}),
+    ({'hdet.backoff_fraction': 0.1}, {**on, 'backoff_fraction': 0.1}),
+    ({'hdet.backoff': True, 'hdet.backoff_stderrs': 0.0}, {**on, 'backoff_stderrs': 0.0}),
+    # the rollback's one copy of the optimizer state needs the replicas to share it
+    ({'hdet.low_communication': True}, {**on, 'rollback': False}),
+    ({'hdet.low_communication': True, 'hdet.average_opt_state': True}, on),
+    ({'optim.name': 'prodigy'}, {**on, 'rollback': False}),
+    ({'optim.name': 'sgd'}, on),
+  ]:
     c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), other)
     run = run_settings.resolve(c)
     assert run.guard._asdict() == want, other
@@ -279,24 +364,30 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
     auto_lr = run.optimizer.auto_lr
     if auto_lr is not None:
       assert (auto_lr.backoff, auto_lr.backoff_stderrs, auto_lr.backoff_fraction) == (
-          want['backoff'], want['backoff_stderrs'], want['backoff_fraction']), other
+        want['backoff'],
+        want['backoff_stderrs'],
+        want['backoff_fraction'],
+      ), other
     fields = run.training_fields(8)
     assert {k: fields.get(f'hdet.{k}', off[k]) for k in on} == want, other  # off: quiet defaults, left out
   # A field set where the back-off is off is an error naming it, as before.
-  for bad, name in [({'hdet.controller': 'paper', 'hdet.rollback': True}, 'rollback'),
-                    ({'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}, 'backoff_fraction'),
-                    ({'hdet.low_communication': True, 'hdet.rollback': True}, r'rollback=True .*average_opt_state=True'),
-                    ({'optim.name': 'schedule_free_adamw', 'hdet.rollback': True}, r"rollback=True .*optim.name='schedule_free_adamw'")]:
+  for bad, name in [
+    ({'hdet.controller': 'paper', 'hdet.rollback': True}, 'rollback'),
+    ({'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}, 'backoff_fraction'),
+    ({'hdet.low_communication': True, 'hdet.rollback': True}, r'rollback=True .*average_opt_state=True'),
+    ({'optim.name': 'schedule_free_adamw', 'hdet.rollback': True}, r"rollback=True .*optim.name='schedule_free_adamw'"),
+  ]:
     with pytest.raises(config_lib.ConfigError, match=rf'hdet\.{name}'):
-      run_settings.resolve(config_lib.with_overrides(
-          config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), bad))
+      run_settings.resolve(
+        config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), bad)
+      )
   # A record written before the fields existed reads as off.
   assert run_settings.guard(schema.complete({'hdet.auto_lr': True, 'hdet.controller': 'fit'}))._asdict() == off
 
 
 def test_backoff_fraction_needs_the_back_off_and_is_below_one():
   run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_fraction': 0.05}))
-  with pytest.raises(config_lib.ConfigError, match=r"hdet\.backoff_fraction=0\.05 .*needs hdet\.backoff=True") as e:
+  with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_fraction=0\.05 .*needs hdet\.backoff=True') as e:
     run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}))
   assert '\n' not in str(e.value)
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_fraction'):
@@ -305,7 +396,7 @@ def test_backoff_fraction_needs_the_back_off_and_is_below_one():
 
 def test_backoff_stderrs_needs_the_back_off():
   run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': 2.0}))
-  with pytest.raises(config_lib.ConfigError, match=r"hdet\.backoff_stderrs=2\.0 .*needs hdet\.backoff=True"):
+  with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_stderrs=2\.0 .*needs hdet\.backoff=True'):
     run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': False, 'hdet.backoff_stderrs': 2.0}))
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_stderrs'):
     run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': -1.0}))
@@ -337,11 +428,13 @@ def test_a_workdir_written_before_fields_at_their_legacy_value_still_resumes(tmp
   config sets it; mesh.fsdp=1; optim.runtime_lr_scale=False; ...) has the training fields of today's config, which
   leaves them out; so today's run resumes the workdir that config wrote, and a different config is still refused."""
   from hdet_jax.trainer import trainer as trainer_lib
+
   config = _tiny()
   fields = run_settings.resolve(config).training_fields(8)
   given = config_lib.flatten(json.loads(config.to_json()))
-  at_legacy = [k for k, v in run_settings.resolved(given).items()
-               if k in compat.QUIET_DEFAULTS and v == compat.QUIET_DEFAULTS[k]]
+  at_legacy = [
+    k for k, v in run_settings.resolved(given).items() if k in compat.QUIET_DEFAULTS and v == compat.QUIET_DEFAULTS[k]
+  ]
   assert {'hdet.after_stop', 'mesh.fsdp', 'optim.runtime_lr_scale'} <= set(at_legacy)
   assert config.hdet.after_stop == 'hold' and not set(at_legacy) & set(fields)  # already left out
   older = _tiny()
@@ -356,8 +449,9 @@ def test_a_workdir_written_before_fields_at_their_legacy_value_still_resumes(tmp
   assert not set(at_legacy) & set(older_given)
   old_fields = run_settings.resolve(older).training_fields(8)
   assert old_fields == fields
-  (tmp_path / 'config.json').write_text(json.dumps({'training_fields': old_fields,
-                                                    'config': config_lib.unflatten(older_given)}))
+  (tmp_path / 'config.json').write_text(
+    json.dumps({'training_fields': old_fields, 'config': config_lib.unflatten(older_given)})
+  )
   assert trainer_lib._check_workdir(str(tmp_path), fields) is False  # (no checkpoints: nothing to resume yet)
   with pytest.raises(config_lib.ConfigError, match=r'different config \(seed: 0 -> 1\)'):
     trainer_lib._check_workdir(str(tmp_path), run_settings.resolve(_tiny_seed(1)).training_fields(8))

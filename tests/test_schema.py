@@ -52,25 +52,70 @@ def test_a_row_without_its_line_in_default_py_fails_and_so_does_a_changed_defaul
   seed = schema.BY_NAME['seed']
   changed = tuple(schema.Field('seed', 1, seed.role, 'Other help.') if f is seed else f for f in schema.FIELDS)
   assert disagreements(changed, *_default()) == [
-      'seed: default 0 in the file, 1 in the schema', "seed: help 'Seeds everything random: model init, data "
-      "order, permutations, warm-init noise.' in the file, 'Other help.' in the schema"]
+    'seed: default 0 in the file, 1 in the schema',
+    "seed: help 'Seeds everything random: model init, data "
+    "order, permutations, warm-init noise.' in the file, 'Other help.' in the schema",
+  ]
   dropped = tuple(f for f in schema.FIELDS if f.name != 'seed')
   assert disagreements(dropped, *_default()) == ['seed: in default.py, not in the schema']
 
 
 # The hand-kept tables the schema replaced, as of 1b9826f: records and workdirs were made against these.
-_RUN_FIELDS = {'stop_at_step', 'log_every', 'eval_every', 'eval_windows', 'checkpoint_every', 'max_checkpoints',
-               'stop_on_nan', 'plots', 'progress_bar', 'num_cpu_devices', 'compilation_cache', 'tensorboard',
-               'mesh.devices', 'deterministic_gpu'}
+_RUN_FIELDS = {
+  'stop_at_step',
+  'log_every',
+  'eval_every',
+  'eval_windows',
+  'checkpoint_every',
+  'max_checkpoints',
+  'stop_on_nan',
+  'plots',
+  'progress_bar',
+  'num_cpu_devices',
+  'compilation_cache',
+  'tensorboard',
+  'mesh.devices',
+  'deterministic_gpu',
+}
 _QUIET_DEFAULTS = {
-    'task': 'lm', 'data.corpus': 'kjv', 'model.kind': 'cnn', 'model.hidden': 128, 'mesh.replicas': 0, 'mesh.fsdp': 1,
-    'mesh.tensor': 1, 'hdet.low_communication': False, 'hdet.average_opt_state': False, 'hdet.initial_scale': 1.0,
-    'hdet.after_stop': 'hold', 'hdet.step_growth': 1.0, 'hdet.max_gain': 4.0, 'hdet.backoff': False,
-    'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0, 'hdet.rollback': False, 'hdet.settle': False,
-    'hdet.num_syncs': 0, 'hdet.longest_window': 100, 'optim.runtime_lr_scale': False, 'deterministic_gpu': True,
-    'bracket.points': 0, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:4,0.3:1', 'bracket.compare_steps': 10}
-_NOT_IN_PROGRAMS = {'stop_at_step', 'plots', 'progress_bar', 'tensorboard', 'compilation_cache', 'checkpoint_every',
-                    'max_checkpoints', 'eval_every', 'stop_on_nan'}
+  'task': 'lm',
+  'data.corpus': 'kjv',
+  'model.kind': 'cnn',
+  'model.hidden': 128,
+  'mesh.replicas': 0,
+  'mesh.fsdp': 1,
+  'mesh.tensor': 1,
+  'hdet.low_communication': False,
+  'hdet.average_opt_state': False,
+  'hdet.initial_scale': 1.0,
+  'hdet.after_stop': 'hold',
+  'hdet.step_growth': 1.0,
+  'hdet.max_gain': 4.0,
+  'hdet.backoff': False,
+  'hdet.backoff_stderrs': 0.0,
+  'hdet.backoff_fraction': 0.0,
+  'hdet.rollback': False,
+  'hdet.settle': False,
+  'hdet.num_syncs': 0,
+  'hdet.longest_window': 100,
+  'optim.runtime_lr_scale': False,
+  'deterministic_gpu': True,
+  'bracket.points': 0,
+  'bracket.factor': 2.0,
+  'bracket.rungs': '0.1:4,0.3:1',
+  'bracket.compare_steps': 10,
+}
+_NOT_IN_PROGRAMS = {
+  'stop_at_step',
+  'plots',
+  'progress_bar',
+  'tensorboard',
+  'compilation_cache',
+  'checkpoint_every',
+  'max_checkpoints',
+  'eval_every',
+  'stop_on_nan',
+}
 
 
 def test_the_derived_tables_are_the_ones_records_were_made_with():
@@ -90,20 +135,20 @@ def test_every_default_passes_its_own_check_and_the_checked_fields_are_the_old_r
 
 # (field, values a row must reject, values it must take): the ranges config_lib._RULES held, each at its edges.
 EDGES = [
-    ('seed', [-1, 2**32, 1.0, True, '0'], [0, 2**32 - 1, np.int64(5)]),
-    ('num_train_steps', [1, 2.0], [2]),
-    ('data.val_fraction', [0, 1, math.nan, math.inf, None], [0.5, 1e-9]),
-    ('optim.b1', [1.0, -0.1], [0.0, 0.999]),
-    ('hdet.spread', [1.0, -1e-9], [0.0, 0.999]),
-    ('hdet.stop_fraction', [1.0001, -0.1], [0, 1]),
-    ('hdet.step_growth', [0.99], [1, 2.5]),
-    ('hdet.backoff_fraction', [1.0, -0.01], [None, 0.0, 0.5]),
-    ('bracket.points', [1, -2], [0, 2, 8]),
-    ('bracket.factor', [1.0], [1.0001]),
-    ('optim.name', ['adamx', None], ['adamw', 'adam_plateau']),
-    ('hdet.controller', ['Fit'], ['fit', 'paper']),
-    ('optim.runtime_lr_scale', [0, 1, 'True'], [True, False, np.bool_(True)]),
-    ('init_from', [3, b'x'], [None, 'workdirs/a']),
+  ('seed', [-1, 2**32, 1.0, True, '0'], [0, 2**32 - 1, np.int64(5)]),
+  ('num_train_steps', [1, 2.0], [2]),
+  ('data.val_fraction', [0, 1, math.nan, math.inf, None], [0.5, 1e-9]),
+  ('optim.b1', [1.0, -0.1], [0.0, 0.999]),
+  ('hdet.spread', [1.0, -1e-9], [0.0, 0.999]),
+  ('hdet.stop_fraction', [1.0001, -0.1], [0, 1]),
+  ('hdet.step_growth', [0.99], [1, 2.5]),
+  ('hdet.backoff_fraction', [1.0, -0.01], [None, 0.0, 0.5]),
+  ('bracket.points', [1, -2], [0, 2, 8]),
+  ('bracket.factor', [1.0], [1.0001]),
+  ('optim.name', ['adamx', None], ['adamw', 'adam_plateau']),
+  ('hdet.controller', ['Fit'], ['fit', 'paper']),
+  ('optim.runtime_lr_scale', [0, 1, 'True'], [True, False, np.bool_(True)]),
+  ('init_from', [3, b'x'], [None, 'workdirs/a']),
 ]
 
 

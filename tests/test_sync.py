@@ -25,8 +25,18 @@ def mesh():
 
 # The 'fit' controller as AutoLR(controller='fit') was before 1.0, the guarded climb's parts off (a start at the
 # schedule, trust 0.25, no acceleration, no stop, no back-off, no settling): each test sets the parts it tests.
-PLAIN_FIT = dict(controller='fit', initial_scale=1.0, trust=0.25, step_growth=1.0, stop_steps=None, after_stop='hold',
-                 backoff=False, backoff_stderrs=0.0, backoff_fraction=0.0, settle=False)
+PLAIN_FIT = dict(
+  controller='fit',
+  initial_scale=1.0,
+  trust=0.25,
+  step_growth=1.0,
+  stop_steps=None,
+  after_stop='hold',
+  backoff=False,
+  backoff_stderrs=0.0,
+  backoff_fraction=0.0,
+  settle=False,
+)
 
 
 def plain_fit(total_steps, **kw):
@@ -38,15 +48,29 @@ def test_window_end_program_equals_the_fused_sync_step(mesh, exact):
   """A step with sync=False followed by update(None, ..., sync=True) does what one sync=True step does."""
   T, S = 3, 13
   params, c = quad_problem(dim=16, seed=2)
-  tx = H.hdet(optax.adam, H.one_cycle(0.05, 40), num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              exact_sync=exact, auto_lr=H.AutoLR.paper(total_steps=40, warmup_steps=3, temperature=0.05))
-  apply = (lambda p, u, s, sync: H.apply_updates(p, u, s, replica_axis=AX, sync=sync)) if exact else (
-      lambda p, u, s, sync: optax.apply_updates(p, u))
+  tx = H.hdet(
+    optax.adam,
+    H.one_cycle(0.05, 40),
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    exact_sync=exact,
+    auto_lr=H.AutoLR.paper(total_steps=40, warmup_steps=3, temperature=0.05),
+  )
+  apply = (
+    (lambda p, u, s, sync: H.apply_updates(p, u, s, replica_axis=AX, sync=sync))
+    if exact
+    else (lambda p, u, s, sync: optax.apply_updates(p, u))
+  )
 
   def window_end(p, s):
     u, s = tx.update(None, s, p, sync=True)
     return apply(p, u, s, True), s
-  step = {flag: jax.jit(H.shard_map_replicas(quad_step(tx, sync=flag, exact=exact), mesh, AX)) for flag in (False, True)}
+
+  step = {
+    flag: jax.jit(H.shard_map_replicas(quad_step(tx, sync=flag, exact=exact), mesh, AX)) for flag in (False, True)
+  }
   end = jax.jit(H.shard_map_replicas(window_end, mesh, AX))
   sp0, ss0, data = put(mesh, (H.stack_replicas(params, N), jax.jit(jax.vmap(tx.init))(H.stack_replicas(params, N)), c))
   (fp, fs), (sp, ss) = (sp0, ss0), (sp0, ss0)
@@ -110,8 +134,15 @@ def test_all_reduce_runs_only_on_sync_steps(mesh):
   """In the compiled program the parameter all-reduce and the loss all-gather sit inside the
   conditional's sync branch; the static non-sync program has no collective at all."""
   params, c = quad_problem(dim=16)
-  tx = H.hdet(optax.adam, 0.05, num_replicas=N, spread=0.25, sync_every=10, replica_axis=AX,
-              auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=10))
+  tx = H.hdet(
+    optax.adam,
+    0.05,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=10,
+    replica_axis=AX,
+    auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=10),
+  )
   sp = put(mesh, H.stack_replicas(params, N))
   ss = put(mesh, jax.jit(jax.vmap(tx.init))(sp))
   data = put(mesh, c)
@@ -133,8 +164,11 @@ def test_score_replaces_the_window_loss_and_stop_steps_freezes_the_controller(co
   """At a sync, score= (e.g. each replica's loss on a common batch) is what the controller compares,
   not the window's training losses; after stop_steps the controller no longer moves the base."""
   S, T, stop = 60, 5, 30
-  auto_lr = (H.AutoLR.paper(total_steps=S, warmup_steps=0, stop_steps=stop, temperature=0.01, decay=0.0)
-             if controller == 'paper' else plain_fit(S, warmup_steps=0, stop_steps=stop))
+  auto_lr = (
+    H.AutoLR.paper(total_steps=S, warmup_steps=0, stop_steps=stop, temperature=0.01, decay=0.0)
+    if controller == 'paper'
+    else plain_fit(S, warmup_steps=0, stop_steps=stop)
+  )
   tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, auto_lr=auto_lr)
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
@@ -148,6 +182,7 @@ def test_score_replaces_the_window_loss_and_stop_steps_freezes_the_controller(co
   def end(p, s, my_lr):
     u, s = tx.update(None, s, p, sync=True, score=1.0 - 10.0 * my_lr)
     return optax.apply_updates(p, u), s
+
   f = jax.jit(jax.vmap(step, axis_name=AX))
   g = jax.jit(jax.vmap(end, axis_name=AX))
   bases = []
@@ -158,7 +193,7 @@ def test_score_replaces_the_window_loss_and_stop_steps_freezes_the_controller(co
       np.testing.assert_allclose(ss.controller.window_losses[0], 1.0 - 10.0 * np.asarray(lr), rtol=1e-6)
     bases.append(float(ss.base[0, 0]))
   assert bases[stop - 1] > 1.1e-2  # raised from 1e-2, following the score (the training loss says lower)
-  np.testing.assert_allclose(bases[stop + T:], bases[stop + T], rtol=1e-6)  # frozen after stop_steps
+  np.testing.assert_allclose(bases[stop + T :], bases[stop + T], rtol=1e-6)  # frozen after stop_steps
   with pytest.raises(ValueError, match='score='):
     jax.vmap(lambda p, s: tx.update(p, s, p, value=1.0, sync=False, score=1.0), axis_name=AX)(sp, ss)
 
@@ -169,9 +204,25 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
   eqs. 4-7 computed in numpy from the window's losses and LRs; between syncs the base follows the
   smooth geometric path (or holds, smooth_decay=False)."""
   S, T, gamma, floor = 80, 5, 0.03, 4e-3
-  tx = H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, seed=7,
-              auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=0, temperature=0.05, lr_of_lr=0.7, momentum=0.6,
-                               decay=gamma, min_value=floor, smooth_decay=smooth))
+  tx = H.hdet(
+    optax.sgd,
+    5e-3,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    seed=7,
+    auto_lr=H.AutoLR.paper(
+      total_steps=S,
+      warmup_steps=0,
+      temperature=0.05,
+      lr_of_lr=0.7,
+      momentum=0.6,
+      decay=gamma,
+      min_value=floor,
+      smooth_decay=smooth,
+    ),
+  )
   states = signal_run(tx, S)
   v = np.zeros(1)
   moved = 0
@@ -181,8 +232,11 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
     lrs = c0.base[0] * H.multipliers.spread_multipliers(N, 0.25)[c0.perm[0]]  # the window's nominal LRs
     losses = after.controller.window_losses
     # The window losses are each replica's mean loss over the window's steps.
-    np.testing.assert_allclose(losses, np.mean([1.0 + 3.0 * (states[j].values[0] / 1e-2 - 1.0) ** 2
-                                                for j in range((k - 1) * T, k * T)], 0), rtol=1e-5)
+    np.testing.assert_allclose(
+      losses,
+      np.mean([1.0 + 3.0 * (states[j].values[0] / 1e-2 - 1.0) ** 2 for j in range((k - 1) * T, k * T)], 0),
+      rtol=1e-5,
+    )
     w, delta, v, base = numpy_controller(v, losses, lrs[:, None], 0.05, 0.7, 0.6, gamma, floor)
     np.testing.assert_allclose(after.controller.velocity, v, rtol=1e-3, atol=1e-9)
     np.testing.assert_allclose(after.controller.base, base, rtol=1e-4)
@@ -195,13 +249,25 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
   want = b * (1 - gamma) ** (np.arange(T) / T - 1.0) if smooth else np.full(T, b)
   np.testing.assert_allclose(inside, want, rtol=1e-5)
   # The seed sets the permutations: another seed draws others.
-  other = signal_run(H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, seed=8,
-                             auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=0)), T)
+  other = signal_run(
+    H.hdet(
+      optax.sgd,
+      5e-3,
+      num_replicas=N,
+      spread=0.25,
+      sync_every=T,
+      replica_axis=AX,
+      seed=8,
+      auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=0),
+    ),
+    T,
+  )
   assert not np.array_equal(other[T].controller.perm, states[T].controller.perm)
 
 
-@pytest.mark.parametrize('initial_scale,growth,max_gain', [(1.0, 1.0, 3.0), (0.2, 1.0, 3.0), (0.2, 2.0, 3.0),
-                                                            (1.0, 2.0, 1.5)])
+@pytest.mark.parametrize(
+  'initial_scale,growth,max_gain', [(1.0, 1.0, 3.0), (0.2, 1.0, 3.0), (0.2, 2.0, 3.0), (1.0, 2.0, 1.5)]
+)
 def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth, max_gain):
   """The 'fit' controller in hdet: at each sync the correction moves by the numpy fit of the window's
   losses on the replicas' offsets (times the Rprop gain, with step_growth, capped at max_gain: the last case's
@@ -209,9 +275,15 @@ def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth, max
   the schedule times exp(correction); the correction starts at log(initial_scale)."""
   S, T = 60, 5
   sched = optax.linear_schedule(5e-3, 2e-3, S)
-  tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=plain_fit(S, trust=0.2, memory=0.4, initial_scale=initial_scale, step_growth=growth,
-                                max_gain=max_gain))
+  tx = H.hdet(
+    optax.sgd,
+    sched,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    auto_lr=plain_fit(S, trust=0.2, memory=0.4, initial_scale=initial_scale, step_growth=growth, max_gain=max_gain),
+  )
   states = signal_run(tx, S)
   np.testing.assert_allclose(states[0].base[0], initial_scale * float(sched(0)), rtol=1e-6)
   xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), np.log(initial_scale)
@@ -239,8 +311,15 @@ def test_after_stop_rise_takes_only_steps_up_after_the_stop(start):
   the LR keeps climbing past the stop; from above it holds, as with 'hold'."""
   S, T, stop = 80, 5, 20
   sched = optax.constant_schedule(1e-2 * start)
-  tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=plain_fit(S, trust=0.1, memory=0.4, stop_steps=stop, after_stop='rise'))
+  tx = H.hdet(
+    optax.sgd,
+    sched,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    auto_lr=plain_fit(S, trust=0.1, memory=0.4, stop_steps=stop, after_stop='rise'),
+  )
   states = signal_run(tx, S)
   xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), 0.0
   rho = H.multipliers.spread_multipliers(N, 0.25)
@@ -262,13 +341,26 @@ def test_initial_scale_is_the_run_of_a_scaled_schedule():
   changes where the run begins, not how the controller moves (its steps are scale-free)."""
   S, T, c = 40, 5, 0.25
   sched = optax.linear_schedule(2e-2, 8e-3, S)
+
   def run_with(schedule, scale):
-    return signal_run(H.hdet(optax.sgd, schedule, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-                             auto_lr=plain_fit(S, trust=0.3, initial_scale=scale)), S)
+    return signal_run(
+      H.hdet(
+        optax.sgd,
+        schedule,
+        num_replicas=N,
+        spread=0.25,
+        sync_every=T,
+        replica_axis=AX,
+        auto_lr=plain_fit(S, trust=0.3, initial_scale=scale),
+      ),
+      S,
+    )
+
   cautious, scaled = run_with(sched, c), run_with(lambda t: c * sched(t), 1.0)
   np.testing.assert_allclose([s.values for s in cautious], [s.values for s in scaled], rtol=2e-5)
-  np.testing.assert_allclose([s.controller.correction - np.log(c) for s in cautious],
-                             [s.controller.correction for s in scaled], atol=2e-5)
+  np.testing.assert_allclose(
+    [s.controller.correction - np.log(c) for s in cautious], [s.controller.correction for s in scaled], atol=2e-5
+  )
   # ... and it climbed: from a quarter of a schedule that starts 2x above the bowl's bottom (LR 1e-2),
   # toward the bottom.
   assert cautious[0].base[0] < 0.6e-2 and cautious[-1].base[0] > 0.8e-2
@@ -289,6 +381,7 @@ def test_nonfinite_parameters_with_a_finite_loss_sit_out_the_average(mesh, exact
   def step(p, s):
     u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0)  # a finite loss everywhere
     return (H.apply_updates(p, u, s, replica_axis=AX) if exact else optax.apply_updates(p, u)), s
+
   out, st = jax.jit(jax.vmap(step, axis_name=AX))(sp, ss)
   keep = np.array([r for r in range(N) if r != 3])
   want = np.asarray(w)[keep].mean(0)
@@ -304,8 +397,9 @@ def test_nonfinite_parameters_with_a_finite_loss_sit_out_the_average(mesh, exact
 
 def test_permutations_identical_on_replicas_and_independent_across_hyperparams(mesh):
   params, c = quad_problem()
-  tx = H.hdet(optax.adamw, 0.01, num_replicas=N, spread=0.25, sync_every=1, replica_axis=AX,
-              explore={'weight_decay': (1e-2, 0.5)})
+  tx = H.hdet(
+    optax.adamw, 0.01, num_replicas=N, spread=0.25, sync_every=1, replica_axis=AX, explore={'weight_decay': (1e-2, 0.5)}
+  )
   sp, ss, trace, _ = run(mesh, tx, 40, params, c, record=True)
   same_rows = 0
   for _, st in trace:
@@ -330,6 +424,7 @@ def _run(mesh, tx, loss_fn, steps, params, guard, inject=None, exact=False):
     u, s = tx.update(g, s, p, value=loss)
     p = H.apply_updates(p, u, s, replica_axis=AX, guard_nonfinite=guard) if exact else optax.apply_updates(p, u)
     return p, s, loss
+
   sp = H.stack_replicas(params, N)
   ss = jax.jit(jax.vmap(tx.init))(sp)
   sharding = NamedSharding(mesh, P(AX))
@@ -349,9 +444,17 @@ def quad(p):
 @pytest.mark.parametrize('exact', [False, True])
 def test_injected_nan_is_contained(mesh, exact):
   params = {'w': jnp.zeros(4)}
-  mk = lambda guard: H.hdet(optax.sgd, 0.1, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX,
-                            auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0, temperature=0.1),
-                            guard_nonfinite=guard, exact_sync=exact)
+  mk = lambda guard: H.hdet(
+    optax.sgd,
+    0.1,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=4,
+    replica_axis=AX,
+    auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0, temperature=0.1),
+    guard_nonfinite=guard,
+    exact_sync=exact,
+  )
   guarded = _run(mesh, mk(True), quad, 12, params, True, inject=(5, 3), exact=exact)
   clean = _run(mesh, mk(True), quad, 12, params, True, exact=exact)
   unguarded = _run(mesh, mk(False), quad, 12, params, False, inject=(5, 3), exact=exact)
@@ -376,9 +479,16 @@ def barrier(p):
 
 def test_highest_lr_replica_diverges_for_real(mesh):
   params = {'w': jnp.zeros(2)}
-  mk = lambda guard: H.hdet(optax.sgd, 0.7, num_replicas=N, spread=0.8, sync_every=5, replica_axis=AX,
-                            auto_lr=H.AutoLR.paper(total_steps=200, warmup_steps=0, temperature=0.05, decay=0.0),
-                            guard_nonfinite=guard)
+  mk = lambda guard: H.hdet(
+    optax.sgd,
+    0.7,
+    num_replicas=N,
+    spread=0.8,
+    sync_every=5,
+    replica_axis=AX,
+    auto_lr=H.AutoLR.paper(total_steps=200, warmup_steps=0, temperature=0.05, decay=0.0),
+    guard_nonfinite=guard,
+  )
   guarded = _run(mesh, mk(True), barrier, 40, params, True)
   unguarded = _run(mesh, mk(False), barrier, 40, params, False)
   losses = np.stack([h[1] for h in guarded])
@@ -394,7 +504,7 @@ def test_highest_lr_replica_diverges_for_real(mesh):
     assert np.all(np.isfinite(w)) and np.max(np.abs(w - w[0])) <= 1e-6
   final = guarded[-1][0][0]
   grid = np.linspace(0.0, 0.999, 100000)  # the optimum of the barrier loss, by brute force
-  optimum = grid[np.argmin(0.5 * (grid - 0.9) ** 2 - 0.01 * np.log1p(-grid ** 2))]
+  optimum = grid[np.argmin(0.5 * (grid - 0.9) ** 2 - 0.01 * np.log1p(-(grid**2)))]
   np.testing.assert_allclose(final, optimum, atol=2e-3)
   # The controller lowered the base LR in response.
   assert float(guarded[-1][2].base[0, 0]) < 0.7
@@ -415,8 +525,16 @@ def test_permutation_key_advances_at_every_sync_like_the_oracle():
   the recorded permutations equal that chain computed outside, from key(seed). A frozen key (the same
   permutations at every sync) or a key not advanced per sync fails here."""
   seed, T, syncs, g = 11, 2, 6, 2
-  tx = H.hdet(optax.adamw, 0.01, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, seed=seed,
-              explore={'weight_decay': (1e-2, 0.5)})
+  tx = H.hdet(
+    optax.adamw,
+    0.01,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    seed=seed,
+    explore={'weight_decay': (1e-2, 0.5)},
+  )
   params, c = quad_problem()
   sp = H.stack_replicas(params, N)
   ss = jax.vmap(tx.init)(sp)
@@ -438,8 +556,15 @@ def test_paper_controller_stops_at_min_value():
   """A signal that always favours smaller LRs drives the base down to auto_lr.min_value, where it stays
   (eq. 7's floor as wired: the plan's floor reaches the controller)."""
   floor, T = 4e-3, 2
-  tx = H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR.paper(total_steps=60, temperature=1e-3, lr_of_lr=5.0, momentum=0.0, min_value=floor))
+  tx = H.hdet(
+    optax.sgd,
+    5e-3,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    auto_lr=H.AutoLR.paper(total_steps=60, temperature=1e-3, lr_of_lr=5.0, momentum=0.0, min_value=floor),
+  )
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
 
@@ -447,6 +572,7 @@ def test_paper_controller_stops_at_min_value():
     my_lr = s.values[0, lax.axis_index(AX)]
     u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=my_lr * 100.0)
     return optax.apply_updates(p, u), s
+
   f = jax.jit(jax.vmap(step, axis_name=AX))
   bases = []
   for _ in range(20):
@@ -460,8 +586,15 @@ def test_step_growth_settles_at_the_bowls_bottom(start):
   """With step_growth the correction still settles: started 20x below or above the bowl's bottom (LR 1e-2),
   the fit's steps are taken at growing gain, overshoot, reverse (gain back to 1) and end at the bottom."""
   S, T = 120, 5
-  tx = H.hdet(optax.sgd, optax.constant_schedule(start), num_replicas=N, spread=0.25, sync_every=T,
-              replica_axis=AX, auto_lr=plain_fit(S, trust=0.5, memory=0.0, step_growth=2.0, max_gain=4.0))
+  tx = H.hdet(
+    optax.sgd,
+    optax.constant_schedule(start),
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    auto_lr=plain_fit(S, trust=0.5, memory=0.0, step_growth=2.0, max_gain=4.0),
+  )
   states = signal_run(tx, S)
   gains = np.array([s.controller.gain[0] for s in states[T::T]])
   assert np.abs(gains).max() >= 2.0 and (gains < 0).any() and (gains > 0).any()  # it accelerated and reversed
@@ -480,25 +613,47 @@ def test_a_sync_schedule_averages_and_compares_at_each_windows_end(mesh):
   for count in range(1, S + 1):
     w = trace[count - 1][0]
     assert np.array_equal(w, np.broadcast_to(w[0], w.shape)) == (count in ends), count
-  tx = H.hdet(optax.sgd, 5e-3, num_replicas=N, spread=0.25, sync_every=sync_every, replica_axis=AX, seed=3,
-              auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=0, temperature=0.05, lr_of_lr=0.7, momentum=0.6,
-                               decay=gamma, min_value=4e-3))
+  tx = H.hdet(
+    optax.sgd,
+    5e-3,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=sync_every,
+    replica_axis=AX,
+    seed=3,
+    auto_lr=H.AutoLR.paper(
+      total_steps=S, warmup_steps=0, temperature=0.05, lr_of_lr=0.7, momentum=0.6, decay=gamma, min_value=4e-3
+    ),
+  )
   states = signal_run(tx, S)
   for start, end in zip([0] + ends, ends):
     want = np.mean([1.0 + 3.0 * (states[j].values[0] / 1e-2 - 1.0) ** 2 for j in range(start, end)], 0)
     np.testing.assert_allclose(states[end].controller.window_losses, want, rtol=1e-5)
     assert states[end].sync_count == ends.index(end) + 1 and states[end - 1].sync_count == ends.index(end)
   b = states[8].controller.base[0]  # inside the window of steps 8..11 (4 long)
-  np.testing.assert_allclose([states[8 + i].base[0] for i in range(4)], b * (1 - gamma) ** (np.arange(4) / 4 - 1.0),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    [states[8 + i].base[0] for i in range(4)], b * (1 - gamma) ** (np.arange(4) / 4 - 1.0), rtol=1e-5
+  )
   b = states[3].controller.base[0]  # inside the window of steps 3..7 (5 long)
-  np.testing.assert_allclose([states[3 + i].base[0] for i in range(5)], b * (1 - gamma) ** (np.arange(5) / 5 - 1.0),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    [states[3 + i].base[0] for i in range(5)], b * (1 - gamma) ** (np.arange(5) / 5 - 1.0), rtol=1e-5
+  )
   # Without decay= the gamma reaching the schedule's end counts 1/3 + 1/5 ... per step from the first sync.
-  plan = H.settings.make_plan(optax.sgd, optax.linear_schedule(1e-2, 1e-3, S), num_replicas=N, spread=0.25,
-                              sync_every=sync_every, replica_axis=AX, auto_lr=H.AutoLR.paper(total_steps=S),
-                              exact_sync=False, seed=0, explore=None, param_groups=None, guard_nonfinite=True,
-                              optimizer_kwargs={})
+  plan = H.settings.make_plan(
+    optax.sgd,
+    optax.linear_schedule(1e-2, 1e-3, S),
+    num_replicas=N,
+    spread=0.25,
+    sync_every=sync_every,
+    replica_axis=AX,
+    auto_lr=H.AutoLR.paper(total_steps=S),
+    exact_sync=False,
+    seed=0,
+    explore=None,
+    param_groups=None,
+    guard_nonfinite=True,
+    optimizer_kwargs={},
+  )
   syncs = 5 * (1 / 5) + (S - 1 - 8) * (1 / 4)  # steps 3..7 in the 5-window, 8..38 in 4-windows
   v0, v1 = 1e-2 + (1e-3 - 1e-2) * 3 / S, 1e-2 + (1e-3 - 1e-2) * (S - 1) / S
   assert plan.controller_start == 3
@@ -509,12 +664,20 @@ def _two_syncs_correction(growth, ratio, T=5):
   """The 'fit' correction after each of two syncs whose scores are a bowl in the replicas' offset u,
   k (u - 0.05)^2 (both ask for a larger LR), the second plus noise orthogonal to 1, u and u^2 scaled so that
   its fitted slope is ``ratio`` standard errors (numpy_slope_stderr); the first is noiseless."""
-  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=plain_fit(100, trust=1.0, memory=0.5, step_growth=growth, max_gain=4.0))
+  tx = H.hdet(
+    optax.sgd,
+    1e-2,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    auto_lr=plain_fit(100, trust=1.0, memory=0.5, step_growth=growth, max_gain=4.0),
+  )
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
-  step = jax.jit(jax.vmap(lambda p, s: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0, sync=False)[1],
-                          axis_name=AX))
+  step = jax.jit(
+    jax.vmap(lambda p, s: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0, sync=False)[1], axis_name=AX)
+  )
   end = jax.jit(jax.vmap(lambda p, s, y: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX))
   corrections, rng = [], np.random.default_rng(0)
   for k in range(2):
@@ -523,7 +686,7 @@ def _two_syncs_correction(growth, ratio, T=5):
     u = np.asarray(ss.values[0, 0], np.float64) / float(ss.base[0, 0]) - 1.0  # each replica's offset
     y = (u - 0.05) ** 2
     if k == 1:
-      basis = np.stack([np.ones(N), u, u ** 2], 1)
+      basis = np.stack([np.ones(N), u, u**2], 1)
       e = rng.normal(size=N)
       e -= basis @ np.linalg.lstsq(basis, e, rcond=None)[0]  # orthogonal: the fit's slope stays the bowl's
       b = -2 * 0.05
@@ -549,20 +712,36 @@ def test_the_gain_grows_only_on_a_slope_above_twice_its_standard_error(ratio):
     np.testing.assert_allclose(grown[1], plain[1], rtol=1e-6, atol=1e-7)
 
 
-def _backoff_corrections(backoff, window_losses, rise_only=False, T=5, trust=0.5, noise=0.0, stderrs=0.0,
-                         noise_by_window=None, fraction=0.0):
+def _backoff_corrections(
+  backoff, window_losses, rise_only=False, T=5, trust=0.5, noise=0.0, stderrs=0.0, noise_by_window=None, fraction=0.0
+):
   """The 'fit' correction and the recorded mean training loss after each sync of windows whose per-step
   training loss is ``window_losses[k] + 0.01 r + noise * d_j`` on replica r at the window's step j
   (d = 1, -1, 1, -1, 0: mean 0; ``noise_by_window[k]`` in place of ``noise`` if given), each sync scored on a bowl in the offset u,
   (u - 0.05)^2 (every fit asks for a larger LR)."""
-  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=plain_fit(100, trust=trust, memory=0.5, stop_steps=0 if rise_only else None,
-                                after_stop='rise' if rise_only else 'hold', backoff=backoff,
-                                backoff_stderrs=stderrs, backoff_fraction=fraction))
+  tx = H.hdet(
+    optax.sgd,
+    1e-2,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    auto_lr=plain_fit(
+      100,
+      trust=trust,
+      memory=0.5,
+      stop_steps=0 if rise_only else None,
+      after_stop='rise' if rise_only else 'hold',
+      backoff=backoff,
+      backoff_stderrs=stderrs,
+      backoff_fraction=fraction,
+    ),
+  )
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
-  step = jax.jit(jax.vmap(lambda p, s, v: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=v, sync=False)[1],
-                          axis_name=AX))
+  step = jax.jit(
+    jax.vmap(lambda p, s, v: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=v, sync=False)[1], axis_name=AX)
+  )
   end = jax.jit(jax.vmap(lambda p, s, y: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX))
   out = []
   d = [1.0, -1.0, 1.0, -1.0, 0.0]
@@ -572,9 +751,15 @@ def _backoff_corrections(backoff, window_losses, rise_only=False, T=5, trust=0.5
       ss = step(sp, ss, jnp.asarray(loss + 0.01 * np.arange(N) + amp * d[j], jnp.float32))
     u = np.asarray(ss.values[0, 0], np.float64) / float(ss.base[0, 0]) - 1.0
     ss = end(sp, ss, jnp.asarray((u - 0.05) ** 2, jnp.float32))
-    out.append((float(ss.controller.correction[0, 0]), float(ss.controller.train_loss[0]),
-                float(ss.controller.asked[0, 0]), bool(ss.controller.backed_off[0]),
-                float(ss.controller.train_loss_se[0])))
+    out.append(
+      (
+        float(ss.controller.correction[0, 0]),
+        float(ss.controller.train_loss[0]),
+        float(ss.controller.asked[0, 0]),
+        bool(ss.controller.backed_off[0]),
+        float(ss.controller.train_loss_se[0]),
+      )
+    )
   return out
 
 
@@ -606,7 +791,7 @@ def _window_se_oracle(window_losses, noise, T=5):
   d = np.asarray([1.0, -1.0, 1.0, -1.0, 0.0])
   x = np.concatenate([w + noise * d for w in window_losses])  # the 0.01 r offsets cancel in the changes
   changes = np.concatenate([[0.0], np.diff(x)]) ** 2
-  return [float(np.sqrt(changes[k * T:(k + 1) * T].sum() / (2 * T) / T)) for k in range(len(window_losses))]
+  return [float(np.sqrt(changes[k * T : (k + 1) * T].sum() / (2 * T) / T)) for k in range(len(window_losses))]
 
 
 def test_backoff_stderrs_counts_only_a_rise_beyond_k_standard_errors_of_the_window_before():
@@ -629,8 +814,14 @@ def test_backoff_fraction_counts_only_a_rise_beyond_that_fraction_of_the_window_
   2-se margin (0.144 > 0.052) in charge (0.12 does not back off); alone (no stderrs) a rise of 0.06 backs off and
   0.04 does not; a non-finite window backs off whatever f."""
   mean0 = 1.0 + 0.01 * (N - 1) / 2
-  for rise, k, f, backs in ((0.15, 2.0, 0.2, False), (0.25, 2.0, 0.2, True), (0.12, 2.0, 0.05, False),
-                            (0.06, 0.0, 0.05, True), (0.04, 0.0, 0.05, False), (float('nan'), 2.0, 0.2, True)):
+  for rise, k, f, backs in (
+    (0.15, 2.0, 0.2, False),
+    (0.25, 2.0, 0.2, True),
+    (0.12, 2.0, 0.05, False),
+    (0.06, 0.0, 0.05, True),
+    (0.04, 0.0, 0.05, False),
+    (float('nan'), 2.0, 0.2, True),
+  ):
     out = _backoff_corrections(True, [1.0, 1.0 + rise], noise=0.1, stderrs=k, fraction=f)
     assert [b for *_, b, _ in out] == [False, backs], (rise, k, f)
     assert (0.04 < f * mean0 < 0.06) or (0.2 < f * mean0 < 0.21)
@@ -646,9 +837,17 @@ def test_a_window_that_blows_up_backs_off_however_widely_it_spreads():
 def _settle_run(start, settle, S=100, T=5, stop_steps=0):
   """signal_run (a bowl at LR 1e-2) from a constant LR ``start``, rise-only after ``stop_steps`` (0: from the
   first sync), with or without ``settle``."""
-  tx = H.hdet(optax.sgd, optax.constant_schedule(start), num_replicas=N, spread=0.25, sync_every=T,
-              replica_axis=AX, auto_lr=plain_fit(S, trust=0.5, memory=0.5, stop_steps=stop_steps, after_stop='rise',
-                                                   step_growth=2.0, max_gain=4.0, settle=settle))
+  tx = H.hdet(
+    optax.sgd,
+    optax.constant_schedule(start),
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    auto_lr=plain_fit(
+      S, trust=0.5, memory=0.5, stop_steps=stop_steps, after_stop='rise', step_growth=2.0, max_gain=4.0, settle=settle
+    ),
+  )
   return signal_run(tx, S)
 
 
@@ -701,12 +900,20 @@ def _settle_after(ratio, noisy_sync, T=5):
   """Whether each of three syncs settles: the first sync's scores (u - 0.05)^2 ask up (the LR rises), the next
   two's (u + 0.05)^2 ask down; at sync ``noisy_sync`` (1 or 2) plus noise orthogonal to 1, u and u^2 that puts
   the fitted slope at ``ratio`` standard errors (numpy_slope_stderr)."""
-  tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=plain_fit(100, trust=1.0, memory=0.0, stop_steps=0, after_stop='rise', settle=True))
+  tx = H.hdet(
+    optax.sgd,
+    1e-2,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    auto_lr=plain_fit(100, trust=1.0, memory=0.0, stop_steps=0, after_stop='rise', settle=True),
+  )
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
-  step = jax.jit(jax.vmap(lambda p, s: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0, sync=False)[1],
-                          axis_name=AX))
+  step = jax.jit(
+    jax.vmap(lambda p, s: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0, sync=False)[1], axis_name=AX)
+  )
   end = jax.jit(jax.vmap(lambda p, s, y: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX))
   out = []
   for k, centre in enumerate((0.05, -0.05, -0.05)):
@@ -715,7 +922,7 @@ def _settle_after(ratio, noisy_sync, T=5):
     u = np.asarray(ss.values[0, 0], np.float64) / float(ss.base[0, 0]) - 1.0
     y = (u - centre) ** 2
     if k == noisy_sync:
-      basis = np.stack([np.ones(N), u, u ** 2], 1)
+      basis = np.stack([np.ones(N), u, u**2], 1)
       e = np.random.default_rng(0).normal(size=N)
       e -= basis @ np.linalg.lstsq(basis, e, rcond=None)[0]
       y = y + e * (2 * 0.05) / (ratio * numpy_slope_stderr(e, u[:, None])[0])
@@ -736,15 +943,30 @@ def test_average_inner_state_passes_a_state_without_float_leaves_through():
   """Plain SGD's state (no leaves) and an integer-only state are returned as they are, with no collective (this runs
   outside any map, where a pmean over 'data' would fail); a float leaf beside an int one is averaged, the int kept."""
   from hdet_jax import settings, sync
+
   plan = settings.make_plan(
-      optax.sgd, 1e-3, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX, auto_lr=None, exact_sync=False,
-      seed=0, explore=None, param_groups=None, guard_nonfinite=True, optimizer_kwargs={}, average_opt_state=True)
+    optax.sgd,
+    1e-3,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=4,
+    replica_axis=AX,
+    auto_lr=None,
+    exact_sync=False,
+    seed=0,
+    explore=None,
+    param_groups=None,
+    guard_nonfinite=True,
+    optimizer_kwargs={},
+    average_opt_state=True,
+  )
   ok = jnp.ones([], bool)
   for inner in (optax.sgd(1e-3).init({'w': jnp.zeros(2)}), (optax.EmptyState(), {'count': np.int32(3)})):
     assert sync.average_inner_state(plan, inner, ok) is inner
   mu = np.arange(2 * N, dtype=np.float32).reshape(N, 2) ** 2
   count = np.arange(N, dtype=np.int32)
   got = jax.jit(jax.vmap(lambda m, c: sync.average_inner_state(plan, {'mu': m, 'count': c}, ok), axis_name=AX))(
-      mu, count)
+    mu, count
+  )
   np.testing.assert_allclose(np.asarray(got['mu']), np.broadcast_to(mu.mean(0), (N, 2)), rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(got['count']), count)

@@ -33,10 +33,23 @@ def _settings(config):
 
 def small_mnist1d(**overrides):
   """mnist1d at test size: 400 generated examples, 16 steps, 4 examples per replica, syncs every 8."""
-  return _config(MNIST1D, **{'data.num_samples': 400, 'data.batch_size': 4, 'num_train_steps': 16,
-                             'hdet.sync_every': 8, 'log_every': 4, 'eval_every': 0, 'checkpoint_every': 0,
-                             'plots': False, 'tensorboard': False, 'progress_bar': False, 'compilation_cache': '',
-                             **overrides})
+  return _config(
+    MNIST1D,
+    **{
+      'data.num_samples': 400,
+      'data.batch_size': 4,
+      'num_train_steps': 16,
+      'hdet.sync_every': 8,
+      'log_every': 4,
+      'eval_every': 0,
+      'checkpoint_every': 0,
+      'plots': False,
+      'tensorboard': False,
+      'progress_bar': False,
+      'compilation_cache': '',
+      **overrides,
+    },
+  )
 
 
 def _cpu() -> str:
@@ -55,18 +68,21 @@ def _cpu_id() -> str:
 
 # ---- The LM through the seam ----
 
+
 def unpacked_fingerprint(config, workdir, step, devices=None):
   """The fingerprint of checkpoint ``step``'s state in the layout before state format 5: the optimizer state
   an unpacked HDETState (format 5 packs HDET's small fields into one vector, bit for bit), without the fields
   formats 6 and 7 added."""
   from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs
+
   n = config.hdet.num_replicas
   run = run_settings.resolve(config)
   tx = optimizer_lib.make_optimizer(run.optimizer, n, devices)
   mesh = mesh_lib.make_mesh(n, devices=devices)
   abstract = jax.eval_shape(
-      lambda k: dict(zip(('params', 'opt_state'), programs.make_init(run.task, run.task_settings, tx, mesh, n)(k))),
-      jax.random.key(0))
+    lambda k: dict(zip(('params', 'opt_state'), programs.make_init(run.task, run.task_settings, tx, mesh, n)(k))),
+    jax.random.key(0),
+  )
   abstract = mesh_lib.with_layout(mesh, abstract)
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(mesh))
   if run.loop.rolls_back:  # the rollback's anchor (formats 7 and 9), which the reference predates
@@ -79,8 +95,16 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
   # Format 6 adds three controller fields the reference predates (the fit's asked step, its slope's stderr and the
   # window's training loss), format 7 the window's squared loss changes, the last loss, the training loss's stderr and the back-off flag,
   # format 8 the settled flags.
-  added = ('.asked', '.stderr', '.train_loss', '.loss_diff_sq_sum', '.last_loss', '.train_loss_se', '.backed_off',
-           '.settled')
+  added = (
+    '.asked',
+    '.stderr',
+    '.train_loss',
+    '.loss_diff_sq_sum',
+    '.last_loss',
+    '.train_loss_se',
+    '.backed_off',
+    '.settled',
+  )
   paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
   return [f for f, p in zip(checkpoints.fingerprint(state), paths) if not p.endswith(added)]
 
@@ -95,24 +119,36 @@ def test_lm_runs_bit_for_bit_as_before_the_seam(tmp_path):
   summary = train_and_evaluate(_config(TINY, plots=False, tensorboard=False), workdir)
   m = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   got_evals = [{'step': r['step'], 'val_loss': r['val_loss']} for r in m['eval']]
-  got_train = {str(r['step']): list(np.asarray(r['loss'], float)) for r in m['train'] if str(r['step']) in ref['train_loss']}
+  got_train = {
+    str(r['step']): list(np.asarray(r['loss'], float)) for r in m['train'] if str(r['step']) in ref['train_loss']
+  }
   assert summary['task'] == 'lm' and summary['metric'] == 'val_bits_per_byte'
-  assert summary['final_metric'] == summary['final_val_bits_per_byte'] == model_lib.bits_per_byte(summary['final_val_loss'])
+  assert (
+    summary['final_metric'] == summary['final_val_bits_per_byte'] == model_lib.bits_per_byte(summary['final_val_loss'])
+  )
   # Bitwise only where the reference names this machine: the processor (its model name and, where recorded, its
   # family, model and stepping; the reference of this file names only 'AMD EPYC', which proved too coarse), jax and
   # XLA's flags (tests/conftest.py's or XLA's defaults: they round differently too). This reference names no processor
   # id, so it is compared to float32 rounding everywhere: 40 steps apart by at most 1e-6 relative here (AMD EPYC
   # 26/2/1) under the suite's flags, 8e-8 under XLA's defaults; the bound is a hundred times that.
   from hdet_jax.trainer import process
-  if (ref['cpu'] and _cpu().startswith(ref['cpu']) and ref.get('cpu_id') == _cpu_id()
-      and ref.get('jax') == jax.__version__ and ref.get('xla_flags') == process.machine()['xla_flags']):
+
+  if (
+    ref['cpu']
+    and _cpu().startswith(ref['cpu'])
+    and ref.get('cpu_id') == _cpu_id()
+    and ref.get('jax') == jax.__version__
+    and ref.get('xla_flags') == process.machine()['xla_flags']
+  ):
     assert got_evals == ref['evals']
     assert got_train == ref['train_loss']
     fingerprint = checkpoints.read_meta(workdir, 40)['fingerprint']
     assert fingerprint['avg_params'] == ref['fingerprint_step40']['avg_params']
     assert unpacked_fingerprint(_config(TINY), workdir, 40) == ref['fingerprint_step40']['state']
   else:
-    assert [e['step'] for e in got_evals] == [e['step'] for e in ref['evals']] and set(got_train) == set(ref['train_loss'])
+    assert [e['step'] for e in got_evals] == [e['step'] for e in ref['evals']] and set(got_train) == set(
+      ref['train_loss']
+    )
     np.testing.assert_allclose([e['val_loss'] for e in got_evals], [e['val_loss'] for e in ref['evals']], rtol=1e-4)
     for step, losses in ref['train_loss'].items():
       np.testing.assert_allclose(got_train[step], losses, rtol=1e-4)
@@ -144,6 +180,7 @@ def test_unknown_task_is_one_config_error(tmp_path):
 
 # ---- mnist1d: data ----
 
+
 def test_mnist1d_data_is_the_packages_generator_deterministic_and_leaves_numpy_alone():
   np.random.seed(123)
   before = np.random.get_state()[1].copy()
@@ -168,7 +205,9 @@ def test_mnist1d_batches_are_a_function_of_seed_and_step():
   assert len(np.unique(idx)) == idx.size  # within an epoch no two replicas share an example
   again = mnist1d.TASK.load(_settings(config), 8).batches.indices(7)
   np.testing.assert_array_equal(again, data.batches.indices(7))
-  other = mnist1d.TASK.load(_settings(_config(MNIST1D, **{'data.num_samples': 400, 'data.batch_size': 4, 'seed': 1})), 8)
+  other = mnist1d.TASK.load(
+    _settings(_config(MNIST1D, **{'data.num_samples': 400, 'data.batch_size': 4, 'seed': 1})), 8
+  )
   assert not np.array_equal(other.batches.indices(0), idx)
   assert data.eval_batch['x'].shape == (8, 10, 40, 1)  # 80 test examples, 10 per replica
   probe = data.probe(2)
@@ -177,12 +216,15 @@ def test_mnist1d_batches_are_a_function_of_seed_and_step():
 
 # ---- mnist1d: the CNN against a numpy oracle ----
 
+
 def _conv1d(x, kernel, bias, stride=2, pad=1):
   """x [B, L, C], kernel [k, C, O]: the strided, zero-padded 1-D convolution, written out."""
   x = np.pad(x, ((0, 0), (pad, pad), (0, 0)))
   k = kernel.shape[0]
   out_len = (x.shape[1] - k) // stride + 1
-  return np.stack([np.einsum('bkc,kco->bo', x[:, i * stride:i * stride + k], kernel) for i in range(out_len)], 1) + bias
+  return (
+    np.stack([np.einsum('bkc,kco->bo', x[:, i * stride : i * stride + k], kernel) for i in range(out_len)], 1) + bias
+  )
 
 
 def test_cnn_loss_on_a_fixed_batch_matches_a_numpy_oracle():
@@ -220,8 +262,8 @@ def test_mnist1d_trains_through_the_trainer(tmp_path):
   assert set(evals[-1]) >= {'val_loss', 'val_accuracy'}
 
 
-
 # ---- mnist1d: the MLP (model.kind='mlp') ----
+
 
 def test_mlp_loss_on_a_fixed_batch_matches_a_numpy_oracle():
   config = small_mnist1d(**{'model.kind': 'mlp', 'model.hidden': 7})
@@ -244,6 +286,7 @@ def test_mlp_loss_on_a_fixed_batch_matches_a_numpy_oracle():
 def test_mlp_hidden_kernels_are_the_conv_group():
   """Per-group LRs: the MLP's dense kernels fall in the group the CNN's convolutions form ('conv')."""
   from hdet_jax.param_groups import group_labels
+
   config = small_mnist1d(**{'model.kind': 'mlp', 'model.hidden': 7})
   _, params = mnist1d.TASK.init_model(_settings(config), jax.random.key(0))
   labels = group_labels(params, mnist1d.TASK.param_groups)
@@ -271,10 +314,15 @@ def test_an_unknown_model_kind_is_one_config_error(tmp_path):
 
 # ---- mnist1d: a user's .npz ----
 
+
 def _npz(path, **arrays):
   rng = np.random.default_rng(0)
-  base = {'x': rng.normal(size=(64, 12, 2)), 'y': rng.integers(0, 10, 64),
-          'x_test': rng.normal(size=(16, 12, 2)), 'y_test': rng.integers(0, 10, 16)}
+  base = {
+    'x': rng.normal(size=(64, 12, 2)),
+    'y': rng.integers(0, 10, 64),
+    'x_test': rng.normal(size=(16, 12, 2)),
+    'y_test': rng.integers(0, 10, 16),
+  }
   base.update(arrays)
   np.savez(path, **{k: v for k, v in base.items() if v is not None})
   return str(path)
@@ -282,17 +330,22 @@ def _npz(path, **arrays):
 
 def test_a_users_npz_trains(tmp_path):
   path = _npz(tmp_path / 'ok.npz')
-  s = train_and_evaluate(small_mnist1d(**{'data.path': path, 'num_train_steps': 8, 'hdet.sync_every': 4}), str(tmp_path / 'w'))
+  s = train_and_evaluate(
+    small_mnist1d(**{'data.path': path, 'num_train_steps': 8, 'hdet.sync_every': 4}), str(tmp_path / 'w')
+  )
   assert s['step'] == 8 and np.isfinite(s['final_val_loss'])
 
 
-@pytest.mark.parametrize('arrays, message', [
+@pytest.mark.parametrize(
+  'arrays, message',
+  [
     ({'y_test': None}, r"^data.path='[^']*bad.npz' lacks the arrays y_test; it needs"),  # one message, not wrapped
     ({'x_test': np.full((16, 12, 2), 'a')}, r'x_test must hold numbers .* got dtype <U1'),
     ({'y': np.zeros(63, int)}, 'same n'),
     ({'y': np.full(64, 10)}, r'integer labels in \[0, model.num_classes=10\)'),
     ({'x': np.full((64, 12, 2), np.nan)}, 'non-finite'),
-])
+  ],
+)
 def test_a_bad_npz_is_one_error_before_anything_is_written(tmp_path, arrays, message):
   workdir = tmp_path / 'w'
   with pytest.raises(ConfigError, match=message):
@@ -302,9 +355,21 @@ def test_a_bad_npz_is_one_error_before_anything_is_written(tmp_path, arrays, mes
 
 def test_a_bad_npz_from_the_command_line_exits_2_with_one_error_line(tmp_path):
   bad = _npz(tmp_path / 'bad.npz', y=np.full(64, -1))
-  proc = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), '--config', MNIST1D,
-                         f'--config.data.path={bad}', '--workdir', str(tmp_path / 'w')],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'train.py'),
+      '--config',
+      MNIST1D,
+      f'--config.data.path={bad}',
+      '--workdir',
+      str(tmp_path / 'w'),
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 2
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
   assert len(errors) == 1 and 'data.path=' in errors[0] and 'y must hold integer labels' in errors[0]

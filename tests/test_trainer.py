@@ -23,8 +23,13 @@ def straight(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp('straight'))
   env = dict(os.environ, JAX_NUM_CPU_DEVICES='8')
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', workdir],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', workdir],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   return workdir, proc.stdout
 
@@ -35,6 +40,7 @@ def test_fit_controller_records_what_it_asked_and_its_slopes_standard_error(stra
   them from the record's own losses and LRs; the step taken is the asked one (no gain, inside the trust
   region), and the correction is the sum of the steps taken. Before the controller starts all are zero."""
   from oracles import numpy_fit, numpy_slope_stderr
+
   workdir, _ = straight
   recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   values = {r['step']: np.asarray(r['values'], np.float64) for r in recs['train']}
@@ -44,7 +50,7 @@ def test_fit_controller_records_what_it_asked_and_its_slopes_standard_error(stra
       assert c['asks'] == c['stderrs'] == c['deltas'] == c['corrections'] == [0.0] * 3
       continue
     u = (values[c['step']] / values[c['step']].mean(1, keepdims=True) - 1.0).T  # [N, G]; multipliers average to 1
-    b, _, step, xtx, xty = numpy_fit(xtx, xty, c["window_losses"], u, [True] * 3, 0.5, [0.25] * 3)
+    b, _, step, xtx, xty = numpy_fit(xtx, xty, c['window_losses'], u, [True] * 3, 0.5, [0.25] * 3)
     np.testing.assert_allclose(c['asks'], step, rtol=2e-3, atol=1e-5)
     # The stderr comes from the residuals of a near-exact fit, computed in float32: 0.6% from the float64 oracle
     # on one processor (AMD EPYC, avx512), 0.2% on others; a wrong formula (degrees of freedom, a missing
@@ -86,8 +92,9 @@ def test_end_to_end_train_py(straight):
   # Just before each average: every replica's distance from the mean (spread replicas sit apart), and its norm.
   dist = recs['distance']
   assert [d['step'] for d in dist] == [7, 15, 23, 31, 39]
-  assert all(len(d['distance']) == 8 and 0 < min(d['distance']) and max(d['distance']) < 0.2 * d['mean_norm']
-             for d in dist)
+  assert all(
+    len(d['distance']) == 8 and 0 < min(d['distance']) and max(d['distance']) < 0.2 * d['mean_norm'] for d in dist
+  )
   evals = recs['eval']
   assert [e['step'] for e in evals] == [20, 40]
   for e in evals:
@@ -174,7 +181,9 @@ def _snapshot(workdir):
 def test_bad_input_is_one_clear_line_before_training(straight, tmp_path):
   ref, _ = straight
   before = _snapshot(ref)
-  with pytest.raises(ConfigError, match=r'holds a checkpoint \(step 40\) of a different config \(model.d_model: 32 -> 48\)'):
+  with pytest.raises(
+    ConfigError, match=r'holds a checkpoint \(step 40\) of a different config \(model.d_model: 32 -> 48\)'
+  ):
     train_and_evaluate(tiny(**{'model.d_model': 48}), ref)
   assert _snapshot(ref) == before  # nothing in the workdir was touched
   fresh = str(tmp_path / 'fresh')
@@ -184,9 +193,12 @@ def test_bad_input_is_one_clear_line_before_training(straight, tmp_path):
   small.write_text('tiny corpus ' * 30)
   with pytest.raises(ConfigError, match='too few for one batch'):
     train_and_evaluate(tiny(**{'data.path': str(small)}), fresh)
-  with pytest.raises(ConfigError, match=r'hdet.num_replicas=12 is not a multiple of the 8 devices it would run on: '
-                                       r'set --config.hdet.num_replicas to a multiple of 8 \(e.g. 16\) or '
-                                       r'--config.mesh.devices to a divisor of 12 \(e.g. 6\)'):
+  with pytest.raises(
+    ConfigError,
+    match=r'hdet.num_replicas=12 is not a multiple of the 8 devices it would run on: '
+    r'set --config.hdet.num_replicas to a multiple of 8 \(e.g. 16\) or '
+    r'--config.mesh.devices to a divisor of 12 \(e.g. 6\)',
+  ):
     train_and_evaluate(tiny(**{'hdet.num_replicas': 12}), fresh)
   with pytest.raises(ConfigError, match=r'hdet.num_replicas=8 is not a multiple of the 3 devices'):
     train_and_evaluate(tiny(**{'mesh.devices': 3}), fresh)
@@ -203,6 +215,7 @@ def test_bad_input_is_one_clear_line_before_training(straight, tmp_path):
 
 def test_checkpoints_of_another_state_format_are_refused_untouched(straight, monkeypatch):
   from hdet_jax.trainer import checkpoints
+
   ref, _ = straight
   before = _snapshot(ref)
   monkeypatch.setattr(checkpoints, 'STATE_FORMAT', checkpoints.STATE_FORMAT + 1)  # as a later version would
@@ -245,14 +258,21 @@ def test_eight_replicas_train_alike_on_1_2_4_and_8_devices_and_resume_across_the
   with the common-batch score: the same run to float32 rounding (see LOSS_ULPS). The 1-device run resumes
   straight's step-20 checkpoint, written on 8 devices, and finishes the run with its evaluation."""
   import shutil
+
   ref_dir, _ = straight
-  ref = {r['step']: (np.array(r['loss']), np.array(r['lr']))
-         for r in read_metrics(os.path.join(ref_dir, 'metrics.jsonl'))['train']}
+  ref = {
+    r['step']: (np.array(r['loss']), np.array(r['lr']))
+    for r in read_metrics(os.path.join(ref_dir, 'metrics.jsonl'))['train']
+  }
   ref_summary = json.load(open(os.path.join(ref_dir, 'summary.json'), encoding='utf-8'))
   assert (ref_summary['num_replicas'], ref_summary['num_devices'], ref_summary['replicas_per_device']) == (8, 8, 1)
   for devices in (2, 4):
     summary, got = _run(str(tmp_path / f'd{devices}'), stop_at_step=24, **{'mesh.devices': devices})
-    assert (summary['num_replicas'], summary['num_devices'], summary['replicas_per_device']) == (8, devices, 8 // devices)
+    assert (summary['num_replicas'], summary['num_devices'], summary['replicas_per_device']) == (
+      8,
+      devices,
+      8 // devices,
+    )
     _assert_same_run(got, ref, range(24))
     assert any(not np.array_equal(got[t][0], ref[t][0]) for t in range(24))  # rounding, not bitwise: see above
   one = tmp_path / 'one'
@@ -262,7 +282,9 @@ def test_eight_replicas_train_alike_on_1_2_4_and_8_devices_and_resume_across_the
   summary, got = _run(str(one), **{'mesh.devices': 1})
   assert sorted(got) == list(range(20, 40)) and summary['num_devices'] == 1 and summary['replicas_per_device'] == 8
   _assert_same_run(got, ref, range(20, 40))
-  assert abs(summary['final_val_loss'] - ref_summary['final_val_loss']) <= 8 * np.spacing(np.float32(ref_summary['final_val_loss']))
+  assert abs(summary['final_val_loss'] - ref_summary['final_val_loss']) <= 8 * np.spacing(
+    np.float32(ref_summary['final_val_loss'])
+  )
 
 
 def test_eight_replicas_train_alike_on_8_and_2_devices_with_window_scores(tmp_path):
@@ -272,11 +294,15 @@ def test_eight_replicas_train_alike_on_8_and_2_devices_with_window_scores(tmp_pa
   _assert_same_run(got, want, range(24))
 
 
-@pytest.mark.parametrize('with_config,override,says', [
+@pytest.mark.parametrize(
+  'with_config,override,says',
+  [
     (True, '--config.hdet.spred=0.2', "did you mean 'spread'"),
     (False, '--config.hdet.spred=0.2', "did you mean 'spread'"),
     (False, '--config.hdet.fan=geometric', 'hdet.fan was removed in hdet-jax 1.0: '),
-], ids=['with_config', 'default_config', 'removed_field'])
+  ],
+  ids=['with_config', 'default_config', 'removed_field'],
+)
 def test_unknown_config_key_on_the_command_line(tmp_path, with_config, override, says):
   """A typo in a --config.* override, or a field removed in 1.0: one error line naming it, exit 2 (bad input),
   nothing written.
@@ -286,8 +312,12 @@ def test_unknown_config_key_on_the_command_line(tmp_path, with_config, override,
   """
   config = ['--config', TINY] if with_config else []
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'train.py'), *config, '--workdir', str(tmp_path / 'w'), override],
-      cwd=ROOT, capture_output=True, text=True, timeout=120)
+    [sys.executable, os.path.join(ROOT, 'train.py'), *config, '--workdir', str(tmp_path / 'w'), override],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 2, proc.stderr
   lines = proc.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('error: '), proc.stderr
@@ -299,12 +329,15 @@ def test_a_workdir_of_a_removed_field_is_refused_untouched(tmp_path):
   """A workdir whose run set a field removed in 1.0 (its config.json's training fields): one error naming the field
   and what to do, before anything is written; nothing in the workdir changes."""
   from hdet_jax.trainer import run_settings
+
   workdir = tmp_path / 'old'
   workdir.mkdir()
   fields = {**run_settings.resolve(tiny()).training_fields(8), 'hdet.fan': 'geometric'}
   (workdir / 'config.json').write_text(json.dumps({'training_fields': fields}))
   before = _snapshot(str(workdir))
-  with pytest.raises(ConfigError, match=r"set hdet\.fan='geometric': hdet\.fan was removed in hdet-jax 1\.0: .*new --workdir"):
+  with pytest.raises(
+    ConfigError, match=r"set hdet\.fan='geometric': hdet\.fan was removed in hdet-jax 1\.0: .*new --workdir"
+  ):
     train_and_evaluate(tiny(), str(workdir))
   assert _snapshot(str(workdir)) == before
 
@@ -312,9 +345,17 @@ def test_a_workdir_of_a_removed_field_is_refused_untouched(tmp_path):
 def test_warm_noisy_start_from_an_earlier_run(straight, tmp_path):
   ref, _ = straight
   workdir = str(tmp_path / 'warm')
-  s = train_and_evaluate(tiny(init_from=ref, num_train_steps=10, plots=False, eval_every=0,
-                              checkpoint_every=0, **{'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.spread': 0.0,
-                                                    'hdet.auto_lr': False}), workdir)
+  s = train_and_evaluate(
+    tiny(
+      init_from=ref,
+      num_train_steps=10,
+      plots=False,
+      eval_every=0,
+      checkpoint_every=0,
+      **{'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.spread': 0.0, 'hdet.auto_lr': False},
+    ),
+    workdir,
+  )
   recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   start = [e for e in recs['event'] if e['event'] == 'start'][0]
   assert start['init_from'] == ref and start['nu'] == 0.01
@@ -335,6 +376,7 @@ def test_nothing_compiles_after_setup(tmp_path, monkeypatch):
   summary, through syncs, evaluations and checkpoints, XLA compiles nothing."""
   import jax
   from hdet_jax.trainer import trainer
+
   compiles, first_step = [], []
   active = [True]
 
@@ -349,9 +391,11 @@ def test_nothing_compiles_after_setup(tmp_path, monkeypatch):
       compiles.append(len(first_step))
 
   one_step = trainer._one_step
+
   def counted_step(*args):
     first_step[:] = [True]
     return one_step(*args)
+
   monkeypatch.setattr(trainer, '_one_step', counted_step)
   jax.monitoring.register_event_duration_secs_listener(listener)
   jax.monitoring.register_event_listener(cache_listener)
@@ -359,9 +403,22 @@ def test_nothing_compiles_after_setup(tmp_path, monkeypatch):
     # The fit controller on a common batch with the guard's rollback: the window end's probe program and the anchor's
     # too. 20 steps, windows of 8: syncs after steps 7 and 15; an evaluation and a checkpoint at step 10, and the
     # final ones at step 20.
-    s = train_and_evaluate(tiny(num_train_steps=20, eval_every=10, checkpoint_every=10, plots=False, **{
-        'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.backoff': True,
-        'hdet.rollback': True}), str(tmp_path / 'w'))
+    s = train_and_evaluate(
+      tiny(
+        num_train_steps=20,
+        eval_every=10,
+        checkpoint_every=10,
+        plots=False,
+        **{
+          'hdet.controller': 'fit',
+          'hdet.score': 'common',
+          'hdet.warmup_steps': 0,
+          'hdet.backoff': True,
+          'hdet.rollback': True,
+        },
+      ),
+      str(tmp_path / 'w'),
+    )
   finally:
     active[0] = False
   assert s['step'] == 20 and first_step
@@ -376,8 +433,9 @@ def test_nothing_compiles_after_setup(tmp_path, monkeypatch):
 
 def test_divergence_is_recorded_and_stops_cleanly(tmp_path):
   workdir = str(tmp_path / 'nan')
-  s = train_and_evaluate(tiny(plots=False, checkpoint_every=0, **{
-      'optim.name': 'sgd', 'optim.max_lr': 1e6, 'hdet.auto_lr': False}), workdir)
+  s = train_and_evaluate(
+    tiny(plots=False, checkpoint_every=0, **{'optim.name': 'sgd', 'optim.max_lr': 1e6, 'hdet.auto_lr': False}), workdir
+  )
   assert s['diverged_at'] is not None and s['step'] < 40
   recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   assert any(e['event'] == 'diverged' for e in recs['event'])
@@ -398,15 +456,27 @@ def test_two_processes_match_one(straight, tmp_path):
   b = np.array([r['loss'] for r in read_metrics(os.path.join(workdir, 'metrics.jsonl'))['train']])
   # The same data, init and programs; only the cross-process all-reduce (gloo) may sum in another order.
   diff = float(np.max(np.abs(a - b)))
-  print(f'two processes vs one: max |loss difference| over 40 steps x 8 replicas = {diff:.3g}, '
-        f'bitwise equal: {np.array_equal(a, b)}')
+  print(
+    f'two processes vs one: max |loss difference| over 40 steps x 8 replicas = {diff:.3g}, '
+    f'bitwise equal: {np.array_equal(a, b)}'
+  )
   # Measured: 7.2e-7 (about 1.5 float32 ulp at these losses); the bound leaves room for a few ulp more.
   assert diff <= 2e-6
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['20', '40']
 
 
-@pytest.mark.parametrize('victim', [1, pytest.param(0, marks=pytest.mark.skipif(
-    not os.environ.get('HDET_MULTIPROCESS_TESTS'), reason='the coordinator dying too: set HDET_MULTIPROCESS_TESTS=1'))])
+@pytest.mark.parametrize(
+  'victim',
+  [
+    1,
+    pytest.param(
+      0,
+      marks=pytest.mark.skipif(
+        not os.environ.get('HDET_MULTIPROCESS_TESTS'), reason='the coordinator dying too: set HDET_MULTIPROCESS_TESTS=1'
+      ),
+    ),
+  ],
+)
 def test_a_dead_process_makes_the_others_exit_not_hang(tmp_path, victim):
   """2 processes x 4 CPU devices; SIGKILL one mid-training: the other exits with an error, in bounded time.
 
@@ -415,6 +485,7 @@ def test_a_dead_process_makes_the_others_exit_not_hang(tmp_path, victim):
   first training steps (metrics flushed every 5 of the 40 steps), so it lands mid-training, well before the end."""
   import signal
   import time
+
   port, heartbeat = free_port(), 5
   env = process_env(4)
   logs = [tmp_path / f'p{i}.log' for i in range(2)]
@@ -422,15 +493,32 @@ def test_a_dead_process_makes_the_others_exit_not_hang(tmp_path, victim):
   procs = []
   for i in range(2):
     with open(logs[i], 'w') as log:
-      procs.append(subprocess.Popen(
-          [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', str(tmp_path / 'w'),
-           '--config.plots=False', f'--heartbeat_timeout={heartbeat}',
-           f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2', f'--process_id={i}'],
-          cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+      procs.append(
+        subprocess.Popen(
+          [
+            sys.executable,
+            os.path.join(ROOT, 'train.py'),
+            '--config',
+            TINY,
+            '--workdir',
+            str(tmp_path / 'w'),
+            '--config.plots=False',
+            f'--heartbeat_timeout={heartbeat}',
+            f'--coordinator_address=127.0.0.1:{port}',
+            '--num_processes=2',
+            f'--process_id={i}',
+          ],
+          cwd=ROOT,
+          env=env,
+          stdout=log,
+          stderr=subprocess.STDOUT,
+        )
+      )
   try:
     deadline = time.time() + 240
-    while time.time() < deadline and not ('replicas on' in logs[0].read_text() and metrics.exists()
-                                          and '"kind": "train"' in metrics.read_text()):  # training is under way
+    while time.time() < deadline and not (
+      'replicas on' in logs[0].read_text() and metrics.exists() and '"kind": "train"' in metrics.read_text()
+    ):  # training is under way
       assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
       time.sleep(0.2)
     assert all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]  # (neither has finished the run)
@@ -446,22 +534,29 @@ def test_a_dead_process_makes_the_others_exit_not_hang(tmp_path, victim):
         p.kill()
         p.wait()
   out = logs[1 - victim].read_text()
-  print(f'process {victim} killed ({logged} of 40 steps logged): process {1 - victim} exited after {exit_s:.1f}s '
-        f'with status {survivor.returncode} (heartbeat timeout {heartbeat}s)')
+  print(
+    f'process {victim} killed ({logged} of 40 steps logged): process {1 - victim} exited after {exit_s:.1f}s '
+    f'with status {survivor.returncode} (heartbeat timeout {heartbeat}s)'
+  )
   assert survivor.returncode != 0
   # Either path ends it: the distributed service's heartbeat, or (killed mid-collective) the CPU collectives'
   # transport failing on the dead peer's half-sent data (seen once in CI: gloo's 'Received data size doesn't match').
-  assert ('Terminating process because the JAX distributed service detected fatal errors' in out
-          or "terminate called after throwing an instance of 'gloo::" in out), out[-3000:]
+  assert (
+    'Terminating process because the JAX distributed service detected fatal errors' in out
+    or "terminate called after throwing an instance of 'gloo::" in out
+  ), out[-3000:]
   assert exit_s < heartbeat + 30
 
 
-@pytest.mark.skipif(not os.environ.get('HDET_MULTIPROCESS_TESTS'),
-                    reason='two processes x 4 CPU devices, twice: about a minute; set HDET_MULTIPROCESS_TESTS=1')
+@pytest.mark.skipif(
+  not os.environ.get('HDET_MULTIPROCESS_TESTS'),
+  reason='two processes x 4 CPU devices, twice: about a minute; set HDET_MULTIPROCESS_TESTS=1',
+)
 def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(straight, tmp_path):
   """SIGTERM to process 1 only: both agree on the step, write one checkpoint, exit 143; rerun finishes."""
   import signal
   import time
+
   ref, _ = straight
   workdir = str(tmp_path / 'mp')
   env = process_env(4)
@@ -472,10 +567,26 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(straight
     procs = []
     for i in range(2):
       with open(logs[i], 'w') as log:
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', workdir,
-             '--config.checkpoint_every=0', f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-             f'--process_id={i}'], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+          subprocess.Popen(
+            [
+              sys.executable,
+              os.path.join(ROOT, 'train.py'),
+              '--config',
+              TINY,
+              '--workdir',
+              workdir,
+              '--config.checkpoint_every=0',
+              f'--coordinator_address=127.0.0.1:{port}',
+              '--num_processes=2',
+              f'--process_id={i}',
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+          )
+        )
     return procs, logs
 
   procs, logs = launch('a')
@@ -508,6 +619,7 @@ def test_the_loop_keeps_one_program_in_flight_on_several_cpu_devices(monkeypatch
   import jax
   from jax.sharding import Mesh
   from hdet_jax.trainer import trainer as trainer_lib
+
   assert trainer_lib.one_program_in_flight(Mesh(np.array(jax.devices()[:8]), ('data',)))
   assert not trainer_lib.one_program_in_flight(Mesh(np.array(jax.devices()[:1]), ('data',)))
   waited = []

@@ -19,19 +19,35 @@ def test_rollback_returns_to_the_last_sync_where_the_back_off_fires_and_resumes_
   bit, and the anchor every checkpoint holds is one copy of the state the last sync left, which every replica
   held. Without the rollback the same back-off keeps the blown-up parameters. A run stopped inside the window
   before the rollback resumes bit for bit. The same with the 8 replicas on 2 devices (4 each, under vmap)."""
-  fit = {'num_train_steps': 24, 'plots': False, 'optim.max_lr': 1.0, 'hdet.controller': 'fit', 'hdet.score': 'common',
-         'hdet.warmup_steps': 0, 'hdet.backoff': True, 'hdet.backoff_stderrs': 0.0, 'hdet.backoff_fraction': 0.0}
+  fit = {
+    'num_train_steps': 24,
+    'plots': False,
+    'optim.max_lr': 1.0,
+    'hdet.controller': 'fit',
+    'hdet.score': 'common',
+    'hdet.warmup_steps': 0,
+    'hdet.backoff': True,
+    'hdet.backoff_stderrs': 0.0,
+    'hdet.backoff_fraction': 0.0,
+  }
   ref, plain, two = str(tmp_path / 'straight'), str(tmp_path / 'backoff_only'), str(tmp_path / 'two_devices')
   train_and_evaluate(tiny(checkpoint_every=4, max_checkpoints=0, **fit, **{'hdet.rollback': True}), ref)
   train_and_evaluate(tiny(checkpoint_every=8, **fit, **{'hdet.rollback': False}), plain)
-  train_and_evaluate(tiny(checkpoint_every=4, max_checkpoints=0, **{
-      **fit, 'num_train_steps': 16, 'hdet.rollback': True, 'mesh.devices': 2}), two)
-  backed = lambda w: [c['step'] for c in read_metrics(os.path.join(w, 'metrics.jsonl'))['controller']
-                      if c.get('backed_off')]
+  train_and_evaluate(
+    tiny(
+      checkpoint_every=4, max_checkpoints=0, **{**fit, 'num_train_steps': 16, 'hdet.rollback': True, 'mesh.devices': 2}
+    ),
+    two,
+  )
+  backed = lambda w: [
+    c['step'] for c in read_metrics(os.path.join(w, 'metrics.jsonl'))['controller'] if c.get('backed_off')
+  ]
   assert backed(ref) == [15] == backed(plain) == backed(two)
   same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b)))
-  every = lambda one, stacked: all(np.array_equal(np.broadcast_to(x, y.shape), y)  # one copy == every replica's
-                                   for x, y in zip(_leaves(one), _leaves(stacked)))
+  every = lambda one, stacked: all(
+    np.array_equal(np.broadcast_to(x, y.shape), y)  # one copy == every replica's
+    for x, y in zip(_leaves(one), _leaves(stacked))
+  )
   states = {w: {k: _restore_raw(w, k)[0] for k in steps} for w, steps in ((ref, (8, 12, 16, 24)), (two, (8, 12, 16)))}
   for state in states.values():
     assert same(state[16]['params'], state[8]['params'])
@@ -59,9 +75,18 @@ def test_settle_trains_unspread_after_the_climb_and_resumes_bit_for_bit(tmp_path
   errors), and the climb settles at the second. From the next step every replica trains at one LR (before, they
   spread) under the held correction; the records say so from that sync on. A run stopped after the settling
   sync resumes bit for bit (the flag is part of the checkpointed state)."""
-  fit = {'num_train_steps': 64, 'plots': False, 'hdet.settle': True, 'hdet.after_stop': 'rise',
-         'hdet.stop_fraction': 0.0, 'hdet.warmup_steps': 0, 'hdet.param_groups': False, 'hdet.trust': 1.0,
-         'hdet.step_growth': 2.0, 'hdet.initial_scale': 0.1}
+  fit = {
+    'num_train_steps': 64,
+    'plots': False,
+    'hdet.settle': True,
+    'hdet.after_stop': 'rise',
+    'hdet.stop_fraction': 0.0,
+    'hdet.warmup_steps': 0,
+    'hdet.param_groups': False,
+    'hdet.trust': 1.0,
+    'hdet.step_growth': 2.0,
+    'hdet.initial_scale': 0.1,
+  }
   ref = str(tmp_path / 'straight')
   train_and_evaluate(tiny(**fit), ref)
   m = read_metrics(os.path.join(ref, 'metrics.jsonl'))
@@ -96,21 +121,32 @@ def test_the_rollback_recovers_a_divergence_inside_a_window(tmp_path, monkeypatc
   step after a rollback (steps 8 and 16) says the state it returned to is itself lost: the run stops there instead of
   rolling back to it again."""
   import fault_testing
+
   base = {'plots': False, 'checkpoint_every': 0, 'hdet.warmup_steps': 0}
-  events = lambda w: [(e['step'], e['event']) for e in read_metrics(os.path.join(w, 'metrics.jsonl'))['event']
-                      if e['event'] in ('diverged', 'rolled_back', 'nonfinite')]
+  events = lambda w: [
+    (e['step'], e['event'])
+    for e in read_metrics(os.path.join(w, 'metrics.jsonl'))['event']
+    if e['event'] in ('diverged', 'rolled_back', 'nonfinite')
+  ]
   runs = {}
-  for name, at, overrides in (('rollback', (10, 18, 27), {'hdet.rollback': True, 'checkpoint_every': 8,
-                                                         'max_checkpoints': 0}),
-                              ('backoff_only', (10,), {'hdet.rollback': False}),
-                              ('first_window', (5,), {'hdet.rollback': True}),
-                              ('lost', (8, 16), {'hdet.rollback': True})):
+  for name, at, overrides in (
+    ('rollback', (10, 18, 27), {'hdet.rollback': True, 'checkpoint_every': 8, 'max_checkpoints': 0}),
+    ('backoff_only', (10,), {'hdet.rollback': False}),
+    ('first_window', (5,), {'hdet.rollback': True}),
+    ('lost', (8, 16), {'hdet.rollback': True}),
+  ):
     fault_testing.install({step: fault_testing.ALL for step in at}, monkeypatch.setattr)
     runs[name] = str(tmp_path / name), train_and_evaluate(tiny(**{**base, **overrides}), str(tmp_path / name))
   # Syncs every 8 steps (7, 15, 23, ...): each divergence is rolled back at the sync that ends its window.
   w, s = runs['rollback']
-  assert events(w) == [(10, 'diverged'), (15, 'rolled_back'), (18, 'diverged'), (23, 'rolled_back'),
-                       (27, 'diverged'), (31, 'rolled_back')]
+  assert events(w) == [
+    (10, 'diverged'),
+    (15, 'rolled_back'),
+    (18, 'diverged'),
+    (23, 'rolled_back'),
+    (27, 'diverged'),
+    (31, 'rolled_back'),
+  ]
   assert s['diverged_at'] is None and s['step'] == 40
   m = read_metrics(os.path.join(w, 'metrics.jsonl'))
   assert [c['step'] for c in m['controller'] if c.get('backed_off')] == [15, 23, 31]

@@ -36,8 +36,13 @@ def run_steps(config, mesh, n, steps):
   layout = mesh_lib.layout(mesh, params, opt_state)
   step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs, shardings=layout)
   window_end = programs_lib.make_window_end(tx, mesh, shardings=layout)
-  batches = ip.TrainBatches(np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8),
-                            config.data.seq_len, config.data.batch_size, n, seed=1)
+  batches = ip.TrainBatches(
+    np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8),
+    config.data.seq_len,
+    config.data.batch_size,
+    n,
+    seed=1,
+  )
   losses = []
   for t in range(steps):
     params, opt_state, m = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh, batch_dim=1))
@@ -59,7 +64,9 @@ def test_group_size_one_equals_the_1d_trainer_bit_for_bit():
   config = tiny(**{'hdet.score': 'window', 'hdet.auto_lr': False, 'hdet.param_groups': False})
   steps = 3
   one_d = run_steps(config, mesh_lib.make_mesh(8), 8, steps)
-  eight_by_one = run_steps(config, Mesh(np.asarray(jax.devices()).reshape(8, 1), (mesh_lib.AXIS, mesh_lib.INNER)), 8, steps)
+  eight_by_one = run_steps(
+    config, Mesh(np.asarray(jax.devices()).reshape(8, 1), (mesh_lib.AXIS, mesh_lib.INNER)), 8, steps
+  )
   for a, b in zip(jax.tree.leaves(one_d), jax.tree.leaves(eight_by_one)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -91,7 +98,7 @@ def test_tensor_parallel_and_fsdp_groups_equal_the_1d_trainer():
     name = path_string(path)
     a, b = np.asarray(a), np.asarray(b)
     if name.endswith('attn/qkv/bias'):
-      a, b = np.delete(a, np.s_[d:2 * d], -1), np.delete(b, np.s_[d:2 * d], -1)
+      a, b = np.delete(a, np.s_[d : 2 * d], -1), np.delete(b, np.s_[d : 2 * d], -1)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
   specs = {path_string(p): x.sharding.spec for p, x in flat}
   assert specs['blocks/0/fc1/kernel'] == P('data', 'fsdp', 'tensor')  # column-parallel: outputs split
@@ -111,8 +118,9 @@ def test_low_communication_switch_removes_the_gradient_all_reduce_across_groups(
   graphdef, abstract = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
   data = mesh_lib.put_stacked(np.zeros((n, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs,
-                            shardings=mesh_lib.layout(mesh, params, opt_state))
+  step = programs_lib.make_train_step(
+    graphdef, tx, mesh, sync=False, settings=run.programs, shardings=mesh_lib.layout(mesh, params, opt_state)
+  )
   got = comm.replica_axis_bytes(step.lower(params, opt_state, data).compile().as_text(), (4, 2))
   assert got < 64 < metrics.num_params(abstract)  # no gradient crosses groups
 
@@ -124,7 +132,9 @@ def test_bad_mesh_config_is_one_clear_error(tmp_path):
     train_and_evaluate(tiny(**{'mesh.fsdp': 2, 'mesh.replicas': 8}), str(tmp_path / 'b'))
   with pytest.raises(config_lib.ConfigError, match='mesh.replicas=4 x mesh.fsdp=1 x mesh.tensor=4 needs 16'):
     train_and_evaluate(tiny(**{'mesh.tensor': 4, 'mesh.replicas': 4}), str(tmp_path / 'c'))
-  with pytest.raises(config_lib.ConfigError, match=r"mesh.tensor=3: tensor-parallel rule .* matches 'blocks/0/attn/out/kernel'"):
+  with pytest.raises(
+    config_lib.ConfigError, match=r"mesh.tensor=3: tensor-parallel rule .* matches 'blocks/0/attn/out/kernel'"
+  ):
     train_and_evaluate(tiny(**{'mesh.tensor': 3, 'mesh.replicas': 2}), str(tmp_path / 'd'))
   assert not os.listdir(tmp_path)  # nothing was created
 
@@ -135,13 +145,25 @@ def test_2d_run_resumes_bit_exact(tmp_path, low, tensor):
   """4x2 (tensor=2: 2 groups of 2 FSDP x 2 tensor-parallel), stopped at step 12 (mid fan-out: syncs after
   steps 8 and 16, the controller from 8) and resumed to 16: bit for bit the straight run, checkpoint and metrics."""
   import orbax.checkpoint as ocp
+
   def saved(workdir):  # the final checkpoint's state and averaged model, as plain arrays
     path = os.path.join(workdir, 'checkpoints', '16')
     with ocp.StandardCheckpointer() as ckptr:
-      return [np.asarray(x) for item in ('state', 'avg_params')
-              for x in jax.tree.leaves(ckptr.restore(os.path.join(path, item)))]
-  over = {'mesh.fsdp': 2, 'mesh.tensor': tensor, 'num_train_steps': 16, 'hdet.warmup_steps': 4, 'plots': False, 'hdet.low_communication': low,
-          'hdet.average_opt_state': low}
+      return [
+        np.asarray(x)
+        for item in ('state', 'avg_params')
+        for x in jax.tree.leaves(ckptr.restore(os.path.join(path, item)))
+      ]
+
+  over = {
+    'mesh.fsdp': 2,
+    'mesh.tensor': tensor,
+    'num_train_steps': 16,
+    'hdet.warmup_steps': 4,
+    'plots': False,
+    'hdet.low_communication': low,
+    'hdet.average_opt_state': low,
+  }
   straight = str(tmp_path / 'straight')
   train_and_evaluate(tiny(**over), straight)
   resumed = str(tmp_path / 'resumed')
@@ -153,14 +175,16 @@ def test_2d_run_resumes_bit_exact(tmp_path, low, tensor):
     np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.skipif(not os.environ.get('HDET_MULTIPROCESS_TESTS'),
-                    reason='two processes x 4 CPU devices on 4x2: about a minute (52 s measured); set HDET_MULTIPROCESS_TESTS=1')
+@pytest.mark.skipif(
+  not os.environ.get('HDET_MULTIPROCESS_TESTS'),
+  reason='two processes x 4 CPU devices on 4x2: about a minute (52 s measured); set HDET_MULTIPROCESS_TESTS=1',
+)
 def test_two_processes_match_one_on_4x2(tmp_path):
   """train.py as 2 processes x 4 CPU devices (each holding two groups of 2) against one process x 8."""
   from hdet_jax.trainer.metrics import read_metrics
   from process_testing import run_two_processes
-  over = ['--config.mesh.fsdp=2', '--config.num_train_steps=16', '--config.hdet.warmup_steps=4',
-          '--config.plots=False']
+
+  over = ['--config.mesh.fsdp=2', '--config.num_train_steps=16', '--config.hdet.warmup_steps=4', '--config.plots=False']
   one = str(tmp_path / 'one')
   train_and_evaluate(tiny(**{'mesh.fsdp': 2, 'num_train_steps': 16, 'hdet.warmup_steps': 4, 'plots': False}), one)
   two = str(tmp_path / 'two')

@@ -21,16 +21,26 @@ def mesh():
 
 # The 'fit' controller as AutoLR(controller='fit') was before 1.0, the guarded climb's parts off (a start at the
 # schedule, trust 0.25, no acceleration, no stop, no back-off, no settling).
-PLAIN_FIT = dict(controller='fit', initial_scale=1.0, trust=0.25, step_growth=1.0, stop_steps=None, after_stop='hold',
-                 backoff=False, backoff_stderrs=0.0, backoff_fraction=0.0, settle=False)
+PLAIN_FIT = dict(
+  controller='fit',
+  initial_scale=1.0,
+  trust=0.25,
+  step_growth=1.0,
+  stop_steps=None,
+  after_stop='hold',
+  backoff=False,
+  backoff_stderrs=0.0,
+  backoff_fraction=0.0,
+  settle=False,
+)
 
 
 # --- alpha = 0: exactly plain data parallelism -------------------------------------------------
 
 FACTORIES = {
-    'adam': optax.adam,
-    'adamw': lambda learning_rate: optax.adamw(learning_rate, weight_decay=0.1),
-    'sgd_momentum': lambda learning_rate: optax.sgd(learning_rate, momentum=0.9),
+  'adam': optax.adam,
+  'adamw': lambda learning_rate: optax.adamw(learning_rate, weight_decay=0.1),
+  'sgd_momentum': lambda learning_rate: optax.sgd(learning_rate, momentum=0.9),
 }
 
 
@@ -48,6 +58,7 @@ def test_alpha_zero_equals_plain_data_parallel_bitwise(mesh, name):
     loss, g = jax.value_and_grad(lambda p: 0.5 * jnp.sum((p['w'] - c) ** 2))(p)
     u, s = plain.update(lax.pmean(g, AX), s, p)
     return optax.apply_updates(p, u), s, loss
+
   pp = put(mesh, H.stack_replicas(params, N))
   ps = jax.jit(jax.vmap(plain.init))(pp)
   f = one_in_flight(jax.jit(H.shard_map_replicas(plain_step, mesh, AX)))
@@ -73,6 +84,7 @@ def test_alpha_zero_updates_equal_wrapped_optimizer_bitwise_under_cond(mesh, nam
     u, s = tx.update(g, s, p)
     u_plain, ps = plain.update(g, ps, p)
     return optax.apply_updates(p, u), s, ps, u, u_plain
+
   sp = put(mesh, H.stack_replicas(params, N))
   ss, ps = jax.jit(jax.vmap(tx.init))(sp), jax.jit(jax.vmap(plain.init))(sp)
   f = one_in_flight(jax.jit(H.shard_map_replicas(step, mesh, AX)))
@@ -96,6 +108,7 @@ def test_alpha_zero_with_syncs_stays_within_rounding(mesh):
 
 
 # --- quadratic case: the mean follows the alpha = 0 trajectory --------------------------------
+
 
 def test_quadratic_mean_tracks_alpha_zero_and_offsets_follow_rho(mesh):
   T, lr, alpha = 5, 0.1, 0.3
@@ -126,20 +139,28 @@ def test_quadratic_mean_tracks_alpha_zero_and_offsets_follow_rho(mesh):
 
 # --- per-step cost ----------------------------------------------------------------------------------
 
+
 def test_donated_state_buffers_pair_with_their_own_outputs(mesh):
   """jit drops inputs a program never reads and pairs donated buffers with outputs in order per shape;
   a state field overwritten without being read would shift that pairing and cost a copy of every later
   same-shaped field on every step. The non-sync program keeps every pairing positional."""
   params, c = quad_problem(dim=16)
-  tx = H.hdet(optax.adam, H.one_cycle(0.05, 100), num_replicas=N, spread=0.25, sync_every=10, replica_axis=AX,
-              exact_sync=True,
-              auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=10))
+  tx = H.hdet(
+    optax.adam,
+    H.one_cycle(0.05, 100),
+    num_replicas=N,
+    spread=0.25,
+    sync_every=10,
+    replica_axis=AX,
+    exact_sync=True,
+    auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=10),
+  )
   sp = H.stack_replicas(params, N)
   sp, ss, data = put(mesh, (sp, jax.jit(jax.vmap(tx.init))(sp), c))
   step = jax.jit(H.shard_map_replicas(quad_step(tx, sync=False, exact=True), mesh, AX), donate_argnums=(0, 1))
   text = step.lower(sp, ss, data).compile().as_text()
-  alias = text[text.index('input_output_alias={'):]
-  pairs = re.findall(r'\{(\d+)\}: \((\d+), \{\}, may-alias\)', alias[:alias.index('\n')])
+  alias = text[text.index('input_output_alias={') :]
+  pairs = re.findall(r'\{(\d+)\}: \((\d+), \{\}, may-alias\)', alias[: alias.index('\n')])
   assert len(pairs) >= len(jax.tree.leaves((sp, ss))) - 2  # all donated leaves but the two write-only ones
   assert [o for o, p in pairs if o != p] == []
 
@@ -149,8 +170,15 @@ def test_donated_state_buffers_pair_with_their_own_outputs(mesh):
 
 def test_compiles_once_across_sync_and_non_sync_steps(mesh):
   params, c = quad_problem()
-  tx = H.hdet(optax.adam, H.one_cycle(0.05, 40), num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX,
-              auto_lr=H.AutoLR.paper(total_steps=40, warmup_steps=6, temperature=0.05))
+  tx = H.hdet(
+    optax.adam,
+    H.one_cycle(0.05, 40),
+    num_replicas=N,
+    spread=0.25,
+    sync_every=3,
+    replica_axis=AX,
+    auto_lr=H.AutoLR.paper(total_steps=40, warmup_steps=6, temperature=0.05),
+  )
   _, ss, _, f = run(mesh, tx, 14, params, c)
   assert int(ss.sync_count[0]) == 4
   assert f._cache_size() == 1
@@ -158,11 +186,21 @@ def test_compiles_once_across_sync_and_non_sync_steps(mesh):
 
 # --- backends ---------------------------------------------------------------------------------
 
+
 def test_backends_agree(mesh):
   params, c = quad_problem()
+
   def make():
-    return H.hdet(optax.adam, H.one_cycle(0.05, 40), num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX,
-                  auto_lr=H.AutoLR.paper(total_steps=40, warmup_steps=6, temperature=0.05))
+    return H.hdet(
+      optax.adam,
+      H.one_cycle(0.05, 40),
+      num_replicas=N,
+      spread=0.25,
+      sync_every=3,
+      replica_axis=AX,
+      auto_lr=H.AutoLR.paper(total_steps=40, warmup_steps=6, temperature=0.05),
+    )
+
   out = {b: run(mesh, make(), 20, params, c, backend=b) for b in ('shard_map', 'pmap', 'vmap')}
   ref_p, ref_s = out['shard_map'][0], out['shard_map'][1]
   assert float(ref_s.controller.velocity[0, 0]) != 0.0  # the controller ran
@@ -174,13 +212,21 @@ def test_backends_agree(mesh):
 
 # --- controller wiring ------------------------------------------------------------------------
 
+
 def test_controller_state_and_no_signal_decay(mesh):
   """Identical losses on every replica (no signal): the base decays geometrically from the
   schedule's value at the controller's start to its final value; all logging fields are live."""
   S, T, W = 60, 5, 10
   sched = H.one_cycle(max_lr=0.1, total_steps=S)
-  tx = H.hdet(optax.sgd, sched, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX,
-              auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=W, temperature=0.1))
+  tx = H.hdet(
+    optax.sgd,
+    sched,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=W, temperature=0.1),
+  )
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
 
@@ -188,6 +234,7 @@ def test_controller_state_and_no_signal_decay(mesh):
     g = jax.tree.map(jnp.zeros_like, p)
     u, s = tx.update(g, s, p, value=jnp.float32(1.0))  # identical losses: weights uniform, delta 0
     return optax.apply_updates(p, u), s
+
   f = jax.jit(jax.vmap(step, axis_name=AX))
   bases = []
   for t in range(S):
@@ -215,8 +262,11 @@ def test_controller_state_and_no_signal_decay(mesh):
 def test_direction_end_to_end(favour, controller):
   """A loss that favours larger LRs raises the base above the no-signal path, and vice versa."""
   S, T = 200, 5
-  auto_lr = (H.AutoLR.paper(total_steps=S, warmup_steps=0, temperature=0.01, decay=0.0) if controller == 'paper'
-             else H.AutoLR(total_steps=S, warmup_steps=0, **PLAIN_FIT))
+  auto_lr = (
+    H.AutoLR.paper(total_steps=S, warmup_steps=0, temperature=0.01, decay=0.0)
+    if controller == 'paper'
+    else H.AutoLR(total_steps=S, warmup_steps=0, **PLAIN_FIT)
+  )
   tx = H.hdet(optax.sgd, 1e-2, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, auto_lr=auto_lr)
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
   ss = jax.vmap(tx.init)(sp)
@@ -226,6 +276,7 @@ def test_direction_end_to_end(favour, controller):
     loss = 1.0 - favour * 10.0 * my_lr
     u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=loss)
     return optax.apply_updates(p, u), s
+
   f = jax.jit(jax.vmap(step, axis_name=AX))
   for _ in range(60):
     sp, ss = f(sp, ss)
@@ -234,10 +285,18 @@ def test_direction_end_to_end(favour, controller):
 
 # --- composition ------------------------------------------------------------------------------
 
+
 def test_chain_with_clip_forwards_value(mesh):
   params, c = quad_problem()
-  inner = H.hdet(optax.sgd, 0.1, num_replicas=N, spread=0.25, sync_every=4, replica_axis=AX,
-                 auto_lr=H.AutoLR.paper(total_steps=50, warmup_steps=0, temperature=0.05))
+  inner = H.hdet(
+    optax.sgd,
+    0.1,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=4,
+    replica_axis=AX,
+    auto_lr=H.AutoLR.paper(total_steps=50, warmup_steps=0, temperature=0.05),
+  )
   tx = optax.chain(optax.clip_by_global_norm(0.01), inner)
   sp, ss, _, _ = run(mesh, tx, 8, params, c)
   # Clipped: each replica moved by at most lr * rho_max * 0.01 per step.
@@ -259,6 +318,7 @@ def test_multi_transform_both_ways(mesh):
       loss, g = jax.value_and_grad(loss_fn)(p, c)
       u, s = tx.update(lax.pmean(g, AX), s, p, value=loss)
       return optax.apply_updates(p, u), s, loss
+
     sp = put(mesh, H.stack_replicas(params, N))
     ss = jax.jit(jax.vmap(tx.init))(sp)
     f = one_in_flight(jax.jit(H.shard_map_replicas(step, mesh, AX)))
@@ -269,23 +329,38 @@ def test_multi_transform_both_ways(mesh):
     return outs
 
   # HDET inside one branch of multi_transform: only that branch diverges and syncs.
-  outs = go(optax.multi_transform(
-      {'hdet': H.hdet(optax.sgd, 0.1, num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX),
-       'frozen': optax.set_to_zero()}, labels))
+  outs = go(
+    optax.multi_transform(
+      {
+        'hdet': H.hdet(optax.sgd, 0.1, num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX),
+        'frozen': optax.set_to_zero(),
+      },
+      labels,
+    )
+  )
   assert np.all(outs[-1]['b'] == 0)
   assert np.max(np.abs(outs[1]['a'] - outs[1]['a'][0])) > 1e-4
   assert np.max(np.abs(outs[2]['a'] - outs[2]['a'][0])) < 1e-6  # synced after step 3
   # multi_transform inside the HDET factory: per-group optimizers, one spread LR.
   factory = lambda learning_rate: optax.multi_transform(
-      {'hdet': optax.sgd(learning_rate), 'frozen': optax.sgd(learning_rate * 0.0)}, labels)
+    {'hdet': optax.sgd(learning_rate), 'frozen': optax.sgd(learning_rate * 0.0)}, labels
+  )
   outs = go(H.hdet(factory, 0.1, num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX))
   assert np.all(outs[-1]['b'] == 0) and np.max(np.abs(outs[1]['a'] - outs[1]['a'][0])) > 1e-4
 
 
 def test_nnx_optimizer_under_vmap():
   from flax import nnx
-  tx = H.hdet(optax.adam, 0.05, num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX,
-              auto_lr=H.AutoLR.paper(total_steps=50, warmup_steps=0, temperature=0.05))
+
+  tx = H.hdet(
+    optax.adam,
+    0.05,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=3,
+    replica_axis=AX,
+    auto_lr=H.AutoLR.paper(total_steps=50, warmup_steps=0, temperature=0.05),
+  )
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
   opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
   graphdef, state = nnx.split((model, opt))
@@ -316,7 +391,9 @@ def test_nnx_optimizer_under_vmap():
 SCHED = H.one_cycle(1e-3, 100)
 
 
-@pytest.mark.parametrize('kwargs, name', [
+@pytest.mark.parametrize(
+  'kwargs, name',
+  [
     (dict(spread=-0.1), 'spread'),
     (dict(spread=1.0), 'spread'),
     (dict(sync_every=0), 'sync_every'),
@@ -329,8 +406,10 @@ SCHED = H.one_cycle(1e-3, 100)
     (dict(auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=100)), 'warmup_steps'),
     (dict(auto_lr=H.AutoLR.paper(total_steps=100), spread=0.0), 'spread'),
     (dict(auto_lr=H.AutoLR(total_steps=100), spread=0.0), 'spread'),
-    (dict(auto_lr=H.AutoLR.paper(total_steps=100), learning_rate=optax.linear_schedule(1e-3, 0.0, 99)),
-     'learning_rate'),
+    (
+      dict(auto_lr=H.AutoLR.paper(total_steps=100), learning_rate=optax.linear_schedule(1e-3, 0.0, 99)),
+      'learning_rate',
+    ),
     (dict(auto_lr=H.AutoLR.paper(total_steps=100, min_value=0.0)), 'min_value'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='psychic')), 'controller'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', trust=0.0)), 'trust'),
@@ -338,29 +417,47 @@ SCHED = H.one_cycle(1e-3, 100)
     (dict(auto_lr=H.AutoLR.paper(total_steps=100, stop_steps=-5)), 'stop_steps'),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', initial_scale=0.0)), 'initial_scale'),
     # The paper's controller takes none of the fit's settings (AutoLR.paper leaves them neutral).
-    (dict(auto_lr=dataclasses.replace(H.AutoLR.paper(total_steps=100), initial_scale=0.1)),
-     "controller='paper' takes none of the 'fit' settings, got initial_scale=0.1; build it with "
-     "hdet_jax.AutoLR.paper"),
-    (dict(auto_lr=dataclasses.replace(H.AutoLR.paper(total_steps=100), after_stop='rise')),
-     "controller='paper' takes none of the 'fit' settings, got after_stop='rise';"),
-    (dict(auto_lr=dataclasses.replace(H.AutoLR.paper(total_steps=100), backoff=True)),
-     "controller='paper' takes none of the 'fit' settings, got backoff=True;"),
+    (
+      dict(auto_lr=dataclasses.replace(H.AutoLR.paper(total_steps=100), initial_scale=0.1)),
+      "controller='paper' takes none of the 'fit' settings, got initial_scale=0.1; build it with hdet_jax.AutoLR.paper",
+    ),
+    (
+      dict(auto_lr=dataclasses.replace(H.AutoLR.paper(total_steps=100), after_stop='rise')),
+      "controller='paper' takes none of the 'fit' settings, got after_stop='rise';",
+    ),
+    (
+      dict(auto_lr=dataclasses.replace(H.AutoLR.paper(total_steps=100), backoff=True)),
+      "controller='paper' takes none of the 'fit' settings, got backoff=True;",
+    ),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=1)), 'backoff must be a bool'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=False, backoff_stderrs=2.0,
-                           backoff_fraction=0.0)),
-     'backoff_stderrs must be a number >= 0, and > 0 only with backoff=True'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=True, backoff_stderrs=-1.0)),
-     'backoff_stderrs must be a number >= 0'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=False, backoff_stderrs=0.0,
-                           backoff_fraction=0.05)),
-     r'backoff_fraction must be a number in \[0, 1\), and > 0 only with backoff=True'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=True, backoff_fraction=1.0)),
-     'backoff_fraction must be a number in'),
+    (
+      dict(
+        auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=False, backoff_stderrs=2.0, backoff_fraction=0.0)
+      ),
+      'backoff_stderrs must be a number >= 0, and > 0 only with backoff=True',
+    ),
+    (
+      dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=True, backoff_stderrs=-1.0)),
+      'backoff_stderrs must be a number >= 0',
+    ),
+    (
+      dict(
+        auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=False, backoff_stderrs=0.0, backoff_fraction=0.05)
+      ),
+      r'backoff_fraction must be a number in \[0, 1\), and > 0 only with backoff=True',
+    ),
+    (
+      dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', backoff=True, backoff_fraction=1.0)),
+      'backoff_fraction must be a number in',
+    ),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='fall')), 'after_stop'),
-    (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='hold', settle=True)),
-     "settle must be a bool, and True only with"),
+    (
+      dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='hold', settle=True)),
+      'settle must be a bool, and True only with',
+    ),
     (dict(auto_lr=H.AutoLR(total_steps=100, controller='fit', after_stop='rise', settle=1)), 'settle must be a bool'),
-])
+  ],
+)
 def test_bad_settings_raise_at_construction(kwargs, name):
   args = dict(learning_rate=SCHED, num_replicas=4, spread=0.25, sync_every=10)
   args.update(kwargs)
@@ -369,8 +466,15 @@ def test_bad_settings_raise_at_construction(kwargs, name):
 
 
 def test_trace_time_errors():
-  tx = H.hdet(optax.adam, 1e-3, num_replicas=4, spread=0.25, sync_every=2,
-              auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0), replica_axis=AX)
+  tx = H.hdet(
+    optax.adam,
+    1e-3,
+    num_replicas=4,
+    spread=0.25,
+    sync_every=2,
+    auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0),
+    replica_axis=AX,
+  )
   p = {'w': jnp.zeros(2)}
   s = tx.init(p)
   with pytest.raises(ValueError, match="replica_axis='data' is not bound"):
@@ -405,20 +509,28 @@ def test_update_needs_params_and_a_python_bool_sync():
 def test_replica_value_is_this_replicas_column():
   """Inside the map, replica r reads row g, column r of state.values (the coming step's [G, N] values); with a
   (device, local) axis pair replica r = d * (N / D) + v."""
-  tx = H.hdet(optax.adam, 0.1, num_replicas=N, spread=0.2, sync_every=10, replica_axis=AX,
-              explore={'dropout': H.Explore(0.1, 0.05, additive=True, low=0.0, high=0.5, to_optimizer=False)})
+  tx = H.hdet(
+    optax.adam,
+    0.1,
+    num_replicas=N,
+    spread=0.2,
+    sync_every=10,
+    replica_axis=AX,
+    explore={'dropout': H.Explore(0.1, 0.05, additive=True, low=0.0, high=0.5, to_optimizer=False)},
+  )
   like = jax.eval_shape(tx.init, {'w': jnp.zeros(3)})  # shapes only; replica_value reads the values alone
   assert like.values.shape == (2, N)
   values = np.broadcast_to(np.arange(2 * N, dtype=np.float32).reshape(2, N), (N, 2, N))  # [replica, G, N]
   read = lambda axis: lambda v: jnp.stack([H.replica_value(like._replace(values=v), g, axis) for g in (0, 1)])
-  got, pairs = jax.jit(lambda v: (  # one compilation for both maps
+  got, pairs = jax.jit(
+    lambda v: (  # one compilation for both maps
       jax.vmap(read(AX), axis_name=AX)(v),
-      jax.vmap(jax.vmap(read((AX, 'local')), axis_name='local'), axis_name=AX)(v.reshape(4, 2, 2, N))))(values)
+      jax.vmap(jax.vmap(read((AX, 'local')), axis_name='local'), axis_name=AX)(v.reshape(4, 2, 2, N)),
+    )
+  )(values)
   want = np.stack([np.arange(N), np.arange(N, 2 * N)], 1)  # replica r: (values[0, r], values[1, r])
   np.testing.assert_array_equal(np.asarray(got), want)
   np.testing.assert_array_equal(np.asarray(pairs).reshape(N, 2), want)
 
 
 # --- the controllers as wired into hdet, with a real signal, against numpy oracles --------------
-
-

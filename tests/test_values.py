@@ -12,8 +12,19 @@ N = 8
 
 
 def _plan(**kw):
-  args = dict(num_replicas=N, spread=0.25, sync_every=4, replica_axis='data', auto_lr=None, exact_sync=False,
-              seed=0, explore=None, param_groups=None, guard_nonfinite=True, optimizer_kwargs={})
+  args = dict(
+    num_replicas=N,
+    spread=0.25,
+    sync_every=4,
+    replica_axis='data',
+    auto_lr=None,
+    exact_sync=False,
+    seed=0,
+    explore=None,
+    param_groups=None,
+    guard_nonfinite=True,
+    optimizer_kwargs={},
+  )
   args.update(kw)
   return settings.make_plan(optax.sgd, args.pop('learning_rate', 1e-2), **args)
 
@@ -21,16 +32,24 @@ def _plan(**kw):
 def test_replica_values_against_numpy():
   """Multiplicative LR, an additive dropout clipped to [0, 0.2], a multiplicative wd: each row is
   clip(base * rho[perm] + offset[perm], low, high) with its own permutation."""
-  plan = _plan(explore={'dropout': H.Explore(0.1, 0.05, additive=True, low=0.0, high=0.2, to_optimizer=False),
-                        'weight_decay': (1e-3, 0.5)})
+  plan = _plan(
+    explore={
+      'dropout': H.Explore(0.1, 0.05, additive=True, low=0.0, high=0.2, to_optimizer=False),
+      'weight_decay': (1e-3, 0.5),
+    }
+  )
   rng = np.random.default_rng(0)
   perm = np.stack([rng.permutation(N) for _ in range(3)])
   base = np.array([2e-2, 0.19, 1e-3], np.float32)  # the controller may move a base near an edge
   got = np.asarray(values.replica_values(plan, jnp.asarray(base), jnp.asarray(perm)))
   u = (np.arange(N) - (N - 1) / 2) / ((N - 1) / 2)
-  want = np.stack([base[0] * (1 + 0.25 * u)[perm[0]],
-                   np.clip(base[1] + 0.05 * u[perm[1]], 0.0, 0.2),
-                   base[2] * (1 + 0.5 * u)[perm[2]]])
+  want = np.stack(
+    [
+      base[0] * (1 + 0.25 * u)[perm[0]],
+      np.clip(base[1] + 0.05 * u[perm[1]], 0.0, 0.2),
+      base[2] * (1 + 0.5 * u)[perm[2]],
+    ]
+  )
   np.testing.assert_allclose(got, want, rtol=1e-6)
   assert got[1].max() == np.float32(0.2)  # the clip is live
 
@@ -51,5 +70,6 @@ def test_base_values_schedule_then_smooth_controller_path():
   plan = _plan(learning_rate=sched, auto_lr=H.AutoLR(total_steps=40))  # the default: 'fit'
   c = c._replace(correction=jnp.asarray([0.7]))
   for t in (0, 9, 30):
-    np.testing.assert_allclose(float(values.base_values(plan, jnp.asarray(t), c)[0]), float(sched(t)) * np.exp(0.7),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+      float(values.base_values(plan, jnp.asarray(t), c)[0]), float(sched(t)) * np.exp(0.7), rtol=1e-6
+    )

@@ -12,8 +12,9 @@ from test_optax_conventions import AX, LR, N, _run
 
 
 def test_hyperparams_reads_every_replica_and_the_base_for_the_coming_step():
-  tx = H.hdet(optax.adam, H.one_cycle(max_lr=0.1, total_steps=50), num_replicas=N, spread=0.25, sync_every=3,
-              replica_axis=AX)
+  tx = H.hdet(
+    optax.adam, H.one_cycle(max_lr=0.1, total_steps=50), num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX
+  )
   _, state = _run(tx, steps=4)  # one sync after step 3 reshuffled the multipliers
   hp = H.hyperparams(state)
   assert set(hp) == {'learning_rate', 'base_learning_rate'}
@@ -36,8 +37,9 @@ def test_hyperparams_with_groups_and_explored_values_inside_a_chain():
   explore = {'weight_decay': (1e-2, 0.5)}
   names = H.hyperparam_names(param_groups=groups, explore=explore)
   assert names == ('learning_rate/kernel', 'learning_rate/bias', 'weight_decay')
-  hdet = H.hdet(optax.adamw, 0.1, num_replicas=N, spread=0.2, sync_every=10, replica_axis=AX,
-                param_groups=groups, explore=explore)
+  hdet = H.hdet(
+    optax.adamw, 0.1, num_replicas=N, spread=0.2, sync_every=10, replica_axis=AX, param_groups=groups, explore=explore
+  )
   tx = optax.chain(optax.clip_by_global_norm(1.0), hdet)
   params = H.stack_replicas({'w': jnp.zeros(3), 'b': jnp.zeros(1)}, N)
   state = jax.vmap(tx.init)(params)
@@ -62,8 +64,9 @@ def test_why_the_usual_optax_lookups_do_not_apply():
   assert optax.tree_utils.tree_get(state, 'learning_rate') is None
   with pytest.raises(KeyError, match='multiple'):
     optax.tree_utils.tree_get(state, 'base')
-  np.testing.assert_allclose(H.hyperparams(state)['learning_rate'], LR * H.multipliers.spread_multipliers(N, 0.25),
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    H.hyperparams(state)['learning_rate'], LR * H.multipliers.spread_multipliers(N, 0.25), rtol=1e-6
+  )
 
 
 def test_find_state_needs_exactly_one_hdet_state():

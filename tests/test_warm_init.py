@@ -11,9 +11,9 @@ from hdet_jax.trainer import warm_init
 def _params():
   k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
   return {
-      'a': {'kernel': 0.3 * jax.random.normal(k1, (200, 300)), 'bias': jnp.full((300,), 0.5)},
-      'b': 2.0 + jax.random.normal(k2, (50_000,)),
-      'c': jax.random.uniform(k3, (10, 10)),
+    'a': {'kernel': 0.3 * jax.random.normal(k1, (200, 300)), 'bias': jnp.full((300,), 0.5)},
+    'b': 2.0 + jax.random.normal(k2, (50_000,)),
+    'c': jax.random.uniform(k3, (10, 10)),
   }
 
 

@@ -41,9 +41,11 @@ def test_window_of_and_ends_window_match_the_windows_laid_end_to_end(windows):
   np.testing.assert_array_equal(W.ends_window(windows, t + 1), [w[2] for w in want])
   # Inside jit, on traced scalars, the same answers.
   traced = jax.jit(jax.vmap(lambda c: (*W.window_of(windows, c - 1), W.ends_window(windows, c))))(
-      jnp.arange(1, steps + 1, dtype=jnp.int32))
-  np.testing.assert_array_equal(np.stack([np.asarray(x) for x in traced], 1),
-                                np.array([(s, n, e) for s, n, e in want], np.int64))
+    jnp.arange(1, steps + 1, dtype=jnp.int32)
+  )
+  np.testing.assert_array_equal(
+    np.stack([np.asarray(x) for x in traced], 1), np.array([(s, n, e) for s, n, e in want], np.int64)
+  )
   # The public helper, from the user's sync_every, on Python ints (the host loop).
   syncs = [s for s in range(steps) if H.is_sync_step(windows if len(windows) > 1 else windows[0], s)]
   assert syncs == [t for t in range(steps) if want[t][2]]
@@ -82,8 +84,23 @@ def test_bad_sync_every_is_one_clear_error(bad):
     H.hdet(lambda learning_rate: None, 1e-3, num_replicas=8, sync_every=bad)
 
 
-@pytest.mark.parametrize('total_steps, period', [(1, 1), (7, 1), (22, 1), (23, 2), (300, 20), (307, 20), (308, 21),
-                                                 (1492, 99), (1493, 100), (1500, 100), (3000, 100), (10 ** 6, 100)])
+@pytest.mark.parametrize(
+  'total_steps, period',
+  [
+    (1, 1),
+    (7, 1),
+    (22, 1),
+    (23, 2),
+    (300, 20),
+    (307, 20),
+    (308, 21),
+    (1492, 99),
+    (1493, 100),
+    (1500, 100),
+    (3000, 100),
+    (10**6, 100),
+  ],
+)
 def test_default_period_is_a_fifteenth_of_the_run_at_least_1_at_most_100(total_steps, period):
   """T = round(S / 15), at least 1 and at most 100 (hand-computed: 22 / 15 = 1.47, 23 / 15 = 1.53, 307 / 15 = 20.47,
   308 / 15 = 20.53, 1492 / 15 = 99.47, 1493 / 15 = 99.53); longest_window=0 lifts the cap."""

@@ -21,12 +21,14 @@ def tiny(**overrides):
 
 def leaves(tree):
   import jax
+
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
 def compiled(fn):
   """(what ``fn()`` returns, how many XLA programs it compiled or loaded from the persistent compilation cache)."""
   import jax
+
   count, active = [0], [True]
 
   def on_compile(event, duration, **kwargs):
@@ -38,6 +40,7 @@ def compiled(fn):
     del kwargs
     if active[0] and event == '/jax/compilation_cache/cache_hits':
       count[0] += 1
+
   jax.monitoring.register_event_duration_secs_listener(on_compile)
   jax.monitoring.register_event_listener(on_cache)
   try:

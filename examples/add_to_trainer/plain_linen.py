@@ -111,7 +111,8 @@ def train(workdir, steps=STEPS, seed=0):
 
 
 if __name__ == '__main__':
-  import sys, tempfile
+  import sys
+  import tempfile
   jax.config.update('jax_num_cpu_devices', 8)
   steps = 20 if '--quick' in sys.argv else STEPS
   state, losses, eval_loss = train(tempfile.mkdtemp(), steps)

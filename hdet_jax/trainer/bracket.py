@@ -88,17 +88,26 @@ def window_loss(metrics_path: str, step: int, compare_steps: int, diverged_at: i
 
 def _fields(run: run_settings.RunSettings) -> dict:
   """What defines the bracket: its runs' training fields (at the centre LR) and the bracket's own."""
-  return {'training': run.training_fields(run.mesh.num_replicas),
-          'bracket': {k[len('bracket.'):]: v for k, v in sorted(run.given.items()) if k.startswith('bracket.')}}
+  return {
+    'training': run.training_fields(run.mesh.num_replicas),
+    'bracket': {k[len('bracket.') :]: v for k, v in sorted(run.given.items()) if k.startswith('bracket.')},
+  }
 
 
 def point_config(config: Any, lr: float, stop_at_step: int) -> Any:
   """The config of the bracket's run at peak LR ``lr``, stopped at ``stop_at_step`` (0: trained to the end)."""
   # (plots only for the run that ends: a rung's stop would draw every run's; the LR's power of two applied at run
   # time, so that points a power of two apart share their compiled programs: optimizer.lr_unit)
-  return config_lib.with_overrides(config.copy_and_resolve_references(), {
-      'optim.max_lr': lr, 'stop_at_step': stop_at_step, 'bracket.points': 0, 'optim.runtime_lr_scale': True,
-      'plots': bool(config.plots and stop_at_step == 0)})
+  return config_lib.with_overrides(
+    config.copy_and_resolve_references(),
+    {
+      'optim.max_lr': lr,
+      'stop_at_step': stop_at_step,
+      'bracket.points': 0,
+      'optim.runtime_lr_scale': True,
+      'plots': bool(config.plots and stop_at_step == 0),
+    },
+  )
 
 
 def _point_dir(workdir: str, k: int, lr: float) -> str:
@@ -113,18 +122,24 @@ def _load_state(workdir: str, fields: dict) -> dict | None:
       state = json.load(f)
     state['fields']['training'] = schema.run_identity(state['fields']['training'])  # (see trainer._check_workdir)
     if state['fields']['bracket'].pop('anneal', 0.0):  # (0: as a bracket of 1.0 reads)
-      raise ConfigError(f'workdir {workdir} holds an LR bracket with bracket.anneal: '
-                        f'{compat.removed_message("bracket.anneal")} Pass a new --workdir (nothing in this one '
-                        'was changed).')
+      raise ConfigError(
+        f'workdir {workdir} holds an LR bracket with bracket.anneal: '
+        f'{compat.removed_message("bracket.anneal")} Pass a new --workdir (nothing in this one '
+        'was changed).'
+      )
     if state['fields'] != fields:
       diff = schema.differences(config_lib.flatten(state['fields']), config_lib.flatten(fields))
-      raise ConfigError(f'workdir {workdir} holds an LR bracket of a different config ({diff}); rerun with the same '
-                        'config to resume it, or pass a new --workdir.')
+      raise ConfigError(
+        f'workdir {workdir} holds an LR bracket of a different config ({diff}); rerun with the same '
+        'config to resume it, or pass a new --workdir.'
+      )
     return state
   for name in ('checkpoints', 'metrics.jsonl', 'summary.json', 'bracket'):
     if os.path.exists(os.path.join(workdir, name)):
-      raise ConfigError(f'workdir {workdir} holds {name!r} but no {STATE_FILE}: it is not an LR bracket\'s (a single '
-                        'run\'s, or another tool\'s). Pass a new --workdir; nothing in this one was changed.')
+      raise ConfigError(
+        f"workdir {workdir} holds {name!r} but no {STATE_FILE}: it is not an LR bracket's (a single "
+        "run's, or another tool's). Pass a new --workdir; nothing in this one was changed."
+      )
   return None
 
 
@@ -142,15 +157,19 @@ def run_bracket(config: Any, workdir: str) -> dict:
   state = _load_state(workdir, fields)
   mesh_lib.barrier('hdet_bracket_loaded')  # every process has read the workdir before process 0 writes to it
   if state is None:  # a new bracket: its record first, so that a bracket stopped before its first rung resumes
-    state = {'fields': fields, 'lrs': point_lrs(b.max_lr, b.points, b.factor),
-             'compute_runs': compute_runs(b.points, rungs, total),
-             'rungs': [], 'winner': None}
+    state = {
+      'fields': fields,
+      'lrs': point_lrs(b.max_lr, b.points, b.factor),
+      'compute_runs': compute_runs(b.points, rungs, total),
+      'rungs': [],
+      'winner': None,
+    }
     lr0 = state['lrs'][0]  # every check a run makes (its data, devices, workdir) before anything is written
     trainer_lib.check(point_config(config, lr0, steps[0]), _point_dir(workdir, 0, lr0))
     _write_state(workdir, state)
   dirs = {lr: _point_dir(workdir, k, lr) for k, lr in enumerate(state['lrs'])}
   alive = state['rungs'][-1]['kept'] if state['rungs'] else list(state['lrs'])  # (a resumed bracket's last picks)
-  for (fraction, kept), step in list(zip(rungs, steps))[len(state['rungs']):]:
+  for (fraction, kept), step in list(zip(rungs, steps))[len(state['rungs']) :]:
     losses = {}
     for lr in alive:
       summary = trainer_lib.train_and_evaluate(point_config(config, lr, step), dirs[lr])
@@ -161,14 +180,19 @@ def run_bracket(config: Any, workdir: str) -> dict:
     if not any(np.isfinite(list(losses.values()))):
       raise RuntimeError(f'every run of the LR bracket diverged by step {step} (LRs {alive}); lower optim.max_lr.')
     alive = survivors(losses, kept)
-    state['rungs'].append({'fraction': fraction, 'step': step, 'losses': {f'{lr:.6g}': v for lr, v in losses.items()},
-                           'kept': alive})
+    state['rungs'].append(
+      {'fraction': fraction, 'step': step, 'losses': {f'{lr:.6g}': v for lr, v in losses.items()}, 'kept': alive}
+    )
     _write_state(workdir, state)
   (lr,) = alive
   summary = trainer_lib.train_and_evaluate(point_config(config, lr, 0), dirs[lr])
   if not summary['preempted']:
-    state['winner'] = {'lr': lr, 'workdir': dirs[lr], 'final_metric': summary['final_metric'],
-                       'diverged_at': summary['diverged_at']}
+    state['winner'] = {
+      'lr': lr,
+      'workdir': dirs[lr],
+      'final_metric': summary['final_metric'],
+      'diverged_at': summary['diverged_at'],
+    }
     _write_state(workdir, state)
   return {**summary, 'bracket': state}
 
@@ -176,6 +200,7 @@ def run_bracket(config: Any, workdir: str) -> dict:
 def _write_state(workdir: str, state: dict) -> None:
   """Process 0 writes the record (every process holds the same); the others go on at once."""
   import jax
+
   if jax.process_index() == 0:
     os.makedirs(workdir, exist_ok=True)
     process.write_json_atomic(os.path.join(workdir, STATE_FILE), metrics_lib.to_json_safe(state), indent=1)
@@ -187,8 +212,10 @@ def format_bracket(state: dict) -> str:
   lines = [f'LR bracket over {len(state["lrs"])} peak LRs ({lrs}); compute {state["compute_runs"]:.2f} runs.']
   for r in state['rungs']:
     ranked = ', '.join(f'{lr} {v:.4f}' for lr, v in sorted(r['losses'].items(), key=lambda kv: float(kv[0])))
-    lines.append(f'  step {r["step"]} ({r["fraction"]:g} of the run): training loss {ranked}; kept '
-                 f'{", ".join(f"{lr:.4g}" for lr in r["kept"])}')
+    lines.append(
+      f'  step {r["step"]} ({r["fraction"]:g} of the run): training loss {ranked}; kept '
+      f'{", ".join(f"{lr:.4g}" for lr in r["kept"])}'
+    )
   if state.get('winner'):
     w = state['winner']
     lines.append(f'  kept run: peak LR {w["lr"]:.4g}, final metric {w["final_metric"]:.4f} ({w["workdir"]})')

@@ -61,24 +61,29 @@ def checkpoint_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(os.path.expanduser(workdir)), 'checkpoints')
 
 
-def _manager(directory: str, max_to_keep: int | None = None, *, read_only: bool = False,
-             whole: bool = False) -> ocp.CheckpointManager:
+def _manager(
+  directory: str, max_to_keep: int | None = None, *, read_only: bool = False, whole: bool = False
+) -> ocp.CheckpointManager:
   """An orbax manager of a workdir's checkpoints; ``whole``: the arrays go through :class:`_WholeArrays`."""
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=max_to_keep, create=not read_only, read_only=read_only,
-      save_interval_steps=0 if read_only else 1,  # (orbax sets 0 itself when read-only, with a warning)
-      # Unfinished saves of an earlier, killed run (``<step>.orbax-checkpoint-tmp-*``) go away.
-      cleanup_tmp_directories=not read_only,
-      # Old steps are renamed into trash/ (atomic) before being deleted.
-      todelete_subdir=None if read_only else TRASH,
-      # Saving blocks until the arrays are on the host; the writes then finish in the background.
-      enable_async_checkpointing=True)
+    max_to_keep=max_to_keep,
+    create=not read_only,
+    read_only=read_only,
+    save_interval_steps=0 if read_only else 1,  # (orbax sets 0 itself when read-only, with a warning)
+    # Unfinished saves of an earlier, killed run (``<step>.orbax-checkpoint-tmp-*``) go away.
+    cleanup_tmp_directories=not read_only,
+    # Old steps are renamed into trash/ (atomic) before being deleted.
+    todelete_subdir=None if read_only else TRASH,
+    # Saving blocks until the arrays are on the host; the writes then finish in the background.
+    enable_async_checkpointing=True,
+  )
   if whole:
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     for item, handler, save, restore in (
-        (STATE, _WholeArrays(), ocp.args.StandardSave, ocp.args.StandardRestore),
-        (AVG, _WholeArrays(), ocp.args.StandardSave, ocp.args.StandardRestore),
-        (META, ocp.JsonCheckpointHandler(), ocp.args.JsonSave, ocp.args.JsonRestore)):
+      (STATE, _WholeArrays(), ocp.args.StandardSave, ocp.args.StandardRestore),
+      (AVG, _WholeArrays(), ocp.args.StandardSave, ocp.args.StandardRestore),
+      (META, ocp.JsonCheckpointHandler(), ocp.args.JsonSave, ocp.args.JsonRestore),
+    ):
       registry.add(item, save, handler)
       registry.add(item, restore, handler)
     return ocp.CheckpointManager(directory, options=options, handler_registry=registry)
@@ -109,8 +114,7 @@ def _leaf_fingerprint(x: jax.Array) -> jax.Array:
   u = _as_uint32(x)
   w = jnp.arange(u.size, dtype=jnp.uint32) * _MULT + jnp.uint32(1)
   # Wrapping uint32 sums: exact, so the result does not depend on the reduction order or sharding.
-  return jnp.stack([jnp.sum(u * w, dtype=jnp.uint32), jnp.sum(u ^ (u >> 13), dtype=jnp.uint32),
-                    jnp.uint32(u.size)])
+  return jnp.stack([jnp.sum(u * w, dtype=jnp.uint32), jnp.sum(u ^ (u >> 13), dtype=jnp.uint32), jnp.uint32(u.size)])
 
 
 @jax.jit
@@ -130,6 +134,7 @@ def fingerprint(tree: Any) -> list[list[int]]:
 
 
 # ---- Reading. ----
+
 
 def all_steps(workdir: str) -> list[int]:
   """The complete (finalized) checkpoint steps in ``workdir``, oldest first."""
@@ -189,8 +194,9 @@ def _verify(name: str, tree: Any, meta: dict, step: int) -> None:
   got = fingerprint(tree)
   if got != want:
     bad = sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
-    raise CorruptCheckpoint(f'step {step}: {bad} of the {len(want)} arrays of {name!r} read back other bits than '
-                            'were saved')
+    raise CorruptCheckpoint(
+      f'step {step}: {bad} of the {len(want)} arrays of {name!r} read back other bits than were saved'
+    )
 
 
 def restore_avg_params(workdir: str, abstract_params: Any, step: int | None = None) -> Any:
@@ -212,7 +218,7 @@ def restore_avg_params(workdir: str, abstract_params: Any, step: int | None = No
 
 def _one_line(e: BaseException, limit: int = 200) -> str:
   text = ' '.join(f'{type(e).__name__}: {e}'.split())
-  return text if len(text) <= limit else text[:limit - 3] + '...'
+  return text if len(text) <= limit else text[: limit - 3] + '...'
 
 
 def _agree(ok: bool) -> bool:
@@ -220,6 +226,7 @@ def _agree(ok: bool) -> bool:
   if jax.process_count() == 1:
     return ok
   from jax.experimental import multihost_utils
+
   return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
 
 
@@ -251,8 +258,9 @@ def _whole_array_registry() -> ocp.type_handlers.TypeHandlerRegistry:
   """
   types = (int, float, bytes, np.number, np.ndarray, str)
   return ocp.type_handlers.create_type_handler_registry(
-      *[(t, ocp.type_handlers.get_type_handler(t)) for t in types],
-      (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)))
+    *[(t, ocp.type_handlers.get_type_handler(t)) for t in types],
+    (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
+  )
 
 
 class _WholeArrays(ocp.StandardCheckpointHandler):
@@ -294,11 +302,14 @@ class Checkpointer:
   def save(self, step: int, state: Any, avg_params: Any, meta: dict) -> None:
     """Starts writing step ``step``; it becomes visible (listed, restorable) once complete."""
     self._empty_trash()
-    meta = dict(meta, fingerprint={STATE: fingerprint(state), AVG: fingerprint(avg_params)},
-                state_format=STATE_FORMAT)
-    self._mngr.save(step, args=ocp.args.Composite(**{
-        STATE: ocp.args.StandardSave(state), AVG: ocp.args.StandardSave(avg_params),
-        META: ocp.args.JsonSave(meta)}), force=True)
+    meta = dict(meta, fingerprint={STATE: fingerprint(state), AVG: fingerprint(avg_params)}, state_format=STATE_FORMAT)
+    self._mngr.save(
+      step,
+      args=ocp.args.Composite(
+        **{STATE: ocp.args.StandardSave(state), AVG: ocp.args.StandardSave(avg_params), META: ocp.args.JsonSave(meta)}
+      ),
+      force=True,
+    )
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
     """Step ``step``'s state and meta, verified; raises CorruptCheckpoint (on every process alike)."""
@@ -316,8 +327,13 @@ class Checkpointer:
     _verify(STATE, state, meta, step)  # a jitted program over the global arrays: every process agrees
     return state, meta
 
-  def restore_latest(self, abstract_state: Any, *, max_step: int | None = None,
-                     on_corrupt: Callable[[int, str], None] = lambda step, why: None) -> tuple[Any, dict] | None:
+  def restore_latest(
+    self,
+    abstract_state: Any,
+    *,
+    max_step: int | None = None,
+    on_corrupt: Callable[[int, str], None] = lambda step, why: None,
+  ) -> tuple[Any, dict] | None:
     """The newest step (at most ``max_step``) that restores and verifies; corrupt ones are set aside.
 
     Returns None if there is no step at all; raises CorruptCheckpoint if every step is corrupt.
@@ -333,8 +349,9 @@ class Checkpointer:
         on_corrupt(step, f'{e}; moved to {where}')
     if reasons:
       raise CorruptCheckpoint(
-          f'every checkpoint in {self._directory} is corrupt ({"; ".join(reasons)}); they were moved to '
-          f'{os.path.join(self._directory, CORRUPT)}. Rerun to start from scratch, or restore a backup.')
+        f'every checkpoint in {self._directory} is corrupt ({"; ".join(reasons)}); they were moved to '
+        f'{os.path.join(self._directory, CORRUPT)}. Rerun to start from scratch, or restore a backup.'
+      )
     return None
 
   def quarantine(self, step: int) -> str:

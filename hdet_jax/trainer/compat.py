@@ -18,16 +18,16 @@ QUIET_DEFAULTS = schema.legacy_values()
 
 # Fields removed in hdet-jax 1.0 (measured, not adopted: research/README.md), each with what to use instead.
 REMOVED = {
-    'hdet.fan': "the learning rates fan out linearly (eq. 1, hdet.spread in [0, 1)); remove the field",
-    'hdet.score_tail': "the common batch scores each replica's last iterate; remove the field",
-    'hdet.score_anneal': "the common batch scores each replica's last iterate; remove the field",
-    'hdet.early_sync_every': "windows are hdet.sync_every steps, or hdet.num_syncs per run; remove the field",
-    'hdet.early_sync_steps': "windows are hdet.sync_every steps, or hdet.num_syncs per run; remove the field",
-    'hdet.overshoot': "the 'fit' controller aims at the fitted best (an overshoot of 1); remove the field",
-    'optim.anneal_at_step': "the LR follows optim.schedule to the last step; remove the field",
-    'optim.anneal_steps': "the LR follows optim.schedule to the last step; remove the field",
-    'bracket.anneal': "the LR bracket's last rung ranks the runs' own training losses; remove the field",
-    'log_noise_scale': "the gradient noise scale is no longer logged; remove the field",
+  'hdet.fan': 'the learning rates fan out linearly (eq. 1, hdet.spread in [0, 1)); remove the field',
+  'hdet.score_tail': "the common batch scores each replica's last iterate; remove the field",
+  'hdet.score_anneal': "the common batch scores each replica's last iterate; remove the field",
+  'hdet.early_sync_every': 'windows are hdet.sync_every steps, or hdet.num_syncs per run; remove the field',
+  'hdet.early_sync_steps': 'windows are hdet.sync_every steps, or hdet.num_syncs per run; remove the field',
+  'hdet.overshoot': "the 'fit' controller aims at the fitted best (an overshoot of 1); remove the field",
+  'optim.anneal_at_step': 'the LR follows optim.schedule to the last step; remove the field',
+  'optim.anneal_steps': 'the LR follows optim.schedule to the last step; remove the field',
+  'bracket.anneal': "the LR bracket's last rung ranks the runs' own training losses; remove the field",
+  'log_noise_scale': 'the gradient noise scale is no longer logged; remove the field',
 }
 REMOVED_IN = '1.0'
 

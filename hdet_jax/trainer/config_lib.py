@@ -43,8 +43,10 @@ def load_config_file(path: str, *args: str) -> ml_collections.ConfigDict:
     raise ConfigError(f'{where} cannot be read ({e.strerror or e}); check its permissions.') from None
   except (SyntaxError, ValueError) as e:
     line = f' at line {e.lineno}' if getattr(e, 'lineno', None) else ''
-    raise ConfigError(f'{where} is not Python source ({_one_line(getattr(e, "msg", None) or e)}{line}); fix the file '
-                      f'(a config file defines get_config(), as configs/default.py does).') from None
+    raise ConfigError(
+      f'{where} is not Python source ({_one_line(getattr(e, "msg", None) or e)}{line}); fix the file '
+      f'(a config file defines get_config(), as configs/default.py does).'
+    ) from None
   module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
   try:
     exec(code, module.__dict__)
@@ -55,17 +57,23 @@ def load_config_file(path: str, *args: str) -> ml_collections.ConfigDict:
     raise ConfigError(f'{where}: running it raised {_raised(e, path)}; {fix}.') from None
   get_config = getattr(module, 'get_config', None)
   if not callable(get_config):
-    raise ConfigError(f'{where} defines no get_config(); a config file defines get_config() returning an '
-                      'ml_collections.ConfigDict (as configs/default.py does).')
+    raise ConfigError(
+      f'{where} defines no get_config(); a config file defines get_config() returning an '
+      'ml_collections.ConfigDict (as configs/default.py does).'
+    )
   try:
     config = get_config(*args)
   except ConfigError:
     raise
   except Exception as e:
-    raise ConfigError(f'{where}: get_config({", ".join(map(repr, args))}) raised {_raised(e, path)}; fix the file.') from None
+    raise ConfigError(
+      f'{where}: get_config({", ".join(map(repr, args))}) raised {_raised(e, path)}; fix the file.'
+    ) from None
   if not isinstance(config, ml_collections.ConfigDict):
-    raise ConfigError(f'{where}: get_config() returned {type(config).__name__} {_one_line(repr(config))[:60]}, not an '
-                      'ml_collections.ConfigDict; return one (as configs/default.py does).')
+    raise ConfigError(
+      f'{where}: get_config() returned {type(config).__name__} {_one_line(repr(config))[:60]}, not an '
+      'ml_collections.ConfigDict; return one (as configs/default.py does).'
+    )
   return config
 
 
@@ -75,8 +83,9 @@ def _one_line(text: Any) -> str:
 
 def _raised(e: Exception, path: str) -> str:
   """'KeyError: 'x' (line 7)': an exception with the last line of ``path`` it passed through."""
-  lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
-           if os.path.abspath(f.filename) == os.path.abspath(path)]
+  lines = [
+    f.lineno for f in traceback.extract_tb(e.__traceback__) if os.path.abspath(f.filename) == os.path.abspath(path)
+  ]
   detail = _one_line(e)
   return f'{type(e).__name__}{": " + detail if detail else ""}' + (f' (line {lines[-1]})' if lines else '')
 
@@ -123,9 +132,11 @@ def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
 def missing_fields(config: Any, reference: Any) -> list[str]:
   """The trainer's fields (all but the task's own ``data.*`` and ``model.*``) that ``reference`` (configs/default.py's
   config) has and ``config`` lacks: a config not built on the default one."""
+
   def keys(c, prefix=''):
     out = set()
     for k, v in c.items():
       out |= keys(v, f'{prefix}{k}.') if isinstance(v, ml_collections.ConfigDict) else {prefix + k}
     return out
+
   return sorted(k for k in keys(reference) - keys(config) if not k.startswith(('data.', 'model.')))

@@ -52,7 +52,7 @@ def make_mesh(num_replicas: int, fsdp: int = 1, tensor: int = 1, devices: int | 
   tensor axis innermost: its all-reduces run in every layer). Auto axis types."""
   sizes = [(a, k) for a, k in ((INNER, fsdp), (TENSOR, tensor)) if k > 1]
   shape = ((devices or num_replicas) if not sizes else num_replicas,) + tuple(k for _, k in sizes)
-  devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+  devices = np.asarray(jax.devices()[: int(np.prod(shape))]).reshape(shape)
   return Mesh(devices, (AXIS,) + tuple(a for a, _ in sizes))
 
 
@@ -75,8 +75,10 @@ def layout(mesh: Mesh, params: Any, opt_state: Any, task: tasks_lib.Task | None 
   ``params`` and ``opt_state`` are stacked trees of arrays or shapes."""
   if not grouped(mesh):
     return None
-  return (H.group_shardings(params, mesh, AXIS, INNER, **rules(mesh, task)),
-          H.state_shardings(opt_state, mesh, AXIS, INNER, **rules(mesh, task)))
+  return (
+    H.group_shardings(params, mesh, AXIS, INNER, **rules(mesh, task)),
+    H.state_shardings(opt_state, mesh, AXIS, INNER, **rules(mesh, task)),
+  )
 
 
 def param_layout(mesh: Mesh, abstract_params: Any, num_replicas: int, task: tasks_lib.Task | None = None) -> Any:
@@ -93,8 +95,11 @@ def with_layout(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None) 
   if shardings is None:
     shardings = tuple(jax.tree.map(lambda _: replica_sharding(mesh), abstract[k]) for k in ('params', 'opt_state'))
   put = lambda tree, sh: jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), tree, sh)
-  return {**abstract, 'params': put(abstract['params'], shardings[0]),
-          'opt_state': put(abstract['opt_state'], shardings[1])}
+  return {
+    **abstract,
+    'params': put(abstract['params'], shardings[0]),
+    'opt_state': put(abstract['opt_state'], shardings[1]),
+  }
 
 
 def unstacked_layout(mesh: Mesh, stacked: Any, task: tasks_lib.Task | None = None) -> Any:
@@ -111,8 +116,11 @@ def anchor_layout(mesh: Mesh, params: Any, inner: Any, task: tasks_lib.Task | No
   """The rollback anchor's shardings given the stacked ``params`` and wrapped optimizer state ``inner``: one copy
   of each (:func:`unstacked_layout`), and the training loss of the window it ends with its standard error,
   replicated."""
-  return {**unstacked_layout(mesh, {'params': params, 'inner': inner}, task),
-          'train_loss': replicated(mesh), 'train_loss_se': replicated(mesh)}
+  return {
+    **unstacked_layout(mesh, {'params': params, 'inner': inner}, task),
+    'train_loss': replicated(mesh),
+    'train_loss_se': replicated(mesh),
+  }
 
 
 def anchor_shapes(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None) -> dict:
@@ -120,10 +128,15 @@ def anchor_shapes(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None
   params, inner = abstract['params'], abstract['opt_state'].inner_state
   one = lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype)  # a replica's
   scalar = jax.ShapeDtypeStruct((), np.float32)
-  shapes = {'params': jax.tree.map(one, params), 'inner': jax.tree.map(one, inner), 'train_loss': scalar,
-            'train_loss_se': scalar}
-  return jax.tree.map(lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes,
-                      anchor_layout(mesh, params, inner, task))
+  shapes = {
+    'params': jax.tree.map(one, params),
+    'inner': jax.tree.map(one, inner),
+    'train_loss': scalar,
+    'train_loss_se': scalar,
+  }
+  return jax.tree.map(
+    lambda s, h: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=h), shapes, anchor_layout(mesh, params, inner, task)
+  )
 
 
 def replica_sharding(mesh: Mesh) -> NamedSharding:
@@ -153,6 +166,7 @@ def barrier(name: str) -> None:
   """Every process waits here until all have reached ``name`` (a no-op with one process)."""
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
     multihost_utils.sync_global_devices(name)
 
 
@@ -161,9 +175,12 @@ def fetch(tree: Any) -> Any:
   leaves = jax.tree.leaves(tree)
   if all(not isinstance(a, jax.Array) or a.is_fully_addressable for a in leaves):
     return jax.tree.map(np.asarray, jax.device_get(tree))  # all copies started before any wait
+
   def get(a):
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
       from jax.experimental import multihost_utils
+
       return np.asarray(multihost_utils.process_allgather(a, tiled=True))
     return np.asarray(a)
+
   return jax.tree.map(get, tree)

@@ -43,6 +43,7 @@ def num_params(params: Any) -> int:
   """The number of parameters of a pytree of arrays or shapes (``jax.ShapeDtypeStruct``): the sum of each leaf's
   product of its shape."""
   import jax  # (imported here: reading records needs no jax)
+
   return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
 
 
@@ -101,8 +102,6 @@ def _drop_partial_last_line(path: str) -> None:
     f.truncate(0)
 
 
-
-
 class TensorBoardWriter:
   """The scalars of the ``train``, ``controller``, ``eval`` and ``throughput`` records as TensorBoard events.
 
@@ -130,6 +129,7 @@ class TensorBoardWriter:
   def __init__(self, logdir: str):
     import tensorboardX  # the trainer extra; only imported when TensorBoard output is on
     from tensorboardX.proto import event_pb2, summary_pb2
+
     self._logdir = logdir
     # tensorboardX names a file by the second and the host and opens it with 'wb': a suffix keeps two
     # writers of one second (a quick restart) from overwriting each other, in the order they started.
@@ -170,10 +170,10 @@ class TensorBoardWriter:
 
   def _scalars(self, kind: str, record: dict) -> dict[str, float]:
     """The tags and values of one record (none for a kind TensorBoard does not show)."""
-    per_replica = lambda prefix, xs: {f'{prefix}/replica_{r}': x for r, x in
-                                      enumerate(np.asarray(xs, np.float64).ravel().tolist())}
-    per_name = lambda prefix, xs: dict(zip((f'{prefix}/{n}' for n in self.names),
-                                           np.asarray(xs, np.float64).tolist()))
+    per_replica = lambda prefix, xs: {
+      f'{prefix}/replica_{r}': x for r, x in enumerate(np.asarray(xs, np.float64).ravel().tolist())
+    }
+    per_name = lambda prefix, xs: dict(zip((f'{prefix}/{n}' for n in self.names), np.asarray(xs, np.float64).tolist()))
     if kind == 'train':
       loss = np.asarray(record['loss'], np.float64)
       out = {**per_replica('train/loss', loss), 'train/loss/mean': float(np.mean(loss))}
@@ -181,15 +181,22 @@ class TensorBoardWriter:
         out.update(per_replica(f'train/{name}', row))
       return {**out, **per_name('train/base', record['bases'])}
     if kind == 'controller' and self.controller == 'fit' and 'asks' in record:
-      return {**per_replica('controller/window_loss', record['window_losses']),
-              **per_name('controller/lr_correction', np.exp(np.asarray(record['corrections'], np.float64))),
-              **per_name('controller/step_asked', record['asks']), **per_name('controller/step_taken', record['deltas']),
-              **per_name('controller/slope', record['velocities']),
-              **per_name('controller/slope_stderr', record['stderrs']), **per_name('controller/gain', record['gains'])}
+      return {
+        **per_replica('controller/window_loss', record['window_losses']),
+        **per_name('controller/lr_correction', np.exp(np.asarray(record['corrections'], np.float64))),
+        **per_name('controller/step_asked', record['asks']),
+        **per_name('controller/step_taken', record['deltas']),
+        **per_name('controller/slope', record['velocities']),
+        **per_name('controller/slope_stderr', record['stderrs']),
+        **per_name('controller/gain', record['gains']),
+      }
     if kind == 'controller':
-      return {**per_replica('controller/window_loss', record['window_losses']),
-              **per_replica('controller/weight', record['weights']),
-              **per_name('controller/delta', record['deltas']), **per_name('controller/velocity', record['velocities'])}
+      return {
+        **per_replica('controller/window_loss', record['window_losses']),
+        **per_replica('controller/weight', record['weights']),
+        **per_name('controller/delta', record['deltas']),
+        **per_name('controller/velocity', record['velocities']),
+      }
     if kind == 'distance':
       return {**per_replica('distance', record['distance']), 'distance/mean_norm': record['mean_norm']}
     if kind == 'eval':
@@ -276,8 +283,15 @@ class ProgressBar:
     self._bar = None
     if enabled:
       from tqdm.auto import tqdm
-      self._bar = tqdm(total=total, initial=initial, unit='step', dynamic_ncols=True, smoothing=0.1,
-                       bar_format='{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]')
+
+      self._bar = tqdm(
+        total=total,
+        initial=initial,
+        unit='step',
+        dynamic_ncols=True,
+        smoothing=0.1,
+        bar_format='{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]',
+      )
 
   def update(self, steps: int, loss: float, base_lr: float) -> None:
     if self._bar is not None:

@@ -17,26 +17,28 @@ from hdet_jax.trainer.mesh import replica_axis
 
 class OptimizerSettings(NamedTuple):
   """What :func:`make_optimizer` builds from (``run_settings.optimizer_settings`` reads them from the config)."""
-  name: str                          # optim.name: the base optax optimizer (:data:`schema.OPTIMIZERS`)
-  b1: float                          # Adam's b1, SGD's momentum
-  b2: float                          # Adam's b2
-  weight_decay: float                # AdamW's decoupled weight decay (matrices only)
-  grad_clip_norm: float              # global-norm clipping before the optimizer (0: none)
-  runtime_lr_scale: bool             # the LR's power of two is a state value (optim.runtime_lr_scale)
-  schedule: optax.Schedule           # the base LR by step, at the programs' peak
-  spread: float                      # eq. 1's alpha
-  windows: tuple[int, ...]           # the sync windows (hdet()'s sync_every)
-  auto_lr: H.AutoLR | None           # the controller, None: fixed base LR
-  seed: int                          # the multipliers' permutations
-  param_groups: dict | None          # regexes on parameter paths: one LR per group
-  explore: dict | None               # name -> hdet_jax.Explore: the hyperparameters explored besides the LR
-  average_opt_state: bool            # the low-communication mode averages the optimizer state too
+
+  name: str  # optim.name: the base optax optimizer (:data:`schema.OPTIMIZERS`)
+  b1: float  # Adam's b1, SGD's momentum
+  b2: float  # Adam's b2
+  weight_decay: float  # AdamW's decoupled weight decay (matrices only)
+  grad_clip_norm: float  # global-norm clipping before the optimizer (0: none)
+  runtime_lr_scale: bool  # the LR's power of two is a state value (optim.runtime_lr_scale)
+  schedule: optax.Schedule  # the base LR by step, at the programs' peak
+  spread: float  # eq. 1's alpha
+  windows: tuple[int, ...]  # the sync windows (hdet()'s sync_every)
+  auto_lr: H.AutoLR | None  # the controller, None: fixed base LR
+  seed: int  # the multipliers' permutations
+  param_groups: dict | None  # regexes on parameter paths: one LR per group
+  explore: dict | None  # name -> hdet_jax.Explore: the hyperparameters explored besides the LR
+  average_opt_state: bool  # the low-communication mode averages the optimizer state too
 
 
 class RuntimeScaleState(NamedTuple):
   """The state of :func:`with_runtime_lr_scale`'s optimizer."""
+
   scale: jax.Array  # [] float32: the factor on the learning rate (1 from init; :func:`set_runtime_lr_scale`).
-  inner: Any        # the wrapped optimizer's state.
+  inner: Any  # the wrapped optimizer's state.
 
 
 def with_runtime_lr_scale(factory: Callable[..., optax.GradientTransformation]) -> Callable[..., Any]:
@@ -46,6 +48,7 @@ def with_runtime_lr_scale(factory: Callable[..., optax.GradientTransformation]) 
   a run-time value, so one compiled program serves every ``s``. ``init`` sets ``s = 1``; a run sets its own with
   :func:`set_runtime_lr_scale` before the first step (a checkpoint keeps it).
   """
+
   def make(learning_rate, **kwargs):
     def init(params):
       return RuntimeScaleState(jnp.ones([], jnp.float32), factory(learning_rate, **kwargs).init(params))
@@ -54,15 +57,18 @@ def with_runtime_lr_scale(factory: Callable[..., optax.GradientTransformation]) 
       inner = optax.with_extra_args_support(factory(learning_rate * state.scale, **kwargs))
       updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
       return updates, state._replace(inner=inner_state)
+
     return optax.GradientTransformationExtraArgs(init, update)
+
   return make
 
 
 def set_runtime_lr_scale(opt_state: Any, scale: jax.Array) -> Any:
   """``opt_state`` with every :class:`RuntimeScaleState`'s ``scale`` set to ``scale`` (a jit argument)."""
   is_scaled = lambda x: isinstance(x, RuntimeScaleState)
-  return jax.tree.map(lambda x: x._replace(scale=jnp.full_like(x.scale, scale)) if is_scaled(x) else x,
-                      opt_state, is_leaf=is_scaled)
+  return jax.tree.map(
+    lambda x: x._replace(scale=jnp.full_like(x.scale, scale)) if is_scaled(x) else x, opt_state, is_leaf=is_scaled
+  )
 
 
 def _decay_mask(params: Any) -> Any:
@@ -70,24 +76,25 @@ def _decay_mask(params: Any) -> Any:
   return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
 
 
-def make_optimizer(settings: OptimizerSettings, num_replicas: int,
-                   devices: int | None = None) -> optax.GradientTransformationExtraArgs:
+def make_optimizer(
+  settings: OptimizerSettings, num_replicas: int, devices: int | None = None
+) -> optax.GradientTransformationExtraArgs:
   """``hdet_jax.hdet`` around the base optax optimizer, schedule and HDET settings of ``settings``, for N replicas
   on ``devices`` devices (default N: one each; fewer: the replica axis is the pair of :func:`mesh.replica_axis`)."""
   o = settings
   factories = {
-      'adamw': lambda learning_rate, weight_decay=o.weight_decay: optax.adamw(
-          learning_rate, b1=o.b1, b2=o.b2, weight_decay=weight_decay, mask=_decay_mask),
-      'adam': lambda learning_rate: optax.adam(learning_rate, b1=o.b1, b2=o.b2),
-      'sgd': lambda learning_rate: optax.sgd(learning_rate, momentum=o.b1),
-      # LR-free and adaptive methods at their documented defaults (for comparisons).
-      'prodigy': lambda learning_rate: optax.contrib.prodigy(learning_rate),
-      'dog': lambda learning_rate: optax.contrib.dog(learning_rate),
-      'dadapt_adamw': lambda learning_rate: optax.contrib.dadapt_adamw(learning_rate),
-      'mechanize_adam': lambda learning_rate: optax.contrib.mechanize(optax.adam(learning_rate)),
-      'schedule_free_adamw': lambda learning_rate: optax.contrib.schedule_free_adamw(learning_rate),
-      'adam_plateau': lambda learning_rate: optax.chain(
-          optax.adam(learning_rate), optax.contrib.reduce_on_plateau()),
+    'adamw': lambda learning_rate, weight_decay=o.weight_decay: optax.adamw(
+      learning_rate, b1=o.b1, b2=o.b2, weight_decay=weight_decay, mask=_decay_mask
+    ),
+    'adam': lambda learning_rate: optax.adam(learning_rate, b1=o.b1, b2=o.b2),
+    'sgd': lambda learning_rate: optax.sgd(learning_rate, momentum=o.b1),
+    # LR-free and adaptive methods at their documented defaults (for comparisons).
+    'prodigy': lambda learning_rate: optax.contrib.prodigy(learning_rate),
+    'dog': lambda learning_rate: optax.contrib.dog(learning_rate),
+    'dadapt_adamw': lambda learning_rate: optax.contrib.dadapt_adamw(learning_rate),
+    'mechanize_adam': lambda learning_rate: optax.contrib.mechanize(optax.adam(learning_rate)),
+    'schedule_free_adamw': lambda learning_rate: optax.contrib.schedule_free_adamw(learning_rate),
+    'adam_plateau': lambda learning_rate: optax.chain(optax.adam(learning_rate), optax.contrib.reduce_on_plateau()),
   }
   if o.name not in factories:
     raise ValueError(f'optim.name={o.name!r} is not one of {sorted(factories)}.')
@@ -96,10 +103,21 @@ def make_optimizer(settings: OptimizerSettings, num_replicas: int,
     base = with_runtime_lr_scale(base)
   if o.grad_clip_norm > 0:
     factory = lambda learning_rate, **kw: optax.chain(
-        optax.clip_by_global_norm(o.grad_clip_norm), base(learning_rate, **kw))
+      optax.clip_by_global_norm(o.grad_clip_norm), base(learning_rate, **kw)
+    )
   else:
     factory = base
   return H.hdet(
-      factory, o.schedule, num_replicas=num_replicas, spread=o.spread, sync_every=o.windows,
-      replica_axis=replica_axis(num_replicas, devices or num_replicas), auto_lr=o.auto_lr, exact_sync=True,
-      seed=o.seed, param_groups=o.param_groups, explore=o.explore, average_opt_state=o.average_opt_state)
+    factory,
+    o.schedule,
+    num_replicas=num_replicas,
+    spread=o.spread,
+    sync_every=o.windows,
+    replica_axis=replica_axis(num_replicas, devices or num_replicas),
+    auto_lr=o.auto_lr,
+    exact_sync=True,
+    seed=o.seed,
+    param_groups=o.param_groups,
+    explore=o.explore,
+    average_opt_state=o.average_opt_state,
+  )

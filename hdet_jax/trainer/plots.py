@@ -28,6 +28,7 @@ def save_figure(fig: Any, folder: str, name: str, dpi: float | None = 110) -> st
   ``dpi=None`` keeps the figure's own resolution.
   """
   import matplotlib.pyplot as plt
+
   path = os.path.join(folder, name)
   fig.tight_layout()
   fig.savefig(path, dpi=dpi)
@@ -61,6 +62,7 @@ class _RunArrays:
 def plot_workdir(workdir: str) -> list[str]:
   """Draws the PNGs into ``workdir/plots`` and returns their paths."""
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
@@ -70,8 +72,12 @@ def plot_workdir(workdir: str) -> list[str]:
   if not recs.get('train'):
     return []
   run = _RunArrays(recs, plt)
-  figures = [(_loss_figure, 'loss.png'), (_lr_figure, 'lr.png'), (_controller_figure, 'controller.png'),
-             (_hyperparams_figure, 'hyperparams.png')]
+  figures = [
+    (_loss_figure, 'loss.png'),
+    (_lr_figure, 'lr.png'),
+    (_controller_figure, 'controller.png'),
+    (_hyperparams_figure, 'hyperparams.png'),
+  ]
   paths = []
   for draw, name in figures:
     fig = draw(run, plt)
@@ -85,11 +91,23 @@ def _loss_figure(run: _RunArrays, plt: Any) -> Any:
   width = max(1, len(steps) // 60)
   fig, ax = plt.subplots(figsize=(8, 5))
   for r in range(loss.shape[1]):
-    ax.plot(steps[width - 1:] if width > 1 and len(steps) >= width else steps,
-            _smooth(loss[:, r], width), color=run.colors[r], lw=0.8, alpha=0.8, label=f'replica {r} (train)')
+    ax.plot(
+      steps[width - 1 :] if width > 1 and len(steps) >= width else steps,
+      _smooth(loss[:, r], width),
+      color=run.colors[r],
+      lw=0.8,
+      alpha=0.8,
+      label=f'replica {r} (train)',
+    )
   if run.evals:
-    ax.plot([e['step'] for e in run.evals], [e['val_loss'] for e in run.evals], 'k-o', ms=4, lw=1.8,
-            label='averaged model (validation)')
+    ax.plot(
+      [e['step'] for e in run.evals],
+      [e['val_loss'] for e in run.evals],
+      'k-o',
+      ms=4,
+      lw=1.8,
+      label='averaged model (validation)',
+    )
   ax.set_xlabel('step')
   ax.set_ylabel('loss (nats / byte)')
   ax.set_title(f'Loss (train: moving mean over {width} steps)')
@@ -142,10 +160,21 @@ def _fit_controller_figure(run: _RunArrays, plt: Any, names: list[str]) -> Any:
   colors = plt.cm.tab10(np.arange(len(names)) % 10)
   for g, name in enumerate(names):
     label = name.replace('learning_rate', 'LR')
-    axes[1].plot(fit['cs'], fit['asked'][:, g], 'o-', ms=3, lw=0.8, color=colors[g], alpha=0.6, label=f'asked ({label})')
+    axes[1].plot(
+      fit['cs'], fit['asked'][:, g], 'o-', ms=3, lw=0.8, color=colors[g], alpha=0.6, label=f'asked ({label})'
+    )
     axes[1].plot(fit['cs'], fit['taken'][:, g], 'x-', ms=5, lw=1.4, color=colors[g], label=f'taken ({label})')
-    axes[2].errorbar(fit['cs'], fit['slope'][:, g], yerr=2 * fit['stderr'][:, g], fmt='o-', ms=3, lw=1.0, capsize=2,
-                     color=colors[g], label=f'slope b ± 2 se ({label})')
+    axes[2].errorbar(
+      fit['cs'],
+      fit['slope'][:, g],
+      yerr=2 * fit['stderr'][:, g],
+      fmt='o-',
+      ms=3,
+      lw=1.0,
+      capsize=2,
+      color=colors[g],
+      label=f'slope b ± 2 se ({label})',
+    )
     axes[3].plot(fit['cs'], fit['gain'][:, g], 'o-', ms=3, color=colors[g], label=f'gain ({label})')
   axes[1].set_ylabel('log-step')
   axes[2].set_ylabel('d loss / d u')
@@ -165,8 +194,14 @@ def _fit_arrays(ctrl: list[dict], num_groups: int) -> dict:
   sync where a climb settled its replicas train unspread, so the line search fits nothing new: its ask, slope,
   standard error and gain there would repeat a stale fit and are NaN (the step taken stays)."""
   out = {'cs': np.array([c['step'] for c in ctrl])}
-  for key, field in (('corr', 'corrections'), ('taken', 'deltas'), ('asked', 'asks'), ('slope', 'velocities'),
-                     ('stderr', 'stderrs'), ('gain', 'gains')):
+  for key, field in (
+    ('corr', 'corrections'),
+    ('taken', 'deltas'),
+    ('asked', 'asks'),
+    ('slope', 'velocities'),
+    ('stderr', 'stderrs'),
+    ('gain', 'gains'),
+  ):
     out[key] = np.array([c[field] for c in ctrl], float)
   out['settled'] = np.array([c.get('settled', [False] * num_groups) for c in ctrl], bool)
   stale = np.cumsum(out['settled'], axis=0) > 1
@@ -206,8 +241,13 @@ def _mark_backoffs_and_settles(axes: Any, ctrl: list[dict], fit: dict, names: li
     if fit['settled'][:, g].any():
       at = fit['cs'][np.argmax(fit['settled'][:, g])]
       for a in axes:
-        a.axvline(at, color=colors[g], lw=0.8, ls='--',
-                  label=f"settled ({name.replace('learning_rate', 'LR')}): no spread after" if a is axes[1] else None)
+        a.axvline(
+          at,
+          color=colors[g],
+          lw=0.8,
+          ls='--',
+          label=f'settled ({name.replace("learning_rate", "LR")}): no spread after' if a is axes[1] else None,
+        )
 
 
 def _paper_controller_figure(run: _RunArrays, plt: Any) -> Any:

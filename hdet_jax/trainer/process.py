@@ -42,16 +42,24 @@ def deterministic_xla_flags(flags: str, gpu: bool) -> str:
 
 def cuda_installed() -> bool:
   """Whether a CUDA plugin of jax is installed (read before the backend starts, as XLA_FLAGS must be set then)."""
+
   def found(name):
     try:
       return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # 'jax_plugins' itself absent
       return False
+
   return any(found(name) for name in _CUDA_PLUGINS)
 
 
-def setup_jax(config: Any, *, coordinator_address: str | None = None, num_processes: int | None = None,
-              process_id: int | None = None, heartbeat_timeout_s: int = 20) -> None:
+def setup_jax(
+  config: Any,
+  *,
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  heartbeat_timeout_s: int = 20,
+) -> None:
   """Process-level JAX setup; call before any other JAX call (train.py does).
 
   Starts ``jax.distributed`` when a coordinator is given, or under a SLURM job step with
@@ -65,16 +73,22 @@ def setup_jax(config: Any, *, coordinator_address: str | None = None, num_proces
     os.environ['XLA_FLAGS'] = deterministic_xla_flags(os.environ.get('XLA_FLAGS', ''), cuda_installed())
   slurm = int(os.environ.get('SLURM_NTASKS', '1') or 1) > 1 and 'SLURM_JOB_ID' in os.environ
   procs = num_processes or (int(os.environ['SLURM_NTASKS']) if slurm else 1)
-  if ('JAX_NUM_CPU_DEVICES' not in os.environ
-      and 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
-      and f['num_cpu_devices'] > 0):
+  if (
+    'JAX_NUM_CPU_DEVICES' not in os.environ
+    and 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
+    and f['num_cpu_devices'] > 0
+  ):
     try:
       jax.config.update('jax_num_cpu_devices', max(1, f['num_cpu_devices'] // procs))
     except RuntimeError:
       pass  # the backend is already up (e.g. in a test); keep its device count.
   if coordinator_address:
-    jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_s)
+    jax.distributed.initialize(
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+      heartbeat_timeout_seconds=heartbeat_timeout_s,
+    )
   elif slurm:
     jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s)
   if f['compilation_cache']:
@@ -117,6 +131,7 @@ def any_process(flag: bool) -> bool:
   if jax.process_count() == 1:
     return flag
   from jax.experimental import multihost_utils
+
   return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 
 
@@ -129,9 +144,16 @@ def machine() -> dict:
   where this matches.
   """
   import jaxlib
+
   device = jax.devices()[0]
-  return {'cpu': cpu_model(), 'platform': device.platform, 'device_kind': device.device_kind,
-          'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'xla_flags': _xla_flags_without_paths()}
+  return {
+    'cpu': cpu_model(),
+    'platform': device.platform,
+    'device_kind': device.device_kind,
+    'jax': jax.__version__,
+    'jaxlib': jaxlib.__version__,
+    'xla_flags': _xla_flags_without_paths(),
+  }
 
 
 def _xla_flags_without_paths() -> str:
@@ -144,6 +166,7 @@ def cpu_model(cpuinfo: str = '/proc/cpuinfo') -> str:
   """The CPU's model name: the first ``model name`` of ``cpuinfo`` (Linux), else ``platform.processor()`` or
   ``platform.machine()``."""
   import platform
+
   try:
     with open(cpuinfo, encoding='utf-8', errors='replace') as f:
       for line in f:

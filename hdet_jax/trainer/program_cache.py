@@ -34,8 +34,15 @@ from hdet_jax.trainer import schema
 # same programs.
 NOT_IN_PROGRAMS = schema.not_in_programs()
 # JAX settings a compiled program depends on (its numerics or its checks).
-_JAX_SETTINGS = ('jax_enable_x64', 'jax_debug_nans', 'jax_debug_infs', 'jax_default_matmul_precision',
-                 'jax_threefry_partitionable', 'jax_default_prng_impl', 'jax_numpy_rank_promotion')
+_JAX_SETTINGS = (
+  'jax_enable_x64',
+  'jax_debug_nans',
+  'jax_debug_infs',
+  'jax_default_matmul_precision',
+  'jax_threefry_partitionable',
+  'jax_default_prng_impl',
+  'jax_numpy_rank_promotion',
+)
 KEPT_CONFIGS = 4
 
 _kept: collections.OrderedDict[str, dict] = collections.OrderedDict()
@@ -46,8 +53,13 @@ def programs_key(given: dict[str, Any], lr_unit: float, num_replicas: int, mesh:
   given (``RunSettings.given``); ``lr_unit``, its ``optim.runtime_lr_scale`` factor (``run_settings.lr_unit``)."""
   fields = {k: v for k, v in given.items() if k not in NOT_IN_PROGRAMS}
   fields['optim.max_lr'] = given['optim.max_lr'] / lr_unit  # exact: a power of two
-  place = {'replicas': num_replicas, 'mesh': dict(mesh.shape), 'devices': [d.id for d in mesh.devices.flat],
-           'platform': mesh.devices.flat[0].platform, 'process': [jax.process_index(), jax.process_count()]}
+  place = {
+    'replicas': num_replicas,
+    'mesh': dict(mesh.shape),
+    'devices': [d.id for d in mesh.devices.flat],
+    'platform': mesh.devices.flat[0].platform,
+    'process': [jax.process_index(), jax.process_count()],
+  }
   settings = {name: str(getattr(jax.config, name, None)) for name in _JAX_SETTINGS}
   settings['XLA_FLAGS'] = os.environ.get('XLA_FLAGS', '')
   return json.dumps([fields, place, settings, data_description], sort_keys=True, default=repr)

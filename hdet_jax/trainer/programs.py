@@ -33,29 +33,37 @@ from hdet_jax.trainer.mesh import AXIS, INNER, LOCAL, grouped, layout, replica_s
 class ProgramSettings(NamedTuple):
   """What the compiled programs read of a run (``run_settings.resolve`` reads it from the config). The defaults are
   a plain run of the byte LM: no regularization, the all-reduced gradient, each window's own losses as the scores."""
-  task: tasks_lib.Task | None = None                    # the workload (None: the byte LM)
-  seed: int = 0                                         # the dropout keys' root, with the step and the replica
+
+  task: tasks_lib.Task | None = None  # the workload (None: the byte LM)
+  seed: int = 0  # the dropout keys' root, with the step and the replica
   hyperparam_names: tuple[str, ...] = ('learning_rate',)  # the optimizer state's [G] order
-  dropout: float = 0.0                                  # model.dropout, where it is not explored
-  attn_temperature: float = 1.0                         # model.attn_temperature, where it is not explored
-  label_smoothing: float = 0.0                          # optim.label_smoothing, where it is not explored
-  shares_gradient: bool = True                          # all-reduce the gradient (not hdet.low_communication)
-  common_batch: bool = False                            # a sync scores the replicas on a common batch
-  rolls_back: bool = False                              # a sync that backs off returns to the anchor
-  plateau: bool = False                                 # optim.name='adam_plateau': its value= is the global loss
-  schedule_free: bool = False                           # optim.name='schedule_free_adamw': evaluated at its eval params
+  dropout: float = 0.0  # model.dropout, where it is not explored
+  attn_temperature: float = 1.0  # model.attn_temperature, where it is not explored
+  label_smoothing: float = 0.0  # optim.label_smoothing, where it is not explored
+  shares_gradient: bool = True  # all-reduce the gradient (not hdet.low_communication)
+  common_batch: bool = False  # a sync scores the replicas on a common batch
+  rolls_back: bool = False  # a sync that backs off returns to the anchor
+  plateau: bool = False  # optim.name='adam_plateau': its value= is the global loss
+  schedule_free: bool = False  # optim.name='schedule_free_adamw': evaluated at its eval params
 
   def workload(self) -> tasks_lib.Task:
     return self.task or tasks_lib.get()
 
 
-def make_init(task: tasks_lib.Task, settings: tasks_lib.TaskSettings, tx: optax.GradientTransformation, mesh: Mesh,
-              num_replicas: int) -> Callable:
+def make_init(
+  task: tasks_lib.Task,
+  settings: tasks_lib.TaskSettings,
+  tx: optax.GradientTransformation,
+  mesh: Mesh,
+  num_replicas: int,
+) -> Callable:
   """Jitted ``key -> (params, opt_state)``: the same random init on every replica (cold start)."""
+
   def init(key):
     _, params = task.init_model(settings, key)
     stacked = H.stack_replicas(params, num_replicas)
     return stacked, jax.vmap(packed_init(tx))(stacked)
+
   shardings = replica_sharding(mesh)
   if grouped(mesh):  # each group's copy is born sharded over 'fsdp': never whole on one device
     shardings = layout(mesh, *jax.eval_shape(init, jax.random.key(0)), task)
@@ -67,9 +75,11 @@ def make_opt_init(tx: optax.GradientTransformation, mesh: Mesh, task: tasks_lib.
   init = jax.vmap(packed_init(tx))
   if not grouped(mesh):
     return jax.jit(init, out_shardings=replica_sharding(mesh))
+
   def opt_init(params):
     shardings = H.state_shardings(jax.eval_shape(init, params), mesh, AXIS, INNER, **rules(mesh, task))
     return jax.jit(init, out_shardings=shardings)(params)
+
   return opt_init
 
 
@@ -88,25 +98,30 @@ def make_step_count(tx: optax.GradientTransformation) -> Callable:
   return jax.jit(jax.vmap(lambda p, s: unpack(tx, p, s).count))
 
 
-def _over_replicas(make_body: Callable[[Any], Callable], mesh: Mesh, check_vma: bool = True,
-                   last_replicated: bool = False) -> Callable:
+def _over_replicas(
+  make_body: Callable[[Any], Callable], mesh: Mesh, check_vma: bool = True, last_replicated: bool = False
+) -> Callable:
   """``make_body(replica axis)`` (one replica's program) mapped over the stacked replicas of the first argument.
 
   N replicas on D devices: ``shard_map`` over ``'data'``, and for N > D ``vmap`` over each device's N / D
   replicas (replica axis ``('data', 'local')``); N read from the arguments when the program is traced.
   ``last_replicated``: the last argument is one copy that every replica reads (not stacked).
   """
+
   def wrapped(*args):
     k = jax.tree.leaves(args[0])[0].shape[0] // mesh.shape[AXIS]
     axis = H.replicas.replica_axes(AXIS, k, LOCAL)
     stacked = tuple(range(len(args) - 1)) if last_replicated else None
-    return H.shard_map_replicas(make_body(axis), mesh, AXIS, stacked_argnums=stacked, check_vma=check_vma,
-                                per_device=k, local_axis=LOCAL)(*args)
+    return H.shard_map_replicas(
+      make_body(axis), mesh, AXIS, stacked_argnums=stacked, check_vma=check_vma, per_device=k, local_axis=LOCAL
+    )(*args)
+
   return wrapped
 
 
-def regularization(settings: ProgramSettings, opt_state: Any,
-                   axis: Any = AXIS) -> tuple[tasks_lib.Regularization, jax.Array]:
+def regularization(
+  settings: ProgramSettings, opt_state: Any, axis: Any = AXIS
+) -> tuple[tasks_lib.Regularization, jax.Array]:
   """This replica's model regularization and label smoothing for the coming step.
 
   Explored values come from the optimizer state (each replica's own); the others from
@@ -114,15 +129,19 @@ def regularization(settings: ProgramSettings, opt_state: Any,
   same masks.
   """
   names = settings.hyperparam_names
+
   def value(name, default):
     return H.replica_value(opt_state, names.index(name), axis) if name in names else default
+
   rate = value('dropout', settings.dropout)
   key = None
   if 'dropout' in names or settings.dropout > 0:
-    key = jax.random.fold_in(jax.random.fold_in(
-        jax.random.key(settings.seed + _DROPOUT_TAG), opt_state.count), H.replicas.axis_index(axis))
+    key = jax.random.fold_in(
+      jax.random.fold_in(jax.random.key(settings.seed + _DROPOUT_TAG), opt_state.count), H.replicas.axis_index(axis)
+    )
   reg = tasks_lib.Regularization(
-      dropout_rate=rate, dropout_key=key, attn_temperature=value('attn_temperature', settings.attn_temperature))
+    dropout_rate=rate, dropout_key=key, attn_temperature=value('attn_temperature', settings.attn_temperature)
+  )
   return reg, value('label_smoothing', settings.label_smoothing)
 
 
@@ -150,15 +169,22 @@ class MetricsPacker:
     out, i = {}, 0
     for key, shape in self.layout:
       size = int(np.prod(shape, dtype=int))
-      out[key] = rows[:, i:i + size].reshape((rows.shape[0],) + shape)
+      out[key] = rows[:, i : i + size].reshape((rows.shape[0],) + shape)
       i += size
     return out
 
 
-def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh, *, sync: bool,
-                    settings: ProgramSettings = ProgramSettings(), packer: MetricsPacker | None = None,
-                    chunk_steps: int = 0,
-                    shardings: tuple[Any, Any] | None = None) -> Callable:
+def make_train_step(
+  graphdef: Any,
+  tx: optax.GradientTransformation,
+  mesh: Mesh,
+  *,
+  sync: bool,
+  settings: ProgramSettings = ProgramSettings(),
+  packer: MetricsPacker | None = None,
+  chunk_steps: int = 0,
+  shardings: tuple[Any, Any] | None = None,
+) -> Callable:
   """Jitted ``(params, opt_state, batch) -> (params, opt_state, metrics)``, all stacked ``[N, ...]``.
 
   ``metrics`` holds each replica's loss and, read from each replica's (identical) optimizer
@@ -188,28 +214,43 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, mesh: Mesh,
       stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
       params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=sync)
       metrics = {
-          'loss': loss, 'lrs': used.learning_rates, 'base_lr': used.base_learning_rate,
-          'values': used.values, 'bases': used.base, **_controller_metrics(opt_state.controller),
+        'loss': loss,
+        'lrs': used.learning_rates,
+        'base_lr': used.base_learning_rate,
+        'values': used.values,
+        'bases': used.base,
+        **_controller_metrics(opt_state.controller),
       }
       if sync:
         metrics.update(_distance_metrics(stepped, params))
       if packer is not None:
         metrics = packer.pack(metrics)
       return params, H.packing.pack_state(opt_state), metrics
+
     return step
+
   # optax.contrib.reduce_on_plateau's lax.cond returns constants in one branch and state-derived
   # (per-replica, 'varying') values in the other, which shard_map's type check rejects.
-  return jax.jit(_over_replicas(make_step, mesh, check_vma=not settings.plateau), donate_argnums=(0, 1),
-                 **_pinned(mesh, shardings))
+  return jax.jit(
+    _over_replicas(make_step, mesh, check_vma=not settings.plateau), donate_argnums=(0, 1), **_pinned(mesh, shardings)
+  )
 
 
-def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformation, settings: ProgramSettings,
-            params: Any, opt_state: Any, batch: Any, axis: Any, sync: bool) -> tuple[jax.Array, Any, Any]:
+def _update(
+  task: tasks_lib.Task,
+  graphdef: Any,
+  tx: optax.GradientTransformation,
+  settings: ProgramSettings,
+  params: Any,
+  opt_state: Any,
+  batch: Any,
+  axis: Any,
+  sync: bool,
+) -> tuple[jax.Array, Any, Any]:
   """One replica's (loss, updates, opt_state) of a training step on ``batch`` (the all-reduce included, if
   ``settings.shares_gradient``); the loss is plain cross-entropy, what the controller compares (see ``Task.losses``)."""
   reg, smoothing = regularization(settings, opt_state, axis)
-  (_, loss), grads = jax.value_and_grad(
-      lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
+  (_, loss), grads = jax.value_and_grad(lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
   if settings.shares_gradient:
     grads = H.pmean_finite(grads, axis)  # the all-reduce, skipping replicas whose gradient is not finite
   if settings.plateau:
@@ -219,8 +260,9 @@ def _update(task: tasks_lib.Task, graphdef: Any, tx: optax.GradientTransformatio
   return loss, updates, opt_state
 
 
-def _common_score(task: tasks_lib.Task, graphdef: Any, settings: ProgramSettings, params: Any, opt_state: Any,
-                  windows: Any, axis: Any) -> jax.Array:
+def _common_score(
+  task: tasks_lib.Task, graphdef: Any, settings: ProgramSettings, params: Any, opt_state: Any, windows: Any, axis: Any
+) -> jax.Array:
   """This replica's loss on the common batch ``windows``, with its own attention temperature and no dropout."""
   reg, _ = regularization(settings, opt_state, axis)
   reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
@@ -232,10 +274,15 @@ def _pinned(mesh: Mesh, shardings: tuple[Any, Any] | None) -> dict:
   return {} if shardings is None else {'out_shardings': (*shardings, replica_sharding(mesh))}
 
 
-def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
-                    packer: MetricsPacker | None = None, graphdef: Any = None,
-                    settings: ProgramSettings = ProgramSettings(),
-                    shardings: tuple[Any, Any] | None = None) -> Callable:
+def make_window_end(
+  tx: optax.GradientTransformation,
+  mesh: Mesh,
+  *,
+  packer: MetricsPacker | None = None,
+  graphdef: Any = None,
+  settings: ProgramSettings = ProgramSettings(),
+  shardings: tuple[Any, Any] | None = None,
+) -> Callable:
   """Jitted ``(params, opt_state) -> (params, opt_state, metrics)``: the end of a sync window alone.
 
   With ``graphdef`` and ``settings.common_batch`` (``hdet.score='common'``) the program takes a third
@@ -276,9 +323,12 @@ def make_window_end(tx: optax.GradientTransformation, mesh: Mesh, *,
       if anchor is not None:
         params, opt_state = _roll_back(params, opt_state, anchor)
       return params, H.packing.pack_state(opt_state), metrics
+
     return window_end
-  return jax.jit(_over_replicas(make_window_end, mesh, last_replicated=anchored), donate_argnums=(0, 1),
-                 **_pinned(mesh, shardings))
+
+  return jax.jit(
+    _over_replicas(make_window_end, mesh, last_replicated=anchored), donate_argnums=(0, 1), **_pinned(mesh, shardings)
+  )
 
 
 def make_anchor(mesh: Mesh, tx: optax.GradientTransformation, shardings: Any = None) -> Callable:
@@ -296,11 +346,12 @@ def make_anchor(mesh: Mesh, tx: optax.GradientTransformation, shardings: Any = N
   device takes its first replica's copy, with no communication, and N replicas on one device keep one copy of
   the state instead of N. (The map is unchecked: it declares replicated what it knows to be equal.)
   """
+
   def first(params, packed):
     params, packed = jax.tree.map(lambda a: a[0], (params, packed))
     c = unpack(tx, params, packed).controller
-    return {'params': params, 'inner': packed.inner_state, 'train_loss': c.train_loss,
-            'train_loss_se': c.train_loss_se}
+    return {'params': params, 'inner': packed.inner_state, 'train_loss': c.train_loss, 'train_loss_se': c.train_loss_se}
+
   manual = frozenset({AXIS} | {a for a, size in mesh.shape.items() if size == 1})
   anchor = jax.shard_map(first, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False, axis_names=manual)
   return jax.jit(anchor, **({} if shardings is None else {'out_shardings': shardings}))
@@ -313,21 +364,34 @@ def _roll_back(params: Any, opt_state: Any, anchor: dict) -> tuple[Any, Any]:
   back = opt_state.controller.backed_off
   pick = lambda old, new: jax.tree.map(lambda a, b: jnp.where(back, a, b).astype(b.dtype), old, new)
   c = opt_state.controller
-  c = c._replace(train_loss=pick(anchor['train_loss'], c.train_loss),
-                 train_loss_se=pick(anchor['train_loss_se'], c.train_loss_se))
-  return pick(anchor['params'], params), opt_state._replace(inner_state=pick(anchor['inner'], opt_state.inner_state),
-                                                            controller=c)
+  c = c._replace(
+    train_loss=pick(anchor['train_loss'], c.train_loss), train_loss_se=pick(anchor['train_loss_se'], c.train_loss_se)
+  )
+  return pick(anchor['params'], params), opt_state._replace(
+    inner_state=pick(anchor['inner'], opt_state.inner_state), controller=c
+  )
 
 
 def _controller_metrics(c: Any) -> dict:
   """The controller's state as logged: weights, window losses, delta and velocity (first and all groups), and
   the 'fit' controller's own quantities: its log-correction of the schedule, the step it asked, the slope's
   standard error and the gain."""
-  return {'weights': c.weights, 'delta': c.delta[0], 'velocity': c.velocity[0],
-          'window_losses': c.window_losses, 'deltas': c.delta, 'velocities': c.velocity,
-          'corrections': c.correction, 'asks': c.asked, 'stderrs': c.stderr, 'gains': c.gain,
-          'train_loss': c.train_loss, 'train_loss_se': c.train_loss_se, 'backed_off': c.backed_off,
-          'settled': c.settled}
+  return {
+    'weights': c.weights,
+    'delta': c.delta[0],
+    'velocity': c.velocity[0],
+    'window_losses': c.window_losses,
+    'deltas': c.delta,
+    'velocities': c.velocity,
+    'corrections': c.correction,
+    'asks': c.asked,
+    'stderrs': c.stderr,
+    'gains': c.gain,
+    'train_loss': c.train_loss,
+    'train_loss_se': c.train_loss_se,
+    'backed_off': c.backed_off,
+    'settled': c.settled,
+  }
 
 
 def _distance_metrics(params: Any, mean: Any) -> dict:
@@ -338,8 +402,10 @@ def _distance_metrics(params: Any, mean: Any) -> dict:
 def make_distance(mesh: Mesh) -> Callable:
   """Jitted ``params -> {'distance': [N], 'mean_norm': [N]}`` (see :func:`_distance_metrics`), for runs
   that never average: the window end measures it for the others."""
+
   def body(axis):
     return lambda params: _distance_metrics(params, H.replicas.pmean(params, axis))
+
   return jax.jit(_over_replicas(body, mesh))
 
 
@@ -365,6 +431,7 @@ def make_eval_step(graphdef: Any, mesh: Mesh, task: tasks_lib.Task | None = None
 
   def make_evaluate(axis):
     return lambda params, batch: task.eval_metrics(graphdef, H.replicas.pmean(params, axis), batch)
+
   return jax.jit(_over_replicas(make_evaluate, mesh))
 
 

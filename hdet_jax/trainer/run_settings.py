@@ -40,33 +40,35 @@ Fields = Mapping[str, Any]  # completed fields by dotted name (schema.complete)
 
 class MeshSettings(NamedTuple):
   """The device layout asked for (``mesh.*``, ``hdet.num_replicas``); ``trainer`` resolves it against the devices."""
-  num_replicas: int                  # hdet.num_replicas (0: one per device, or per group)
-  devices: int                       # mesh.devices (0: every visible device)
-  replicas: int                      # mesh.replicas: groups on a grouped mesh (0: as many as the devices hold)
-  fsdp: int                          # mesh.fsdp: devices each replica's copy is sharded over
-  tensor: int                        # mesh.tensor: tensor-parallel devices inside a group
-  batch_size: int                    # data.batch_size: examples per replica (group) and step
+
+  num_replicas: int  # hdet.num_replicas (0: one per device, or per group)
+  devices: int  # mesh.devices (0: every visible device)
+  replicas: int  # mesh.replicas: groups on a grouped mesh (0: as many as the devices hold)
+  fsdp: int  # mesh.fsdp: devices each replica's copy is sharded over
+  tensor: int  # mesh.tensor: tensor-parallel devices inside a group
+  batch_size: int  # data.batch_size: examples per replica (group) and step
 
 
 class LoopSettings(NamedTuple):
   """What the training loop reads: its length, its intervals, the sync windows and what a sync step carries."""
-  num_train_steps: int               # the run's length
-  stop_at_step: int                  # stop (as if preempted) at this step; 0: run to the end
-  log_every: int                     # steps between the metrics' fetches
-  chunk_steps: int                   # steps whose batches go to the devices in one transfer
-  eval_every: int                    # steps between evaluations (0: only at the end)
-  checkpoint_every: int              # steps between checkpoints (0: only at the end)
-  max_checkpoints: int               # checkpoints kept (0: all)
-  stop_on_nan: bool                  # stop where every replica's loss is NaN/inf
+
+  num_train_steps: int  # the run's length
+  stop_at_step: int  # stop (as if preempted) at this step; 0: run to the end
+  log_every: int  # steps between the metrics' fetches
+  chunk_steps: int  # steps whose batches go to the devices in one transfer
+  eval_every: int  # steps between evaluations (0: only at the end)
+  checkpoint_every: int  # steps between checkpoints (0: only at the end)
+  max_checkpoints: int  # checkpoints kept (0: all)
+  stop_on_nan: bool  # stop where every replica's loss is NaN/inf
   progress_bar: bool
-  plots: bool                        # draw the workdir's plots at the end
-  tensorboard: bool                  # TensorBoard event files beside metrics.jsonl
-  windows: tuple[int, ...]           # the sync windows (``hdet_jax.hdet``'s sync_every)
-  common_batch: bool                 # a sync scores the replicas on a common batch (hdet.score='common')
-  rolls_back: bool                   # the loop keeps the last sync's state on the devices (the guard's rollback)
-  lr_unit: float                     # optim.runtime_lr_scale's power of two (1.0: off)
+  plots: bool  # draw the workdir's plots at the end
+  tensorboard: bool  # TensorBoard event files beside metrics.jsonl
+  windows: tuple[int, ...]  # the sync windows (``hdet_jax.hdet``'s sync_every)
+  common_batch: bool  # a sync scores the replicas on a common batch (hdet.score='common')
+  rolls_back: bool  # the loop keeps the last sync's state on the devices (the guard's rollback)
+  lr_unit: float  # optim.runtime_lr_scale's power of two (1.0: off)
   hyperparam_names: tuple[str, ...]  # the order of the logged [G] values
-  controller: str | None             # the auto-LR controller's name, None without auto-LR
+  controller: str | None  # the auto-LR controller's name, None without auto-LR
 
   @property
   def end(self) -> int:
@@ -89,30 +91,33 @@ class LoopSettings(NamedTuple):
 
 class Guard(NamedTuple):
   """The back-off guard's fields, those left at None resolved (:func:`guard`)."""
-  backoff: bool                      # step the LR correction down on a window whose training loss rose
-  rollback: bool                     # ... and return the replicas to the sync before it
-  backoff_stderrs: float             # the rise's margin in standard errors
-  backoff_fraction: float            # ... and as a fraction of the loss
+
+  backoff: bool  # step the LR correction down on a window whose training loss rose
+  rollback: bool  # ... and return the replicas to the sync before it
+  backoff_stderrs: float  # the rise's margin in standard errors
+  backoff_fraction: float  # ... and as a fraction of the loss
 
 
 class BracketSettings(NamedTuple):
   """An LR bracket's fields (``bracket.*``; ``hdet_jax.trainer.bracket``)."""
-  points: int                        # runs at peak LRs a factor apart (0: no bracket, one run)
-  factor: float                      # the ratio of neighbouring points' peak LRs
+
+  points: int  # runs at peak LRs a factor apart (0: no bracket, one run)
+  factor: float  # the ratio of neighbouring points' peak LRs
   rungs: tuple[tuple[float, int], ...]  # (fraction of the run, runs kept) at each rung
-  compare_steps: int                 # a rung ranks runs by their mean training loss over this many steps
-  max_lr: float                      # optim.max_lr: the points' geometric centre
+  compare_steps: int  # a rung ranks runs by their mean training loss over this many steps
+  max_lr: float  # optim.max_lr: the points' geometric centre
 
 
 class RunSettings(NamedTuple):
   """Every part's settings of one run (:func:`resolve`)."""
-  given: dict                        # the config's fields as given, flattened (JSON values): config.json, identity
-  task: tasks_lib.Task               # config.task's workload
+
+  given: dict  # the config's fields as given, flattened (JSON values): config.json, identity
+  task: tasks_lib.Task  # config.task's workload
   task_settings: tasks_lib.TaskSettings  # its own fields (data.*, model.*, ...), completed from the schema
-  seed: int                          # the run's key: init, warm-start noise, data order
-  init_from: str | None              # a workdir whose averaged model a warm start reads (None: random init)
-  warm_init_nu: float                # the warm start's noise scale (eq. 10)
-  guard: Guard                       # the back-off guard, resolved
+  seed: int  # the run's key: init, warm-start noise, data order
+  init_from: str | None  # a workdir whose averaged model a warm start reads (None: random init)
+  warm_init_nu: float  # the warm start's noise scale (eq. 10)
+  guard: Guard  # the back-off guard, resolved
   mesh: MeshSettings
   optimizer: OptimizerSettings
   programs: ProgramSettings
@@ -158,48 +163,104 @@ def _resolve(given: dict, f: Fields, task: tasks_lib.Task) -> RunSettings:
   names = H.hyperparam_names(param_groups=optimizer.param_groups, explore=optimizer.explore or {})
   common = bool(f['hdet.auto_lr']) and f['hdet.score'] == 'common'
   programs = ProgramSettings(
-      task=task, seed=int(f['seed']), hyperparam_names=names, dropout=f['model.dropout'],
-      attn_temperature=f['model.attn_temperature'], label_smoothing=f['optim.label_smoothing'],
-      shares_gradient=not f['hdet.low_communication'], common_batch=common, rolls_back=g.rollback,
-      plateau=f['optim.name'] == 'adam_plateau', schedule_free=f['optim.name'] == 'schedule_free_adamw')
+    task=task,
+    seed=int(f['seed']),
+    hyperparam_names=names,
+    dropout=f['model.dropout'],
+    attn_temperature=f['model.attn_temperature'],
+    label_smoothing=f['optim.label_smoothing'],
+    shares_gradient=not f['hdet.low_communication'],
+    common_batch=common,
+    rolls_back=g.rollback,
+    plateau=f['optim.name'] == 'adam_plateau',
+    schedule_free=f['optim.name'] == 'schedule_free_adamw',
+  )
   loop = LoopSettings(
-      num_train_steps=int(f['num_train_steps']), stop_at_step=int(f['stop_at_step']),
-      log_every=int(f['log_every']), chunk_steps=int(f['chunk_steps']), eval_every=int(f['eval_every']),
-      checkpoint_every=int(f['checkpoint_every']), max_checkpoints=int(f['max_checkpoints']),
-      stop_on_nan=bool(f['stop_on_nan']), progress_bar=bool(f['progress_bar']), plots=bool(f['plots']),
-      tensorboard=bool(f['tensorboard']), windows=optimizer.windows, common_batch=common,
-      rolls_back=g.rollback, lr_unit=lr_unit(f), hyperparam_names=names,
-      controller=f['hdet.controller'] if optimizer.auto_lr is not None else None)
-  mesh = MeshSettings(num_replicas=int(f['hdet.num_replicas']), devices=int(f['mesh.devices']),
-                      replicas=int(f['mesh.replicas']), fsdp=int(f['mesh.fsdp']), tensor=int(f['mesh.tensor']),
-                      batch_size=int(f['data.batch_size']))
-  return RunSettings(given=given, task=task, task_settings=task_settings(f, task), seed=int(f['seed']),
-                     init_from=f['init_from'] or None, warm_init_nu=f['warm_init.nu'], guard=g, mesh=mesh,
-                     optimizer=optimizer, programs=programs, loop=loop, bracket=BracketSettings(
-                         points=int(f['bracket.points']), factor=float(f['bracket.factor']),
-                         rungs=tuple(schema.parse_rungs(f['bracket.rungs'])) if f['bracket.points'] else (),
-                         compare_steps=int(f['bracket.compare_steps']), max_lr=float(f['optim.max_lr'])))
+    num_train_steps=int(f['num_train_steps']),
+    stop_at_step=int(f['stop_at_step']),
+    log_every=int(f['log_every']),
+    chunk_steps=int(f['chunk_steps']),
+    eval_every=int(f['eval_every']),
+    checkpoint_every=int(f['checkpoint_every']),
+    max_checkpoints=int(f['max_checkpoints']),
+    stop_on_nan=bool(f['stop_on_nan']),
+    progress_bar=bool(f['progress_bar']),
+    plots=bool(f['plots']),
+    tensorboard=bool(f['tensorboard']),
+    windows=optimizer.windows,
+    common_batch=common,
+    rolls_back=g.rollback,
+    lr_unit=lr_unit(f),
+    hyperparam_names=names,
+    controller=f['hdet.controller'] if optimizer.auto_lr is not None else None,
+  )
+  mesh = MeshSettings(
+    num_replicas=int(f['hdet.num_replicas']),
+    devices=int(f['mesh.devices']),
+    replicas=int(f['mesh.replicas']),
+    fsdp=int(f['mesh.fsdp']),
+    tensor=int(f['mesh.tensor']),
+    batch_size=int(f['data.batch_size']),
+  )
+  return RunSettings(
+    given=given,
+    task=task,
+    task_settings=task_settings(f, task),
+    seed=int(f['seed']),
+    init_from=f['init_from'] or None,
+    warm_init_nu=f['warm_init.nu'],
+    guard=g,
+    mesh=mesh,
+    optimizer=optimizer,
+    programs=programs,
+    loop=loop,
+    bracket=BracketSettings(
+      points=int(f['bracket.points']),
+      factor=float(f['bracket.factor']),
+      rungs=tuple(schema.parse_rungs(f['bracket.rungs'])) if f['bracket.points'] else (),
+      compare_steps=int(f['bracket.compare_steps']),
+      max_lr=float(f['optim.max_lr']),
+    ),
+  )
 
 
 def task_settings(f: Fields, task: tasks_lib.Task) -> tasks_lib.TaskSettings:
   """The task's own fields: ``data.*`` and ``model.*``, the seed, and what its data reads of the loop's."""
+
   def section(prefix):
-    return tasks_lib.Section({k[len(prefix):]: v for k, v in f.items() if k.startswith(prefix)})
-  return tasks_lib.TaskSettings(name=task.name, seed=int(f['seed']), data=section('data.'), model=section('model.'),
-                                eval_windows=int(f['eval_windows']), probe_windows=int(f['hdet.probe_windows']))
+    return tasks_lib.Section({k[len(prefix) :]: v for k, v in f.items() if k.startswith(prefix)})
+
+  return tasks_lib.TaskSettings(
+    name=task.name,
+    seed=int(f['seed']),
+    data=section('data.'),
+    model=section('model.'),
+    eval_windows=int(f['eval_windows']),
+    probe_windows=int(f['hdet.probe_windows']),
+  )
 
 
 def optimizer_settings(f: Fields, task: tasks_lib.Task, guard_: Guard) -> OptimizerSettings:
   """``optim.*`` and ``hdet.*`` as :func:`optimizer.make_optimizer` takes them."""
   explore = explored(f, task)
   if explore.get('weight_decay') is not None and f['optim.name'] != 'adamw':
-    raise ValueError(f"hdet.explore.weight_decay needs optim.name=adamw, got {f['optim.name']!r}.")
+    raise ValueError(f'hdet.explore.weight_decay needs optim.name=adamw, got {f["optim.name"]!r}.')
   return OptimizerSettings(
-      name=f['optim.name'], b1=f['optim.b1'], b2=f['optim.b2'], weight_decay=f['optim.weight_decay'],
-      grad_clip_norm=f['optim.grad_clip_norm'], runtime_lr_scale=bool(f['optim.runtime_lr_scale']),
-      schedule=schedule(f, f['optim.max_lr'] / lr_unit(f)), spread=f['hdet.spread'], windows=sync_windows(f),
-      auto_lr=auto_lr_settings(f, guard_), seed=f['seed'], param_groups=param_groups(f, task),
-      explore=explore or None, average_opt_state=bool(f['hdet.average_opt_state']))
+    name=f['optim.name'],
+    b1=f['optim.b1'],
+    b2=f['optim.b2'],
+    weight_decay=f['optim.weight_decay'],
+    grad_clip_norm=f['optim.grad_clip_norm'],
+    runtime_lr_scale=bool(f['optim.runtime_lr_scale']),
+    schedule=schedule(f, f['optim.max_lr'] / lr_unit(f)),
+    spread=f['hdet.spread'],
+    windows=sync_windows(f),
+    auto_lr=auto_lr_settings(f, guard_),
+    seed=f['seed'],
+    param_groups=param_groups(f, task),
+    explore=explore or None,
+    average_opt_state=bool(f['hdet.average_opt_state']),
+  )
 
 
 def sync_windows(f: Fields) -> tuple[int, ...]:
@@ -224,10 +285,19 @@ def schedule(f: Fields, max_lr: float | None = None) -> optax.Schedule:
   if name == 'warmup_cosine':
     initial = peak / div
     return optax.warmup_cosine_decay_schedule(
-        init_value=initial, peak_value=peak, warmup_steps=int(round(f['optim.pct_start'] * total)),
-        decay_steps=total - 1, end_value=initial / f['optim.final_div_factor'])
-  return H.one_cycle(max_lr=peak, total_steps=total, pct_start=f['optim.pct_start'], div_factor=div,
-                     final_div_factor=f['optim.final_div_factor'])
+      init_value=initial,
+      peak_value=peak,
+      warmup_steps=int(round(f['optim.pct_start'] * total)),
+      decay_steps=total - 1,
+      end_value=initial / f['optim.final_div_factor'],
+    )
+  return H.one_cycle(
+    max_lr=peak,
+    total_steps=total,
+    pct_start=f['optim.pct_start'],
+    div_factor=div,
+    final_div_factor=f['optim.final_div_factor'],
+  )
 
 
 def lr_unit(f: Fields) -> float:
@@ -250,18 +320,26 @@ def explored(f: Fields, task: tasks_lib.Task) -> dict[str, H.Explore]:
   out = {}
   for name in ('dropout', 'attn_temperature'):
     if f[f'hdet.explore.{name}'] > 0 and name not in task.explorable:
-      raise ValueError(f'hdet.explore.{name}: the {task.name} task\'s model has no {name}; set it to 0.')
+      raise ValueError(f"hdet.explore.{name}: the {task.name} task's model has no {name}; set it to 0.")
   if f['hdet.explore.weight_decay'] > 0:
     out['weight_decay'] = H.Explore(f['optim.weight_decay'], f['hdet.explore.weight_decay'], low=0.0)
   if f['hdet.explore.dropout'] > 0:  # additive: a base rate of 0 must still be explorable
-    out['dropout'] = H.Explore(f['model.dropout'], f['hdet.explore.dropout'], additive=True, low=0.0, high=0.9,
-                               to_optimizer=False)
+    out['dropout'] = H.Explore(
+      f['model.dropout'], f['hdet.explore.dropout'], additive=True, low=0.0, high=0.9, to_optimizer=False
+    )
   if f['hdet.explore.label_smoothing'] > 0:
-    out['label_smoothing'] = H.Explore(f['optim.label_smoothing'], f['hdet.explore.label_smoothing'], additive=True,
-                                       low=0.0, high=0.5, to_optimizer=False)
+    out['label_smoothing'] = H.Explore(
+      f['optim.label_smoothing'],
+      f['hdet.explore.label_smoothing'],
+      additive=True,
+      low=0.0,
+      high=0.5,
+      to_optimizer=False,
+    )
   if f['hdet.explore.attn_temperature'] > 0:
-    out['attn_temperature'] = H.Explore(f['model.attn_temperature'], f['hdet.explore.attn_temperature'], low=0.05,
-                                        to_optimizer=False)
+    out['attn_temperature'] = H.Explore(
+      f['model.attn_temperature'], f['hdet.explore.attn_temperature'], low=0.05, to_optimizer=False
+    )
   return out
 
 
@@ -278,19 +356,35 @@ def auto_lr_settings(f: Fields, guard_: Guard) -> H.AutoLR | None:
     return None
   total, stop = f['num_train_steps'], f['hdet.stop_fraction']
   stop_steps = None if stop >= 1 else int(stop * total)
-  common = dict(total_steps=total, warmup_steps=f['hdet.warmup_steps'], temperature=f['hdet.temperature'],
-                lr_of_lr=f['hdet.lr_of_lr'], momentum=f['hdet.momentum'], smooth_decay=f['hdet.smooth_decay'],
-                stop_steps=stop_steps)
+  common = dict(
+    total_steps=total,
+    warmup_steps=f['hdet.warmup_steps'],
+    temperature=f['hdet.temperature'],
+    lr_of_lr=f['hdet.lr_of_lr'],
+    momentum=f['hdet.momentum'],
+    smooth_decay=f['hdet.smooth_decay'],
+    stop_steps=stop_steps,
+  )
   if f['hdet.controller'] == 'paper':
     return H.AutoLR.paper(**common)
   return H.AutoLR(
-      controller='fit', initial_scale=f['hdet.initial_scale'], trust=f['hdet.trust'], memory=f['hdet.memory'],
-      step_growth=f['hdet.step_growth'], max_gain=f['hdet.max_gain'], after_stop=f['hdet.after_stop'],
-      backoff=guard_.backoff, backoff_stderrs=guard_.backoff_stderrs, backoff_fraction=guard_.backoff_fraction,
-      settle=settles(f), **common)
+    controller='fit',
+    initial_scale=f['hdet.initial_scale'],
+    trust=f['hdet.trust'],
+    memory=f['hdet.memory'],
+    step_growth=f['hdet.step_growth'],
+    max_gain=f['hdet.max_gain'],
+    after_stop=f['hdet.after_stop'],
+    backoff=guard_.backoff,
+    backoff_stderrs=guard_.backoff_stderrs,
+    backoff_fraction=guard_.backoff_fraction,
+    settle=settles(f),
+    **common,
+  )
 
 
 # ---- Defaults that depend on other fields: each resolved here only. ----
+
 
 def settles(f: Fields) -> bool:
   """Whether ``hdet.settle`` is on: as set, or where it is left at None (the default), wherever it applies (the
@@ -320,8 +414,10 @@ def guard(f: Fields) -> Guard:
   fallback = GUARD_ON if backoff else GUARD_OFF
   if backoff and not shared_opt_state(f):  # no one copy of the optimizer state to return to
     fallback = GUARD_ON._replace(rollback=False)
-  resolved_ = {name: getattr(fallback, name) if f[f'hdet.{name}'] is None else type(getattr(GUARD_OFF, name))(
-      f[f'hdet.{name}']) for name in ('rollback', 'backoff_stderrs', 'backoff_fraction')}
+  resolved_ = {
+    name: getattr(fallback, name) if f[f'hdet.{name}'] is None else type(getattr(GUARD_OFF, name))(f[f'hdet.{name}'])
+    for name in ('rollback', 'backoff_stderrs', 'backoff_fraction')
+  }
   return Guard(backoff=backoff, **resolved_)
 
 
@@ -359,6 +455,7 @@ def resolved(flat: Fields) -> dict[str, Any]:
 
 # ---- The rules across fields (each field's own: schema.check_fields). ----
 
+
 def check(f: Fields, task: tasks_lib.Task) -> None:
   """Every field's type and range, then the rules across fields, then the task's own; raises ConfigError naming the
   field and the fix. Runs before anything touches JAX, so a bad value never surfaces from inside it."""
@@ -371,40 +468,54 @@ def check(f: Fields, task: tasks_lib.Task) -> None:
   _check_bracket(f)
   _check_runtime_lr_scale(f)
   if f['hdet.auto_lr'] and f['hdet.spread'] > 0 and f['hdet.warmup_steps'] >= f['num_train_steps']:
-    raise ConfigError(f"hdet.warmup_steps={f['hdet.warmup_steps']} must be < num_train_steps={f['num_train_steps']} "
-                      '(the controller would never start); lower it or set hdet.auto_lr=False.')
+    raise ConfigError(
+      f'hdet.warmup_steps={f["hdet.warmup_steps"]} must be < num_train_steps={f["num_train_steps"]} '
+      '(the controller would never start); lower it or set hdet.auto_lr=False.'
+    )
   _check_num_syncs(f)
   _check_guard(f)
   if f['hdet.settle'] and not _settle_applies(f):
-    raise ConfigError("hdet.settle=True ends the 'fit' controller's rise-only climb: it needs hdet.auto_lr=True, "
-                      f"hdet.controller='fit' and hdet.after_stop='rise' (got {f['hdet.controller']!r}, "
-                      f"{f['hdet.after_stop']!r}), or set hdet.settle=False.")
+    raise ConfigError(
+      "hdet.settle=True ends the 'fit' controller's rise-only climb: it needs hdet.auto_lr=True, "
+      f"hdet.controller='fit' and hdet.after_stop='rise' (got {f['hdet.controller']!r}, "
+      f'{f["hdet.after_stop"]!r}), or set hdet.settle=False.'
+    )
 
 
 def _check_guard(f: Fields) -> None:
   """The back-off's fields set where it cannot act (a field left at None resolves where it can: :func:`guard`)."""
   if f['hdet.backoff'] and not _backoff_applies(f):
-    raise ConfigError(f"hdet.backoff=True steps the 'fit' controller's LR correction down: it needs hdet.auto_lr=True "
-                      f"and hdet.controller='fit' (got {f['hdet.controller']!r}), or set hdet.backoff=False.")
+    raise ConfigError(
+      f"hdet.backoff=True steps the 'fit' controller's LR correction down: it needs hdet.auto_lr=True "
+      f"and hdet.controller='fit' (got {f['hdet.controller']!r}), or set hdet.backoff=False."
+    )
   on = guard(f).backoff
   for margin in ('backoff_stderrs', 'backoff_fraction'):
     if (f[f'hdet.{margin}'] or 0.0) > 0 and not on:
-      raise ConfigError(f"hdet.{margin}={f[f'hdet.{margin}']} sets how far the window's training loss must rise for "
-                        f"the back-off: it needs hdet.backoff=True (or None, with the 'fit' controller), or set "
-                        f"hdet.{margin}=0.")
+      raise ConfigError(
+        f"hdet.{margin}={f[f'hdet.{margin}']} sets how far the window's training loss must rise for "
+        f"the back-off: it needs hdet.backoff=True (or None, with the 'fit' controller), or set "
+        f'hdet.{margin}=0.'
+      )
   rollback, optimizer = f['hdet.rollback'], f['optim.name']
   if rollback and not on:
-    raise ConfigError("hdet.rollback=True returns to the last sync's state where the back-off fires, so it needs "
-                      "hdet.backoff=True or None (with hdet.auto_lr=True and hdet.controller='fit'); or set "
-                      "hdet.rollback=False.")
+    raise ConfigError(
+      "hdet.rollback=True returns to the last sync's state where the back-off fires, so it needs "
+      "hdet.backoff=True or None (with hdet.auto_lr=True and hdet.controller='fit'); or set "
+      'hdet.rollback=False.'
+    )
   if rollback and optimizer not in SHARED_STATE_OPTIMIZERS:
-    raise ConfigError(f"hdet.rollback=True keeps one copy of the optimizer state for every replica to return to, but "
-                      f"optim.name={optimizer!r} keeps LR-dependent state that differs between the replicas: use one of "
-                      f"{', '.join(SHARED_STATE_OPTIMIZERS)}, or set hdet.rollback=False.")
+    raise ConfigError(
+      f'hdet.rollback=True keeps one copy of the optimizer state for every replica to return to, but '
+      f'optim.name={optimizer!r} keeps LR-dependent state that differs between the replicas: use one of '
+      f'{", ".join(SHARED_STATE_OPTIMIZERS)}, or set hdet.rollback=False.'
+    )
   if rollback and not shared_opt_state(f):
-    raise ConfigError("hdet.rollback=True keeps one copy of the optimizer state for every replica to return to, but "
-                      "with hdet.low_communication=True each replica's state is its own: set "
-                      "hdet.average_opt_state=True (the replicas then share it after each sync), or hdet.rollback=False.")
+    raise ConfigError(
+      'hdet.rollback=True keeps one copy of the optimizer state for every replica to return to, but '
+      "with hdet.low_communication=True each replica's state is its own: set "
+      'hdet.average_opt_state=True (the replicas then share it after each sync), or hdet.rollback=False.'
+    )
 
 
 def _check_schedule(f: Fields) -> None:
@@ -412,21 +523,27 @@ def _check_schedule(f: Fields) -> None:
   the last step."""
   name, pct, total = f['optim.schedule'], f['optim.pct_start'], f['num_train_steps']
   if name == 'warmup_cosine' and not round(pct * total) < total - 1:
-    raise ConfigError(f"optim.pct_start={pct} with num_train_steps={total} leaves optim.schedule='warmup_cosine' no "
-                      f'step to decay over (its warmup is round(pct_start * num_train_steps) = {round(pct * total)} '
-                      'steps, which must end before the last step); lower optim.pct_start or raise num_train_steps.')
+    raise ConfigError(
+      f"optim.pct_start={pct} with num_train_steps={total} leaves optim.schedule='warmup_cosine' no "
+      f'step to decay over (its warmup is round(pct_start * num_train_steps) = {round(pct * total)} '
+      'steps, which must end before the last step); lower optim.pct_start or raise num_train_steps.'
+    )
   if name == 'one_cycle' and not (pct * total - 1 > 0 and total - 1 > pct * total - 1):
-    raise ConfigError(f"optim.pct_start={pct} with num_train_steps={total} leaves optim.schedule='one_cycle' an empty "
-                      'phase (its warmup ends at step pct_start * num_train_steps - 1, which must lie inside the run); '
-                      'move optim.pct_start away from 0 and 1 or raise num_train_steps.')
+    raise ConfigError(
+      f"optim.pct_start={pct} with num_train_steps={total} leaves optim.schedule='one_cycle' an empty "
+      'phase (its warmup ends at step pct_start * num_train_steps - 1, which must lie inside the run); '
+      'move optim.pct_start away from 0 and 1 or raise num_train_steps.'
+    )
 
 
 def _check_runtime_lr_scale(f: Fields) -> None:
   """``optim.runtime_lr_scale`` is for runs whose learning rates no controller sets."""
   if f['optim.runtime_lr_scale'] and f['hdet.auto_lr']:
-    raise ConfigError('optim.runtime_lr_scale=True applies the learning rate\'s power of two outside the programs, '
-                      'where the auto-LR controller would not see it: set hdet.auto_lr=False, or '
-                      'optim.runtime_lr_scale=False.')
+    raise ConfigError(
+      "optim.runtime_lr_scale=True applies the learning rate's power of two outside the programs, "
+      'where the auto-LR controller would not see it: set hdet.auto_lr=False, or '
+      'optim.runtime_lr_scale=False.'
+    )
 
 
 def _check_bracket(f: Fields) -> None:
@@ -440,24 +557,36 @@ def _check_bracket(f: Fields) -> None:
     raise ConfigError(f"bracket.rungs={rungs_text!r} must be 'fraction:kept,...' (e.g. '0.1:4,0.3:1'): {e}.") from None
   steps, kept = schema.rung_steps(rungs, total), [k for _, k in rungs]
   alive = [points] + kept
-  if not (0 < steps[0] and all(a < c for a, c in zip(steps, steps[1:])) and steps[-1] < total
-          and all(a > c >= 1 for a, c in zip(alive, alive[1:])) and kept[-1] == 1):
+  if not (
+    0 < steps[0]
+    and all(a < c for a, c in zip(steps, steps[1:]))
+    and steps[-1] < total
+    and all(a > c >= 1 for a, c in zip(alive, alive[1:]))
+    and kept[-1] == 1
+  ):
     raise ConfigError(
-        f'bracket.rungs={rungs_text!r} with bracket.points={points} and num_train_steps={total} '
-        f'(rung steps {steps}) must compare at increasing steps inside the run (0 < fraction * num_train_steps < '
-        'num_train_steps) and keep fewer runs at each rung, the last keeping 1; e.g. '
-        f"'0.1:{max(1, points // 2)},0.3:1'.")
+      f'bracket.rungs={rungs_text!r} with bracket.points={points} and num_train_steps={total} '
+      f'(rung steps {steps}) must compare at increasing steps inside the run (0 < fraction * num_train_steps < '
+      'num_train_steps) and keep fewer runs at each rung, the last keeping 1; e.g. '
+      f"'0.1:{max(1, points // 2)},0.3:1'."
+    )
   if f['hdet.auto_lr']:
-    raise ConfigError('bracket.points > 0 looks for the LR by comparing runs trained apart at fixed LRs, but '
-                      'hdet.auto_lr=True would move each run\'s LR too: set hdet.auto_lr=False (configs/bracket.py '
-                      'trains plain data parallel), or bracket.points=0 for one HDET run.')
+    raise ConfigError(
+      'bracket.points > 0 looks for the LR by comparing runs trained apart at fixed LRs, but '
+      "hdet.auto_lr=True would move each run's LR too: set hdet.auto_lr=False (configs/bracket.py "
+      'trains plain data parallel), or bracket.points=0 for one HDET run.'
+    )
   if f['stop_at_step'] > 0:
-    raise ConfigError(f"stop_at_step={f['stop_at_step']} cannot stop an LR bracket, which stops its runs at its "
-                      'rungs itself: set stop_at_step=0 (a preempted bracket resumes where it stopped).')
+    raise ConfigError(
+      f'stop_at_step={f["stop_at_step"]} cannot stop an LR bracket, which stops its runs at its '
+      'rungs itself: set stop_at_step=0 (a preempted bracket resumes where it stopped).'
+    )
 
 
 def _check_num_syncs(f: Fields) -> None:
   k, total = f['hdet.num_syncs'], f['num_train_steps']
   if f['hdet.sync_every'] == 0 and k > total:  # (a sync_every > 0 sets T instead)
-    raise ConfigError(f'hdet.num_syncs={k} windows do not fit in num_train_steps={total} '
-                      '(each window is at least one step): lower hdet.num_syncs, or set it to 0 and use hdet.sync_every.')
+    raise ConfigError(
+      f'hdet.num_syncs={k} windows do not fit in num_train_steps={total} '
+      '(each window is at least one step): lower hdet.num_syncs, or set it to 0 and use hdet.sync_every.'
+    )

@@ -34,13 +34,17 @@ def replica_noise(params: Any, nu: float, key: jax.Array, replica: int | jax.Arr
   std = noise_std(params, nu)
   leaves, treedef = jax.tree.flatten(params)
   rkey = jax.random.fold_in(key, replica)
-  noise = [std * jax.random.normal(jax.random.fold_in(rkey, i), x.shape, jnp.float32).astype(x.dtype)
-           for i, x in enumerate(leaves)]
+  noise = [
+    std * jax.random.normal(jax.random.fold_in(rkey, i), x.shape, jnp.float32).astype(x.dtype)
+    for i, x in enumerate(leaves)
+  ]
   return jax.tree.unflatten(treedef, noise)
 
 
 def warm_noisy_init(params: Any, num_replicas: int, nu: float, key: jax.Array) -> Any:
   """Stacked ``[N, ...]`` parameters: ``params + epsilon_r`` for replica r (eq. 10)."""
+
   def one(r):
     return jax.tree.map(lambda p, e: p + e, params, replica_noise(params, nu, key, r))
+
   return jax.vmap(one)(jnp.arange(num_replicas))

@@ -39,9 +39,19 @@ chex.set_n_cpu_devices(8)
 # 80, 80, 70, 60, 50, 50, 50, 25, 20 and 10 s; the suite about 6 minutes). pytest-xdist's --dist loadfile hands
 # whole files to the processes in collection order, so the long ones first leave only short ones for the end and the
 # two processes finish together.
-_SLOWEST_FIRST = ('test_workloads.py', 'test_model_size.py', 'test_autolr.py', 'test_heldout_task.py',
-                  'test_finer_grid.py', 'test_wider_rung.py', 'test_bracket_straddle.py', 'test_schedule_bracket.py',
-                  'test_bracket_mode.py', 'test_table1.py', 'test_early_bracket.py')
+_SLOWEST_FIRST = (
+  'test_workloads.py',
+  'test_model_size.py',
+  'test_autolr.py',
+  'test_heldout_task.py',
+  'test_finer_grid.py',
+  'test_wider_rung.py',
+  'test_bracket_straddle.py',
+  'test_schedule_bracket.py',
+  'test_bracket_mode.py',
+  'test_table1.py',
+  'test_early_bracket.py',
+)
 
 
 def pytest_collection_modifyitems(config, items):

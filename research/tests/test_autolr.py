@@ -40,8 +40,10 @@ def test_signal_per_sync_matches_a_direct_regression():
   # Losses exactly linear in the LR offset: the difference across the spread is slope x range, noise 0.
   rho = np.array([0.75, 1.25, 1.0, 0.9, 1.1, 0.8, 1.2, 1.05])
   losses = 3.0 - 0.4 * (rho - 1.0)
-  rec = {'hyperparams': ['learning_rate'], 'controller': [
-      {'step': 24, 'values': [list(1e-3 * rho)], 'window_losses': list(losses)}]}
+  rec = {
+    'hyperparams': ['learning_rate'],
+    'controller': [{'step': 24, 'values': [list(1e-3 * rho)], 'window_losses': list(losses)}],
+  }
   (sig,) = R.signal_per_sync(rec)
   assert sig['diff'] == pytest.approx(-0.4 * (rho.max() - rho.min()), rel=1e-6)  # the loss change across the spread
   assert sig['noise'] == pytest.approx(0.0, abs=1e-9)
@@ -53,12 +55,21 @@ def test_signal_per_sync_leaves_out_the_windows_after_the_lr_settled():
   rho = np.array([0.75, 1.25, 1.0, 0.9, 1.1, 0.8, 1.2, 1.05])
   spread = {'values': [list(1e-3 * rho)], 'window_losses': list(3.0 - 0.4 * (rho - 1.0))}
   flat = {'values': [[1e-3] * 8], 'window_losses': [2.5] * 8, 'settled': [True]}
-  rec = {'hyperparams': ['learning_rate'], 'controller': [
-      {'step': 24, **spread}, {'step': 49, **spread, 'settled': [True]}, {'step': 74, **flat}, {'step': 99, **flat}]}
+  rec = {
+    'hyperparams': ['learning_rate'],
+    'controller': [
+      {'step': 24, **spread},
+      {'step': 49, **spread, 'settled': [True]},
+      {'step': 74, **flat},
+      {'step': 99, **flat},
+    ],
+  }
   assert [s['step'] for s in R.signal_per_sync(rec)] == [24, 49]
   # A run without a spread (the ensemble's spread-0 control): no window has a slope, none flagged settled.
-  control = {'hyperparams': ['learning_rate'], 'controller': [
-      {'step': s, 'values': [[1e-3] * 8], 'window_losses': list(2.5 + 0.01 * rho)} for s in (24, 49)]}
+  control = {
+    'hyperparams': ['learning_rate'],
+    'controller': [{'step': s, 'values': [[1e-3] * 8], 'window_losses': list(2.5 + 0.01 * rho)} for s in (24, 49)],
+  }
   assert R.signal_per_sync(control) == []
 
 
@@ -82,16 +93,25 @@ def test_ask_thresholds_read_each_runs_slope_against_the_reference_schedule():
   it down, so the split at every sync sits between the runs around 2x; a window-scored, T=25 or tail-scored run
   is left out."""
   ref = lambda step: 1e-3 * (1 + step / 100)
+
   def record(scale, score='common', sync_every=100, tail=0.0):
     rows = []
     for step in (99, 199):
       lrs = scale * ref(step) * np.linspace(0.75, 1.25, 8)
-      rows.append({'step': step, 'values': [lrs.tolist()],
-                   'window_losses': (np.log(lrs / (2 * ref(step))) ** 2).tolist()})
-    return {'hyperparams': ['learning_rate'],
-            'config': {'hdet': {'score': score, 'sync_every': sync_every, 'score_tail': tail}}, 'controller': rows}
-  records = [record(s) for s in (0.5, 1.0, 1.5, 3.0, 4.0, 8.0)] + [record(5.0, 'window'), record(0.1, sync_every=25),
-                                                                   record(6.0, tail=0.5)]
+      rows.append(
+        {'step': step, 'values': [lrs.tolist()], 'window_losses': (np.log(lrs / (2 * ref(step))) ** 2).tolist()}
+      )
+    return {
+      'hyperparams': ['learning_rate'],
+      'config': {'hdet': {'score': score, 'sync_every': sync_every, 'score_tail': tail}},
+      'controller': rows,
+    }
+
+  records = [record(s) for s in (0.5, 1.0, 1.5, 3.0, 4.0, 8.0)] + [
+    record(5.0, 'window'),
+    record(0.1, sync_every=25),
+    record(6.0, tail=0.5),
+  ]
   rows = R.ask_thresholds(records, ref)
   assert [r['step'] for r in rows] == [99, 199]
   for r in rows:
@@ -100,8 +120,13 @@ def test_ask_thresholds_read_each_runs_slope_against_the_reference_schedule():
 
 
 def test_bad_override_is_one_error_line(tmp_path):
-  r = subprocess.run([sys.executable, '-m', 'research.autolr', '--quick', '--workdir', str(tmp_path),
-                      '--config.hdet.spred=0.2'], cwd=REPO, capture_output=True, text=True, timeout=120)
+  r = subprocess.run(
+    [sys.executable, '-m', 'research.autolr', '--quick', '--workdir', str(tmp_path), '--config.hdet.spred=0.2'],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert r.returncode == 2
   assert r.stderr.strip().startswith('error:') and 'spred' in r.stderr and len(r.stderr.strip().splitlines()) == 1
   assert not any(tmp_path.iterdir())  # nothing written
@@ -126,6 +151,7 @@ def _replay_fit(rec):
   train_loss and its se), and the record says none backed off. Returns the steps and, per sync, whether the LR had
   settled after it."""
   from oracles import numpy_accelerate, numpy_fit, numpy_slope_stderr
+
   h, steps = rec['config']['hdet'], rec['config']['num_train_steps']
   assert h.get('overshoot', 1.0) == 1.0  # (a record made before 1.0 holds the field, at the only value left)
   stop = int(h['stop_fraction'] * steps) if h['stop_fraction'] < 1 else None
@@ -134,8 +160,9 @@ def _replay_fit(rec):
   for c in rec['controller']:
     if h.get('backoff'):  # the guard: a rise beyond both margins over the window before (this replay: none fired)
       loss = c['train_loss']
-      fires = before is not None and not (loss - before[0] <= max(
-          h['backoff_stderrs'] * np.sqrt(2.0) * before[1], h['backoff_fraction'] * abs(before[0])))
+      fires = before is not None and not (
+        loss - before[0] <= max(h['backoff_stderrs'] * np.sqrt(2.0) * before[1], h['backoff_fraction'] * abs(before[0]))
+      )
       assert not fires and not c.get('backed_off', False), (c['step'], loss, before)
       before = (loss, c['train_loss_se'])
     lr = np.asarray(c['values'][0], np.float64)
@@ -166,10 +193,17 @@ def test_recorded_default_controller_runs_replay_with_the_oracles():
   sync where its climb settled, recomputed from the record's own losses and LRs by the float64 oracles, are the
   steps it took and the sync it settled at."""
   runs = pathlib.Path(REPO) / 'results' / 'autolr' / 'runs' / 'default'
-  paths = [p for o in ('adamw', 'sgd') for st in A.STARTS for seed in A.SEEDS
-           if (p := runs / (A.hdet_name(o, A.DEFAULT_VARIANT, st, seed) + '.json')).exists()]
-  assert len(paths) == 18, (f'{len(paths)} records of the default variant {A.DEFAULT_VARIANT!r}: run '
-                            f'python -m research.autolr --stage hdet --variants {A.DEFAULT_VARIANT}')
+  paths = [
+    p
+    for o in ('adamw', 'sgd')
+    for st in A.STARTS
+    for seed in A.SEEDS
+    if (p := runs / (A.hdet_name(o, A.DEFAULT_VARIANT, st, seed) + '.json')).exists()
+  ]
+  assert len(paths) == 18, (
+    f'{len(paths)} records of the default variant {A.DEFAULT_VARIANT!r}: run '
+    f'python -m research.autolr --stage hdet --variants {A.DEFAULT_VARIANT}'
+  )
   settle_syncs = []
   for p in paths:
     rec = json.load(open(p))
@@ -190,9 +224,15 @@ def test_the_guard_never_fired_on_the_lm_so_its_runs_are_the_unguarded_defaults(
   in none: each is the run of the default before it (UNGUARDED_DEFAULT), the same validation metric and per-step
   training trajectory, bit for bit (the guard reads the window's loss; it changes nothing until it fires)."""
   runs = pathlib.Path(REPO) / 'results' / 'autolr' / 'runs' / 'default'
-  pairs = [(runs / (A.hdet_name(o, A.DEFAULT_VARIANT, st, seed) + '.json'),
-            runs / (A.hdet_name(o, A.UNGUARDED_DEFAULT, st, seed) + '.json'))
-           for o in ('adamw', 'sgd') for st in A.STARTS for seed in A.SEEDS]
+  pairs = [
+    (
+      runs / (A.hdet_name(o, A.DEFAULT_VARIANT, st, seed) + '.json'),
+      runs / (A.hdet_name(o, A.UNGUARDED_DEFAULT, st, seed) + '.json'),
+    )
+    for o in ('adamw', 'sgd')
+    for st in A.STARTS
+    for seed in A.SEEDS
+  ]
   assert all(a.exists() and b.exists() for a, b in pairs)
   for a, b in pairs:
     guarded, unguarded = json.load(open(a)), json.load(open(b))
@@ -218,6 +258,7 @@ def test_retired_variants_are_refused_and_their_records_still_reported(capsys):
   """The variants whose knob was removed in 1.0 train no more (--variants refuses them), but the report reads their
   committed records, in the order they were measured; every live variant sets only fields today's config has."""
   from hdet_jax.trainer import compat, config_lib
+
   with pytest.raises(SystemExit) as e:
     A.parse_args(['--variants', 'fit_lr,fit_common'])
   assert e.value.code == 2 and 'retired in 1.0' in capsys.readouterr().err

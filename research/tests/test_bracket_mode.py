@@ -10,8 +10,14 @@ from research import bracket_mode as exp
 
 
 def _rec(start, seed, kept_x, final, anchor=0.015):
-  return {'start': start, 'seed': seed, 'kept_lr': kept_x * anchor, 'anchor_lr': anchor, 'final_metric': final,
-          'wall_s': 100.0 + seed}
+  return {
+    'start': start,
+    'seed': seed,
+    'kept_lr': kept_x * anchor,
+    'anchor_lr': anchor,
+    'final_metric': final,
+    'wall_s': 100.0 + seed,
+  }
 
 
 def test_rows_compare_the_three_seed_mean_with_the_sweep_and_hdet():
@@ -30,12 +36,37 @@ def test_rows_compare_the_three_seed_mean_with_the_sweep_and_hdet():
 
 
 def test_tally_counts_only_complete_cells_within_one_percent(tmp_path):
-  rows = {'lm:750:adamw': {'low': {'n': 3, 'value': 1.0, 'finals': [1.0] * 3, 'kept_x': [1.0] * 3, 'wall_s': 1.0, 'gap': 0.009,
-                        'hdet_gap': 0.02},
-                'best': {'n': 3, 'value': 1.0, 'finals': [1.0] * 3, 'kept_x': [1.0] * 3, 'wall_s': 1.0, 'gap': 0.011,
-                         'hdet_gap': 0.005},
-                'high': {'n': 2, 'value': 1.0, 'finals': [1.0] * 2, 'kept_x': [1.0] * 2, 'wall_s': 1.0, 'gap': 0.0,
-                         'hdet_gap': 0.0}}}
+  rows = {
+    'lm:750:adamw': {
+      'low': {
+        'n': 3,
+        'value': 1.0,
+        'finals': [1.0] * 3,
+        'kept_x': [1.0] * 3,
+        'wall_s': 1.0,
+        'gap': 0.009,
+        'hdet_gap': 0.02,
+      },
+      'best': {
+        'n': 3,
+        'value': 1.0,
+        'finals': [1.0] * 3,
+        'kept_x': [1.0] * 3,
+        'wall_s': 1.0,
+        'gap': 0.011,
+        'hdet_gap': 0.005,
+      },
+      'high': {
+        'n': 2,
+        'value': 1.0,
+        'finals': [1.0] * 2,
+        'kept_x': [1.0] * 2,
+        'wall_s': 1.0,
+        'gap': 0.0,
+        'hdet_gap': 0.0,
+      },
+    }
+  }
   exp.write_report(str(tmp_path), rows, quick=False)
   lines = open(tmp_path / 'bracket_mode.md').read().splitlines()
   assert lines[-1].endswith('the bracket in 1 of 2 cell-starts, the default HDET in 1 of the same 2.')
@@ -53,10 +84,18 @@ def test_quick_trains_a_bracket_and_reports_it(tmp_path):
   assert min(losses, key=losses.get) == pytest.approx(rec['kept_lr'], rel=1e-5)
   assert rec['compute_runs'] == pytest.approx((3 * 8 + 8) / 16)
   assert np.isfinite(rec['final_metric'])
-  import jax, jaxlib
+  import jax
+  import jaxlib
   from hdet_jax.trainer import process
-  assert rec['machine'] == {'cpu': process.cpu_model(), 'platform': 'cpu', 'device_kind': 'cpu',
-                            'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'xla_flags': os.environ['XLA_FLAGS']}
+
+  assert rec['machine'] == {
+    'cpu': process.cpu_model(),
+    'platform': 'cpu',
+    'device_kind': 'cpu',
+    'jax': jax.__version__,
+    'jaxlib': jaxlib.__version__,
+    'xla_flags': os.environ['XLA_FLAGS'],
+  }
   assert not os.path.exists(os.path.join(str(tmp_path), 'bracket_mode', 'lm', 'steps16', 'adamw_best_s0'))
   rows = [l for l in open(tmp_path / 'bracket_mode.md').read().splitlines() if l.startswith('| lm:16:adamw |')]
   assert len(rows) == 1 and '| best |' in rows[0] and f'| {rec["final_metric"]:.4g} |' in rows[0]
@@ -67,6 +106,7 @@ def test_the_lm_cell_from_the_best_is_configs_bracket_py():
   the same runs; the default rungs keep 5 at 0.1 where the report's kept 4, and on that cell the fifth point changed
   no seed's kept run (results/wider_rung.json), so the same kept LR and final metric."""
   from hdet_jax.trainer import config_lib, run_settings
+
   mine = config_lib.load_config_file(os.path.join(exp.REPO, 'configs', 'bracket.py'))
   theirs = exp.config_for('lm:1500:adamw', 'best', 0, False, '/unused')
   assert run_settings.resolve(theirs).training_fields(8) == run_settings.resolve(mine).training_fields(8)
@@ -103,12 +143,26 @@ def test_heldout_corpus_refuses_another_file(tmp_path, monkeypatch):
 
 
 def test_heldout_cells_are_tallied_apart(tmp_path):
-  row = lambda gap: {'n': 3, 'value': 1.0, 'finals': [1.0] * 3, 'kept_x': [1.0] * 3, 'wall_s': 1.0, 'gap': gap,
-                     'hdet_gap': 0.03}
-  exp.write_report(str(tmp_path), {'lm:750:adamw': {'low': row(0.005)},
-                                   'pystdlib:1500:adamw': {'low': row(0.002), 'best': row(0.02)}}, quick=False)
+  row = lambda gap: {
+    'n': 3,
+    'value': 1.0,
+    'finals': [1.0] * 3,
+    'kept_x': [1.0] * 3,
+    'wall_s': 1.0,
+    'gap': gap,
+    'hdet_gap': 0.03,
+  }
+  exp.write_report(
+    str(tmp_path),
+    {'lm:750:adamw': {'low': row(0.005)}, 'pystdlib:1500:adamw': {'low': row(0.002), 'best': row(0.02)}},
+    quick=False,
+  )
   saved = json.load(open(tmp_path / 'bracket_mode.json'))
-  assert saved['_tally'] == {'within': 1, 'hdet_within': 0, 'total': 1,
-                             'heldout': {'within': 1, 'hdet_within': 0, 'total': 2}}
+  assert saved['_tally'] == {
+    'within': 1,
+    'hdet_within': 0,
+    'total': 1,
+    'heldout': {'within': 1, 'hdet_within': 0, 'total': 2},
+  }
   md = open(tmp_path / 'bracket_mode.md').read()
   assert md.index('| lm:750:adamw |') < md.index('## On a corpus') < md.index('| pystdlib:1500:adamw |')

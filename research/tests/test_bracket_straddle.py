@@ -20,23 +20,31 @@ def test_quick_trains_both_neighbours_and_reports_their_records(tmp_path):
   exp.main(['--quick', '--workdir', str(tmp_path)])
   recs = {}
   for side in exp.NEIGHBOURS:
-    with open(os.path.join(exp.records_dir('lm:16:adamw', True, str(tmp_path)), f'{side}_s0.json'), encoding='utf-8') as f:
+    with open(
+      os.path.join(exp.records_dir('lm:16:adamw', True, str(tmp_path)), f'{side}_s0.json'), encoding='utf-8'
+    ) as f:
       recs[side] = json.load(f)
   want = exp.neighbour_lrs(0.01)  # the quick anchor
   for side, rec in recs.items():
     assert rec['config']['optim']['max_lr'] == want[side] and rec['config']['hdet']['spread'] == 0.0
     assert math.isfinite(rec['val_bpb'])
   saved = json.load(open(tmp_path / 'bracket_straddle.json', encoding='utf-8'))
-  assert [r['neighbours'][s]['values'] for r in saved['cells'] for s in exp.NEIGHBOURS] == [[recs['below']['val_bpb']],
-                                                                                   [recs['above']['val_bpb']]]
+  assert [r['neighbours'][s]['values'] for r in saved['cells'] for s in exp.NEIGHBOURS] == [
+    [recs['below']['val_bpb']],
+    [recs['above']['val_bpb']],
+  ]
   row = [l for l in open(tmp_path / 'bracket_straddle.md', encoding='utf-8') if l.startswith('| lm:16:adamw |')]
-  assert row == [f'| lm:16:adamw | - | {recs["below"]["val_bpb"]:.4g} | - | {recs["above"]["val_bpb"]:.4g} | - | -, - |\n']
+  assert row == [
+    f'| lm:16:adamw | - | {recs["below"]["val_bpb"]:.4g} | - | {recs["above"]["val_bpb"]:.4g} | - | -, - |\n'
+  ]
   # The probe: the point below the centre under the quick bracket's config, to its one rung, and its loss there
   # recomputed from the run's own metrics by the bracket's statistic (a 3-step mean) in the probe's record.
   probe = json.load(open(exp.probe_path('lm:16:adamw', 0, True, str(tmp_path)), encoding='utf-8'))
   assert probe['lr'] == want['below'] and probe['rung_steps'] == [8] and len(probe['losses']) == 1
   assert math.isfinite(probe['losses'][0]) and saved['probes'][0]['losses'] == probe['losses']
-  assert f'| lm:16:adamw, best, 0 | - | - | {probe["losses"][0]:.4f} / - |' in open(tmp_path / 'bracket_straddle.md').read()
+  assert (
+    f'| lm:16:adamw, best, 0 | - | - | {probe["losses"][0]:.4f} / - |' in open(tmp_path / 'bracket_straddle.md').read()
+  )
   exp.main(['--quick', '--workdir', str(tmp_path)])  # cached: nothing trains again, the same report
   assert json.load(open(tmp_path / 'bracket_straddle.json', encoding='utf-8')) == saved
 
@@ -77,7 +85,7 @@ def test_the_probe_is_the_point_just_below_a_kept_lowest_survivor_and_nothing_el
   assert exp.probe_lr('mnist1d:1000:adamw', 0, False, '') == exp.neighbour_lrs(anchor)['below']
   assert exp.probe_lr('lm:1500:adamw', 0, False, '') is None
   lm = exp.bracket_mode.anchor_lr('lm:1500:adamw', False)
-  assert math.isclose(exp.probe_lr('lm:1500:adamw', 1, False, ''), lm * 2.0 ** -1.5, rel_tol=1e-12)
+  assert math.isclose(exp.probe_lr('lm:1500:adamw', 1, False, ''), lm * 2.0**-1.5, rel_tol=1e-12)
   assert exp.probe_lr('lm:1500:adamw', 1, False, '') in bracket.point_lrs(lm, 8, 2.0)
   # From 10x high, mnist1d AdamW at 1000 steps kept its second-lowest point, the lowest survivor: the probe is the
   # bracket's lowest point; the LM at 1500 steps kept its lowest point itself: nothing below to probe.

@@ -13,10 +13,13 @@ from research import workloads
 
 def _run(lr, seed, losses, final, steps=100, diverged_at=None):
   """A sweep record: training-loss blocks of 10 steps (``losses[i]`` ends at step 10 i + 10) and its final."""
-  return {'name': f'adamw/grid_lr{lr:g}_s{seed}', 'config': {'num_train_steps': steps, 'seed': seed,
-                                                             'optim': {'max_lr': lr}},
-          'trajectory': [{'step': 10 * i + 9, 'loss': x} for i, x in enumerate(losses)],
-          'val_bpb': final, 'diverged_at': diverged_at}
+  return {
+    'name': f'adamw/grid_lr{lr:g}_s{seed}',
+    'config': {'num_train_steps': steps, 'seed': seed, 'optim': {'max_lr': lr}},
+    'trajectory': [{'step': 10 * i + 9, 'loss': x} for i, x in enumerate(losses)],
+    'val_bpb': final,
+    'diverged_at': diverged_at,
+  }
 
 
 def test_loss_at_reads_the_last_block_ending_by_the_fraction():
@@ -29,8 +32,12 @@ def test_loss_at_reads_the_last_block_ending_by_the_fraction():
 
 def test_bracket_keeps_the_lowest_losses_at_each_rung():
   # Early the highest LR leads; by 0.3 the middle one does; the lowest leads only at the end.
-  runs = {0.01: _run(0.01, 0, [9, 8, 7, 6, 5], 1.0), 0.1: _run(0.1, 0, [6, 5, 4, 3.5, 3], 2.0),
-          1.0: _run(1.0, 0, [3, 3, 4.5, 5, 6], 9.0), 0.3: _run(0.3, 0, [4, 4, 4.1, 4, 4], 3.0)}
+  runs = {
+    0.01: _run(0.01, 0, [9, 8, 7, 6, 5], 1.0),
+    0.1: _run(0.1, 0, [6, 5, 4, 3.5, 3], 2.0),
+    1.0: _run(1.0, 0, [3, 3, 4.5, 5, 6], 9.0),
+    0.3: _run(0.3, 0, [4, 4, 4.1, 4, 4], 3.0),
+  }
   assert exp.pick(runs, 0.1) == 1.0 and exp.pick(runs, 0.3) == 0.1
   assert exp.bracket(runs, [(0.1, 2), (0.3, 1)]) == 0.3  # the two leaders at 0.1: 1.0 and 0.3; at 0.3, 0.3 leads
   assert exp.bracket(runs, [(0.1, 3), (0.3, 1)]) == 0.1

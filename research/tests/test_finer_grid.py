@@ -14,9 +14,14 @@ from research import wider_rung
 
 def _record(first: dict, last: dict, kept_lr: float) -> dict:
   lrs = sorted(first)
-  return {'lrs': lrs, 'kept_lr': kept_lr,
-          'rungs': [{'losses': {f'{lr:.6g}': v for lr, v in first.items()}},
-                    {'losses': {f'{lr:.6g}': v for lr, v in last.items()}}]}
+  return {
+    'lrs': lrs,
+    'kept_lr': kept_lr,
+    'rungs': [
+      {'losses': {f'{lr:.6g}': v for lr, v in first.items()}},
+      {'losses': {f'{lr:.6g}': v for lr, v in last.items()}},
+    ],
+  }
 
 
 def _oracle_kept(first: dict, last: dict, keep: int) -> float:
@@ -38,10 +43,11 @@ def test_kept_at_matches_a_plain_oracle():
 
 def test_the_fine_grid_is_the_default_grid_and_the_points_between():
   from hdet_jax.trainer import bracket
+
   fine = bracket.point_lrs(0.03, exp.FINE['bracket.points'], exp.FINE['bracket.factor'])
   default = bracket.point_lrs(0.03, 8, 2.0)
   np.testing.assert_allclose(fine[::2], default, rtol=1e-12)
-  np.testing.assert_allclose(fine[1::2], [0.03 * 2.0 ** j for j in range(-3, 4)], rtol=1e-12)
+  np.testing.assert_allclose(fine[1::2], [0.03 * 2.0**j for j in range(-3, 4)], rtol=1e-12)
   assert [exp.compute_runs(k, False) for k in exp.KEEPS] == pytest.approx([3.2, 3.6, 4.0])
 
 
@@ -99,8 +105,11 @@ def test_committed_rows_recompute_from_the_records():
         for k in exp.KEEPS:
           kept = _oracle_kept(first, last, k)
           assert row['kept_x'][str(k)][i] == kept / anchor
-          final = rec['final_metric'] if kept == rec['kept_lr'] else _load(
-              exp.end_path(cell, start, seed, kept, False, ''))['final_metric']
+          final = (
+            rec['final_metric']
+            if kept == rec['kept_lr']
+            else _load(exp.end_path(cell, start, seed, kept, False, ''))['final_metric']
+          )
           if not default['here'] and abs(kept / default['kept_lr'] - 1) < 1e-9:
             final = default['final_metric']
           elif not default['here']:
@@ -112,7 +121,7 @@ def test_committed_rows_recompute_from_the_records():
         assert g['gap'] == pytest.approx(sum(finals) / sum(row['sweep']) - 1, rel=1e-9)
         per_seed = [v / r - 1 for v, r in zip(finals, row['sweep'])]
         assert g['se'] == pytest.approx(np.std(per_seed, ddof=1) / np.sqrt(3), rel=1e-9, abs=1e-15)
-        want = ('within' if g['gap'] <= 0.01 else 'miss' if g['gap'] - 2 * g['se'] > 0.01 else 'not resolved')
+        want = 'within' if g['gap'] <= 0.01 else 'miss' if g['gap'] - 2 * g['se'] > 0.01 else 'not resolved'
         assert g['verdict'] == want
         counts.setdefault(name, {}).setdefault(want, 0)
         counts[name][want] += 1
@@ -156,6 +165,7 @@ def test_committed_eight_seed_rows_recompute_from_the_records():
   bracket records; the reference the sweep's best LR by its 8-seed mean; gaps, se, verdicts and the paired
   comparison recomputed; and the rows rebuilt from the records equal the committed JSON."""
   from research import heldout_task
+
   saved = _load(os.path.join(exp.REPO, 'results', 'finer_grid.json'))
   eight, three = saved['eight_seeds'], saved['rows']
   last = _load(os.path.join(exp.REPO, 'results', 'last_rung.json'))['eight_seeds']
@@ -165,10 +175,14 @@ def test_committed_eight_seed_rows_recompute_from_the_records():
     anchor = exp.anchor(cell, False)
     if cell.startswith('task:'):
       site = heldout_task.Site(cell.split(':')[1], False, '')
-      sweeps = {lr: [heldout_task.load(heldout_task.grid_name(lr, s), site)['final_metric'] for s in range(8)]
-                for lr in heldout_task.plan(site)['grid']}
-      default = {start: [heldout_task.load(f'bracket_{start}_s{s}', site)['final_metric'] for s in range(8)]
-                 for start in e['starts']}
+      sweeps = {
+        lr: [heldout_task.load(heldout_task.grid_name(lr, s), site)['final_metric'] for s in range(8)]
+        for lr in heldout_task.plan(site)['grid']
+      }
+      default = {
+        start: [heldout_task.load(f'bracket_{start}_s{s}', site)['final_metric'] for s in range(8)]
+        for start in e['starts']
+      }
     else:
       default = {start: last[cell]['starts'][start]['finals'] for start in e['starts']}
       assert e['sweep'] == last[cell]['sweep']
@@ -186,16 +200,20 @@ def test_committed_eight_seed_rows_recompute_from_the_records():
           lastr = {lr: rec['rungs'][1]['losses'][f'{lr:.6g}'] for lr in rec['rungs'][0]['kept']}
           kept = _oracle_kept(first, lastr, k)
           assert r['kept_x'][i] == kept / anchor
-          final = rec['final_metric'] if kept == rec['kept_lr'] else _load(
-              exp.end_path(cell, start, seed, kept, False, ''))['final_metric']
+          final = (
+            rec['final_metric']
+            if kept == rec['kept_lr']
+            else _load(exp.end_path(cell, start, seed, kept, False, ''))['final_metric']
+          )
           assert r['finals'][i] == final
       for name in ['default'] + [str(k) for k in exp.KEEPS]:
         g = row[name]
         assert g['gap'] == pytest.approx(sum(g['finals']) / sum(e['sweep']) - 1, rel=1e-9)
         per_seed = [v / s - 1 for v, s in zip(g['finals'], e['sweep'])]
         assert g['se'] == pytest.approx(np.std(per_seed, ddof=1) / np.sqrt(8), rel=1e-9)
-        assert g['verdict'] == ('within' if g['gap'] <= 0.01 else 'miss' if g['gap'] - 2 * g['se'] > 0.01
-                                else 'not resolved')
+        assert g['verdict'] == (
+          'within' if g['gap'] <= 0.01 else 'miss' if g['gap'] - 2 * g['se'] > 0.01 else 'not resolved'
+        )
       f9, d, vs = row[str(max(exp.KEEPS))]['finals'], row['default']['finals'], row['vs_default']
       assert vs['gap'] == pytest.approx(sum(f9) / sum(d) - 1, rel=1e-9, abs=1e-15)
       per_seed = [a / b - 1 for a, b in zip(f9, d)]
@@ -210,13 +228,19 @@ def test_a_diverged_grid_seed_counts_as_inf_in_the_eight_seed_reference(monkeypa
   """A held-out classifier's 8-seed reference: the grid point with the lowest 8-seed mean, a diverged seed (None)
   counting as inf for its point only; the default bracket's finals and kept points per start."""
   from research import heldout_task
+
   site = heldout_task.Site('narrow', False, '')
   grid = heldout_task.plan(site)['grid']
   finals = {lr: [1.0 + abs(i - 2) / 10] * 8 for i, lr in enumerate(grid)}  # the third point is the best
   finals[grid[2]][5] = None  # ... until one of its seeds diverges
   records_ = {heldout_task.grid_name(lr, s): {'final_metric': v[s]} for lr, v in finals.items() for s in range(8)}
-  records_.update({f'bracket_{st}_s{s}': {'final_metric': 2.0 + s, 'kept_lr': 0.5} for st in ('low', 'best', 'high')
-                   for s in range(8)})
+  records_.update(
+    {
+      f'bracket_{st}_s{s}': {'final_metric': 2.0 + s, 'kept_lr': 0.5}
+      for st in ('low', 'best', 'high')
+      for s in range(8)
+    }
+  )
   monkeypatch.setattr(heldout_task, 'load', lambda name, site: records_.get(name))
   monkeypatch.setattr(exp, 'anchor', lambda cell, quick: 0.25)
   ref = exp.eight_seed_reference('task:narrow', '')

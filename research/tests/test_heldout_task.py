@@ -13,18 +13,25 @@ from research import records
 
 def test_the_pinned_bracket_is_the_default_one():
   from hdet_jax.trainer import config_lib
+
   default = config_lib.load_config_file(os.path.join(exp.REPO, 'configs', 'default.py'))
-  assert {f'bracket.{k}': v for k, v in default.bracket.to_dict().items() if k != 'points'} == \
-      {k: v for k, v in exp.BRACKET.items() if k != 'bracket.points'}
+  assert {f'bracket.{k}': v for k, v in default.bracket.to_dict().items() if k != 'points'} == {
+    k: v for k, v in exp.BRACKET.items() if k != 'bracket.points'
+  }
   assert exp.BRACKET['bracket.points'] == 8
 
 
 def test_the_narrower_bracket_ranks_the_first_rungs_best_again_at_the_last():
   lrs = [0.03 * 2.0 ** (k - 2.5) for k in range(5)]  # 0.0053033..., 0.0106066..., ...: not 6-digit numbers
   key = lambda k: f'{lrs[k]:.6g}'
-  rec = {'lrs': lrs, 'kept_lr': lrs[2], 'rungs': [
+  rec = {
+    'lrs': lrs,
+    'kept_lr': lrs[2],
+    'rungs': [
       {'losses': {key(0): 3.0, key(1): 1.0, key(2): 2.0, key(3): 1.5, key(4): 9.0}, 'kept': [lrs[1], lrs[2], lrs[3]]},
-      {'losses': {key(1): 0.9, key(2): 0.5, key(3): 0.7}, 'kept': [lrs[2]]}]}
+      {'losses': {key(1): 0.9, key(2): 0.5, key(3): 0.7}, 'kept': [lrs[2]]},
+    ],
+  }
   # lrs[2] (third at the first rung) is out; of lrs[1] and lrs[3], lrs[3] leads at the last: the record's LR, exactly
   assert exp.narrower_kept(rec) == lrs[3]
   rec['rungs'][1]['losses'][key(1)] = 0.6
@@ -74,8 +81,10 @@ def test_the_committed_checks_read_as_their_records(check):
   site = exp.Site(check, False, '')
   with open(os.path.join(exp.REPO, 'results', 'heldout_task.json'), encoding='utf-8') as f:
     r = json.load(f)[check]
-  means = {lr: np.mean([exp.load(exp.grid_name(lr, s), site)['final_metric'] for s in exp.SEEDS])
-           for lr in exp.plan(site)['grid']}
+  means = {
+    lr: np.mean([exp.load(exp.grid_name(lr, s), site)['final_metric'] for s in exp.SEEDS])
+    for lr in exp.plan(site)['grid']
+  }
   assert r['best'] == pytest.approx(min(means.values()), rel=1e-12)
   assert r['best_lr'] == f'{min(means, key=means.get):g}'
   for start in exp.STARTS:
@@ -89,6 +98,7 @@ def test_the_digits_check_trains_on_the_committed_digits():
   hold no machine's path): 1,437 training and 360 test signals of 64 samples, the default CNN's 25 channels."""
   import contextlib
   from hdet_jax.trainer import run_settings
+
   config = exp.config_for('grid_lr0.03_s0', exp.Site('digits', False, ''))
   assert config.data.path == 'research/data/digits.npz' and config.data.batch_size == 8
   assert config.model.channels == 25 and config.num_train_steps == 600
@@ -104,14 +114,17 @@ def test_fresh_seeds_name_the_sweep_and_the_bracket_and_exclude_the_reports_seed
   monkeypatch.setattr(exp, 'train', lambda name, site: trained.append((name, site.check)) or {'final_metric': 1.0})
   exp.train_fresh(exp.Site('narrow', False, ''), [3, 4])
   grid = exp.plan(exp.Site('narrow', False, ''))['grid']
-  assert trained == ([(exp.grid_name(lr, s), 'narrow') for s in (3, 4) for lr in grid]
-                     + [(f'bracket_{st}_s{s}', 'narrow') for s in (3, 4) for st in exp.STARTS])
+  assert trained == (
+    [(exp.grid_name(lr, s), 'narrow') for s in (3, 4) for lr in grid]
+    + [(f'bracket_{st}_s{s}', 'narrow') for s in (3, 4) for st in exp.STARTS]
+  )
   for bad in (['--fresh-seeds', '2,3'], ['--fresh-seeds', '3', '--quick']):
     with pytest.raises(SystemExit):
       exp.main(bad + ['--report-only'])
     assert '--fresh-seeds must be seeds other than 0,1,2' in capsys.readouterr().err
   # Every seed-3-7 record the 8-seed table reads is committed: the command would train nothing.
   from research import finer_grid
+
   for check in (cell.split(':')[1] for cell in finer_grid.TASKS):
     site = exp.Site(check, False, '')
     assert all(exp.load(exp.grid_name(lr, s), site) for s in range(3, 8) for lr in exp.plan(site)['grid'])
@@ -148,8 +161,10 @@ def test_paired_against_a_numpy_oracle(monkeypatch):
   assert got['gap'] == pytest.approx(b.mean() / ref.mean() - 1, rel=1e-12)
   assert got['se'] == pytest.approx(per.std(ddof=1) / np.sqrt(3), rel=1e-12)
   assert r['starts']['best']['hdet'] == {'gap': None, 'se': None}
-  verdicts = [records.verdict({'gap': g, 'se': se}) for g, se in
-              ((0.01, 0.5), (0.05, 0.0199), (0.05, 0.0201), (0.05, None), (None, None), (-0.3, None))]
+  verdicts = [
+    records.verdict({'gap': g, 'se': se})
+    for g, se in ((0.01, 0.5), (0.05, 0.0199), (0.05, 0.0201), (0.05, None), (None, None), (-0.3, None))
+  ]
   assert verdicts == ['within', 'miss', 'not resolved', 'not resolved', '-', 'within']
 
 
@@ -160,8 +175,9 @@ def test_the_rung_traces_end_as_the_sweep_and_their_table_ranks_as_numpy():
     site = exp.Site(check, False, '')
     for seed in exp.SEEDS:
       traces = [exp.load(f'trace_lr{records.lr_tag(lr, 4)}_s{seed}', site) for lr in exp.plan(site)['grid']]
-      assert [t['final_metric'] for t in traces] == [exp.load(exp.grid_name(lr, seed), site)['final_metric']
-                                                     for lr in exp.plan(site)['grid']], (check, seed)
+      assert [t['final_metric'] for t in traces] == [
+        exp.load(exp.grid_name(lr, seed), site)['final_metric'] for lr in exp.plan(site)['grid']
+      ], (check, seed)
   site = exp.Site('digits', False, '')
   grid = exp.plan(site)['grid']
   traces = [exp.load(f'trace_lr{records.lr_tag(lr, 4)}_s0', site) for lr in grid]
@@ -169,7 +185,9 @@ def test_the_rung_traces_end_as_the_sweep_and_their_table_ranks_as_numpy():
   lines = exp.rank_flip_lines(site, 0)
   rows = [line for line in lines if line.startswith('| 0.')]
   columns = [[t['rungs'][s]['train_loss'] for t in traces] for s in ('60', '180')]
-  columns += [[t['rungs'][s]['test_metric'] for t in traces] for s in ('60', '180')] + [[t['final_metric'] for t in traces]]
+  columns += [[t['rungs'][s]['test_metric'] for t in traces] for s in ('60', '180')] + [
+    [t['final_metric'] for t in traces]
+  ]
   for j, column in enumerate(columns):
     want = np.argsort(np.argsort(column)) + 1
     got = [int(row.split(' | ')[j + 1].split('(')[1].rstrip(') |')) for row in rows]
@@ -180,6 +198,7 @@ def test_the_annealed_copy_runs_the_sweeps_schedule_to_the_last_rung_then_anneal
   """research.heldout_task.annealed_config: the sweep's LRs bit for bit for the 180 steps to the last rung (0.3 of
   600; the batches depend on the step only), then down to the sweep's end LR in 60 steps."""
   from hdet_jax.trainer import run_settings
+
   site = exp.Site('digits', False, '')
   full = exp.config_for('grid_lr0.12_s1', site)
   copy = exp.annealed_config(0.12, 1, site)
@@ -194,6 +213,7 @@ def test_the_annealed_copy_runs_the_sweeps_schedule_to_the_last_rung_then_anneal
 
 def test_the_annealed_copy_refuses_another_schedule(monkeypatch):
   from hdet_jax.trainer import config_lib
+
   site = exp.Site('digits', False, '')
   cosine = config_lib.with_overrides(exp.config_for('grid_lr0.12_s1', site), {'optim.schedule': 'warmup_cosine'})
   monkeypatch.setattr(exp, 'config_for', lambda name, site, lr=None: cosine)
@@ -203,6 +223,7 @@ def test_the_annealed_copy_refuses_another_schedule(monkeypatch):
 
 def jax_values(schedule, steps):
   import jax.numpy as jnp
+
   return [schedule(jnp.asarray(t)) for t in steps]
 
 
@@ -215,15 +236,21 @@ def test_the_selection_table_picks_each_criterions_argmin_and_pairs_its_end():
   tag = lambda lr: records.lr_tag(lr, 4)
   final = lambda lr, s: exp.load(exp.grid_name(lr, s), site)['final_metric']
   values = {
-      'training loss before step 180': lambda lr, s: exp.load(f'trace_lr{tag(lr)}_s{s}', site)['rungs']['180']['train_loss'],
-      'test metric after the anneal': lambda lr, s: exp.load(f'anneal_lr{tag(lr)}_s{s}', site)['final_metric'],
-      'training loss after the anneal': lambda lr, s: exp.load(f'anneal_lr{tag(lr)}_s{s}', site)['train_loss']}
+    'training loss before step 180': lambda lr, s: exp.load(f'trace_lr{tag(lr)}_s{s}', site)['rungs']['180'][
+      'train_loss'
+    ],
+    'test metric after the anneal': lambda lr, s: exp.load(f'anneal_lr{tag(lr)}_s{s}', site)['final_metric'],
+    'training loss after the anneal': lambda lr, s: exp.load(f'anneal_lr{tag(lr)}_s{s}', site)['train_loss'],
+  }
   means = {lr: np.mean([final(lr, s) for s in exp.SEEDS]) for lr in grid}
   best = min(means, key=means.get)
   rows = {line.split(' | ')[0][2:]: line for line in exp.selection_lines(site, exp.SEEDS) if line.startswith('| ')}
   for label, get in values.items():
     picks = [grid[int(np.argmin([get(lr, s) for lr in grid]))] for s in exp.SEEDS]
-    ends, ref = np.array([final(lr, s) for lr, s in zip(picks, exp.SEEDS)]), np.array([final(best, s) for s in exp.SEEDS])
+    ends, ref = (
+      np.array([final(lr, s) for lr, s in zip(picks, exp.SEEDS)]),
+      np.array([final(best, s) for s in exp.SEEDS]),
+    )
     per = ends / ref - 1
     want = f'{100 * (ends.mean() / ref.mean() - 1):+.1f} ± {100 * per.std(ddof=1) / np.sqrt(3):.1f}%'
     assert rows[label] == f'| {label} | {" / ".join(f"{lr:g}" for lr in picks)} | {want} |'

@@ -24,8 +24,16 @@ def test_paired_gap_is_the_ratio_of_means_with_the_per_seed_standard_error():
   assert records.paired_gap([1.0, 1.0], [1.0]) == (None, None)
 
 
-@pytest.mark.parametrize('gap, se, expected', [(0.01, 0.5, 'within'), (-0.2, None, 'within'), (0.05, 0.019, 'miss'),
-                                               (0.05, 0.021, 'not resolved'), (0.05, None, 'not resolved')])
+@pytest.mark.parametrize(
+  'gap, se, expected',
+  [
+    (0.01, 0.5, 'within'),
+    (-0.2, None, 'within'),
+    (0.05, 0.019, 'miss'),
+    (0.05, 0.021, 'not resolved'),
+    (0.05, None, 'not resolved'),
+  ],
+)
 def test_verdict_thresholds(gap, se, expected):
   assert exp.verdict({'gap': gap, 'se': se}) == expected
 
@@ -42,7 +50,9 @@ def test_committed_report_recomputes_from_the_raw_records():
     lr = bracket_mode.sweep_cell(cell)['grid_best']['lr']
     sweep = []
     for s in bracket_mode.SEEDS:
-      grid = os.path.join(exp.workloads.records_dir(workload, steps, False, ''), f'{exp.autolr.grid_name(optim, lr, s)}.json')
+      grid = os.path.join(
+        exp.workloads.records_dir(workload, steps, False, ''), f'{exp.autolr.grid_name(optim, lr, s)}.json'
+      )
       with open(grid, encoding='utf-8') as f:
         sweep.append(json.load(f)['val_bpb'])
     with open(os.path.join(exp.REPO, 'results', 'wider_rung.json'), encoding='utf-8') as f:
@@ -73,8 +83,12 @@ def test_the_eight_seed_rows_recompute_from_the_raw_records():
     workload, steps, optim = bracket_mode.parse_cell(cell)
     means = {}
     for lr in bracket_mode.sweep_cell(cell)['grid']:
-      paths = [os.path.join(exp.workloads.records_dir(workload, steps, False, ''),
-                            f'{exp.autolr.grid_name(optim, float(lr), s)}.json') for s in seeds]
+      paths = [
+        os.path.join(
+          exp.workloads.records_dir(workload, steps, False, ''), f'{exp.autolr.grid_name(optim, float(lr), s)}.json'
+        )
+        for s in seeds
+      ]
       if all(os.path.exists(p) for p in paths):
         means[float(lr)] = [json.load(open(p, encoding='utf-8'))['val_bpb'] for p in paths]
     best = min(means, key=lambda lr: sum(means[lr]))
@@ -93,7 +107,17 @@ def test_the_eight_seed_rows_recompute_from_the_raw_records():
       assert r['gap'] == pytest.approx(sum(r['finals']) / sum(means[best]) - 1, rel=1e-9)
       per_seed = [f / w - 1 for f, w in zip(r['finals'], means[best])]
       assert r['se'] == pytest.approx(statistics.stdev(per_seed) / math.sqrt(8), rel=1e-9)
-      hdet = [json.load(open(os.path.join(exp.workloads.records_dir(workload, steps, False, ''), f'{exp.autolr.hdet_name(optim, exp.autolr.DEFAULT_VARIANT, start, s)}.json'),
-                             encoding='utf-8'))['val_bpb'] for s in seeds]
+      hdet = [
+        json.load(
+          open(
+            os.path.join(
+              exp.workloads.records_dir(workload, steps, False, ''),
+              f'{exp.autolr.hdet_name(optim, exp.autolr.DEFAULT_VARIANT, start, s)}.json',
+            ),
+            encoding='utf-8',
+          )
+        )['val_bpb']
+        for s in seeds
+      ]
       assert r['hdet']['finals'] == hdet
       assert r['hdet']['gap'] == pytest.approx(sum(hdet) / sum(means[best]) - 1, rel=1e-9)

@@ -11,8 +11,15 @@ from research import model_size as exp
 
 def _write(root, name, lr, final):
   os.makedirs(exp.record_dir(True, str(root)), exist_ok=True)
-  rec = {'name': name, 'lr': lr, 'final_metric': final, 'diverged_at': None, 'wall_s': 1.0, 'num_params': 10,
-         'device': 'cpu x8'}
+  rec = {
+    'name': name,
+    'lr': lr,
+    'final_metric': final,
+    'diverged_at': None,
+    'wall_s': 1.0,
+    'num_params': 10,
+    'device': 'cpu x8',
+  }
   with open(os.path.join(exp.record_dir(True, str(root)), name + '.json'), 'w') as f:
     json.dump(rec, f)
 
@@ -33,9 +40,10 @@ def test_a_starts_run_from_another_sweep_best_is_not_read(tmp_path):
 
 
 def test_the_full_sweep_extends_below_autolrs_grid():
-  np.testing.assert_allclose(exp.GRID, [0.03 * 2.0 ** k for k in range(-5, 5)])
-  assert exp.job_names(False)[1] == [f'{k}_{s}' for k in ('hdet', 'bracket', 'bracket851', 'bracket1591')
-                                     for s in ('low', 'best', 'high')]
+  np.testing.assert_allclose(exp.GRID, [0.03 * 2.0**k for k in range(-5, 5)])
+  assert exp.job_names(False)[1] == [
+    f'{k}_{s}' for k in ('hdet', 'bracket', 'bracket851', 'bracket1591') for s in ('low', 'best', 'high')
+  ]
   assert exp.BRACKETS['bracket1591']['bracket.points'] == 15 and exp.DEFAULT_BRACKET == 'bracket851'
   assert exp.BRACKETS['bracket851']['bracket.rungs'] == '0.1:5,0.3:1'  # the default bracket (configs/bracket.py)
   assert exp.BRACKETS['bracket']['bracket.rungs'] == '0.1:4,0.3:1'
@@ -54,7 +62,7 @@ def test_quick_trains_the_sweep_then_hdet_and_the_bracket_from_its_best(tmp_path
   if bracket['kept_lr'] == pytest.approx(best_lr):  # the same plain run as the sweep's point: the same number
     assert bracket['final_metric'] == best
   md = open(tmp_path / 'model_size.md').read()
-  assert f'The sweep\'s best: {best:.4f} at {best_lr:g}.' in md
+  assert f"The sweep's best: {best:.4f} at {best_lr:g}." in md
 
 
 def test_seed_summary_pairs_each_start_with_the_sweeps_best_lr_over_the_seeds(tmp_path):
@@ -85,15 +93,19 @@ def test_the_committed_summary_is_the_records_own():
   assert committed['seeds'] == [0, 1, 2] and committed['best_lr'] == 0.00375
   rec = lambda n: exp.load(n, False, '')
   assert committed['sweep'] == [rec('grid_lr0.00375')['final_metric']] + [
-      rec(f'grid_lr0.00375_s{s}')['final_metric'] for s in (1, 2)]
+    rec(f'grid_lr0.00375_s{s}')['final_metric'] for s in (1, 2)
+  ]
   for run, r in committed['runs'].items():
     finals = [rec(run)['final_metric']] + [rec(f'{run}_s{s}')['final_metric'] for s in (1, 2)]
     assert r['finals'] == finals
     assert r['gap'] == pytest.approx(np.mean(finals) / np.mean(committed['sweep']) - 1, abs=1e-12)
   # The finer grid holds the best LR itself: from the best it keeps it on every seed, and its kept run is the sweep's
   # plain run at that LR, bit for bit (trained on another H200, in another session).
-  assert [rec(n)['final_metric'] for n in ('bracket1591_best', 'bracket1591_best_s1', 'bracket1591_best_s2')] == \
-      committed['sweep'] == committed['runs']['bracket1591_best']['finals']
+  assert (
+    [rec(n)['final_metric'] for n in ('bracket1591_best', 'bracket1591_best_s1', 'bracket1591_best_s2')]
+    == committed['sweep']
+    == committed['runs']['bracket1591_best']['finals']
+  )
   # The default bracket (8-5-1) keeps what the 8-4-1 one kept wherever both ran: the same runs, bit for bit.
   for run in ('bracket_low', 'bracket_best', 'bracket_high', 'bracket_best_s1', 'bracket_best_s2'):
     old, new = rec(run), rec(run.replace('bracket', 'bracket851'))

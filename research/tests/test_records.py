@@ -11,8 +11,13 @@ from research import records
 
 
 def _cache(tmp_path, log=None):
-  return records.RunCache(str(tmp_path / 'records'), str(tmp_path / 'work'),
-                          make_record=lambda *a: {}, describe=lambda rec: '', log=log or (lambda *a, **k: None))
+  return records.RunCache(
+    str(tmp_path / 'records'),
+    str(tmp_path / 'work'),
+    make_record=lambda *a: {},
+    describe=lambda rec: '',
+    log=log or (lambda *a, **k: None),
+  )
 
 
 def _hold_lock(path, ready, release):
@@ -102,9 +107,11 @@ def test_cpu_model_is_the_first_model_name_of_cpuinfo_else_the_platforms(tmp_pat
   """Records name the machine they were trained on (XLA's rounding differs by CPU model)."""
   import platform
   from hdet_jax.trainer import process
+
   info = tmp_path / 'cpuinfo'
-  info.write_text('processor\t: 0\nvendor_id\t: X\nmodel name\t: Some CPU @ 2.10GHz\n\n'
-                  'processor\t: 1\nmodel name\t: Another CPU\n')
+  info.write_text(
+    'processor\t: 0\nvendor_id\t: X\nmodel name\t: Some CPU @ 2.10GHz\n\nprocessor\t: 1\nmodel name\t: Another CPU\n'
+  )
   assert process.cpu_model(str(info)) == 'Some CPU @ 2.10GHz'
   monkeypatch.setattr(platform, 'processor', lambda: '')
   monkeypatch.setattr(platform, 'machine', lambda: 'riscv64')
@@ -116,8 +123,10 @@ def test_cpu_model_is_the_first_model_name_of_cpuinfo_else_the_platforms(tmp_pat
 def test_the_machine_names_xla_flags_but_no_path(monkeypatch):
   """A record is committed: XLA_FLAGS that change the numbers are kept, a flag naming a path is dropped."""
   from hdet_jax.trainer import process
-  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8 --xla_dump_to=dumps/xla '
-                                  '--xla_backend_optimization_level=0')
+
+  monkeypatch.setenv(
+    'XLA_FLAGS', '--xla_force_host_platform_device_count=8 --xla_dump_to=dumps/xla --xla_backend_optimization_level=0'
+  )
   assert process.machine()['xla_flags'] == '--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0'
 
 
@@ -125,7 +134,14 @@ def test_a_record_made_before_1_0_reads_without_the_fields_removed_then_at_their
   """A removed field at the value every run then trained with is dropped (today's trainer trains that run); at another
   value it stays, so the record matches no config of today's trainer. log_noise_scale only steered logging."""
   from hdet_jax.trainer import compat
-  flat = {'hdet.overshoot': 1.0, 'hdet.fan': 'linear', 'log_noise_scale': True, 'hdet.score_tail': 0.5,
-          'bracket.anneal': 0.0, 'hdet.spread': 0.25}
+
+  flat = {
+    'hdet.overshoot': 1.0,
+    'hdet.fan': 'linear',
+    'log_noise_scale': True,
+    'hdet.score_tail': 0.5,
+    'bracket.anneal': 0.0,
+    'hdet.spread': 0.25,
+  }
   assert records.without_removed(flat) == {'hdet.score_tail': 0.5, 'hdet.spread': 0.25}
   assert set(records.REMOVED_DEFAULTS) | records.REMOVED_RUN_FIELDS == set(compat.REMOVED)

@@ -25,7 +25,7 @@ def _table(text: str, header: str) -> list[list[str]]:
   lines = text.splitlines()
   start = next(i for i, line in enumerate(lines) if line.startswith(header))
   rows = []
-  for line in lines[start + 2:]:
+  for line in lines[start + 2 :]:
     if not line.startswith('|'):
       break
     rows.append([c.strip() for c in line.strip().strip('|').split('|')])
@@ -59,14 +59,14 @@ def test_the_index_lists_every_study_once_and_every_module_and_record_is_in_it()
     assert row['report_only'] in (REDRAWS, NOT_REGENERABLE), (study, row['report_only'])
     assert (REPO / row['page']).is_file(), row['page']
   # Every module in research/ is a study of the index (one that is not retired) or a helper the README names.
-  helpers_text = text[text.index('Helpers, not studies:'):]
-  helpers = set(re.findall(r'`(\w+)\.py`', helpers_text[:helpers_text.index('\n\n')]))
+  helpers_text = text[text.index('Helpers, not studies:') :]
+  helpers = set(re.findall(r'`(\w+)\.py`', helpers_text[: helpers_text.index('\n\n')]))
   assert helpers == {'records', 'autolr_report', 'table1_report', 'heldout_corpus', 'digits_npz'}
   modules = {p.stem for p in (REPO / 'research').glob('*.py')} - {'__init__'}
   retired = _retired()
   assert retired == {'noise_scale', 'annealed_rung', 'noise_cost'}
   unindexed, gone = modules - helpers - set(INDEX), set(INDEX) - retired - modules
-  assert not unindexed, f'research/ modules in neither research/README.md\'s index nor its helpers: {unindexed}'
+  assert not unindexed, f"research/ modules in neither research/README.md's index nor its helpers: {unindexed}"
   assert not gone, f'studies in the index, not retired, without a module: {gone}'
   # Every study's JSON at the top of results/ and every records folder results/<study>/runs/ is an indexed study's.
   jsons = {p.stem for p in (REPO / 'results').glob('*.json')}
@@ -76,14 +76,21 @@ def test_the_index_lists_every_study_once_and_every_module_and_record_is_in_it()
 
 
 def _first_difference(got: bytes, want: bytes) -> str:
-  diff = difflib.unified_diff(want.decode('utf-8', 'replace').splitlines(), got.decode('utf-8', 'replace').splitlines(),
-                              'committed', 'redrawn', n=0, lineterm='')
+  diff = difflib.unified_diff(
+    want.decode('utf-8', 'replace').splitlines(),
+    got.decode('utf-8', 'replace').splitlines(),
+    'committed',
+    'redrawn',
+    n=0,
+    lineterm='',
+  )
   return '\n'.join(line[:300] for line in list(diff)[:12])
 
 
 @pytest.mark.parametrize('study', REGENERABLE)
 def test_report_only_redraws_the_committed_page_byte_for_byte(study, tmp_path, monkeypatch, capsys):
   from hdet_jax.trainer import process
+
   monkeypatch.setattr(process, 'setup_jax', lambda *a, **k: None)  # nothing trains: leave this process's JAX as it is
   importlib.import_module(f'research.{study}').main(['--report-only', '--out', str(tmp_path)])
   capsys.readouterr()
@@ -92,8 +99,10 @@ def test_report_only_redraws_the_committed_page_byte_for_byte(study, tmp_path, m
   assert written == sorted([page.name, page.stem + '.json'])
   for name in written:
     got, want = (tmp_path / name).read_bytes(), (page.parent / name).read_bytes()
-    assert got == want, (f'{page.parent.relative_to(REPO) / name} is not what `python -m research.{study} '
-                         f'--report-only` writes:\n{_first_difference(got, want)}')
+    assert got == want, (
+      f'{page.parent.relative_to(REPO) / name} is not what `python -m research.{study} '
+      f'--report-only` writes:\n{_first_difference(got, want)}'
+    )
 
 
 @pytest.mark.parametrize('study', NOT_REGENERABLE_STUDIES)

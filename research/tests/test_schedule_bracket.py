@@ -12,10 +12,18 @@ from research import workloads
 
 
 def _run(lr, seed, step_loss, final, diverged_at=None, name=None):
-  return {'name': name or autolr.grid_name('adamw', lr, seed),
-          'config': {'num_train_steps': len(step_loss), 'seed': seed,
-                     'optim': {'max_lr': lr, 'div_factor': 25.0, 'final_div_factor': 10.0}},
-          'step_loss': list(step_loss), 'val_bpb': final, 'diverged_at': diverged_at, 'final_lr': lr / 250}
+  return {
+    'name': name or autolr.grid_name('adamw', lr, seed),
+    'config': {
+      'num_train_steps': len(step_loss),
+      'seed': seed,
+      'optim': {'max_lr': lr, 'div_factor': 25.0, 'final_div_factor': 10.0},
+    },
+    'step_loss': list(step_loss),
+    'val_bpb': final,
+    'diverged_at': diverged_at,
+    'final_lr': lr / 250,
+  }
 
 
 def test_loss_before_is_the_mean_of_the_steps_completed_by_then():
@@ -47,8 +55,17 @@ def test_cell_report_picks_at_each_fraction_pairs_the_gap_and_reads_hdet(tmp_pat
   for start, gap in (('low', 0.03), ('best', 0.0), ('high', math.inf)):
     for seed in (0, 1):
       name = autolr.hdet_name('adamw', workloads.DEFAULT_VARIANT, start, seed)
-      cache.write(name, _run(0.004, seed, [1.0] * 100, (2.0 + seed) * (1 + gap),  # ends on the schedule of 0.004
-                             diverged_at=5 if math.isinf(gap) else None, name=name))
+      cache.write(
+        name,
+        _run(
+          0.004,
+          seed,
+          [1.0] * 100,
+          (2.0 + seed) * (1 + gap),  # ends on the schedule of 0.004
+          diverged_at=5 if math.isinf(gap) else None,
+          name=name,
+        ),
+      )
   control = exp.hdet_run_name('adamw', 'start1', 'best', 0)
   assert control == autolr.hdet_name('adamw', workloads.DEFAULT_VARIANT + '_start1', 'best', 0)
   cache.write(control, _run(0.001, 0, [1.0] * 100, 2.0 * 1.05, name=control))

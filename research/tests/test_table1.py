@@ -35,21 +35,32 @@ def _fake_train_and_evaluate(calls):
     w.write('hyperparams', step=0, names=names)
     for s in range(steps):
       loss = 5.5 + (s / steps) * (3.0 if lr > 0.1 else -2.0) + 0.01 * rng.random(n)
-      w.write('train', step=s, loss=loss.astype(np.float32), lr=np.full(n, lr), base_lr=lr, sync=False,
-              values=np.full((len(names), n), lr), bases=np.full(len(names), lr))
+      w.write(
+        'train',
+        step=s,
+        loss=loss.astype(np.float32),
+        lr=np.full(n, lr),
+        base_lr=lr,
+        sync=False,
+        values=np.full((len(names), n), lr),
+        bases=np.full(len(names), lr),
+      )
       if (s + 1) % min(loop.windows[-1], config.log_every) == 0:
         w.write('distance', step=s, distance=rng.random(n), mean_norm=10.0)
     w.close()
     return {'step': steps, 'final_val_loss': 3.0 + (lr > 0.1), 'setup_s': 0.0, 'preempted': False}
+
   return run
 
 
 def test_the_whole_flow_on_a_stand_in_trainer_then_from_the_records(tmp_path, monkeypatch, capsys):
   from hdet_jax.trainer import checkpoints, trainer
+
   calls = []
   monkeypatch.setattr(trainer, 'train_and_evaluate', _fake_train_and_evaluate(calls))
-  monkeypatch.setattr(checkpoints, 'latest_step',
-                      lambda workdir: 1 if os.path.exists(os.path.join(workdir, 'metrics.jsonl')) else None)
+  monkeypatch.setattr(
+    checkpoints, 'latest_step', lambda workdir: 1 if os.path.exists(os.path.join(workdir, 'metrics.jsonl')) else None
+  )
   T.main(['--quick', '--workdir', str(tmp_path)])
   assert len(calls) == QUICK_RUNS
   pretrain = str(tmp_path / 'pretrain')
@@ -64,8 +75,13 @@ def test_the_whole_flow_on_a_stand_in_trainer_then_from_the_records(tmp_path, mo
   crashed = lambda name: json.load(open(tmp_path / 'records' / f'{name}.json'))['crashed']
   assert crashed('sweep_lr0.3_s0') and not crashed('sweep_lr0.003_s0') and not crashed('pretrain')
   md = (tmp_path / 'table1.md').read_text()
-  for title in ('## 1. Choosing the LRs', "## 2. The paper's six rows", '## 4. Where any stability comes from',
-                '**baseline_high = 0.3**', 'python -m research.table1 --quick'):
+  for title in (
+    '## 1. Choosing the LRs',
+    "## 2. The paper's six rows",
+    '## 4. Where any stability comes from',
+    '**baseline_high = 0.3**',
+    'python -m research.table1 --quick',
+  ):
     assert title in md, title
   for name in ('sweep', 'loss', 'lr', 'distance'):
     assert (tmp_path / 'figures' / f'table1_{name}.png').stat().st_size > 10_000
@@ -81,19 +97,21 @@ def test_a_real_run_is_recorded_from_the_trainers_metrics_and_reused(tmp_path):
   """One --quick HDET row through the trainer: the record holds its per-step losses, its distances and
   its final numbers as the trainer's metrics.jsonl and summary give them; asking again trains nothing."""
   from hdet_jax.trainer import metrics
+
   made = []
 
   def make_record(name, config, summary, workdir, wall_s):
     made.append((summary, metrics.read_metrics(os.path.join(workdir, 'metrics.jsonl'))))
     return T.make_record(name, config, summary, workdir, wall_s)
+
   cache = records.RunCache(str(tmp_path / 'records'), str(tmp_path / 'work'), make_record, T.describe)
   ex = T.Experiment(cache, dict(T.QUICK, grid=(), seeds=(0,)), report_only=False)
   config = ex.config('hdet_cold', 0.03, 0)
   rec = ex.run('hdet_cold_s0', config)
-  (summary, m), = made
+  ((summary, m),) = made
   loss = np.array([r['loss'] for r in m['train']], np.float32)  # [40, 8]
   assert rec['loss_mean'] == [float(np.mean(x)) for x in loss]
-  assert rec['final_train_loss'] == pytest.approx(float(np.mean(loss[-T.LOG:].mean(1), dtype=np.float64)))
+  assert rec['final_train_loss'] == pytest.approx(float(np.mean(loss[-T.LOG :].mean(1), dtype=np.float64)))
   assert rec['val_loss'] == summary['final_val_loss'] and rec['diverged_at'] is None and not rec['crashed']
   assert [d[0] for d in rec['dists']] == [9, 19, 29, 39]  # just before each sync (every 10 steps)
   assert [d[1] for d in rec['dists']] == [list(d['distance']) for d in m['distance']]
@@ -103,8 +121,10 @@ def test_a_real_run_is_recorded_from_the_trainers_metrics_and_reused(tmp_path):
   assert cache.get('hdet_cold_s0', T.run_key(changed)) is None  # another config is another run
 
 
-@pytest.mark.skipif(not os.environ.get('HDET_SLOW_TESTS'),
-                    reason='12 trainer runs, about 4-5 minutes (mostly compiling); set HDET_SLOW_TESTS=1')
+@pytest.mark.skipif(
+  not os.environ.get('HDET_SLOW_TESTS'),
+  reason='12 trainer runs, about 4-5 minutes (mostly compiling); set HDET_SLOW_TESTS=1',
+)
 def test_quick_runs_every_stage(tmp_path):
   T.main(['--quick', '--workdir', str(tmp_path)])
   names = sorted(p[:-5] for p in os.listdir(tmp_path / 'records'))

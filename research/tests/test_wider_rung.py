@@ -23,8 +23,11 @@ def quick(tmp_path_factory):
 
 
 def test_the_added_points_are_the_next_in_the_first_rungs_order():
-  rec = {'lrs': [0.1, 0.2, 0.4, 0.8, 1.6], 'kept_lr': 0.4,
-         'rungs': [{'losses': {'0.1': 3.0, '0.2': 2.0, '0.4': 1.0, '0.8': 2.0, '1.6': float('nan')}, 'kept': [0.2, 0.4]}]}
+  rec = {
+    'lrs': [0.1, 0.2, 0.4, 0.8, 1.6],
+    'kept_lr': 0.4,
+    'rungs': [{'losses': {'0.1': 3.0, '0.2': 2.0, '0.4': 1.0, '0.8': 2.0, '1.6': float('nan')}, 'kept': [0.2, 0.4]}],
+  }
   # 0.4 and then 0.2 / 0.8 tied (the lower LR first, as bracket.survivors); NaN ranks last
   assert exp.first_rung_order(rec) == [0.4, 0.2, 0.8, 0.1, 1.6]
   assert exp.extra_points(rec) == [0.8, 0.1]
@@ -46,7 +49,10 @@ def test_quick_composes_the_wider_bracket_as_a_real_one_trains_it(quick):
       probes[lr] = json.load(f)
     assert probes[lr]['losses'][0] == first[f'{lr:.6g}'] and probes[lr]['rung_steps'] == [4, 8]
   # The widest rung keeps four: its last rung is the argmin of the kept point's and the probes' losses there.
-  last = {rec['kept_lr']: rec['rungs'][-1]['losses'][f'{rec["kept_lr"]:.6g}'], **{lr: p['losses'][-1] for lr, p in probes.items()}}
+  last = {
+    rec['kept_lr']: rec['rungs'][-1]['losses'][f'{rec["kept_lr"]:.6g}'],
+    **{lr: p['losses'][-1] for lr, p in probes.items()},
+  }
   winner = min(last, key=lambda lr: (last[lr], lr))
   assert got['wider']['2']['kept_lr'] == winner
   # ... and a real bracket with that rung trains to the same point and the same final metric, bit for bit.
@@ -54,11 +60,15 @@ def test_quick_composes_the_wider_bracket_as_a_real_one_trains_it(quick):
   assert checked['rungs'] == '0.25:4,0.5:1' and checked['equal'], checked
   check_rec = json.load(open(exp.check_path(CELL, 'best', 0, True, work), encoding='utf-8'))
   from hdet_jax.trainer import process
+
   assert check_rec.pop('machine')['cpu'] == process.cpu_model() and check_rec == checked  # the record names its machine
   assert math.isfinite(checked['bracket']['final_metric'])
   saved = json.load(open(os.path.join(work, 'wider_rung.json'), encoding='utf-8'))
-  assert saved['compute_runs'] == {'5-2-1': (5 * 4 + 2 * 4 + 8) / 16, '5-3-1': (5 * 4 + 3 * 4 + 8) / 16,
-                                   '5-4-1': (5 * 4 + 4 * 4 + 8) / 16}
+  assert saved['compute_runs'] == {
+    '5-2-1': (5 * 4 + 2 * 4 + 8) / 16,
+    '5-3-1': (5 * 4 + 3 * 4 + 8) / 16,
+    '5-4-1': (5 * 4 + 4 * 4 + 8) / 16,
+  }
   seed = saved['rows'][CELL]['best']['seeds'][0]
   assert seed['wider']['2']['final_metric'] == checked['bracket']['final_metric']
 
@@ -113,8 +123,13 @@ def test_committed_records_compose_from_their_probes():
 
 
 def test_a_replaced_point_enters_on_the_records_footing():
-  seed = {'kept_lr': 0.4, 'final_metric': 2.0, 'reproduced': False, 'kept_end_here': 1.9,
-          'wider': {'1': {'kept_lr': 0.4, 'final_metric': 2.0}, '2': {'kept_lr': 0.2, 'final_metric': 1.85}}}
+  seed = {
+    'kept_lr': 0.4,
+    'final_metric': 2.0,
+    'reproduced': False,
+    'kept_end_here': 1.9,
+    'wider': {'1': {'kept_lr': 0.4, 'final_metric': 2.0}, '2': {'kept_lr': 0.2, 'final_metric': 1.85}},
+  }
   assert exp.paired_final(seed, 1) == 2.0  # unchanged: the record's own
   assert abs(exp.paired_final(seed, 2) - (2.0 - 0.05)) < 1e-12  # the record's + (new end - kept end), both here
   seed['reproduced'] = True  # one footing already: the new point's own end

@@ -18,9 +18,11 @@ def get(name: str = 'lm') -> Task:
   """The task named ``name`` (``config.task``)."""
   if name == 'lm':
     from hdet_jax.trainer.tasks import lm
+
     return lm.TASK
   if name == 'mnist1d':
     from hdet_jax.trainer.tasks import mnist1d
+
     return mnist1d.TASK
   raise TaskError(f'task must be one of {", ".join(map(repr, TASKS))}, got {name!r}.')
 

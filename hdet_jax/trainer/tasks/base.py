@@ -22,8 +22,9 @@ import numpy as np
 
 class Regularization(NamedTuple):
   """Per-call model hyperparameters (HDET explores them per replica); a task ignores what its model lacks."""
-  dropout_rate: Any = 0.0      # [] float: dropout rate of the model's dropout layers.
-  dropout_key: Any = None      # PRNG key, or None for no dropout (evaluation).
+
+  dropout_rate: Any = 0.0  # [] float: dropout rate of the model's dropout layers.
+  dropout_key: Any = None  # PRNG key, or None for no dropout (evaluation).
   attn_temperature: Any = 1.0  # [] float: attention logits are divided by it (attention models only).
 
 
@@ -63,7 +64,7 @@ class Section(Mapping):
       raise AttributeError(f'no field {name!r} in this section (it has {", ".join(self._fields)})') from None
 
   def __setattr__(self, name: str, value: Any) -> None:
-    raise AttributeError('a task\'s settings are read-only')
+    raise AttributeError("a task's settings are read-only")
 
   def __getitem__(self, name: str) -> Any:
     return self._fields[name]
@@ -81,12 +82,13 @@ class Section(Mapping):
 class TaskSettings(NamedTuple):
   """A task's own fields, resolved (``run_settings.resolve``; those a config lacks at the schema's values): what
   every :class:`Task` method reads. The trainer's fields are the trainer's."""
-  name: str                          # config.task
-  seed: int                          # the data order and the common batches
-  data: Section                      # data.*: path, batch_size and the task's own
-  model: Section                     # model.*
-  eval_windows: int                  # validation examples per evaluation (0: the whole split)
-  probe_windows: int                 # hdet.probe_windows: examples in a sync's common batch
+
+  name: str  # config.task
+  seed: int  # the data order and the common batches
+  data: Section  # data.*: path, batch_size and the task's own
+  model: Section  # model.*
+  eval_windows: int  # validation examples per evaluation (0: the whole split)
+  probe_windows: int  # hdet.probe_windows: examples in a sync's common batch
 
 
 class TaskError(ValueError):
@@ -102,17 +104,21 @@ class TaskData:
   checkpoint records. ``eval_batch`` is ``[N, k, ...]``: each replica evaluates its own k examples of the
   held-out split. ``probe(index)`` is the common batch ``[W, ...]`` of sync ``index``.
   """
-  batches: Any                           # .chunk(first_step, steps), .position(step)
-  eval_batch: Any                        # pytree, leaves [N, k, ...]
-  probe: Callable[[int], Any]            # sync index -> pytree, leaves [W, ...]
-  description: str                       # one line for the run's start message, e.g. '4,000 train / 1,000 test examples'
+
+  batches: Any  # .chunk(first_step, steps), .position(step)
+  eval_batch: Any  # pytree, leaves [N, k, ...]
+  probe: Callable[[int], Any]  # sync index -> pytree, leaves [W, ...]
+  description: str  # one line for the run's start message, e.g. '4,000 train / 1,000 test examples'
 
 
 def eval_record(task: 'Task', means: dict[str, float]) -> dict[str, float]:
   """An 'eval' record's fields from the replicas' mean :meth:`Task.eval_metrics`: ``val_loss``, the loss in
   the task's other units, then the task's other metrics (``val_accuracy``, ...)."""
-  return {'val_loss': means['loss'], **{f'val_{k}': v for k, v in task.loss_units(means['loss']).items()},
-          **{f'val_{k}': v for k, v in means.items() if k != 'loss'}}
+  return {
+    'val_loss': means['loss'],
+    **{f'val_{k}': v for k, v in task.loss_units(means['loss']).items()},
+    **{f'val_{k}': v for k, v in means.items() if k != 'loss'},
+  }
 
 
 class Task:
@@ -120,6 +126,7 @@ class Task:
 
   Every method taking ``settings`` reads only the task's own fields (:class:`TaskSettings`).
   """
+
   name: str = ''
   # The primary metric: the key of the 'eval' records and of the summary's ``final_val_*``; lower is better.
   metric: str = 'val_loss'
@@ -152,8 +159,9 @@ class Task:
     """(graphdef, one replica's parameters as a pure dict) from ``key``; jitted by the trainer."""
     raise NotImplementedError
 
-  def losses(self, graphdef: Any, params: Any, batch: Any, reg: Regularization = Regularization(),
-             label_smoothing: Any = 0.0) -> tuple[jax.Array, jax.Array]:
+  def losses(
+    self, graphdef: Any, params: Any, batch: Any, reg: Regularization = Regularization(), label_smoothing: Any = 0.0
+  ) -> tuple[jax.Array, jax.Array]:
     """(training loss, plain cross-entropy) of one replica's batch; the controller compares the second."""
     raise NotImplementedError
 
@@ -176,5 +184,6 @@ class Task:
 
 def stack_examples(tree: Any, num_replicas: int, per_replica: int) -> Any:
   """The first ``num_replicas * per_replica`` examples of every leaf as ``[N, per_replica, ...]``."""
-  return jax.tree.map(lambda a: np.asarray(a)[:num_replicas * per_replica].reshape(
-      (num_replicas, per_replica) + np.shape(a)[1:]), tree)
+  return jax.tree.map(
+    lambda a: np.asarray(a)[: num_replicas * per_replica].reshape((num_replicas, per_replica) + np.shape(a)[1:]), tree
+  )

@@ -26,9 +26,9 @@ class LanguageModel(base.Task):
   # 'blocks/0/attn/qkv/kernel'): the byte embedding and positions, the biases and norm scales
   # (no weight decay), and the attention/MLP weight matrices.
   param_groups = {
-      'embedding': r'^(embed|pos)(/|$)',
-      'no_decay': r'(bias|scale)$',
-      'weights': r'^blocks/.*kernel$',
+    'embedding': r'^(embed|pos)(/|$)',
+    'no_decay': r'(bias|scale)$',
+    'weights': r'^blocks/.*kernel$',
   }
   explorable = ('dropout', 'attn_temperature')
   tensor_rules = model_lib.TENSOR_RULES
@@ -40,8 +40,10 @@ class LanguageModel(base.Task):
       raise base.TaskError(f'model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads}.')
     corpus = settings.data.corpus
     if corpus not in input_pipeline.CORPORA:
-      raise base.TaskError(f'data.corpus must be one of {", ".join(map(repr, input_pipeline.CORPORA))}, '
-                           f'got {corpus!r} (or set data.path to a UTF-8 text file).')
+      raise base.TaskError(
+        f'data.corpus must be one of {", ".join(map(repr, input_pipeline.CORPORA))}, '
+        f'got {corpus!r} (or set data.path to a UTF-8 text file).'
+      )
 
   def check_tensor_parallel(self, settings: base.TaskSettings, tensor: int) -> None:
     model_lib.check_tensor_parallel(settings.model, settings.data.seq_len, tensor)
@@ -57,9 +59,11 @@ class LanguageModel(base.Task):
       raise base.TaskError(str(e)) from None
     probes = settings.probe_windows
     return base.TaskData(
-        batches=batches, eval_batch=val_windows,
-        probe=lambda index: input_pipeline.probe_windows(train, d.seq_len, probes, settings.seed, index),
-        description=f'{len(train):,} train / {len(val):,} validation bytes')
+      batches=batches,
+      eval_batch=val_windows,
+      probe=lambda index: input_pipeline.probe_windows(train, d.seq_len, probes, settings.seed, index),
+      description=f'{len(train):,} train / {len(val):,} validation bytes',
+    )
 
   def abstract_model(self, settings: base.TaskSettings) -> tuple[Any, Any]:
     return model_lib.abstract_model(settings.model, settings.data.seq_len)

