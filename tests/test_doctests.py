@@ -1,7 +1,7 @@
 """Every ``>>>`` example in the core's docstrings (the top-level modules hdet_jax/*.py) runs and shows its output.
 
 The examples run in this process, so on conftest.py's 8 simulated CPU devices (the replica examples' meshes use
-them). The trainer (hdet_jax/trainer) is not the core: its docstrings are not run here.
+them). The trainer's modules with examples (hdet_jax/trainer: the schema, the process helpers) run too.
 """
 
 import doctest
@@ -48,3 +48,21 @@ def test_every_module_with_examples_is_counted():
   counts = {name: _examples(importlib.import_module(name)) for name in MODULES}
   assert {name for name, n in counts.items() if n} == set(EXAMPLES)
   assert sum(counts.values()) >= sum(EXAMPLES.values())
+
+
+# The trainer's modules that hold examples, and how many.
+TRAINER_EXAMPLES = {'hdet_jax.trainer.schema': 2, 'hdet_jax.trainer.process': 1}
+
+
+@pytest.mark.parametrize('name', sorted(TRAINER_EXAMPLES))
+def test_the_trainers_docstring_examples_run(name):
+  module = importlib.import_module(name)
+  result = doctest.testmod(module, optionflags=FLAGS, report=True)
+  assert result.failed == 0 and result.attempted == TRAINER_EXAMPLES[name], result
+  trainer = pathlib.Path(hdet_jax.__file__).parent / 'trainer'
+  holding = {
+    'hdet_jax.' + '.'.join(p.relative_to(trainer.parent).with_suffix('').parts)
+    for p in trainer.rglob('*.py')
+    if '>>> ' in p.read_text()
+  }
+  assert holding == set(TRAINER_EXAMPLES)
