@@ -226,7 +226,8 @@ def bench_fixed_work(size_name, runners, graphdef=None, shape=None, mesh=None):
     u = fixed_counts(unpacked)
     say(
       f'fixed[{size_name}] the same with the HDETState unpacked (before issue 27): '
-      f'{u.get("parameter", 0)} vs {p.get("parameter", 0)} input buffers ({u.get("parameter", 0) - p.get("parameter", 0):+d}), '
+      f'{u.get("parameter", 0)} vs {p.get("parameter", 0)} input buffers '
+      f'({u.get("parameter", 0) - p.get("parameter", 0):+d}), '
       f'{u.get("copy", 0)} vs {p.get("copy", 0)} copies; {u["leaves"]} vs {p["leaves"]} leaves'
     )
   TABLES.setdefault('fixed', []).append(
@@ -331,9 +332,11 @@ def bench_memory(size_name, steps=6):
       )
     say(
       f'memory[{size_name}] {hv}/{pv}: peak host RSS {h["peak_kib"] / 1024:.0f}/{p["peak_kib"] / 1024:.0f} MiB '
-      f'= {rss:.4f}; RSS after the run {h["current_kib"] / 1024:.0f}/{p["current_kib"] / 1024:.0f} MiB = {cur:.4f}; RSS growth after imports {grow_h / 1024:.0f}/{grow_p / 1024:.0f} MiB = {grow_h / grow_p:.4f}; '
+      f'= {rss:.4f}; RSS after the run {h["current_kib"] / 1024:.0f}/{p["current_kib"] / 1024:.0f} MiB = {cur:.4f}; '
+      f'RSS growth after imports {grow_h / 1024:.0f}/{grow_p / 1024:.0f} MiB = {grow_h / grow_p:.4f}; '
       f'params+opt state {h["state_bytes"]}/{p["state_bytes"]} B = {st:.5f}; '
-      f'compiled step footprint (args+out+temp-alias, largest program) {prog["h"]}/{prog["p"]} B = {prog["h"] / prog["p"]:.4f}'
+      f'compiled step footprint (args+out+temp-alias, largest program) {prog["h"]}/{prog["p"]} B = '
+      f'{prog["h"] / prog["p"]:.4f}'
     )
     dev = _device_peak_ratio(h, p)
     if dev is not None:
@@ -492,7 +495,7 @@ def bench_trainer(steps):
 # ------------------------------------------------------------------------------------------------
 def machine() -> str:
   try:
-    cpu = [l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')][0]
+    cpu = [line.split(':', 1)[1].strip() for line in open('/proc/cpuinfo') if line.startswith('model name')][0]
   except Exception:
     cpu = platform.processor() or 'unknown CPU'
   mem = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30
@@ -577,7 +580,8 @@ SECTIONS = [
       'peak device memory in use',
     ],
     'Target: at most 1.05. CPU: host RSS (`VmHWM` / `VmRSS` of the child process); the 8 simulated '
-    'devices live in host RAM. GPU: also the device allocator\'s `memory_stats()["peak_bytes_in_use"]`. The donating variants run the trainer\'s way: every program compiled '
+    'devices live in host RAM. GPU: also the device allocator\'s `memory_stats()["peak_bytes_in_use"]`. '
+    "The donating variants run the trainer's way: every program compiled "
     "before the first step, then the compiler's freed heap returned to the OS "
     '(`process.release_host_memory`, glibc `malloc_trim`); the others compile lazily and release nothing. '
     'The compiled footprint is `memory_analysis()` of the larger of the step programs '

@@ -371,7 +371,7 @@ def machine() -> str:
   cpu = platform.processor() or 'unknown CPU'
   try:
     with open('/proc/cpuinfo') as f:
-      cpu = next(l.split(':', 1)[1].strip() for l in f if l.startswith('model name'))
+      cpu = next(line.split(':', 1)[1].strip() for line in f if line.startswith('model name'))
   except (OSError, StopIteration):
     pass
   return (

@@ -281,7 +281,8 @@ def main():
   if args.out:
     with open(args.out, 'w', encoding='utf-8') as f:
       f.write(
-        f'# Replica groups: FSDP and tensor parallel inside ({jax.devices()[0].platform}, {jax.device_count()} devices)\n\n'
+        '# Replica groups: FSDP and tensor parallel inside '
+        f'({jax.devices()[0].platform}, {jax.device_count()} devices)\n\n'
         f'`python -m benchmarks.mesh2d{" --time " + str(args.time) if args.time else ""}`\n\n{text}\n'
       )
 

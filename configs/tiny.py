@@ -1,7 +1,7 @@
 """python train.py --config configs/tiny.py --workdir workdirs/tiny
 
-A few-second smoke run for tests: full HDET (spread, averaging every 8 steps, auto-LR from the
-sync at step 16) on a one-block model, 40 steps. Step 20 falls mid-fan-out (replicas differ). Everything not set here is as in default.py.
+A few-second smoke run for tests: full HDET (spread, averaging every 8 steps, auto-LR from the sync at step 16) on a
+one-block model, 40 steps. Step 20 falls mid-fan-out (replicas differ). Everything not set here is as in default.py.
 """
 
 from hdet_jax.trainer.config_lib import sibling

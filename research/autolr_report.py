@@ -314,7 +314,8 @@ def _markdown(results: dict, all_runs: dict, quick: bool, task: dict) -> str:
           'The signal each controller compares (first seed): per sync, the least-squares slope of the compared '
           'losses on the LR offset, as the loss difference across the spread, against its standard error.',
           '',
-          '| variant | start | syncs | median abs difference (nats) | median noise (nats) | median ratio | syncs with ratio > 2 |',
+          '| variant | start | syncs | median abs difference (nats) | median noise (nats) | median ratio | '
+          'syncs with ratio > 2 |',
           '|---|---|---|---|---|---|---|',
         ]
         + sig_rows

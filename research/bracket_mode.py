@@ -7,8 +7,8 @@ its points were the sweep's grid. Here the mode trains its own: 8 plain runs a f
 its points are not the sweep's (from 10x low they reach 1.13x the best; from the best 0.088-11.3x; from 10x high
 0.88-113x), halved at 0.1 (4 kept) and 0.3 (1 kept) of the run, ranked by the mean training loss of the 10 steps
 before. 2.3 runs of compute. (``configs/bracket.py``'s rungs then; since the twenty-third pass it keeps 5 at 0.1,
-whose brackets ``research.wider_rung`` composes from these.) Each bracket's final metric is compared, as 3-seed means, with the sweep's best
-3-seed mean and with the default HDET's from the same start (``results/workloads.json``).
+whose brackets ``research.wider_rung`` composes from these.) Each bracket's final metric is compared, as 3-seed means,
+with the sweep's best 3-seed mean and with the default HDET's from the same start (``results/workloads.json``).
 
     python -m research.bracket_mode                  # train what is missing (cached, resumable), then report
     python -m research.bracket_mode --cells lm:750:adamw --report-only

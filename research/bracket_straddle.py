@@ -290,15 +290,17 @@ def _probe_lines(probes: list[dict]) -> list[str]:
     '## What the first rung cut: the point just below the kept one, trained as the bracket trains it',
     '',
     "Where a bracket from the best or from 10x high kept the lowest of its first rung's survivors, the point just "
-    'below it was cut there. Here that point is trained as the bracket trains it (its config and seed, stopped at the last '
+    'below it was cut there. Here that point is trained as the bracket trains it '
+    '(its config and seed, stopped at the last '
     "rung; the statistic is the bracket's: the mean training loss of the 10 steps before the rung) and its loss "
     "at each rung set beside the bracket's records: at the first rung the bracket's own for that point (bit "
     'for bit, else marked "differs": a record made on another CPU rounds differently), at the last the kept '
-    'point\'s. "Ends lower": of the cut and the kept point trained to the end, the straddle\'s plain runs above or, where '
+    'point\'s. "Ends lower": of the cut and the kept point trained to the end, '
+    "the straddle's plain runs above or, where "
     'the last rung would have kept the cut point, both trained here as the bracket trains its winner (cut / kept).',
     '',
-    '| cell, start, seed | first rung kept (x the best) | cut point | its first-rung loss: here / bracket | its last-rung '
-    'loss | kept point there | the last rung would keep | ends lower |',
+    '| cell, start, seed | first rung kept (x the best) | cut point | its first-rung loss: here / bracket | '
+    'its last-rung loss | kept point there | the last rung would keep | ends lower |',
     '|---|---|---|---|---|---|---|---|',
   ]
   for p in probes:
@@ -367,7 +369,8 @@ def write_report(out_dir: str, rows: list[dict], quick: bool, probes: list[dict]
     "one-cycle run, as the sweep trains its grid; gaps are 3-seed means against the sweep's best 3-seed mean. "
     'The reading is in `research/workloads_discussion.md` (twentieth and twenty-first passes).',
     '',
-    '| cell | sweep best | 0.71x per seed | 0.71x gap | 1.41x per seed | 1.41x gap | bracket from the best: kept, gap |',
+    '| cell | sweep best | 0.71x per seed | 0.71x gap | 1.41x per seed | 1.41x gap | '
+    'bracket from the best: kept, gap |',
     '|---|---|---|---|---|---|---|',
   ]
   for r in rows:

@@ -622,7 +622,8 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
     "replicas' RMS distance from their mean just before a sync, relative to the mean's norm (the last "
     'sync, and the mean over syncs). Spread 0 is the control: identical replicas, whose average differs from '
     'each by rounding only, so what it shows is the run-to-run noise a perturbation of one ulp sets off, not '
-    'the ensemble; "above spread 0" is the price less that control\'s on the same seeds (mean ± se of the paired differences).',
+    'the ensemble; "above spread 0" is the price less that control\'s on the same seeds '
+    '(mean ± se of the paired differences).',
     '',
     '| workload | steps | optim | spread | T | price (mean ± se over seeds) | per seed | distance last / mean '
     '| above spread 0 |',
@@ -797,7 +798,7 @@ def _leaders_table(results: dict) -> list[str]:
     '|---|---|---|---|---|---|',
   ]
   for w, steps, optim, c in rows:
-    per = ', '.join(f'{l["step"]}: {l["lr"] / c["final_lr"]:g}x' for l in c['leaders'])
+    per = ', '.join(f'{leader["step"]}: {leader["lr"] / c["final_lr"]:g}x' for leader in c['leaders'])
     lines.append(
       f'| {w} | {steps} | {optim} | {len(c["lrs"])} ({c["lrs"][0]:g}-{c["lrs"][-1]:g}) | {c["final_lr"]:g} | {per} |'
     )

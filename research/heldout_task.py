@@ -57,8 +57,8 @@ CHECKS = {
 }
 OPTIM, SEEDS = 'adamw', (0, 1, 2)
 STARTS = bracket_mode.STARTS
-# configs/default.py's bracket, pinned so that the records stay this bracket's (research/tests/test_heldout_task.py checks
-# that it is the default).
+# configs/default.py's bracket, pinned so that the records stay this bracket's (research/tests/test_heldout_task.py
+# checks that it is the default).
 BRACKET = {'bracket.points': 8, 'bracket.factor': 2.0, 'bracket.rungs': '0.1:5,0.3:1', 'bracket.compare_steps': 10}
 # The brackets' kinds of record: the default. (The records ``annealed_<start>_s<seed>``, the same bracket with its last
 # rung ranking copies annealed over 0.1 of the run, bracket.anneal, were the annealed_rung study's, retired in 1.0 with
@@ -133,8 +133,8 @@ def anchor_lr(site: Site) -> float | None:
 
 def config_for(name: str, site: Site, lr: float | None = None):
   """A run's config: ``grid_lr<lr>_s<seed>``, ``hdet_<start>_s<seed>``, ``bracket_<start>_s<seed>`` (the default
-  bracket), or the narrower bracket's kept run ``end_lr<lr>_at_<start>_s<seed>`` (``lr`` given, exactly: that point of the bracket, trained to
-  the end)."""
+  bracket), or the narrower bracket's kept run ``end_lr<lr>_at_<start>_s<seed>`` (``lr`` given, exactly: that point of
+  the bracket, trained to the end)."""
   from hdet_jax.trainer import bracket, config_lib
 
   kind, rest = name.split('_', 1)

@@ -297,20 +297,22 @@ def _eight_seed_lines(rows: dict, eight: dict) -> list[str]:
     '',
     '## Eight seeds',
     '',
-    f"The default bracket (`{DEFAULT_BRACKET['bracket.rungs']}`) trained on the sweep's fresh seeds 3-7 too (records in "
+    f"The default bracket (`{DEFAULT_BRACKET['bracket.rungs']}`) trained on the sweep's fresh seeds 3-7 too "
+    '(records in '
     "`results/last_rung/runs/`), against the sweep's best over the same 8 seeds (among its LRs recorded on all 8), "
     "paired by seed; the 3-seed gap is the table's above. The last column: the default HDET from the same start on the "
     "same 8 seeds (`results/workloads/runs/`, the ninth pass's fresh seeds).",
     '',
-    "| cell | start | sweep's best, 8 seeds | 3-seed gap | 8-seed gap ± se | verdict | kept (x the first-seed best), seeds 0-7 | "
-    'default HDET, 8 seeds ± se |',
+    "| cell | start | sweep's best, 8 seeds | 3-seed gap | 8-seed gap ± se | verdict | kept (x the first-seed best), "
+    'seeds 0-7 | default HDET, 8 seeds ± se |',
     '|---|---|---|---|---|---|---|---|',
   ]
   for cell, e in eight.items():
     for start, r in e['starts'].items():
       g = {'gap': r['gap'], 'se': r['se']}
       lines.append(
-        f'| {cell} | {start} | {np.mean(e["sweep"]):.4g} at {e["sweep_lr"]:g} | {_gap_text(rows[cell][start]["kept"])} | '
+        f'| {cell} | {start} | {np.mean(e["sweep"]):.4g} at {e["sweep_lr"]:g} | '
+        f'{_gap_text(rows[cell][start]["kept"])} | '
         f'{_gap_text(g)} | {verdict(g)} | {" / ".join(f"{x:.3g}" for x in r["kept_x"])} | {_gap_text(r.get("hdet"))} |'
       )
       tally[verdict(g)] += 1

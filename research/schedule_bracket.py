@@ -370,7 +370,8 @@ def write_report(out_dir: str, results: dict, quick: bool) -> list[str]:
     "one-cycle (`results/workloads.md`, this machine's CPU). "
     'Cells marked with a GPU were trained there (sweep and HDET alike); the rest on the CPU.',
     '',
-    '| workload | steps | optim | best LR (cosine) | best (cosine) | best LR / best (one-cycle, CPU) | HDET low / best / '
+    '| workload | steps | optim | best LR (cosine) | best (cosine) | best LR / best (one-cycle, CPU) | '
+    'HDET low / best / '
     "high (cosine) | its scale at the end (x best LR) | against one-cycle's best | HDET under one-cycle |",
     '|---|---|---|---|---|---|---|---|---|---|',
   ]

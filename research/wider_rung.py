@@ -342,7 +342,8 @@ def write_report(out_dir: str, rows: dict, quick: bool) -> str:
   name = lambda k: f'{n}-{first[1] + k}-{last[1]}'
   c = {k: compute_runs(next(iter(rows), QUICK_CELL), k, quick) for k in (0,) + EXTRA}
   lines = [
-    f'# A wider first rung: the bracket keeping {first[1] + k1} or {first[1] + k2} of its {n} points at {first[0]:g} of the run',
+    f'# A wider first rung: the bracket keeping {first[1] + k1} or {first[1] + k2} of its {n} points at {first[0]:g} '
+    'of the run',
     '',
     f'Made by `python -m research.wider_rung{" --quick" if quick else ""}` (records in `results/wider_rung/runs/`). '
     f'Each bracket of `results/bracket_mode.md` ({n} points a factor {b["bracket.factor"]:g} apart; {first[1]} kept at '
@@ -354,13 +355,13 @@ def write_report(out_dir: str, rows: dict, quick: bool) -> str:
     "not the record's bit for bit (a record made on another CPU; fine-tuning's pretrained checkpoint, retrained "
     'here): the kept point is then retrained to the last rung here, and where it is replaced, to the end too, '
     "and the new point's final enters as the record's plus the difference of the two ends trained here (the "
-    "last column: the kept point's end as recorded and as trained here). The reading is in `research/workloads_discussion.md` "
-    '(twenty-second pass).',
+    "last column: the kept point's end as recorded and as trained here). The reading is in "
+    '`research/workloads_discussion.md` (twenty-second pass).',
     '',
   ]
   header = [
-    f"| cell | start | sweep best | {name(0)} gap | {name(k1)} gap (changed) | {name(k2)} gap (changed) | {name(k2)} kept (x the sweep's first-seed best), "
-    "per seed | footing | kept point's end: record / here, where replaced |",
+    f'| cell | start | sweep best | {name(0)} gap | {name(k1)} gap (changed) | {name(k2)} gap (changed) | {name(k2)} '
+    "kept (x the sweep's first-seed best), per seed | footing | kept point's end: record / here, where replaced |",
     '|---|---|---|---|---|---|---|---|---|',
   ]
   lines += header

@@ -155,9 +155,10 @@ def plain_runner(
 
 def record_variant(variant: str, workload: str, steps: int) -> str:
   """The variant whose records hold ``variant``'s runs of ``workload`` at ``steps``: itself, or the first of
-  SAME_RUNS_FROM (before it, if it is one) that trains the same config there (the same fields but the two that set the windows, and the same
-  windows). The default's 15 syncs of at most 100 steps are fit_K15's windows below 1500 steps and autolr.py's
-  T=100 from 1500 on: those records are its runs, bit for bit (research/tests/test_workloads.py checks one)."""
+  SAME_RUNS_FROM (before it, if it is one) that trains the same config there (the same fields but the two that set the
+  windows, and the same windows). The default's 15 syncs of at most 100 steps are fit_K15's windows below 1500 steps and
+  autolr.py's T=100 from 1500 on: those records are its runs, bit for bit (research/tests/test_workloads.py checks
+  one)."""
   from hdet_jax.trainer import config_lib, run_settings, schema
 
   def trained(v, optim):
@@ -408,7 +409,8 @@ def write_report(
     lines += [
       f'## {workload}',
       '',
-      '| steps | optim | sweep best (n) | HDET 10x low (n) | HDET best LR | HDET 10x high | peak LR low / best / high |',
+      '| steps | optim | sweep best (n) | HDET 10x low (n) | HDET best LR | HDET 10x high | '
+      'peak LR low / best / high |',
       '|---|---|---|---|---|---|---|',
     ]
     for steps, by_optim in sorted(by_steps.items(), key=lambda kv: int(kv[0])):

@@ -48,10 +48,12 @@ def _profile(tmp_path, run):
   assert proc.returncode == 0, proc.stdout + proc.stderr
   lines = report.read_text().splitlines()
   programs = {
-    l.split()[-1]: int(l.split()[2]) for l in lines if l.strip().startswith(tuple('0123456789')) and 'jit(' in l
+    line.split()[-1]: int(line.split()[2])
+    for line in lines
+    if line.strip().startswith(tuple('0123456789')) and 'jit(' in line
   }
-  misses = [int(l.split()[2]) for l in lines if l.rstrip().endswith('test_tiny.py')]
-  assert lines[0].startswith('XLA compiles in process') and sum('XLA compiles' in l for l in lines) == 1
+  misses = [int(line.split()[2]) for line in lines if line.rstrip().endswith('test_tiny.py')]
+  assert lines[0].startswith('XLA compiles in process') and sum('XLA compiles' in line for line in lines) == 1
   return programs, misses, int(lines[0].split()[-2])
 
 

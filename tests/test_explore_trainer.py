@@ -80,7 +80,7 @@ def test_explore_run_end_to_end(tmp_path):
   config.plots = True
   workdir = str(tmp_path / 'run')
   train_and_evaluate(config, workdir)
-  recs = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  recs = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
   names = [r for r in recs if r['kind'] == 'hyperparams'][0]['names']
   assert len(names) == 6
   train = [r for r in recs if r['kind'] == 'train']
@@ -107,7 +107,7 @@ def test_common_batch_score_removes_the_dropout_bias(tmp_path, score):
   config.eval_every, config.checkpoint_every, config.plots = 0, 0, False
   workdir = str(tmp_path / score)
   train_and_evaluate(config, workdir)
-  recs = [json.loads(l) for l in open(os.path.join(workdir, 'metrics.jsonl'))]
+  recs = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
   names = [r for r in recs if r['kind'] == 'hyperparams'][0]['names']
   syncs = [r for r in recs if r['kind'] == 'controller']
   assert [r['step'] for r in syncs] == [7, 15]

@@ -61,10 +61,10 @@ def _expected(recs):
   fit = recs['hyperparams'][-1].get('controller') == 'fit'
   for r in recs['controller']:
     s = r['step']
-    for i, (w, l) in enumerate(zip(r['weights'], r['window_losses'])):
+    for i, (w, loss) in enumerate(zip(r['weights'], r['window_losses'])):
       if not fit:  # the softmax weights are the paper's controller's; 'fit' has none
         out[(f'controller/weight/replica_{i}', s)] = w
-      out[(f'controller/window_loss/replica_{i}', s)] = l
+      out[(f'controller/window_loss/replica_{i}', s)] = loss
     for g, name in enumerate(names):
       if fit:  # the line search's own quantities, named as in plots/controller.png
         out[(f'controller/lr_correction/{name}', s)] = math.exp(r['corrections'][g])

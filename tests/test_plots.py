@@ -142,7 +142,7 @@ def test_fit_controller_figure_shows_its_own_quantities(tmp_path):
   run = plots._RunArrays(metrics.read_metrics(str(tmp_path / 'metrics.jsonl')), plt)  # pylint: disable=protected-access
   fig = plots._controller_figure(run, plt)  # pylint: disable=protected-access
   top, steps_ax, slope_ax, gain_ax = fig.axes[:4]
-  lines = {l.get_label(): l for ax in fig.axes for l in ax.get_lines()}
+  lines = {line.get_label(): line for ax in fig.axes for line in ax.get_lines()}
   np.testing.assert_allclose(lines['the schedule alone'].get_ydata(), schedule, rtol=1e-6)
   np.testing.assert_allclose(lines['correction after the sync'].get_ydata(), 0.1 * np.exp(np.cumsum(taken)), rtol=1e-6)
   np.testing.assert_allclose(lines['asked (LR)'].get_ydata(), asks)
@@ -157,11 +157,11 @@ def test_fit_controller_figure_shows_its_own_quantities(tmp_path):
   # The sync that backed off (29) and the one where the climb settled (39) are marked on every panel.
   for ax in (top, steps_ax, slope_ax, gain_ax):
     assert sorted(
-      l.get_xdata()[0]
-      for l in ax.get_lines()
-      if l.get_linestyle() in (':', '--')
-      and l.get_xdata()[0] == l.get_xdata()[-1]
-      and l.get_label() != 'the schedule alone'
+      line.get_xdata()[0]
+      for line in ax.get_lines()
+      if line.get_linestyle() in (':', '--')
+      and line.get_xdata()[0] == line.get_xdata()[-1]
+      and line.get_label() != 'the schedule alone'
     ) == [29, 39]
   assert lines['back-off'].get_xdata()[0] == 29 and lines['settled (LR): no spread after'].get_xdata()[0] == 39
   plt.close(fig)
@@ -171,7 +171,7 @@ def test_fit_controller_figure_shows_its_own_quantities(tmp_path):
   _, asks, taken, slope, _, gain = _fit_run(str(tmp_path / 'settled'), settle_at=29)
   run = plots._RunArrays(metrics.read_metrics(str(tmp_path / 'settled' / 'metrics.jsonl')), plt)  # pylint: disable=protected-access
   fig = plots._controller_figure(run, plt)  # pylint: disable=protected-access
-  lines = {l.get_label(): l for ax in fig.axes for l in ax.get_lines()}
+  lines = {line.get_label(): line for ax in fig.axes for line in ax.get_lines()}
   stale = np.array([False, False, False, True])  # syncs 9, 19, 29 (settles), 39
   for label, recorded in (('asked (LR)', asks), ('gain (LR)', gain)):
     np.testing.assert_array_equal(np.isnan(lines[label].get_ydata()), stale)
@@ -185,7 +185,7 @@ def test_fit_controller_figure_shows_its_own_quantities(tmp_path):
   _write_run(str(tmp_path / 'paper'))
   run = plots._RunArrays(metrics.read_metrics(str(tmp_path / 'paper' / 'metrics.jsonl')), plt)  # pylint: disable=protected-access
   fig = plots._controller_figure(run, plt)  # pylint: disable=protected-access
-  assert {'delta (eq. 6)', 'velocity (eq. 7)', 'w7'} <= {l.get_label() for ax in fig.axes for l in ax.get_lines()}
+  assert {'delta (eq. 6)', 'velocity (eq. 7)', 'w7'} <= {line.get_label() for ax in fig.axes for line in ax.get_lines()}
   plt.close(fig)
 
 

@@ -717,8 +717,8 @@ def _backoff_corrections(
 ):
   """The 'fit' correction and the recorded mean training loss after each sync of windows whose per-step
   training loss is ``window_losses[k] + 0.01 r + noise * d_j`` on replica r at the window's step j
-  (d = 1, -1, 1, -1, 0: mean 0; ``noise_by_window[k]`` in place of ``noise`` if given), each sync scored on a bowl in the offset u,
-  (u - 0.05)^2 (every fit asks for a larger LR)."""
+  (d = 1, -1, 1, -1, 0: mean 0; ``noise_by_window[k]`` in place of ``noise`` if given), each sync scored on a bowl in
+  the offset u, (u - 0.05)^2 (every fit asks for a larger LR)."""
   tx = H.hdet(
     optax.sgd,
     1e-2,
@@ -778,8 +778,10 @@ def test_backoff_steps_down_by_trust_where_the_window_training_loss_rose(rise_on
   # The controller records what the fit asked, not what was taken: up, at the back-offs too.
   np.testing.assert_allclose([a for _, _, a, *_ in plain], fitted, rtol=1e-5)
   np.testing.assert_allclose([a for _, _, a, *_ in backed][2], fitted[2], rtol=1e-2)
-  np.testing.assert_allclose([l for _, l, *_ in backed[:4]], np.asarray(losses[:4]) + 0.01 * (N - 1) / 2, rtol=1e-6)
-  assert np.isnan(backed[4][1]) and all(np.isnan(l) for _, l, *_ in plain)  # off: not even recorded
+  np.testing.assert_allclose(
+    [loss for _, loss, *_ in backed[:4]], np.asarray(losses[:4]) + 0.01 * (N - 1) / 2, rtol=1e-6
+  )
+  assert np.isnan(backed[4][1]) and all(np.isnan(loss) for _, loss, *_ in plain)  # off: not even recorded
   # Whether each sync backed off (what a trainer's rollback reads): exactly at the rise and the NaN.
   assert [b for *_, b, _ in backed] == [False, False, True, False, True]
   assert not any(b for *_, b, _ in plain)

@@ -93,8 +93,8 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
   state.pop('anchor', None)
   state['opt_state'] = jax.jit(jax.vmap(lambda p, s: programs.unpack(tx, p, s)))(state['params'], state['opt_state'])
   # Format 6 adds three controller fields the reference predates (the fit's asked step, its slope's stderr and the
-  # window's training loss), format 7 the window's squared loss changes, the last loss, the training loss's stderr and the back-off flag,
-  # format 8 the settled flags.
+  # window's training loss), format 7 the window's squared loss changes, the last loss, the training loss's stderr and
+  # the back-off flag, format 8 the settled flags.
   added = (
     '.asked',
     '.stderr',
@@ -112,8 +112,8 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
 def test_lm_runs_bit_for_bit_as_before_the_seam(tmp_path):
   """configs/tiny.py's losses, evaluations and step-40 checkpoint fingerprint equal those recorded by the trainer
   before the task seam (bitwise on the processor that recorded them; XLA:CPU rounds differently on others,
-  so there the losses and evaluations to float32 rounding). The state's fingerprint is taken in the layout it was recorded in (the
-  optimizer state unpacked, see unpacked_fingerprint); the averaged parameters' as saved."""
+  so there the losses and evaluations to float32 rounding). The state's fingerprint is taken in the layout it was
+  recorded in (the optimizer state unpacked, see unpacked_fingerprint); the averaged parameters' as saved."""
   ref = json.load(open(REFERENCE, encoding='utf-8'))
   workdir = str(tmp_path / 'lm')
   summary = train_and_evaluate(_config(TINY, plots=False, tensorboard=False), workdir)

@@ -46,10 +46,10 @@ def per_device(mesh: Mesh, num_replicas: int) -> int:
 
 
 def make_mesh(num_replicas: int, fsdp: int = 1, tensor: int = 1, devices: int | None = None) -> Mesh:
-  """``('data',)`` over the first ``devices`` devices (default ``num_replicas``: one replica each), or with groups ``('data', 'fsdp', 'tensor')``
-  (axes of size 1 left out) over the first N x F x K: group r is devices r*F*K .. (r+1)*F*K-1,
-  neighbours, which share the fastest links on real hardware and carry the every-step traffic (the
-  tensor axis innermost: its all-reduces run in every layer). Auto axis types."""
+  """``('data',)`` over the first ``devices`` devices (default ``num_replicas``: one replica each), or with groups
+  ``('data', 'fsdp', 'tensor')`` (axes of size 1 left out) over the first N x F x K: group r is devices
+  r*F*K .. (r+1)*F*K-1, neighbours, which share the fastest links on real hardware and carry the every-step traffic
+  (the tensor axis innermost: its all-reduces run in every layer). Auto axis types."""
   sizes = [(a, k) for a, k in ((INNER, fsdp), (TENSOR, tensor)) if k > 1]
   shape = ((devices or num_replicas) if not sizes else num_replicas,) + tuple(k for _, k in sizes)
   devices = np.asarray(jax.devices()[: int(np.prod(shape))]).reshape(shape)

@@ -11,9 +11,10 @@ Records in ``WORKDIR/metrics.jsonl`` carry a ``kind``:
   fitted slope for 'fit'), and the 'fit' controller's ``corrections`` (its log-correction of the schedule
   after the step), ``asks`` (the fitted step before gain, rise-only rule and trust region), ``stderrs`` (the
   slope's standard error), ``gains``, ``train_loss`` and ``train_loss_se`` (the replicas' mean training loss
-  over the window and its standard error, with ``hdet.backoff``; absent without), and ``backed_off: true`` where the back-off stepped the LR down
-  (with ``hdet.rollback`` the replicas then returned to the previous sync's state), and with ``hdet.settle``
-  ``settled`` (per hyperparameter, whether its climb has ended and its replicas train unspread) once any has;
+  over the window and its standard error, with ``hdet.backoff``; absent without), and ``backed_off: true`` where the
+  back-off stepped the LR down (with ``hdet.rollback`` the replicas then returned to the previous sync's state), and
+  with ``hdet.settle`` ``settled`` (per hyperparameter, whether its climb has ended and its replicas train unspread)
+  once any has;
 - ``distance``: one per sync step, just before the average (runs that never average: at each log
   interval): ``distance`` (each replica's L2 distance from the replicas' mean) and ``mean_norm`` (the
   mean's L2 norm);

@@ -6,9 +6,9 @@ writes ``WORKDIR/plots/loss.png`` (each replica's training loss and the averaged
 validation loss), ``lr.png`` (each replica's LR with the sync points marked, and the base LR:
 the paper's Fig. 3), ``controller.png`` (the auto-LR controller at each sync: for 'fit', the LR it trains
 with against the schedule, the step asked and taken, the slope with its standard error and the gain; for the
-paper's, its delta, velocity and softmax weights) and ``hyperparams.png`` (every explored hyperparameter, one panel each: the
-per-group LR schedules and any regularizer). train.py draws them at the end of a run; this
-redraws them. :func:`save_figure` is the one way figures are written, here and in ``research/``.
+paper's, its delta, velocity and softmax weights) and ``hyperparams.png`` (every explored hyperparameter, one panel
+each: the per-group LR schedules and any regularizer). train.py draws them at the end of a run; this redraws them.
+:func:`save_figure` is the one way figures are written, here and in ``research/``.
 """
 
 from __future__ import annotations

@@ -289,9 +289,10 @@ def make_window_end(
   argument, the common batch ``[N, W, L+1]`` (the same windows in every row): each replica's loss on
   it, with its own attention temperature and no dropout, computed before the average, is the score
   the controller compares (``tx.update(..., score=)``).
-  With ``settings.rolls_back`` (the guard's ``hdet.rollback``) a last argument, the anchor ``{'params', 'inner'}`` (one copy of the parameters and
-  wrapped optimizer state the previous sync left, see :func:`make_anchor`): where this sync's back-off fires
-  the replicas return to it (the controller keeps its new, lower LR). Take the next anchor from the outputs.
+  With ``settings.rolls_back`` (the guard's ``hdet.rollback``) a last argument, the anchor ``{'params', 'inner'}`` (one
+  copy of the parameters and wrapped optimizer state the previous sync left, see :func:`make_anchor`): where this sync's
+  back-off fires the replicas return to it (the controller keeps its new, lower LR). Take the next anchor from the
+  outputs.
 
   Run it right after the non-sync step program on a sync step: it averages the replicas and runs
   the controller (``tx.update(None, ..., sync=True)``). The step is then compiled once, and the sync

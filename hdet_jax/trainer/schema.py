@@ -223,7 +223,8 @@ FIELDS: tuple[Field, ...] = (
     'optim.name',
     'adamw',
     RUN,
-    "The optax optimizer HDET wraps: 'adamw', 'adam', 'sgd' (b1 = momentum), or, as baselines, an LR-free one: 'prodigy', 'dog', 'dadapt_adamw', 'mechanize_adam', 'schedule_free_adamw', 'adam_plateau'.",
+    "The optax optimizer HDET wraps: 'adamw', 'adam', 'sgd' (b1 = momentum), or, as baselines, an LR-free one: "
+    "'prodigy', 'dog', 'dadapt_adamw', 'mechanize_adam', 'schedule_free_adamw', 'adam_plateau'.",
     check=one_of(*OPTIMIZERS),
   ),
   Field(

@@ -907,10 +907,11 @@ def format_summary(s: dict) -> str:
   )
   lines = [
     f'Run {status}.',
-    f'  final train loss {s["final_train_loss"]:.4f} nats{more("final_train_")} (mean over replicas, last log interval)',
+    f'  final train loss {s["final_train_loss"]:.4f} nats{more("final_train_")} '
+    '(mean over replicas, last log interval)',
     val,
-    f'  {s["tokens_per_s"]:,.0f} {s.get("unit", "tokens")}/s over {s["num_replicas"]} replicas; wall time {s["wall_s"]:.1f}s '
-    f'(setup and compile {s["setup_s"]:.1f}s)',
+    f'  {s["tokens_per_s"]:,.0f} {s.get("unit", "tokens")}/s over {s["num_replicas"]} replicas; '
+    f'wall time {s["wall_s"]:.1f}s (setup and compile {s["setup_s"]:.1f}s)',
     f'  metrics: {s["metrics"]}',
     f'  checkpoints: {s["checkpoints"]}',
   ]

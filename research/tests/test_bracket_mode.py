@@ -97,7 +97,7 @@ def test_quick_trains_a_bracket_and_reports_it(tmp_path):
     'xla_flags': os.environ['XLA_FLAGS'],
   }
   assert not os.path.exists(os.path.join(str(tmp_path), 'bracket_mode', 'lm', 'steps16', 'adamw_best_s0'))
-  rows = [l for l in open(tmp_path / 'bracket_mode.md').read().splitlines() if l.startswith('| lm:16:adamw |')]
+  rows = [line for line in open(tmp_path / 'bracket_mode.md').read().splitlines() if line.startswith('| lm:16:adamw |')]
   assert len(rows) == 1 and '| best |' in rows[0] and f'| {rec["final_metric"]:.4g} |' in rows[0]
 
 

@@ -33,7 +33,9 @@ def test_quick_trains_both_neighbours_and_reports_their_records(tmp_path):
     [recs['below']['val_bpb']],
     [recs['above']['val_bpb']],
   ]
-  row = [l for l in open(tmp_path / 'bracket_straddle.md', encoding='utf-8') if l.startswith('| lm:16:adamw |')]
+  row = [
+    line for line in open(tmp_path / 'bracket_straddle.md', encoding='utf-8') if line.startswith('| lm:16:adamw |')
+  ]
   assert row == [
     f'| lm:16:adamw | - | {recs["below"]["val_bpb"]:.4g} | - | {recs["above"]["val_bpb"]:.4g} | - | -, - |\n'
   ]

@@ -183,8 +183,8 @@ def test_landings_class_the_defaults_runs_by_the_guard_and_the_peak_over_the_swe
     encoding='utf-8',
   ).read()
   assert (
-    '| lm | 400 | adamw | 5 | 1: +20.0%, 0 within 1% | 1: +10.0%, 0 within 1% | 2: +2.7%, 1 within 1% | 1: +inf%, 0 within 1% |'
-    in report
+    '| lm | 400 | adamw | 5 | 1: +20.0%, 0 within 1% | 1: +10.0%, 0 within 1% | 2: +2.7%, 1 within 1% | 1: +inf%, 0 '
+    'within 1% |' in report
   )
 
 
@@ -432,7 +432,7 @@ def test_sweep_leaders_rank_the_plain_runs_at_every_evaluation(tmp_path):
     )
   got = cp.sweep_leaders(folder, 'adamw')
   assert got['lrs'] == [0.005, 0.01, 0.02] and got['final_lr'] == 0.01
-  assert [(l['step'], l['lr']) for l in got['leaders']] == [(100, 0.02), (200, 0.01), (300, 0.01)]
+  assert [(leader['step'], leader['lr']) for leader in got['leaders']] == [(100, 0.02), (200, 0.01), (300, 0.01)]
   report = open(
     cp.write_report(
       str(tmp_path / 'out'), {'lm': {'300': {'adamw': {'climb': None, 'price': {}, 'leaders': got}}}}, False
@@ -474,9 +474,9 @@ def test_first_asks_read_the_first_sync_of_the_stretched_probe(tmp_path):
 
 
 def test_wide_fan_reads_the_best_replica_of_the_first_sync(tmp_path):
-  """Per gradient and start, over open_first30_wide runs (own gradients: the _lowcomm ones): the best replica's peak LR (start x its multiplier, the multiplier being
-  its LR over the fan's geometric centre) over the sweep's best (0.01), the replica nearest 0.01 scored against the
-  best (%), the non-finite scores; the narrow probe's runs are not read."""
+  """Per gradient and start, over open_first30_wide runs (own gradients: the _lowcomm ones): the best replica's peak LR
+  (start x its multiplier, the multiplier being its LR over the fan's geometric centre) over the sweep's best (0.01),
+  the replica nearest 0.01 scored against the best (%), the non-finite scores; the narrow probe's runs are not read."""
   folder = str(tmp_path)
   _write(folder, 'grid_lr0.01_s0', {'config': _config(**{'optim.max_lr': 0.01}), 'val_bpb': 2.0})
   rho = 2.0 ** (np.arange(8) - 3.5)

@@ -36,7 +36,7 @@ def test_a_starts_run_from_another_sweep_best_is_not_read(tmp_path):
   assert exp.load(hdet_best, True, str(tmp_path)) is None
   lines = exp.report(True, str(tmp_path))
   assert f'| {hdet_best} | | not trained | | | |' in lines
-  assert any(l.startswith(f'| grid_lr{low:g} | {low:.4g} | 2.0000 | +33.3% |') for l in lines)
+  assert any(line.startswith(f'| grid_lr{low:g} | {low:.4g} | 2.0000 | +33.3% |') for line in lines)
 
 
 def test_the_full_sweep_extends_below_autolrs_grid():
@@ -83,7 +83,9 @@ def test_seed_summary_pairs_each_start_with_the_sweeps_best_lr_over_the_seeds(tm
   r = got['runs']['hdet_low']
   assert r['gap'] == pytest.approx(np.mean(hdet) / np.mean(sweep[low]) - 1)
   assert r['se'] == pytest.approx(np.std(per_seed, ddof=1) / np.sqrt(3)) and r['kept_x'] is None
-  assert any(l.startswith('| hdet_low | 2.2000 / 2.2000 / 2.4000 | 2.2667 | +7.94 ± ') for l in exp.summary_lines(got))
+  assert any(
+    line.startswith('| hdet_low | 2.2000 / 2.2000 / 2.4000 | 2.2667 | +7.94 ± ') for line in exp.summary_lines(got)
+  )
 
 
 def test_the_committed_summary_is_the_records_own():

@@ -14,7 +14,8 @@ from research import autolr, records, workloads
 @pytest.fixture(scope='module')
 def quick(tmp_path_factory):
   root = str(tmp_path_factory.mktemp('workloads'))
-  # The LM's quick mode is autolr.py's (research/tests/test_autolr.py); here the two workloads that only this command runs.
+  # The LM's quick mode is autolr.py's (research/tests/test_autolr.py); here the two workloads that only this
+  # command runs.
   workloads.main(['--quick', '--workload', 'mnist1d,finetune', '--workdir', root])
   with open(os.path.join(root, 'workloads.json'), encoding='utf-8') as f:
     return root, json.load(f)
@@ -103,8 +104,8 @@ def test_conclusion_counts_cells_within_one_percent_and_against_the_peers():
   assert "within 1% of the sweep's best in 1 of 3 cells" in text
   assert 'w 100 steps adamw from high: diverged (n=3); w 100 steps adamw from low: +1.5% (n=3)' in text
   assert (
-    'Ahead of every LR-free peer in 1 of 3 cells with peers; behind the best peer: w 100 steps from low, w 100 steps from high.'
-    in text
+    'Ahead of every LR-free peer in 1 of 3 cells with peers; '
+    'behind the best peer: w 100 steps from low, w 100 steps from high.' in text
   )
 
 

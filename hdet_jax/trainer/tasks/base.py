@@ -92,7 +92,8 @@ class TaskSettings(NamedTuple):
 
 
 class TaskError(ValueError):
-  """Data or settings a task cannot use; the message names the field and the fix (the trainer makes it a ConfigError)."""
+  """Data or settings a task cannot use; the message names the field and the fix (the trainer makes it a
+  ConfigError)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
