@@ -187,11 +187,20 @@ def never_rose(rec: dict) -> bool:
   )
 
 
+def with_quiet_defaults(recorded: dict, fields) -> dict:
+  """A recorded (flattened) config with each of ``fields`` it lacks, added since it was written, at its
+  ``compat.QUIET_DEFAULTS`` value: what the record's run trained with. Only ``fields``: QUIET_DEFAULTS also names
+  other tasks' fields (mnist1d's model.kind), which a record of this task never had."""
+  from hdet_jax.trainer import compat
+
+  return {**{k: compat.QUIET_DEFAULTS[k] for k in fields if k in compat.QUIET_DEFAULTS}, **recorded}
+
+
 def alias_quiet_run(cache: records.RunCache, name: str, config, sibling: str) -> bool:
   """Writes run ``name``'s record (``config``) from the strict back-off run ``sibling``'s, where that run's loss
   never rose and the two configs differ only in the back-off's threshold and rollback (see QUIET_BACKOFF_FROM).
   The record keeps ``same_run_as``: the run it was read from. Returns whether it wrote one."""
-  from hdet_jax.trainer import compat, config_lib, run_settings, schema
+  from hdet_jax.trainer import config_lib, run_settings, schema
 
   rec = cache.get(sibling)
   if rec is None or os.path.exists(cache.path(name)) or not never_rose(rec):
@@ -199,7 +208,7 @@ def alias_quiet_run(cache: records.RunCache, name: str, config, sibling: str) ->
   new = json.loads(config.to_json())
   ours = config_lib.flatten(new)
   # (a record written before 1.0 holds the fields removed then: at their old defaults it trains what ours does)
-  theirs = compat.with_quiet_defaults(records.without_removed(config_lib.flatten(rec['config'])), ours)
+  theirs = with_quiet_defaults(records.without_removed(config_lib.flatten(rec['config'])), ours)
   # (run fields steer logging only, and a bracket's fields are not read by one run: a record made before one
   # existed, or changed, still trains the same)
   differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k) and schema.defines_a_run(k)}

@@ -42,13 +42,6 @@ def first_removed(flat: Iterable[str]) -> str | None:
   return next((field for field in REMOVED if field in flat), None)
 
 
-def with_quiet_defaults(recorded: Mapping[str, Any], fields: Iterable[str]) -> dict[str, Any]:
-  """A recorded (flattened) config with each of ``fields`` it lacks, added since it was written, at its
-  :data:`QUIET_DEFAULTS` value: what the record's run trained with. Only ``fields``: QUIET_DEFAULTS also names
-  other tasks' fields (mnist1d's model.kind), which a record of this task never had."""
-  return {**{k: QUIET_DEFAULTS[k] for k in fields if k in QUIET_DEFAULTS}, **recorded}
-
-
 def quiet(fields: Mapping[str, Any]) -> dict[str, Any]:
   """``fields`` less those at their :data:`QUIET_DEFAULTS` value (a run at it trains as records without it did)."""
   return {k: v for k, v in fields.items() if k not in QUIET_DEFAULTS or v != QUIET_DEFAULTS[k]}
