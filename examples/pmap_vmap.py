@@ -23,7 +23,7 @@ from flax import nnx
 import hdet_jax
 
 STEPS = 30 if '--quick' in sys.argv else 200
-N, FEATURES, CLASSES, BATCH = 8, 16, 3, 32  # N replicas; BATCH examples per replica and step
+N, FEATURES, CLASSES, BATCH = 8, 16, 3, 32     # N replicas; BATCH examples per replica and step
 
 
 class MLP(nnx.Module):
@@ -42,19 +42,12 @@ class MLP(nnx.Module):
 graphdef, init_params = nnx.split(MLP(nnx.Rngs(0)))
 explore = {'dropout': hdet_jax.Explore(0.2, 0.1, additive=True, low=0.0, high=0.5, to_optimizer=False)}
 DROPOUT = hdet_jax.hyperparam_names(explore=explore).index('dropout')
-tx = hdet_jax.hdet(
-  optax.adam,
-  hdet_jax.one_cycle(max_lr=1e-2, total_steps=STEPS),
-  num_replicas=N,
-  spread=0.25,
-  sync_every=10,
-  replica_axis='data',
-  explore=explore,
-  auto_lr=hdet_jax.AutoLR(total_steps=STEPS),
-)
+tx = hdet_jax.hdet(optax.adam, hdet_jax.one_cycle(max_lr=1e-2, total_steps=STEPS), num_replicas=N,
+                   spread=0.25, sync_every=10, replica_axis='data', explore=explore,
+                   auto_lr=hdet_jax.AutoLR(total_steps=STEPS))
 
 
-def train_step(params, opt_state, x, y):  # one replica's view, exactly as under shard_map
+def train_step(params, opt_state, x, y):                  # one replica's view, exactly as under shard_map
   rate = hdet_jax.replica_value(opt_state, DROPOUT, 'data')
   key = jax.random.fold_in(jax.random.fold_in(jax.random.key(1), opt_state.count), jax.lax.axis_index('data'))
 
@@ -71,19 +64,17 @@ def train_step(params, opt_state, x, y):  # one replica's view, exactly as under
 def batches():
   teacher = jax.random.normal(jax.random.key(42), (FEATURES, CLASSES))
   for t in range(STEPS):
-    x = jax.random.normal(jax.random.key(t), (N, BATCH, FEATURES))  # [replicas, per-replica batch, ...]
+    x = jax.random.normal(jax.random.key(t), (N, BATCH, FEATURES))   # [replicas, per-replica batch, ...]
     yield x, jnp.argmax(x @ teacher, -1)
 
 
 def train(step):
-  params = hdet_jax.stack_replicas(init_params, N)  # [N, ...] on every leaf
+  params = hdet_jax.stack_replicas(init_params, N)       # [N, ...] on every leaf
   opt_state = jax.vmap(tx.init)(params)
   for x, y in batches():
     params, opt_state, loss = step(params, opt_state, x, y)
-  print(
-    f'  final loss {float(np.mean(loss)):.4f}, {int(opt_state.sync_count[0])} syncs, base LR '
-    f'{float(hdet_jax.hyperparams(opt_state, hdet_jax.hyperparam_names(explore=explore))["base_learning_rate"]):.2e}'
-  )
+  base = hdet_jax.hyperparams(opt_state, hdet_jax.hyperparam_names(explore=explore))['base_learning_rate']
+  print(f'  final loss {float(np.mean(loss)):.4f}, {int(opt_state.sync_count[0])} syncs, base LR {float(base):.2e}')
   return hdet_jax.average_replicas(params)
 
 
@@ -97,8 +88,7 @@ print(f'vmap: {N} replicas on one device ({jax.devices()[0]})')
 results['vmap'] = train(jax.jit(jax.vmap(train_step, axis_name='data')))
 
 if len(results) == 2:
-  gap = max(
-    float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(results['pmap']), jax.tree.leaves(results['vmap']))
-  )
+  gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(results['pmap']),
+                                                         jax.tree.leaves(results['vmap'])))
   print(f'largest difference between the two averaged models: {gap:.2e}')
   assert gap < 1e-4, gap
