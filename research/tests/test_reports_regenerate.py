@@ -105,6 +105,74 @@ def test_report_only_redraws_the_committed_page_byte_for_byte(study, tmp_path, m
     )
 
 
+# The pages beside the index's: each screened variant's workloads report (``research.workloads --variant V``) and each
+# other task's autolr report (``research.autolr --config.X=Y ...``, the overrides its page names).
+SCREENS = sorted(p.name for p in (REPO / 'results' / 'workloads_screens').iterdir())
+TASKS = sorted(p.name for p in (REPO / 'results' / 'autolr' / 'tasks').iterdir())
+
+
+def _redraws_byte_for_byte(out: pathlib.Path, page: pathlib.Path, command: str) -> None:
+  written = sorted(p.name for p in out.iterdir() if p.suffix in ('.md', '.json'))
+  assert written == sorted([page.name, page.stem + '.json'])
+  for name in written:
+    got, want = (out / name).read_bytes(), (page.parent / name).read_bytes()
+    assert got == want, (
+      f'{page.parent.relative_to(REPO) / name} is not what `{command}` writes:\n{_first_difference(got, want)}'
+    )
+
+
+def _figures_not_rendered(monkeypatch, *modules) -> None:
+  """The modules' figures drawn but not laid out or written (most of a report's time; the pages are compared, not the
+  PNGs): ``save_figure`` closes the figure and returns its path."""
+  import matplotlib.pyplot as plt
+
+  def save_figure(fig, folder, name, dpi=None):
+    plt.close(fig)
+    return str(pathlib.Path(folder) / name)
+
+  for module in modules:
+    monkeypatch.setattr(module, 'save_figure', save_figure)
+
+
+def test_the_screens_are_of_live_variants_and_the_tasks_have_records():
+  from research import autolr
+
+  assert len(SCREENS) == 22 and len(TASKS) == 9  # (a screen or task added or retired changes these)
+  live = set(autolr.VARIANT_SETTINGS) - {autolr.DEFAULT_VARIANT}  # (the default's page is results/workloads.md)
+  assert set(SCREENS) <= live, f'screens of no live variant: {set(SCREENS) - live}'
+  assert all((REPO / 'results' / 'autolr' / 'runs' / t).is_dir() for t in TASKS)
+
+
+@pytest.mark.parametrize('variant', SCREENS)
+def test_a_screen_redraws_byte_for_byte(variant, tmp_path, monkeypatch, capsys):
+  from hdet_jax.trainer import process
+  from research import workloads
+
+  monkeypatch.setattr(process, 'setup_jax', lambda *a, **k: None)
+  _figures_not_rendered(monkeypatch, workloads)
+  workloads.main(['--variant', variant, '--report-only', '--out', str(tmp_path)])
+  capsys.readouterr()
+  page = REPO / 'results' / 'workloads_screens' / variant / 'workloads.md'
+  _redraws_byte_for_byte(tmp_path, page, f'python -m research.workloads --variant {variant} --report-only')
+
+
+@pytest.mark.parametrize('tag', TASKS)
+def test_a_task_page_redraws_byte_for_byte(tag, tmp_path, monkeypatch, capsys):
+  from hdet_jax.trainer import process
+  from research import autolr, autolr_report
+
+  page = REPO / 'results' / 'autolr' / 'tasks' / tag / 'autolr.md'
+  command = re.search(r'`python -m research\.autolr ((?:--config\.\S+ ?)+)`', page.read_text(encoding='utf-8'))
+  assert command, f'{page.relative_to(REPO)} names no `python -m research.autolr --config.X=Y ...` command'
+  args = command.group(1).split()
+  assert autolr.task_tag(autolr.parse_overrides(args)[1], False) == tag  # the command's task is this folder's
+  monkeypatch.setattr(process, 'setup_jax', lambda *a, **k: None)
+  _figures_not_rendered(monkeypatch, autolr_report)
+  autolr.main(['--report-only', '--out', str(tmp_path), *args])
+  capsys.readouterr()
+  _redraws_byte_for_byte(tmp_path, page, f'python -m research.autolr --report-only {" ".join(args)}')
+
+
 @pytest.mark.parametrize('study', NOT_REGENERABLE_STUDIES)
 def test_a_page_that_cannot_be_redrawn_says_so(study, capsys):
   text = (REPO / INDEX[study]['page']).read_text(encoding='utf-8')
