@@ -32,7 +32,7 @@ class AutoLR:
   by a learned factor, keeping its shape:
 
   * it starts cautiously, at ``initial_scale`` (0.1) times the schedule: give the schedule's peak as the
-    high end of your guess;
+    high end of your guess (around an optimizer you built, it starts at that optimizer's own learning rate);
   * it only rises (``after_stop='rise'`` from ``stop_steps=0``), each step at most ``trust`` in log units
     (x2.7), amplified while the fitted steps keep one direction (``step_growth``, up to ``max_gain``);
   * it is guarded: a window whose mean training loss rose by more than ``backoff_stderrs`` standard errors
@@ -52,7 +52,8 @@ class AutoLR:
     controller: ``'fit'`` (the line search; the fields up to ``settle``) or ``'paper'`` (eqs. 4-9; the
       fields from ``temperature`` on). Build the paper's with :meth:`AutoLR.paper`.
     warmup_steps: S_warm; the controller updates at the first sync at or after this step.
-    initial_scale: 'fit': the learning rates' correction starts at this factor (< 1: a cautious start the
+    initial_scale: 'fit': the learning rates' correction starts at this factor; None (the default): 0.1 of a
+      factory's schedule, 1 around a built optimizer (its own learning rate). (< 1: a cautious start the
       line search has to raise; 1: start at the schedule). Other hyperparameters start uncorrected.
     trust: 'fit': the largest change of the log-correction per sync (additive values move at most their
       spread per sync).
@@ -86,8 +87,8 @@ class AutoLR:
   Example:
     >>> import hdet_jax
     >>> auto_lr = hdet_jax.AutoLR(total_steps=1500)  # the guarded climb
-    >>> auto_lr.controller, auto_lr.initial_scale
-    ('fit', 0.1)
+    >>> auto_lr.controller, auto_lr.trust
+    ('fit', 1.0)
     >>> paper = hdet_jax.AutoLR.paper(total_steps=1500, warmup_steps=750)  # eqs. 4-9
     >>> paper.controller, paper.temperature
     ('paper', 0.1)
@@ -96,7 +97,7 @@ class AutoLR:
   total_steps: int
   controller: str = 'fit'
   warmup_steps: int = 0
-  initial_scale: float = 0.1
+  initial_scale: float | None = None
   trust: float = 1.0
   memory: float = 0.5
   step_growth: float = 2.0
@@ -152,6 +153,8 @@ class AutoLR:
     )
 
 
+DEFAULT_INITIAL_SCALE = 0.1  # AutoLR.initial_scale=None around a factory: a tenth of its schedule.
+
 # The 'fit' fields at the values that leave a controller without them: what AutoLR.paper sets.
 _FIT_OFF = dict(
   initial_scale=1.0,
@@ -200,7 +203,8 @@ class Plan(NamedTuple):
   The per-hyperparameter fields follow the ``[G]`` order of :func:`hyperparam_names`.
   """
 
-  optimizer: Callable[..., Any]  # the wrapped optax factory (called with learning_rate=).
+  # the wrapped optax factory (called with learning_rate=), or with ``built`` the user's built transformation.
+  optimizer: Callable[..., Any] | Any
   optimizer_kwargs: dict[str, Any]  # fixed keywords for it (e.g. weight_decay=0.1).
   names: tuple[str, ...]  # [G] hyperparameter names.
   schedules: tuple[Any, ...]  # [G] float or optax schedule: the base value at step t.
@@ -226,22 +230,40 @@ class Plan(NamedTuple):
   guard_nonfinite: bool  # non-finite replicas sit the average out.
   seed: int  # seeds the permutation key.
   average_opt_state: bool = False  # a sync averages the wrapped optimizer's state too (low-communication mode).
+  # ``optimizer`` is a built transformation: its updates are scaled by each replica's learning-rate rows, which
+  # are then factors on the optimizer's own learning rate (``lr_scale``), not learning rates.
+  built: bool = False
+
+
+# The learning-rate rows' names: a factory's learning rate; a built optimizer's factor on its own learning rate.
+LR_NAMES = ('learning_rate', 'lr_scale')
 
 
 def is_learning_rate(name: str) -> bool:
-  """Whether row ``name`` of the ``[G]`` order is a learning rate (``learning_rate`` or ``learning_rate/<group>``)."""
-  return name == 'learning_rate' or name.startswith('learning_rate/')
+  """Whether row ``name`` of the ``[G]`` order is a learning rate (``learning_rate``, ``lr_scale``, or either
+  ``/<group>``)."""
+  return any(name == n or name.startswith(n + '/') for n in LR_NAMES)
 
 
 def hyperparam_names(
-  *, param_groups: dict[str, str] | None = None, explore: dict[str, Any] | None = None
+  *, param_groups: dict[str, str] | None = None, explore: dict[str, Any] | None = None, built: bool = False
 ) -> tuple[str, ...]:
   """The order of the state's [G] fields for these ``hdet`` arguments.
 
   The learning rate (``'learning_rate'``, or ``'learning_rate/<group>'`` per parameter group, in order),
-  then each explored hyperparameter in order.
+  then each explored hyperparameter in order. Around a built optimizer (``built=True``) the learning-rate rows
+  are ``'lr_scale'`` (``'lr_scale/<group>'``): the factor each replica applies to the optimizer's own
+  learning rate, 1 being that learning rate.
+
+  Example:
+    >>> import hdet_jax
+    >>> hdet_jax.hyperparam_names(param_groups={'embed': 'embed', 'rest': '.'}, explore={'weight_decay': (0.1, 0.5)})
+    ('learning_rate/embed', 'learning_rate/rest', 'weight_decay')
+    >>> hdet_jax.hyperparam_names(built=True)
+    ('lr_scale',)
   """
-  lrs = tuple(f'learning_rate/{g}' for g in param_groups) if param_groups else ('learning_rate',)
+  lr = LR_NAMES[1] if built else LR_NAMES[0]
+  lrs = tuple(f'{lr}/{g}' for g in param_groups) if param_groups else (lr,)
   return lrs + tuple(explore or ())
 
 
@@ -263,21 +285,29 @@ def make_plan(
   average_opt_state=False,
 ) -> Plan:
   """Validates every ``hdet`` argument eagerly and returns the frozen plan."""
+  built = is_built(optimizer)
   extra = _explored(explore, optimizer_kwargs)
+  if built:
+    learning_rate = _built_reference(learning_rate, optimizer_kwargs, extra, auto_lr)
+  elif learning_rate is None:
+    raise ValueError(
+      'hdet: learning_rate is required with an optimizer factory (e.g. hdet(optax.adamw, 3e-3, ...)); '
+      'or pass the optimizer you already built, hdet(optax.adamw(3e-3), ...), which keeps its own.'
+    )
   groups = _param_groups(param_groups)
   _check_replicas(num_replicas, spread, replica_axis)
   sync_windows = windows.as_windows(sync_every)
   lr = Explore(learning_rate, float(spread), low=None, high=None)
-  names = hyperparam_names(param_groups=dict(groups), explore=dict(extra))
+  names = hyperparam_names(param_groups=dict(groups), explore=dict(extra), built=built)
   hps = tuple(zip(names, (lr,) * (len(names) - len(extra)) + tuple(h for _, h in extra)))
   for name, h in extra:
     _check_explored_value(name, h)
   lows = tuple(-math.inf if h.low is None else float(h.low) for _, h in hps)
-  controlled = _controller_plan(auto_lr, hps, lows, spread, sync_windows)
-  if not callable(optimizer):
+  controlled = _controller_plan(auto_lr, hps, lows, spread, sync_windows, built)
+  if not (built or callable(optimizer)):
     raise ValueError(
-      f'optimizer must be an optax factory such as optax.adam (called with learning_rate=), '
-      f'got {optimizer!r}. To wrap an existing instance use lambda learning_rate: ...'
+      f'optimizer must be a built optax transformation (e.g. optax.adamw(3e-3)) or an optax factory such as '
+      f'optax.adamw (called with learning_rate=), got {optimizer!r}.'
     )
   spreads = tuple(float(h.spread) for _, h in hps)
   additive = tuple(bool(h.additive) for _, h in hps)
@@ -304,7 +334,44 @@ def make_plan(
     guard_nonfinite=bool(guard_nonfinite),
     seed=seed,
     average_opt_state=_flag('average_opt_state', average_opt_state),
+    built=built,
   )
+
+
+def is_built(optimizer) -> bool:
+  """Whether ``optimizer`` is a built transformation (``init`` and ``update``), not a factory of the LR."""
+  return callable(getattr(optimizer, 'init', None)) and callable(getattr(optimizer, 'update', None))
+
+
+def _built_reference(learning_rate, optimizer_kwargs, extra, auto_lr) -> float:
+  """The learning-rate row's reference around a built optimizer, after checking what cannot apply to one.
+
+  The row is a factor on the optimizer's own learning rate, 1 at the start: the guarded climb, which starts a
+  factory's schedule at ``initial_scale`` of it, starts a built optimizer at its own learning rate (the
+  measured advice for a factory, "pass 10x your tuned peak", with nothing to scale).
+  """
+  if learning_rate is not None:
+    raise ValueError(
+      'hdet: the optimizer is already built and carries its own learning rate; drop learning_rate= (HDET then '
+      'scales its updates per replica), or pass a factory such as optax.adamw with learning_rate=.'
+    )
+  if optimizer_kwargs:
+    raise ValueError(
+      f'hdet: {sorted(optimizer_kwargs)[0]}= goes to an optimizer factory, but the optimizer is already built; '
+      'set it where you build the optimizer.'
+    )
+  passed = [name for name, h in extra if h.to_optimizer]
+  if passed:
+    raise ValueError(
+      f'hdet: explore[{passed[0]!r}] is passed to the optimizer, which is already built; explore it with a '
+      f'factory (hdet(optax.adamw, schedule, explore=...)), or set to_optimizer=False if the step reads it.'
+    )
+  if isinstance(auto_lr, AutoLR) and auto_lr.controller == 'paper':
+    raise ValueError(
+      "hdet: AutoLR.paper replaces the schedule with the controller's own, which a built optimizer keeps "
+      'inside; use AutoLR(total_steps=...) (it scales your schedule), or a factory with learning_rate=.'
+    )
+  return 1.0
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -400,7 +467,8 @@ def _check_auto_lr(a, spread) -> None:
   if a.controller not in ctrl.VARIANTS:
     raise ValueError(f'auto_lr.controller must be one of {ctrl.VARIANTS}, got {a.controller!r}.')
   if a.controller == 'paper':
-    fit_set = [f'{k}={getattr(a, k)!r}' for k, v in _FIT_OFF.items() if getattr(a, k) != v]
+    unset = lambda k: k == 'initial_scale' and a.initial_scale is None  # None: each mode's default
+    fit_set = [f'{k}={getattr(a, k)!r}' for k, v in _FIT_OFF.items() if getattr(a, k) != v and not unset(k)]
     if fit_set:
       raise ValueError(
         f"auto_lr: controller='paper' takes none of the 'fit' settings, got {', '.join(fit_set)}; "
@@ -412,8 +480,9 @@ def _check_auto_lr(a, spread) -> None:
     raise ValueError(f'auto_lr.memory must be in [0, 1), got {a.memory!r}.')
   if a.stop_steps is not None and (not _is_int(a.stop_steps) or a.stop_steps < 0):
     raise ValueError(f'auto_lr.stop_steps must be None or an integer >= 0, got {a.stop_steps!r}.')
-  if not (isinstance(a.initial_scale, (int, float)) and 0.0 < a.initial_scale < math.inf):
-    raise ValueError(f'auto_lr.initial_scale must be a number > 0 (1: start at the schedule), got {a.initial_scale!r}.')
+  scale = a.initial_scale
+  if scale is not None and not (isinstance(scale, (int, float)) and 0.0 < scale < math.inf):
+    raise ValueError(f'auto_lr.initial_scale must be None or a number > 0 (1: start at the schedule), got {scale!r}.')
   if a.after_stop not in ('hold', 'rise'):
     raise ValueError(f"auto_lr.after_stop must be 'hold' or, with controller='fit', 'rise'; got {a.after_stop!r}.")
   for name in ('step_growth', 'max_gain'):
@@ -441,7 +510,7 @@ def _check_auto_lr(a, spread) -> None:
     )
 
 
-def _controller_plan(auto_lr, hps, lows, spread, sync_windows) -> dict[str, Any]:
+def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built=False) -> dict[str, Any]:
   """The Plan's controller fields: ``controller_start``, and per hyperparameter ``decay``, ``floors``,
   ``start_values``."""
   g = len(hps)
@@ -475,7 +544,8 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows) -> dict[str, Any]
     else max(lo, float(a.min_value) if (a.min_value is not None and is_learning_rate(name)) else 0.1 * v1)
     for (name, h), v1, lo in zip(hps, finals, lows)
   )
-  initial = tuple(math.log(a.initial_scale) if is_learning_rate(name) else 0.0 for name, _ in hps)
+  start_scale = a.initial_scale if a.initial_scale is not None else (1.0 if built else DEFAULT_INITIAL_SCALE)
+  initial = tuple(math.log(start_scale) if is_learning_rate(name) else 0.0 for name, _ in hps)
   return dict(
     controller_start=start, decay=decay, floors=floors, start_values=tuple(firsts), initial_correction=initial
   )

@@ -21,6 +21,7 @@ from hdet_jax import multipliers
 from hdet_jax import replicas
 from hdet_jax import values
 from hdet_jax import windows
+from hdet_jax import settings
 from hdet_jax.settings import Plan
 
 
@@ -191,7 +192,7 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
     if a.backoff_fraction > 0:  # and beyond this fraction of the window before's loss: a blow-up multiplies it
       margin = jnp.maximum(margin, a.backoff_fraction * jnp.abs(c.train_loss))
     rose = jnp.isfinite(c.train_loss) & ~(new_c.train_loss <= c.train_loss + margin)
-    is_lr = jnp.asarray([n.startswith('learning_rate') for n in plan.names])
+    is_lr = jnp.asarray([settings.is_learning_rate(n) for n in plan.names])
     back = rose & is_lr
     step, gain = jnp.where(back, -trust, step), jnp.where(back, -1.0, gain)
   keep = lambda new, old: jnp.where(active, new, old)

@@ -84,9 +84,20 @@ class HDETState(NamedTuple):
     return self.base[..., 0]
 
 
+class BuiltOptimizerState(NamedTuple):
+  """``HDETState.inner_state`` around a built optimizer: its state, as its own ``init`` made it.
+
+  The wrapper marks the state as a built optimizer's, where every view of it keeps the mark (a chain,
+  ``MultiSteps``, an orbax restore, an nnx split state), so :func:`hdet_jax.hyperparams` names the
+  learning-rate rows ``lr_scale``.
+  """
+
+  built_optimizer_state: Any  # the built optimizer's state (e.g. ``(ClipState, (ScaleByAdamState, ...))``).
+
+
 def hdet(
-  optimizer: Callable[..., optax.GradientTransformation],
-  learning_rate: optax.ScalarOrSchedule,
+  optimizer: optax.GradientTransformation | Callable[..., optax.GradientTransformation],
+  learning_rate: optax.ScalarOrSchedule | None = None,
   *,
   num_replicas: int,
   spread: float = 0.25,
@@ -103,7 +114,25 @@ def hdet(
 ) -> optax.GradientTransformationExtraArgs:
   """Hyperparameter-Divergent Ensemble Training around an optax optimizer.
 
-  Replica r (its index on ``replica_axis``) trains with learning rate
+  ``optimizer`` is either the optimizer you already built (``optax.chain(clip, adamw(schedule, mask=...))``,
+  ``inject_hyperparams``, layerwise scales: its own schedule inside), or a factory of the learning rate
+  (``optax.adamw``) with ``learning_rate=``.
+
+  *Around a built optimizer* replica r takes the optimizer's update ``u(t)`` (on the shared gradient, with
+  the optimizer's own learning rate inside) scaled by ``c(t) rho[perm[r]]``, where ``c`` is the controller's
+  factor (1 without ``auto_lr``; with ``AutoLR(total_steps=S)`` it starts at 1, your own learning rate, and
+  the guarded climb moves it). For an optimizer whose update is linear in its learning rate and whose state
+  does not read it (SGD, momentum, Adam, AdamW with a mask, Lion, Adafactor, any of them after
+  ``clip_by_global_norm`` or under ``inject_hyperparams``), this is the factory path with the learning rate
+  ``c rho lr(t)``: with ``AutoLR``, ``hdet(optax.adamw(lr), auto_lr=a)`` equals ``hdet(optax.adamw, lr /
+  a.initial_scale, auto_lr=a)`` to float32 rounding (tests/test_built_optimizer.py). The state rows of the
+  learning rate are then factors, named ``lr_scale`` (:func:`hdet_jax.hyperparams`). Optimizers whose state
+  reads the learning rate or the step taken (schedule-free, Prodigy, D-Adaptation, Mechanic, DoG, COCOB,
+  MoMo, MADGRAD, Lookahead, L-BFGS, line searches, Rprop, SAM) are refused at ``init`` where their state
+  shows it; a clip *after* the learning rate (``chain(adamw(lr), clip(...))``) or ``polyak_sgd`` cannot be
+  recognised: use a factory for those.
+
+  *Around a factory*, replica r (its index on ``replica_axis``) trains with learning rate
   ``base(t) * rho[perm[r]]`` on the shared, already all-reduced gradient, where
 
   .. math::
@@ -130,11 +159,13 @@ def hdet(
   ``exact_sync=True`` and apply with :func:`apply_updates`, which assigns ``pmean(p + u)``.
 
   Args:
-    optimizer: an optax factory taking ``learning_rate=`` (e.g. ``optax.adamw``); it is
-      called inside every update with this replica's learning rate.
-    learning_rate: the base schedule (any optax schedule or a float), e.g.
-      :func:`hdet_jax.one_cycle`.
-    num_replicas: N, the size of ``replica_axis``.
+    optimizer: the optimizer you built (an ``optax.GradientTransformation``), or an optax factory taking
+      ``learning_rate=`` (e.g. ``optax.adamw``), called inside every update with this replica's learning rate
+      (for per-group learning rates and exploring the optimizer's other hyperparameters).
+    learning_rate: with a factory, the base schedule (any optax schedule or a float), e.g.
+      :func:`hdet_jax.one_cycle`; None with a built optimizer, which keeps its own.
+    num_replicas: N, the size of ``replica_axis`` (the map cannot tell it to the factory: the state's
+      ``[G, N]`` shapes are fixed at ``init``, outside any map).
     spread: alpha in [0, 1).
     sync_every: T >= 1, steps between parameter averages (None: the measured default, ``round(S / 15)`` at
       most 100 with ``auto_lr``'s ``total_steps = S``, else 100); or a schedule of window lengths whose last one
@@ -191,8 +222,16 @@ def hdet(
     a separate small program, instead of compiling the whole step a second time.
 
   Example:
-    Four replicas on one device (``jax.vmap`` binds the replica axis; :func:`hdet_jax.shard_map_replicas`
-    spreads them over devices):
+    Four replicas on one device (``jax.vmap`` binds the replica axis; :func:`hdet_jax.over_replicas` and
+    :func:`hdet_jax.shard_map_replicas` spread them over devices), around an optimizer already built:
+
+    >>> import jax, jax.numpy as jnp, optax, hdet_jax
+    >>> tx = hdet_jax.hdet(optax.adamw(1e-2, weight_decay=0.1), num_replicas=4, auto_lr=hdet_jax.AutoLR(1000))
+    >>> opt_state = jax.vmap(tx.init)(hdet_jax.stack_replicas({'w': jnp.ones(2)}, 4))
+    >>> [round(x, 4) for x in hdet_jax.hyperparams(opt_state)['lr_scale'].tolist()]  # factors on 1e-2, next step's
+    [0.75, 0.9167, 1.0833, 1.25]
+
+    Around a factory:
 
     >>> import jax, jax.numpy as jnp, optax, hdet_jax
     >>> tx = hdet_jax.hdet(optax.adamw, hdet_jax.one_cycle(max_lr=3e-3, total_steps=1000), num_replicas=4,
@@ -245,7 +284,10 @@ REMOVED_ARGUMENTS = {'fan': 'the learning rates fan out linearly (eq. 1, spread 
 
 
 def inner_optimizer(plan: Plan, values: list[jax.Array]) -> optax.GradientTransformation:
-  """The wrapped optimizer built with one replica's values [G] (per-group LRs: a multi_transform)."""
+  """The wrapped optimizer built with one replica's values [G] (per-group LRs: a multi_transform); a built
+  optimizer's updates scaled by them."""
+  if plan.built:
+    return _scaled(plan, values)
   hp = dict(zip(plan.names, values))
   kwargs = {
     k: v for k, v, to_opt in zip(plan.names, values, plan.to_optimizer) if to_opt and not settings.is_learning_rate(k)
@@ -259,6 +301,70 @@ def inner_optimizer(plan: Plan, values: list[jax.Array]) -> optax.GradientTransf
   )
 
 
+def _scaled(plan: Plan, values: list[jax.Array]) -> optax.GradientTransformation:
+  """The built optimizer, its updates times this replica's learning-rate factor (its group's, with groups)."""
+  built = optax.with_extra_args_support(plan.optimizer)
+  factors = dict(zip(plan.names, values))
+
+  def scale(updates):
+    if not plan.groups:
+      return jax.tree.map(lambda u: u * factors['lr_scale'].astype(u.dtype), updates)
+    labels = group_labels(updates, dict(plan.groups))  # the updates' paths are the parameters'
+    return jax.tree.map(lambda u, g: u * factors[f'lr_scale/{g}'].astype(u.dtype), updates, labels)
+
+  def update(updates, state, params=None, **extra_args):
+    updates, inner = built.update(updates, state.built_optimizer_state, params, **extra_args)
+    return scale(updates), BuiltOptimizerState(inner)
+
+  return optax.GradientTransformationExtraArgs(lambda params: BuiltOptimizerState(built.init(params)), update)
+
+
+# State classes of optax optimizers whose state reads the learning rate or the step taken (so scaling their
+# updates is not the same as changing their learning rate), by module and name so that a missing one (older
+# optax) is no error.
+NOT_LINEAR_IN_LR = (
+  'optax.contrib.ScheduleFreeState',
+  'optax.contrib.ProdigyState',
+  'optax.contrib.DAdaptAdamWState',
+  'optax.contrib.MechanicState',
+  'optax.contrib.DoGState',
+  'optax.contrib.DoWGState',
+  'optax.contrib.COCOBState',
+  'optax.contrib.MomoState',
+  'optax.contrib.MomoAdamState',
+  'optax.contrib.MadgradState',
+  'optax.contrib.SAMState',
+  'optax.LookaheadState',
+  'optax.ScaleByLBFGSState',
+  'optax.ScaleByBacktrackingLinesearchState',
+  'optax.ScaleByZoomLinesearchState',
+  'optax.ScaleByRpropState',
+)
+
+
+def _not_linear_state_types() -> dict[type, str]:
+  found = {}
+  for name in NOT_LINEAR_IN_LR:
+    module, _, cls = name.rpartition('.')
+    kind = getattr(optax.contrib if module == 'optax.contrib' else optax, cls, None)
+    if isinstance(kind, type):
+      found[kind] = name
+  return found
+
+
+def check_linear_in_lr(built_state: Any) -> None:
+  """Raises where a built optimizer's state shows that its update is not linear in its learning rate."""
+  kinds = _not_linear_state_types()
+  nodes = jax.tree.leaves(built_state, is_leaf=lambda x: isinstance(x, tuple(kinds)))
+  bad = next((kinds[type(x)] for x in nodes if type(x) in kinds), None)
+  if bad is not None:
+    raise ValueError(
+      f'hdet: the built optimizer holds a {bad}: its state reads the learning rate or the step taken, so HDET '
+      'cannot give each replica its LR by scaling its updates. Pass its factory with learning_rate= instead, '
+      'e.g. hdet(optax.contrib.prodigy, 1.0, ...).'
+    )
+
+
 def init(plan: Plan, params: Any) -> HDETState:
   """The state before the first step: the schedules' values at step 0, identity permutations."""
   g, n = len(plan.names), plan.num_replicas
@@ -269,9 +375,12 @@ def init(plan: Plan, params: Any) -> HDETState:
     correction=jnp.asarray(plan.initial_correction, jnp.float32),
   )
   start = values_lib.base_values(plan, jnp.zeros([], jnp.int32), controller)
+  inner_state = inner_optimizer(plan, list(start)).init(params)
+  if plan.built:
+    check_linear_in_lr(inner_state.built_optimizer_state)
   return HDETState(
     count=jnp.zeros([], jnp.int32),
-    inner_state=inner_optimizer(plan, list(start)).init(params),
+    inner_state=inner_state,
     loss_sum=jnp.zeros([], jnp.float32),
     loss_diff_sq_sum=jnp.zeros([], jnp.float32),
     last_loss=jnp.full([], jnp.nan, jnp.float32),
@@ -301,7 +410,7 @@ def update(
   end = lambda ops: sync_lib.end_window(plan, params, *ops, score=score, gather=value is not None or window_end_only)
   if sync is None:
     updates, state = lax.cond(
-      windows.ends_window(plan.sync_windows, state.count),
+      windows.ends_window(plan.sync_windows, replicas.unbatched(state.count, plan.replica_axis)),
       lambda ops: replicas.match_vma(end(ops), ops),
       lambda ops: ops,
       (updates, state),

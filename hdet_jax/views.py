@@ -22,23 +22,42 @@ name to value, for every replica and for the base.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import chex
 import jax
 import jax.numpy as jnp
 
-from hdet_jax.transform import HDETState
+from hdet_jax.settings import hyperparam_names
+from hdet_jax.transform import BuiltOptimizerState, HDETState
 
 
 def find_state(opt_state: Any) -> HDETState:
-  """The one :class:`HDETState` in ``opt_state`` (itself, or inside ``optax.chain`` / ``multi_transform``)."""
-  found = [
-    x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, HDETState)) if isinstance(x, HDETState)
-  ]
+  """The one :class:`HDETState` in ``opt_state``: itself, or inside ``optax.chain``, ``multi_transform``,
+  ``MultiSteps`` (``inner_opt_state``) or a train state; in an nnx split state (where it is a mapping of its
+  fields, each leaf in a variable) it comes back as an ``HDETState`` of those arrays."""
+  found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_hdet_state) if _is_hdet_state(x)]
   if len(found) != 1:
     raise ValueError(f'hyperparams: expected one HDETState in the optimizer state, found {len(found)}.')
-  return found[0]
+  return found[0] if isinstance(found[0], HDETState) else _from_mapping(found[0])
+
+
+def _is_hdet_state(x) -> bool:
+  return isinstance(x, HDETState) or (isinstance(x, Mapping) and set(x.keys()) == set(HDETState._fields))
+
+
+def _from_mapping(fields: Mapping) -> HDETState:
+  """An nnx split state's view of an ``HDETState``: a mapping of its fields, arrays held in variables."""
+  inner = fields['inner_state']
+  if isinstance(inner, Mapping) and set(inner.keys()) == set(BuiltOptimizerState._fields):
+    inner = BuiltOptimizerState(inner['built_optimizer_state'])
+  unwrap = lambda x: x if isinstance(x, Mapping) else getattr(x, 'value', x)
+  return HDETState(**{k: inner if k == 'inner_state' else unwrap(fields[k]) for k in HDETState._fields})
+
+
+def is_built(state: HDETState) -> bool:
+  """Whether ``state`` wraps a built optimizer (its learning-rate rows are factors, ``lr_scale``)."""
+  return isinstance(state.inner_state, BuiltOptimizerState)
 
 
 def hyperparams(opt_state: Any, names: Sequence[str] | None = None) -> dict[str, chex.Array]:
@@ -81,7 +100,7 @@ def hyperparams(opt_state: Any, names: Sequence[str] | None = None) -> dict[str,
         f'hyperparams: the state explores {g} hyperparameters; pass names=hdet_jax.hyperparam_names('
         'param_groups=..., explore=...) with the arguments hdet was built with.'
       )
-    names = ('learning_rate',)
+    names = hyperparam_names(built=is_built(state))
   names = tuple(names)
   if len(names) != g:
     raise ValueError(f'hyperparams: {len(names)} names {names} for a state exploring {g} hyperparameters.')
