@@ -16,10 +16,18 @@ the pair of axes ``(device axis, local axis)``, and replica r = d * (N / D) + v.
 across a shard_map axis and a vmap axis is not a collective JAX can take in one call (jax 0.10), so
 :func:`axis_index`, :func:`psum`, :func:`pmean` and :func:`all_gather` take the axes one at a time,
 innermost (the vmap axis) first; with a single axis name they are ``lax``'s own calls.
+
+:func:`over_replicas` with ``per_device > 1`` keeps the user's axis name: while it traces the step, the
+name (``'replica'``) *resolves* to the pair ``('replica', LOCAL_AXIS)`` in every helper here, so ``hdet``
+built with ``replica_axis='replica'`` and a step calling :func:`pmean_finite` (grads, 'replica') run
+unchanged at any number of replicas per device. A ``lax`` collective called directly cannot span both
+axes; the map refuses a step that calls one over the replica axis (:func:`check_collectives`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import re
@@ -28,6 +36,7 @@ from typing import Any, Callable
 import chex
 from chex import ArrayTree  # by name: get_type_hints resolves its recursive reference to itself here
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -39,8 +48,36 @@ from hdet_jax.param_groups import path_string
 AxisName = str | tuple[str, ...]  # a replica axis: one mapped axis, or (outer, ..., inner) taken together
 
 
+# While a replica map traces its function: {axis name: (mesh axis, local axis)} (over_replicas with several replicas
+# per device; empty otherwise) and the local vmap axes it binds.
+_MAPPED: contextvars.ContextVar[tuple[dict[str, tuple[str, ...]], frozenset[str]]] = contextvars.ContextVar(
+  'hdet_jax_mapped_replicas', default=({}, frozenset())
+)
+# The name scope of this module's collectives while an alias is set: check_collectives tells them from a step's own.
+_SCOPE = 'hdet_replica_collective'
+
+
+@contextlib.contextmanager
+def _mapped(aliases: dict[str, tuple[str, ...]], local_axes: frozenset[str]):
+  """Sets the axis aliases and local axes while a replica map traces its function."""
+  outer_aliases, outer_local = _MAPPED.get()
+  token = _MAPPED.set(({**outer_aliases, **aliases}, outer_local | local_axes))
+  try:
+    yield
+  finally:
+    _MAPPED.reset(token)
+
+
 def _axes(axis_name: AxisName) -> tuple[str, ...]:
-  return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  """The axes ``axis_name`` stands for, outermost first (an alias set by :func:`over_replicas` expanded)."""
+  aliases = _MAPPED.get()[0]
+  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+  return tuple(a for name in names for a in aliases.get(name, (name,)))
+
+
+def _scope():
+  """A name scope on this module's collectives while an alias is set (none otherwise: programs stay as they were)."""
+  return jax.named_scope(_SCOPE) if _MAPPED.get()[0] else contextlib.nullcontext()
 
 
 def axis_size(axis_name: AxisName) -> int:
@@ -53,41 +90,68 @@ def axis_size(axis_name: AxisName) -> int:
 
 def axis_index(axis_name: AxisName) -> jax.Array:
   """[] int32: this replica's index on ``axis_name``; for ``(outer, inner)``, ``outer * size(inner) + inner``."""
-  if isinstance(axis_name, str):
-    return lax.axis_index(axis_name)
-  index = jnp.zeros([], jnp.int32)
-  for a in _axes(axis_name):
-    index = index * lax.axis_size(a) + lax.axis_index(a)
-  return index
+  axes = _axes(axis_name)
+  with _scope():
+    if len(axes) == 1:
+      return lax.axis_index(axes[0])
+    index = jnp.zeros([], jnp.int32)
+    for a in axes:
+      index = index * lax.axis_size(a) + lax.axis_index(a)
+    return index
 
 
 def psum(tree: ArrayTree, axis_name: AxisName) -> ArrayTree:
   """``lax.psum`` over ``axis_name``; a tuple is summed one axis at a time, the innermost first."""
-  if isinstance(axis_name, str):
-    return lax.psum(tree, axis_name)
-  for a in reversed(_axes(axis_name)):
-    tree = lax.psum(tree, a)
-  return tree
+  axes = _axes(axis_name)
+  with _scope():
+    if len(axes) == 1:
+      return lax.psum(tree, axes[0])
+    for a in reversed(axes):
+      tree = lax.psum(tree, a)
+    return tree
 
 
 def pmean(tree: ArrayTree, axis_name: AxisName) -> ArrayTree:
   """``lax.pmean`` over ``axis_name`` (a tuple: :func:`psum` divided by the replica count)."""
-  if isinstance(axis_name, str):
-    return lax.pmean(tree, axis_name)
-  size = axis_size(axis_name)
-  return jax.tree.map(lambda s: s / size, psum(tree, axis_name))
+  axes = _axes(axis_name)
+  if len(axes) == 1:
+    with _scope():
+      return lax.pmean(tree, axes[0])
+  size = axis_size(axes)
+  return jax.tree.map(lambda s: s / size, psum(tree, axes))
 
 
 def all_gather(x: ArrayTree, axis_name: AxisName) -> ArrayTree:
   """``lax.all_gather`` over ``axis_name``: ``[N, ...]`` in replica order (a tuple: gathered innermost first,
   then tiled over the outer axes, so row r is replica r = outer * size(inner) + inner)."""
-  if isinstance(axis_name, str):
-    return lax.all_gather(x, axis_name)
   axes = _axes(axis_name)
-  x = lax.all_gather(x, axes[-1])
-  for a in reversed(axes[:-1]):
-    x = lax.all_gather(x, a, tiled=True)
-  return x
+  with _scope():
+    if len(axes) == 1:
+      return lax.all_gather(x, axes[0])
+    x = lax.all_gather(x, axes[-1])
+    for a in reversed(axes[:-1]):
+      x = lax.all_gather(x, a, tiled=True)
+    return x
+
+
+def unbatched(x: chex.Array, axis_name: AxisName | None = None) -> chex.Array:
+  """``x``, a value every replica holds alike (a step count), as one the replicas' local ``vmap`` does not batch.
+
+  Where a map runs several replicas per device (``per_device > 1``) each device's replicas are a ``vmap``, under
+  which a ``lax.cond`` on a batched predicate becomes a select that runs both branches, the sync's all-reduce
+  included, on every step. A collective over the vmap's own axis returns an unbatched value, so a predicate
+  built from ``unbatched(count)`` keeps the cond a cond. ``x`` is taken through ``lax.pmax`` over the local vmap
+  axes of ``axis_name`` (None: every local axis bound by the map); elsewhere it is returned as it is.
+  """
+  local = _MAPPED.get()[1]
+  axes = [a for a in (local if axis_name is None else _axes(axis_name)) if a in local]
+  if not axes:
+    return x
+  as_int = jnp.asarray(x).dtype == jnp.bool_
+  y = jnp.asarray(x, jnp.int32) if as_int else x
+  for a in sorted(axes):
+    y = lax.pmax(y, a)
+  return y > 0 if as_int else y
 
 
 def stack_replicas(tree: ArrayTree, num_replicas: int) -> ArrayTree:
@@ -270,8 +334,30 @@ def shard_map_replicas(
     ``shard_map_replicas(train_step, mesh, 'data', per_device=4)``, with ``train_step``'s ``hdet`` built
     with ``replica_axis=('data', 'local')``.
   """
-  if not isinstance(per_device, int) or per_device < 1:
-    raise ValueError(f'shard_map_replicas: per_device must be a positive integer, got {per_device!r}.')
+  return _map_replicas(
+    fn,
+    mesh,
+    replica_axis,
+    stacked_argnums=stacked_argnums,
+    batch_argnames=batch_argnames,
+    check_vma=check_vma,
+    per_device=per_device,
+    local_axis=local_axis,
+    who='shard_map_replicas',
+  )
+
+
+def _map_replicas(
+  fn, mesh, replica_axis, *, stacked_argnums, batch_argnames, check_vma, per_device, local_axis, who, keep_name=False
+):
+  """:func:`shard_map_replicas`; ``keep_name`` (:func:`over_replicas`): with ``per_device > 1`` the name
+  ``replica_axis`` stands for the pair ``(replica_axis, local_axis)`` in this module's helpers while ``fn`` is
+  traced, the stacked arguments must hold D * per_device replicas, and ``fn``'s collectives are checked."""
+  if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
+    raise ValueError(
+      f'{who}: per_device must be a positive integer, got {per_device!r} (the number of replicas on each device '
+      f'of the replica axis: N / D).'
+    )
   if isinstance(batch_argnames, str):
     batch_argnames = (batch_argnames,)
   signature = _signature(fn)
@@ -279,13 +365,12 @@ def shard_map_replicas(
   if unknown:
     names = 'none readable' if signature is None else tuple(signature.parameters)
     raise ValueError(
-      f'shard_map_replicas: batch_argnames {tuple(unknown)} are not parameters of '
+      f'{who}: batch_argnames {tuple(unknown)} are not parameters of '
       f'{getattr(fn, "__name__", fn)!r} (its parameters: {names}); name the batch argument(s).'
     )
   if replica_axis not in mesh.shape:
     raise ValueError(
-      f'shard_map_replicas: the mesh has no axis {replica_axis!r} (axes: '
-      f'{tuple(mesh.axis_names)}); pass replica_axis= one of them.'
+      f'{who}: the mesh has no axis {replica_axis!r} (axes: {tuple(mesh.axis_names)}); pass replica_axis= one of them.'
     )
 
   def role(position: int, name: str | None, value) -> str:
@@ -307,6 +392,8 @@ def shard_map_replicas(
       else:
         roles.append('static')
     specs = tuple(P() if r == 'replicated' else P(replica_axis) for r in roles if r != 'static')
+    if keep_name:
+      _check_replica_count(bound, roles, mesh.shape[replica_axis], per_device, replica_axis, who)
 
     def body(*local):
       local = iter(local)
@@ -316,7 +403,12 @@ def shard_map_replicas(
       if per_device > 1:  # [N / D, ...] here: the local replicas, mapped by vmap
         axes = [0 if r in ('stacked', 'batch') else None for r in roles]
         call = lambda *v: _call(fn, bound, v)
-        return jax.vmap(call, in_axes=tuple(axes), axis_name=local_axis)(*values)
+        mapped = jax.vmap(call, in_axes=tuple(axes), axis_name=local_axis)
+        aliases = {replica_axis: (replica_axis, local_axis)} if keep_name else {}
+        with _mapped(aliases, frozenset({local_axis})):
+          if keep_name:
+            return _traced_and_checked(mapped, values, roles, replica_axis, per_device, who)
+          return mapped(*values)
       return jax.tree.map(lambda a: jnp.asarray(a)[None], _call(fn, bound, values))
 
     # Manual over the replica axis: on a 1-D mesh that is every axis (the plain case); on a 2-D
@@ -345,6 +437,7 @@ def over_replicas(
   replica_axis: str = 'replica',
   *,
   batch_argnames: tuple[str, ...] = ('batch',),
+  per_device: int = 1,
 ) -> Callable[..., Any]:
   """Runs a global-batch train step (one ``jit`` with shardings) as N diverging HDET replicas.
 
@@ -356,9 +449,19 @@ def over_replicas(
     :func:`stacked_shardings` (your shardings with ``replica_axis`` in front);
   - the batch (the arguments in ``batch_argnames``) stays global ``[B, ...]``, put with
     :func:`batch_shardings`; replica r trains on its ``B / N`` rows;
-  - one line in the step, ``grads = jax.lax.pmean(grads, replica_axis)``, and ``value=loss`` passed to
-    ``tx.update``;
+  - one line in the step, ``grads = hdet_jax.pmean_finite(grads, replica_axis)`` (``jax.lax.pmean`` works
+    too with one replica per device), and ``value=loss`` passed to ``tx.update``;
   - every output comes back stacked ``[N, ...]`` (a metric: one value per replica).
+
+  ``per_device = k > 1`` runs N replicas on the D = N / k devices (or groups) of ``replica_axis``: each
+  runs its k consecutive replicas under ``jax.vmap`` (replica r = d k + v), and the step, ``hdet(...,
+  replica_axis=replica_axis, num_replicas=N)`` and the shardings stay as they are; only the mesh's
+  replica axis is D long. While the step is traced the name ``replica_axis`` stands for the device axis
+  and the vmap's axis together in :mod:`hdet_jax.replicas`' collectives (:func:`pmean_finite`, and those
+  ``hdet`` runs), and ``hdet``'s sync stays under a ``lax.cond`` (:func:`unbatched`), so the window's
+  all-reduce still runs only at the end of a window. A ``jax.lax`` collective over ``replica_axis`` in the
+  step would span the devices only, not each device's k replicas: the map refuses it with a ``ValueError``
+  (it reads the traced step once, :func:`check_collectives`).
 
   It is :func:`shard_map_replicas`, manual over ``replica_axis`` only (the other axes stay under
   XLA's partitioner) and unchecked (``check_vma=False``): a ``with_sharding_constraint`` naming your
@@ -380,7 +483,7 @@ def over_replicas(
     >>> def train_step(state, batch):  # the global-batch step, its rows sharded over 'data'
     ...   params, opt_state = state
     ...   loss, grads = jax.value_and_grad(lambda p: jnp.mean((batch @ p - 1) ** 2))(params)
-    ...   grads = jax.lax.pmean(grads, 'replica')  # the line HDET adds
+    ...   grads = hdet_jax.pmean_finite(grads, 'replica')  # the line HDET adds
     ...   updates, opt_state = tx.update(grads, opt_state, params, value=loss)
     ...   return (optax.apply_updates(params, updates), opt_state), loss
     >>> state = hdet_jax.stack_replicas((jnp.zeros(2), tx.init(jnp.zeros(2))), 4)
@@ -392,8 +495,112 @@ def over_replicas(
     ...   state, loss = step(state, jnp.ones((16, 2)))  # replica r trains on rows [4 r, 4 r + 4)
     >>> [f'{x:.2f}' for x in loss.tolist()]  # one loss per replica
     ['0.49', '0.40', '0.32', '0.25']
+
+    The same 4 replicas, 2 on each of 2 groups of 4 devices: only the mesh and ``per_device`` change.
+
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ('replica', 'data'))
+    >>> step = jax.jit(hdet_jax.over_replicas(train_step, mesh, 'replica', per_device=2))
+    >>> state = hdet_jax.stack_replicas((jnp.zeros(2), tx.init(jnp.zeros(2))), 4)
+    >>> for _ in range(2):
+    ...   state, loss = step(state, jnp.ones((16, 2)))
+    >>> [f'{x:.2f}' for x in loss.tolist()]
+    ['0.49', '0.40', '0.32', '0.25']
   """
-  return shard_map_replicas(train_step, mesh, replica_axis, batch_argnames=batch_argnames, check_vma=False)
+  return _map_replicas(
+    train_step,
+    mesh,
+    replica_axis,
+    stacked_argnums=None,
+    batch_argnames=batch_argnames,
+    check_vma=False,
+    per_device=per_device,
+    local_axis=LOCAL_AXIS,
+    who='over_replicas',
+    keep_name=True,
+  )
+
+
+LOCAL_AXIS = '_hdet_local'  # over_replicas' vmap axis over each device's replicas (per_device > 1)
+
+# Primitives that name an axis but send nothing (varying-type casts).
+_TYPE_CASTS = frozenset({'pvary', 'pcast', 'pbroadcast'})
+
+
+def check_collectives(jaxpr, replica_axis: str, per_device: int, who: str = 'over_replicas') -> None:
+  """Raises if a traced step (a jaxpr, sub-jaxprs included) holds a collective over ``replica_axis`` that did not
+  come from this module's helpers.
+
+  With several replicas per device the replica axis is the mesh axis and a local ``vmap`` axis together; a
+  ``jax.lax`` collective named after the mesh axis alone spans the devices only and gives a wrong result
+  (``lax.pmean(grads, 'replica')`` would average each device's replica v with the other devices' replica v only).
+  The helpers tag theirs with a name scope while :func:`over_replicas` traces the step.
+  """
+  for eqn in jaxpr.eqns:
+    named = eqn.params.get('axes', eqn.params.get('axis_name'))
+    named = (named,) if isinstance(named, str) else named if isinstance(named, (tuple, list)) else ()
+    ours = _SCOPE in str(eqn.source_info.name_stack)
+    if replica_axis in named and eqn.primitive.name not in _TYPE_CASTS and not ours:
+      raise ValueError(
+        f'{who}: with per_device={per_device} the step calls {eqn.primitive.name} over {replica_axis!r} directly'
+        f'{_where(eqn)}, which spans the devices only and not the {per_device} replicas on each; use '
+        f'hdet_jax.pmean_finite(grads, {replica_axis!r}) for the gradient (hdet_jax.replicas.psum, pmean, '
+        'all_gather and axis_index for others), which span both.'
+      )
+  for sub in jax.extend.core.subjaxprs(jaxpr):
+    check_collectives(sub, replica_axis, per_device, who)
+
+
+def _where(eqn) -> str:
+  """' at file.py:line' of the innermost frame of the call outside jax and this package, if known."""
+  frames = getattr(getattr(eqn.source_info, 'traceback', None), 'frames', None) or ()
+  for frame in frames:
+    name = frame.file_name.replace('\\', '/')
+    if '/jax/' not in name and '/hdet_jax/' not in name and '/optax/' not in name:
+      return f' (at {name.rsplit("/", 1)[-1]}:{frame.line_num})'
+  return ''
+
+
+def _traced_and_checked(mapped, values, roles, replica_axis: str, per_device: int, who: str):
+  """``mapped(*values)``, traced once into a jaxpr that :func:`check_collectives` reads, then evaluated in place."""
+  arrays = [v for v, r in zip(values, roles) if r != 'static']
+
+  def on_arrays(*arrays):
+    given = iter(arrays)
+    return mapped(*[v if r == 'static' else next(given) for v, r in zip(values, roles)])
+
+  closed, shapes = jax.make_jaxpr(on_arrays, return_shape=True)(*arrays)
+  check_collectives(closed.jaxpr, replica_axis, per_device, who)
+  out = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(arrays))
+  return jax.tree.unflatten(jax.tree.structure(shapes), out)
+
+
+def _check_replica_count(bound, roles, devices: int, per_device: int, replica_axis: str, who: str) -> None:
+  """The stacked arguments hold ``devices * per_device`` replicas on their leading axis, or one clear error."""
+  counts = sorted(
+    {
+      jnp.shape(x)[0]
+      for (_, value), r in zip(bound, roles)
+      if r == 'stacked'
+      for x in jax.tree.leaves(value)
+      if jnp.ndim(x)
+    }
+  )
+  if len(counts) > 1:
+    raise ValueError(
+      f'{who}: the stacked arguments disagree on the number of replicas (leading axes {counts}); stack every '
+      'leaf of the state with hdet_jax.stack_replicas(tree, N).'
+    )
+  if counts and counts[0] != devices * per_device:
+    n = counts[0]
+    fix = (
+      f'pass per_device={n // devices} (N / D)'
+      if n % devices == 0
+      else f'use a multiple of {devices} replicas, or a mesh whose {replica_axis!r} axis divides {n}'
+    )
+    raise ValueError(
+      f'{who}: the state holds N={n} replicas and the mesh axis {replica_axis!r} has D={devices} devices, so '
+      f'per_device={per_device} does not fit (N = D * per_device); {fix}.'
+    )
 
 
 def _signature(fn) -> inspect.Signature | None:
