@@ -6,6 +6,7 @@ The core (this package's top-level modules) depends on jax, optax, numpy and che
 ``hdet_jax.trainer`` adds flax, orbax and I/O on top and is never imported from here.
 """
 
+from hdet_jax.accumulate import multi_steps
 from hdet_jax.packing import packed
 from hdet_jax.replicas import (
   average_replicas,
@@ -33,6 +34,7 @@ __all__ = [
   'HDETState',
   'one_cycle',
   'apply_updates',
+  'multi_steps',
   'packed',
   # Reading the state.
   'hyperparams',

@@ -19,14 +19,15 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # The examples each module holds (`>>>` lines, each a doctest example): a module may gain more, never lose them
 # unnoticed, and a finder that found none would fail here rather than pass.
 EXAMPLES = {
+  'hdet_jax.accumulate': 4,
   'hdet_jax.multipliers': 2,
   'hdet_jax.packing': 17,
   'hdet_jax.param_groups': 4,
   'hdet_jax.replicas': 38,
   'hdet_jax.schedules': 3,
-  'hdet_jax.settings': 7,
+  'hdet_jax.settings': 9,
   'hdet_jax.sync': 9,
-  'hdet_jax.transform': 7,
+  'hdet_jax.transform': 11,
   'hdet_jax.views': 6,
   'hdet_jax.windows': 2,
 }
