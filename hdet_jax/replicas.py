@@ -551,7 +551,7 @@ def check_collectives(jaxpr, replica_axis: str, per_device: int, who: str = 'ove
 
 
 def _where(eqn) -> str:
-  """' at file.py:line' of the innermost frame of the call outside jax and this package, if known."""
+  """' (at file.py:line)': the innermost frame of the call outside jax, optax and this package ('' if unknown)."""
   frames = getattr(getattr(eqn.source_info, 'traceback', None), 'frames', None) or ()
   for frame in frames:
     name = frame.file_name.replace('\\', '/')
