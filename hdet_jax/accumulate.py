@@ -102,7 +102,11 @@ def update(
     shapes = jax.eval_shape(last, inner_state)[0]  # traced only: the update's shapes and dtypes
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), _like(inner_state, inner_state)
 
-  out, inner_state = lax.cond(replicas.unbatched(emit), last, before_last, state.inner_opt_state)
+  # Under a checked shard_map both branches must vary over the same mesh axes: the inputs' (a mean only removes
+  # axes), where the sync's pmean in one branch would leave a leaf invariant that the other returns varying.
+  axes = frozenset().union(*(replicas.vma(x) for x in jax.tree.leaves((grads, state, params))))
+  vary = lambda f: lambda s: _varying(f(s), axes)
+  out, inner_state = lax.cond(replicas.unbatched(emit), vary(last), vary(before_last), state.inner_opt_state)
   return out, optax.MultiStepsState(
     mini_step=optax.safe_increment(n) % every_k,
     gradient_step=emit * optax.safe_increment(state.gradient_step) + (1 - emit) * state.gradient_step,
@@ -115,3 +119,13 @@ def update(
 def _like(new: Any, old: Any) -> Any:
   """``new`` in ``old``'s dtypes, as ``optax.MultiSteps`` keeps its inner state (both branches then agree)."""
   return jax.tree.map(lambda x, o: jnp.astype(x, jnp.result_type(o)), new, old)
+
+
+def _varying(tree: Any, axes: frozenset) -> Any:
+  """Each leaf cast to vary over ``axes`` where it does not already (nothing to do outside shard_map)."""
+
+  def cast(x):
+    missing = tuple(sorted(axes - replicas.vma(x)))
+    return lax.pcast(x, missing, to='varying') if missing else x
+
+  return jax.tree.map(cast, tree)

@@ -248,4 +248,5 @@ def apply_updates(
     return new_params
   if sync:
     return mean(new_params)
-  return lax.cond(state.synced, lambda p: replicas.match_vma(mean(p), p), lambda p: p, new_params)
+  synced = replicas.unbatched(state.synced, replica_axis)  # a cond, not a select, under per_device > 1
+  return lax.cond(synced, lambda p: replicas.match_vma(mean(p), p), lambda p: p, new_params)

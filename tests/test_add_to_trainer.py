@@ -60,14 +60,14 @@ def test_the_page_shows_the_trainers_diff_and_it_is_small():
   assert blocks and blocks[0].splitlines() == diff, '\n'.join(diff)
   added = [line for line in diff if line.startswith('+')]
   removed = [line for line in diff if line.startswith('-')]
-  # 17 statements; 3 of the 20 added lines are continuations at the docs' 88 columns
-  assert (len(added), len(removed)) == (20, 10), (len(added), len(removed))
+  # 17 statements; 2 of the 19 added lines are continuations at the docs' 88 columns
+  assert (len(added), len(removed)) == (19, 9), (len(added), len(removed))
   kept = (
     'with_sharding_constraint',
     "donate_argnames=('state',)",
     "nn.with_partitioning(init, (None, 'data'))",
     'ocp.CheckpointManager',
-    'optax.MultiSteps',
+    'multi_steps',
     'clip_by_global_norm',
     'mask=decay_mask',
   )
@@ -91,10 +91,9 @@ def test_both_trainers_learn_and_hdet_spreads_and_moves_the_learning_rate(runs):
     assert len(losses) == STEPS and losses[-1] < 0.6 * losses[0] and eval_loss < 0.6 * losses[0], (name, losses)
   state = runs['straight'][0]
   hp = hdet_jax.hyperparams(state.opt_state.inner_opt_state)
-  lrs, base = np.asarray(hp['learning_rate']), float(hp['base_learning_rate'])  # [N] and the base
+  lrs, base = np.asarray(hp['lr_scale']), float(hp['base_lr_scale'])  # [N] and the base: factors on adamw's LR
   assert len(set(np.round(lrs / base, 6))) == hdet.N  # the fan-out: N distinct multipliers
-  schedule = optax.warmup_cosine_decay_schedule(0.0, hdet.PEAK_LR, hdet.STEPS // 10, hdet.STEPS)
-  assert not np.isclose(base, float(schedule(STEPS)), rtol=1e-3)  # the controller moved it off the schedule
+  assert not np.isclose(base, 1.0, rtol=1e-3)  # the controller moved it off the optimizer's own schedule
   assert int(state.step[0]) == STEPS * hdet.ACCUM and int(state.opt_state.gradient_step[0]) == STEPS
 
 
@@ -154,7 +153,7 @@ def test_the_trajectory_is_the_shard_map_paths(runs):
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   ref = hdet_jax.hyperparams(ref_state.opt_state.inner_opt_state)
   got = hdet_jax.hyperparams(state.opt_state.inner_opt_state)
-  np.testing.assert_allclose(np.asarray(got['learning_rate']), np.asarray(ref['learning_rate']), rtol=3e-5)
+  np.testing.assert_allclose(np.asarray(got['lr_scale']), np.asarray(ref['lr_scale']), rtol=3e-5)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=5e-6)
 

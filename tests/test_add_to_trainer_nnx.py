@@ -24,7 +24,7 @@ PLAIN_STEPS = 12
 # HDET's optimizer steps: hdet's sync_every defaults to round(STEPS / 15) = 3 with AutoLR(total_steps=40), so step 18
 # ends on a sync; the checkpoints are at 10 (the resumed run restarts there) and not at 18.
 STEPS = 18
-ADDED, REMOVED = 18, 10  # 15 statements; 3 added lines are continuations at the docs' 88 columns
+ADDED, REMOVED = 17, 9  # 15 statements; 2 added lines are continuations at the docs' 88 columns
 
 
 plain = _load('plain_nnx')
@@ -43,7 +43,7 @@ def test_the_page_shows_the_nnx_diff_and_it_is_small():
     "donate_argnames=('state',)",
     "nnx.with_partitioning(init, (None, 'data'))",
     'ocp.CheckpointManager',
-    'optax.MultiSteps',
+    'MultiSteps',
     'clip_by_global_norm',
     'mask=decay_mask',
     'nnx.split((model, optimizer))',
@@ -88,7 +88,7 @@ def test_hdet_replicas_run_apart_and_agree_after_a_sync(runs):
   mesh = Mesh(np.array(jax.devices()).reshape(hdet.N, -1), ('replica', 'data'))
   _, optimizer = _merged(hdet, state, mesh)
   hp = hdet_jax.hyperparams(optimizer.opt_state.inner_opt_state)
-  lrs, base = np.asarray(hp['learning_rate']), float(hp['base_learning_rate'])  # [N] and the base
+  lrs, base = np.asarray(hp['lr_scale']), float(hp['base_lr_scale'])  # [N] and the base: factors on adamw's LR
   assert lrs.shape == (hdet.N,) and len(set(np.round(lrs / base, 6))) == hdet.N, lrs  # N distinct multipliers
   steps = np.asarray(state[1]['step'][...])
   assert (steps == STEPS * hdet.ACCUM).all(), steps  # every replica's counter; train() reads replica 0's

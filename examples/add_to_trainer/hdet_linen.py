@@ -54,12 +54,12 @@ def loss_fn(params, apply_fn, batch):
 def make_optimizer():
   schedule = optax.warmup_cosine_decay_schedule(0.0, PEAK_LR, STEPS // 10, STEPS)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
-  chain = lambda learning_rate: optax.chain(
+  optimizer = optax.chain(
       optax.clip_by_global_norm(1.0),
-      optax.adamw(learning_rate, weight_decay=0.1, mask=decay_mask))
-  optimizer = hdet_jax.hdet(chain, schedule, num_replicas=N, replica_axis='replica',
+      optax.adamw(schedule, weight_decay=0.1, mask=decay_mask))
+  optimizer = hdet_jax.hdet(optimizer, num_replicas=N, replica_axis='replica',
                             auto_lr=hdet_jax.AutoLR(total_steps=STEPS))
-  return optax.MultiSteps(optimizer, ACCUM)
+  return hdet_jax.multi_steps(optimizer, ACCUM)  # the window's average sent once
 
 
 def create_state(key):
@@ -78,7 +78,7 @@ def make_trainer(mesh):
   def train_step(state, batch):
     batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
     loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn, batch)
-    grads = jax.lax.pmean(grads, 'replica')  # the all-reduce across replicas
+    grads = hdet_jax.pmean_finite(grads, 'replica')  # the all-reduce across replicas
     upd, opt = state.tx.update(grads, state.opt_state, state.params, value=loss)
     state = state.replace(step=state.step + 1, opt_state=opt,
                           params=optax.apply_updates(state.params, upd))
