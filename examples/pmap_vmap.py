@@ -56,7 +56,7 @@ def train_step(params, opt_state, x, y):                  # one replica's view, 
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   loss, grads = jax.value_and_grad(loss_fn)(params)
-  grads = jax.lax.pmean(grads, 'data')
+  grads = hdet_jax.pmean_finite(grads, 'data')
   updates, opt_state = tx.update(grads, opt_state, params, value=loss)
   return optax.apply_updates(params, updates), opt_state, loss
 

@@ -319,7 +319,7 @@ def shard_map_replicas(
     >>> tx = hdet_jax.hdet(optax.sgd, 0.1, num_replicas=8)
     >>> def train_step(params, opt_state, batch):  # one replica's view
     ...   loss, grads = jax.value_and_grad(lambda p: jnp.mean((batch @ p['w'] - 1) ** 2))(params)
-    ...   updates, opt_state = tx.update(jax.lax.pmean(grads, 'data'), opt_state, params, value=loss)
+    ...   updates, opt_state = tx.update(hdet_jax.pmean_finite(grads, 'data'), opt_state, params, value=loss)
     ...   return optax.apply_updates(params, updates), opt_state, loss
     >>> params = hdet_jax.stack_replicas({'w': jnp.zeros(2)}, 8)
     >>> opt_state = jax.vmap(tx.init)(params)

@@ -238,7 +238,7 @@ def hdet(
     ...                    auto_lr=hdet_jax.AutoLR(total_steps=1000), weight_decay=0.1)  # guarded climb, T = 67
     >>> def train_step(params, opt_state, x):  # one replica's view
     ...   loss, grads = jax.value_and_grad(lambda p: jnp.mean((x @ p['w']) ** 2))(params)
-    ...   grads = jax.lax.pmean(grads, 'data')  # plain data parallelism
+    ...   grads = hdet_jax.pmean_finite(grads, 'data')  # plain data parallelism
     ...   updates, opt_state = tx.update(grads, opt_state, params, value=loss)
     ...   return optax.apply_updates(params, updates), opt_state
     >>> params = hdet_jax.stack_replicas({'w': jnp.ones(2)}, 4)  # [N, ...] on every leaf
