@@ -233,6 +233,8 @@ class Plan(NamedTuple):
   # ``optimizer`` is a built transformation: its updates are scaled by each replica's learning-rate rows, which
   # are then factors on the optimizer's own learning rate (``lr_scale``), not learning rates.
   built: bool = False
+  # a sync whose guard backs off returns the replicas to the last sync's parameters and optimizer state.
+  rollback: bool = False
 
 
 # The learning-rate rows' names: a factory's learning rate; a built optimizer's factor on its own learning rate.
@@ -283,6 +285,7 @@ def make_plan(
   guard_nonfinite,
   optimizer_kwargs,
   average_opt_state=False,
+  rollback=False,
 ) -> Plan:
   """Validates every ``hdet`` argument eagerly and returns the frozen plan."""
   built = is_built(optimizer)
@@ -335,7 +338,19 @@ def make_plan(
     seed=seed,
     average_opt_state=_flag('average_opt_state', average_opt_state),
     built=built,
+    rollback=_rollback(rollback, auto_lr),
   )
+
+
+def _rollback(rollback, auto_lr) -> bool:
+  """``rollback`` checked: it returns to the last sync where the guard backs off, so it needs the guard."""
+  rollback = _flag('rollback', rollback)
+  if rollback and not (isinstance(auto_lr, AutoLR) and auto_lr.controller == 'fit' and auto_lr.backoff):
+    raise ValueError(
+      'rollback=True returns the replicas to the last sync where the guard backs off, so it needs the guard: '
+      'auto_lr=hdet_jax.AutoLR(total_steps=...) (backoff=True, the default), or rollback=False.'
+    )
+  return rollback
 
 
 def is_built(optimizer) -> bool:

@@ -8,7 +8,7 @@ permutation from the key all replicas share.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +20,22 @@ from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
 from hdet_jax import replicas
 from hdet_jax import values
-from hdet_jax import windows
 from hdet_jax import settings
+from hdet_jax import windows
 from hdet_jax.settings import Plan
+
+
+class Anchor(NamedTuple):
+  """What the last sync left (``hdet(..., rollback=True)``): where a sync whose guard backs off returns.
+
+  Every replica holds the same copy (the sync's average, and the optimizer state, which the shared gradient
+  keeps equal), laid out like the parameters and the optimizer state.
+  """
+
+  params: Any  # the parameters the last sync left (the average), as the parameters.
+  inner_state: Any  # the wrapped optimizer's state then, as ``HDETState.inner_state``.
+  train_loss: jax.Array  # [] float32: the training loss of the window that sync ended (the guard's baseline).
+  train_loss_se: jax.Array  # [] float32: its standard error.
 
 
 def average(tree: Any, axis_name: replicas.AxisName, guard_nonfinite: bool, ok=None) -> tuple[Any, jax.Array]:
@@ -44,15 +57,34 @@ def end_window(plan: Plan, params, updates, state, *, gather: bool, score=None):
     # A replica whose parameters or window loss went non-finite sits this average out
     # and is reset to the others' average.
     ok = jnp.logical_and(replicas.all_finite(stepped), jnp.isfinite(state.loss_sum))
-  if plan.exact_sync:  # apply_updates does the averaging, reading replica_ok.
+  if plan.exact_sync and not plan.rollback:  # apply_updates does the averaging, reading replica_ok.
     count = replicas.psum(ok.astype(jnp.int32), plan.replica_axis)
   else:
     new_params, count = average(stepped, plan.replica_axis, plan.guard_nonfinite, ok)
-    updates = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
   state = state._replace(finite_replicas=count, replica_ok=ok)
   if plan.average_opt_state:
     state = state._replace(inner_state=average_inner_state(plan, state.inner_state, ok))
-  return updates, sync_controller(plan, state, score=score, gather=gather)
+  state = sync_controller(plan, state, score=score, gather=gather)
+  if plan.rollback:  # a backed-off sync lands on the anchor; any other one becomes the next anchor
+    state = roll_back(state, new_params)
+    new_params = state.anchor.params
+  if not plan.exact_sync:
+    updates = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
+  return updates, state
+
+
+def roll_back(state, new_params):
+  """The state after a sync with ``rollback``: where the guard backed off (``controller.backed_off``, the same on
+  every replica), the anchor's optimizer state and its window's loss as the guard's next baseline, the anchor
+  kept; else the sync's, and the anchor moves to it (the average ``new_params``)."""
+  back, anchor, c = state.controller.backed_off, state.anchor, state.controller
+  pick = lambda old, new: jax.tree.map(lambda a, b: jnp.where(back, a, b).astype(b.dtype), old, new)
+  inner = pick(anchor.inner_state, state.inner_state)
+  c = c._replace(
+    train_loss=pick(anchor.train_loss, c.train_loss), train_loss_se=pick(anchor.train_loss_se, c.train_loss_se)
+  )
+  params = pick(anchor.params, new_params)
+  return state._replace(inner_state=inner, controller=c, anchor=Anchor(params, inner, c.train_loss, c.train_loss_se))
 
 
 def average_inner_state(plan: Plan, inner_state: Any, ok: jax.Array) -> Any:
@@ -246,6 +278,8 @@ def apply_updates(
   mean = lambda p: average(p, replica_axis, guard_nonfinite, state.replica_ok)[0]
   if sync is False:
     return new_params
+  if state.anchor is not None:  # with rollback the sync already holds where the replicas land: assign it
+    mean = lambda p: state.anchor.params
   if sync:
     return mean(new_params)
   synced = replicas.unbatched(state.synced, replica_axis)  # a cond, not a select, under per_device > 1

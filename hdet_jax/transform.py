@@ -30,7 +30,7 @@ from hdet_jax import values as values_lib
 from hdet_jax import windows
 from hdet_jax.param_groups import group_labels, path_string  # noqa: F401  (re-exported)
 from hdet_jax.settings import AutoLR, Explore, Plan, hyperparam_names  # noqa: F401  (re-exported)
-from hdet_jax.sync import apply_updates  # noqa: F401  (re-exported)
+from hdet_jax.sync import Anchor, apply_updates  # noqa: F401  (re-exported)
 
 
 class HDETState(NamedTuple):
@@ -72,6 +72,7 @@ class HDETState(NamedTuple):
   controller: ctrl.ControllerState  # base for the window, velocity, perm, key, losses, weights, delta.
   base: jax.Array  # [G] float32: the base value for the coming step.
   synced: jax.Array  # [] bool: whether the last update was a sync step.
+  anchor: Anchor | None = None  # with ``rollback``: what the last sync left, where a backed-off sync returns.
 
   @property
   def learning_rates(self) -> jax.Array:
@@ -110,6 +111,7 @@ def hdet(
   param_groups: dict[str, str] | None = None,
   guard_nonfinite: bool = True,
   average_opt_state: bool = False,
+  rollback: bool = False,
   **optimizer_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Hyperparameter-Divergent Ensemble Training around an optax optimizer.
@@ -209,6 +211,14 @@ def hdet(
       state's size at each sync (twice the parameters' bytes for Adam, so three times the
       sync's traffic). With the shared gradient the states are already equal and this is
       a no-op up to rounding.
+    rollback: if True, a sync whose guard backs off (``auto_lr``'s ``backoff``: the window's training loss rose
+      past its margins, or went non-finite) also returns every replica to the parameters and the wrapped
+      optimizer's state the last sync left (:class:`Anchor`), instead of averaging the window that rose; the
+      trainer's ``hdet.rollback``, in any trainer. It costs one more copy of the parameters and the optimizer
+      state per replica, laid out as they are (FSDP-sharded with them). Off by default: it changes the state's
+      structure, so a 1.0 checkpoint restores only without it. With ``exact_sync=True`` and
+      :func:`hdet_jax.apply_updates` the replicas land on the anchor bit for bit; with ``optax.apply_updates``
+      to about an ulp, as on every sync.
     **optimizer_kwargs: passed to ``optimizer`` (e.g. ``weight_decay=0.1``).
 
   Returns:
@@ -267,6 +277,7 @@ def hdet(
     guard_nonfinite=guard_nonfinite,
     optimizer_kwargs=optimizer_kwargs,
     average_opt_state=average_opt_state,
+    rollback=rollback,
   )
 
   def init_fn(params):
@@ -391,7 +402,16 @@ def init(plan: Plan, params: Any) -> HDETState:
     controller=controller,
     base=start,
     synced=jnp.zeros([], bool),
+    anchor=_first_anchor(plan, params, inner_state, controller),
   )
+
+
+def _first_anchor(plan: Plan, params: Any, inner_state: Any, controller: ctrl.ControllerState) -> Anchor | None:
+  """The anchor before the first sync: the start (the parameters as given, the optimizer's initial state)."""
+  if not plan.rollback:
+    return None
+  copy = lambda tree: jax.tree.map(jnp.array, tree)  # its own buffers: the state may be donated
+  return Anchor(copy(params), copy(inner_state), controller.train_loss, controller.train_loss_se)
 
 
 def update(

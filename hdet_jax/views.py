@@ -43,7 +43,8 @@ def find_state(opt_state: Any) -> HDETState:
 
 
 def _is_hdet_state(x) -> bool:
-  return isinstance(x, HDETState) or (isinstance(x, Mapping) and set(x.keys()) == set(HDETState._fields))
+  required = set(HDETState._fields) - {'anchor'}  # a split state may leave out an anchor of None
+  return isinstance(x, HDETState) or (isinstance(x, Mapping) and required <= set(x.keys()) <= set(HDETState._fields))
 
 
 def _from_mapping(fields: Mapping) -> HDETState:
@@ -52,7 +53,7 @@ def _from_mapping(fields: Mapping) -> HDETState:
   if isinstance(inner, Mapping) and set(inner.keys()) == set(BuiltOptimizerState._fields):
     inner = BuiltOptimizerState(inner['built_optimizer_state'])
   unwrap = lambda x: x if isinstance(x, Mapping) else getattr(x, 'value', x)
-  return HDETState(**{k: inner if k == 'inner_state' else unwrap(fields[k]) for k in HDETState._fields})
+  return HDETState(**{k: inner if k == 'inner_state' else unwrap(fields[k]) for k in HDETState._fields if k in fields})
 
 
 def is_built(state: HDETState) -> bool:

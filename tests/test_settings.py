@@ -455,6 +455,7 @@ USER_API = [
   'hyperparam_names',
   'hyperparams',
   'is_sync_step',
+  'multi_steps',
   'one_cycle',
   'over_replicas',
   'packed',
