@@ -215,7 +215,10 @@ def hdet(
       past its margins, or went non-finite) also returns every replica to the parameters and the wrapped
       optimizer's state the last sync left (:class:`Anchor`), instead of averaging the window that rose; the
       trainer's ``hdet.rollback``, in any trainer. It costs one more copy of the parameters and the optimizer
-      state per replica, laid out as they are (FSDP-sharded with them). Off by default: it changes the state's
+      state per replica, laid out as they are (FSDP-sharded with them): AdamW's anchor is 3x the parameters'
+      bytes, and the add-to-trainer example's state 1.75x on each device (``python -m
+      benchmarks.rollback_memory``). The trainer keeps its own, one copy per device whatever the replicas on it
+      (1.125x with 8 replicas on a device, where this one would be 2x). Off by default: it changes the state's
       structure, so a 1.0 checkpoint restores only without it. With ``exact_sync=True`` and
       :func:`hdet_jax.apply_updates` the replicas land on the anchor bit for bit; with ``optax.apply_updates``
       to about an ulp, as on every sync.
