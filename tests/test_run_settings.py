@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import hdet_jax
+from hdet_jax import settings
 from hdet_jax.trainer import compat
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import run_settings
@@ -36,7 +37,9 @@ def _completed(config):
 def test_the_default_config_resolves_to_the_libraries_default_and_its_loop():
   run = run_settings.resolve(_config())
   steps = run.loop.num_train_steps
-  assert steps == 1500 and run.optimizer.auto_lr == hdet_jax.AutoLR(total_steps=steps)
+  # The library's default initial_scale, None, is 0.1 around a factory (the trainer's optimizer); the config says it.
+  library_default = hdet_jax.AutoLR(total_steps=steps, initial_scale=settings.DEFAULT_INITIAL_SCALE)
+  assert steps == 1500 and run.optimizer.auto_lr == library_default
   # The window: round(1500 / 15) = 100 steps, the cap; the guard on (it rolls back), the common batch scores.
   assert run.loop.windows == run.optimizer.windows == (100,)
   assert (run.loop.rolls_back, run.programs.rolls_back, run.loop.common_batch, run.programs.common_batch) == (True,) * 4
