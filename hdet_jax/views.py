@@ -52,7 +52,7 @@ def _from_mapping(fields: Mapping) -> HDETState:
   inner = fields['inner_state']
   if isinstance(inner, Mapping) and set(inner.keys()) == set(BuiltOptimizerState._fields):
     inner = BuiltOptimizerState(inner['built_optimizer_state'])
-  unwrap = lambda x: x if isinstance(x, Mapping) else getattr(x, 'value', x)
+  unwrap = lambda x: x.get_value() if callable(getattr(x, 'get_value', None)) else x  # an nnx variable's array
   return HDETState(**{k: inner if k == 'inner_state' else unwrap(fields[k]) for k in HDETState._fields if k in fields})
 
 
