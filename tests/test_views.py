@@ -78,3 +78,15 @@ def test_find_state_needs_exactly_one_hdet_state():
     H.hyperparams((optax.EmptyState(), {'w': jnp.zeros(3)}))
   with pytest.raises(ValueError, match='expected one HDETState in the optimizer state, found 2'):
     H.hyperparams((state, state))
+
+
+def test_hyperparams_finds_the_state_under_multisteps_and_names_a_built_optimizers_rows():
+  """Around a built optimizer the rows are factors on its own LR ('lr_scale'); found under MultiSteps, in a chain."""
+  built = H.hdet(optax.adam(1e-3), num_replicas=4, spread=0.5)
+  factory = H.hdet(optax.adam, 1e-3, num_replicas=4, spread=0.5)
+  for tx, name, base in ((built, 'lr_scale', 1.0), (factory, 'learning_rate', 1e-3)):
+    outer = optax.MultiSteps(optax.chain(optax.clip(1.0), tx), 2)
+    state = jax.vmap(outer.init)(H.stack_replicas({'w': jnp.zeros(2)}, 4))
+    hp = H.hyperparams(state)
+    assert set(hp) == {name, f'base_{name}'}
+    np.testing.assert_allclose(hp[name], base * np.array([0.5, 5 / 6, 7 / 6, 1.5]), rtol=1e-6)
