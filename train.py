@@ -107,14 +107,50 @@ EXIT_DIVERGED = 1  # every replica's loss went NaN/inf; the last good checkpoint
 EXIT_PREEMPTED = 143  # SIGTERM/SIGINT: a checkpoint was written; rerun the same command to resume (128 + SIGTERM)
 
 
+def _ignored_settings(config) -> list[str]:
+  """The warning lines for ``config``'s fields that the run cannot use (``run_settings.ignored``), and for the
+  platform's: a shipped config file's own choices (configs/*.py, e.g. the paper controller's fields that
+  hdet_no_auto_lr.py keeps from hdet_full.py) are its own, so only what the command line changes counts there."""
+  import jax
+
+  from hdet_jax.trainer import config_lib
+  from hdet_jax.trainer import run_settings
+  from hdet_jax.trainer import schema
+
+  given = config_flags.get_config_filename(FLAGS['config'])
+  path, _, arg = given.partition(':')
+  shipped = os.path.dirname(os.path.realpath(path)) == os.path.dirname(os.path.realpath(DEFAULT_CONFIG))
+  base = config_lib.load_config_file(path, *([arg] if arg else [])) if shipped else None
+  lines = run_settings.ignored(config, base)
+  f = schema.complete(config_lib.flatten(config))
+  platform = jax.default_backend()
+  cpus = f['num_cpu_devices']
+  if cpus not in (0, schema.BY_NAME['num_cpu_devices'].default):
+    env = [k for k in ('JAX_NUM_CPU_DEVICES',) if k in os.environ]
+    env += ['XLA_FLAGS'] if 'xla_force_host_platform_device_count' in os.environ.get('XLA_FLAGS', '') else []
+    if platform != 'cpu':
+      lines.append(f'num_cpu_devices={cpus} is ignored: JAX trains on {platform}, not on simulated CPU devices.')
+    elif env and jax.local_device_count() != max(1, cpus // jax.process_count()):
+      lines.append(f'num_cpu_devices={cpus} is ignored: {env[0]} sets the CPU devices (it wins).')
+  if not f['deterministic_gpu'] and platform != 'gpu':
+    lines.append(f'deterministic_gpu=False is ignored: JAX trains on {platform}, not on a GPU.')
+  return lines
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}')
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO.
   from hdet_jax import trainer  # after flag parsing: JAX must start after setup_jax's settings.
   from hdet_jax.trainer import bracket
+  from hdet_jax.trainer import trainer as trainer_lib
 
   config = FLAGS.config
+  try:  # where the run writes: before anything starts (JAX's cache included)
+    trainer_lib.check_output_paths(config, FLAGS.workdir)
+  except trainer.ConfigError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
   trainer.setup_jax(
     config,
     coordinator_address=FLAGS.coordinator_address,
@@ -122,7 +158,12 @@ def main(argv):
     process_id=FLAGS.process_id,
     heartbeat_timeout_s=FLAGS.heartbeat_timeout,
   )
+  import jax
+
   try:
+    if jax.process_index() == 0:  # fields set where the run cannot use them: one line per cause, once
+      for line in _ignored_settings(config):
+        print(f'warning: {line}', file=sys.stderr, flush=True)
     if config.bracket.points > 0:  # an LR bracket: several plain runs, the worse stopped early
       summary = bracket.run_bracket(config, FLAGS.workdir)
     else:
@@ -130,8 +171,6 @@ def main(argv):
   except trainer.ConfigError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
-  import jax
-
   if jax.process_index() == 0:
     print(trainer.format_summary(summary), flush=True)
     if 'bracket' in summary:

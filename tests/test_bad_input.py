@@ -234,3 +234,219 @@ def test_a_bracket_checks_its_runs_before_it_writes_its_record(tmp_path):
   assert proc.returncode == 2 and len(errors) == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
   assert 'data.path' in errors[0] and 'not UTF-8 text' in errors[0], errors
   assert not workdir.exists() or not any(workdir.rglob('*')), sorted(workdir.rglob('*'))
+
+
+# ---- Where a run writes: never the current folder or a project's files (issue 75, item 6). ----
+
+
+def _cases_of_project_folders(tmp_path):
+  project = tmp_path / 'someproject'  # another project's folder: its build file marks it
+  project.mkdir()
+  (project / 'pyproject.toml').write_text('[project]\nname = "x"\n')
+  sources = tmp_path / 'sources'  # a folder of sources (as configs/ or tests/ are)
+  sources.mkdir()
+  (sources / 'model.py').write_text('x = 1\n')
+  return [
+    ('.', 'is the current folder'),
+    ('', 'is the current folder'),
+    ('./', 'is the current folder'),
+    (ROOT, 'is the current folder'),
+    (os.path.join(ROOT, 'configs'), "holds a project's files (baseline_high.py"),
+    (os.path.join(ROOT, 'results'), "holds a project's files"),
+    ('..', 'holds the current folder'),
+    (str(project), "holds a project's files (pyproject.toml)"),
+    (str(sources), "holds a project's files (model.py)"),
+  ]
+
+
+def test_a_workdir_among_the_projects_files_is_refused_before_anything_is_read(tmp_path, monkeypatch):
+  from hdet_jax.trainer import config_lib, trainer as trainer_lib
+
+  monkeypatch.chdir(ROOT)
+  config = config_lib.load_config_file(TINY)
+  for workdir, says in _cases_of_project_folders(tmp_path):
+    with pytest.raises(config_lib.ConfigError, match=None) as e:
+      trainer_lib.check_output_paths(config, workdir)
+    line = str(e.value)
+    assert line.startswith(f'--workdir {workdir!r}') and says in line and 'nothing was written' in line, line
+    assert '--workdir=workdirs/NAME' in line and '\n' not in line
+    with pytest.raises(config_lib.ConfigError, match=r'^--workdir '):  # the trainer's own entry points refuse it too
+      trainer_lib.check(config, workdir)
+  trainer_lib.check_output_paths(config, str(tmp_path / 'new'))  # a folder of its own (new or a run's) is fine
+  (tmp_path / 'run').mkdir()
+  (tmp_path / 'run' / 'metrics.jsonl').write_text('')
+  trainer_lib.check_output_paths(config, str(tmp_path / 'run'))
+
+
+def test_compilation_cache_in_the_current_folder_is_refused(tmp_path, monkeypatch):
+  from hdet_jax.trainer import config_lib, trainer as trainer_lib
+
+  monkeypatch.chdir(ROOT)
+  for cache in ('.', ROOT, os.path.join(ROOT, 'hdet_jax')):
+    config = config_lib.with_overrides(config_lib.load_config_file(TINY), {'compilation_cache': cache})
+    with pytest.raises(config_lib.ConfigError, match=r'^--config\.compilation_cache .*~/\.cache/hdet_jax/xla'):
+      trainer_lib.check_output_paths(config, str(tmp_path / 'w'))
+  config = config_lib.with_overrides(config_lib.load_config_file(TINY), {'compilation_cache': str(tmp_path / 'c')})
+  trainer_lib.check_output_paths(config, str(tmp_path / 'w'))  # '' (off, tiny.py's) and a cache of its own: fine
+
+
+def test_train_py_refuses_workdir_dot_with_one_line_and_writes_nothing(tmp_path):
+  """``python train.py --workdir .`` in a folder holding a run and other files: exit 2, one line, nothing changed."""
+  folder = tmp_path / 'here'
+  folder.mkdir()
+  (folder / 'notes.txt').write_text('mine\n')
+  (folder / 'config.json').write_text('{"training_fields": {}}\n')
+  before = _snapshot(folder)
+  proc = subprocess.run(
+    [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', '.'],
+    cwd=folder,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+  assert proc.returncode == 2 and len(errors) == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  assert errors[0].startswith("error: --workdir '.' is the current folder"), errors
+  assert _snapshot(folder) == before
+
+
+# ---- Settings the run cannot honour: one error naming the field and the fix (issue 75, item 6). ----
+
+
+def _tiny(**overrides):
+  from hdet_jax.trainer import config_lib
+
+  config = config_lib.load_config_file(TINY)
+  with config.unlocked():
+    return config_lib.with_overrides(config, overrides)
+
+
+CANNOT_HONOUR = [
+  ({'mesh.replicas': 4}, r'^mesh\.replicas=4 counts replica groups .*set hdet\.num_replicas=4'),
+  ({'mesh.fsdp': 2, 'mesh.devices': 4}, r'^mesh\.devices=4 picks the devices of a 1-D mesh.*mesh\.replicas=2'),
+  (
+    {'hdet.explore.weight_decay': 0.5, 'optim.weight_decay': 0.0},
+    r'^hdet\.explore\.weight_decay=0\.5 spreads optim\.weight_decay .*set optim\.weight_decay > 0',
+  ),
+  ({'hdet.spread': 0.0}, r'^hdet\.auto_lr=True .*hdet\.spread=0 .*set hdet\.spread > 0 .*or hdet\.auto_lr=False'),
+  (
+    {'hdet.sync_every': 0, 'hdet.num_syncs': 0},
+    r'^hdet\.auto_lr=True .*hdet\.sync_every=0 and hdet\.num_syncs=0 the replicas never average.*hdet\.auto_lr=False',
+  ),
+  ({'hdet.sync_every': 100}, r'^hdet\.auto_lr=True .*hdet\.sync_every=100 leaves no sync inside num_train_steps=40'),
+  ({'hdet.sync_every': 8, 'hdet.warmup_steps': 39}, r'^hdet\.auto_lr=True .*hdet\.warmup_steps=39 is step 40'),
+  ({'model.kind': 'mlp'}, r"^model\.kind is a field of the mnist1d task's config .*set task='mnist1d'"),
+]
+
+
+@pytest.mark.parametrize('overrides, says', CANNOT_HONOUR, ids=[','.join(c[0]) for c in CANNOT_HONOUR])
+def test_a_setting_the_run_cannot_honour_is_one_error_naming_the_field(overrides, says, tmp_path):
+  from hdet_jax.trainer import config_lib, trainer as trainer_lib
+
+  with pytest.raises(config_lib.ConfigError, match=says) as e:  # the checks before any work: nothing compiles
+    trainer_lib.check(_tiny(**overrides), str(tmp_path / 'w'))
+  assert '\n' not in str(e.value) and not (tmp_path / 'w').exists()
+
+
+def test_num_replicas_a_grouped_mesh_cannot_train_is_refused_before_any_work(tmp_path):
+  from hdet_jax.trainer import config_lib, trainer as trainer_lib
+
+  with pytest.raises(
+    config_lib.ConfigError, match=r'^hdet\.num_replicas=6 but mesh\.replicas=4 x mesh\.fsdp=2 trains 4'
+  ):
+    trainer_lib.check(_tiny(**{'hdet.num_replicas': 6, 'mesh.fsdp': 2}), str(tmp_path / 'w'))
+  assert not (tmp_path / 'w').exists()
+
+
+# ---- Settings legitimately unread: one warning line per cause, naming each field (issue 75, item 6). ----
+
+IGNORED = [
+  ({'hdet.auto_lr': False}, 'tiny', ['hdet.warmup_steps=10', 'hdet.trust=0.25'], 'hdet.auto_lr=False'),
+  ({'hdet.controller': 'paper', 'hdet.trust': 0.5}, 'default', ['hdet.trust=0.5'], "hdet.controller='paper'"),
+  ({'hdet.lr_of_lr': 0.1}, 'default', ['hdet.lr_of_lr=0.1'], "hdet.controller='fit'"),
+  ({'hdet.score': 'window', 'hdet.probe_windows': 4}, 'default', ['hdet.probe_windows=4'], "hdet.score='window'"),
+  ({'hdet.sync_every': 25, 'hdet.num_syncs': 10}, 'default', ['hdet.num_syncs=10'], 'hdet.sync_every=25'),
+  (
+    {'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.longest_window': 50, 'hdet.auto_lr': False},
+    'default',
+    ['hdet.longest_window=50'],
+    'never average',
+  ),
+  ({'optim.schedule': 'constant', 'optim.div_factor': 10.0}, 'default', ['optim.div_factor=10.0'], 'constant'),
+  ({'optim.name': 'adam', 'optim.weight_decay': 0.01}, 'default', ['optim.weight_decay=0.01'], "'adamw' has"),
+  ({'optim.name': 'sgd', 'optim.b2': 0.99}, 'default', ['optim.b2=0.99'], "optim.name='sgd'"),
+  ({'optim.name': 'dog', 'optim.b1': 0.5}, 'default', ['optim.b1=0.5'], 'documented defaults'),
+  ({'bracket.compare_steps': 5}, 'default', ['bracket.compare_steps=5'], 'bracket.points=0'),
+  ({'warm_init.nu': 0.1}, 'default', ['warm_init.nu=0.1'], 'init_from is None'),
+  ({'data.path': 'corpus.txt', 'data.corpus': 'wyc'}, 'default', ["data.corpus='wyc'"], 'data.path='),
+  ({'data.path': 'd.npz', 'data.dataset_seed': 1}, 'mnist1d', ['data.dataset_seed=1'], 'generating MNIST-1D'),
+  ({'model.hidden': 64}, 'mnist1d', ['model.hidden=64'], "model.kind='cnn'"),
+  ({'model.kind': 'mlp', 'model.channels': 8}, 'mnist1d', ['model.channels=8'], "model.kind='mlp'"),
+]
+
+
+def _config(name, **overrides):
+  from hdet_jax.trainer import config_lib
+
+  config = config_lib.load_config_file(os.path.join(ROOT, 'configs', f'{name}.py'))
+  return config_lib.with_overrides(config, overrides)
+
+
+@pytest.mark.parametrize('overrides, name, fields, why', IGNORED, ids=[','.join(c[0]) for c in IGNORED])
+def test_a_setting_the_run_does_not_read_is_one_warning_line_naming_it(overrides, name, fields, why):
+  from hdet_jax.trainer import run_settings
+
+  lines = run_settings.ignored(_config(name, **overrides), _config(name))
+  assert len(lines) == 1, lines
+  assert (
+    all(f in lines[0] for f in fields) and why in lines[0].split(' is ignored: ')[-1].split(' are ignored: ')[-1]
+  ), lines
+  assert run_settings.ignored(_config(name, **overrides)) == lines or name != 'default'  # the schema's defaults
+
+
+def test_no_warning_for_the_shipped_configs_or_for_defaults_that_do_not_apply():
+  """Each shipped config as given warns of nothing (its own choices, e.g. the paper controller's fields that
+  hdet_no_auto_lr.py keeps from hdet_full.py, are the file's); nor does a default left where it does not apply (tiny.py
+  sets hdet.sync_every, leaving hdet.num_syncs at its default), nor a legacy value (hdet_full.py's 'fit' fields)."""
+  from hdet_jax.trainer import run_settings
+
+  for name in sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, 'configs')) if f.endswith('.py')):
+    assert run_settings.ignored(_config(name), _config(name)) == [], name
+  for name in ('default', 'tiny', 'mnist1d', 'bracket', 'finetune', 'hdet_full', 'hdet_cold', 'hdet_explore'):
+    assert run_settings.ignored(_config(name)) == [], name
+  assert run_settings.ignored(_config('default', **{'optim.name': 'adam', 'optim.weight_decay': 0.0})) == []
+
+
+def test_train_py_prints_each_warning_once_at_the_start(tmp_path):
+  """The warnings come before any check of the workdir: here one that holds another config's run stops it (exit 2),
+  after one warning line per cause; the workdir is left as it was."""
+  workdir = tmp_path / 'other'
+  workdir.mkdir()
+  (workdir / 'config.json').write_text(json.dumps({'training_fields': {'seed': 123}}) + '\n')
+  before = _snapshot(workdir)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(ROOT, 'train.py'),
+      '--config',
+      TINY,
+      '--config.hdet.auto_lr=False',
+      '--config.hdet.trust=0.5',
+      '--config.num_cpu_devices=4',
+      '--workdir',
+      str(workdir),
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  warnings = [line for line in proc.stderr.splitlines() if line.startswith('warning:')]
+  errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
+  assert proc.returncode == 2 and len(errors) == 1 and 'different config' in errors[0], proc.stderr[-3000:]
+  assert len(warnings) == 2, warnings
+  assert (
+    'hdet.trust=0.5' in warnings[0] and 'hdet.warmup_steps=10' in warnings[0] and 'hdet.auto_lr=False' in warnings[0]
+  )
+  assert warnings[1].startswith('warning: num_cpu_devices=4 is ignored: XLA_FLAGS sets the CPU devices'), warnings
+  assert _snapshot(workdir) == before

@@ -146,6 +146,7 @@ def _load_state(workdir: str, fields: dict) -> dict | None:
 def run_bracket(config: Any, workdir: str) -> dict:
   """Trains the LR bracket of ``config`` (``bracket.points > 0``) in ``workdir``; returns the kept run's summary with
   a ``'bracket'`` entry (the record written to ``workdir/bracket.json``). Resumes a bracket already there."""
+  trainer_lib.check_output_paths(config, workdir)
   run = run_settings.resolve(config)
   if run.bracket.points == 0:
     raise ConfigError('run_bracket needs bracket.points > 0 (e.g. --config.bracket.points=8); 0 trains one run.')

@@ -453,6 +453,129 @@ def resolved(flat: Fields) -> dict[str, Any]:
   return out
 
 
+# ---- Fields set where the run cannot use them: one warning line per cause. ----
+
+_FIT_FIELDS = (
+  'hdet.initial_scale',
+  'hdet.trust',
+  'hdet.memory',
+  'hdet.step_growth',
+  'hdet.max_gain',
+  'hdet.after_stop',
+)
+_PAPER_FIELDS = ('hdet.temperature', 'hdet.lr_of_lr', 'hdet.momentum', 'hdet.smooth_decay')
+_CONTROLLER_FIELDS = (
+  'hdet.controller',
+  'hdet.score',
+  'hdet.probe_windows',
+  'hdet.warmup_steps',
+  'hdet.stop_fraction',
+  *_FIT_FIELDS,
+  *_PAPER_FIELDS,
+)
+# What each optimizer of schema.OPTIMIZERS leaves out of optim.b1, optim.b2 and optim.weight_decay (optimizer.py).
+_OPTIMIZER_IGNORES = {
+  'adamw': (),
+  'adam': ('optim.weight_decay',),
+  'sgd': ('optim.b2', 'optim.weight_decay'),
+}
+
+
+def _moved(f: Fields, name: str) -> bool:
+  """Whether ``f[name]`` is away from its default and from its legacy value (a value records made before the field
+  trained with: configs set it to keep those runs' identity, not to ask for it)."""
+  row, value = schema.BY_NAME[name], f[name]
+  return value != row.default and not (row.has_legacy and value == row.legacy)
+
+
+def _ignored(f: Fields, task: tasks_lib.Task) -> list[tuple[str, tuple[str, ...]]]:
+  """(why, fields) for each cause that leaves fields set away from their default unread (:func:`ignored`)."""
+  out = []
+
+  def add(why, names):
+    names = tuple(n for n in names if n in f and _moved(f, n))
+    if names:
+      out.append((why, names))
+
+  if not f['hdet.auto_lr']:
+    add(
+      'hdet.auto_lr=False, so no controller moves the learning rate (hdet.auto_lr=True uses them)',
+      _CONTROLLER_FIELDS,
+    )
+  else:
+    if f['hdet.controller'] == 'paper':
+      add("hdet.controller='paper' (eqs. 4-9) reads none of the 'fit' controller's settings", _FIT_FIELDS)
+    else:
+      add(f"hdet.controller={f['hdet.controller']!r} reads none of the 'paper' controller's settings", _PAPER_FIELDS)
+    if f['hdet.score'] == 'window':
+      add("hdet.score='window' compares the replicas' window losses; no common batch is drawn", ('hdet.probe_windows',))
+  if f['hdet.sync_every'] > 0:
+    add(
+      f'hdet.sync_every={f["hdet.sync_every"]} sets the window; these count windows only with hdet.sync_every=0',
+      ('hdet.num_syncs', 'hdet.longest_window'),
+    )
+  elif f['hdet.num_syncs'] == 0:
+    add('hdet.sync_every=0 and hdet.num_syncs=0, so the replicas never average', ('hdet.longest_window',))
+  if f['optim.schedule'] == 'constant':
+    add(
+      "optim.schedule='constant' holds optim.max_lr throughout",
+      ('optim.pct_start', 'optim.div_factor', 'optim.final_div_factor'),
+    )
+  name = f['optim.name']
+  unread = _OPTIMIZER_IGNORES.get(name, ('optim.b1', 'optim.b2', 'optim.weight_decay'))
+  if f['optim.weight_decay'] == 0:  # (no decay asked, none applied)
+    unread = tuple(n for n in unread if n != 'optim.weight_decay')
+  why = {
+    'adam': "optim.name='adam' has no weight decay (optim.name='adamw' has)",
+    'sgd': "optim.name='sgd' takes optim.b1 as its momentum and has no b2 or weight decay",
+  }.get(name, f'optim.name={name!r} runs at its documented defaults')
+  add(why, unread)
+  if f['bracket.points'] == 0:
+    add(
+      'bracket.points=0 trains one run, not an LR bracket', ('bracket.factor', 'bracket.rungs', 'bracket.compare_steps')
+    )
+  if not f['init_from']:
+    add("init_from is None: the run starts from a random init, without a warm start's noise", ('warm_init.nu',))
+  if f['data.path']:
+    reads = {'lm': 'a built-in corpus', 'mnist1d': 'generating MNIST-1D'}.get(task.name, 'its own data')
+    add(
+      f'data.path={f["data.path"]!r} is read instead of {reads}',
+      (
+        'data.corpus',
+        'data.num_samples',
+        'data.train_split',
+        'data.dataset_seed',
+      )
+      if task.name in ('lm', 'mnist1d')
+      else (),
+    )
+  if task.name == 'mnist1d':
+    other = {'cnn': ('model.hidden',), 'mlp': ('model.channels',)}.get(f['model.kind'], ())
+    add(f'model.kind={f["model.kind"]!r} does not read it', other)
+  return out
+
+
+def ignored(config: Any, base: Any = None) -> list[str]:
+  """One line per cause for the fields ``config`` sets (away from their default and legacy value) where the run
+  cannot use them: ``"hdet.trust=0.5 is ignored: hdet.auto_lr=False: ..."`` (train.py prints each once, at the
+  start, as a warning). ``base``: the config the user started from (a shipped config file, as loaded): its own
+  unread fields are that file's choices, and are left out unless ``config`` gives them another value. ``config``
+  is checked first (:func:`resolve`'s ConfigError)."""
+  run = resolve(config)
+  f = schema.complete(run.given, run.task.name)
+  skip = set()
+  if base is not None:
+    b = schema.complete(config_lib.flatten(json.loads(base.to_json())), run.task.name)
+    skip = {(n, json.dumps(b[n])) for _, names in _ignored(b, run.task) for n in names}
+  lines = []
+  for why, names in _ignored(f, run.task):
+    names = [n for n in names if (n, json.dumps(f[n])) not in skip]
+    if names:
+      values = ', '.join(f'{n}={f[n]!r}' for n in names)
+      lines.append(f'{values} {"is" if len(names) == 1 else "are"} ignored: {why}.')
+  return lines
+
+
 # ---- The rules across fields (each field's own: schema.check_fields). ----
 
 
@@ -474,6 +597,14 @@ def check(f: Fields, task: tasks_lib.Task) -> None:
     )
   _check_num_syncs(f)
   _check_guard(f)
+  _check_mesh(f)
+  _check_task_fields(f, task)
+  if f['hdet.explore.weight_decay'] > 0 and f['optim.weight_decay'] == 0:
+    raise ConfigError(
+      f'hdet.explore.weight_decay={f["hdet.explore.weight_decay"]} spreads optim.weight_decay multiplicatively, '
+      'and optim.weight_decay=0 spreads to 0 on every replica: set optim.weight_decay > 0 (e.g. 0.1), or '
+      'hdet.explore.weight_decay=0.'
+    )
   if f['hdet.settle'] and not _settle_applies(f):
     raise ConfigError(
       "hdet.settle=True ends the 'fit' controller's rise-only climb: it needs hdet.auto_lr=True, "
@@ -581,6 +712,66 @@ def _check_bracket(f: Fields) -> None:
       f'stop_at_step={f["stop_at_step"]} cannot stop an LR bracket, which stops its runs at its '
       'rungs itself: set stop_at_step=0 (a preempted bracket resumes where it stopped).'
     )
+
+
+def check_controller_acts(f: Fields) -> None:
+  """The auto-LR controller needs a spread to compare and a sync before the last step to act at: the trainer's check
+  before it builds the optimizer, whose ``hdet()`` refuses both in its own terms (its arguments), not the config's
+  fields. (Not :func:`check`'s: a config that cannot train may still be resolved, to read its settings.)"""
+  if not f['hdet.auto_lr']:
+    return
+  if f['hdet.spread'] == 0:
+    raise ConfigError(
+      'hdet.auto_lr=True compares replicas trained at spread LRs, but hdet.spread=0 trains every replica at one '
+      'LR, so the controller gets no signal: set hdet.spread > 0 (e.g. 0.25), or hdet.auto_lr=False.'
+    )
+  windows, total, warmup = sync_windows(f), int(f['num_train_steps']), int(f['hdet.warmup_steps'])
+  start = window_lib.first_sync_at_or_after(windows, warmup)
+  if start >= total - 1:  # (as hdet_jax.settings refuses it)
+    if windows[0] > total:
+      why = (
+        f'with hdet.sync_every={f["hdet.sync_every"]} and hdet.num_syncs={f["hdet.num_syncs"]} the replicas '
+        'never average'
+        if f['hdet.sync_every'] == 0
+        else f'hdet.sync_every={f["hdet.sync_every"]} leaves no sync inside num_train_steps={total}'
+      )
+    else:
+      why = (
+        f'its first sync at or after hdet.warmup_steps={warmup} is step {start}, not before the last '
+        f'(num_train_steps={total}, windows of {windows[0]} steps)'
+      )
+    raise ConfigError(
+      f'hdet.auto_lr=True moves the LR at syncs, but {why}: lower hdet.sync_every (or set it to 0 and use '
+      'hdet.num_syncs) or hdet.warmup_steps, or set hdet.auto_lr=False.'
+    )
+
+
+def _check_mesh(f: Fields) -> None:
+  """``mesh.replicas`` is read on a grouped mesh only (mesh.fsdp x mesh.tensor > 1), ``mesh.devices`` on a 1-D one
+  only: each set where the other layout is built would be dropped."""
+  replicas, devices, fsdp, tensor = f['mesh.replicas'], f['mesh.devices'], f['mesh.fsdp'], f['mesh.tensor']
+  if replicas > 0 and fsdp * tensor == 1:
+    raise ConfigError(
+      f'mesh.replicas={replicas} counts replica groups of mesh.fsdp x mesh.tensor devices, but both are 1 (a 1-D '
+      f'mesh, which does not read it): set hdet.num_replicas={replicas} (mesh.devices={replicas} for one per '
+      'device) and mesh.replicas=0, or mesh.fsdp or mesh.tensor > 1.'
+    )
+  if devices > 0 and fsdp * tensor > 1:
+    raise ConfigError(
+      f'mesh.devices={devices} picks the devices of a 1-D mesh, but mesh.fsdp={fsdp} x mesh.tensor={tensor} '
+      'builds a grouped mesh of mesh.replicas x mesh.fsdp x mesh.tensor devices, which does not read it: set '
+      f'mesh.replicas={max(1, devices // (fsdp * tensor))} instead, and mesh.devices=0.'
+    )
+
+
+def _check_task_fields(f: Fields, task: tasks_lib.Task) -> None:
+  """A field another task's config declares (``schema.Field.task``) is read by that task only."""
+  for field in schema.FIELDS:
+    if field.task not in (None, task.name) and field.name in f:
+      raise ConfigError(
+        f"{field.name} is a field of the {field.task} task's config (configs/{field.task}.py), which task="
+        f'{task.name!r} does not read: remove it, or set task={field.task!r}.'
+      )
 
 
 def _check_num_syncs(f: Fields) -> None:

@@ -82,6 +82,12 @@ def _resolve_groups(run: run_settings.RunSettings, devices: int) -> int:
       f'{" (with several processes it must use them all)" if jax.process_count() > 1 else ""}: '
       f'set mesh.replicas=0 (all devices) or run on {n * size} devices (on CPU: JAX_NUM_CPU_DEVICES).'
     )
+  if m.num_replicas not in (0, n, schema.BY_NAME['hdet.num_replicas'].default):  # (the default: as many as fit)
+    raise ConfigError(
+      f'hdet.num_replicas={m.num_replicas} but {shape} trains {n} replicas (one per group of {size} devices; '
+      f'hdet.num_replicas only caps the groups): set --config.mesh.replicas to the groups you want and '
+      f'hdet.num_replicas=0, or run on {m.num_replicas * size} devices.'
+    )
   if m.batch_size % fsdp:
     raise ConfigError(
       f'data.batch_size={m.batch_size} (windows per replica group) must be divisible by '
@@ -92,6 +98,50 @@ def _resolve_groups(run: run_settings.RunSettings, devices: int) -> int:
   except ValueError as e:
     raise ConfigError(f'mesh.tensor={tensor}: {e}') from None
   return n
+
+
+# What marks a folder as a project's (its sources, its build files): a run writes nothing into one.
+_PROJECT_MARKERS = ('pyproject.toml', 'setup.py', 'setup.cfg', '.git', 'train.py', 'hdet_jax')
+_SOURCE_SUFFIXES = ('.py', '.toml', '.cfg', '.md', '.rst', '.ipynb')
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # (above hdet_jax/)
+
+
+def output_path_error(path: str, what: str, example: str = 'workdirs/NAME') -> str | None:
+  """Why ``path`` (where ``what``, a flag or field, writes) must not be written into, or None: it resolves to the
+  current folder, to a folder above it or above this project, or to a folder that holds a project's files
+  (pyproject.toml, .git, train.py, hdet_jax/, sources such as .py or .md files), where a run's files would land
+  among them."""
+  full = os.path.realpath(os.path.abspath(os.path.expanduser(path)))
+  fix = f'pass a folder of its own, e.g. {what}={example} (nothing was written)'
+  cwd = os.path.realpath(os.getcwd())
+  if full == cwd:
+    return f"{what} {path!r} is the current folder ({full}): the run's files would land among the files there; {fix}."
+  for inner, name in ((cwd, 'the current folder'), (_PROJECT_ROOT, "this project's folder")):
+    if inner.startswith(full.rstrip(os.sep) + os.sep):
+      return f"{what} {path!r} ({full}) holds {name} ({inner}): the run's files would land beside it; {fix}."
+  if not os.path.isdir(full):
+    return None
+  try:
+    names = sorted(os.listdir(full))
+  except OSError:
+    return None
+  found = [n for n in names if n in _PROJECT_MARKERS] or [n for n in names if n.endswith(_SOURCE_SUFFIXES)]
+  if found:
+    held = ', '.join(found[:3])
+    return f"{what} {path!r} ({full}) holds a project's files ({held}): the run's files would land among them; {fix}."
+  return None
+
+
+def check_output_paths(config: Any, workdir: str) -> None:
+  """The folders a run writes into, refused (one ConfigError line naming the flag or field) where they resolve to
+  the current folder or to a project's folder (:func:`output_path_error`): ``--workdir``, and ``compilation_cache``
+  (JAX's persistent cache). Nothing is read or written; train.py calls it before JAX is set up."""
+  error = output_path_error(workdir, '--workdir')
+  cache = dict(config_lib.flatten(config)).get('compilation_cache') or ''
+  if not error and cache:
+    error = output_path_error(cache, '--config.compilation_cache', schema.BY_NAME['compilation_cache'].default)
+  if error:
+    raise ConfigError(error)
 
 
 def _check_workdir(workdir: str, fields: dict) -> bool:
@@ -244,6 +294,7 @@ class _Run(NamedTuple):
 def check(config: Any, workdir: str) -> None:
   """Every check ``train_and_evaluate`` makes before it writes anything (the config, the task's data, the devices,
   the workdir, init_from); raises ConfigError, writes nothing. For callers that write first (the LR bracket)."""
+  check_output_paths(config, workdir)
   _check(run_settings.resolve(config), os.path.abspath(os.path.expanduser(workdir)))
 
 
@@ -256,6 +307,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
   with process.StopSignals() as stop:
     t0 = time.time()
     # ---- Checks: nothing is written before all of them pass. ----
+    check_output_paths(config, workdir)
     run = run_settings.resolve(config)
     inputs = _check(run, os.path.abspath(os.path.expanduser(workdir)))
     # ---- Build: the records, the initial state, and every program compiled once, up front. ----
@@ -288,6 +340,7 @@ def _check(run: run_settings.RunSettings, workdir: str) -> _Inputs:
   """Every check of the task's data, devices, workdir and init_from (the config's are ``run_settings.resolve``'s);
   reads, never writes."""
   task, settings = run.task, run.task_settings
+  run_settings.check_controller_acts(schema.complete(run.given, task.name))
   n, devices = _resolve_replicas(run)
   try:
     data = task.load(settings, n)
