@@ -2,8 +2,7 @@
 
     python -m research.table1                 # the full experiment: 46 runs (about an hour on 2 cores)
     python -m research.table1 --quick         # a smoke run of every stage on a tiny model
-    python -m research.table1 --report-only   # redraw the report and its figures from the records (none kept:
-                                              # results/table1.md is not regenerable, see below)
+    python -m research.table1 --report-only   # redraw results/table1.{md,json} and its figures from the records
 
 Stages:
 
@@ -22,14 +21,15 @@ Every run is the trainer's own ``train_and_evaluate`` on ``configs/<row>.py`` wi
 steps, peak LR and seed; warm rows set ``init_from`` to the pre-training run's workdir. A finished
 run is one JSON record under ``results/table1/runs/`` (per-step losses and hyperparameters, the
 final validation loss, and each replica's distance from the replicas' mean just before every sync,
-or every ``LOG`` steps for runs that never average: the trainer's ``distance`` records), to be committed
-with the project, so a rerun skips finished runs and only redraws the report. The committed
-``results/table1.md`` predates the records: its runs' records were never kept, so it is not regenerable
-(``--report-only`` says so and writes nothing), and a full run trains all 46 runs anew (a rerun of the
-sweep did not reproduce the page's numbers above the best LR: the page says how). The pre-training
-run's workdir (``workdirs/table1/pretrain``) is kept for its checkpoint, and retrained if it is gone.
-The report goes to ``results/table1.md`` and ``results/figures/``; ``--quick`` keeps runs, records
-and report in ``workdirs/table1_quick``.
+or every ``LOG`` steps for runs that never average: the trainer's ``distance`` records), committed
+with the project, so a rerun skips finished runs and only redraws the report, and ``--report-only``
+redraws ``results/table1.md``, ``table1.json`` and the figures byte for byte from the records alone
+(``--out DIR`` writes them into DIR instead). A warm row's record names its warm start ``pretrain``
+(the run whose checkpoint it read), not the workdir's path on the machine that trained it. The
+pre-training run's workdir (``workdirs/table1/pretrain``) is kept for its checkpoint, and retrained
+only when a warm run is to train and the checkpoint is gone. The report goes to ``results/table1.md``,
+``results/table1.json`` and ``results/figures/``; ``--quick`` keeps runs, records and report in
+``workdirs/table1_quick``.
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ RUN = {
   'tensorboard': False,
 }
 WARM_ROWS = ('warm_init', 'hdet_no_auto_lr', 'hdet_full')
+# A warm row's record names its warm start by the run whose checkpoint it read, not by that workdir's path on the
+# machine that trained it (the run key leaves init_from out: see run_key).
+WARM_START = 'pretrain'
 MECHANISM = {  # name: (the row config it changes, the changes, warm start)
   'avg_no_spread': ('baseline_high', {'hdet.sync_every': 25}, False),
   'spread_no_avg': (
@@ -139,6 +142,11 @@ def run_key(config) -> dict:
   return {k: v for k, v in flat.items() if schema.defines_a_run(k) and k != 'init_from'}
 
 
+def portable_config(config: dict) -> dict:
+  """A run's config (as JSON) with its warm start named :data:`WARM_START` instead of a workdir's path."""
+  return {**config, 'init_from': WARM_START if config.get('init_from') else None}
+
+
 def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -> dict:
   """The run's record from the trainer's summary and metrics: what the report and the LR choice read."""
   from hdet_jax.trainer import metrics as metrics_lib
@@ -151,7 +159,7 @@ def make_record(name: str, config, summary: dict, workdir: str, wall_s: float) -
   val_loss = float(summary['final_val_loss'])
   rec = {
     'name': name,
-    'config': json.loads(config.to_json()),
+    'config': portable_config(json.loads(config.to_json())),
     'hyperparam_names': next((r['names'] for r in m.get('hyperparams', [])), []),
     'steps_run': summary['step'],
     'diverged_at': diverged[0] if diverged else None,
@@ -239,7 +247,7 @@ class Experiment:
     self.done: dict[str, dict] = {}
 
   def config(self, base: str, lr: float, seed: int, warm: bool = False, **changes):
-    init_from = self.cache.workdir('pretrain') if warm else None
+    init_from = self.cache.workdir(WARM_START) if warm else None
     return experiment_config(base, self.settings, lr=lr, seed=seed, init_from=init_from, **changes)
 
   def run(self, name: str, config, keep_workdir: bool = False) -> dict:
@@ -248,19 +256,26 @@ class Experiment:
       if rec is None:
         raise SystemExit(f'error: --report-only: no record of run {name!r} in {self.cache.dir}.')
     else:
-      rec = self.cache.run(name, config, run_key(config), keep_workdir=keep_workdir)
+      key = run_key(config)
+      if config.init_from and self.cache.get(name, key) is None:
+        self.ensure_warm_checkpoint()
+      rec = self.cache.run(name, config, key, keep_workdir=keep_workdir)
     self.done[name] = rec
     return rec
 
   def warm_checkpoint(self, config) -> None:
-    """The pre-training run's final checkpoint in its workdir (kept with its record; retrained if gone)."""
+    """The pre-training run (its record; its workdir kept for the checkpoint the warm runs read)."""
+    self.pretrain_config = config
+    self.run(WARM_START, config, keep_workdir=True)
+
+  def ensure_warm_checkpoint(self) -> None:
+    """Retrains the pre-training run's final checkpoint where its workdir lost it (a warm run is about to train)."""
     from hdet_jax.trainer import checkpoints, trainer
 
-    self.run('pretrain', config, keep_workdir=True)
-    workdir = self.cache.workdir('pretrain')
-    if not self.report_only and checkpoints.latest_step(workdir) is None:
+    workdir = self.cache.workdir(WARM_START)
+    if checkpoints.latest_step(workdir) is None:
       print(f'   the warm checkpoint is gone: retraining {workdir}', flush=True)
-      trainer.train_and_evaluate(config, workdir)
+      trainer.train_and_evaluate(self.pretrain_config, workdir)
 
 
 def sweep_and_choose(ex: Experiment) -> tuple[dict, dict, dict]:
@@ -316,20 +331,18 @@ def main(argv=None):
     default=None,
     help='where runs train (default workdirs/table1; --quick: workdirs/table1_quick, records too)',
   )
-  parser.add_argument('--report-only', action='store_true', help='redraw the report from the records')
+  parser.add_argument('--report-only', action='store_true', help='redraw the report from the records, train nothing')
+  parser.add_argument(
+    '--out', default=None, help="the report's folder (default: results/; --quick: the workdir), figures/ in it"
+  )
   args = parser.parse_args(argv)
   work_root = args.workdir or os.path.join(REPO, 'workdirs', 'table1_quick' if args.quick else 'table1')
   records_dir = os.path.join(work_root, 'records') if args.quick else os.path.join(REPO, 'results', 'table1', 'runs')
-  out_dir = work_root if args.quick else os.path.join(REPO, 'results')
+  out_dir = args.out or (work_root if args.quick else os.path.join(REPO, 'results'))
   kept = os.path.isdir(records_dir) and any(f.endswith('.json') for f in os.listdir(records_dir))
   if args.report_only and not kept:
-    raise SystemExit(
-      f'error: --report-only: no records in {records_dir}.'
-      if args.quick
-      else "error: --report-only: no records in results/table1/runs/: results/table1.md's runs were never "
-      'kept, so the page is not regenerable (research/README.md); python -m research.table1 trains '
-      'them anew.'
-    )
+    shown = records_dir if args.quick else 'results/table1/runs/'
+    raise SystemExit(f'error: --report-only: no records in {shown}; python -m research.table1 trains the runs.')
 
   from absl import logging
   from hdet_jax.trainer import process

@@ -1,4 +1,4 @@
-"""Writes ``table1.md`` and the figures from the run records of :mod:`research.table1`.
+"""Writes ``table1.md``, ``table1.json`` and the figures from the run records of :mod:`research.table1`.
 
 Everything here is computed from the records (and the experiment's settings, passed in); the only
 hand-written text is the discussion in ``table1_discussion.md`` next to this file (written after
@@ -7,6 +7,7 @@ reading a full run; it is copied in only for the full run, whose numbers it refe
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Iterator
@@ -132,14 +133,49 @@ def _schedule_lr(config, step):
 
 
 def write(out_dir, settings, sweep, choice, named, records, *, quick=False):
+  """``out_dir/table1.md``, ``out_dir/table1.json`` and ``out_dir/figures/table1_*.png``; their paths."""
   fig_dir = os.path.join(out_dir, 'figures')
   os.makedirs(fig_dir, exist_ok=True)
   figs = _figures(fig_dir, settings, sweep, choice, named)
   md = _markdown(settings, sweep, choice, named, records, figs, quick)
-  path = os.path.join(out_dir, 'table1.md')
+  path, jpath = os.path.join(out_dir, 'table1.md'), os.path.join(out_dir, 'table1.json')
   with open(path, 'w', encoding='utf-8') as f:
     f.write(md)
-  return [path] + figs
+  with open(jpath, 'w', encoding='utf-8') as f:
+    json.dump(summary(settings, sweep, choice, named, records), f, indent=1, sort_keys=True)
+    f.write('\n')
+  return [path, jpath] + figs
+
+
+def _finite(x):
+  return x if x is not None and math.isfinite(x) else None
+
+
+def _per_seed(runs) -> dict:
+  """A row's or sweep point's numbers, one entry per seed (in the seeds' order)."""
+  keys = ('val_bpb', 'final_train_loss', 'max_rise', 'crashed', 'wall_s')
+  return {'seeds': [r['config']['seed'] for r in runs], **{k: [_finite(r[k]) for r in runs] for k in keys}}
+
+
+def summary(settings, sweep, choice, named, records) -> dict:
+  """The page's numbers as JSON: the sweep per peak LR, the LRs it chose, each row and mechanism run per seed."""
+  lr = lambda x: f'{x:.{settings["lr_digits"]}g}'
+  return {
+    'steps': settings['steps'],
+    'seeds': list(settings['seeds']),
+    'sweep': {lr(x): _per_seed(runs) for x, runs in sorted(sweep.items())},
+    'choice': {
+      'best': choice['best'],
+      'baseline_high': choice['high'],
+      'baseline_low': choice['low'],
+      'found_edge': choice['found_edge'],
+      'mean_val_bpb': {lr(x): _finite(v) for x, v in sorted(choice['mean_bpb'].items())},
+      'reasons': {lr(x): why for x, why in sorted(choice['reasons'].items())},
+    },
+    'rows': {row: {'peak_lr': runs[0]['config']['optim']['max_lr'], **_per_seed(runs)} for row, runs in named.items()},
+    'runs': len(records),
+    'run_time_s': sum(r['wall_s'] for r in records.values()),
+  }
 
 
 def _markdown(settings, sweep, choice, named, records, figs, quick):
@@ -164,11 +200,15 @@ def _intro(settings, named, records, quick) -> Iterator[str]:
   yield '# Table 1 of the HDET paper on the KJV byte-level LM\n'
   if quick:
     yield '**`--quick` smoke run: a tiny model and a few steps; these numbers mean nothing.**\n'
-  yield 'Regenerate (runs whose record exists under `results/table1/runs/` are reused):\n'
   yield (
-    '```bash\npython -m research.table1          # full: '
+    'Regenerate (runs whose record exists under `results/table1/runs/` are reused; `--report-only` redraws this '
+    'page, `results/table1.json` and the figures byte for byte from those records alone):\n'
+  )
+  yield (
+    '```bash\npython -m research.table1                # full: '
     f'{n_runs} runs\n'
-    'python -m research.table1 --quick  # smoke run of every stage on a tiny model\n```\n'
+    'python -m research.table1 --report-only  # redraw the report from the records, train nothing\n'
+    'python -m research.table1 --quick        # smoke run of every stage on a tiny model\n```\n'
   )
   m = c0['model']
   yield (

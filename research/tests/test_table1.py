@@ -7,6 +7,7 @@ run checks the records against the trainer's own metrics. HDET_SLOW_TESTS=1 adds
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -68,8 +69,16 @@ def test_the_whole_flow_on_a_stand_in_trainer_then_from_the_records(tmp_path, mo
   assert warm == {'warm_init_s0', 'hdet_no_auto_lr_s0', 'hdet_full_s0', 'baseline_low_warm_s0'}
   assert all(init_from in (None, pretrain) for _, init_from, _ in calls)
   assert dict((name, lr) for name, _, lr in calls)['hdet_full_s0'] == 0.3  # the sweep's edge
-  assert sorted(os.listdir(tmp_path)) == ['figures', 'pretrain', 'records', 'table1.md']  # other workdirs deleted
+  assert sorted(os.listdir(tmp_path)) == [
+    'figures',
+    'pretrain',
+    'records',
+    'table1.json',
+    'table1.md',
+  ]  # (the rest gone)
   rec = json.load(open(tmp_path / 'records' / 'hdet_cold_s0.json'))
+  warm_rec = json.load(open(tmp_path / 'records' / 'hdet_full_s0.json'))
+  assert rec['config']['init_from'] is None and warm_rec['config']['init_from'] == 'pretrain'  # no machine's path
   assert len(rec['loss_mean']) == T.QUICK['steps'] and len(rec['dists']) == T.QUICK['steps'] // T.QUICK['sync_every']
   assert rec['hyperparam_names'] == ['learning_rate/embedding', 'learning_rate/no_decay', 'learning_rate/weights']
   crashed = lambda name: json.load(open(tmp_path / 'records' / f'{name}.json'))['crashed']
@@ -85,12 +94,26 @@ def test_the_whole_flow_on_a_stand_in_trainer_then_from_the_records(tmp_path, mo
     assert title in md, title
   for name in ('sweep', 'loss', 'lr', 'distance'):
     assert (tmp_path / 'figures' / f'table1_{name}.png').stat().st_size > 10_000
-  # Every run is recorded: a rerun trains nothing, and --report-only redraws the same report from the records.
+  # The JSON: the stand-in's numbers (val loss 3 nats, 4 above 0.1) and the choice they imply.
+  js = json.load(open(tmp_path / 'table1.json'))
+  bpb = lambda nats: nats / np.log(2)  # the LM's bits per byte from its validation loss in nats per byte
+  assert js['choice']['baseline_high'] == 0.3 and js['choice']['baseline_low'] == pytest.approx(0.3 / 9)
+  assert js['sweep']['0.003']['val_bpb'] == [pytest.approx(bpb(3.0))] and js['sweep']['0.3']['crashed'] == [True]
+  assert js['rows']['hdet_full']['peak_lr'] == 0.3 and js['rows']['hdet_full']['val_bpb'] == [pytest.approx(bpb(4.0))]
+  assert js['runs'] == QUICK_RUNS and set(js['rows']) == set(T.table1_report.ROWS) | set(T.MECHANISM)
+  # Every run is recorded: a rerun trains nothing (the warm checkpoint is not retrained either, though its workdir
+  # is gone), and --report-only redraws the same report from the records alone, into --out.
   before = md
+  shutil.rmtree(tmp_path / 'pretrain')
   T.main(['--quick', '--workdir', str(tmp_path)])
-  T.main(['--quick', '--workdir', str(tmp_path), '--report-only'])
+  T.main(['--quick', '--workdir', str(tmp_path), '--report-only', '--out', str(tmp_path / 'again')])
   assert len(calls) == QUICK_RUNS
-  assert (tmp_path / 'table1.md').read_text().split('Total: ')[0] == before.split('Total: ')[0]
+  assert (tmp_path / 'again' / 'table1.md').read_text().split('Total: ')[0] == before.split('Total: ')[0]
+  assert (tmp_path / 'again' / 'table1.json').read_bytes() == (tmp_path / 'table1.json').read_bytes()
+  # A warm run to train again finds the checkpoint gone, and retrains the pre-training run first.
+  os.remove(tmp_path / 'records' / 'hdet_full_s0.json')
+  T.main(['--quick', '--workdir', str(tmp_path)])
+  assert [c[0] for c in calls[QUICK_RUNS:]] == ['pretrain', 'hdet_full_s0']
 
 
 def test_a_real_run_is_recorded_from_the_trainers_metrics_and_reused(tmp_path):
