@@ -11,6 +11,7 @@ from hdet_jax.packing import packed
 from hdet_jax.replicas import (
   average_replicas,
   batch_shardings,
+  evaluate_over_replicas,
   group_shardings,
   over_replicas,
   pmean_finite,
@@ -50,6 +51,7 @@ __all__ = [
   'group_shardings',
   'state_shardings',
   'over_replicas',
+  'evaluate_over_replicas',
   'stacked_shardings',
   'batch_shardings',
 ]

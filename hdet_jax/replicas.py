@@ -520,6 +520,66 @@ def over_replicas(
   )
 
 
+def evaluate_over_replicas(
+  eval_step: Callable[..., Any],
+  mesh: jax.sharding.Mesh,
+  replica_axis: str = 'replica',
+  *,
+  batch_argnames: tuple[str, ...] = ('batch',),
+  per_device: int = 1,
+) -> Callable[..., Any]:
+  """The trainer's eval step on the replicas' average, each replica group evaluating its share of the batch.
+
+  ``eval_step(params, batch)`` stays as it is. The returned function takes the *stacked* parameters
+  (``state.params``, ``[N, ...]``) and the global eval batch ``[B, ...]``: under :func:`over_replicas` every
+  replica averages the stacked arguments across replicas (``pmean``: one all-reduce of the parameters, as at a
+  sync), runs ``eval_step`` on its ``B / N`` rows, and the N results are averaged. Every replica holds
+  ``B / N`` rows, so the mean of their row means is the global batch's mean (a sum over rows comes back
+  divided by N). The result is ``eval_step(average_replicas(params), batch)`` on one device to float32
+  rounding (``pmean`` is a sum divided by N, :func:`average_replicas` ``x0 + mean(x - x0)``).
+
+  ``jax.jit(eval_step)`` of :func:`average_replicas` splits the batch over every device only while nothing
+  pins its rows to the trainer's axes: a ``with_sharding_constraint(batch, P('data'))`` in the eval step,
+  or an eval batch put on ``P('data')``, leaves each replica group evaluating the whole batch. Here each
+  group evaluates its rows whatever the step constrains. ``per_device`` and ``batch_argnames`` are
+  :func:`over_replicas`'; jit the result, with the batch put with :func:`batch_shardings` where it can be.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, hdet_jax
+    >>> from jax.sharding import Mesh
+    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'data'))
+    >>> def eval_step(params, batch):  # the trainer's own, unchanged
+    ...   return jnp.mean((batch @ params['w'] - 1) ** 2)
+    >>> params = {'w': jnp.arange(8.0).reshape(4, 2) / 8}  # 4 replicas' weights, stacked [N, 2]
+    >>> batch = jnp.linspace(0.0, 1.0, 32).reshape(16, 2)  # replica r evaluates rows [4 r, 4 r + 4)
+    >>> evaluate = jax.jit(hdet_jax.evaluate_over_replicas(eval_step, mesh, 'replica'))
+    >>> f'{evaluate(params, batch):.5f}'
+    '0.38186'
+    >>> f'{jax.jit(eval_step)(hdet_jax.average_replicas(params), batch):.5f}'  # the average on one device
+    '0.38186'
+  """
+  batch_argnames = (batch_argnames,) if isinstance(batch_argnames, str) else batch_argnames
+  signature = _signature(eval_step)
+  mean = lambda x: pmean(x, replica_axis) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
+
+  @functools.wraps(eval_step)
+  def evaluate(*args, **kwargs):
+    bound = _bind(signature, args, kwargs)
+    stacked = [
+      n not in batch_argnames and _holds_arrays(v) and any(jnp.ndim(x) for x in jax.tree.leaves(v)) for n, v in bound
+    ]
+
+    @functools.wraps(eval_step)
+    def on_average(*args, **kwargs):  # one replica: its rows, and the replicas' mean of the stacked arguments
+      local = _bind(signature, args, kwargs)
+      return _call(eval_step, local, [jax.tree.map(mean, v) if s else v for s, (_, v) in zip(stacked, local)])
+
+    mapped = over_replicas(on_average, mesh, replica_axis, batch_argnames=batch_argnames, per_device=per_device)
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0), mapped(*args, **kwargs))
+
+  return evaluate
+
+
 LOCAL_AXIS = '_hdet_local'  # over_replicas' vmap axis over each device's replicas (per_device > 1)
 
 # Primitives that name an axis but send nothing (varying-type casts).

@@ -97,7 +97,7 @@ def make_trainer(mesh):
   step = jax.jit(hdet_jax.over_replicas(train_step, mesh, 'replica'),
                  in_shardings=(state_sharding, split_batch),
                  out_shardings=(state_sharding, None), donate_argnames=('state',))
-  evaluate = jax.jit(eval_step)
+  evaluate = jax.jit(hdet_jax.evaluate_over_replicas(eval_step, mesh, 'replica'))
   init = jax.jit(lambda key: create_state(key)[1], out_shardings=state_sharding)
   return init, step, evaluate, split_batch
 
@@ -124,7 +124,7 @@ def train(workdir, steps=STEPS, seed=0):
         manager.save(t + 1, args=ocp.args.StandardSave(state))
     manager.wait_until_finished()
     eval_batch = jax.device_put(next(batches(seed + 1000)), batch_sharding)
-    eval_loss = float(evaluate(hdet_jax.average_replicas(state[0]), eval_batch))
+    eval_loss = float(evaluate(state[0], eval_batch))
   return state, losses, eval_loss
 
 
