@@ -353,34 +353,8 @@ def _map_replicas(
   """:func:`shard_map_replicas`; ``keep_name`` (:func:`over_replicas`): with ``per_device > 1`` the name
   ``replica_axis`` stands for the pair ``(replica_axis, local_axis)`` in this module's helpers while ``fn`` is
   traced, the stacked arguments must hold D * per_device replicas, and ``fn``'s collectives are checked."""
-  if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
-    raise ValueError(
-      f'{who}: per_device must be a positive integer, got {per_device!r} (the number of replicas on each device '
-      f'of the replica axis: N / D).'
-    )
-  if isinstance(batch_argnames, str):
-    batch_argnames = (batch_argnames,)
-  signature = _signature(fn)
-  unknown = [n for n in batch_argnames if signature is None or n not in signature.parameters]
-  if unknown:
-    names = 'none readable' if signature is None else tuple(signature.parameters)
-    raise ValueError(
-      f'{who}: batch_argnames {tuple(unknown)} are not parameters of '
-      f'{getattr(fn, "__name__", fn)!r} (its parameters: {names}); name the batch argument(s).'
-    )
-  if replica_axis not in mesh.shape:
-    raise ValueError(
-      f'{who}: the mesh has no axis {replica_axis!r} (axes: {tuple(mesh.axis_names)}); pass replica_axis= one of them.'
-    )
-
-  def role(position: int, name: str | None, value) -> str:
-    if name in batch_argnames:
-      return 'batch'
-    if all(jnp.ndim(x) == 0 for x in jax.tree.leaves(value)):
-      return 'replicated'  # scalars (a Python float under jit, a step number) cannot carry the replica axis
-    if stacked_argnums is None or position in stacked_argnums:
-      return 'stacked'
-    return 'replicated'
+  batch_argnames, signature = _checked_map_args(fn, mesh, replica_axis, batch_argnames, per_device, who)
+  role = functools.partial(_role, batch_argnames=batch_argnames, stacked_argnums=stacked_argnums)
 
   def wrapped(*args, **kwargs):
     bound = _bind(signature, args, kwargs)
@@ -429,6 +403,41 @@ def _map_replicas(
   if signature is not None:
     wrapped = functools.wraps(fn)(wrapped)  # inspect.signature(wrapped) is fn's: jit's *_argnames resolve
   return wrapped
+
+
+def _checked_map_args(fn, mesh, replica_axis, batch_argnames, per_device, who) -> tuple[tuple[str, ...], Any]:
+  """The map's arguments checked before anything is traced: ``(batch_argnames as a tuple, fn's signature)``."""
+  if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
+    raise ValueError(
+      f'{who}: per_device must be a positive integer, got {per_device!r} (the number of replicas on each device '
+      f'of the replica axis: N / D).'
+    )
+  if isinstance(batch_argnames, str):
+    batch_argnames = (batch_argnames,)
+  signature = _signature(fn)
+  unknown = [n for n in batch_argnames if signature is None or n not in signature.parameters]
+  if unknown:
+    names = 'none readable' if signature is None else tuple(signature.parameters)
+    raise ValueError(
+      f'{who}: batch_argnames {tuple(unknown)} are not parameters of '
+      f'{getattr(fn, "__name__", fn)!r} (its parameters: {names}); name the batch argument(s).'
+    )
+  if replica_axis not in mesh.shape:
+    raise ValueError(
+      f'{who}: the mesh has no axis {replica_axis!r} (axes: {tuple(mesh.axis_names)}); pass replica_axis= one of them.'
+    )
+  return tuple(batch_argnames), signature
+
+
+def _role(position: int, name: str | None, value, *, batch_argnames, stacked_argnums) -> str:
+  """How an argument with arrays goes through the map: ``'batch'``, ``'stacked'`` or ``'replicated'``."""
+  if name in batch_argnames:
+    return 'batch'
+  if all(jnp.ndim(x) == 0 for x in jax.tree.leaves(value)):
+    return 'replicated'  # scalars (a Python float under jit, a step number) cannot carry the replica axis
+  if stacked_argnums is None or position in stacked_argnums:
+    return 'stacked'
+  return 'replicated'
 
 
 def over_replicas(
