@@ -1,6 +1,6 @@
 """Does the low-communication mode cost quality? Shared gradient against DiLoCo-like groups (issue 14).
 
-    python -m research.lowcomm                  # 3 seeds x 3 modes on 4x2, 1500 steps each (about an hour on 2 cores)
+    python -m research.lowcomm                  # 3 seeds x 3 modes on 4x2, 1500 steps each (17 min on 2 cores)
     python -m research.lowcomm --seeds 0        # one seed
     python -m research.lowcomm --report-only    # redraw results/lowcomm.{md,json} byte for byte from the records
     python -m research.lowcomm --import-workdirs DIR   # record the finished runs DIR/<mode>_seed<s>/, then redraw
