@@ -437,6 +437,8 @@ def test_train_py_prints_each_warning_once_at_the_start(tmp_path):
       str(workdir),
     ],
     cwd=ROOT,
+    # the suite's XLA_FLAGS set the devices; a JAX_NUM_CPU_DEVICES left by another test's import would win
+    env={k: v for k, v in os.environ.items() if k != 'JAX_NUM_CPU_DEVICES'},
     capture_output=True,
     text=True,
     timeout=120,

@@ -5,6 +5,7 @@ configs/default.py: the same settings, and, driven by the same gradients and los
 like the README's, the same trajectory of base learning rates, bit for bit.
 """
 
+import dataclasses
 import os
 
 import jax
@@ -15,6 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax
+from hdet_jax import settings
 from hdet_jax import windows
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import run_settings
@@ -33,7 +35,9 @@ def test_the_shortest_call_is_the_trainers_controller(steps):
   """The settings and the windows: AutoLR(total_steps=S) and T = round(S / 15) at most 100."""
   config = _default(steps)
   run = run_settings.resolve(config)
-  assert run.optimizer.auto_lr == hdet_jax.AutoLR(total_steps=steps)
+  # initial_scale None is 0.1 around a factory (the trainer's optimizer), which the trainer's config says
+  assert run.optimizer.auto_lr.initial_scale == settings.DEFAULT_INITIAL_SCALE
+  assert dataclasses.replace(run.optimizer.auto_lr, initial_scale=None) == hdet_jax.AutoLR(total_steps=steps)
   assert run.loop.windows == (min(round(steps / 15), 100),) == (windows.default_period(steps),)
 
 

@@ -450,6 +450,7 @@ USER_API = [
   'apply_updates',
   'average_replicas',
   'batch_shardings',
+  'evaluate_over_replicas',
   'group_shardings',
   'hdet',
   'hyperparam_names',
