@@ -24,33 +24,42 @@ def process_env(devices: int) -> dict:
   return env
 
 
-def run_two_processes(config: str, workdir: str, extra_args=(), timeout: int = 300) -> list[str]:
-  """Runs train.py as processes 0 and 1 of 2 on localhost (4 CPU devices each); returns their outputs."""
+def run_pair(argv, timeout: int = 300) -> list[str]:
+  """Runs ``argv(i, port)`` as processes 0 and 1 of 2 on localhost (4 CPU devices each); returns their outputs
+  once both exit 0 (a process still running at the timeout is killed)."""
   port = free_port()
   env = process_env(4)
   procs = [
-    subprocess.Popen(
-      [
-        sys.executable,
-        os.path.join(ROOT, 'train.py'),
-        '--config',
-        config,
-        '--workdir',
-        workdir,
-        *extra_args,
-        f'--coordinator_address=127.0.0.1:{port}',
-        '--num_processes=2',
-        f'--process_id={i}',
-      ],
-      cwd=ROOT,
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
+    subprocess.Popen(argv(i, port), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for i in range(2)
   ]
-  outs = [p.communicate(timeout=timeout)[0] for p in procs]
-  assert all(p.returncode == 0 for p in procs), outs[0][-2000:] + outs[1][-2000:]
+  try:
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+  return outs
+
+
+def run_two_processes(config: str, workdir: str, extra_args=(), timeout: int = 300) -> list[str]:
+  """Runs train.py as processes 0 and 1 of 2 on localhost (4 CPU devices each); returns their outputs."""
+  outs = run_pair(
+    lambda i, port: [
+      sys.executable,
+      os.path.join(ROOT, 'train.py'),
+      '--config',
+      config,
+      '--workdir',
+      workdir,
+      *extra_args,
+      f'--coordinator_address=127.0.0.1:{port}',
+      '--num_processes=2',
+      f'--process_id={i}',
+    ],
+    timeout,
+  )
   assert '(2 process(es))' in outs[0]
   return outs

@@ -17,7 +17,6 @@ import importlib.util
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import time
 
@@ -83,30 +82,11 @@ def _worker(process_id, port, workdir, steps, out, local_rows):
 
 def _run_pair(workdir, steps, out, local_rows=False, timeout=300):
   """This file's worker as processes 0 and 1 of 2 on localhost, 4 CPU devices each; each process's results."""
-  from process_testing import free_port, process_env
+  from process_testing import run_pair
 
   os.makedirs(out, exist_ok=True)
-  port, env = free_port(), process_env(4)
   flag = ['--local-rows'] if local_rows else []
-  procs = [
-    subprocess.Popen(
-      [sys.executable, __file__, str(i), str(port), workdir, str(steps), out, *flag],
-      cwd=ROOT,
-      env=env,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  try:
-    outs = [p.communicate(timeout=timeout)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  assert all(p.returncode == 0 for p in procs), outs[0][-3000:] + outs[1][-3000:]
+  run_pair(lambda i, port: [sys.executable, __file__, str(i), str(port), workdir, str(steps), out, *flag], timeout)
   results = [dict(np.load(os.path.join(out, f'p{i}.npz'))) for i in range(2)]
   for key in results[0]:  # every process reports the same global run
     if key != 'seconds':
