@@ -55,7 +55,9 @@ def _from_words(words: jax.Array, like: Any) -> jax.Array:
 
 
 def _small(state: HDETState) -> HDETState:
-  return state._replace(inner_state=None)
+  # The rollback's anchor (a copy of the parameters and optimizer state) is no small field: a caller that packs
+  # keeps it apart (the trainer passes it to its window end alone).
+  return state._replace(inner_state=None, anchor=None)
 
 
 def pack_state(state: HDETState) -> PackedState:
@@ -118,7 +120,13 @@ def packed(tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransform
   """
 
   def init_fn(params):
-    return pack_state(tx.init(params))
+    state = tx.init(params)
+    if state.anchor is not None:
+      raise ValueError(
+        "packed(hdet(..., rollback=True)): the packed state has no room for the rollback's anchor (a copy of the "
+        'parameters and optimizer state); use the hdet transformation itself, or rollback=False.'
+      )
+    return pack_state(state)
 
   def update_fn(updates, state, params=None, **kwargs):
     if params is None:

@@ -31,7 +31,7 @@ import contextvars
 import functools
 import inspect
 import re
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import chex
 from chex import ArrayTree  # by name: get_type_hints resolves its recursive reference to itself here
@@ -154,9 +154,95 @@ def unbatched(x: chex.Array, axis_name: AxisName | None = None) -> chex.Array:
   return y > 0 if as_int else y
 
 
-def stack_replicas(tree: ArrayTree, num_replicas: int) -> ArrayTree:
-  """Copies every leaf N times along a new leading replica axis."""
-  return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_replicas,) + jnp.shape(x)), tree)
+def stack_replicas(tree: ArrayTree, num_replicas: int, *, per_device: int = 1) -> ArrayTree:
+  """Copies every leaf N times along a new leading replica axis.
+
+  ``per_device = k > 1`` (the map's, :func:`over_replicas`): an :class:`Anchor` in ``tree`` (``hdet(...,
+  rollback=True)``) is copied N / k times instead, one copy per device (see :func:`share_anchors`).
+  """
+  stack = lambda n: lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x))
+  if per_device == 1:
+    return jax.tree.map(stack(num_replicas), tree)
+  on = lambda node: jax.tree.map(stack(num_replicas // per_device if _is_anchor(node) else num_replicas), node)
+  return jax.tree.map(on, tree, is_leaf=_is_anchor)
+
+
+class Anchor(NamedTuple):
+  """What the last sync left (``hdet(..., rollback=True)``): where a sync whose guard backs off returns.
+
+  Every replica holds the same copy (the sync's average, and the optimizer state, which the shared gradient
+  keeps equal), laid out like the parameters and the optimizer state. Where a map runs several replicas on a
+  device, it may hold one copy per device (:func:`share_anchors`).
+  """
+
+  params: Any  # the parameters the last sync left (the average), as the parameters.
+  inner_state: Any  # the wrapped optimizer's state then, as ``HDETState.inner_state``.
+  train_loss: jax.Array  # [] float32: the training loss of the window that sync ended (the guard's baseline).
+  train_loss_se: jax.Array  # [] float32: its standard error.
+
+
+def _is_anchor(node) -> bool:
+  return isinstance(node, Anchor)
+
+
+def share_anchors(stacked: ArrayTree, per_device: int) -> ArrayTree:
+  """A stacked tree ``[N, ...]`` whose :class:`Anchor` s are held once per device: ``[N / per_device, ...]``.
+
+  Every replica's anchor is the same (the last sync's average and the optimizer state the all-reduced gradient
+  keeps equal), so the k replicas a device runs under :func:`over_replicas` (``per_device=k``) can share one
+  copy: the rollback then costs one copy of the state per device, not k. The maps take both forms, and give
+  back the form they were given. The other leaves are left as they are.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, hdet_jax
+    >>> tx = hdet_jax.hdet(optax.adam, 1e-3, num_replicas=8, auto_lr=hdet_jax.AutoLR(total_steps=100),
+    ...                    rollback=True)
+    >>> state = hdet_jax.share_anchors(jax.vmap(tx.init)(hdet_jax.stack_replicas(jnp.ones(3), 8)), per_device=4)
+    >>> state.count.shape, state.anchor.params.shape  # 8 replicas, 2 anchors: one for each device's 4
+    ((8,), (2, 3))
+  """
+  if per_device == 1:
+    return stacked
+  every = lambda node: jax.tree.map(lambda x: x[::per_device], node) if _is_anchor(node) else node
+  return jax.tree.map(every, stacked, is_leaf=_is_anchor)
+
+
+# While a map traces its function with the anchors held once per device (its vmap does not batch them).
+_SHARED_ANCHORS: contextvars.ContextVar[bool] = contextvars.ContextVar('hdet_jax_shared_anchors', default=False)
+
+
+def shared_anchor(anchor: Anchor, axis_name: AxisName) -> Anchor:
+  """The anchor a sync leaves, as the map holds it: where it holds one copy per device (:func:`share_anchors`),
+  the device's first local replica's (all hold the same), unbatched by the local ``vmap``; else as it is."""
+  local = _MAPPED.get()[1]
+  axes = sorted(a for a in _axes(axis_name) if a in local)
+  if not _SHARED_ANCHORS.get() or not axes:
+    return anchor
+
+  def first(x):
+    for a in axes:
+      x = lax.all_gather(x, a)[0]  # the local replicas' copies, stacked; replica 0's, with no arithmetic
+    return x
+
+  return jax.tree.map(first, anchor)
+
+
+def _anchor_axes(value, per_device: int) -> tuple[Any, Any, bool]:
+  """(``value`` as the local vmap reads it, its ``in_axes``, whether it holds a shared anchor): in a stacked
+  argument, an anchor held once per device (its leaves' leading axis 1 where the others' is ``per_device``) loses
+  that axis and is not batched."""
+  shared = lambda node: _is_anchor(node) and all(jnp.shape(x)[:1] == (1,) for x in jax.tree.leaves(node))
+  if per_device == 1 or not any(shared(n) for n in jax.tree.leaves(value, is_leaf=_is_anchor)):
+    return value, 0, False
+  local = jax.tree.map(lambda n: jax.tree.map(lambda x: x[0], n) if shared(n) else n, value, is_leaf=_is_anchor)
+  return local, jax.tree.map(lambda n: None if shared(n) else 0, value, is_leaf=_is_anchor), True
+
+
+def _anchors_to_devices(out: Any) -> Any:
+  """The map's outputs with their anchors (unbatched inside) back to one copy per device."""
+  return jax.tree.map(
+    lambda node: jax.tree.map(lambda x: x[:1], node) if _is_anchor(node) else node, out, is_leaf=_is_anchor
+  )
 
 
 def average_replicas(stacked: ArrayTree) -> ArrayTree:
@@ -375,14 +461,24 @@ def _map_replicas(
         value if r == 'static' else _local_view(next(local), r, per_device) for r, (_, value) in zip(roles, bound)
       ]
       if per_device > 1:  # [N / D, ...] here: the local replicas, mapped by vmap
-        axes = [0 if r in ('stacked', 'batch') else None for r in roles]
+        views = [
+          _anchor_axes(v, per_device) if r == 'stacked' else (v, 0 if r == 'batch' else None, False)
+          for v, r in zip(values, roles)
+        ]
+        values, axes, shared = [v[0] for v in views], [v[1] for v in views], any(v[2] for v in views)
         call = lambda *v: _call(fn, bound, v)
         mapped = jax.vmap(call, in_axes=tuple(axes), axis_name=local_axis)
         aliases = {replica_axis: (replica_axis, local_axis)} if keep_name else {}
-        with _mapped(aliases, frozenset({local_axis})):
-          if keep_name:
-            return _traced_and_checked(mapped, values, roles, replica_axis, per_device, who)
-          return mapped(*values)
+        token = _SHARED_ANCHORS.set(shared)
+        try:
+          with _mapped(aliases, frozenset({local_axis})):
+            if keep_name:
+              out = _traced_and_checked(mapped, values, roles, replica_axis, per_device, who)
+            else:
+              out = mapped(*values)
+        finally:
+          _SHARED_ANCHORS.reset(token)
+        return _anchors_to_devices(out) if shared else out
       return jax.tree.map(lambda a: jnp.asarray(a)[None], _call(fn, bound, values))
 
     # Manual over the replica axis: on a 1-D mesh that is every axis (the plain case); on a 2-D
@@ -650,8 +746,8 @@ def _check_replica_count(bound, roles, devices: int, per_device: int, replica_ax
       jnp.shape(x)[0]
       for (_, value), r in zip(bound, roles)
       if r == 'stacked'
-      for x in jax.tree.leaves(value)
-      if jnp.ndim(x)
+      for x in jax.tree.leaves(value, is_leaf=_is_anchor)  # (an anchor may be held once per device)
+      if not _is_anchor(x) and jnp.ndim(x)
     }
   )
   if len(counts) > 1:

@@ -8,7 +8,7 @@ permutation from the key all replicas share.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,17 +25,14 @@ from hdet_jax import windows
 from hdet_jax.settings import Plan
 
 
-class Anchor(NamedTuple):
-  """What the last sync left (``hdet(..., rollback=True)``): where a sync whose guard backs off returns.
+Anchor = replicas.Anchor  # (defined beside the maps, which may hold it once per device)
 
-  Every replica holds the same copy (the sync's average, and the optimizer state, which the shared gradient
-  keeps equal), laid out like the parameters and the optimizer state.
-  """
 
-  params: Any  # the parameters the last sync left (the average), as the parameters.
-  inner_state: Any  # the wrapped optimizer's state then, as ``HDETState.inner_state``.
-  train_loss: jax.Array  # [] float32: the training loss of the window that sync ended (the guard's baseline).
-  train_loss_se: jax.Array  # [] float32: its standard error.
+def anchor_at(params: Any, state) -> replicas.Anchor:
+  """The anchor a sync that did not back off leaves (and the first one, at init): the parameters it landed on,
+  the wrapped optimizer's state, and its window's training loss with its standard error (the guard's baseline)."""
+  c = state.controller
+  return replicas.Anchor(params, state.inner_state, c.train_loss, c.train_loss_se)
 
 
 def average(tree: Any, axis_name: replicas.AxisName, guard_nonfinite: bool, ok=None) -> tuple[Any, jax.Array]:
@@ -66,25 +63,31 @@ def end_window(plan: Plan, params, updates, state, *, gather: bool, score=None):
     state = state._replace(inner_state=average_inner_state(plan, state.inner_state, ok))
   state = sync_controller(plan, state, score=score, gather=gather)
   if plan.rollback:  # a backed-off sync lands on the anchor; any other one becomes the next anchor
-    state = roll_back(state, new_params)
+    state = roll_back(plan, state, new_params)
     new_params = state.anchor.params
   if not plan.exact_sync:
     updates = jax.tree.map(lambda a, b: (a - b).astype(b.dtype), new_params, params)
   return updates, state
 
 
-def roll_back(state, new_params):
+def roll_back(plan: Plan, state, new_params):
   """The state after a sync with ``rollback``: where the guard backed off (``controller.backed_off``, the same on
   every replica), the anchor's optimizer state and its window's loss as the guard's next baseline, the anchor
-  kept; else the sync's, and the anchor moves to it (the average ``new_params``)."""
+  kept; else the sync's, and the anchor moves to it (the average ``new_params``). An anchor the map holds once per
+  device (:func:`hdet_jax.replicas.share_anchors`) is picked once there, not once per replica."""
   back, anchor, c = state.controller.backed_off, state.anchor, state.controller
-  pick = lambda old, new: jax.tree.map(lambda a, b: jnp.where(back, a, b).astype(b.dtype), old, new)
-  inner = pick(anchor.inner_state, state.inner_state)
   c = c._replace(
-    train_loss=pick(anchor.train_loss, c.train_loss), train_loss_se=pick(anchor.train_loss_se, c.train_loss_se)
+    train_loss=_where(back, anchor.train_loss, c.train_loss),
+    train_loss_se=_where(back, anchor.train_loss_se, c.train_loss_se),
   )
-  params = pick(anchor.params, new_params)
-  return state._replace(inner_state=inner, controller=c, anchor=Anchor(params, inner, c.train_loss, c.train_loss_se))
+  state = state._replace(inner_state=_where(back, anchor.inner_state, state.inner_state), controller=c)
+  moved = replicas.shared_anchor(anchor_at(new_params, state), plan.replica_axis)
+  return state._replace(anchor=_where(replicas.unbatched(back, plan.replica_axis), anchor, moved))
+
+
+def _where(flag: jax.Array, old: Any, new: Any) -> Any:
+  """``old`` where ``flag``, else ``new``, leaf by leaf (in ``new``'s dtypes)."""
+  return jax.tree.map(lambda a, b: jnp.where(flag, a, b).astype(b.dtype), old, new)
 
 
 def average_inner_state(plan: Plan, inner_state: Any, ok: jax.Array) -> Any:

@@ -214,12 +214,15 @@ def hdet(
     rollback: if True, a sync whose guard backs off (``auto_lr``'s ``backoff``: the window's training loss rose
       past its margins, or went non-finite) also returns every replica to the parameters and the wrapped
       optimizer's state the last sync left (:class:`Anchor`), instead of averaging the window that rose; the
-      trainer's ``hdet.rollback``, in any trainer. It costs one more copy of the parameters and the optimizer
-      state per replica, laid out as they are (FSDP-sharded with them): AdamW's anchor is 3x the parameters'
-      bytes, and the add-to-trainer example's state 1.75x on each device (``python -m
-      benchmarks.rollback_memory``). The trainer keeps its own, one copy per device whatever the replicas on it
-      (1.125x with 8 replicas on a device, where this one would be 2x). Off by default: it changes the state's
-      structure, so a 1.0 checkpoint restores only without it. With ``exact_sync=True`` and
+      trainer's ``hdet.rollback``, in any trainer (the trainer builds it). It costs one more copy of the parameters
+      and the optimizer state per replica, laid out as they are (FSDP-sharded with them): AdamW's anchor is 3x the
+      parameters' bytes, and the add-to-trainer example's state 1.75x on each device. With several replicas on a
+      device (``over_replicas(..., per_device=k)``) they share one copy (``stack_replicas(state, N,
+      per_device=k)``): 8 replicas on a device hold 1.125x the state instead of 2x, and the step between syncs
+      compiles to the same flops and bytes as without the rollback (``python -m benchmarks.rollback_memory``).
+      Off by default: it changes the state's structure (a 1.0 checkpoint restores only without it), it costs that
+      memory, and on the verdict's default runs the guard never backed off (docs/verdict.md). With
+      ``exact_sync=True`` and
       :func:`hdet_jax.apply_updates` the replicas land on the anchor bit for bit; with ``optax.apply_updates``
       to about an ulp, as on every sync.
     **optimizer_kwargs: passed to ``optimizer`` (e.g. ``weight_decay=0.1``).
@@ -509,9 +512,12 @@ def state_shardings(
   device reads them each step.
   """
   whole = replicas.group_shardings(state, mesh, replica_axis, None)
-  return whole._replace(
-    inner_state=replicas.group_shardings(state.inner_state, mesh, replica_axis, inner_axis, **tensor)
-  )
+  split = lambda tree: replicas.group_shardings(tree, mesh, replica_axis, inner_axis, **tensor)
+  if getattr(state, 'anchor', None) is not None:  # the rollback's copy, laid out as what it copies
+    whole = whole._replace(
+      anchor=whole.anchor._replace(params=split(state.anchor.params), inner_state=split(state.anchor.inner_state))
+    )
+  return whole._replace(inner_state=split(state.inner_state))
 
 
 def replica_value(state: HDETState, index: int, replica_axis: replicas.AxisName = 'data') -> jax.Array:

@@ -143,38 +143,50 @@ def _device_bytes(tree, device):
 
 
 def test_the_rollback_anchor_is_one_copy_per_device_in_the_groups_layout():
-  """make_anchor keeps one copy of the state every replica holds (each device takes its first replica's): 8
-  replicas on 1 or 2 devices hold 1/8 or 1/4 of the stacked parameters and wrapped optimizer state in it; on a
-  4 x 2 FSDP mesh each leaf keeps its group's split (the stacked spec without the replica axis), and a device
-  holds half a copy. Its values are the replicas' (all alike at the start), bit for bit."""
+  """make_anchor keeps the library's anchor (hdet(..., rollback=True)) once per device, each device taking its first
+  replica's: 8 replicas on 1 or 2 devices hold 1/8 or 1/4 of the stacked parameters and wrapped optimizer state
+  in it; on a 4 x 2 FSDP mesh each leaf keeps its group's split, and a device holds half a copy. The copy a
+  checkpoint holds (make_saved_anchor: one, replicated) is the same per device, and make_restored_anchor gives the
+  loop's back bit for bit. Its values are the replicas' (all alike at the start), bit for bit."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
   config = config_lib.load_config_file(TINY)
   n = 8
   for devices, fsdp in ((1, 1), (2, 1), (None, 2)):
     mesh = mesh_lib.make_mesh(n if fsdp == 1 else 4, fsdp=fsdp, devices=devices)
     reps = n if fsdp == 1 else 4
     run = run_settings.resolve(config)
-    tx = optimizer_lib.make_optimizer(run.optimizer, reps, devices)
+    tx = optimizer_lib.make_optimizer(run.optimizer, reps, devices, rollback=True)
     params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, reps)(jax.random.key(0))
     if fsdp > 1:
       layout = mesh_lib.layout(mesh, params, opt_state)
       params, inner = jax.device_put(params, layout[0]), jax.device_put(opt_state.inner_state, layout[1].inner_state)
       opt_state = opt_state._replace(inner_state=inner)
     stacked = {'params': params, 'inner': opt_state.inner_state}
-    anchor = programs_lib.make_anchor(mesh, tx, mesh_lib.anchor_layout(mesh, params, opt_state.inner_state))(
-      params, opt_state
-    )
+    shapes = jax.eval_shape(programs_lib.first_anchor(tx, mesh), params, opt_state)
+    anchor = programs_lib.make_anchor(mesh, tx, mesh_lib.stacked_anchor_layout(mesh, shapes))(params, opt_state)
+    assert {a.shape[0] for a in jax.tree.leaves(anchor)} == {mesh.shape['data']}  # one per device (or group)
+    saved = programs_lib.make_saved_anchor(mesh, mesh_lib.anchor_layout(mesh, params, opt_state.inner_state))(anchor)
+    back = programs_lib.make_restored_anchor(mesh, mesh_lib.stacked_anchor_layout(mesh, shapes))(saved)
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, back), jax.tree.map(np.asarray, anchor))
     c = programs_lib.unpack(tx, *jax.tree.map(lambda a: a[0], (params, opt_state))).controller
-    assert np.isnan(anchor.pop('train_loss')) and np.isnan(anchor.pop('train_loss_se'))  # no window yet
+    assert np.isnan(saved.pop('train_loss')) and np.isnan(saved.pop('train_loss_se'))  # no window yet
     assert np.isnan(c.train_loss)
-    chex.assert_trees_all_equal(jax.tree.map(np.asarray, anchor), jax.tree.map(lambda a: np.asarray(a)[0], stacked))
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, saved), jax.tree.map(lambda a: np.asarray(a)[0], stacked))
     dev = mesh.devices.flat[0]
-    copies = _device_bytes(anchor, dev) / _device_bytes(stacked, dev)
-    assert copies == (1 / 8 if devices == 1 else 1 / 4 if devices == 2 else 1.0), (devices, fsdp, copies)
+    expected = 1 / 8 if devices == 1 else 1 / 4 if devices == 2 else 1.0
+    for held in (saved, {'params': anchor.params, 'inner': anchor.inner_state}):
+      copies = _device_bytes(held, dev) / _device_bytes(stacked, dev)
+      assert copies == expected, (devices, fsdp, copies)
     if fsdp > 1:  # each leaf split in its group as the stacked one is: half a copy per device
-      from jax.sharding import NamedSharding, PartitionSpec as P
-
       same = jax.tree.map(
-        lambda a, s: a.sharding.is_equivalent_to(NamedSharding(mesh, P(*s.sharding.spec[1:])), a.ndim), anchor, stacked
+        lambda a, s: a.sharding.is_equivalent_to(NamedSharding(mesh, P(*s.sharding.spec[1:])), a.ndim), saved, stacked
       )
       assert all(jax.tree.leaves(same))
-      assert any('fsdp' in a.sharding.spec for a in jax.tree.leaves(anchor))
+      assert any('fsdp' in a.sharding.spec for a in jax.tree.leaves(saved))
+      same = jax.tree.map(
+        lambda a, s: a.sharding.is_equivalent_to(s.sharding, a.ndim),
+        {'params': anchor.params, 'inner': anchor.inner_state},
+        stacked,
+      )
+      assert all(jax.tree.leaves(same))

@@ -109,3 +109,54 @@ def test_rollback_needs_the_guard():
       rollback=True,
       auto_lr=H.AutoLR(100, backoff=False, backoff_stderrs=0, backoff_fraction=0),
     )
+
+
+def _run_over_replicas(steps, devices, per_device, share):
+  """The same run under ``over_replicas`` on ``devices`` devices, ``per_device`` replicas each; ``share``: the anchor
+  held once per device (``stack_replicas(..., per_device=)``)."""
+  from jax.sharding import Mesh
+
+  mesh = Mesh(np.array(jax.devices()[:devices]), ('replica',))
+  tx = H.hdet(
+    optax.sgd(0.05, momentum=0.9),
+    num_replicas=N,
+    sync_every=T,
+    replica_axis='replica',
+    auto_lr=H.AutoLR(total_steps=40),
+    exact_sync=True,
+    rollback=True,
+  )
+
+  def step(state, batch):
+    p, s = state
+    loss, g = jax.value_and_grad(lambda p: 0.5 * jnp.sum((p['w'] - batch[0]) ** 2))(p)
+    u, s = tx.update(H.pmean_finite(g, 'replica'), s, p, value=loss)
+    return (H.apply_updates(p, u, s, replica_axis='replica'), s)
+
+  f = jax.jit(H.over_replicas(step, mesh, per_device=per_device), donate_argnames='state')
+  w = {'w': jnp.zeros(DIM)}
+  state = H.stack_replicas((w, tx.init(w)), N, per_device=per_device if share else 1)
+  out, c = [], _targets(steps)
+  for t in range(steps):
+    state = f(state, c[t])
+    out.append(jax.tree.map(np.asarray, state))
+  return out
+
+
+@pytest.mark.parametrize('devices, share', [(2, True), (2, False), (1, True), (4, False)])
+def test_several_replicas_per_device_hold_one_anchor_each_and_roll_back_alike(exact_run, devices, share):
+  run = _run_over_replicas(20, devices, N // devices, share)
+  copies = devices if share else N
+  for p, s in run:
+    assert s.anchor.params['w'].shape == (copies, DIM) and s.anchor.train_loss.shape == (copies,)
+    assert s.count.shape == (N,)
+  before, after = run[JUMP - 1], run[JUMP + T - 1]
+  assert bool(after[1].controller.backed_off[0]) and not bool(before[1].controller.backed_off[0])
+  np.testing.assert_array_equal(after[0]['w'], before[0]['w'])  # landed on the last sync's state, bit for bit
+  for a, b in zip(jax.tree.leaves(after[1].inner_state), jax.tree.leaves(before[1].inner_state)):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(before[1].anchor.params['w'], before[0]['w'][:copies])
+  # the trajectory is the vmapped run's (the all-reduce sums in another order: float32 rounding)
+  for (p, s), (p0, s0) in zip(run, exact_run):
+    np.testing.assert_allclose(p['w'], p0['w'], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(s.controller.correction, s0.controller.correction, rtol=1e-6, atol=1e-6)

@@ -123,6 +123,14 @@ def anchor_layout(mesh: Mesh, params: Any, inner: Any, task: tasks_lib.Task | No
   }
 
 
+def stacked_anchor_layout(mesh: Mesh, anchor: Any, task: tasks_lib.Task | None = None) -> Any:
+  """The shardings of the anchor the loop holds (one copy per device or group, ``[D, ...]``; arrays or shapes):
+  ``P('data')``, and on a 2-D mesh split inside each group as the state it copies."""
+  if not grouped(mesh):
+    return jax.tree.map(lambda _: replica_sharding(mesh), anchor)
+  return H.group_shardings(anchor, mesh, AXIS, INNER, **rules(mesh, task))
+
+
 def anchor_shapes(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None) -> dict:
   """The rollback anchor's shapes in the layout the run keeps it in (:func:`anchor_layout`; to restore it)."""
   params, inner = abstract['params'], abstract['opt_state'].inner_state

@@ -77,10 +77,11 @@ def _decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(
-  settings: OptimizerSettings, num_replicas: int, devices: int | None = None
+  settings: OptimizerSettings, num_replicas: int, devices: int | None = None, *, rollback: bool = False
 ) -> optax.GradientTransformationExtraArgs:
   """``hdet_jax.hdet`` around the base optax optimizer, schedule and HDET settings of ``settings``, for N replicas
-  on ``devices`` devices (default N: one each; fewer: the replica axis is the pair of :func:`mesh.replica_axis`)."""
+  on ``devices`` devices (default N: one each; fewer: the replica axis is the pair of :func:`mesh.replica_axis`);
+  ``rollback``: the guard's (``hdet(..., rollback=True)``)."""
   o = settings
   factories = {
     'adamw': lambda learning_rate, weight_decay=o.weight_decay: optax.adamw(
@@ -120,4 +121,5 @@ def make_optimizer(
     param_groups=o.param_groups,
     explore=o.explore,
     average_opt_state=o.average_opt_state,
+    rollback=rollback,
   )

@@ -98,23 +98,17 @@ def make_step_count(tx: optax.GradientTransformation) -> Callable:
   return jax.jit(jax.vmap(lambda p, s: unpack(tx, p, s).count))
 
 
-def _over_replicas(
-  make_body: Callable[[Any], Callable], mesh: Mesh, check_vma: bool = True, last_replicated: bool = False
-) -> Callable:
+def _over_replicas(make_body: Callable[[Any], Callable], mesh: Mesh, check_vma: bool = True) -> Callable:
   """``make_body(replica axis)`` (one replica's program) mapped over the stacked replicas of the first argument.
 
   N replicas on D devices: ``shard_map`` over ``'data'``, and for N > D ``vmap`` over each device's N / D
   replicas (replica axis ``('data', 'local')``); N read from the arguments when the program is traced.
-  ``last_replicated``: the last argument is one copy that every replica reads (not stacked).
   """
 
   def wrapped(*args):
     k = jax.tree.leaves(args[0])[0].shape[0] // mesh.shape[AXIS]
     axis = H.replicas.replica_axes(AXIS, k, LOCAL)
-    stacked = tuple(range(len(args) - 1)) if last_replicated else None
-    return H.shard_map_replicas(
-      make_body(axis), mesh, AXIS, stacked_argnums=stacked, check_vma=check_vma, per_device=k, local_axis=LOCAL
-    )(*args)
+    return H.shard_map_replicas(make_body(axis), mesh, AXIS, check_vma=check_vma, per_device=k, local_axis=LOCAL)(*args)
 
   return wrapped
 
@@ -271,7 +265,7 @@ def _common_score(
 
 def _pinned(mesh: Mesh, shardings: tuple[Any, Any] | None) -> dict:
   """jit's ``out_shardings`` for (params, opt_state, metrics) under a 2-D layout; none on 1-D meshes."""
-  return {} if shardings is None else {'out_shardings': (*shardings, replica_sharding(mesh))}
+  return {} if shardings is None else {'out_shardings': (shardings[0], shardings[1], replica_sharding(mesh))}
 
 
 def make_window_end(
@@ -289,10 +283,11 @@ def make_window_end(
   argument, the common batch ``[N, W, L+1]`` (the same windows in every row): each replica's loss on
   it, with its own attention temperature and no dropout, computed before the average, is the score
   the controller compares (``tx.update(..., score=)``).
-  With ``settings.rolls_back`` (the guard's ``hdet.rollback``) a last argument, the anchor ``{'params', 'inner'}`` (one
-  copy of the parameters and wrapped optimizer state the previous sync left, see :func:`make_anchor`): where this sync's
-  back-off fires the replicas return to it (the controller keeps its new, lower LR). Take the next anchor from the
-  outputs.
+  With ``settings.rolls_back`` (the guard's ``hdet.rollback``; ``tx`` built with ``rollback=True``) a last argument
+  and a last output, the library's :class:`hdet_jax.replicas.Anchor`, one copy per device (see :func:`make_anchor`):
+  where this sync's back-off fires the replicas return to it (``tx.update`` does it; the controller keeps its new,
+  lower LR), else it moves to the sync's average. The packed state leaves the anchor out, so the step between
+  syncs never carries it.
 
   Run it right after the non-sync step program on a sync step: it averages the replicas and runs
   the controller (``tx.update(None, ..., sync=True)``). The step is then compiled once, and the sync
@@ -310,8 +305,9 @@ def make_window_end(
     def window_end(params, packed, *extra):
       extra = list(extra)
       windows = extra.pop(0) if probe else None
-      anchor = extra.pop(0) if anchored else None
       opt_state = unpack(tx, params, packed)
+      if anchored:
+        opt_state = opt_state._replace(anchor=extra.pop(0))
       score = None
       if probe:
         score = _common_score(task, graphdef, settings, params, opt_state, windows, axis)
@@ -321,56 +317,65 @@ def make_window_end(
       metrics = {**_controller_metrics(opt_state.controller), **_distance_metrics(stepped, params)}
       if packer is not None:
         metrics = packer.pack(metrics)
-      if anchor is not None:
-        params, opt_state = _roll_back(params, opt_state, anchor)
-      return params, H.packing.pack_state(opt_state), metrics
+      out = (params, H.packing.pack_state(opt_state), metrics)
+      return (*out, opt_state.anchor) if anchored else out
 
     return window_end
 
-  return jax.jit(
-    _over_replicas(make_window_end, mesh, last_replicated=anchored), donate_argnums=(0, 1), **_pinned(mesh, shardings)
-  )
+  donate = (0, 1, 3 if probe else 2) if anchored else (0, 1)
+  pinned = _pinned(mesh, shardings)
+  if anchored and pinned:
+    pinned = {'out_shardings': (*pinned['out_shardings'], shardings[2])}
+  return jax.jit(_over_replicas(make_window_end, mesh), donate_argnums=donate, **pinned)
 
 
 def make_anchor(mesh: Mesh, tx: optax.GradientTransformation, shardings: Any = None) -> Callable:
-  """Jitted ``(params, opt_state) -> anchor``: the state the rollback returns to (see :func:`make_window_end`),
-  taken at the start and after every sync: one copy of the replicas' parameters and wrapped optimizer state
-  (``'params'``, ``'inner'``), replicated over the replica axis, and the training loss of the window the sync
-  ended with its standard error (``'train_loss'``, ``'train_loss_se'``: after a rollback the back-off compares the
-  next window with the window that led to the state it returned to). ``shardings``: from
-  :func:`hdet_jax.trainer.mesh.anchor_layout` (needed on a 2-D mesh).
-
-  After a sync every replica holds the same parameters (the average, assigned exactly), and the wrapped
-  optimizer state is the same on every replica throughout (it sees the shared, all-reduced gradient, and an
-  optimizer of ``run_settings.SHARED_STATE_OPTIMIZERS`` keeps nothing else; the low-communication mode qualifies
-  only with ``hdet.average_opt_state``: see ``run_settings.guard``, which turns the rollback off elsewhere). So each
-  device takes its first replica's copy, with no communication, and N replicas on one device keep one copy of
-  the state instead of N. (The map is unchecked: it declares replicated what it knows to be equal.)
+  """Jitted ``(params, opt_state) -> anchor``: where the rollback returns to before the first sync (see
+  :func:`make_window_end`, which moves it on), the library's :func:`hdet_jax.sync.anchor_at` of the state, held
+  once per device (:func:`hdet_jax.replicas.share_anchors`): the replicas' parameters and wrapped optimizer state
+  are the same on every replica there (the start, and an optimizer of ``run_settings.SHARED_STATE_OPTIMIZERS`` on
+  the shared gradient; ``run_settings.guard`` turns the rollback off elsewhere), so N replicas on one device keep
+  one copy of the state instead of N. ``shardings``: :func:`hdet_jax.trainer.mesh.anchor_layout`'s (a 2-D mesh).
   """
 
-  def first(params, packed):
-    params, packed = jax.tree.map(lambda a: a[0], (params, packed))
-    c = unpack(tx, params, packed).controller
-    return {'params': params, 'inner': packed.inner_state, 'train_loss': c.train_loss, 'train_loss_se': c.train_loss_se}
+  return jax.jit(first_anchor(tx, mesh), out_shardings=replica_sharding(mesh) if shardings is None else shardings)
+
+
+def first_anchor(tx: optax.GradientTransformation, mesh: Mesh) -> Callable:
+  """``(params, opt_state) -> anchor``, :func:`make_anchor`'s function (unjitted: its shapes for a layout)."""
+
+  def anchor(params, packed):
+    anchors = jax.vmap(lambda p, s: H.sync.anchor_at(p, unpack(tx, p, s)))(params, packed)
+    return H.replicas.share_anchors(anchors, jax.tree.leaves(params)[0].shape[0] // mesh.shape[AXIS])
+
+  return anchor
+
+
+def make_saved_anchor(mesh: Mesh, shardings: Any) -> Callable:
+  """Jitted ``anchor -> {'params', 'inner', 'train_loss', 'train_loss_se'}``: the anchor as a checkpoint holds it
+  (one copy, replicated over the replica axis; ``shardings``: :func:`hdet_jax.trainer.mesh.anchor_layout`'s). Each
+  device holds the same copy, so each takes its own, with no communication (the map is unchecked: it declares
+  replicated what it knows to be equal)."""
+
+  def first(anchor):
+    a = jax.tree.map(lambda x: x[0], anchor)
+    return {'params': a.params, 'inner': a.inner_state, 'train_loss': a.train_loss, 'train_loss_se': a.train_loss_se}
 
   manual = frozenset({AXIS} | {a for a, size in mesh.shape.items() if size == 1})
-  anchor = jax.shard_map(first, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False, axis_names=manual)
-  return jax.jit(anchor, **({} if shardings is None else {'out_shardings': shardings}))
+  saved = jax.shard_map(first, mesh=mesh, in_specs=P(AXIS), out_specs=P(), check_vma=False, axis_names=manual)
+  return jax.jit(saved, out_shardings=shardings)
 
 
-def _roll_back(params: Any, opt_state: Any, anchor: dict) -> tuple[Any, Any]:
-  """(params, opt_state) after a sync: where the sync backed off (``controller.backed_off``, the same on every
-  replica) the anchor's parameters and wrapped optimizer state, and its window's training loss as the back-off's
-  next baseline; else the sync's."""
-  back = opt_state.controller.backed_off
-  pick = lambda old, new: jax.tree.map(lambda a, b: jnp.where(back, a, b).astype(b.dtype), old, new)
-  c = opt_state.controller
-  c = c._replace(
-    train_loss=pick(anchor['train_loss'], c.train_loss), train_loss_se=pick(anchor['train_loss_se'], c.train_loss_se)
-  )
-  return pick(anchor['params'], params), opt_state._replace(
-    inner_state=pick(anchor['inner'], opt_state.inner_state), controller=c
-  )
+def make_restored_anchor(mesh: Mesh, shardings: Any = None) -> Callable:
+  """Jitted inverse of :func:`make_saved_anchor`: a checkpoint's copy to the anchor the window end takes, one copy
+  per device (each device keeps its own replicated copy: no communication)."""
+  copies = mesh.shape[AXIS]
+
+  def restored(saved):
+    anchor = H.replicas.Anchor(saved['params'], saved['inner'], saved['train_loss'], saved['train_loss_se'])
+    return H.stack_replicas(anchor, copies)
+
+  return jax.jit(restored, out_shardings=replica_sharding(mesh) if shardings is None else shardings)
 
 
 def _controller_metrics(c: Any) -> dict:

@@ -250,7 +250,7 @@ class _Programs(NamedTuple):
   packers: dict  # sync -> programs_lib.MetricsPacker of the step's (False) or window end's (True) metrics
   val: Any  # the validation windows on the devices
   distance: Any  # params -> each replica's distance from the mean: runs that never average
-  anchor: Any = None  # (params, opt_state) -> the rollback's anchor, one copy (hdet.rollback)
+  saved_anchor: Any = None  # the loop's anchor -> the one copy a checkpoint holds (hdet.rollback)
   lr_unit: float = 1.0  # optim.runtime_lr_scale's factor: the state's LRs are the run's / lr_unit
   lr_rows: tuple[int, ...] = ()  # ... the rows of the logged [G] values that are learning rates
 
@@ -265,7 +265,7 @@ class _Loop:
   start: int  # the step this call starts or resumes at
   step: int  # steps done
   data: Any = None  # the chunk of chunk_steps steps' batches holding this step's, on the devices
-  anchor: Any = None  # the state the last sync left, one copy (hdet.rollback; programs.make_anchor)
+  anchor: Any = None  # the state the last sync left, one copy per device (hdet.rollback; programs.make_anchor)
   pending: list = dataclasses.field(default_factory=list)  # (step, sync, metrics) fetched at the next log
   t_mark: float = 0.0  # when the current log interval started
   train_time: float = 0.0
@@ -347,7 +347,7 @@ def _check(run: run_settings.RunSettings, workdir: str) -> _Inputs:
   except tasks_lib.TaskError as e:
     raise ConfigError(str(e)) from None
   try:
-    tx = optimizer_lib.make_optimizer(run.optimizer, n, devices)
+    tx = optimizer_lib.make_optimizer(run.optimizer, n, devices, rollback=run.loop.rolls_back)
   except ValueError as e:
     raise ConfigError(f'config: {e}') from None
   fields = run.training_fields(n)
@@ -425,10 +425,20 @@ def _initial_state(inputs: _Inputs, records: _Records) -> _Loop:
   )
   if count != start:
     raise RuntimeError(f'the optimizer state counts {count} steps but training resumes at step {start}.')
-  if anchor is None and settings.rolls_back:  # before the first sync: the start
-    anchor = program_cache.get(
-      key, 'anchor', lambda: _anchor_program(records.mesh, inputs.tx, params, opt_state, inputs.run.task)
-    )(params, opt_state)
+  if anchor is not None:  # the checkpoint's copy, to one per device
+    layout = mesh_lib.stacked_anchor_layout(
+      records.mesh, _abstract_anchor(inputs.tx, records.mesh, params, opt_state), run.task
+    )
+    anchor = program_cache.get(key, 'restored_anchor', lambda: programs_lib.make_restored_anchor(records.mesh, layout))(
+      anchor
+    )
+  elif settings.rolls_back:  # before the first sync: the start
+    layout = mesh_lib.stacked_anchor_layout(
+      records.mesh, _abstract_anchor(inputs.tx, records.mesh, params, opt_state), run.task
+    )
+    anchor = program_cache.get(key, 'anchor', lambda: programs_lib.make_anchor(records.mesh, inputs.tx, layout))(
+      params, opt_state
+    )
   return _Loop(
     params, opt_state, rng, start=start, step=start, anchor=anchor, wait_each_step=one_program_in_flight(records.mesh)
   )
@@ -547,7 +557,7 @@ def _compile(inputs: _Inputs, records: _Records, loop: _Loop) -> _Programs:
     records.programs_key, ('loop', program_cache.signature(*args)), lambda: _build(inputs, mesh, *args)
   )
   # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
-  checkpoints.fingerprint(_checkpoint_state(loop))
+  checkpoints.fingerprint(_checkpoint_state(loop, built['saved_anchor']))
   checkpoints.fingerprint(built['average'](params))
   lr_rows = tuple(g for g, name in enumerate(settings.hyperparam_names) if name.startswith('learning_rate'))
   return _Programs(**built, val=val, lr_unit=settings.lr_unit, lr_rows=lr_rows)
@@ -560,6 +570,8 @@ def _build(
   packers = {s: programs_lib.MetricsPacker() for s in (False, True)}
   settings = inputs.run.programs
   layout = mesh_lib.layout(mesh, params, opt_state, inputs.run.task)  # None on a 1-D mesh
+  if layout is not None and anchor is not None:  # the window end pins the anchor it returns too
+    layout = (*layout, mesh_lib.stacked_anchor_layout(mesh, anchor, inputs.run.task))
   step = (
     programs_lib.make_train_step(
       inputs.graphdef,
@@ -582,11 +594,10 @@ def _build(
     .lower(params, opt_state, *probe, *extra)
     .compile()
   )
-  anchor = (
-    _anchor_program(mesh, inputs.tx, params, opt_state, inputs.run.task).lower(params, opt_state).compile()
-    if anchor is not None
-    else None
-  )
+  saved_anchor = None
+  if anchor is not None:
+    saved = mesh_lib.anchor_layout(mesh, params, opt_state.inner_state, inputs.run.task)
+    saved_anchor = programs_lib.make_saved_anchor(mesh, saved).lower(anchor).compile()
   evaluate = programs_lib.make_eval_step(inputs.graphdef, mesh, inputs.run.task).lower(params, val).compile()
   average = programs_lib.make_average(mesh, params, inputs.run.task).lower(params).compile()
   # Whether some replica's parameters are all finite (a checkpoint of only NaN/inf replicas is useless:
@@ -615,13 +626,13 @@ def _build(
     to_eval=programs_lib.make_eval_params(settings, mesh),
     packers=packers,
     distance=distance,
-    anchor=anchor,
+    saved_anchor=saved_anchor,
   )
 
 
-def _anchor_program(mesh: Any, tx: Any, params: Any, opt_state: Any, task: Any) -> Any:
-  """programs_lib.make_anchor in the run's layout: one copy of the state, split inside a group as the state is."""
-  return programs_lib.make_anchor(mesh, tx, mesh_lib.anchor_layout(mesh, params, opt_state.inner_state, task))
+def _abstract_anchor(tx: Any, mesh: Any, params: Any, opt_state: Any) -> Any:
+  """The shapes of the anchor the loop holds (:func:`programs_lib.make_anchor`'s output)."""
+  return jax.eval_shape(programs_lib.first_anchor(tx, mesh), params, opt_state)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -661,18 +672,16 @@ def _one_step(r: _Run, loop: _Loop) -> None:
   if sync:
     common = _probe(r.inputs, r.records.mesh, step)
     anchor = [loop.anchor] if loop.anchor is not None else []  # hdet.rollback: where the back-off returns to
-    loop.params, loop.opt_state, m_sync = programs.window_end(loop.params, loop.opt_state, *common, *anchor)
-    if anchor:  # the next anchor, the state this sync leaves; the last one's buffers go first (once read)
-      anchor.clear()
-      loop.anchor = None
-      loop.anchor = programs.anchor(loop.params, loop.opt_state)
+    loop.anchor = None  # (donated to the window end, which returns the next)
+    loop.params, loop.opt_state, m_sync, *anchor = programs.window_end(loop.params, loop.opt_state, *common, *anchor)
+    loop.anchor = anchor[0] if anchor else None
     m = (m, m_sync)
   loop.pending.append((step, sync, m))
   loop.step = step + 1
   if loop.wait_each_step:
     # The step's (and window end's) metrics are outputs of the programs that also return the state, so they are
-    # ready when those programs have finished; the anchor comes from a program of its own.
-    jax.block_until_ready((m, loop.anchor))
+    # ready when those programs have finished.
+    jax.block_until_ready(m)
 
 
 def _end_interval(
@@ -747,7 +756,7 @@ def _flush(programs: _Programs, writer: metrics_lib.MetricsWriter, loop: _Loop, 
   if programs.lr_unit != 1.0:
     got = [_in_run_lrs(m, programs.lr_unit, programs.lr_rows) for m in got]
   for (step, sync, _), m in zip(loop.pending, got):
-    _write_step(writer, loop, step, sync, m, rolls_back=programs.anchor is not None)
+    _write_step(writer, loop, step, sync, m, rolls_back=programs.saved_anchor is not None)
   loop.last_losses = [m['loss'] for m in got]
   bar.update(len(loop.pending), float(np.mean(loop.last_losses[-1])), float(got[-1]['base_lr'][0]))
 
@@ -837,7 +846,7 @@ def _save(r: _Run, loop: _Loop, step: int) -> None:
       f"Not checkpointing step {step}: every replica's parameters are NaN/inf; the last good checkpoint is kept."
     )
     return
-  state = _checkpoint_state(loop)
+  state = _checkpoint_state(loop, programs.saved_anchor)
   meta = {
     'step': step,
     'data_position': inputs.data.batches.position(step),
@@ -849,13 +858,14 @@ def _save(r: _Run, loop: _Loop, step: int) -> None:
   records.ckpt.save(step, state, programs.average(loop.params), meta)
 
 
-def _checkpoint_state(loop: _Loop) -> dict:
-  """What a checkpoint holds of the loop (and what setup compiles its fingerprint for): the same tree."""
+def _checkpoint_state(loop: _Loop, saved_anchor: Any) -> dict:
+  """What a checkpoint holds of the loop (and what setup compiles its fingerprint for): the same tree; the anchor
+  as one copy (``saved_anchor``: :func:`programs_lib.make_saved_anchor`), as the state format has it."""
   return {
     'params': loop.params,
     'opt_state': loop.opt_state,
     'rng': loop.rng,
-    **({'anchor': loop.anchor} if loop.anchor is not None else {}),
+    **({'anchor': saved_anchor(loop.anchor)} if loop.anchor is not None else {}),
   }
 
 
