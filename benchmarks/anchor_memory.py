@@ -50,7 +50,7 @@ def measure(config, devices: int) -> dict:
   run = run_settings.resolve(config)
   n, task, settings = run.mesh.num_replicas, run.task, run.task_settings
   mesh = mesh_lib.make_mesh(n, devices=devices)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n, devices)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, _ = task.abstract_model(settings)
   params, opt_state = programs_lib.make_init(task, settings, tx, mesh, n)(jax.random.key(0))
   dev = mesh.devices.flat[0]

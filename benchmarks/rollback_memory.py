@@ -80,7 +80,7 @@ def per_device_bytes(per_device: int = 8) -> dict:
       u, s = tx.update(hdet_jax.pmean_finite(g, 'replica'), s, p, value=loss, sync=sync)
       return (hdet_jax.apply_updates(p, u, s, replica_axis='replica', sync=sync), s), loss
 
-    return jax.jit(hdet_jax.over_replicas(step, mesh, per_device=n), donate_argnames='state')
+    return jax.jit(hdet_jax.over_replicas(step, mesh, 'replica', per_device=n), donate_argnames='state')
 
   on_device = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
   out, batch = {}, jnp.ones((n * 4, sizes[0]))

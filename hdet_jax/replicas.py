@@ -461,24 +461,8 @@ def _map_replicas(
         value if r == 'static' else _local_view(next(local), r, per_device) for r, (_, value) in zip(roles, bound)
       ]
       if per_device > 1:  # [N / D, ...] here: the local replicas, mapped by vmap
-        views = [
-          _anchor_axes(v, per_device) if r == 'stacked' else (v, 0 if r == 'batch' else None, False)
-          for v, r in zip(values, roles)
-        ]
-        values, axes, shared = [v[0] for v in views], [v[1] for v in views], any(v[2] for v in views)
-        call = lambda *v: _call(fn, bound, v)
-        mapped = jax.vmap(call, in_axes=tuple(axes), axis_name=local_axis)
-        aliases = {replica_axis: (replica_axis, local_axis)} if keep_name else {}
-        token = _SHARED_ANCHORS.set(shared)
-        try:
-          with _mapped(aliases, frozenset({local_axis})):
-            if keep_name:
-              out = _traced_and_checked(mapped, values, roles, replica_axis, per_device, who)
-            else:
-              out = mapped(*values)
-        finally:
-          _SHARED_ANCHORS.reset(token)
-        return _anchors_to_devices(out) if shared else out
+        local_axes = (replica_axis, local_axis, per_device)
+        return _on_local_replicas(fn, bound, values, roles, local_axes, keep_name=keep_name, who=who)
       return jax.tree.map(lambda a: jnp.asarray(a)[None], _call(fn, bound, values))
 
     # Manual over the replica axis: on a 1-D mesh that is every axis (the plain case); on a 2-D
@@ -499,6 +483,30 @@ def _map_replicas(
   if signature is not None:
     wrapped = functools.wraps(fn)(wrapped)  # inspect.signature(wrapped) is fn's: jit's *_argnames resolve
   return wrapped
+
+
+def _on_local_replicas(fn, bound, values, roles, local_axes, *, keep_name: bool, who: str):
+  """One device's k = ``per_device`` replicas of ``fn`` under ``jax.vmap(axis_name=local_axis)`` (``local_axes``:
+  ``(replica_axis, local_axis, per_device)``); an anchor held once per device (:func:`share_anchors`) is not
+  batched, and comes back one copy per device. ``keep_name``: :func:`over_replicas`' alias and check."""
+  replica_axis, local_axis, per_device = local_axes
+  views = [
+    _anchor_axes(v, per_device) if r == 'stacked' else (v, 0 if r == 'batch' else None, False)
+    for v, r in zip(values, roles)
+  ]
+  values, axes, shared = [v[0] for v in views], [v[1] for v in views], any(v[2] for v in views)
+  mapped = jax.vmap(lambda *v: _call(fn, bound, v), in_axes=tuple(axes), axis_name=local_axis)
+  aliases = {replica_axis: (replica_axis, local_axis)} if keep_name else {}
+  token = _SHARED_ANCHORS.set(shared)
+  try:
+    with _mapped(aliases, frozenset({local_axis})):
+      if keep_name:
+        out = _traced_and_checked(mapped, values, roles, replica_axis, per_device, who)
+      else:
+        out = mapped(*values)
+  finally:
+    _SHARED_ANCHORS.reset(token)
+  return _anchors_to_devices(out) if shared else out
 
 
 def _checked_map_args(fn, mesh, replica_axis, batch_argnames, per_device, who) -> tuple[tuple[str, ...], Any]:
@@ -539,7 +547,7 @@ def _role(position: int, name: str | None, value, *, batch_argnames, stacked_arg
 def over_replicas(
   train_step: Callable[..., Any],
   mesh: jax.sharding.Mesh,
-  replica_axis: str = 'replica',
+  replica_axis: str = 'data',
   *,
   batch_argnames: tuple[str, ...] = ('batch',),
   per_device: int = 1,
@@ -548,7 +556,9 @@ def over_replicas(
 
   The step stays as it is: its ``jit``, in/out shardings, donation, ``with_sharding_constraint``
   calls on your mesh, its axis names, and FSDP or tensor parallelism inside each replica. HDET adds
-  one mesh axis for the replicas (``replica_axis``, a name your step does not use), and:
+  one mesh axis for the replicas (``replica_axis``, a name your step does not use; ``'data'`` by default, as
+  everywhere in the library: a step whose mesh already has a ``'data'`` axis names another, e.g. ``'replica'``,
+  here and in ``hdet(replica_axis=...)``), and:
 
   - the state stacked on a leading ``[N]`` axis (:func:`stack_replicas`), sharded with
     :func:`stacked_shardings` (your shardings with ``replica_axis`` in front);
@@ -628,7 +638,7 @@ def over_replicas(
 def evaluate_over_replicas(
   eval_step: Callable[..., Any],
   mesh: jax.sharding.Mesh,
-  replica_axis: str = 'replica',
+  replica_axis: str = 'data',
   *,
   batch_argnames: tuple[str, ...] = ('batch',),
   per_device: int = 1,

@@ -290,13 +290,7 @@ def make_plan(
   """Validates every ``hdet`` argument eagerly and returns the frozen plan."""
   built = is_built(optimizer)
   extra = _explored(explore, optimizer_kwargs)
-  if built:
-    learning_rate = _built_reference(learning_rate, optimizer_kwargs, extra, auto_lr)
-  elif learning_rate is None:
-    raise ValueError(
-      'hdet: learning_rate is required with an optimizer factory (e.g. hdet(optax.adamw, 3e-3, ...)); '
-      'or pass the optimizer you already built, hdet(optax.adamw(3e-3), ...), which keeps its own.'
-    )
+  learning_rate = _checked_optimizer(optimizer, learning_rate, optimizer_kwargs, extra, auto_lr)
   groups = _param_groups(param_groups)
   _check_replicas(num_replicas, spread, replica_axis)
   sync_windows = windows.as_windows(sync_every)
@@ -307,11 +301,6 @@ def make_plan(
     _check_explored_value(name, h)
   lows = tuple(-math.inf if h.low is None else float(h.low) for _, h in hps)
   controlled = _controller_plan(auto_lr, hps, lows, spread, sync_windows, built)
-  if not (built or callable(optimizer)):
-    raise ValueError(
-      f'optimizer must be a built optax transformation (e.g. optax.adamw(3e-3)) or an optax factory such as '
-      f'optax.adamw (called with learning_rate=), got {optimizer!r}.'
-    )
   spreads = tuple(float(h.spread) for _, h in hps)
   additive = tuple(bool(h.additive) for _, h in hps)
   scale, offset = _spread_tables(int(num_replicas), spreads, additive)
@@ -340,6 +329,24 @@ def make_plan(
     built=built,
     rollback=_rollback(rollback, auto_lr),
   )
+
+
+def _checked_optimizer(optimizer, learning_rate, optimizer_kwargs, extra, auto_lr):
+  """The learning rate the plan spreads: the factory's ``learning_rate``, or around a built optimizer the factor
+  1 it scales (see :func:`_built_reference`); one clear error for an optimizer that is neither."""
+  if is_built(optimizer):
+    return _built_reference(learning_rate, optimizer_kwargs, extra, auto_lr)
+  if not callable(optimizer):
+    raise ValueError(
+      f'optimizer must be a built optax transformation (e.g. optax.adamw(3e-3)) or an optax factory such as '
+      f'optax.adamw (called with learning_rate=), got {optimizer!r}.'
+    )
+  if learning_rate is None:
+    raise ValueError(
+      'hdet: learning_rate is required with an optimizer factory (e.g. hdet(optax.adamw, 3e-3, ...)); '
+      'or pass the optimizer you already built, hdet(optax.adamw(3e-3), ...), which keeps its own.'
+    )
+  return learning_rate
 
 
 def _rollback(rollback, auto_lr) -> bool:

@@ -156,7 +156,7 @@ def test_the_rollback_anchor_is_one_copy_per_device_in_the_groups_layout():
     mesh = mesh_lib.make_mesh(n if fsdp == 1 else 4, fsdp=fsdp, devices=devices)
     reps = n if fsdp == 1 else 4
     run = run_settings.resolve(config)
-    tx = optimizer_lib.make_optimizer(run.optimizer, reps, devices, rollback=True)
+    tx = optimizer_lib.make_optimizer(run.optimizer, reps, rollback=True)
     params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, reps)(jax.random.key(0))
     if fsdp > 1:
       layout = mesh_lib.layout(mesh, params, opt_state)

@@ -133,7 +133,7 @@ def _run_over_replicas(steps, devices, per_device, share):
     u, s = tx.update(H.pmean_finite(g, 'replica'), s, p, value=loss)
     return (H.apply_updates(p, u, s, replica_axis='replica'), s)
 
-  f = jax.jit(H.over_replicas(step, mesh, per_device=per_device), donate_argnames='state')
+  f = jax.jit(H.over_replicas(step, mesh, 'replica', per_device=per_device), donate_argnames='state')
   w = {'w': jnp.zeros(DIM)}
   state = H.stack_replicas((w, tx.init(w)), N, per_device=per_device if share else 1)
   out, c = [], _targets(steps)

@@ -77,7 +77,7 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
 
   n = config.hdet.num_replicas
   run = run_settings.resolve(config)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n, devices)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n)
   mesh = mesh_lib.make_mesh(n, devices=devices)
   abstract = jax.eval_shape(
     lambda k: dict(zip(('params', 'opt_state'), programs.make_init(run.task, run.task_settings, tx, mesh, n)(k))),

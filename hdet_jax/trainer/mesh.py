@@ -32,14 +32,6 @@ INNER = 'fsdp'  # the FSDP axis inside a replica group (grouped meshes only)
 TENSOR = 'tensor'  # the tensor-parallel axis inside a replica group (grouped meshes only)
 
 
-LOCAL = 'local'  # the vmap axis over a device's replicas when N > D (not a mesh axis)
-
-
-def replica_axis(num_replicas: int, devices: int) -> str | tuple[str, str]:
-  """The replica axis of N replicas on D devices: ``'data'`` when N == D, else ``('data', 'local')``."""
-  return H.replicas.replica_axes(AXIS, num_replicas // devices, LOCAL)
-
-
 def per_device(mesh: Mesh, num_replicas: int) -> int:
   """N / D: the replicas each device of ``mesh``'s replica axis holds."""
   return num_replicas // mesh.shape[AXIS]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 import hdet_jax as H
-from hdet_jax.trainer.mesh import replica_axis
+from hdet_jax.trainer.mesh import AXIS
 
 
 class OptimizerSettings(NamedTuple):
@@ -77,11 +77,11 @@ def _decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(
-  settings: OptimizerSettings, num_replicas: int, devices: int | None = None, *, rollback: bool = False
+  settings: OptimizerSettings, num_replicas: int, *, rollback: bool = False
 ) -> optax.GradientTransformationExtraArgs:
   """``hdet_jax.hdet`` around the base optax optimizer, schedule and HDET settings of ``settings``, for N replicas
-  on ``devices`` devices (default N: one each; fewer: the replica axis is the pair of :func:`mesh.replica_axis`);
-  ``rollback``: the guard's (``hdet(..., rollback=True)``)."""
+  on the replica axis ``'data'`` (however many devices: the programs map it with ``over_replicas``); ``rollback``:
+  the guard's (``hdet(..., rollback=True)``)."""
   o = settings
   factories = {
     'adamw': lambda learning_rate, weight_decay=o.weight_decay: optax.adamw(
@@ -114,7 +114,7 @@ def make_optimizer(
     num_replicas=num_replicas,
     spread=o.spread,
     sync_every=o.windows,
-    replica_axis=replica_axis(num_replicas, devices or num_replicas),
+    replica_axis=AXIS,  # the programs map it with over_replicas: it stands for each device's replicas too
     auto_lr=o.auto_lr,
     exact_sync=True,
     seed=o.seed,

@@ -7,10 +7,11 @@ which the Python loop dispatches by step number; both donate the parameters and 
 On a grouped mesh the programs pin the layout's shardings on their outputs, so they hold across sync and
 non-sync steps; XLA's partitioner adds the group's collectives.
 
-N replicas on D devices: each device runs its N / D replicas under ``vmap`` (:func:`_over_replicas`), on
-the replica axis ``('data', 'local')``; with one replica per device the programs are a plain
-``shard_map`` over ``'data'`` (no ``vmap``). Between programs the optimizer state is a
-:class:`hdet_jax.packing.PackedState` (HDET's small fields in one vector), unpacked inside each program, so a
+N replicas on D devices: each device runs its N / D replicas under ``vmap`` (:func:`_on_replicas`: the public
+:func:`hdet_jax.over_replicas`, the replica axis ``'data'`` standing for the devices and each one's replicas);
+with one replica per device the programs are a plain ``shard_map`` over ``'data'`` (no ``vmap``). Between
+programs the optimizer state is a :class:`hdet_jax.packing.PackedState` (HDET's small fields in one vector),
+unpacked inside each program, so a
 step takes plain data parallel's input buffers plus one.
 """
 
@@ -27,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
 from hdet_jax.trainer import tasks as tasks_lib
-from hdet_jax.trainer.mesh import AXIS, INNER, LOCAL, grouped, layout, replica_sharding, replicated, rules
+from hdet_jax.trainer.mesh import AXIS, INNER, grouped, layout, replica_sharding, replicated, rules
 
 
 class ProgramSettings(NamedTuple):
@@ -98,19 +99,19 @@ def make_step_count(tx: optax.GradientTransformation) -> Callable:
   return jax.jit(jax.vmap(lambda p, s: unpack(tx, p, s).count))
 
 
-def _over_replicas(make_body: Callable[[Any], Callable], mesh: Mesh, check_vma: bool = True) -> Callable:
-  """``make_body(replica axis)`` (one replica's program) mapped over the stacked replicas of the first argument.
+def _on_replicas(step: Callable, mesh: Mesh, check_vma: bool = True) -> Callable:
+  """``step`` (one replica's program, its replica axis ``'data'``) over the stacked replicas of its arguments: the
+  public :func:`hdet_jax.over_replicas`, as the add-to-trainer page has users map their step, with the N / D
+  replicas per device read from the arguments when the program is traced. With one replica per device it is
+  :func:`hdet_jax.shard_map_replicas`, the same map, checked (``check_vma``), which ``over_replicas`` never is."""
 
-  N replicas on D devices: ``shard_map`` over ``'data'``, and for N > D ``vmap`` over each device's N / D
-  replicas (replica axis ``('data', 'local')``); N read from the arguments when the program is traced.
-  """
-
-  def wrapped(*args):
+  def mapped(*args):
     k = jax.tree.leaves(args[0])[0].shape[0] // mesh.shape[AXIS]
-    axis = H.replicas.replica_axes(AXIS, k, LOCAL)
-    return H.shard_map_replicas(make_body(axis), mesh, AXIS, check_vma=check_vma, per_device=k, local_axis=LOCAL)(*args)
+    if k == 1:
+      return H.shard_map_replicas(step, mesh, AXIS, check_vma=check_vma)(*args)
+    return H.over_replicas(step, mesh, AXIS, batch_argnames=(), per_device=k)(*args)
 
-  return wrapped
+  return mapped
 
 
 def regularization(
@@ -197,36 +198,35 @@ def make_train_step(
   """
   task = settings.workload()
 
-  def make_step(axis):
-    def step(params, packed, data):
-      opt_state = unpack(tx, params, packed)
-      batch = data
-      if chunk_steps:
-        batch = jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, opt_state.count % chunk_steps, keepdims=False), data)
-      used = opt_state  # its values and base are what this step trains with
-      loss, updates, opt_state = _update(task, graphdef, tx, settings, params, opt_state, batch, axis, sync)
-      stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
-      params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=sync)
-      metrics = {
-        'loss': loss,
-        'lrs': used.learning_rates,
-        'base_lr': used.base_learning_rate,
-        'values': used.values,
-        'bases': used.base,
-        **_controller_metrics(opt_state.controller),
-      }
-      if sync:
-        metrics.update(_distance_metrics(stepped, params))
-      if packer is not None:
-        metrics = packer.pack(metrics)
-      return params, H.packing.pack_state(opt_state), metrics
+  axis = AXIS  # (over several replicas per device, over_replicas makes it stand for them all)
 
-    return step
+  def step(params, packed, data):
+    opt_state = unpack(tx, params, packed)
+    batch = data
+    if chunk_steps:
+      batch = jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, opt_state.count % chunk_steps, keepdims=False), data)
+    used = opt_state  # its values and base are what this step trains with
+    loss, updates, opt_state = _update(task, graphdef, tx, settings, params, opt_state, batch, axis, sync)
+    stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
+    params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=sync)
+    metrics = {
+      'loss': loss,
+      'lrs': used.learning_rates,
+      'base_lr': used.base_learning_rate,
+      'values': used.values,
+      'bases': used.base,
+      **_controller_metrics(opt_state.controller),
+    }
+    if sync:
+      metrics.update(_distance_metrics(stepped, params))
+    if packer is not None:
+      metrics = packer.pack(metrics)
+    return params, H.packing.pack_state(opt_state), metrics
 
   # optax.contrib.reduce_on_plateau's lax.cond returns constants in one branch and state-derived
   # (per-replica, 'varying') values in the other, which shard_map's type check rejects.
   return jax.jit(
-    _over_replicas(make_step, mesh, check_vma=not settings.plateau), donate_argnums=(0, 1), **_pinned(mesh, shardings)
+    _on_replicas(step, mesh, check_vma=not settings.plateau), donate_argnums=(0, 1), **_pinned(mesh, shardings)
   )
 
 
@@ -301,32 +301,31 @@ def make_window_end(
   anchored = settings.rolls_back
   task = settings.workload()
 
-  def make_window_end(axis):
-    def window_end(params, packed, *extra):
-      extra = list(extra)
-      windows = extra.pop(0) if probe else None
-      opt_state = unpack(tx, params, packed)
-      if anchored:
-        opt_state = opt_state._replace(anchor=extra.pop(0))
-      score = None
-      if probe:
-        score = _common_score(task, graphdef, settings, params, opt_state, windows, axis)
-      updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
-      stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
-      params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=True)
-      metrics = {**_controller_metrics(opt_state.controller), **_distance_metrics(stepped, params)}
-      if packer is not None:
-        metrics = packer.pack(metrics)
-      out = (params, H.packing.pack_state(opt_state), metrics)
-      return (*out, opt_state.anchor) if anchored else out
+  axis = AXIS
 
-    return window_end
+  def window_end(params, packed, *extra):
+    extra = list(extra)
+    windows = extra.pop(0) if probe else None
+    opt_state = unpack(tx, params, packed)
+    if anchored:
+      opt_state = opt_state._replace(anchor=extra.pop(0))
+    score = None
+    if probe:
+      score = _common_score(task, graphdef, settings, params, opt_state, windows, axis)
+    updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
+    stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
+    params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=True)
+    metrics = {**_controller_metrics(opt_state.controller), **_distance_metrics(stepped, params)}
+    if packer is not None:
+      metrics = packer.pack(metrics)
+    out = (params, H.packing.pack_state(opt_state), metrics)
+    return (*out, opt_state.anchor) if anchored else out
 
   donate = (0, 1, 3 if probe else 2) if anchored else (0, 1)
   pinned = _pinned(mesh, shardings)
   if anchored and pinned:
     pinned = {'out_shardings': (*pinned['out_shardings'], shardings[2])}
-  return jax.jit(_over_replicas(make_window_end, mesh), donate_argnums=donate, **pinned)
+  return jax.jit(_on_replicas(window_end, mesh), donate_argnums=donate, **pinned)
 
 
 def make_anchor(mesh: Mesh, tx: optax.GradientTransformation, shardings: Any = None) -> Callable:
@@ -409,10 +408,10 @@ def make_distance(mesh: Mesh) -> Callable:
   """Jitted ``params -> {'distance': [N], 'mean_norm': [N]}`` (see :func:`_distance_metrics`), for runs
   that never average: the window end measures it for the others."""
 
-  def body(axis):
-    return lambda params: _distance_metrics(params, H.replicas.pmean(params, axis))
+  def distance(params):
+    return _distance_metrics(params, H.replicas.pmean(params, AXIS))
 
-  return jax.jit(_over_replicas(body, mesh))
+  return jax.jit(_on_replicas(distance, mesh))
 
 
 def _tree_norm(tree: Any) -> jax.Array:
@@ -435,10 +434,10 @@ def make_eval_step(graphdef: Any, mesh: Mesh, task: tasks_lib.Task | None = None
   replica's share of the held-out examples (``'loss'``: its mean loss); ``task`` None: the LM."""
   task = task or tasks_lib.get()
 
-  def make_evaluate(axis):
-    return lambda params, batch: task.eval_metrics(graphdef, H.replicas.pmean(params, axis), batch)
+  def evaluate(params, batch):
+    return task.eval_metrics(graphdef, H.replicas.pmean(params, AXIS), batch)
 
-  return jax.jit(_over_replicas(make_evaluate, mesh))
+  return jax.jit(_on_replicas(evaluate, mesh))
 
 
 def make_average(mesh: Mesh, params: Any = None, task: tasks_lib.Task | None = None) -> Callable:

@@ -347,7 +347,7 @@ def _check(run: run_settings.RunSettings, workdir: str) -> _Inputs:
   except tasks_lib.TaskError as e:
     raise ConfigError(str(e)) from None
   try:
-    tx = optimizer_lib.make_optimizer(run.optimizer, n, devices, rollback=run.loop.rolls_back)
+    tx = optimizer_lib.make_optimizer(run.optimizer, n, rollback=run.loop.rolls_back)
   except ValueError as e:
     raise ConfigError(f'config: {e}') from None
   fields = run.training_fields(n)
