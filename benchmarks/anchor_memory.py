@@ -50,7 +50,7 @@ def measure(config, devices: int) -> dict:
   run = run_settings.resolve(config)
   n, task, settings = run.mesh.num_replicas, run.task, run.task_settings
   mesh = mesh_lib.make_mesh(n, devices=devices)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n, rollback=True)  # the library's rollback, as the trainer's
   graphdef, _ = task.abstract_model(settings)
   params, opt_state = programs_lib.make_init(task, settings, tx, mesh, n)(jax.random.key(0))
   dev = mesh.devices.flat[0]
@@ -60,21 +60,24 @@ def measure(config, devices: int) -> dict:
     rng.integers(0, 256, 100_000, dtype=np.uint8), settings.data.seq_len, settings.probe_windows, settings.seed, 0
   )
   common = mesh_lib.put_stacked(np.broadcast_to(windows, (n,) + windows.shape), mesh, batch_dim=1)
-  end = lambda programs, *rest: (
+  end = lambda tx, programs, *rest: (
     programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=programs)
     .lower(params, opt_state, common, *rest)
     .compile()
   )
-  no_rollback = config_lib.with_overrides(config.copy_and_resolve_references(), {'hdet.rollback': False})
-  plain = run_settings.resolve(no_rollback).programs
+  no_rollback = run_settings.resolve(
+    config_lib.with_overrides(config.copy_and_resolve_references(), {'hdet.rollback': False})
+  )
   return {
     'devices': devices,
     'per_device': n // devices,
     'state': device_bytes((params, opt_state), dev),
     'anchor': device_bytes(anchor, dev),
     'anchor_per_replica': device_bytes((params, opt_state.inner_state), dev),
-    'window_end': footprint(end(run.programs, anchor)),
-    'window_end_no_rollback': footprint(end(plain)),
+    'window_end': footprint(end(tx, run.programs, anchor)),
+    'window_end_no_rollback': footprint(
+      end(optimizer_lib.make_optimizer(no_rollback.optimizer, n), no_rollback.programs)
+    ),
   }
 
 
