@@ -405,14 +405,13 @@ def test_a_setting_the_run_does_not_read_is_one_warning_line_naming_it(overrides
 
 
 def test_no_warning_for_the_shipped_configs_or_for_defaults_that_do_not_apply():
-  """Each shipped config as given warns of nothing (its own choices, e.g. the paper controller's fields that
-  hdet_no_auto_lr.py keeps from hdet_full.py, are the file's); nor does a default left where it does not apply (tiny.py
-  sets hdet.sync_every, leaving hdet.num_syncs at its default), nor a legacy value (hdet_full.py's 'fit' fields)."""
+  """Each shipped config as given warns of nothing (its own choices, e.g. tiny.py's controller settings), nor does
+  a default left where it does not apply (tiny.py sets hdet.sync_every, leaving hdet.num_syncs at its default)."""
   from hdet_jax.trainer import run_settings
 
   for name in sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, 'configs')) if f.endswith('.py')):
     assert run_settings.ignored(_config(name), _config(name)) == [], name
-  for name in ('default', 'tiny', 'mnist1d', 'bracket', 'finetune', 'hdet_full', 'hdet_cold', 'hdet_explore'):
+  for name in ('default', 'tiny', 'mnist1d', 'bracket', 'finetune', 'hdet_explore'):
     assert run_settings.ignored(_config(name)) == [], name
   assert run_settings.ignored(_config('default', **{'optim.name': 'adam', 'optim.weight_decay': 0.0})) == []
 
