@@ -1,7 +1,7 @@
 """Trains HDET on a byte-level transformer LM: ``python train.py`` runs the main job.
 
     python train.py --config configs/default.py --workdir workdirs/default
-    python train.py --config configs/hdet_full.py --config.hdet.spread=0.2 --workdir workdirs/hdet_full
+    python train.py --config configs/hdet_explore.py --config.hdet.spread=0.2 --workdir workdirs/hdet_explore
     python train.py --config configs/bracket.py --workdir workdirs/bracket   # an LR bracket: 8 plain runs, halved
 
 Rerunning a command with the same workdir resumes from its latest complete, verified checkpoint

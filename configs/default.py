@@ -41,9 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.attn_temperature = 1.0  # Attention logits are divided by this (the base value if explored).
 
   config.optim = ml_collections.ConfigDict()
-  # The optax optimizer HDET wraps: 'adamw', 'adam', 'sgd' (b1 = momentum), or, as baselines, an LR-free one:
-  # 'prodigy', 'dog', 'dadapt_adamw', 'mechanize_adam', 'schedule_free_adamw', 'adam_plateau'.
-  config.optim.name = 'adamw'
+  config.optim.name = 'adamw'  # The optax optimizer HDET wraps: 'adamw', 'adam' or 'sgd' (b1 = momentum).
   config.optim.max_lr = 3e-2  # Peak of the schedule; the guarded climb starts at a tenth of it and rises.
   config.optim.schedule = 'one_cycle'  # 'one_cycle' (torch's OneCycleLR), 'warmup_cosine' or 'constant'.
   config.optim.pct_start = 0.3  # Fraction of the steps spent warming the LR up to max_lr.

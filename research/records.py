@@ -127,6 +127,21 @@ def paired_gap(values: list, reference: list) -> tuple[float | None, float | Non
   return float(v.mean() / r.mean() - 1), se
 
 
+def trainer_arguments(config: Any) -> tuple[Any, dict]:
+  """(config, keyword arguments) of the trainer's ``train_and_evaluate`` for a study's ``config``: an LR-free peer's
+  ``optim.name`` (``research.autolr.baselines``) is given in Python as a base optimizer, the config keeping the
+  product's optimizer; any other config as it is. The study's config (its record's ``config``) keeps the peer's name.
+  """
+  from research import autolr
+
+  peers = autolr.baselines()
+  if config.optim.name not in peers:
+    return config, {}
+  product = config.copy_and_resolve_references()
+  product.optim.name = 'adamw'
+  return product, {'optimizer': peers[config.optim.name]}
+
+
 def train_run(name: str, config: Any, workdir: str) -> dict:
   """Trains ``config`` in ``workdir``, in this process (an LR bracket where ``config.bracket.points`` > 0); the
   record's common fields: name, peak LR, final metric (None: not finite), divergence, wall seconds, parameters, and a
@@ -136,7 +151,11 @@ def train_run(name: str, config: Any, workdir: str) -> dict:
 
   trainer.setup_jax(config)
   t0 = time.time()
-  summary = (bracket.run_bracket if config.bracket.points else trainer.train_and_evaluate)(config, workdir)
+  if config.bracket.points:
+    summary = bracket.run_bracket(config, workdir)
+  else:
+    product, kwargs = trainer_arguments(config)
+    summary = trainer.train_and_evaluate(product, workdir, **kwargs)
   if summary['preempted']:
     sys.exit(143)
   rec = {
@@ -256,7 +275,8 @@ class RunCache:
 
     workdir = self.workdir(name)
     t0 = time.time()
-    summary = trainer.train_and_evaluate(config, workdir)
+    product, kwargs = trainer_arguments(config)
+    summary = trainer.train_and_evaluate(product, workdir, **kwargs)
     if summary.get('preempted'):
       self.log(f'  {name}: preempted; rerun to resume.')
       sys.exit(143)

@@ -17,7 +17,7 @@ Stages:
 4. **Mechanism runs** at the same LR: averaging without spread, spread without averaging, spread
    and averaging without the controller (cold), and a control: Baseline-Low from the warm checkpoint.
 
-Every run is the trainer's own ``train_and_evaluate`` on ``configs/<row>.py`` with the experiment's
+Every run is the trainer's own ``train_and_evaluate`` on ``research/configs/<row>.py`` with the experiment's
 steps, peak LR and seed; warm rows set ``init_from`` to the pre-training run's workdir. A finished
 run is one JSON record under ``results/table1/runs/`` (per-step losses and hyperparameters, the
 final validation loss, and each replica's distance from the replicas' mean just before every sync,
@@ -104,11 +104,12 @@ MECHANISM = {  # name: (the row config it changes, the changes, warm start)
 def load_row_config(name: str):
   from hdet_jax.trainer import config_lib
 
-  return config_lib.load_config_file(os.path.join(REPO, 'configs', name + '.py'))
+  where = ('configs',) if name == 'default' else ('research', 'configs')  # (the product's default, or a row's)
+  return config_lib.load_config_file(os.path.join(REPO, *where, name + '.py'))
 
 
 def experiment_config(base: str, settings: dict, *, lr: float, seed: int, init_from: str | None = None, **changes):
-  """``configs/<base>.py`` with the experiment's steps, peak LR, seed and warm start (and ``changes``)."""
+  """``research/configs/<base>.py`` with the experiment's steps, peak LR, seed and warm start (and ``changes``)."""
   from hdet_jax.trainer import config_lib
 
   c = load_row_config(base)

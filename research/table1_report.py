@@ -250,7 +250,7 @@ def _sweep_section(settings, sweep, choice, named, figs) -> Iterator[str]:
   c0 = named['hdet_full'][0]['config']
   yield '## 1. Choosing the LRs: plain data-parallel sweep\n'
   yield (
-    f'Plain data parallel (`configs/baseline_high.py`: no spread, no averaging, no controller) at '
+    f'Plain data parallel (`research/configs/baseline_high.py`: no spread, no averaging, no controller) at '
     f'{len(sweep)} peak LRs (log grid, ratio 3). Rule, fixed before the sweep ran: `baseline_high` is the '
     f'lowest grid LR above the best one where some seed crashed or the mean val bits/byte is more than '
     f"{settings['degrade_bpb']} above the best LR's; `baseline_low` = `baseline_high` / 9 (two grid points "

@@ -5,12 +5,14 @@ import os
 
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 import hdet_jax
 from hdet_jax import settings
 from hdet_jax.trainer import compat
 from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import optimizer as optimizer_lib
 from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import schema
 
@@ -19,6 +21,14 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _config(name='default', **overrides):
   return config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, f'{name}.py')), overrides)
+
+
+# Base optimizers given in Python (the product's optim.name names adamw, adam and sgd): research's LR-free peers.
+PRODIGY = optimizer_lib.Base('prodigy', optax.contrib.prodigy)
+SCHEDULE_FREE = optimizer_lib.Base('schedule_free_adamw', optax.contrib.schedule_free_adamw, schedule_free=True)
+PLATEAU = optimizer_lib.Base(
+  'adam_plateau', lambda lr: optax.chain(optax.adam(lr), optax.contrib.reduce_on_plateau()), plateau=True
+)
 
 
 def _tiny():
@@ -65,16 +75,18 @@ def test_the_loops_sync_steps_and_sync_index_follow_the_window():
   'overrides, rolls_back',
   [
     ({}, True),
-    ({'optim.name': 'prodigy'}, False),  # LR-dependent state: no one copy to return to
+    ({'optimizer': PRODIGY}, False),  # LR-dependent state: no one copy to return to
     ({'hdet.low_communication': True}, False),  # each replica's own state
     ({'hdet.low_communication': True, 'hdet.average_opt_state': True}, True),
     ({'hdet.controller': 'paper'}, False),  # the guard is the 'fit' controller's
   ],
 )
 def test_the_guard_is_resolved_once_for_the_controller_the_loop_and_the_programs(overrides, rolls_back):
+  overrides = dict(overrides)
+  base = overrides.pop('optimizer', None)
   config = _config(**overrides)
-  run = run_settings.resolve(config)
-  guard = run_settings.guard(_completed(config))
+  run = run_settings.resolve(config, base)
+  guard = run_settings.guard({**_completed(config), **({'optim.name': base.name} if base else {})})
   assert run.guard == guard
   assert run.loop.rolls_back is run.programs.rolls_back is guard.rollback is rolls_back
   if config.hdet.controller == 'fit':
@@ -96,10 +108,10 @@ def test_regularization_and_optimizer_choices_reach_the_programs():
         'model.dropout': 0.1,
         'optim.label_smoothing': 0.05,
         'seed': 7,
-        'optim.name': 'adam_plateau',
         'hdet.auto_lr': False,
       }
-    )
+    ),
+    PLATEAU,
   )
   p = run.programs
   assert (p.dropout, p.label_smoothing, p.seed, p.plateau, p.schedule_free) == (0.1, 0.05, 7, True, False)
@@ -108,7 +120,7 @@ def test_regularization_and_optimizer_choices_reach_the_programs():
   assert (
     explored.programs.hyperparam_names == explored.loop.hyperparam_names == ('learning_rate', 'weight_decay', 'dropout')
   )
-  assert run_settings.resolve(_config(**{'optim.name': 'schedule_free_adamw'})).programs.schedule_free
+  assert run_settings.resolve(_config(), SCHEDULE_FREE).programs.schedule_free
 
 
 def test_the_lrs_power_of_two_is_resolved_for_the_schedule_and_the_loop():
@@ -357,11 +369,13 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
     # the rollback's one copy of the optimizer state needs the replicas to share it
     ({'hdet.low_communication': True}, {**on, 'rollback': False}),
     ({'hdet.low_communication': True, 'hdet.average_opt_state': True}, on),
-    ({'optim.name': 'prodigy'}, {**on, 'rollback': False}),
+    ({'optimizer': PRODIGY}, {**on, 'rollback': False}),
     ({'optim.name': 'sgd'}, on),
   ]:
+    other = dict(other)
+    base = other.pop('optimizer', None)
     c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), other)
-    run = run_settings.resolve(c)
+    run = run_settings.resolve(c, base)
     assert run.guard._asdict() == want, other
     assert run.loop.rolls_back is want['rollback'], other
     auto_lr = run.optimizer.auto_lr
@@ -378,11 +392,13 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
     ({'hdet.controller': 'paper', 'hdet.rollback': True}, 'rollback'),
     ({'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}, 'backoff_fraction'),
     ({'hdet.low_communication': True, 'hdet.rollback': True}, r'rollback=True .*average_opt_state=True'),
-    ({'optim.name': 'schedule_free_adamw', 'hdet.rollback': True}, r"rollback=True .*optim.name='schedule_free_adamw'"),
+    ({'optimizer': SCHEDULE_FREE, 'hdet.rollback': True}, r"rollback=True .*optim.name='schedule_free_adamw'"),
   ]:
+    bad = dict(bad)
+    base = bad.pop('optimizer', None)
     with pytest.raises(config_lib.ConfigError, match=rf'hdet\.{name}'):
       run_settings.resolve(
-        config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), bad)
+        config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), bad), base
       )
   # A record written before the fields existed reads as off.
   assert run_settings.guard(schema.complete({'hdet.auto_lr': True, 'hdet.controller': 'fit'}))._asdict() == off

@@ -145,7 +145,7 @@ EDGES = [
   ('hdet.backoff_fraction', [1.0, -0.01], [None, 0.0, 0.5]),
   ('bracket.points', [1, -2], [0, 2, 8]),
   ('bracket.factor', [1.0], [1.0001]),
-  ('optim.name', ['adamx', None], ['adamw', 'adam_plateau']),
+  ('optim.name', ['adamx', None, 'adam_plateau'], ['adamw', 'sgd']),
   ('hdet.controller', ['Fit'], ['fit', 'paper']),
   ('optim.runtime_lr_scale', [0, 1, 'True'], [True, False, np.bool_(True)]),
   ('init_from', [3, b'x'], [None, 'workdirs/a']),

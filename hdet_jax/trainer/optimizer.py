@@ -15,10 +15,42 @@ import hdet_jax as H
 from hdet_jax.trainer.mesh import AXIS
 
 
+def _decay_mask(params: Any) -> Any:
+  """Weight decay on matrices (kernels, embeddings, positions) only, not on biases and norms."""
+  return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+
+
+# optim.name's choices, each an optax factory of the learning rate reading the optimizer's settings (b1, b2, the
+# weight decay). Their state is a function of the gradients alone (moments, momentum), so that the shared gradient
+# gives every replica the same state (the guard's rollback keeps one copy of it: run_settings.shared_opt_state).
+FACTORIES: dict[str, Callable[..., Callable[..., optax.GradientTransformation]]] = {
+  'adamw': lambda o: (
+    lambda learning_rate, weight_decay=o.weight_decay: optax.adamw(
+      learning_rate, b1=o.b1, b2=o.b2, weight_decay=weight_decay, mask=_decay_mask
+    )
+  ),
+  'adam': lambda o: lambda learning_rate: optax.adam(learning_rate, b1=o.b1, b2=o.b2),
+  'sgd': lambda o: lambda learning_rate: optax.sgd(learning_rate, momentum=o.b1),
+}
+OPTIMIZERS = tuple(FACTORIES)
+
+
+class Base(NamedTuple):
+  """A base optimizer given in Python instead of ``optim.name``'s: ``train_and_evaluate(config, workdir,
+  optimizer=Base('prodigy', optax.contrib.prodigy))`` (research's LR-free baselines, research/autolr.py). ``name``
+  stands for it where the run is recorded (``optim.name`` of its training fields and config.json); its state may
+  depend on the LR, so the guard never rolls back to one copy of it."""
+
+  name: str
+  factory: Callable[..., optax.GradientTransformation]  # learning_rate -> the optimizer (at its documented defaults)
+  plateau: bool = False  # it reads value= (optax.contrib.reduce_on_plateau): every replica passes the global loss
+  schedule_free: bool = False  # evaluated at its eval params (optax.contrib.schedule_free_*)
+
+
 class OptimizerSettings(NamedTuple):
   """What :func:`make_optimizer` builds from (``run_settings.optimizer_settings`` reads them from the config)."""
 
-  name: str  # optim.name: the base optax optimizer (:data:`schema.OPTIMIZERS`)
+  name: str  # optim.name: the base optax optimizer (:data:`OPTIMIZERS`), or a given :class:`Base`'s name
   b1: float  # Adam's b1, SGD's momentum
   b2: float  # Adam's b2
   weight_decay: float  # AdamW's decoupled weight decay (matrices only)
@@ -32,6 +64,7 @@ class OptimizerSettings(NamedTuple):
   param_groups: dict | None  # regexes on parameter paths: one LR per group
   explore: dict | None  # name -> hdet_jax.Explore: the hyperparameters explored besides the LR
   average_opt_state: bool  # the low-communication mode averages the optimizer state too
+  base: Base | None = None  # a base optimizer given in Python, in place of :data:`FACTORIES`' ``name``
 
 
 class RuntimeScaleState(NamedTuple):
@@ -71,11 +104,6 @@ def set_runtime_lr_scale(opt_state: Any, scale: jax.Array) -> Any:
   )
 
 
-def _decay_mask(params: Any) -> Any:
-  """Weight decay on matrices (kernels, embeddings, positions) only, not on biases and norms."""
-  return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
-
-
 def make_optimizer(
   settings: OptimizerSettings, num_replicas: int, *, rollback: bool = False
 ) -> optax.GradientTransformationExtraArgs:
@@ -83,23 +111,9 @@ def make_optimizer(
   on the replica axis ``'data'`` (however many devices: the programs map it with ``over_replicas``); ``rollback``:
   the guard's (``hdet(..., rollback=True)``)."""
   o = settings
-  factories = {
-    'adamw': lambda learning_rate, weight_decay=o.weight_decay: optax.adamw(
-      learning_rate, b1=o.b1, b2=o.b2, weight_decay=weight_decay, mask=_decay_mask
-    ),
-    'adam': lambda learning_rate: optax.adam(learning_rate, b1=o.b1, b2=o.b2),
-    'sgd': lambda learning_rate: optax.sgd(learning_rate, momentum=o.b1),
-    # LR-free and adaptive methods at their documented defaults (for comparisons).
-    'prodigy': lambda learning_rate: optax.contrib.prodigy(learning_rate),
-    'dog': lambda learning_rate: optax.contrib.dog(learning_rate),
-    'dadapt_adamw': lambda learning_rate: optax.contrib.dadapt_adamw(learning_rate),
-    'mechanize_adam': lambda learning_rate: optax.contrib.mechanize(optax.adam(learning_rate)),
-    'schedule_free_adamw': lambda learning_rate: optax.contrib.schedule_free_adamw(learning_rate),
-    'adam_plateau': lambda learning_rate: optax.chain(optax.adam(learning_rate), optax.contrib.reduce_on_plateau()),
-  }
-  if o.name not in factories:
-    raise ValueError(f'optim.name={o.name!r} is not one of {sorted(factories)}.')
-  base = factories[o.name]
+  if o.base is None and o.name not in FACTORIES:
+    raise ValueError(f'optim.name={o.name!r} is not one of {sorted(FACTORIES)}.')
+  base = o.base.factory if o.base is not None else FACTORIES[o.name](o)
   if o.runtime_lr_scale:
     base = with_runtime_lr_scale(base)
   if o.grad_clip_norm > 0:

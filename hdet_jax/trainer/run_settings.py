@@ -32,6 +32,7 @@ from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import schema
 from hdet_jax.trainer import tasks as tasks_lib
 from hdet_jax.trainer.config_lib import ConfigError
+from hdet_jax.trainer import optimizer as optimizer_lib
 from hdet_jax.trainer.optimizer import OptimizerSettings
 from hdet_jax.trainer.programs import ProgramSettings
 
@@ -139,9 +140,12 @@ def identity(given: Fields, num_replicas: int) -> dict[str, Any]:
   return json.loads(json.dumps(flat, default=str))
 
 
-def resolve(config: Any) -> RunSettings:
-  """``config`` checked (raises ConfigError naming the field and the fix) and resolved once."""
+def resolve(config: Any, optimizer: optimizer_lib.Base | None = None) -> RunSettings:
+  """``config`` checked (raises ConfigError naming the field and the fix) and resolved once. ``optimizer``: a base
+  optimizer given in Python (research's LR-free baselines), recorded as ``optim.name`` in place of the config's."""
   given = config_lib.flatten(json.loads(config.to_json()))
+  if optimizer is not None:
+    given['optim.name'] = optimizer.name
   removed = compat.first_removed(given)
   if removed:
     raise ConfigError(compat.removed_message(removed))
@@ -150,16 +154,16 @@ def resolve(config: Any) -> RunSettings:
   except tasks_lib.TaskError as e:
     raise ConfigError(str(e)) from None
   f = schema.complete(given, task.name)
-  check(f, task)
+  check(f, task, optimizer)
   try:
-    return _resolve(given, f, task)
+    return _resolve(given, f, task, optimizer)
   except ValueError as e:  # a combination no single field's rule sees (e.g. a model hyperparameter the task lacks)
     raise ConfigError(f'config: {e}') from None
 
 
-def _resolve(given: dict, f: Fields, task: tasks_lib.Task) -> RunSettings:
+def _resolve(given: dict, f: Fields, task: tasks_lib.Task, base: optimizer_lib.Base | None) -> RunSettings:
   g = guard(f)
-  optimizer = optimizer_settings(f, task, g)
+  optimizer = optimizer_settings(f, task, g)._replace(base=base)
   names = H.hyperparam_names(param_groups=optimizer.param_groups, explore=optimizer.explore or {})
   common = bool(f['hdet.auto_lr']) and f['hdet.score'] == 'common'
   programs = ProgramSettings(
@@ -172,8 +176,8 @@ def _resolve(given: dict, f: Fields, task: tasks_lib.Task) -> RunSettings:
     shares_gradient=not f['hdet.low_communication'],
     common_batch=common,
     rolls_back=g.rollback,
-    plateau=f['optim.name'] == 'adam_plateau',
-    schedule_free=f['optim.name'] == 'schedule_free_adamw',
+    plateau=bool(base and base.plateau),
+    schedule_free=bool(base and base.schedule_free),
   )
   loop = LoopSettings(
     num_train_steps=int(f['num_train_steps']),
@@ -425,10 +429,10 @@ def _backoff_applies(f: Fields) -> bool:
   return bool(f['hdet.auto_lr']) and f['hdet.controller'] == 'fit'
 
 
-# The optimizers whose state is a function of the gradients alone (moments, momentum), so that the shared gradient
-# gives every replica the same state. The LR-free ones keep LR-dependent estimates (Prodigy's and D-Adaptation's d,
-# DoG's distance, Mechanize's scale, schedule-free's z), which the replicas' own LRs set apart.
-SHARED_STATE_OPTIMIZERS = ('adamw', 'adam', 'sgd')
+# The optimizers whose state is a function of the gradients alone: optim.name's (optimizer.FACTORIES). A base given
+# in Python (an LR-free one) may keep LR-dependent estimates (Prodigy's d, schedule-free's z), which the replicas'
+# own LRs set apart.
+SHARED_STATE_OPTIMIZERS = optimizer_lib.OPTIMIZERS
 
 
 def shared_opt_state(f: Fields) -> bool:
@@ -473,7 +477,7 @@ _CONTROLLER_FIELDS = (
   *_FIT_FIELDS,
   *_PAPER_FIELDS,
 )
-# What each optimizer of schema.OPTIMIZERS leaves out of optim.b1, optim.b2 and optim.weight_decay (optimizer.py).
+# What each optimizer of optimizer.OPTIMIZERS leaves out of optim.b1, optim.b2 and optim.weight_decay (optimizer.py).
 _OPTIMIZER_IGNORES = {
   'adamw': (),
   'adam': ('optim.weight_decay',),
@@ -579,11 +583,12 @@ def ignored(config: Any, base: Any = None) -> list[str]:
 # ---- The rules across fields (each field's own: schema.check_fields). ----
 
 
-def check(f: Fields, task: tasks_lib.Task) -> None:
+def check(f: Fields, task: tasks_lib.Task, base: optimizer_lib.Base | None = None) -> None:
   """Every field's type and range, then the rules across fields, then the task's own; raises ConfigError naming the
-  field and the fix. Runs before anything touches JAX, so a bad value never surfaces from inside it."""
+  field and the fix. Runs before anything touches JAX, so a bad value never surfaces from inside it. ``base``: a base
+  optimizer given in Python, whose name ``optim.name`` holds."""
   try:
-    schema.check_fields(f)
+    schema.check_fields({k: v for k, v in f.items() if not (base and k == 'optim.name')})
     task.check(task_settings(f, task))
   except ValueError as e:  # (a TaskError is one)
     raise ConfigError(str(e)) from None

@@ -30,22 +30,11 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
+from hdet_jax.trainer.optimizer import OPTIMIZERS
+
 RUN, LOOP_PROGRAMS, LOOP = 'run', 'loop_programs', 'loop'
 _ABSENT = object()
 
-# 'adamw', 'adam', 'sgd' take the schedule as their LR; the optax.contrib LR-free and adaptive methods
-# take it as the LR their documentation sets (1.0 for prodigy, dog, dadapt_adamw and mechanize's adam).
-OPTIMIZERS = (
-  'adamw',
-  'adam',
-  'sgd',
-  'prodigy',
-  'dog',
-  'dadapt_adamw',
-  'mechanize_adam',
-  'schedule_free_adamw',
-  'adam_plateau',
-)
 SCHEDULES = ('one_cycle', 'warmup_cosine', 'constant')
 CONTROLLERS = ('paper', 'fit')
 SCORES = ('window', 'common')
@@ -223,8 +212,7 @@ FIELDS: tuple[Field, ...] = (
     'optim.name',
     'adamw',
     RUN,
-    "The optax optimizer HDET wraps: 'adamw', 'adam', 'sgd' (b1 = momentum), or, as baselines, an LR-free one: "
-    "'prodigy', 'dog', 'dadapt_adamw', 'mechanize_adam', 'schedule_free_adamw', 'adam_plateau'.",
+    "The optax optimizer HDET wraps: 'adamw', 'adam' or 'sgd' (b1 = momentum).",
     check=one_of(*OPTIMIZERS),
   ),
   Field(

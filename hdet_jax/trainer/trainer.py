@@ -291,15 +291,16 @@ class _Run(NamedTuple):
     return self.inputs.run.loop
 
 
-def check(config: Any, workdir: str) -> None:
+def check(config: Any, workdir: str, *, optimizer: optimizer_lib.Base | None = None) -> None:
   """Every check ``train_and_evaluate`` makes before it writes anything (the config, the task's data, the devices,
   the workdir, init_from); raises ConfigError, writes nothing. For callers that write first (the LR bracket)."""
   check_output_paths(config, workdir)
-  _check(run_settings.resolve(config), os.path.abspath(os.path.expanduser(workdir)))
+  _check(run_settings.resolve(config, optimizer), os.path.abspath(os.path.expanduser(workdir)))
 
 
-def train_and_evaluate(config: Any, workdir: str) -> dict:
-  """Trains (or resumes) the run described by ``config`` in ``workdir``; returns the summary.
+def train_and_evaluate(config: Any, workdir: str, *, optimizer: optimizer_lib.Base | None = None) -> dict:
+  """Trains (or resumes) the run described by ``config`` in ``workdir``; returns the summary. ``optimizer``: a base
+  optimizer given in Python in place of ``optim.name``'s (research's LR-free baselines: ``optimizer.Base``).
 
   SIGTERM or SIGINT during training (a preemption, Ctrl-C) finishes the current step, writes a
   checkpoint and returns with ``summary['preempted']`` set; rerunning resumes from it.
@@ -308,7 +309,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict:
     t0 = time.time()
     # ---- Checks: nothing is written before all of them pass. ----
     check_output_paths(config, workdir)
-    run = run_settings.resolve(config)
+    run = run_settings.resolve(config, optimizer)
     inputs = _check(run, os.path.abspath(os.path.expanduser(workdir)))
     # ---- Build: the records, the initial state, and every program compiled once, up front. ----
     records = _open_records(inputs)

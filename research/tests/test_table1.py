@@ -153,3 +153,67 @@ def test_quick_runs_every_stage(tmp_path):
   names = sorted(p[:-5] for p in os.listdir(tmp_path / 'records'))
   assert len(names) == QUICK_RUNS and 'pretrain' in names
   assert (tmp_path / 'table1.md').stat().st_size > 0
+
+
+ROWS = ('hdet_full', 'hdet_no_auto_lr', 'hdet_cold', 'warm_init', 'baseline_high', 'baseline_low')
+
+
+def test_the_rows_configs_are_research_s_valid_and_documented():
+  """The Table 1 rows' configs live beside the study (research/configs/), each valid, building its optimizer, and
+  starting its docstring with its command."""
+  import ast
+
+  from hdet_jax.trainer import optimizer as optimizer_lib
+  from hdet_jax.trainer import run_settings
+
+  folder = os.path.join(T.REPO, 'research', 'configs')
+  assert sorted(p[:-3] for p in os.listdir(folder) if p.endswith('.py')) == sorted(ROWS)
+  for name in ROWS:
+    path = os.path.join(folder, f'{name}.py')
+    doc = ast.get_docstring(ast.parse(open(path).read()))
+    assert doc.startswith(f'python train.py --config research/configs/{name}.py'), doc.splitlines()[0]
+    run = run_settings.resolve(T.load_row_config(name))
+    assert callable(optimizer_lib.make_optimizer(run.optimizer, 8).update)
+
+
+def test_the_rows_config_json_is_what_1_0_wrote_and_its_workdirs_resume(tmp_path):
+  """config.json of the rows 1.0 recorded (tests/data/config_json_1.0.json, beside the product's configs): the same
+  bytes but for the loop field added since, and a workdir holding 1.0's config.json passes the resume check."""
+  from hdet_jax.trainer import config_lib, run_settings
+  from hdet_jax.trainer import trainer as trainer_lib
+
+  recorded = json.load(open(os.path.join(T.REPO, 'tests', 'data', 'config_json_1.0.json')))['configs']
+  rows = {name: old for name, old in recorded.items() if name in ROWS}
+  assert sorted(rows) == ['baseline_low', 'hdet_cold', 'hdet_full', 'warm_init']
+  for name, old in rows.items():
+    run = run_settings.resolve(T.load_row_config(name))
+    given = {k: v for k, v in run.given.items() if k != 'chunk_steps'}
+    new = {'training_fields': run.training_fields(8), 'config': config_lib.unflatten(given)}
+    assert json.dumps(new, indent=1) == json.dumps(old, indent=1), name
+    workdir = tmp_path / name
+    workdir.mkdir()
+    (workdir / 'config.json').write_text(json.dumps(old, indent=1))
+    assert trainer_lib._check_workdir(str(workdir), run.training_fields(8)) is False  # accepted; no checkpoints yet
+
+
+def test_ablation_rows_differ_as_the_paper_says():
+  load = T.load_row_config
+  full, cold, no_auto, warm, high, low = map(
+    load, ['hdet_full', 'hdet_cold', 'hdet_no_auto_lr', 'warm_init', 'baseline_high', 'baseline_low']
+  )
+  lr = full.optim.max_lr
+  assert cold.optim.max_lr == no_auto.optim.max_lr == warm.optim.max_lr == high.optim.max_lr == lr
+  assert low.optim.max_lr == pytest.approx(lr / 9)
+  assert full.hdet.auto_lr and cold.hdet.auto_lr and not no_auto.hdet.auto_lr
+  # The paper's rows run the paper's controller with per-group LRs, whatever the main job runs.
+  assert full.hdet.controller == cold.hdet.controller == 'paper' and full.hdet.score == 'window'
+  assert full.hdet.param_groups and full.hdet.stop_fraction == 1.0
+  # ... averaging every 25 steps from the schedule as given, whatever the main job's T and start.
+  assert full.hdet.sync_every == 25 and full.hdet.initial_scale == 1.0 and full.hdet.after_stop == 'hold'
+  assert full.hdet.step_growth == 1.0
+  assert full.init_from and no_auto.init_from and warm.init_from and not cold.init_from and not high.init_from
+  for plain in (warm, high, low):
+    assert plain.hdet.spread == 0 and plain.hdet.sync_every == 0 and not plain.hdet.auto_lr
+  for hdet in (full, cold, no_auto):
+    assert hdet.hdet.spread > 0 and hdet.hdet.sync_every > 0
+  assert len({c.num_train_steps for c in (full, cold, no_auto, warm, high, low)}) == 1

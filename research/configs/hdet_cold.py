@@ -1,4 +1,4 @@
-"""python train.py --config configs/hdet_cold.py --workdir workdirs/hdet_cold
+"""python train.py --config research/configs/hdet_cold.py --workdir workdirs/hdet_cold
 
 HDET without warm init: LR spread, periodic averaging and auto-LR from a random init (cold
 start), at the high peak LR.

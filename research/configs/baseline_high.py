@@ -1,4 +1,4 @@
-"""python train.py --config configs/baseline_high.py --workdir workdirs/baseline_high
+"""python train.py --config research/configs/baseline_high.py --workdir workdirs/baseline_high
 
 Baseline-High: plain data parallel at the high peak LR: no ensemble to stabilise it.
 

@@ -1,8 +1,8 @@
-"""python train.py --config configs/hdet_no_auto_lr.py --workdir workdirs/hdet_no_auto_lr
+"""python train.py --config research/configs/hdet_no_auto_lr.py --workdir workdirs/hdet_no_auto_lr
 
 HDET without auto-LR: LR spread and periodic averaging from a warm noisy start, at the high
 peak LR; the base LR follows the one-cycle schedule. Needs the warm checkpoint first: a Baseline-Low run,
-``python train.py --config configs/baseline_low.py --config.seed=100 --workdir workdirs/baseline_low``
+``python train.py --config research/configs/baseline_low.py --config.seed=100 --workdir workdirs/baseline_low``
 (the experiment's pre-training run), or point --config.init_from at another workdir.
 
 One row of the paper's Table 1 ablation (§4), as run by ``python -m research.table1``

@@ -1,8 +1,8 @@
-"""python train.py --config configs/hdet_full.py --workdir workdirs/hdet_full
+"""python train.py --config research/configs/hdet_full.py --workdir workdirs/hdet_full
 
 HDET (full): LR spread, periodic averaging and auto-LR from a warm noisy start, at the high
 peak LR. Needs the warm checkpoint first: a Baseline-Low run,
-``python train.py --config configs/baseline_low.py --config.seed=100 --workdir workdirs/baseline_low``
+``python train.py --config research/configs/baseline_low.py --config.seed=100 --workdir workdirs/baseline_low``
 (the experiment's pre-training run), or point --config.init_from at another workdir.
 
 One row of the paper's Table 1 ablation (§4), as run by ``python -m research.table1``
@@ -11,15 +11,18 @@ high peak LR HIGH_LR, chosen by that experiment's plain data-parallel LR sweep (
 LR where plain data parallel crashed or clearly degraded); baseline_low uses a ninth of it.
 """
 
-from hdet_jax.trainer.config_lib import sibling
+import os
 
+from hdet_jax.trainer.config_lib import load_config_file
+
+PRODUCT_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'configs')
 HIGH_LR = (
   8.1e-2  # The ablation family's aggressive peak LR: the sweep's edge (the paper's 9e-4 against a 1e-4 baseline).
 )
 
 
 def get_config():
-  config = sibling(__file__, 'default')
+  config = load_config_file(os.path.join(PRODUCT_CONFIGS, 'default.py'))
   config.num_train_steps = 500  # S: every row trains this many steps (warm rows after their pre-training run).
   config.hdet.warmup_steps = 250  # S_warm: the auto-LR controller (where on) starts halfway, as in default.py.
   config.optim.max_lr = HIGH_LR  # Aggressive peak LR (the mean replica's).

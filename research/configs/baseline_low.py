@@ -1,4 +1,4 @@
-"""python train.py --config configs/baseline_low.py --config.seed=100 --workdir workdirs/baseline_low
+"""python train.py --config research/configs/baseline_low.py --config.seed=100 --workdir workdirs/baseline_low
 
 Baseline-Low: plain data parallel (no spread, no averaging, no auto-LR) at a conservative
 peak LR, a ninth of the ablation family's. Its seed-100 run is the warm rows' checkpoint.

@@ -1,8 +1,8 @@
-"""python train.py --config configs/warm_init.py --workdir workdirs/warm_init
+"""python train.py --config research/configs/warm_init.py --workdir workdirs/warm_init
 
 Warm-Init: plain data parallel at the high peak LR from a warm noisy start (eq. 10), no
 spread, no averaging. Needs the warm checkpoint first: a Baseline-Low run,
-``python train.py --config configs/baseline_low.py --config.seed=100 --workdir workdirs/baseline_low``
+``python train.py --config research/configs/baseline_low.py --config.seed=100 --workdir workdirs/baseline_low``
 (the experiment's pre-training run), or point --config.init_from at another workdir.
 
 One row of the paper's Table 1 ablation (§4), as run by ``python -m research.table1``
