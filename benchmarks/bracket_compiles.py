@@ -34,7 +34,7 @@ def _train_points(config_path: str, points: int, steps: int, runtime: bool, keep
   import jax
   from jax import monitoring
   from hdet_jax.trainer import bracket, config_lib, train_and_evaluate
-  from hdet_jax.trainer import program_cache, trainer
+  from hdet_jax.trainer import program_cache, setup
   from hdet_jax.trainer.process import setup_jax
 
   counts, seconds = collections.Counter(), collections.Counter()
@@ -63,7 +63,7 @@ def _train_points(config_path: str, points: int, steps: int, runtime: bool, keep
     },
   )
   setup_jax(base)  # as train.py does: the persistent cache keeps every program, however short its compile
-  compile_programs, build_programs, step_costs, built = trainer._compile, trainer._build, [], []
+  compile_programs, build_programs, step_costs, built = setup.compile_programs, setup.build_programs, [], []
 
   def build_and_count(*args, **kwargs):
     built.append(True)
@@ -71,11 +71,11 @@ def _train_points(config_path: str, points: int, steps: int, runtime: bool, keep
 
   def compile_and_count(*args, **kwargs):  # XLA's count of the step program's work, per run
     programs = compile_programs(*args, **kwargs)
-    cost = programs.step.cost_analysis()
+    cost = programs.train_step.cost_analysis()
     step_costs.append(cost[0] if isinstance(cost, list) else cost)
     return programs
 
-  trainer._compile, trainer._build = compile_and_count, build_and_count
+  setup.compile_programs, setup.build_programs = compile_and_count, build_and_count
   rows = []
   with tempfile.TemporaryDirectory() as work:
     for k, lr in enumerate(bracket.point_lrs(base.optim.max_lr, points, 2.0)):

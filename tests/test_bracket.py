@@ -124,14 +124,14 @@ def test_the_default_rungs_keep_5_then_1_for_2_5_runs():
 
 def test_a_workdir_whose_recorded_fields_hold_bracket_fields_still_resumes(tmp_path):
   """A run written before bracket.* left a run's identity recorded them where not at their defaults."""
-  from hdet_jax.trainer import trainer as trainer_lib
+  from hdet_jax.trainer import checks
 
   fields = run_settings.resolve(tiny()).training_fields(8)
   old = {**fields, 'bracket.rungs': '0.1:5,0.3:1', 'bracket.factor': 4.0}
   (tmp_path / 'config.json').write_text(json.dumps({'training_fields': old}))
-  assert trainer_lib._check_workdir(str(tmp_path), fields) is False  # (no checkpoints: nothing to resume yet)
+  assert checks.check_workdir(str(tmp_path), fields) is False  # (no checkpoints: nothing to resume yet)
   with pytest.raises(ConfigError, match=r'different config \(seed: 0 -> 1\)'):
-    trainer_lib._check_workdir(str(tmp_path), run_settings.resolve(tiny(seed=1)).training_fields(8))
+    checks.check_workdir(str(tmp_path), run_settings.resolve(tiny(seed=1)).training_fields(8))
 
 
 def test_a_workdir_of_another_kind_is_refused_untouched(tmp_path):

@@ -62,7 +62,7 @@ def test_config_json_is_byte_for_byte_what_1_0_wrote_and_its_workdirs_resume(tmp
   added since), and a workdir
   holding 1.0's config.json is accepted by the resume check (and another config's is refused)."""
   import json
-  from hdet_jax.trainer import trainer as trainer_lib
+  from hdet_jax.trainer import checks
 
   recorded = json.load(open(os.path.join(os.path.dirname(__file__), 'data', 'config_json_1.0.json')))['configs']
   assert len(recorded) == 10
@@ -80,6 +80,6 @@ def test_config_json_is_byte_for_byte_what_1_0_wrote_and_its_workdirs_resume(tmp
     workdir = tmp_path / name
     workdir.mkdir()
     (workdir / 'config.json').write_text(json.dumps(old, indent=1))
-    assert trainer_lib._check_workdir(str(workdir), run.training_fields(8)) is False  # accepted; no checkpoints yet
+    assert checks.check_workdir(str(workdir), run.training_fields(8)) is False  # accepted; no checkpoints yet
     with pytest.raises(config_lib.ConfigError, match='different config'):
-      trainer_lib._check_workdir(str(workdir), run.training_fields(4))
+      checks.check_workdir(str(workdir), run.training_fields(4))

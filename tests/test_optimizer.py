@@ -189,7 +189,7 @@ def test_a_workdir_is_not_resumed_with_the_flag_flipped(tmp_path):
 def test_setting_the_factor_keeps_every_leaf_and_its_layout(fsdp):
   """The trainer's setter on a fresh state, one replica per device and in groups of 2 devices (FSDP): the factor
   leaves, one per replica, take the value; every other leaf keeps its bits; every leaf keeps its sharding."""
-  from hdet_jax.trainer import mesh as mesh_lib, programs as programs_lib, trainer
+  from hdet_jax.trainer import mesh as mesh_lib, programs as programs_lib, setup
 
   n = 8 // fsdp
   config = tiny(**PLAIN, **{'optim.runtime_lr_scale': True, 'mesh.fsdp': fsdp})
@@ -202,7 +202,7 @@ def test_setting_the_factor_keeps_every_leaf_and_its_layout(fsdp):
   before = [(np.array(x), x.sharding) for x in jax.tree.leaves(opt_state)]  # (copies: the setter donates)
   factors = [x.scale for x in jax.tree.leaves(opt_state, is_leaf=is_scaled) if is_scaled(x)]
   assert len(factors) == 1 and factors[0].shape == (n,) and np.all(np.asarray(factors[0]) == 1.0)
-  after = trainer._set_lr_scale(f'test fsdp {fsdp}', opt_state, 0.25)
+  after = setup.set_lr_scale(f'test fsdp {fsdp}', opt_state, 0.25)
   new_factors = [x.scale for x in jax.tree.leaves(after, is_leaf=is_scaled) if is_scaled(x)]
   np.testing.assert_array_equal(np.asarray(new_factors[0]), np.full(n, 0.25, np.float32))
   changed = 0

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from hdet_jax.trainer import program_cache, run_settings, trainer
+from hdet_jax.trainer import program_cache, run_settings, setup
 from hdet_jax.trainer import mesh as mesh_lib
 from trainer_testing import compiled, tiny
 
@@ -56,8 +56,8 @@ def test_a_run_whose_programs_differ_builds_its_own(tmp_path, monkeypatch):
   other = _run(tmp_path, 'b', **{'hdet.spread': 0.5})
   assert other[2] > 0 and other[0] != first[0]
   program_cache.clear()
-  builds, build = [], trainer._build
-  monkeypatch.setattr(trainer, '_build', lambda *a: builds.append(1) or build(*a))
+  builds, build = [], setup.build_programs
+  monkeypatch.setattr(setup, 'build_programs', lambda *a: builds.append(1) or build(*a))
   _run(tmp_path, 'c', **{'hdet.spread': 0.5, 'stop_at_step': 8})
   assert len(builds) == 1
   alone = _run(tmp_path, 'c', **{'hdet.spread': 0.5})

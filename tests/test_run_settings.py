@@ -446,7 +446,7 @@ def test_a_workdir_written_before_fields_at_their_legacy_value_still_resumes(tmp
   """A config written before fields that train, at their legacy value, as it did (hdet.after_stop='hold', as the tiny
   config sets it; mesh.fsdp=1; optim.runtime_lr_scale=False; ...) has the training fields of today's config, which
   leaves them out; so today's run resumes the workdir that config wrote, and a different config is still refused."""
-  from hdet_jax.trainer import trainer as trainer_lib
+  from hdet_jax.trainer import checks
 
   config = _tiny()
   fields = run_settings.resolve(config).training_fields(8)
@@ -471,6 +471,6 @@ def test_a_workdir_written_before_fields_at_their_legacy_value_still_resumes(tmp
   (tmp_path / 'config.json').write_text(
     json.dumps({'training_fields': old_fields, 'config': config_lib.unflatten(older_given)})
   )
-  assert trainer_lib._check_workdir(str(tmp_path), fields) is False  # (no checkpoints: nothing to resume yet)
+  assert checks.check_workdir(str(tmp_path), fields) is False  # (no checkpoints: nothing to resume yet)
   with pytest.raises(config_lib.ConfigError, match=r'different config \(seed: 0 -> 1\)'):
-    trainer_lib._check_workdir(str(tmp_path), run_settings.resolve(_tiny_seed(1)).training_fields(8))
+    checks.check_workdir(str(tmp_path), run_settings.resolve(_tiny_seed(1)).training_fields(8))

@@ -2,7 +2,7 @@
 
 An LR bracket trains its runs one after another in one process (8 points, then the survivors resumed), a sweep or
 an experiment trains many, and a resumed run builds again what it built before. Each run traces, lowers and
-compiles its programs up front (``trainer._compile``). The persistent compilation cache spares XLA's compile, but
+compiles its programs up front (``setup.compile_programs``). The persistent compilation cache spares XLA's compile, but
 not the tracing and lowering before it, which on a small model are most of a run's setup
 (results/bracket_compiles.md, 'configs/default.py: 8 plain runs a factor 2 apart, 40 steps each'). Here a run whose
 programs would be the same takes the last run's compiled programs instead, and builds nothing.
