@@ -66,8 +66,9 @@ def config_of(rec: dict, quick: bool, init_from: str | None):
   from hdet_jax.trainer import config_lib, schema
 
   flat = schema.complete(records.without_removed(config_lib.flatten(rec['config'])))
-  if init_from is not None:
-    flat['init_from'] = init_from
+  if init_from is not None:  # (under the repository: as a relative path, which its records keep, as workloads' do)
+    inside = os.path.abspath(init_from).startswith(REPO + os.sep)
+    flat['init_from'] = os.path.relpath(init_from, REPO) if inside else init_from
   workload = 'finetune' if flat.get('data.corpus') == 'wyc' else 'lm'
   if quick:
     base = workloads.base_config(workload, 40, True, init_from)
