@@ -440,14 +440,14 @@ def _costs(r: dict) -> list[str]:
       f'{_extra(s["t1000"])} at T=1000 |'
     )
   add(f'| parameters and optimizer state | {_ratio(r["state_memory"])} (HDET adds a few numbers per replica) |')
-  runs = r['rollback']['runs']
-  quiet = sum(1 for x in runs if not x['backoffs_trainer'] and x['backoffs_library'] == [])
+  reruns = r['rollback']['runs']
+  quiet = sum(1 for x in reruns if not x['backoffs_trainer'] and x['backoffs_library'] == [])
   add(
     f"| the guard's rollback copy | one copy of the training state per device: {_ratio(r['anchor_one'], 3)} "
     f'the state with 8 replicas on a device, {_ratio(r["anchor_each"], 3)} with one replica per device. The '
     "trainer's default (`--config.hdet.rollback=False` drops it); in your own trainer `hdet(..., rollback=True)`, "
     'the same code, off by default there: it costs that memory, and the guard backed off in none of the default '
-    f'text runs rerun on it ({quiet} of {len(runs)} quiet, their records too), so there it changed nothing |'
+    f'text runs rerun on it ({quiet} of {len(reruns)} quiet, their records too), so there it changed nothing |'
   )
   add(f'| peak device memory, the main job on one GPU | {_ratio(r["main_memory"])} |')
   add(

@@ -197,7 +197,8 @@ def share_anchors(stacked: ArrayTree, per_device: int) -> ArrayTree:
     >>> import jax, jax.numpy as jnp, optax, hdet_jax
     >>> tx = hdet_jax.hdet(optax.adam, 1e-3, num_replicas=8, auto_lr=hdet_jax.AutoLR(total_steps=100),
     ...                    rollback=True)
-    >>> state = hdet_jax.share_anchors(jax.vmap(tx.init)(hdet_jax.stack_replicas(jnp.ones(3), 8)), per_device=4)
+    >>> stacked = jax.vmap(tx.init)(hdet_jax.stack_replicas(jnp.ones(3), 8))
+    >>> state = hdet_jax.replicas.share_anchors(stacked, per_device=4)
     >>> state.count.shape, state.anchor.params.shape  # 8 replicas, 2 anchors: one for each device's 4
     ((8,), (2, 3))
   """
