@@ -180,7 +180,7 @@ def test_the_rows_config_json_is_what_1_0_wrote_and_its_workdirs_resume(tmp_path
   """config.json of the rows 1.0 recorded (tests/data/config_json_1.0.json, beside the product's configs): the same
   bytes but for the loop field added since, and a workdir holding 1.0's config.json passes the resume check."""
   from hdet_jax.trainer import config_lib, run_settings
-  from hdet_jax.trainer import trainer as trainer_lib
+  from hdet_jax.trainer import checks
 
   recorded = json.load(open(os.path.join(T.REPO, 'tests', 'data', 'config_json_1.0.json')))['configs']
   rows = {name: old for name, old in recorded.items() if name in ROWS}
@@ -193,7 +193,7 @@ def test_the_rows_config_json_is_what_1_0_wrote_and_its_workdirs_resume(tmp_path
     workdir = tmp_path / name
     workdir.mkdir()
     (workdir / 'config.json').write_text(json.dumps(old, indent=1))
-    assert trainer_lib._check_workdir(str(workdir), run.training_fields(8)) is False  # accepted; no checkpoints yet
+    assert checks.check_workdir(str(workdir), run.training_fields(8)) is False  # accepted; no checkpoints yet
 
 
 def test_ablation_rows_differ_as_the_paper_says():
