@@ -41,13 +41,23 @@ def test_the_non_sync_step_takes_at_most_two_more_input_buffers_than_plain_and_n
   assert unpacked['leaves'] - plain['leaves'] == 26
 
 
-def test_the_trainer_overhead_times_every_compiled_program_of_the_loop():
+def test_the_trainer_overhead_times_every_compiled_program_of_the_loop(monkeypatch):
   """benchmarks/trainer_overhead.py on the default config for 30 steps: T = round(30 / 15) = 2, so 15 syncs,
   each running the window-end program after the step (which, with the guard's rollback, also returns the next
   anchor: no program of its own since the rollback is the library's): the timed compiled calls are 30 + 15; one
-  evaluation (the final one: eval_every is 250)."""
+  evaluation (the final one: eval_every is 250). The counts come from the config's cadence, not from the model's
+  size: the model and the batches are configs/tiny.py's (a third of the default model's CPU time)."""
   from benchmarks import trainer_overhead
 
+  default_config = trainer_overhead._config
+
+  def tiny_model(steps):
+    config = default_config(steps)
+    config.model.d_model, config.model.num_layers, config.model.num_heads = 32, 1, 2
+    config.data.seq_len, config.data.batch_size, config.eval_windows = 32, 4, 64
+    return config
+
+  monkeypatch.setattr(trainer_overhead, '_config', tiny_model)
   got = trainer_overhead.measure(30)
   assert got['calls']['step'] == 30 + 15
   assert got['calls']['eval'] == 1
