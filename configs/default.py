@@ -6,11 +6,12 @@ simulated CPU devices on a CPU-only machine; all 8 on one GPU). A few minutes on
 Its controller is the guarded climb, ``hdet_jax.AutoLR(total_steps=S)``: it starts at a tenth of the schedule
 and only raises the LR (so give optim.max_lr as the high end of your guess), undoes a window whose loss blew up,
 and stops spreading the replicas once the climb has ended. How it measures against an LR sweep: docs/verdict.md.
-The paper's controller (eqs. 4-9) is --config.hdet.controller=paper --config.hdet.score=window
---config.hdet.warmup_steps=750 --config.hdet.stop_fraction=1 --config.hdet.param_groups=True
---config.hdet.sync_every=25 --config.optim.max_lr=3e-3.
+The paper's controller (eqs. 4-9, at the paper's values) is --config.hdet.controller=paper
+--config.hdet.param_groups=True --config.hdet.sync_every=25 --config.optim.max_lr=3e-3.
 
-Every field can be overridden from the command line, e.g. ``--config.hdet.spread=0.2``.
+Every field can be overridden from the command line, e.g. ``--config.hdet.spread=0.2``. What research varies beyond
+these (the controllers' tuning, e.g. the climb's trust) it gives in Python: ``train_and_evaluate(config, workdir,
+tuning={'hdet.trust': 0.5})`` (docs/config.md).
 """
 
 import ml_collections
@@ -52,36 +53,16 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim.weight_decay = 0.1  # AdamW's decoupled weight decay, on matrices only (not biases or norms).
   config.optim.grad_clip_norm = 0.0  # Clip the all-reduced gradient to this global norm (0: no clipping).
   config.optim.label_smoothing = 0.0  # Label smoothing of the training loss (the base value if explored).
-  config.optim.runtime_lr_scale = False  # Apply max_lr's power of two at run time (the LR bracket sets it).
 
   config.hdet = ml_collections.ConfigDict()
   config.hdet.num_replicas = 8  # N replicas on however many devices (N a multiple of them); 0: one per device.
   config.hdet.spread = 0.25  # alpha of eq. 1: LRs span base * [1 - alpha, 1 + alpha]; 0: plain data parallel.
   config.hdet.sync_every = 0  # T: average the replicas every T steps; 0: T from num_syncs.
-  config.hdet.num_syncs = 15  # With sync_every 0: T = round(num_train_steps / num_syncs) ...
-  config.hdet.longest_window = 100  # ... at most this many steps (0: no cap). Both 0: never average.
+  config.hdet.num_syncs = 15  # With sync_every 0: T = round(num_train_steps / num_syncs), at most 100; both 0: never.
   config.hdet.auto_lr = True  # The controller moves the base LR at each sync.
   config.hdet.controller = 'fit'  # 'fit' (the guarded climb, a line search) or 'paper' (eqs. 4-9).
-  config.hdet.score = 'common'  # Compare replicas on one 'common' batch at each sync, or on their 'window' losses.
-  config.hdet.probe_windows = 16  # Windows in the common batch (fresh at each sync).
-  config.hdet.warmup_steps = 0  # The controller starts at the first sync at or after this step.
-  config.hdet.stop_fraction = 0.0  # After this fraction of the run the controller holds ('fit': see after_stop).
-  config.hdet.after_stop = 'rise'  # 'fit' after stop_fraction: 'rise' (take only steps up) or 'hold'.
-  config.hdet.trust = 1.0  # 'fit': the largest change of log(LR correction) per sync (1.0: x2.7).
-  config.hdet.memory = 0.5  # 'fit': forgetting factor of the line search's statistics across syncs.
   config.hdet.initial_scale = 0.1  # 'fit': start at this multiple of the schedule (< 1: a cautious start).
-  config.hdet.step_growth = 2.0  # 'fit': the step's gain grows by this factor while steps keep one sign (1: off).
-  config.hdet.max_gain = 4.0  # 'fit': the largest gain.
-  # The guard ('fit'); None: on wherever it applies. A window whose training loss rose past both margins is undone.
-  config.hdet.backoff = config_dict.placeholder(bool)  # Step the LR down on such a window.
-  config.hdet.backoff_stderrs = config_dict.placeholder(float)  # Margin in standard errors (None: 2).
-  config.hdet.backoff_fraction = config_dict.placeholder(float)  # Margin as a fraction of the loss (None: 0.05).
-  config.hdet.rollback = config_dict.placeholder(bool)  # Also return the replicas to the sync before it.
-  config.hdet.settle = config_dict.placeholder(bool)  # 'fit': stop spreading once the climb has ended.
-  config.hdet.temperature = 0.1  # 'paper': sigma of eq. 4, in nats.
-  config.hdet.lr_of_lr = 0.5  # 'paper': lambda of eq. 7, the step size of the base-LR update.
-  config.hdet.momentum = 0.9  # 'paper': beta of eq. 7, the momentum of the base-LR velocity.
-  config.hdet.smooth_decay = True  # 'paper': decay the base continuously within a window (False: hold it).
+  config.hdet.rollback = config_dict.placeholder(bool)  # Undo a window whose loss blew up (None: where 'fit' guards).
   config.hdet.param_groups = False  # Per-group LRs (embedding, no_decay, weights), each with its own controller.
   config.hdet.explore = ml_collections.ConfigDict()  # More hyperparameters spread across replicas; 0: off.
   config.hdet.explore.weight_decay = 0.0  # Multiplicative spread of AdamW's weight decay, in [0, 1).
@@ -101,7 +82,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.bracket.points = 0  # Plain runs at peak LRs max_lr * factor ** (k - (points - 1) / 2); 0: off.
   config.bracket.factor = 2.0  # The ratio of neighbouring points' peak LRs.
   config.bracket.rungs = '0.1:5,0.3:1'  # 'fraction:kept,...': at each fraction the best `kept` runs go on.
-  config.bracket.compare_steps = 10  # A rung ranks runs by their mean training loss over this many steps.
 
   config.warm_init = ml_collections.ConfigDict()
   config.warm_init.nu = 0.01  # nu of eq. 10: noise std is nu * ||theta_0|| / sqrt(d) (with init_from).
@@ -112,7 +92,6 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_windows = 512  # Validation windows per evaluation (0: the whole validation split).
   config.checkpoint_every = 500  # Steps between checkpoints (and one at the end); 0: only at the end.
   config.max_checkpoints = 2  # Checkpoints kept in WORKDIR/checkpoints (0: all).
-  config.stop_at_step = 0  # Stop (with a checkpoint) after this many steps, as if preempted; 0: run to the end.
   config.stop_on_nan = True  # Stop once every replica's loss is NaN/inf (False: record it, keep going).
   config.plots = True  # Draw the PNG plots into WORKDIR/plots at the end.
   config.tensorboard = True  # TensorBoard event files beside metrics.jsonl in the workdir.

@@ -17,12 +17,7 @@ def get_config():
   config.model.num_heads = 2  # Attention heads.
   config.optim.max_lr = 1e-2  # A high peak LR: a tiny model learns the byte statistics fast.
   config.hdet.sync_every = 8  # Average every 8 steps: after steps 8, 16, 24, 32 and 40.
-  config.hdet.trust = 0.25  # The controller's largest log-step per sync (its steps recorded in the tests' traces).
   config.hdet.initial_scale = 1.0  # Starts at the schedule.
-  config.hdet.after_stop = 'hold'  # (Its controller runs to the end.)
-  config.hdet.step_growth = 1.0  # The plain fit's steps (recorded in the tests' traces).
-  config.hdet.warmup_steps = 10  # The controller starts at the first sync after step 10 (step 16).
-  config.hdet.stop_fraction = 1.0  # ... and acts at every sync to the end.
   config.hdet.param_groups = True  # The smoke run exercises per-group LRs too.
   config.log_every = 5  # Flush metrics every 5 steps.
   config.eval_every = 20  # Validate at step 20 (and at the end).

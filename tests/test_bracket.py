@@ -14,6 +14,7 @@ from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import schema
 from hdet_jax.trainer.config_lib import ConfigError
 from trainer_testing import tiny
+import trainer_testing
 
 PLAIN = {
   'hdet.spread': 0.0,
@@ -92,13 +93,13 @@ def test_window_loss_reads_the_steps_before_the_rung(tmp_path):
 def test_bad_bracket_settings_are_refused_naming_the_field(over, names):
   config = tiny(**{**PLAIN, 'bracket.points': 8, **over})
   with pytest.raises(ConfigError, match=names.replace('.', r'\.')):
-    run_settings.resolve(config)
+    trainer_testing.resolve(config)
 
 
 def test_default_config_is_one_run_and_its_bracket_fields_stay_out_of_the_record():
   config = tiny()
   assert config.bracket.points == 0
-  fields = run_settings.resolve(config).training_fields(8)
+  fields = trainer_testing.resolve(config).training_fields(8)
   assert not any(k.startswith('bracket.') for k in fields)
   # A bracket's runs never read bracket.*: no value of them changes a run's identity (its resume, its records).
   # (The identity of the fields as given: tiny's auto-LR with bracket.points=8 would not resolve.)
@@ -109,7 +110,7 @@ def test_default_config_is_one_run_and_its_bracket_fields_stay_out_of_the_record
     {'bracket.compare_steps': 3},
   ):
     assert run_settings.identity(config_lib.flatten(json.loads(tiny(**over).to_json())), 8) == fields, over
-  assert run_settings.resolve(tiny(**{'seed': 1})).training_fields(8) != fields
+  assert trainer_testing.resolve(tiny(**{'seed': 1})).training_fields(8) != fields
 
 
 def test_the_default_rungs_keep_5_then_1_for_2_5_runs():
@@ -126,12 +127,12 @@ def test_a_workdir_whose_recorded_fields_hold_bracket_fields_still_resumes(tmp_p
   """A run written before bracket.* left a run's identity recorded them where not at their defaults."""
   from hdet_jax.trainer import checks
 
-  fields = run_settings.resolve(tiny()).training_fields(8)
+  fields = trainer_testing.resolve(tiny()).training_fields(8)
   old = {**fields, 'bracket.rungs': '0.1:5,0.3:1', 'bracket.factor': 4.0}
   (tmp_path / 'config.json').write_text(json.dumps({'training_fields': old}))
   assert checks.check_workdir(str(tmp_path), fields) is False  # (no checkpoints: nothing to resume yet)
   with pytest.raises(ConfigError, match=r'different config \(seed: 0 -> 1\)'):
-    checks.check_workdir(str(tmp_path), run_settings.resolve(tiny(seed=1)).training_fields(8))
+    checks.check_workdir(str(tmp_path), trainer_testing.resolve(tiny(seed=1)).training_fields(8))
 
 
 def test_a_workdir_of_another_kind_is_refused_untouched(tmp_path):
@@ -153,7 +154,7 @@ def _train_losses(workdir):
 def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path, monkeypatch):
   """4 points a factor 8 apart, 16 steps, rungs at 0.25 (keep 2) and 0.5 (keep 1), compared over 3 steps: the picks
   are those the same LRs' straight 16-step runs give, and the kept run ends bit for bit as its straight run."""
-  from hdet_jax.trainer import train_and_evaluate
+  from trainer_testing import train_and_evaluate
 
   over = {**PLAIN, 'num_train_steps': 16, 'optim.max_lr': 0.01, 'log_every': 4, 'eval_every': 0}
   config = tiny(

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from hdet_jax.trainer import config_lib
-from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import optimizer as optimizer_lib
+import trainer_testing
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), '..', 'configs', '*.py')))
 
@@ -25,6 +25,6 @@ def test_config_is_valid_and_documented(path):
   doc = ast.get_docstring(ast.parse(open(path).read()))
   assert doc.startswith(f'python train.py --config configs/{name}'), doc.splitlines()[0]
   config = config_lib.load_config_file(path)
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   tx = optimizer_lib.make_optimizer(run.optimizer, 8)
   assert callable(tx.update)

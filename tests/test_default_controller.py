@@ -19,8 +19,8 @@ import hdet_jax
 from hdet_jax import settings
 from hdet_jax import windows
 from hdet_jax.trainer import config_lib
-from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import optimizer as optimizer_lib
+import trainer_testing
 
 DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'default.py')
 N = 8
@@ -34,7 +34,7 @@ def _default(steps):
 def test_the_shortest_call_is_the_trainers_controller(steps):
   """The settings and the windows: AutoLR(total_steps=S) and T = round(S / 15) at most 100."""
   config = _default(steps)
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   # initial_scale None is 0.1 around a factory (the trainer's optimizer), which the trainer's config says
   assert run.optimizer.auto_lr.initial_scale == settings.DEFAULT_INITIAL_SCALE
   assert dataclasses.replace(run.optimizer.auto_lr, initial_scale=None) == hdet_jax.AutoLR(total_steps=steps)
@@ -63,7 +63,7 @@ def test_a_readme_loop_with_the_shortest_call_follows_the_trainers_base_lrs_bit_
     b2=o.b2,
     weight_decay=o.weight_decay,
   )
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   trainer = optimizer_lib.make_optimizer(run.optimizer, N)
   assert jax.device_count() >= N
   mesh = Mesh(np.array(jax.devices()[:N]), ('data',))

@@ -11,15 +11,14 @@ import pytest
 
 import hdet_jax as H
 from hdet_jax.trainer.tasks import lm_model as model_lib
-from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
-from hdet_jax.trainer.config_lib import sibling
+import trainer_testing
 
 CONFIGS = os.path.join(os.path.dirname(__file__), '..', 'configs')
 
 
 def _tiny(explore=True):
-  config = sibling(os.path.join(CONFIGS, 'x.py'), 'tiny')
+  config = trainer_testing.tiny()
   if explore:
     config.model.dropout = 0.2
     config.optim.label_smoothing = 0.05
@@ -33,7 +32,7 @@ def test_dropout_rate_really_differs_per_replica():
   """Each replica's dropout rate (from the optimizer state) is what its activations see."""
   config = _tiny()
   n = 8
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   tx = optimizer_lib.make_optimizer(run.optimizer, n)
   names = run.loop.hyperparam_names
   assert names == (
@@ -74,7 +73,7 @@ def test_evaluation_uses_no_dropout():
 
 
 def test_explore_run_end_to_end(tmp_path):
-  from hdet_jax.trainer.trainer import train_and_evaluate
+  from trainer_testing import train_and_evaluate
 
   config = _tiny()
   config.plots = True
@@ -97,7 +96,7 @@ def test_common_batch_score_removes_the_dropout_bias(tmp_path, score):
   compared on their own training losses they differ (own batches, own dropout noise: the source of the
   bias toward less dropout), while on the common batch without dropout they are equal, so the
   controller gets no spurious dropout signal and the dropout base does not move."""
-  from hdet_jax.trainer.trainer import train_and_evaluate
+  from trainer_testing import train_and_evaluate
 
   config = _tiny(explore=False)
   config.num_train_steps, config.hdet.sync_every, config.hdet.warmup_steps = 16, 8, 0

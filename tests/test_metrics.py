@@ -10,8 +10,11 @@ import numpy as np
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
-from hdet_jax.trainer import config_lib, metrics, run_settings, train_and_evaluate
+from hdet_jax.trainer import config_lib, metrics
+
+from trainer_testing import train_and_evaluate
 from hdet_jax.trainer.metrics import read_metrics
+import trainer_testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, 'configs', 'tiny.py')
@@ -189,7 +192,7 @@ def test_tensorboard_is_a_run_setting_not_a_training_field():
   off = config_lib.load_config_file(TINY)
   with off.unlocked():
     off.tensorboard = False
-  assert run_settings.resolve(off).training_fields(8) == run_settings.resolve(plain).training_fields(8)
+  assert trainer_testing.resolve(off).training_fields(8) == trainer_testing.resolve(plain).training_fields(8)
 
 
 def test_a_resumed_writer_purges_like_tensorboardx(tmp_path):

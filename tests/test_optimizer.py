@@ -17,6 +17,7 @@ from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import schema
 from hdet_jax.trainer import optimizer as optimizer_lib
 from trainer_testing import leaves, restore_raw, tiny
+import trainer_testing
 
 PLAIN = {
   'hdet.spread': 0.0,
@@ -132,7 +133,7 @@ def test_a_run_scaled_at_run_time_is_the_plain_run_bit_for_bit_and_shares_its_pr
   """runtime_lr_scale=True at max_lr 0.02 ends as the plain build at 0.02 (final metric, logged LRs, parameters);
   a second run at 0.08 (4x) compiles nothing: every program is the first run's (the test session's persistent
   cache, tests/conftest.py). The plain build at 0.08 would compile its step anew (its LR is baked in)."""
-  from hdet_jax.trainer import train_and_evaluate
+  from trainer_testing import train_and_evaluate
   from hdet_jax.trainer.metrics import read_metrics
 
   assert jax.config.jax_compilation_cache_dir  # (conftest's; the trainer's tiny config sets none)
@@ -148,7 +149,7 @@ def test_a_run_scaled_at_run_time_is_the_plain_run_bit_for_bit_and_shares_its_pr
     assert [r[key] for r in logged['scaled']] == [r[key] for r in logged['plain']], key
   last = logged['plain'][-1]  # (the run's own LR, 2x the tiny config's 0.01 schedule, not the mantissa's)
   assert last['lr'][0] == pytest.approx(
-    float(run_settings.resolve(tiny(**PLAIN)).optimizer.schedule(last['step'])) * 2, rel=1e-6
+    float(trainer_testing.resolve(tiny(**PLAIN)).optimizer.schedule(last['step'])) * 2, rel=1e-6
   )
   (scaled_state, _, _), (plain_state, _, _) = (restore_raw(str(tmp_path / k), 12) for k in ('scaled', 'plain'))
   for a, b in zip(leaves(scaled_state['params']), leaves(plain_state['params']), strict=True):
@@ -161,13 +162,13 @@ def test_a_run_scaled_at_run_time_is_the_plain_run_bit_for_bit_and_shares_its_pr
 
 def test_runtime_lr_scale_is_refused_under_the_controller_and_must_be_a_bool():
   with pytest.raises(config_lib.ConfigError, match=r'optim\.runtime_lr_scale=True .* hdet\.auto_lr=False'):
-    run_settings.resolve(tiny(**{'hdet.auto_lr': True, 'optim.runtime_lr_scale': True}))
+    trainer_testing.resolve(tiny(**{'hdet.auto_lr': True, 'optim.runtime_lr_scale': True}))
   config = tiny(**PLAIN)  # (overrides keep the default's type; a config file written from scratch need not)
   config.optim = ml_collections.ConfigDict({**config.optim.to_dict(), 'runtime_lr_scale': 1})
   with pytest.raises(config_lib.ConfigError, match=r'optim\.runtime_lr_scale must be True or False, got 1'):
-    run_settings.resolve(config)
-  run_settings.resolve(tiny(**PLAIN, **{'optim.runtime_lr_scale': True}))
-  assert 'optim.runtime_lr_scale' not in run_settings.resolve(tiny()).training_fields(
+    trainer_testing.resolve(config)
+  trainer_testing.resolve(tiny(**PLAIN, **{'optim.runtime_lr_scale': True}))
+  assert 'optim.runtime_lr_scale' not in trainer_testing.resolve(tiny()).training_fields(
     8
   )  # off: no record's fields change
 
@@ -175,7 +176,7 @@ def test_runtime_lr_scale_is_refused_under_the_controller_and_must_be_a_bool():
 def test_a_workdir_is_not_resumed_with_the_flag_flipped(tmp_path):
   """The flag changes the optimizer state's structure (its factor), so the checkpoint of one build cannot resume in
   the other: the workdir check names the field before any work, and the workdir is left as it was."""
-  from hdet_jax.trainer import train_and_evaluate
+  from trainer_testing import train_and_evaluate
 
   over = {**PLAIN, 'optim.max_lr': 0.02, 'stop_at_step': 4}
   train_and_evaluate(tiny(**over, **{'optim.runtime_lr_scale': True}), str(tmp_path / 'w'))
@@ -194,7 +195,7 @@ def test_setting_the_factor_keeps_every_leaf_and_its_layout(fsdp):
   n = 8 // fsdp
   config = tiny(**PLAIN, **{'optim.runtime_lr_scale': True, 'mesh.fsdp': fsdp})
   mesh = mesh_lib.make_mesh(n, fsdp)
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   _, opt_state = programs_lib.make_init(
     run.task, run.task_settings, optimizer_lib.make_optimizer(run.optimizer, n), mesh, n
   )(jax.random.key(0))

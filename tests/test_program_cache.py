@@ -5,9 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from hdet_jax.trainer import program_cache, run_settings, setup
+from hdet_jax.trainer import program_cache, setup
 from hdet_jax.trainer import mesh as mesh_lib
 from trainer_testing import compiled, tiny
+import trainer_testing
 
 # A short HDET run: spread, averaging every 4 steps and (unless turned off) the fit controller from the first sync.
 _RUN = {
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.own_programs  # every test here counts what it compiles
 
 
 def _run(tmp_path, name, **overrides):
-  from hdet_jax.trainer import train_and_evaluate
+  from trainer_testing import train_and_evaluate
 
   summary, built = compiled(lambda: train_and_evaluate(tiny(**_RUN, **overrides), str(tmp_path / name)))
   losses = [r['loss'] for r in map(json.loads, open(tmp_path / name / 'metrics.jsonl')) if r['kind'] == 'train']
@@ -68,7 +69,7 @@ def test_the_key_leaves_out_only_the_loops_fields_and_the_lrs_power_of_two():
   mesh = mesh_lib.make_mesh(8, 1)
 
   def key(**o):
-    run = run_settings.resolve(tiny(**o))
+    run = trainer_testing.resolve(tiny(**o))
     return program_cache.programs_key(run.given, run.loop.lr_unit, 8, mesh, 'data')
 
   scaled = {'optim.runtime_lr_scale': True, 'hdet.auto_lr': False}
@@ -97,7 +98,7 @@ def test_the_key_leaves_out_only_the_loops_fields_and_the_lrs_power_of_two():
     ('log_every', 3),
   ):
     assert key() != key(**{field: value}), field
-  given = run_settings.resolve(tiny()).given
+  given = trainer_testing.resolve(tiny()).given
   base = program_cache.programs_key(given, 1.0, 8, mesh, 'data')
   assert base != program_cache.programs_key(given, 1.0, 8, mesh, 'other data')
   assert base != program_cache.programs_key(given, 1.0, 8, mesh_lib.make_mesh(8, 1, devices=4), 'data')

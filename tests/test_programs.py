@@ -7,12 +7,12 @@ import jax
 import numpy as np
 
 from hdet_jax.trainer import config_lib
-from hdet_jax.trainer import run_settings
 from hdet_jax.trainer.tasks import lm_input_pipeline as ip
 from hdet_jax.trainer.tasks import lm_model as model_lib
 from hdet_jax.trainer import mesh as mesh_lib
 from hdet_jax.trainer import optimizer as optimizer_lib
 from hdet_jax.trainer import programs as programs_lib
+import trainer_testing
 
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'tiny.py')
@@ -24,7 +24,7 @@ def test_chunked_data_reads_each_steps_batch_at_the_optimizer_count():
   # window end is a program of its own, test_window_end_*), so one program per chunking: half the compiles.
   n, k, steps = 8, 4, 9
   mesh = mesh_lib.make_mesh(n)
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   init = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)
@@ -56,7 +56,7 @@ def _tree_rows_norm(tree):
 def _tiny_start(config, n):
   """(mesh, tx, graphdef, params, opt_state, batches): ``n`` replicas of ``config`` at step 0, on random bytes."""
   mesh = mesh_lib.make_mesh(n)
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
@@ -76,7 +76,7 @@ def test_window_end_and_distance_measure_each_replicas_distance_from_the_mean():
   config = config_lib.load_config_file(TINY)
   n = 8
   mesh, tx, graphdef, params, opt_state, batches = _tiny_start(config, n)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run_settings.resolve(config).programs)
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=trainer_testing.resolve(config).programs)
   for t in range(8):  # tiny syncs after step 7: the replicas have drifted apart for 8 steps
     params, opt_state, _ = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh))
   before = jax.tree.map(np.asarray, params)
@@ -107,7 +107,7 @@ def _fit_config(**overrides):
 def _window_setup(config, n=8):
   """(n, mesh, tx, graphdef, params, opt_state, data, batches, step program) of a tiny run on n replicas."""
   mesh = mesh_lib.make_mesh(n)
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
@@ -131,7 +131,7 @@ def test_window_end_scores_each_replicas_last_iterate_on_the_common_batch():
   # leaf and replica, the pattern behind XLA:CPU's in-process all-reduce deadlock; CONTRIBUTING.md)
   host = jax.device_get(params)
   want = [float(task.loss(graphdef, jax.tree.map(lambda x: x[r], host), windows)) for r in range(n)]
-  end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=run_settings.resolve(config).programs)
+  end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=trainer_testing.resolve(config).programs)
   _, _, m = end(params, opt_state, common)
   got = np.asarray(m['window_losses'])[0]
   np.testing.assert_allclose(got, want, rtol=2e-6)
@@ -155,7 +155,7 @@ def test_the_rollback_anchor_is_one_copy_per_device_in_the_groups_layout():
   for devices, fsdp in ((1, 1), (2, 1), (None, 2)):
     mesh = mesh_lib.make_mesh(n if fsdp == 1 else 4, fsdp=fsdp, devices=devices)
     reps = n if fsdp == 1 else 4
-    run = run_settings.resolve(config)
+    run = trainer_testing.resolve(config)
     tx = optimizer_lib.make_optimizer(run.optimizer, reps, rollback=True)
     params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, reps)(jax.random.key(0))
     if fsdp > 1:

@@ -17,8 +17,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hdet_jax.trainer import ConfigError, checkpoints, config_lib, run_settings, train_and_evaluate
+from hdet_jax.trainer import ConfigError, checkpoints, config_lib
+
+from trainer_testing import train_and_evaluate
 from hdet_jax.trainer.metrics import read_metrics
+import trainer_testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, 'configs', 'tiny.py')
@@ -362,7 +365,7 @@ def test_valid_edge_values_pass_the_checks(data):
     'eval_every': st.integers(0, 100),
   }
   fields = data.draw(st.lists(st.sampled_from(sorted(valid)), min_size=1, max_size=4, unique=True))
-  run_settings.resolve(tiny(**{f: data.draw(valid[f], label=f) for f in fields}))
+  trainer_testing.resolve(tiny(**{f: data.draw(valid[f], label=f) for f in fields}))
 
 
 @pytest.mark.parametrize(

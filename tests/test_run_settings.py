@@ -15,12 +15,13 @@ from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import optimizer as optimizer_lib
 from hdet_jax.trainer import run_settings
 from hdet_jax.trainer import schema
+import trainer_testing
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
 
 
 def _config(name='default', **overrides):
-  return config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, f'{name}.py')), overrides)
+  return trainer_testing.load(os.path.join(CONFIGS, f'{name}.py'), **overrides)
 
 
 # Base optimizers given in Python (the product's optim.name names adamw, adam and sgd): research's LR-free peers.
@@ -32,7 +33,7 @@ PLATEAU = optimizer_lib.Base(
 
 
 def _tiny():
-  return config_lib.load_config_file(os.path.join(CONFIGS, 'tiny.py'))
+  return trainer_testing.tiny()
 
 
 def _tiny_seed(seed):
@@ -45,7 +46,7 @@ def _completed(config):
 
 
 def test_the_default_config_resolves_to_the_libraries_default_and_its_loop():
-  run = run_settings.resolve(_config())
+  run = trainer_testing.resolve(_config())
   steps = run.loop.num_train_steps
   # The library's default initial_scale, None, is 0.1 around a factory (the trainer's optimizer); the config says it.
   library_default = hdet_jax.AutoLR(total_steps=steps, initial_scale=settings.DEFAULT_INITIAL_SCALE)
@@ -61,13 +62,13 @@ def test_the_default_config_resolves_to_the_libraries_default_and_its_loop():
 
 
 def test_the_loops_sync_steps_and_sync_index_follow_the_window():
-  run = run_settings.resolve(_config('tiny', **{'hdet.sync_every': 8, 'stop_at_step': 30}))
+  run = trainer_testing.resolve(_config('tiny', **{'hdet.sync_every': 8, 'stop_at_step': 30}))
   loop = run.loop
   want = [t for t in range(loop.num_train_steps) if (t + 1) % 8 == 0]  # the update of step t ends window (t+1)/8
   assert [t for t in range(loop.num_train_steps) if loop.is_sync_step(t)] == want
   assert [loop.sync_index(t) for t in want] == list(range(len(want)))
-  assert loop.end == 30 and run_settings.resolve(_config('tiny', stop_at_step=500)).loop.end == loop.num_train_steps
-  never = run_settings.resolve(_config('tiny', **{'hdet.sync_every': 0, 'hdet.num_syncs': 0})).loop
+  assert loop.end == 30 and trainer_testing.resolve(_config('tiny', stop_at_step=500)).loop.end == loop.num_train_steps
+  never = trainer_testing.resolve(_config('tiny', **{'hdet.sync_every': 0, 'hdet.num_syncs': 0})).loop
   assert never.never_syncs and not any(never.is_sync_step(t) for t in range(never.num_train_steps))
 
 
@@ -85,7 +86,7 @@ def test_the_guard_is_resolved_once_for_the_controller_the_loop_and_the_programs
   overrides = dict(overrides)
   base = overrides.pop('optimizer', None)
   config = _config(**overrides)
-  run = run_settings.resolve(config, base)
+  run = trainer_testing.resolve(config, base)
   guard = run_settings.guard({**_completed(config), **({'optim.name': base.name} if base else {})})
   assert run.guard == guard
   assert run.loop.rolls_back is run.programs.rolls_back is guard.rollback is rolls_back
@@ -102,7 +103,7 @@ def test_the_guard_is_resolved_once_for_the_controller_the_loop_and_the_programs
 
 
 def test_regularization_and_optimizer_choices_reach_the_programs():
-  run = run_settings.resolve(
+  run = trainer_testing.resolve(
     _config(
       **{
         'model.dropout': 0.1,
@@ -116,17 +117,19 @@ def test_regularization_and_optimizer_choices_reach_the_programs():
   p = run.programs
   assert (p.dropout, p.label_smoothing, p.seed, p.plateau, p.schedule_free) == (0.1, 0.05, 7, True, False)
   assert run.loop.controller is None and run.optimizer.auto_lr is None and not run.loop.common_batch
-  explored = run_settings.resolve(_config(**{'hdet.explore.dropout': 0.05, 'hdet.explore.weight_decay': 0.5}))
+  explored = trainer_testing.resolve(_config(**{'hdet.explore.dropout': 0.05, 'hdet.explore.weight_decay': 0.5}))
   assert (
     explored.programs.hyperparam_names == explored.loop.hyperparam_names == ('learning_rate', 'weight_decay', 'dropout')
   )
-  assert run_settings.resolve(_config(), SCHEDULE_FREE).programs.schedule_free
+  assert trainer_testing.resolve(_config(), SCHEDULE_FREE).programs.schedule_free
 
 
 def test_the_lrs_power_of_two_is_resolved_for_the_schedule_and_the_loop():
-  run = run_settings.resolve(_config(**{'optim.runtime_lr_scale': True, 'hdet.auto_lr': False, 'optim.max_lr': 0.01}))
+  run = trainer_testing.resolve(
+    _config(**{'optim.runtime_lr_scale': True, 'hdet.auto_lr': False, 'optim.max_lr': 0.01})
+  )
   assert run.loop.lr_unit == 2.0**-6  # 0.01 = 0.64 * 2**-6
-  plain = run_settings.resolve(_config(**{'optim.max_lr': 0.01})).optimizer.schedule
+  plain = trainer_testing.resolve(_config(**{'optim.max_lr': 0.01})).optimizer.schedule
   assert all(
     float(run.optimizer.schedule(t)) * run.loop.lr_unit == pytest.approx(float(plain(t)), rel=1e-6)
     for t in (0, 300, 1499)
@@ -151,7 +154,7 @@ def test_a_bad_config_stops_in_resolve_with_one_line_naming_the_field(overrides,
     if 'hdet.fan' in overrides:
       config.hdet.fan = overrides['hdet.fan']
   with pytest.raises(config_lib.ConfigError, match=message) as e:
-    run_settings.resolve(config)
+    trainer_testing.resolve(config)
   assert '\n' not in str(e.value)
 
 
@@ -160,19 +163,19 @@ def test_a_model_hyperparameter_the_task_lacks_stops_in_resolve():
   with pytest.raises(
     config_lib.ConfigError, match=r"hdet\.explore\.attn_temperature: the mnist1d task's model has no attn_temperature"
   ):
-    run_settings.resolve(config)
+    trainer_testing.resolve(config)
 
 
 def test_training_fields_leave_out_what_only_steers_a_run():
   """A resumed run may change how it logs, evaluates and checkpoints, not what it trains; N is resolved."""
-  a = run_settings.resolve(_tiny()).training_fields(8)
+  a = trainer_testing.resolve(_tiny()).training_fields(8)
   steer = {
     f: {'plots': False, 'log_every': 7, 'tensorboard': False, 'compilation_cache': '/x'}.get(f, 3)
     for f in ('plots', 'log_every', 'tensorboard', 'compilation_cache', 'eval_every', 'checkpoint_every')
   }
-  assert run_settings.resolve(config_lib.with_overrides(_tiny(), steer)).training_fields(8) == a
+  assert trainer_testing.resolve(config_lib.with_overrides(_tiny(), steer)).training_fields(8) == a
   assert not set(a) & schema.RUN_FIELDS and a['hdet.num_replicas'] == 8
-  b = run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.spread': 0.2, 'seed': 1})).training_fields(8)
+  b = trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.spread': 0.2, 'seed': 1})).training_fields(8)
   assert schema.differences(a, b) == 'hdet.spread: 0.25 -> 0.2, seed: 0 -> 1'
   assert 'and 1 more' in schema.differences(a, {**b, 'x': 1, 'y': 2, 'z': 3}, limit=4)
 
@@ -192,9 +195,9 @@ def test_training_fields_leave_out_what_only_steers_a_run():
   ],
 )
 def test_resolve_names_the_field(field, value):
-  run_settings.resolve(_tiny())  # the tiny config itself passes
+  trainer_testing.resolve(_tiny())  # the tiny config itself passes
   with pytest.raises(config_lib.ConfigError, match=field.replace('.', r'\.')) as e:
-    run_settings.resolve(config_lib.with_overrides(_tiny(), {field: value}))
+    trainer_testing.resolve(config_lib.with_overrides(_tiny(), {field: value}))
   assert '\n' not in str(e.value)
 
 
@@ -202,7 +205,7 @@ def test_resolve_names_the_field(field, value):
 def test_stop_fraction_zero_stops_before_the_first_sync(fraction, stop_steps):
   """0 is allowed: the controller is past its stop at every sync (with after_stop='rise': only raises)."""
   config = config_lib.with_overrides(_tiny(), {'hdet.stop_fraction': fraction})
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   assert config.num_train_steps == 40 and run.optimizer.auto_lr.stop_steps == stop_steps
 
 
@@ -216,17 +219,17 @@ def test_num_syncs_counts_the_windows_per_run(steps, num_syncs, want):
   config = config_lib.with_overrides(
     _tiny(), {'num_train_steps': steps, 'hdet.num_syncs': num_syncs, 'hdet.sync_every': 0 if num_syncs else 8}
   )
-  assert run_settings.resolve(config).loop.windows == want
+  assert trainer_testing.resolve(config).loop.windows == want
 
 
 def test_more_syncs_than_steps_is_refused():
   """Where hdet.num_syncs sets T (sync_every = 0) it must fit in the run; beside a sync_every > 0 it is unused."""
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.num_syncs=41 .*num_train_steps=40') as e:
-    run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 41, 'hdet.sync_every': 0}))
+    trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 41, 'hdet.sync_every': 0}))
   assert '\n' not in str(e.value)
-  run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 41}))
+  trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 41}))
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.num_syncs'):
-    run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': -1}))
+    trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.num_syncs': -1}))
 
 
 def test_trainer_warmup_cosine_schedule_matches_its_closed_form():
@@ -285,38 +288,40 @@ def test_a_warmup_that_leaves_no_decay_is_refused_before_any_work(schedule, pct,
     },
   )
   if ok:
-    run_settings.resolve(config).optimizer.schedule(0)  # builds
+    trainer_testing.resolve(config).optimizer.schedule(0)  # builds
     return
   with pytest.raises(
     config_lib.ConfigError,
     match=rf'optim\.pct_start={pct} with num_train_steps={steps} .*'
     rf"optim\.schedule='{schedule}'",
   ) as e:
-    run_settings.resolve(config)
+    trainer_testing.resolve(config)
   assert '\n' not in str(e.value)
 
 
 @pytest.mark.parametrize('other', [{'hdet.controller': 'paper'}, {'hdet.auto_lr': False}])
 def test_backoff_needs_the_fit_controller(other):
-  run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True}))
+  trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True}))
   with pytest.raises(config_lib.ConfigError, match=r"hdet\.backoff=True .*hdet\.controller='fit'") as e:
-    run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, **other}))
+    trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, **other}))
   assert '\n' not in str(e.value)
 
 
 @pytest.mark.parametrize('other', [{'hdet.backoff': False}, {'hdet.backoff': False, 'hdet.auto_lr': False}])
 def test_rollback_needs_the_back_off(other):
-  run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.rollback': True}))
+  trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.rollback': True}))
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.rollback=.*needs hdet\.backoff=True') as e:
-    run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.rollback': True, **other}))
+    trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.rollback': True, **other}))
   assert '\n' not in str(e.value)
 
 
 @pytest.mark.parametrize('other', [{'hdet.after_stop': 'hold'}, {'hdet.controller': 'paper'}, {'hdet.auto_lr': False}])
 def test_settle_needs_the_rise_only_fit(other):
-  run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.settle': True, 'hdet.after_stop': 'rise'}))
+  trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.settle': True, 'hdet.after_stop': 'rise'}))
   with pytest.raises(config_lib.ConfigError, match=r"hdet\.settle=True .*hdet\.after_stop='rise'") as e:
-    run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.settle': True, 'hdet.after_stop': 'rise', **other}))
+    trainer_testing.resolve(
+      config_lib.with_overrides(_tiny(), {'hdet.settle': True, 'hdet.after_stop': 'rise', **other})
+    )
   assert '\n' not in str(e.value)
 
 
@@ -324,7 +329,7 @@ def test_settle_left_unset_is_on_wherever_it_applies():
   """configs/default.py leaves hdet.settle at None: on for its rise-only 'fit' climb, off under the paper's
   controller, without auto-LR or with after_stop='hold' (no error there, unlike settle=True); a set value wins.
   A run's training fields, which a resume and the research's caches compare, hold what it resolves to."""
-  default = config_lib.load_config_file(os.path.join(CONFIGS, 'default.py'))
+  default = trainer_testing.load('default')
   assert default.hdet.settle is None and run_settings.settles(_completed(default))
   for other, on in [
     ({}, True),
@@ -333,8 +338,8 @@ def test_settle_left_unset_is_on_wherever_it_applies():
     ({'hdet.after_stop': 'hold'}, False),
     ({'hdet.settle': False}, False),
   ]:
-    c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), other)
-    run = run_settings.resolve(c)
+    c = config_lib.with_overrides(trainer_testing.load('default'), other)
+    run = trainer_testing.resolve(c)
     assert run_settings.settles(_completed(c)) is on, other
     auto_lr = run.optimizer.auto_lr
     assert (auto_lr.settle if auto_lr else False) is on, other
@@ -354,7 +359,7 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
   rise beyond 2 se and 5% and rolls back; the paper's controller and a run without auto-LR have it off (no error,
   unlike backoff=True there); backoff=False turns all four off; a set field wins. A run's training fields hold what
   they resolve to."""
-  default = config_lib.load_config_file(os.path.join(CONFIGS, 'default.py'))
+  default = trainer_testing.load('default')
   assert all(default.hdet[f] is None for f in ('backoff', 'rollback', 'backoff_stderrs', 'backoff_fraction'))
   on = {'backoff': True, 'rollback': True, 'backoff_stderrs': 2.0, 'backoff_fraction': 0.05}
   off = {'backoff': False, 'rollback': False, 'backoff_stderrs': 0.0, 'backoff_fraction': 0.0}
@@ -374,8 +379,8 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
   ]:
     other = dict(other)
     base = other.pop('optimizer', None)
-    c = config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), other)
-    run = run_settings.resolve(c, base)
+    c = config_lib.with_overrides(trainer_testing.load('default'), other)
+    run = trainer_testing.resolve(c, base)
     assert run.guard._asdict() == want, other
     assert run.loop.rolls_back is want['rollback'], other
     auto_lr = run.optimizer.auto_lr
@@ -397,35 +402,35 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
     bad = dict(bad)
     base = bad.pop('optimizer', None)
     with pytest.raises(config_lib.ConfigError, match=rf'hdet\.{name}'):
-      run_settings.resolve(
-        config_lib.with_overrides(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), bad), base
+      trainer_testing.resolve(
+        config_lib.with_overrides(trainer_testing.load('default'), bad), base
       )
   # A record written before the fields existed reads as off.
   assert run_settings.guard(schema.complete({'hdet.auto_lr': True, 'hdet.controller': 'fit'}))._asdict() == off
 
 
 def test_backoff_fraction_needs_the_back_off_and_is_below_one():
-  run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_fraction': 0.05}))
+  trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_fraction': 0.05}))
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_fraction=0\.05 .*needs hdet\.backoff=True') as e:
-    run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}))
+    trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}))
   assert '\n' not in str(e.value)
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_fraction'):
-    run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_fraction': 1.5}))
+    trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_fraction': 1.5}))
 
 
 def test_backoff_stderrs_needs_the_back_off():
-  run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': 2.0}))
+  trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': 2.0}))
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_stderrs=2\.0 .*needs hdet\.backoff=True'):
-    run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': False, 'hdet.backoff_stderrs': 2.0}))
+    trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': False, 'hdet.backoff_stderrs': 2.0}))
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_stderrs'):
-    run_settings.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': -1.0}))
+    trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': -1.0}))
 
 
 def test_sync_every_wins_over_num_syncs_and_both_zero_never_syncs():
   config = config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 4})
-  assert config.hdet.sync_every == 8 and run_settings.resolve(config).loop.windows == (8,)
+  assert config.hdet.sync_every == 8 and trainer_testing.resolve(config).loop.windows == (8,)
   config = config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 0, 'hdet.sync_every': 0})
-  loop = run_settings.resolve(config).loop
+  loop = trainer_testing.resolve(config).loop
   assert loop.never_syncs and loop.windows == (41,)
 
 
@@ -433,13 +438,13 @@ def test_sync_every_wins_over_num_syncs_and_both_zero_never_syncs():
 def test_longest_window_caps_the_windows_counted_per_run(steps, want):
   """The default's 15 windows per run are at most hdet.longest_window = 100 steps; 0 lifts the cap; an explicit
   hdet.sync_every is not capped."""
-  default = config_lib.load_config_file(os.path.join(CONFIGS, 'default.py'))
+  default = trainer_testing.load('default')
   config = config_lib.with_overrides(default, {'num_train_steps': steps})
   assert (config.hdet.sync_every, config.hdet.num_syncs, config.hdet.longest_window) == (0, 15, 100)
-  assert run_settings.resolve(config).loop.windows == (want,)
+  assert trainer_testing.resolve(config).loop.windows == (want,)
   uncapped = config_lib.with_overrides(config, {'hdet.longest_window': 0})
-  assert run_settings.resolve(uncapped).loop.windows == (round(steps / 15),)
-  assert run_settings.resolve(config_lib.with_overrides(config, {'hdet.sync_every': 250})).loop.windows == (250,)
+  assert trainer_testing.resolve(uncapped).loop.windows == (round(steps / 15),)
+  assert trainer_testing.resolve(config_lib.with_overrides(config, {'hdet.sync_every': 250})).loop.windows == (250,)
 
 
 def test_a_workdir_written_before_fields_at_their_legacy_value_still_resumes(tmp_path):
@@ -449,7 +454,7 @@ def test_a_workdir_written_before_fields_at_their_legacy_value_still_resumes(tmp
   from hdet_jax.trainer import checks
 
   config = _tiny()
-  fields = run_settings.resolve(config).training_fields(8)
+  fields = trainer_testing.resolve(config).training_fields(8)
   given = config_lib.flatten(json.loads(config.to_json()))
   at_legacy = [
     k for k, v in run_settings.resolved(given).items() if k in compat.QUIET_DEFAULTS and v == compat.QUIET_DEFAULTS[k]
@@ -466,11 +471,11 @@ def test_a_workdir_written_before_fields_at_their_legacy_value_still_resumes(tmp
       del node[last]
   older_given = config_lib.flatten(json.loads(older.to_json()))
   assert not set(at_legacy) & set(older_given)
-  old_fields = run_settings.resolve(older).training_fields(8)
+  old_fields = trainer_testing.resolve(older).training_fields(8)
   assert old_fields == fields
   (tmp_path / 'config.json').write_text(
     json.dumps({'training_fields': old_fields, 'config': config_lib.unflatten(older_given)})
   )
   assert checks.check_workdir(str(tmp_path), fields) is False  # (no checkpoints: nothing to resume yet)
   with pytest.raises(config_lib.ConfigError, match=r'different config \(seed: 0 -> 1\)'):
-    checks.check_workdir(str(tmp_path), run_settings.resolve(_tiny_seed(1)).training_fields(8))
+    checks.check_workdir(str(tmp_path), trainer_testing.resolve(_tiny_seed(1)).training_fields(8))

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from hdet_jax.trainer import compat, config_lib, program_cache, schema
+from hdet_jax.trainer import compat, config_lib, program_cache, run_settings, schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def disagreements(fields, path, values, task=None, others=()):
   """What ``path`` (a config file; ``values`` its flattened config) and the rows of ``fields`` for ``task`` disagree
   on: a field on one side only, a default, a help line. ``others``: fields the file also sets, declared elsewhere."""
-  rows = {f.name: f for f in fields if f.task == task}
+  rows = {f.name: f for f in fields if f.task == task and not f.python}
   documented = {k: v for k, v in schema.documented(path).items() if k not in others}
   out = [f'{k}: in {os.path.basename(path)}, not in the schema' for k in documented if k not in rows]
   out += [f'{k}: in the schema, not in {os.path.basename(path)}' for k in rows if k not in documented]
@@ -58,6 +58,21 @@ def test_a_row_without_its_line_in_default_py_fails_and_so_does_a_changed_defaul
   ]
   dropped = tuple(f for f in schema.FIELDS if f.name != 'seed')
   assert disagreements(dropped, *_default()) == ['seed: in default.py, not in the schema']
+
+
+def test_the_tuning_fields_are_research_s_and_the_controller_s_defaults_are_the_core_s():
+  """The 21 fields research gives in Python (issue 75): none in default.py (62 fields there), each with its help and
+  its legacy value kept; the controller's defaults are hdet_jax.AutoLR's (the guarded climb's), read off the core."""
+  import hdet_jax
+
+  tuning = set(schema.tuning_fields())
+  assert len(tuning) == 21 and not tuning & set(schema.documented(_default()[0]))
+  assert len(_default()[1]) == 62
+  assert all(schema.BY_NAME[n].help for n in tuning)
+  core = hdet_jax.AutoLR(total_steps=1500)
+  for name in ('warmup_steps', 'after_stop', 'trust', 'memory', 'step_growth', 'max_gain', 'temperature', 'lr_of_lr'):
+    assert schema.BY_NAME[f'hdet.{name}'].default == getattr(core, name), name
+  assert (schema.BY_NAME['hdet.momentum'].default, schema.BY_NAME['hdet.smooth_decay'].default) == (0.9, True)
 
 
 # The hand-kept tables the schema replaced, as of 1b9826f: records and workdirs were made against these.
@@ -169,5 +184,5 @@ def test_a_field_a_config_lacks_reads_as_its_legacy_value_else_its_default():
   assert got['hdet.after_stop'] == 'hold' and got['hdet.initial_scale'] == 1.0  # legacy values, not the defaults
   assert got['optim.max_lr'] == 0.03 and got['hdet.controller'] == 'fit'  # no legacy value: the default
   assert 'model.kind' not in got and schema.complete({'task': 'mnist1d'})['model.kind'] == 'cnn'
-  full = config_lib.flatten(default.get_config())
+  full = config_lib.flatten(run_settings.recorded_config(default.get_config()))
   assert schema.complete(full) == full  # a complete config reads as it is

@@ -9,12 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from hdet_jax.trainer import ConfigError, checkpoints, config_lib, tasks, train_and_evaluate
-from hdet_jax.trainer import run_settings
+from hdet_jax.trainer import ConfigError, checkpoints, tasks
+
+from trainer_testing import train_and_evaluate
 from hdet_jax.trainer.tasks import lm_input_pipeline as input_pipeline
 from hdet_jax.trainer.tasks import lm_model as model_lib
 from hdet_jax.trainer.metrics import read_metrics
 from hdet_jax.trainer.tasks import mnist1d
+import trainer_testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, 'configs', 'tiny.py')
@@ -23,12 +25,12 @@ REFERENCE = os.path.join(ROOT, 'tests', 'data', 'lm_seam_reference.json')
 
 
 def _config(path, **overrides):
-  return config_lib.with_overrides(config_lib.load_config_file(path), overrides)
+  return trainer_testing.load(path, **overrides)
 
 
 def _settings(config):
   """The task's own settings of ``config`` (what every Task method reads)."""
-  return run_settings.resolve(config).task_settings
+  return trainer_testing.resolve(config).task_settings
 
 
 def small_mnist1d(**overrides):
@@ -76,7 +78,7 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
   from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs
 
   n = config.hdet.num_replicas
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   tx = optimizer_lib.make_optimizer(run.optimizer, n)
   mesh = mesh_lib.make_mesh(n, devices=devices)
   abstract = jax.eval_shape(
@@ -301,8 +303,8 @@ def test_mlp_trains_through_the_trainer_and_is_a_run_of_its_own(tmp_path):
   assert s['final_val_loss'] < np.log(10) - 0.05
   # The CNN at the same fields is another run (model.kind is in its identity); the default CNN's identity has
   # neither new field, so workdirs and records made before the MLP existed still resume.
-  cnn = run_settings.resolve(small_mnist1d()).training_fields(8)
-  assert run_settings.resolve(config).training_fields(8)['model.kind'] == 'mlp'
+  cnn = trainer_testing.resolve(small_mnist1d()).training_fields(8)
+  assert trainer_testing.resolve(config).training_fields(8)['model.kind'] == 'mlp'
   assert 'model.kind' not in cnn and 'model.hidden' not in cnn
 
 

@@ -9,12 +9,15 @@ import sys
 import numpy as np
 import pytest
 
-from hdet_jax.trainer import ConfigError, train_and_evaluate
+from hdet_jax.trainer import ConfigError
+
+from trainer_testing import train_and_evaluate
 from hdet_jax.trainer.metrics import read_metrics
 from hdet_jax.trainer.trainer import format_summary
 from process_testing import free_port, process_env, run_two_processes
 
 from trainer_testing import ROOT, TINY, leaves as _leaves, restore_raw as _restore_raw, tiny
+import trainer_testing
 
 
 @pytest.fixture(scope='module')
@@ -328,11 +331,10 @@ def test_unknown_config_key_on_the_command_line(tmp_path, with_config, override,
 def test_a_workdir_of_a_removed_field_is_refused_untouched(tmp_path):
   """A workdir whose run set a field removed in 1.0 (its config.json's training fields): one error naming the field
   and what to do, before anything is written; nothing in the workdir changes."""
-  from hdet_jax.trainer import run_settings
 
   workdir = tmp_path / 'old'
   workdir.mkdir()
-  fields = {**run_settings.resolve(tiny()).training_fields(8), 'hdet.fan': 'geometric'}
+  fields = {**trainer_testing.resolve(tiny()).training_fields(8), 'hdet.fan': 'geometric'}
   (workdir / 'config.json').write_text(json.dumps({'training_fields': fields}))
   before = _snapshot(str(workdir))
   with pytest.raises(

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from hdet_jax.trainer import train_and_evaluate
+from trainer_testing import train_and_evaluate
 from hdet_jax.trainer.metrics import read_metrics
 
 from trainer_testing import leaves as _leaves, restore_raw as _restore_raw, tiny

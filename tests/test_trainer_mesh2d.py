@@ -13,23 +13,25 @@ from jax.sharding import Mesh, PartitionSpec as P
 import hdet_jax
 from benchmarks import comm
 from hdet_jax.param_groups import path_string
-from hdet_jax.trainer import config_lib, train_and_evaluate
-from hdet_jax.trainer import metrics, run_settings
+from hdet_jax.trainer import config_lib
+from trainer_testing import train_and_evaluate
+from hdet_jax.trainer import metrics
 from hdet_jax.trainer.tasks import lm_input_pipeline as ip
 from hdet_jax.trainer.tasks import lm_model as model_lib
 from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
+import trainer_testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, 'configs', 'tiny.py')
 
 
 def tiny(**overrides):
-  return config_lib.with_overrides(config_lib.load_config_file(TINY), overrides)
+  return trainer_testing.tiny(**overrides)
 
 
 def run_steps(config, mesh, n, steps):
   """``steps`` trainer steps (the window end after each sync) on ``mesh``; (params, opt_state, losses)."""
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
@@ -113,7 +115,7 @@ def test_low_communication_switch_removes_the_gradient_all_reduce_across_groups(
   test_replica_axis_bytes_per_mode_from_the_hlo)."""
   mesh, n = mesh_lib.make_mesh(4, 2), 4
   config = tiny(**{'hdet.low_communication': True, 'hdet.score': 'window'})
-  run = run_settings.resolve(config)
+  run = trainer_testing.resolve(config)
   tx = optimizer_lib.make_optimizer(run.optimizer, n)
   graphdef, abstract = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))

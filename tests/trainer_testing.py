@@ -5,7 +5,7 @@ import os
 
 import numpy as np
 
-from hdet_jax.trainer import config_lib
+from hdet_jax.trainer import config_lib, run_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, 'configs', 'tiny.py')
@@ -15,8 +15,46 @@ _spec.loader.exec_module(chaos)
 restore_raw = chaos.read_checkpoint  # a checkpoint's items as plain arrays (no target: enough to compare bits)
 
 
+# configs/tiny.py's controller before its tuning left the config (hdet-jax 1.1): the scenarios these tests build on
+# it (the controller from the sync at step 16, log-steps of at most 0.25, the plain fit, acting to the end) and the
+# traces they recorded. train.py --config configs/tiny.py runs the default controller.
+TINY_TUNING = {
+  'hdet.trust': 0.25,
+  'hdet.after_stop': 'hold',
+  'hdet.step_growth': 1.0,
+  'hdet.warmup_steps': 10,
+  'hdet.stop_fraction': 1.0,
+}
+
+
 def tiny(**overrides):
-  return config_lib.with_overrides(config_lib.load_config_file(TINY), overrides)
+  """configs/tiny.py as a record holds it, its tuning fields in it (:data:`TINY_TUNING`), with ``overrides`` (any
+  field, tuning ones too); :func:`train_and_evaluate` and :func:`resolve` split them out again."""
+  return load(TINY, **overrides)
+
+
+def load(path, **overrides):
+  """A config file (a path, or a name in configs/) as a record holds it, with ``overrides`` (any field): its tuning
+  fields at their defaults, configs/tiny.py's at :data:`TINY_TUNING`."""
+  if not path.endswith('.py'):
+    path = os.path.join(ROOT, 'configs', path + '.py')
+  tuning = TINY_TUNING if os.path.abspath(path) == TINY else {}
+  config = run_settings.recorded_config(config_lib.load_config_file(path), tuning)
+  return config_lib.with_overrides(config, overrides)
+
+
+def train_and_evaluate(config, workdir, **kwargs):
+  """The trainer's ``train_and_evaluate`` on ``config``, its tuning fields (if any) given in Python."""
+  from hdet_jax.trainer import trainer
+
+  config, tuning = run_settings.split(config)
+  return trainer.train_and_evaluate(config, workdir, tuning={**tuning, **kwargs.pop('tuning', {})}, **kwargs)
+
+
+def resolve(config, optimizer=None):
+  """``run_settings.resolve`` of ``config``, its tuning fields (if any) given in Python."""
+  config, tuning = run_settings.split(config)
+  return run_settings.resolve(config, optimizer, tuning)
 
 
 def leaves(tree):

@@ -95,19 +95,20 @@ def _fields(run: run_settings.RunSettings) -> dict:
 
 
 def point_config(config: Any, lr: float, stop_at_step: int) -> Any:
-  """The config of the bracket's run at peak LR ``lr``, stopped at ``stop_at_step`` (0: trained to the end)."""
+  """The config of the bracket's run at peak LR ``lr``, stopped at ``stop_at_step`` (0: trained to the end); its
+  tuning is :func:`point_tuning`'s."""
   # (plots only for the run that ends: a rung's stop would draw every run's; the LR's power of two applied at run
   # time, so that points a power of two apart share their compiled programs: optimizer.lr_unit)
   return config_lib.with_overrides(
     config.copy_and_resolve_references(),
-    {
-      'optim.max_lr': lr,
-      'stop_at_step': stop_at_step,
-      'bracket.points': 0,
-      'optim.runtime_lr_scale': True,
-      'plots': bool(config.plots and stop_at_step == 0),
-    },
+    {'optim.max_lr': lr, 'bracket.points': 0, 'plots': bool(config.plots and stop_at_step == 0)},
   )
+
+
+def point_tuning(tuning: dict | None, stop_at_step: int) -> dict:
+  """The tuning of the bracket's run stopped at ``stop_at_step``: the bracket's, the run stopped there, and the LR's
+  power of two applied at run time."""
+  return {**(tuning or {}), 'stop_at_step': stop_at_step, 'optim.runtime_lr_scale': True}
 
 
 def _point_dir(workdir: str, k: int, lr: float) -> str:
@@ -143,11 +144,12 @@ def _load_state(workdir: str, fields: dict) -> dict | None:
   return None
 
 
-def run_bracket(config: Any, workdir: str) -> dict:
+def run_bracket(config: Any, workdir: str, *, tuning: dict | None = None) -> dict:
   """Trains the LR bracket of ``config`` (``bracket.points > 0``) in ``workdir``; returns the kept run's summary with
-  a ``'bracket'`` entry (the record written to ``workdir/bracket.json``). Resumes a bracket already there."""
+  a ``'bracket'`` entry (the record written to ``workdir/bracket.json``). Resumes a bracket already there.
+  ``tuning``: as ``train_and_evaluate``'s, for every run (``'bracket.compare_steps'``: the rungs' window)."""
   trainer_lib.check_output_paths(config, workdir)
-  run = run_settings.resolve(config)
+  run = run_settings.resolve(config, tuning=tuning)
   if run.bracket.points == 0:
     raise ConfigError('run_bracket needs bracket.points > 0 (e.g. --config.bracket.points=8); 0 trains one run.')
   workdir = os.path.abspath(os.path.expanduser(workdir))
@@ -166,14 +168,18 @@ def run_bracket(config: Any, workdir: str) -> dict:
       'winner': None,
     }
     lr0 = state['lrs'][0]  # every check a run makes (its data, devices, workdir) before anything is written
-    trainer_lib.check(point_config(config, lr0, steps[0]), _point_dir(workdir, 0, lr0))
+    trainer_lib.check(
+      point_config(config, lr0, steps[0]), _point_dir(workdir, 0, lr0), tuning=point_tuning(tuning, steps[0])
+    )
     _write_state(workdir, state)
   dirs = {lr: _point_dir(workdir, k, lr) for k, lr in enumerate(state['lrs'])}
   alive = state['rungs'][-1]['kept'] if state['rungs'] else list(state['lrs'])  # (a resumed bracket's last picks)
   for (fraction, kept), step in list(zip(rungs, steps))[len(state['rungs']) :]:
     losses = {}
     for lr in alive:
-      summary = trainer_lib.train_and_evaluate(point_config(config, lr, step), dirs[lr])
+      summary = trainer_lib.train_and_evaluate(
+        point_config(config, lr, step), dirs[lr], tuning=point_tuning(tuning, step)
+      )
       if summary['preempted']:
         return {**summary, 'bracket': state}
       mesh_lib.barrier(f'hdet_bracket_{step}_{lr:.6g}')  # process 0 has written the run's metrics
@@ -186,7 +192,7 @@ def run_bracket(config: Any, workdir: str) -> dict:
     )
     _write_state(workdir, state)
   (lr,) = alive
-  summary = trainer_lib.train_and_evaluate(point_config(config, lr, 0), dirs[lr])
+  summary = trainer_lib.train_and_evaluate(point_config(config, lr, 0), dirs[lr], tuning=point_tuning(tuning, 0))
   if not summary['preempted']:
     state['winner'] = {
       'lr': lr,

@@ -25,11 +25,13 @@ from hdet_jax.trainer.config_lib import ConfigError
 from hdet_jax.trainer.setup import Run
 
 
-def check(config: Any, workdir: str, *, optimizer: optimizer_lib.Base | None = None) -> None:
+def check(
+  config: Any, workdir: str, *, optimizer: optimizer_lib.Base | None = None, tuning: dict | None = None
+) -> None:
   """Every check ``train_and_evaluate`` makes before it writes anything (the config, the task's data, the devices,
   the workdir, init_from); raises ConfigError, writes nothing. For callers that write first (the LR bracket)."""
   check_output_paths(config, workdir)
-  check_run(run_settings.resolve(config, optimizer), os.path.abspath(os.path.expanduser(workdir)))
+  check_run(run_settings.resolve(config, optimizer, tuning), os.path.abspath(os.path.expanduser(workdir)))
 
 
 def check_run(settings: run_settings.RunSettings, workdir: str) -> Run:

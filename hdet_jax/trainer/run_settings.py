@@ -23,6 +23,7 @@ import json
 import math
 from typing import Any, Mapping, NamedTuple
 
+import ml_collections
 import optax
 
 import hdet_jax as H
@@ -140,15 +141,18 @@ def identity(given: Fields, num_replicas: int) -> dict[str, Any]:
   return json.loads(json.dumps(flat, default=str))
 
 
-def resolve(config: Any, optimizer: optimizer_lib.Base | None = None) -> RunSettings:
+def resolve(config: Any, optimizer: optimizer_lib.Base | None = None, tuning: Fields | None = None) -> RunSettings:
   """``config`` checked (raises ConfigError naming the field and the fix) and resolved once. ``optimizer``: a base
-  optimizer given in Python (research's LR-free baselines), recorded as ``optim.name`` in place of the config's."""
+  optimizer given in Python (research's LR-free baselines), recorded as ``optim.name`` in place of the config's.
+  ``tuning``: research's fields given in Python (:func:`schema.tuning_fields`, by their dotted names), the rest at
+  their defaults (``hdet.controller='paper'``: the paper's, ``schema.PAPER_TUNING``)."""
   given = config_lib.flatten(json.loads(config.to_json()))
   if optimizer is not None:
     given['optim.name'] = optimizer.name
   removed = compat.first_removed(given)
   if removed:
     raise ConfigError(compat.removed_message(removed))
+  given = with_tuning(given, tuning)
   try:
     task = tasks_lib.get(schema.task_of(given))
   except tasks_lib.TaskError as e:
@@ -159,6 +163,65 @@ def resolve(config: Any, optimizer: optimizer_lib.Base | None = None) -> RunSett
     return _resolve(given, f, task, optimizer)
   except ValueError as e:  # a combination no single field's rule sees (e.g. a model hyperparameter the task lacks)
     raise ConfigError(f'config: {e}') from None
+
+
+def with_tuning(given: Fields, tuning: Fields | None) -> dict[str, Any]:
+  """The config's (flattened) fields ``given`` with research's ``tuning`` and every other tuning field at its default,
+  each at its row's place: the fields a run records (``config.json``), in the order records have them. A tuning field
+  in the config, or a config field in ``tuning``, is a ConfigError naming it and where it belongs."""
+  tuning = dict(tuning or {})
+  names = schema.tuning_fields()
+  for name in given:
+    if name in names:
+      raise ConfigError(
+        f'{name} is not a config field (hdet-jax 1.1): research gives it in Python, '
+        f'train_and_evaluate(config, workdir, tuning={{{name!r}: {given[name]!r}}}); remove it from the config.'
+      )
+  for name in tuning:
+    if name not in names:
+      raise ConfigError(
+        f'tuning: {name!r} is not a tuning field ({", ".join(names)}); set a config field in the config.'
+      )
+  paper = given.get('hdet.controller', schema.BY_NAME['hdet.controller'].default) == 'paper'
+  values = {
+    n: tuning.get(n, schema.PAPER_TUNING.get(n) if paper and n in schema.PAPER_TUNING else schema.BY_NAME[n].default)
+    for n in names
+  }
+  out, rows = {}, [f.name for f in schema.FIELDS]
+  for name, value in given.items():  # each tuning field right after the row before it
+    out[name] = value
+    at = rows.index(name) if name in rows else -1
+    while at >= 0 and at + 1 < len(rows) and rows[at + 1] in values:
+      out[rows[at + 1]] = values.pop(rows[at + 1])
+      at += 1
+  out.update(values)  # (a config without the fields before them)
+  return out
+
+
+def split(config: Any) -> tuple[Any, dict[str, Any]]:
+  """A config as records hold it (research's, with its tuning fields) split into what ``train_and_evaluate`` takes:
+  ``(config, tuning)``, the config without the tuning fields and those fields by dotted name (one it lacks at the
+  value records made before the field have, as ``schema.complete`` reads them; a config without any: none).
+
+  Example::
+
+    config, tuning = split(recorded_config(product_config))
+    train_and_evaluate(config, workdir, tuning=tuning)
+  """
+  flat = config_lib.flatten(json.loads(config.to_json()))
+  names = schema.tuning_fields()
+  tuning = {name: flat.pop(name) for name in names if name in flat}
+  if tuning:  # a record's config: a tuning field it lacks, added after it was written, reads as such records trained
+    tuning = {name: tuning[name] if name in tuning else schema.BY_NAME[name].absent for name in names}
+  return ml_collections.ConfigDict(config_lib.unflatten(flat)), tuning
+
+
+def recorded_config(config: Any, tuning: Fields | None = None) -> Any:
+  """``config`` with the tuning fields (``tuning``'s, the rest at their defaults) in their places: a config as records
+  hold it, whose tuning fields research sets like any other (:func:`split` takes them back out)."""
+  product, held = split(config)
+  flat = config_lib.flatten(json.loads(product.to_json()))
+  return ml_collections.ConfigDict(config_lib.unflatten(with_tuning(flat, {**held, **(tuning or {})})))
 
 
 def _resolve(given: dict, f: Fields, task: tasks_lib.Task, base: optimizer_lib.Base | None) -> RunSettings:

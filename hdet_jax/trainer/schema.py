@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
+import hdet_jax as H
 from hdet_jax.trainer.optimizer import OPTIMIZERS
 
 RUN, LOOP_PROGRAMS, LOOP = 'run', 'loop_programs', 'loop'
@@ -104,6 +105,7 @@ class Field:
   legacy: Any = _ABSENT
   task: str | None = None
   check: Check | None = None
+  python: bool = False  # research's: given in Python (train_and_evaluate's tuning=), not in configs/default.py
 
   def __init__(
     self,
@@ -115,8 +117,12 @@ class Field:
     legacy: Any = _ABSENT,
     task: str | None = None,
     check: Check | None = None,
+    python: bool = False,
   ):
-    for k, v in dict(name=name, default=default, role=role, help=help, legacy=legacy, task=task, check=check).items():
+    fields = dict(
+      name=name, default=default, role=role, help=help, legacy=legacy, task=task, check=check, python=python
+    )
+    for k, v in fields.items():
       object.__setattr__(self, k, v)
 
   @property
@@ -135,6 +141,9 @@ class Field:
       return None
     return f'{self.name} must be {c.what}, got {value!r}.'
 
+
+# The core's AutoLR defaults: the controller's rows take theirs from here, never restating them.
+_AUTO_LR = {f.name: f.default for f in dataclasses.fields(H.AutoLR) if f.default is not dataclasses.MISSING}
 
 FIELDS: tuple[Field, ...] = (
   Field(
@@ -280,6 +289,7 @@ FIELDS: tuple[Field, ...] = (
     "Apply max_lr's power of two at run time (the LR bracket sets it).",
     legacy=False,
     check=BOOLEAN,
+    python=True,
   ),
   Field(
     'hdet.num_replicas',
@@ -306,7 +316,7 @@ FIELDS: tuple[Field, ...] = (
     'hdet.num_syncs',
     15,
     RUN,
-    'With sync_every 0: T = round(num_train_steps / num_syncs) ...',
+    'With sync_every 0: T = round(num_train_steps / num_syncs), at most 100; both 0: never.',
     legacy=0,
     check=integer(lambda v: v >= 0, 'an integer >= 0 (used where hdet.sync_every is 0)'),
   ),
@@ -317,6 +327,7 @@ FIELDS: tuple[Field, ...] = (
     '... at most this many steps (0: no cap). Both 0: never average.',
     legacy=100,
     check=integer(lambda v: v >= 0, 'an integer >= 0 (0: no cap on the windows of hdet.num_syncs)'),
+    python=True,
   ),
   Field('hdet.auto_lr', True, RUN, 'The controller moves the base LR at each sync.'),
   Field(
@@ -332,6 +343,7 @@ FIELDS: tuple[Field, ...] = (
     RUN,
     "Compare replicas on one 'common' batch at each sync, or on their 'window' losses.",
     check=one_of(*SCORES),
+    python=True,
   ),
   Field(
     'hdet.probe_windows',
@@ -339,13 +351,15 @@ FIELDS: tuple[Field, ...] = (
     RUN,
     'Windows in the common batch (fresh at each sync).',
     check=integer(lambda v: v >= 1, 'an integer >= 1'),
+    python=True,
   ),
   Field(
     'hdet.warmup_steps',
-    0,
+    _AUTO_LR['warmup_steps'],
     RUN,
     'The controller starts at the first sync at or after this step.',
     check=integer(lambda v: v >= 0, 'an integer >= 0'),
+    python=True,
   ),
   Field(
     'hdet.stop_fraction',
@@ -353,29 +367,33 @@ FIELDS: tuple[Field, ...] = (
     RUN,
     "After this fraction of the run the controller holds ('fit': see after_stop).",
     check=real(lambda v: 0 <= v <= 1, 'in [0, 1] (0: from the first sync; 1: never stop)'),
+    python=True,
   ),
   # Rows whose legacy value differs from their default on purpose: records made before the field trained so.
   Field(
     'hdet.after_stop',
-    'rise',
+    _AUTO_LR['after_stop'],
     RUN,
     "'fit' after stop_fraction: 'rise' (take only steps up) or 'hold'.",
     legacy='hold',
     check=one_of(*AFTER_STOP),
+    python=True,
   ),
   Field(
     'hdet.trust',
-    1.0,
+    _AUTO_LR['trust'],
     RUN,
     "'fit': the largest change of log(LR correction) per sync (1.0: x2.7).",
     check=real(lambda v: v > 0, 'a number > 0'),
+    python=True,
   ),
   Field(
     'hdet.memory',
-    0.5,
+    _AUTO_LR['memory'],
     RUN,
     "'fit': forgetting factor of the line search's statistics across syncs.",
     check=real(lambda v: 0 <= v < 1, 'in [0, 1)'),
+    python=True,
   ),
   Field(
     'hdet.initial_scale',
@@ -387,16 +405,23 @@ FIELDS: tuple[Field, ...] = (
   ),
   Field(
     'hdet.step_growth',
-    2.0,
+    _AUTO_LR['step_growth'],
     RUN,
     "'fit': the step's gain grows by this factor while steps keep one sign (1: off).",
     legacy=1.0,
     check=real(lambda v: v >= 1, 'a number >= 1 (1: no acceleration)'),
+    python=True,
   ),
   Field(
-    'hdet.max_gain', 4.0, RUN, "'fit': the largest gain.", legacy=4.0, check=real(lambda v: v >= 1, 'a number >= 1')
+    'hdet.max_gain',
+    _AUTO_LR['max_gain'],
+    RUN,
+    "'fit': the largest gain.",
+    legacy=4.0,
+    check=real(lambda v: v >= 1, 'a number >= 1'),
+    python=True,
   ),
-  Field('hdet.backoff', None, RUN, 'Step the LR down on such a window.', legacy=False),
+  Field('hdet.backoff', None, RUN, 'Step the LR down on such a window.', legacy=False, python=True),
   Field(
     'hdet.backoff_stderrs',
     None,
@@ -404,6 +429,7 @@ FIELDS: tuple[Field, ...] = (
     'Margin in standard errors (None: 2).',
     legacy=0.0,
     check=real(lambda v: v >= 0, 'a number >= 0 (0: any rise backs off)', none_resolves=True),
+    python=True,
   ),
   Field(
     'hdet.backoff_fraction',
@@ -412,25 +438,41 @@ FIELDS: tuple[Field, ...] = (
     'Margin as a fraction of the loss (None: 0.05).',
     legacy=0.0,
     check=real(lambda v: 0 <= v < 1, 'a number in [0, 1) (0: off)', none_resolves=True),
+    python=True,
   ),
-  Field('hdet.rollback', None, RUN, 'Also return the replicas to the sync before it.', legacy=False),
-  Field('hdet.settle', None, RUN, "'fit': stop spreading once the climb has ended.", legacy=False),
-  Field('hdet.temperature', 0.1, RUN, "'paper': sigma of eq. 4, in nats.", check=real(lambda v: v > 0, 'a number > 0')),
+  Field('hdet.rollback', None, RUN, "Undo a window whose loss blew up (None: where 'fit' guards).", legacy=False),
+  Field('hdet.settle', None, RUN, "'fit': stop spreading once the climb has ended.", legacy=False, python=True),
+  Field(
+    'hdet.temperature',
+    _AUTO_LR['temperature'],
+    RUN,
+    "'paper': sigma of eq. 4, in nats.",
+    check=real(lambda v: v > 0, 'a number > 0'),
+    python=True,
+  ),
   Field(
     'hdet.lr_of_lr',
-    0.5,
+    _AUTO_LR['lr_of_lr'],
     RUN,
     "'paper': lambda of eq. 7, the step size of the base-LR update.",
     check=real(lambda v: v >= 0, 'a number >= 0'),
+    python=True,
   ),
   Field(
     'hdet.momentum',
-    0.9,
+    _AUTO_LR['momentum'],
     RUN,
     "'paper': beta of eq. 7, the momentum of the base-LR velocity.",
     check=real(lambda v: 0 <= v < 1, 'in [0, 1)'),
+    python=True,
   ),
-  Field('hdet.smooth_decay', True, RUN, "'paper': decay the base continuously within a window (False: hold it)."),
+  Field(
+    'hdet.smooth_decay',
+    _AUTO_LR['smooth_decay'],
+    RUN,
+    "'paper': decay the base continuously within a window (False: hold it).",
+    python=True,
+  ),
   Field('hdet.param_groups', False, RUN, 'Per-group LRs (embedding, no_decay, weights), each with its own controller.'),
   Field(
     'hdet.explore.weight_decay',
@@ -537,6 +579,7 @@ FIELDS: tuple[Field, ...] = (
     'A rung ranks runs by their mean training loss over this many steps.',
     legacy=10,
     check=integer(lambda v: v >= 1, 'an integer >= 1'),
+    python=True,
   ),
   Field(
     'warm_init.nu',
@@ -593,6 +636,7 @@ FIELDS: tuple[Field, ...] = (
     LOOP,
     'Stop (with a checkpoint) after this many steps, as if preempted; 0: run to the end.',
     check=integer(lambda v: v >= 0, 'an integer >= 0 (0: run to the end)'),
+    python=True,
   ),
   Field('stop_on_nan', True, LOOP, "Stop once every replica's loss is NaN/inf (False: record it, keep going)."),
   Field('plots', True, LOOP, 'Draw the PNG plots into WORKDIR/plots at the end.'),
@@ -678,6 +722,18 @@ FIELDS: tuple[Field, ...] = (
 
 BY_NAME = {f.name: f for f in FIELDS}
 assert len(BY_NAME) == len(FIELDS), 'a field declared twice'
+
+
+def tuning_fields() -> tuple[str, ...]:
+  """The fields research sets in Python (``train_and_evaluate(config, workdir, tuning={name: value})``): the
+  controller's tuning, the probe, the windows' cap, the bracket's compare steps, the LR's run-time power of two and a
+  stop as if preempted. They are not in ``configs/default.py``; a run records them in ``config.json`` as before."""
+  return tuple(f.name for f in FIELDS if f.python)
+
+
+# hdet.controller='paper' (eqs. 4-9) at the paper's values where research sets none of these: its replicas scored on
+# their window losses, its controller acting to the end (``hdet_jax.AutoLR.paper``'s ``stop_steps=None``).
+PAPER_TUNING = {'hdet.score': 'window', 'hdet.stop_fraction': 1.0}
 
 
 def loop_only() -> frozenset[str]:

@@ -36,9 +36,13 @@ from hdet_jax.trainer.setup import Run, TrainState, one_program_in_flight  # noq
 from hdet_jax.trainer.summary import format_summary  # noqa: F401 (the trainer's API)
 
 
-def train_and_evaluate(config: Any, workdir: str, *, optimizer: optimizer_lib.Base | None = None) -> dict:
+def train_and_evaluate(
+  config: Any, workdir: str, *, optimizer: optimizer_lib.Base | None = None, tuning: dict | None = None
+) -> dict:
   """Trains (or resumes) the run described by ``config`` in ``workdir``; returns the summary. ``optimizer``: a base
   optimizer given in Python in place of ``optim.name``'s (research's LR-free baselines: ``optimizer.Base``).
+  ``tuning``: what research varies and a user does not set, given in Python by dotted name (``schema.tuning_fields``:
+  the controller's tuning, e.g. ``{'hdet.trust': 0.25}``; ``'stop_at_step'``: stop as if preempted).
 
   SIGTERM or SIGINT during training (a preemption, Ctrl-C) finishes the current step, writes a
   checkpoint and returns with ``summary['preempted']`` set; rerunning resumes from it.
@@ -47,7 +51,7 @@ def train_and_evaluate(config: Any, workdir: str, *, optimizer: optimizer_lib.Ba
     t0 = time.time()
     # ---- Checks (checks.py): nothing is written before all of them pass. ----
     check_output_paths(config, workdir)
-    settings = run_settings.resolve(config, optimizer)  # the config, checked and resolved: each part's settings
+    settings = run_settings.resolve(config, optimizer, tuning)  # the config, checked and resolved: each part's settings
     run = checks.check_run(settings, os.path.abspath(os.path.expanduser(workdir)))
     # ---- Setup (setup.py): the records, the initial state, and every program compiled once, up front. ----
     run = setup.open_records(run)
