@@ -37,6 +37,15 @@ def _bad_override(e: Exception) -> None:
   if field in compat.REMOVED:
     print(f'error: bad --config override{where}: {compat.removed_message(field)}', file=sys.stderr)
     sys.exit(2)
+  from hdet_jax.trainer import schema
+
+  if field in schema.tuning_fields():
+    print(
+      f'error: bad --config override{where}: {field} is research tuning, not a config field: give it in Python, '
+      f"train_and_evaluate(config, workdir, tuning={{'{field}': ...}}) (docs/config.md).",
+      file=sys.stderr,
+    )
+    sys.exit(2)
   detail = (
     f'no field named {bad!r}; did you mean {m.group(1)!r}?'
     if m

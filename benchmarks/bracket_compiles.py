@@ -86,8 +86,9 @@ def _train_points(config_path: str, points: int, steps: int, runtime: bool, keep
         program_cache.clear()
       t = time.perf_counter()
       train_and_evaluate(
-        config_lib.with_overrides(base, {'optim.max_lr': lr, 'optim.runtime_lr_scale': runtime}),
+        config_lib.with_overrides(base, {'optim.max_lr': lr}),
         os.path.join(work, f'point{k}'),
+        tuning={'optim.runtime_lr_scale': runtime},
       )
       jax.effects_barrier()
       rows.append(

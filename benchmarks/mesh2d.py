@@ -56,10 +56,16 @@ MODES = {  # name -> config overrides
 
 
 def config_for(groups: int, overrides: dict):
-  config = config_lib.load_config_file(os.path.join(REPO, 'configs', 'default.py'))
+  """The default config on ``groups`` groups with ``overrides`` (tuning fields too: :func:`resolve` gives them)."""
+  config = run_settings.recorded_config(config_lib.load_config_file(os.path.join(REPO, 'configs', 'default.py')))
   return config_lib.with_overrides(
     config, {'data.batch_size': GLOBAL_WINDOWS // groups, 'hdet.sync_every': 25, **overrides}
   )
+
+
+def resolve(config):
+  config, tuning = run_settings.split(config)
+  return run_settings.resolve(config, tuning=tuning)
 
 
 def label(groups: int, fsdp: int, tensor: int) -> str:
@@ -70,7 +76,7 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   """(config, mesh, params, opt_state, step, window_end, data, window end's further arguments): the trainer's
   programs, compiled."""
   config = config_for(groups, overrides)
-  run = run_settings.resolve(config)
+  run = resolve(config)
   mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
   tx = optimizer_lib.make_optimizer(run.optimizer, groups)
   graphdef, _ = run.task.abstract_model(run.task_settings)
@@ -196,7 +202,7 @@ def bare_step(graphdef, tx, hdet: bool, sync: bool):
 def compiled_pair(groups: int, fsdp: int, tensor: int, sync_every: int):
   """{'plain', 'nosync', 'sync'}: (compiled program, args) of bare steps on the layout."""
   config = config_for(groups, {'hdet.sync_every': sync_every, 'hdet.score': 'window'})
-  run = run_settings.resolve(config)
+  run = resolve(config)
   mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
   graphdef, _ = run.task.abstract_model(run.task_settings)
   o = run.optimizer

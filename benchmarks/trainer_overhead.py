@@ -126,7 +126,6 @@ def _config(steps):
   spec.loader.exec_module(mod)
   config = mod.get_config()
   config.num_train_steps = steps
-  config.hdet.warmup_steps = min(config.hdet.warmup_steps, steps // 2)
   config.progress_bar = False
   config.plots = False
   config.compilation_cache = ''

@@ -151,7 +151,6 @@ def train_one(
 ) -> dict:
   """One bracket (cached: its record; resumable: its workdir until the record is written); ``bracket_fields`` as
   :func:`config_for`'s ``bracket``."""
-  from hdet_jax.trainer import bracket
 
   path = record_path(cell, start, seed, quick, work_root)
   if os.path.exists(path):
@@ -161,7 +160,7 @@ def train_one(
   workdir = os.path.join(work_root, 'bracket_mode', workload, f'steps{steps}', f'{optim}_{start}_s{seed}')
   config = config_for(cell, start, seed, quick, work_root, bracket_fields)
   t0 = time.time()
-  summary = bracket.run_bracket(config, workdir)
+  summary = records.run_bracket(config, workdir)
   if summary['preempted']:
     sys.exit(143)
   state = summary['bracket']

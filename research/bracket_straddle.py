@@ -105,9 +105,12 @@ def probe_lr(cell: str, seed: int, quick: bool, work_root: str, start: str = 'be
 def _train_point(config, lr: float, stop_at_step: int, workdir: str) -> dict:
   """The bracket's run at ``lr`` (``bracket.point_config``) in a scratch workdir, removed afterwards; a preempted run
   exits 143 (rerun to resume)."""
-  from hdet_jax.trainer import bracket, trainer
+  from hdet_jax.trainer import bracket, run_settings, trainer
 
-  summary = trainer.train_and_evaluate(bracket.point_config(config, lr, stop_at_step), workdir)
+  product, tuning = run_settings.split(config)
+  summary = trainer.train_and_evaluate(
+    bracket.point_config(product, lr, stop_at_step), workdir, tuning=bracket.point_tuning(tuning, stop_at_step)
+  )
   if summary['preempted']:
     sys.exit(143)
   return summary

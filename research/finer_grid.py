@@ -474,7 +474,7 @@ def check_path(cell: str, quick: bool, work_root: str) -> str:
 def check(spec: str, quick: bool, work_root: str) -> dict:
   """Trains the bracket of ``cell:start:seed`` for real with its first rung keeping ``min(keeps)`` and compares its
   kept point and final with the composition's."""
-  from hdet_jax.trainer import bracket, schema
+  from hdet_jax.trainer import schema
 
   *cell, start, seed = spec.split(':')
   cell, seed, keep = ':'.join(cell), int(seed), min(keeps(quick))
@@ -482,7 +482,7 @@ def check(spec: str, quick: bool, work_root: str) -> dict:
   rungs = ','.join(f'{f:g}:{k}' for f, k in [(first, keep)] + rest)
   workdir = os.path.join(work_root, 'finer_grid', 'check')
   shutil.rmtree(workdir, ignore_errors=True)
-  summary = bracket.run_bracket(config_for(cell, start, seed, quick, work_root, rungs), workdir)
+  summary = records.run_bracket(config_for(cell, start, seed, quick, work_root, rungs), workdir)
   shutil.rmtree(workdir, ignore_errors=True)
   comp = composed(cell, start, seed, quick, work_root, train=True)[keep]
   got = {

@@ -75,7 +75,7 @@ def config_of(rec: dict, quick: bool, init_from: str | None):
     keep = {k: v for k, v in flat.items() if k.startswith('hdet.') or k in ('seed', 'optim.max_lr', 'init_from')}
     flat = {**keep, 'num_train_steps': 40, 'hdet.sync_every': 10}
     return config_lib.with_overrides(base, flat)
-  return config_lib.with_overrides(config_lib.load_config_file(os.path.join(REPO, 'configs', 'default.py')), flat)
+  return config_lib.with_overrides(records.load_config(os.path.join(REPO, 'configs', 'default.py')), flat)
 
 
 def backoffs(rec: dict) -> list[int]:

@@ -127,19 +127,46 @@ def paired_gap(values: list, reference: list) -> tuple[float | None, float | Non
   return float(v.mean() / r.mean() - 1), se
 
 
+def load_config(path: str) -> Any:
+  """A product config file (e.g. configs/default.py) as a study's configs hold it: with the trainer's tuning fields
+  (``schema.tuning_fields``: what research varies, given to the trainer in Python) at their defaults, in their places,
+  so that a study sets them like any other field and its records keep the configs they always held."""
+  from hdet_jax.trainer import config_lib, run_settings
+
+  return run_settings.recorded_config(config_lib.load_config_file(path))
+
+
 def trainer_arguments(config: Any) -> tuple[Any, dict]:
-  """(config, keyword arguments) of the trainer's ``train_and_evaluate`` for a study's ``config``: an LR-free peer's
-  ``optim.name`` (``research.autolr.baselines``) is given in Python as a base optimizer, the config keeping the
-  product's optimizer; any other config as it is. The study's config (its record's ``config``) keeps the peer's name.
+  """(config, keyword arguments) of the trainer's ``train_and_evaluate`` for a study's ``config``: its tuning fields
+  given in Python (``tuning``), and an LR-free peer's ``optim.name`` (``research.autolr.baselines``) as a base
+  optimizer, the config keeping the product's optimizer. The study's config (its record's ``config``) keeps them all.
   """
+  from hdet_jax.trainer import run_settings
   from research import autolr
 
+  product, tuning = run_settings.split(config)
+  kwargs = {'tuning': tuning}
   peers = autolr.baselines()
-  if config.optim.name not in peers:
-    return config, {}
-  product = config.copy_and_resolve_references()
-  product.optim.name = 'adamw'
-  return product, {'optimizer': peers[config.optim.name]}
+  if product.optim.name in peers:
+    kwargs['optimizer'] = peers[product.optim.name]
+    product.optim.name = 'adamw'
+  return product, kwargs
+
+
+def resolve(config: Any) -> Any:
+  """The trainer's ``run_settings.resolve`` of a study's ``config`` (:func:`trainer_arguments`)."""
+  from hdet_jax.trainer import run_settings
+
+  product, kwargs = trainer_arguments(config)
+  return run_settings.resolve(product, kwargs.get('optimizer'), kwargs['tuning'])
+
+
+def run_bracket(config: Any, workdir: str) -> dict:
+  """The trainer's LR bracket of a study's ``config`` (``bracket.points > 0``) in ``workdir``, its tuning in Python."""
+  from hdet_jax.trainer import bracket, run_settings
+
+  product, tuning = run_settings.split(config)
+  return bracket.run_bracket(product, workdir, tuning=tuning)
 
 
 def train_run(name: str, config: Any, workdir: str) -> dict:
@@ -147,12 +174,11 @@ def train_run(name: str, config: Any, workdir: str) -> dict:
   record's common fields: name, peak LR, final metric (None: not finite), divergence, wall seconds, parameters, and a
   bracket's LRs, rungs and kept LR. A preempted run exits with status 143 (rerunning resumes it)."""
   from hdet_jax import trainer
-  from hdet_jax.trainer import bracket
 
   trainer.setup_jax(config)
   t0 = time.time()
   if config.bracket.points:
-    summary = bracket.run_bracket(config, workdir)
+    summary = run_bracket(config, workdir)
   else:
     product, kwargs = trainer_arguments(config)
     summary = trainer.train_and_evaluate(product, workdir, **kwargs)

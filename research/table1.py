@@ -102,10 +102,11 @@ MECHANISM = {  # name: (the row config it changes, the changes, warm start)
 
 
 def load_row_config(name: str):
-  from hdet_jax.trainer import config_lib
+  """A row's config as its records hold it (the trainer's tuning fields in it: records.load_config)."""
+  from hdet_jax.trainer import config_lib, run_settings
 
   where = ('configs',) if name == 'default' else ('research', 'configs')  # (the product's default, or a row's)
-  return config_lib.load_config_file(os.path.join(REPO, *where, name + '.py'))
+  return run_settings.recorded_config(config_lib.load_config_file(os.path.join(REPO, *where, name + '.py')))
 
 
 def experiment_config(base: str, settings: dict, *, lr: float, seed: int, init_from: str | None = None, **changes):
@@ -276,7 +277,8 @@ class Experiment:
     workdir = self.cache.workdir(WARM_START)
     if checkpoints.latest_step(workdir) is None:
       print(f'   the warm checkpoint is gone: retraining {workdir}', flush=True)
-      trainer.train_and_evaluate(self.pretrain_config, workdir)
+      product, kwargs = records.trainer_arguments(self.pretrain_config)
+      trainer.train_and_evaluate(product, workdir, **kwargs)
 
 
 def sweep_and_choose(ex: Experiment) -> tuple[dict, dict, dict]:

@@ -237,7 +237,7 @@ def rungs_text(k: int, quick: bool) -> str:
 def check(spec: str, quick: bool, work_root: str) -> dict:
   """Trains the bracket of ``cell:start:seed`` in full with the first rung keeping ``max(EXTRA)`` more, and returns
   its kept LR and final metric beside the composition's."""
-  from hdet_jax.trainer import bracket, config_lib
+  from hdet_jax.trainer import config_lib
 
   *cell, start, seed = spec.split(':')
   cell, seed, k = ':'.join(cell), int(seed), max(EXTRA)
@@ -246,7 +246,7 @@ def check(spec: str, quick: bool, work_root: str) -> dict:
   )
   workdir = _scratch(cell, start, seed, 0.0, 'check', work_root)
   shutil.rmtree(workdir, ignore_errors=True)
-  summary = bracket.run_bracket(config, workdir)
+  summary = records.run_bracket(config, workdir)
   shutil.rmtree(workdir, ignore_errors=True)
   composed = compose(cell, start, seed, quick, work_root, train=True)['wider'][str(k)]
   got = {

@@ -1,4 +1,5 @@
-"""python train.py --config research/configs/baseline_high.py --workdir workdirs/baseline_high
+"""research/configs/baseline_high.py: one row of the Table 1 ablation, run by ``python -m research.table1``
+(its tuning fields go to the trainer in Python: ``research.records.trainer_arguments``).
 
 Baseline-High: plain data parallel at the high peak LR: no ensemble to stabilise it.
 

@@ -1,4 +1,5 @@
-"""python train.py --config research/configs/baseline_low.py --config.seed=100 --workdir workdirs/baseline_low
+"""research/configs/baseline_low.py: one row of the Table 1 ablation, run by ``python -m research.table1``
+(its tuning fields go to the trainer in Python: ``research.records.trainer_arguments``).
 
 Baseline-Low: plain data parallel (no spread, no averaging, no auto-LR) at a conservative
 peak LR, a ninth of the ablation family's. Its seed-100 run is the warm rows' checkpoint.

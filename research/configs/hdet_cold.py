@@ -1,4 +1,5 @@
-"""python train.py --config research/configs/hdet_cold.py --workdir workdirs/hdet_cold
+"""research/configs/hdet_cold.py: one row of the Table 1 ablation, run by ``python -m research.table1``
+(its tuning fields go to the trainer in Python: ``research.records.trainer_arguments``).
 
 HDET without warm init: LR spread, periodic averaging and auto-LR from a random init (cold
 start), at the high peak LR.

@@ -1,8 +1,9 @@
-"""python train.py --config research/configs/hdet_full.py --workdir workdirs/hdet_full
+"""research/configs/hdet_full.py: one row of the Table 1 ablation, run by ``python -m research.table1``
+(its tuning fields go to the trainer in Python: ``research.records.trainer_arguments``).
 
 HDET (full): LR spread, periodic averaging and auto-LR from a warm noisy start, at the high
 peak LR. Needs the warm checkpoint first: a Baseline-Low run,
-``python train.py --config research/configs/baseline_low.py --config.seed=100 --workdir workdirs/baseline_low``
+the baseline_low row at seed 100
 (the experiment's pre-training run), or point --config.init_from at another workdir.
 
 One row of the paper's Table 1 ablation (§4), as run by ``python -m research.table1``
@@ -13,6 +14,7 @@ LR where plain data parallel crashed or clearly degraded); baseline_low uses a n
 
 import os
 
+from hdet_jax.trainer import run_settings
 from hdet_jax.trainer.config_lib import load_config_file
 
 PRODUCT_CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), 'configs')
@@ -22,7 +24,7 @@ HIGH_LR = (
 
 
 def get_config():
-  config = load_config_file(os.path.join(PRODUCT_CONFIGS, 'default.py'))
+  config = run_settings.recorded_config(load_config_file(os.path.join(PRODUCT_CONFIGS, 'default.py')))
   config.num_train_steps = 500  # S: every row trains this many steps (warm rows after their pre-training run).
   config.hdet.warmup_steps = 250  # S_warm: the auto-LR controller (where on) starts halfway, as in default.py.
   config.optim.max_lr = HIGH_LR  # Aggressive peak LR (the mean replica's).

@@ -1,8 +1,9 @@
-"""python train.py --config research/configs/hdet_no_auto_lr.py --workdir workdirs/hdet_no_auto_lr
+"""research/configs/hdet_no_auto_lr.py: one row of the Table 1 ablation, run by ``python -m research.table1``
+(its tuning fields go to the trainer in Python: ``research.records.trainer_arguments``).
 
 HDET without auto-LR: LR spread and periodic averaging from a warm noisy start, at the high
 peak LR; the base LR follows the one-cycle schedule. Needs the warm checkpoint first: a Baseline-Low run,
-``python train.py --config research/configs/baseline_low.py --config.seed=100 --workdir workdirs/baseline_low``
+the baseline_low row at seed 100
 (the experiment's pre-training run), or point --config.init_from at another workdir.
 
 One row of the paper's Table 1 ablation (§4), as run by ``python -m research.table1``

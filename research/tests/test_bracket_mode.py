@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from research import bracket_mode as exp
+from research import records
 
 
 def _rec(start, seed, kept_x, final, anchor=0.015):
@@ -105,11 +106,10 @@ def test_the_lm_cell_from_the_best_is_configs_bracket_py():
   """The report's LM row at 1500 steps from the best is what ``python train.py --config configs/bracket.py`` trains:
   the same runs; the default rungs keep 5 at 0.1 where the report's kept 4, and on that cell the fifth point changed
   no seed's kept run (results/wider_rung.json), so the same kept LR and final metric."""
-  from hdet_jax.trainer import config_lib, run_settings
 
-  mine = config_lib.load_config_file(os.path.join(exp.REPO, 'configs', 'bracket.py'))
+  mine = records.load_config(os.path.join(exp.REPO, 'configs', 'bracket.py'))
   theirs = exp.config_for('lm:1500:adamw', 'best', 0, False, '/unused')
-  assert run_settings.resolve(theirs).training_fields(8) == run_settings.resolve(mine).training_fields(8)
+  assert records.resolve(theirs).training_fields(8) == records.resolve(mine).training_fields(8)
   assert mine.optim.max_lr == exp.anchor_lr('lm:1500:adamw', False)
   assert {**theirs.bracket.to_dict(), 'rungs': '0.1:5,0.3:1'} == mine.bracket.to_dict()
   assert theirs.bracket.rungs == '0.1:4,0.3:1'

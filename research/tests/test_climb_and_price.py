@@ -9,13 +9,14 @@ import numpy as np
 from research import autolr_report
 from research import climb_and_price as cp
 from hdet_jax.trainer import config_lib
+from research import records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RHO = np.linspace(0.75, 1.25, 8)
 
 
 def _config(**overrides):
-  c = config_lib.load_config_file(os.path.join(ROOT, 'configs', 'default.py'))
+  c = records.load_config(os.path.join(ROOT, 'configs', 'default.py'))
   config_lib.with_overrides(c, {'num_train_steps': 400, 'optim.schedule': 'constant', **overrides})
   return json.loads(c.to_json())
 

@@ -12,9 +12,8 @@ from research import records
 
 
 def test_the_pinned_bracket_is_the_default_one():
-  from hdet_jax.trainer import config_lib
 
-  default = config_lib.load_config_file(os.path.join(exp.REPO, 'configs', 'default.py'))
+  default = records.load_config(os.path.join(exp.REPO, 'configs', 'default.py'))
   assert {f'bracket.{k}': v for k, v in default.bracket.to_dict().items() if k != 'points'} == {
     k: v for k, v in exp.BRACKET.items() if k != 'bracket.points'
   }
@@ -97,13 +96,12 @@ def test_the_digits_check_trains_on_the_committed_digits():
   """The digits check's runs read research/data/digits.npz (a path relative to the repository, so that records
   hold no machine's path): 1,437 training and 360 test signals of 64 samples, the default CNN's 25 channels."""
   import contextlib
-  from hdet_jax.trainer import run_settings
 
   config = exp.config_for('grid_lr0.03_s0', exp.Site('digits', False, ''))
   assert config.data.path == 'research/data/digits.npz' and config.data.batch_size == 8
   assert config.model.channels == 25 and config.num_train_steps == 600
   with contextlib.chdir(exp.REPO):
-    run = run_settings.resolve(config)
+    run = records.resolve(config)
     data = run.task.load(run.task_settings, 8)
   assert data.description == '1,437 train / 360 test examples (signals 64 x 1)'
   assert exp.load('grid_lr0.03_s0', exp.Site('digits', False, ''))['num_params'] == 5960
@@ -197,13 +195,12 @@ def test_the_rung_traces_end_as_the_sweep_and_their_table_ranks_as_numpy():
 def test_the_annealed_copy_runs_the_sweeps_schedule_to_the_last_rung_then_anneals_to_its_end():
   """research.heldout_task.annealed_config: the sweep's LRs bit for bit for the 180 steps to the last rung (0.3 of
   600; the batches depend on the step only), then down to the sweep's end LR in 60 steps."""
-  from hdet_jax.trainer import run_settings
 
   site = exp.Site('digits', False, '')
   full = exp.config_for('grid_lr0.12_s1', site)
   copy = exp.annealed_config(0.12, 1, site)
   assert copy.num_train_steps == 180 + 60 and copy.seed == full.seed == 1 and copy.optim.max_lr == 0.12
-  a, b = run_settings.resolve(full).optimizer.schedule, run_settings.resolve(copy).optimizer.schedule
+  a, b = records.resolve(full).optimizer.schedule, records.resolve(copy).optimizer.schedule
   steps = np.arange(180)  # the 180 steps to the last rung (step 180 compares the losses of steps 170-179)
   np.testing.assert_array_equal(np.asarray(jax_values(a, steps)), np.asarray(jax_values(b, steps)))
   assert float(b(179)) == pytest.approx(0.12, rel=1e-6)  # the peak, at the last rung

@@ -12,6 +12,7 @@ import shutil
 import numpy as np
 import pytest
 
+from hdet_jax.trainer import run_settings
 from research import records
 from research import table1 as T
 
@@ -24,12 +25,11 @@ def _fake_train_and_evaluate(calls):
   Peak LRs above 0.1 'crash' (their loss grows), so the sweep's choice is known: high 0.3, low 0.3 / 9.
   """
   from hdet_jax.trainer import metrics
-  from hdet_jax.trainer import run_settings
 
-  def run(config, workdir):
+  def run(config, workdir, tuning=None):
     calls.append((os.path.basename(workdir), config.init_from, config.optim.max_lr))
     os.makedirs(workdir, exist_ok=True)
-    loop = run_settings.resolve(config).loop
+    loop = run_settings.resolve(config, tuning=tuning).loop
     names, n, steps = list(loop.hyperparam_names), 8, config.num_train_steps
     lr, rng = config.optim.max_lr, np.random.default_rng(config.seed)
     w = metrics.MetricsWriter(os.path.join(workdir, 'metrics.jsonl'))
@@ -164,7 +164,6 @@ def test_the_rows_configs_are_research_s_valid_and_documented():
   import ast
 
   from hdet_jax.trainer import optimizer as optimizer_lib
-  from hdet_jax.trainer import run_settings
 
   folder = os.path.join(T.REPO, 'research', 'configs')
   assert sorted(p[:-3] for p in os.listdir(folder) if p.endswith('.py')) == sorted(ROWS)
@@ -172,21 +171,21 @@ def test_the_rows_configs_are_research_s_valid_and_documented():
     path = os.path.join(folder, f'{name}.py')
     doc = ast.get_docstring(ast.parse(open(path).read()))
     assert doc.startswith(f'python train.py --config research/configs/{name}.py'), doc.splitlines()[0]
-    run = run_settings.resolve(T.load_row_config(name))
+    run = records.resolve(T.load_row_config(name))
     assert callable(optimizer_lib.make_optimizer(run.optimizer, 8).update)
 
 
 def test_the_rows_config_json_is_what_1_0_wrote_and_its_workdirs_resume(tmp_path):
   """config.json of the rows 1.0 recorded (tests/data/config_json_1.0.json, beside the product's configs): the same
   bytes but for the loop field added since, and a workdir holding 1.0's config.json passes the resume check."""
-  from hdet_jax.trainer import config_lib, run_settings
+  from hdet_jax.trainer import config_lib
   from hdet_jax.trainer import checks
 
   recorded = json.load(open(os.path.join(T.REPO, 'tests', 'data', 'config_json_1.0.json')))['configs']
   rows = {name: old for name, old in recorded.items() if name in ROWS}
   assert sorted(rows) == ['baseline_low', 'hdet_cold', 'hdet_full', 'warm_init']
   for name, old in rows.items():
-    run = run_settings.resolve(T.load_row_config(name))
+    run = records.resolve(T.load_row_config(name))
     given = {k: v for k, v in run.given.items() if k != 'chunk_steps'}
     new = {'training_fields': run.training_fields(8), 'config': config_lib.unflatten(given)}
     assert json.dumps(new, indent=1) == json.dumps(old, indent=1), name

@@ -125,7 +125,7 @@ def test_cache_keys_are_fields_the_runs_configs_hold(workload):
 def test_the_reported_variant_is_the_workloads_default_config(workload):
   """The HDET the report calls the default trains what the workload's config trains at every run length: the same
   sync windows, controller settings and comparison (so the tables describe `python train.py --config ...`)."""
-  from hdet_jax.trainer import config_lib, run_settings
+  from hdet_jax.trainer import config_lib
 
   for steps in workloads.lengths(workload, False):
     config = workloads.base_config(workload, steps, False)
@@ -134,7 +134,7 @@ def test_the_reported_variant_is_the_workloads_default_config(workload):
       workloads.base_config(workload, steps, False),
       autolr.run_overrides('hdet', 'adamw', config.optim.max_lr, config.seed, steps, variant=variant),
     )
-    run, default = run_settings.resolve(ran), run_settings.resolve(config)
+    run, default = records.resolve(ran), records.resolve(config)
     assert run.loop.windows == default.loop.windows, (workload, steps)
     first_sync = default.loop.windows[0]
     # A stop before the first sync makes the same decisions wherever it falls (rise-only from the first sync).
