@@ -42,7 +42,7 @@ def _bad_override(e: Exception) -> None:
   if field in schema.tuning_fields():
     print(
       f'error: bad --config override{where}: {field} is research tuning, not a config field: give it in Python, '
-      f"train_and_evaluate(config, workdir, tuning={{'{field}': ...}}) (docs/config.md).",
+      f"train_and_evaluate(config, workdir, tuning={{'{field}': ...}}) (docs/trainer.md).",
       file=sys.stderr,
     )
     sys.exit(2)

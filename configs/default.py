@@ -11,7 +11,7 @@ The paper's controller (eqs. 4-9, at the paper's values) is --config.hdet.contro
 
 Every field can be overridden from the command line, e.g. ``--config.hdet.spread=0.2``. What research varies beyond
 these (the controllers' tuning, e.g. the climb's trust) it gives in Python: ``train_and_evaluate(config, workdir,
-tuning={'hdet.trust': 0.5})`` (docs/config.md).
+tuning={'hdet.trust': 0.5})`` (docs/trainer.md).
 """
 
 import ml_collections
