@@ -44,12 +44,15 @@ def run_pair(argv, timeout: int = 300) -> list[str]:
   return outs
 
 
-def run_two_processes(config: str, workdir: str, extra_args=(), timeout: int = 300) -> list[str]:
-  """Runs train.py as processes 0 and 1 of 2 on localhost (4 CPU devices each); returns their outputs."""
+def run_two_processes(
+  config: str, workdir: str, extra_args=(), timeout: int = 300, train: str | None = None
+) -> list[str]:
+  """Runs train.py (or ``train``, e.g. tests/tuned_train.py) as processes 0 and 1 of 2 on localhost (4 CPU devices
+  each); returns their outputs."""
   outs = run_pair(
     lambda i, port: [
       sys.executable,
-      os.path.join(ROOT, 'train.py'),
+      train or os.path.join(ROOT, 'train.py'),
       '--config',
       config,
       '--workdir',

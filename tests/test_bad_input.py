@@ -314,11 +314,17 @@ def test_train_py_refuses_workdir_dot_with_one_line_and_writes_nothing(tmp_path)
 
 
 def _tiny(**overrides):
-  from hdet_jax.trainer import config_lib
+  import trainer_testing
 
-  config = config_lib.load_config_file(TINY)
-  with config.unlocked():
-    return config_lib.with_overrides(config, overrides)
+  return trainer_testing.load(TINY, **overrides)
+
+
+def _check(config, workdir):
+  """The trainer's checks of ``config`` (record form: its tuning fields given in Python)."""
+  from hdet_jax.trainer import run_settings, trainer as trainer_lib
+
+  config, tuning = run_settings.split(config)
+  trainer_lib.check(config, workdir, tuning=tuning)
 
 
 CANNOT_HONOUR = [
@@ -341,20 +347,20 @@ CANNOT_HONOUR = [
 
 @pytest.mark.parametrize('overrides, says', CANNOT_HONOUR, ids=[','.join(c[0]) for c in CANNOT_HONOUR])
 def test_a_setting_the_run_cannot_honour_is_one_error_naming_the_field(overrides, says, tmp_path):
-  from hdet_jax.trainer import config_lib, trainer as trainer_lib
+  from hdet_jax.trainer import config_lib
 
   with pytest.raises(config_lib.ConfigError, match=says) as e:  # the checks before any work: nothing compiles
-    trainer_lib.check(_tiny(**overrides), str(tmp_path / 'w'))
+    _check(_tiny(**overrides), str(tmp_path / 'w'))
   assert '\n' not in str(e.value) and not (tmp_path / 'w').exists()
 
 
 def test_num_replicas_a_grouped_mesh_cannot_train_is_refused_before_any_work(tmp_path):
-  from hdet_jax.trainer import config_lib, trainer as trainer_lib
+  from hdet_jax.trainer import config_lib
 
   with pytest.raises(
     config_lib.ConfigError, match=r'^hdet\.num_replicas=6 but mesh\.replicas=4 x mesh\.fsdp=2 trains 4'
   ):
-    trainer_lib.check(_tiny(**{'hdet.num_replicas': 6, 'mesh.fsdp': 2}), str(tmp_path / 'w'))
+    _check(_tiny(**{'hdet.num_replicas': 6, 'mesh.fsdp': 2}), str(tmp_path / 'w'))
   assert not (tmp_path / 'w').exists()
 
 
@@ -385,34 +391,40 @@ IGNORED = [
 
 
 def _config(name, **overrides):
-  from hdet_jax.trainer import config_lib
+  import trainer_testing
 
-  config = config_lib.load_config_file(os.path.join(ROOT, 'configs', f'{name}.py'))
-  return config_lib.with_overrides(config, overrides)
+  return trainer_testing.load(name, **overrides)
+
+
+def _ignored(config, base=None):
+  """``run_settings.ignored`` of ``config`` (record form: its tuning fields given in Python) and the file it started
+  from (``base``, as shipped: without tuning)."""
+  from hdet_jax.trainer import run_settings
+
+  config, tuning = run_settings.split(config)
+  return run_settings.ignored(config, base and run_settings.split(base)[0], tuning=tuning)
 
 
 @pytest.mark.parametrize('overrides, name, fields, why', IGNORED, ids=[','.join(c[0]) for c in IGNORED])
 def test_a_setting_the_run_does_not_read_is_one_warning_line_naming_it(overrides, name, fields, why):
-  from hdet_jax.trainer import run_settings
 
-  lines = run_settings.ignored(_config(name, **overrides), _config(name))
+  lines = _ignored(_config(name, **overrides), _config(name))
   assert len(lines) == 1, lines
   assert (
     all(f in lines[0] for f in fields) and why in lines[0].split(' is ignored: ')[-1].split(' are ignored: ')[-1]
   ), lines
-  assert run_settings.ignored(_config(name, **overrides)) == lines or name != 'default'  # the schema's defaults
+  assert _ignored(_config(name, **overrides)) == lines or name != 'default'  # the schema's defaults
 
 
 def test_no_warning_for_the_shipped_configs_or_for_defaults_that_do_not_apply():
   """Each shipped config as given warns of nothing (its own choices, e.g. tiny.py's controller settings), nor does
   a default left where it does not apply (tiny.py sets hdet.sync_every, leaving hdet.num_syncs at its default)."""
-  from hdet_jax.trainer import run_settings
 
   for name in sorted(f[:-3] for f in os.listdir(os.path.join(ROOT, 'configs')) if f.endswith('.py')):
-    assert run_settings.ignored(_config(name), _config(name)) == [], name
+    assert _ignored(_config(name), _config(name)) == [], name
   for name in ('default', 'tiny', 'mnist1d', 'bracket', 'finetune', 'hdet_explore'):
-    assert run_settings.ignored(_config(name)) == [], name
-  assert run_settings.ignored(_config('default', **{'optim.name': 'adam', 'optim.weight_decay': 0.0})) == []
+    assert _ignored(_config(name)) == [], name
+  assert _ignored(_config('default', **{'optim.name': 'adam', 'optim.weight_decay': 0.0})) == []
 
 
 def test_train_py_prints_each_warning_once_at_the_start(tmp_path):
@@ -429,7 +441,7 @@ def test_train_py_prints_each_warning_once_at_the_start(tmp_path):
       '--config',
       TINY,
       '--config.hdet.auto_lr=False',
-      '--config.hdet.trust=0.5',
+      '--config.hdet.initial_scale=0.5',
       '--config.num_cpu_devices=4',
       '--workdir',
       str(workdir),
@@ -445,8 +457,6 @@ def test_train_py_prints_each_warning_once_at_the_start(tmp_path):
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
   assert proc.returncode == 2 and len(errors) == 1 and 'different config' in errors[0], proc.stderr[-3000:]
   assert len(warnings) == 2, warnings
-  assert (
-    'hdet.trust=0.5' in warnings[0] and 'hdet.warmup_steps=10' in warnings[0] and 'hdet.auto_lr=False' in warnings[0]
-  )
+  assert 'hdet.initial_scale=0.5' in warnings[0] and 'hdet.auto_lr=False' in warnings[0]
   assert warnings[1].startswith('warning: num_cpu_devices=4 is ignored: XLA_FLAGS sets the CPU devices'), warnings
   assert _snapshot(workdir) == before

@@ -141,7 +141,7 @@ def test_a_workdir_of_another_kind_is_refused_untouched(tmp_path):
   (workdir / 'metrics.jsonl').write_text('{"kind": "train", "step": 0, "loss": [1.0]}\n')
   config = tiny(**PLAIN, **{'bracket.points': 4, 'bracket.rungs': '0.5:1'})
   with pytest.raises(ConfigError, match='not an LR bracket'):
-    bracket.run_bracket(config, str(workdir))
+    trainer_testing.run_bracket(config, str(workdir))
   assert sorted(os.listdir(workdir)) == ['metrics.jsonl']
 
 
@@ -161,16 +161,16 @@ def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path, monkeypa
     **over, **{'bracket.points': 4, 'bracket.factor': 8.0, 'bracket.rungs': '0.25:2,0.5:1', 'bracket.compare_steps': 3}
   )
 
-  def killed(run_config, workdir):  # a bracket killed inside its first run, before any rung was decided
+  def killed(run_config, workdir, **kwargs):  # a bracket killed inside its first run, before any rung was decided
     os.makedirs(os.path.join(workdir, 'checkpoints'))
     raise KeyboardInterrupt
 
   with monkeypatch.context() as m:
     m.setattr(bracket.trainer_lib, 'train_and_evaluate', killed)
     with pytest.raises(KeyboardInterrupt):
-      bracket.run_bracket(config, str(tmp_path / 'b'))
+      trainer_testing.run_bracket(config, str(tmp_path / 'b'))
   assert json.load(open(tmp_path / 'b' / 'bracket.json'))['rungs'] == []  # recorded before any training
-  summary = bracket.run_bracket(config, str(tmp_path / 'b'))  # resumes it (the workdir is the bracket's own)
+  summary = trainer_testing.run_bracket(config, str(tmp_path / 'b'))  # resumes it (the workdir is the bracket's own)
   state = summary['bracket']
   lrs = [0.01 * 8.0 ** (k - 1.5) for k in range(4)]
   np.testing.assert_allclose(state['lrs'], lrs, rtol=1e-12)
@@ -208,11 +208,11 @@ def test_a_bracket_keeps_the_run_the_straight_runs_rank_first(tmp_path, monkeypa
   old = json.load(open(path))
   old['fields']['training'].update({'bracket.points': 4, 'bracket.factor': 8.0, 'bracket.rungs': '0.25:2,0.5:1'})
   path.write_text(json.dumps(old))
-  again = bracket.run_bracket(config, str(tmp_path / 'b'))
+  again = trainer_testing.run_bracket(config, str(tmp_path / 'b'))
   assert again['bracket']['rungs'] == json.loads(json.dumps(state['rungs']))
   assert again['final_metric'] == summary['final_metric']
   with pytest.raises(ConfigError, match='different config'):
-    bracket.run_bracket(
+    trainer_testing.run_bracket(
       tiny(
         **over,
         **{'bracket.points': 4, 'bracket.factor': 4.0, 'bracket.rungs': '0.25:2,0.5:1', 'bracket.compare_steps': 3},
@@ -244,11 +244,10 @@ def test_two_processes_run_the_bracket_one_process_runs(tmp_path):
     'bracket.rungs': '0.5:1',
     'bracket.compare_steps': 3,
   }
-  one = bracket.run_bracket(tiny(**over), str(tmp_path / 'one'))['bracket']
+  one = trainer_testing.run_bracket(tiny(**over), str(tmp_path / 'one'))['bracket']
   two_dir = str(tmp_path / 'two')
-  outs = run_two_processes(
-    os.path.join(ROOT, 'configs', 'tiny.py'), two_dir, [f'--config.{k}={v}' for k, v in over.items()]
-  )
+  args = [f'--{"tuning" if k in schema.tuning_fields() else "config"}.{k}={v}' for k, v in over.items()]
+  outs = run_two_processes(os.path.join(ROOT, 'configs', 'tiny.py'), two_dir, args, train=trainer_testing.TUNED_TRAIN)
   assert 'LR bracket over 3 peak LRs' in outs[0] and 'LR bracket over' not in outs[1]  # (process 0 reports)
   two = json.load(open(os.path.join(two_dir, 'bracket.json')))
   assert two['lrs'] == one['lrs'] and [r['kept'] for r in two['rungs']] == [r['kept'] for r in one['rungs']]

@@ -98,9 +98,8 @@ def test_window_end_and_distance_measure_each_replicas_distance_from_the_mean():
 
 
 def _fit_config(**overrides):
-  return config_lib.with_overrides(
-    config_lib.load_config_file(TINY),
-    {'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.rollback': False, **overrides},
+  return trainer_testing.tiny(
+    **{'hdet.controller': 'fit', 'hdet.score': 'common', 'hdet.warmup_steps': 0, 'hdet.rollback': False, **overrides}
   )  # (no anchor: the window end's only extra argument is the common batch)
 
 

@@ -402,9 +402,7 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
     bad = dict(bad)
     base = bad.pop('optimizer', None)
     with pytest.raises(config_lib.ConfigError, match=rf'hdet\.{name}'):
-      trainer_testing.resolve(
-        config_lib.with_overrides(trainer_testing.load('default'), bad), base
-      )
+      trainer_testing.resolve(config_lib.with_overrides(trainer_testing.load('default'), bad), base)
   # A record written before the fields existed reads as off.
   assert run_settings.guard(schema.complete({'hdet.auto_lr': True, 'hdet.controller': 'fit'}))._asdict() == off
 
@@ -479,3 +477,57 @@ def test_a_workdir_written_before_fields_at_their_legacy_value_still_resumes(tmp
   assert checks.check_workdir(str(tmp_path), fields) is False  # (no checkpoints: nothing to resume yet)
   with pytest.raises(config_lib.ConfigError, match=r'different config \(seed: 0 -> 1\)'):
     checks.check_workdir(str(tmp_path), trainer_testing.resolve(_tiny_seed(1)).training_fields(8))
+
+
+# ---- Research's tuning fields, given in Python (issue 75). ----
+
+
+def test_a_tuning_field_given_in_python_trains_and_is_recorded_as_before():
+  """tuning={'hdet.trust': 0.5} reaches the controller and the run's recorded fields under the name records have;
+  the same run written as a record-form config (research's) and split resolves to the same fields."""
+  plain = run_settings.resolve(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')))
+  tuned = run_settings.resolve(
+    config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), tuning={'hdet.trust': 0.5}
+  )
+  assert plain.optimizer.auto_lr.trust == 1.0 and tuned.optimizer.auto_lr.trust == 0.5
+  assert plain.training_fields(8)['hdet.trust'] == 1.0 and tuned.training_fields(8)['hdet.trust'] == 0.5
+  record = run_settings.recorded_config(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')))
+  assert record.hdet.trust == 1.0 and record.hdet.score == 'common' and record.stop_at_step == 0
+  record.hdet.trust = 0.5
+  config, tuning = run_settings.split(record)
+  assert 'trust' not in config.hdet and tuning['hdet.trust'] == 0.5 and len(tuning) == 21
+  assert run_settings.resolve(config, tuning=tuning).training_fields(8) == tuned.training_fields(8)
+
+
+def test_a_tuning_field_in_the_config_or_a_config_field_in_tuning_is_one_line_naming_it():
+  config = config_lib.load_config_file(os.path.join(CONFIGS, 'default.py'))
+  config.hdet.trust = 0.5  # (a config written before 1.1, or a study's passed as it is)
+  with pytest.raises(
+    config_lib.ConfigError, match=r"hdet\.trust is not a config field .*tuning=\{'hdet\.trust': 0\.5\}"
+  ):
+    run_settings.resolve(config)
+  with pytest.raises(config_lib.ConfigError, match=r"tuning: 'hdet\.spread' is not a tuning field .*in the config"):
+    run_settings.resolve(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), tuning={'hdet.spread': 0.1})
+  with pytest.raises(config_lib.ConfigError, match=r'hdet\.trust must be a number > 0, got -1'):
+    run_settings.resolve(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), tuning={'hdet.trust': -1})
+
+
+def test_the_paper_controller_alone_is_the_papers_method_at_its_values():
+  """--config.hdet.controller=paper, nothing else: hdet_jax.AutoLR.paper's values (acting to the end, its
+  temperature, lr_of_lr and momentum), the replicas scored on their window losses; research's tuning still wins."""
+  config = config_lib.with_overrides(
+    config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), {'hdet.controller': 'paper'}
+  )
+  run = run_settings.resolve(config)
+  a, want = run.optimizer.auto_lr, hdet_jax.AutoLR.paper(total_steps=1500)
+  assert (a.controller, a.stop_steps, a.warmup_steps, a.temperature, a.lr_of_lr, a.momentum) == (
+    'paper',
+    None,
+    want.warmup_steps,
+    want.temperature,
+    want.lr_of_lr,
+    want.momentum,
+  )
+  assert not run.loop.common_batch and run.training_fields(8)['hdet.score'] == 'window'
+  common = run_settings.resolve(config, tuning={'hdet.score': 'common', 'hdet.stop_fraction': 0.5})
+  assert common.loop.common_batch and common.optimizer.auto_lr.stop_steps == 750

@@ -22,11 +22,12 @@ import trainer_testing
 
 @pytest.fixture(scope='module')
 def straight(tmp_path_factory):
-  """`python train.py --config configs/tiny.py` as a subprocess: 40 steps in one go."""
+  """`python train.py --config configs/tiny.py` as a subprocess, with the tests' tuning (tests/tuned_train.py): 40
+  steps in one go."""
   workdir = str(tmp_path_factory.mktemp('straight'))
   env = dict(os.environ, JAX_NUM_CPU_DEVICES='8')
   proc = subprocess.run(
-    [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', workdir],
+    [sys.executable, trainer_testing.TUNED_TRAIN, '--config', TINY, '--workdir', workdir],
     cwd=ROOT,
     env=env,
     capture_output=True,
@@ -303,8 +304,9 @@ def test_eight_replicas_train_alike_on_8_and_2_devices_with_window_scores(tmp_pa
     (True, '--config.hdet.spred=0.2', "did you mean 'spread'"),
     (False, '--config.hdet.spred=0.2', "did you mean 'spread'"),
     (False, '--config.hdet.fan=geometric', 'hdet.fan was removed in hdet-jax 1.0: '),
+    (False, '--config.hdet.trust=0.5', 'hdet.trust is research tuning, not a config field: give it in Python'),
   ],
-  ids=['with_config', 'default_config', 'removed_field'],
+  ids=['with_config', 'default_config', 'removed_field', 'tuning_field'],
 )
 def test_unknown_config_key_on_the_command_line(tmp_path, with_config, override, says):
   """A typo in a --config.* override, or a field removed in 1.0: one error line naming it, exit 2 (bad input),
@@ -453,7 +455,7 @@ def test_two_processes_match_one(straight, tmp_path):
   """
   ref, _ = straight
   workdir = str(tmp_path / 'mp')
-  outs = run_two_processes(TINY, workdir, ['--config.plots=False'])
+  outs = run_two_processes(TINY, workdir, ['--config.plots=False'], train=trainer_testing.TUNED_TRAIN)
   assert 'Run finished 40 steps.' in outs[0]
   a = np.array([r['loss'] for r in read_metrics(os.path.join(ref, 'metrics.jsonl'))['train']])
   b = np.array([r['loss'] for r in read_metrics(os.path.join(workdir, 'metrics.jsonl'))['train']])
@@ -500,7 +502,7 @@ def test_a_dead_process_makes_the_others_exit_not_hang(tmp_path, victim):
         subprocess.Popen(
           [
             sys.executable,
-            os.path.join(ROOT, 'train.py'),
+            trainer_testing.TUNED_TRAIN,
             '--config',
             TINY,
             '--workdir',
@@ -574,7 +576,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_and_resumes(straight
           subprocess.Popen(
             [
               sys.executable,
-              os.path.join(ROOT, 'train.py'),
+              trainer_testing.TUNED_TRAIN,
               '--config',
               TINY,
               '--workdir',

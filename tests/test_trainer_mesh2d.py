@@ -186,11 +186,11 @@ def test_two_processes_match_one_on_4x2(tmp_path):
   from hdet_jax.trainer.metrics import read_metrics
   from process_testing import run_two_processes
 
-  over = ['--config.mesh.fsdp=2', '--config.num_train_steps=16', '--config.hdet.warmup_steps=4', '--config.plots=False']
+  over = ['--config.mesh.fsdp=2', '--config.num_train_steps=16', '--tuning.hdet.warmup_steps=4', '--config.plots=False']
   one = str(tmp_path / 'one')
   train_and_evaluate(tiny(**{'mesh.fsdp': 2, 'num_train_steps': 16, 'hdet.warmup_steps': 4, 'plots': False}), one)
   two = str(tmp_path / 'two')
-  outs = run_two_processes(TINY, two, over, timeout=600)
+  outs = run_two_processes(TINY, two, over, timeout=600, train=trainer_testing.TUNED_TRAIN)
   assert 'Run finished 16 steps.' in outs[0]
   a = np.array([r['loss'] for r in read_metrics(os.path.join(one, 'metrics.jsonl'))['train']])
   b = np.array([r['loss'] for r in read_metrics(os.path.join(two, 'metrics.jsonl'))['train']])

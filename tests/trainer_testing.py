@@ -9,6 +9,7 @@ from hdet_jax.trainer import config_lib, run_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, 'configs', 'tiny.py')
+TUNED_TRAIN = os.path.join(ROOT, 'tests', 'tuned_train.py')  # train.py with TINY_TUNING given in Python
 _spec = importlib.util.spec_from_file_location('hdet_chaos', os.path.join(ROOT, 'scripts', 'chaos.py'))
 chaos = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(chaos)
@@ -49,6 +50,14 @@ def train_and_evaluate(config, workdir, **kwargs):
 
   config, tuning = run_settings.split(config)
   return trainer.train_and_evaluate(config, workdir, tuning={**tuning, **kwargs.pop('tuning', {})}, **kwargs)
+
+
+def run_bracket(config, workdir):
+  """The trainer's LR bracket of ``config``, its tuning fields (if any) given in Python."""
+  from hdet_jax.trainer import bracket
+
+  config, tuning = run_settings.split(config)
+  return bracket.run_bracket(config, workdir, tuning=tuning)
 
 
 def resolve(config, optimizer=None):

@@ -466,8 +466,14 @@ def _settle_applies(f: Fields) -> bool:
 
 
 # The back-off guard where its fields are left at None (configs/default.py): wherever the back-off applies, it
-# fires on a rise of the window's training loss beyond 2 standard errors and 5% and rolls back; elsewhere it is off.
-GUARD_ON = Guard(backoff=True, rollback=True, backoff_stderrs=2.0, backoff_fraction=0.05)
+# fires on a rise of the window's training loss beyond hdet_jax.AutoLR's margins (2 standard errors and 5%) and rolls
+# back; elsewhere it is off.
+GUARD_ON = Guard(
+  backoff=True,
+  rollback=True,
+  backoff_stderrs=schema.AUTO_LR_DEFAULTS['backoff_stderrs'],
+  backoff_fraction=schema.AUTO_LR_DEFAULTS['backoff_fraction'],
+)
 GUARD_OFF = Guard(backoff=False, rollback=False, backoff_stderrs=0.0, backoff_fraction=0.0)
 
 
@@ -622,17 +628,18 @@ def _ignored(f: Fields, task: tasks_lib.Task) -> list[tuple[str, tuple[str, ...]
   return out
 
 
-def ignored(config: Any, base: Any = None) -> list[str]:
+def ignored(config: Any, base: Any = None, tuning: Fields | None = None) -> list[str]:
   """One line per cause for the fields ``config`` sets (away from their default and legacy value) where the run
   cannot use them: ``"hdet.trust=0.5 is ignored: hdet.auto_lr=False: ..."`` (train.py prints each once, at the
   start, as a warning). ``base``: the config the user started from (a shipped config file, as loaded): its own
   unread fields are that file's choices, and are left out unless ``config`` gives them another value. ``config``
-  is checked first (:func:`resolve`'s ConfigError)."""
-  run = resolve(config)
+  is checked first (:func:`resolve`'s ConfigError). ``tuning``: research's, given in Python (``base`` is read
+  without it)."""
+  run = resolve(config, tuning=tuning)
   f = schema.complete(run.given, run.task.name)
   skip = set()
   if base is not None:
-    b = schema.complete(config_lib.flatten(json.loads(base.to_json())), run.task.name)
+    b = schema.complete(with_tuning(config_lib.flatten(json.loads(base.to_json())), None), run.task.name)
     skip = {(n, json.dumps(b[n])) for _, names in _ignored(b, run.task) for n in names}
   lines = []
   for why, names in _ignored(f, run.task):
