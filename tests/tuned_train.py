@@ -1,4 +1,4 @@
-"""train.py with the tests' tuning given in Python: ``python tests/tuned_train.py [--tuning.NAME=VALUE ...] TRAIN_ARGS``.
+"""train.py with the tests' tuning in Python: ``python tests/tuned_train.py [--tuning.NAME=VALUE ...] ARGS``.
 
 configs/tiny.py's controller tuning left the config in 1.1 (issue 75); the tests keep the scenarios they were built
 on (:data:`trainer_testing.TINY_TUNING`) by giving it in Python, in process (``trainer_testing.tiny``) and, through

@@ -182,11 +182,10 @@ def with_tuning(given: Fields, tuning: Fields | None) -> dict[str, Any]:
       raise ConfigError(
         f'tuning: {name!r} is not a tuning field ({", ".join(names)}); set a config field in the config.'
       )
-  paper = given.get('hdet.controller', schema.BY_NAME['hdet.controller'].default) == 'paper'
-  values = {
-    n: tuning.get(n, schema.PAPER_TUNING.get(n) if paper and n in schema.PAPER_TUNING else schema.BY_NAME[n].default)
-    for n in names
-  }
+  values = {name: schema.BY_NAME[name].default for name in names}
+  if given.get('hdet.controller', schema.BY_NAME['hdet.controller'].default) == 'paper':
+    values.update(schema.PAPER_TUNING)  # the paper's method at its values, where research sets none of them
+  values.update(tuning)
   out, rows = {}, [f.name for f in schema.FIELDS]
   for name, value in given.items():  # each tuning field right after the row before it
     out[name] = value

@@ -143,7 +143,9 @@ class Field:
 
 
 # The core's AutoLR defaults: the controller's rows take theirs from here, never restating them.
-AUTO_LR_DEFAULTS = _AUTO_LR = {f.name: f.default for f in dataclasses.fields(H.AutoLR) if f.default is not dataclasses.MISSING}
+AUTO_LR_DEFAULTS = _AUTO_LR = {
+  f.name: f.default for f in dataclasses.fields(H.AutoLR) if f.default is not dataclasses.MISSING
+}
 
 FIELDS: tuple[Field, ...] = (
   Field(
