@@ -361,7 +361,7 @@ QUICK_GRIDS = {'adamw': (3e-3, 3e-2), 'sgd': (0.3, 3.0)}
 def base_config(task_overrides: dict, quick: bool):
   from hdet_jax.trainer import config_lib
 
-  c = config_lib.load_config_file(os.path.join(REPO, 'configs', 'default.py'))
+  c = records.load_config(os.path.join(REPO, 'configs', 'default.py'))
   config_lib.with_overrides(c, RUN)
   if quick:
     config_lib.with_overrides(c, QUICK)
@@ -624,7 +624,7 @@ def checked_base_config(task_overrides: dict, quick: bool):
       if key not in known and not any(k.startswith(key + '.') for k in known):
         raise KeyError(f'no field named {key!r} (the fields, each with a comment, are in configs/default.py)')
     base = base_config(task_overrides, quick)
-    run_settings.resolve(base)  # (raises ConfigError, a ValueError, naming the field)
+    records.resolve(base)  # (raises ConfigError, a ValueError, naming the field)
   except (KeyError, AttributeError, TypeError, ValueError) as e:
     print(f'error: bad --config override: {e.args[0] if e.args else e}', file=sys.stderr)
     sys.exit(2)

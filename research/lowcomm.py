@@ -79,7 +79,7 @@ def run_config(mode: str, seed: int, quick: bool):
   """The config of ``mode``'s run at ``seed``: ``configs/default.py`` (``tiny.py`` for ``--quick``) on 4x2."""
   from hdet_jax.trainer import config_lib
 
-  config = config_lib.load_config_file(os.path.join(REPO, 'configs', 'tiny.py' if quick else 'default.py'))
+  config = records.load_config(os.path.join(REPO, 'configs', 'tiny.py' if quick else 'default.py'))
   overrides = {
     **LAYOUT,
     **({} if quick else MAIN_JOB_THEN),

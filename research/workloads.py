@@ -82,7 +82,7 @@ def base_config(workload: str, steps: int, quick: bool, init_from: str | None = 
   """The workload's config with autolr's run settings, at ``steps`` (quick: a tiny model)."""
   from hdet_jax.trainer import config_lib
 
-  c = config_lib.load_config_file(os.path.join(REPO, 'configs', WORKLOADS[workload][0]))
+  c = records.load_config(os.path.join(REPO, 'configs', WORKLOADS[workload][0]))
   config_lib.with_overrides(c, autolr.RUN)
   if quick:
     config_lib.with_overrides(c, QUICK.get(workload, autolr.QUICK))

@@ -106,13 +106,13 @@ def test_the_command_imports_redraws_byte_for_byte_and_refuses_bad_input(tmp_pat
 def test_a_rerun_trains_only_the_runs_without_a_record(tmp_path, monkeypatch):
   """A recorded run is not trained again; a finished workdir is recorded, not retrained; the rest train, are recorded
   and their workdirs deleted (the stand-in trainer writes what the trainer leaves)."""
-  from hdet_jax.trainer import trainer
+  from hdet_jax.trainer import run_settings, trainer
 
   trained = []
 
-  def fake_train(config, workdir):
-    trained.append(os.path.basename(workdir))
-    _finished_workdir(workdir, config, 3.0 + config.seed)
+  def fake_train(config, workdir, tuning=None):
+    trained.append(os.path.basename(workdir))  # (config.json holds the tuning given in Python, as the trainer's)
+    _finished_workdir(workdir, run_settings.recorded_config(config, tuning), 3.0 + config.seed)
     return {'preempted': False, 'machine': {'cpu': 'test'}}
 
   monkeypatch.setattr(trainer, 'train_and_evaluate', fake_train)

@@ -170,7 +170,7 @@ def test_the_rows_configs_are_research_s_valid_and_documented():
   for name in ROWS:
     path = os.path.join(folder, f'{name}.py')
     doc = ast.get_docstring(ast.parse(open(path).read()))
-    assert doc.startswith(f'python train.py --config research/configs/{name}.py'), doc.splitlines()[0]
+    assert doc.startswith(f'research/configs/{name}.py: one row of the Table 1 ablation'), doc.splitlines()[0]
     run = records.resolve(T.load_row_config(name))
     assert callable(optimizer_lib.make_optimizer(run.optimizer, 8).update)
 
