@@ -70,7 +70,7 @@ def test_config_json_is_byte_for_byte_what_1_0_wrote_and_its_workdirs_resume(tmp
   product = {name: old for name, old in recorded.items() if os.path.exists(os.path.join(CONFIGS, f'{name}.py'))}
   assert sorted(set(recorded) - set(product)) == ['baseline_low', 'hdet_cold', 'hdet_full', 'warm_init']
   for name, old in product.items():
-    # (tiny's controller tuning left its file in 1.1: the tests give it in Python, trainer_testing.TINY_TUNING)
+    # (tiny's controller tuning left its file after 1.0: the tests give it in Python, trainer_testing.TINY_TUNING)
     run = trainer_testing.resolve(trainer_testing.load(os.path.join(CONFIGS, f'{name}.py')))
     # The config as given gained chunk_steps (a loop field added since, in no run's training fields); the rest is
     # as it was, in the same order.

@@ -503,7 +503,7 @@ def test_a_tuning_field_in_the_config_or_a_config_field_in_tuning_is_one_line_na
   config = config_lib.load_config_file(os.path.join(CONFIGS, 'default.py'))
   config.hdet.trust = 0.5  # (a config written before 1.1, or a study's passed as it is)
   with pytest.raises(
-    config_lib.ConfigError, match=r"hdet\.trust is not a config field .*tuning=\{'hdet\.trust': 0\.5\}"
+    config_lib.ConfigError, match=r"hdet\.trust is no longer a config field .*tuning=\{'hdet\.trust': 0\.5\}"
   ):
     run_settings.resolve(config)
   with pytest.raises(config_lib.ConfigError, match=r"tuning: 'hdet\.spread' is not a tuning field .*in the config"):

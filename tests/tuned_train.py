@@ -1,6 +1,6 @@
 """train.py with the tests' tuning in Python: ``python tests/tuned_train.py [--tuning.NAME=VALUE ...] ARGS``.
 
-configs/tiny.py's controller tuning left the config in 1.1 (issue 75); the tests keep the scenarios they were built
+configs/tiny.py's controller tuning left the config after 1.0 (issue 75); the tests keep the scenarios they were built
 on (:data:`trainer_testing.TINY_TUNING`) by giving it in Python, in process (``trainer_testing.tiny``) and, through
 this wrapper, to the train.py subprocesses they compare with. Everything else is train.py's own ``main``, as
 ``tests/fault_testing.py`` runs it.

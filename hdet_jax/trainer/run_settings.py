@@ -174,7 +174,7 @@ def with_tuning(given: Fields, tuning: Fields | None) -> dict[str, Any]:
   for name in given:
     if name in names:
       raise ConfigError(
-        f'{name} is not a config field (hdet-jax 1.1): research gives it in Python, '
+        f'{name} is no longer a config field (it was in 1.0): research gives it in Python, '
         f'train_and_evaluate(config, workdir, tuning={{{name!r}: {given[name]!r}}}); remove it from the config.'
       )
   for name in tuning:
