@@ -473,6 +473,22 @@ def _check_explored_value(name: str, h: Explore) -> None:
     )
 
 
+def check_auto_lr(auto_lr: 'AutoLR', spread: float) -> None:
+  """The controller's settings checked as ``hdet()`` checks them: raises ValueError, one line naming the field as
+  ``auto_lr.<field>`` (its range, and the rules across fields), or returns None. For callers that hold these
+  settings under other names (the trainer's config) and check them before any work.
+
+  Example:
+    >>> from hdet_jax import settings
+    >>> settings.check_auto_lr(settings.AutoLR(total_steps=100, trust=0.5), spread=0.25)
+    >>> settings.check_auto_lr(settings.AutoLR(total_steps=100, trust=-1.0), spread=0.25)
+    Traceback (most recent call last):
+    ...
+    ValueError: auto_lr.trust must be > 0 (the largest log-step per sync), got -1.0.
+  """
+  _check_auto_lr(auto_lr, spread)
+
+
 def _check_auto_lr(a, spread) -> None:
   if not isinstance(a, AutoLR):
     raise ValueError(f'auto_lr must be an hdet_jax.AutoLR or None, got {type(a).__name__}.')

@@ -508,7 +508,9 @@ def test_a_tuning_field_in_the_config_or_a_config_field_in_tuning_is_one_line_na
     run_settings.resolve(config)
   with pytest.raises(config_lib.ConfigError, match=r"tuning: 'hdet\.spread' is not a tuning field .*in the config"):
     run_settings.resolve(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), tuning={'hdet.spread': 0.1})
-  with pytest.raises(config_lib.ConfigError, match=r'hdet\.trust must be a number > 0, got -1'):
+  with pytest.raises(
+    config_lib.ConfigError, match=r'hdet\.trust must be > 0 \(the largest log-step per sync\), got -1'
+  ):
     run_settings.resolve(config_lib.load_config_file(os.path.join(CONFIGS, 'default.py')), tuning={'hdet.trust': -1})
 
 

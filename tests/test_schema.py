@@ -5,6 +5,7 @@ import os
 
 from configs import default, mnist1d
 import math
+import re
 
 import numpy as np
 import pytest
@@ -156,8 +157,7 @@ EDGES = [
   ('optim.b1', [1.0, -0.1], [0.0, 0.999]),
   ('hdet.spread', [1.0, -1e-9], [0.0, 0.999]),
   ('hdet.stop_fraction', [1.0001, -0.1], [0, 1]),
-  ('hdet.step_growth', [0.99], [1, 2.5]),
-  ('hdet.backoff_fraction', [1.0, -0.01], [None, 0.0, 0.5]),
+  ('hdet.backoff_fraction', ['0.5', True], [None, 0.0, 0.5]),  # (its type here; its range is the core's)
   ('bracket.points', [1, -2], [0, 2, 8]),
   ('bracket.factor', [1.0], [1.0001]),
   ('optim.name', ['adamx', None, 'adam_plateau'], ['adamw', 'sgd']),
@@ -176,6 +176,42 @@ def test_a_row_rejects_values_outside_its_range_with_one_line_naming_it(name, ba
     assert field.error(value) == f'{name} must be {field.check.what}, got {value!r}.', value
     with pytest.raises(ValueError, match=f'^{name} must be '):
       schema.check_fields({**schema.complete({}), name: value})
+
+
+# (field, a value outside its range, the core's words for it): hdet_jax.settings.check_auto_lr's ranges, at their edges.
+CONTROLLER_EDGES = [
+  ('hdet.trust', 0.0, 'must be > 0 (the largest log-step per sync), got 0.0.'),
+  ('hdet.memory', 1.0, 'must be in [0, 1), got 1.0.'),
+  ('hdet.step_growth', 0.99, 'must be a number >= 1 (1: no acceleration), got 0.99.'),
+  ('hdet.max_gain', 0.5, 'must be a number >= 1 (1: no acceleration), got 0.5.'),
+  ('hdet.backoff_fraction', 1.0, 'must be a number in [0, 1), and > 0 only with backoff=True; got 1.0.'),
+  ('hdet.backoff_stderrs', -0.1, 'must be a number >= 0, and > 0 only with backoff=True; got -0.1.'),
+  ('hdet.initial_scale', 0.0, 'must be None or a number > 0 (1: start at the schedule), got 0.0.'),
+]
+
+
+@pytest.mark.parametrize('name,bad,says', CONTROLLER_EDGES, ids=[e[0] for e in CONTROLLER_EDGES])
+def test_a_controller_setting_outside_the_cores_range_is_one_line_naming_its_field(name, bad, says):
+  """The controller's ranges are hdet_jax.AutoLR's, never restated: the row checks the type only, and resolve's
+  check is the core's check_auto_lr of the controller the config builds, its error naming the config field."""
+  import hdet_jax
+
+  config = config_lib.load_config_file(os.path.join(ROOT, 'configs', 'default.py'))
+  field = {f.name.split('.')[-1]: f.name for f in schema.FIELDS}
+  core = dict(total_steps=1500, **{name.split('.')[-1]: bad})
+  with pytest.raises(ValueError, match='^auto_lr\\.' + name.split('.')[-1] + ' ' + re.escape(says)):
+    hdet_jax.settings.check_auto_lr(hdet_jax.AutoLR(**core), 0.25)
+  assert schema.BY_NAME[name].error(bad) is None and field[name.split('.')[-1]] == name
+  if name in schema.tuning_fields():
+    config, tuning = config, {name: bad}
+  else:
+    config, tuning = config_lib.with_overrides(config, {name: bad}), None
+  with pytest.raises(config_lib.ConfigError, match='^' + re.escape(f'{name} {says}') + '$'):
+    run_settings.resolve(config, tuning=tuning)
+  off = config_lib.with_overrides(config_lib.load_config_file(os.path.join(ROOT, 'configs', 'default.py')), {})
+  off.hdet.auto_lr = False  # no controller built: nothing to check (train.py warns the value is ignored)
+  if name == 'hdet.trust':  # (the guard's margins keep their own rule: they need the back-off)
+    run_settings.resolve(off, tuning={name: bad})
 
 
 def test_a_field_a_config_lacks_reads_as_its_legacy_value_else_its_default():

@@ -16,9 +16,9 @@ _spec.loader.exec_module(chaos)
 restore_raw = chaos.read_checkpoint  # a checkpoint's items as plain arrays (no target: enough to compare bits)
 
 
-# configs/tiny.py's controller before its tuning left the config (after 1.0, issue 75): the scenarios these tests build on
-# it (the controller from the sync at step 16, log-steps of at most 0.25, the plain fit, acting to the end) and the
-# traces they recorded. train.py --config configs/tiny.py runs the default controller.
+# configs/tiny.py's controller before its tuning left the config (after 1.0, issue 75): the scenarios these tests
+# build on it (the controller from the sync at step 16, log-steps of at most 0.25, the plain fit, acting to the end)
+# and the traces they recorded. train.py --config configs/tiny.py runs the default controller.
 TINY_TUNING = {
   'hdet.trust': 0.25,
   'hdet.after_stop': 'hold',

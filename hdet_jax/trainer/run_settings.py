@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, Mapping, NamedTuple
 
 import ml_collections
@@ -685,6 +686,23 @@ def check(f: Fields, task: tasks_lib.Task, base: optimizer_lib.Base | None = Non
       f"hdet.controller='fit' and hdet.after_stop='rise' (got {f['hdet.controller']!r}, "
       f'{f["hdet.after_stop"]!r}), or set hdet.settle=False.'
     )
+  _check_controller(f)
+
+
+# The trainer's name of each hdet_jax.AutoLR field the core's check may name (the rest are hdet.<field>).
+_AUTO_LR_FIELD = {'total_steps': 'num_train_steps', 'stop_steps': 'hdet.stop_fraction'}
+
+
+def _check_controller(f: Fields) -> None:
+  """The controller's ranges: the core's own check (``hdet_jax.settings.check_auto_lr``) of the controller this
+  config builds, its error naming the config or tuning field. A controller that is off is not built, nor checked."""
+  if not f['hdet.auto_lr'] or f['hdet.spread'] == 0:  # (auto-LR without a spread: check_controller_acts says so)
+    return
+  try:
+    H.settings.check_auto_lr(auto_lr_settings(f, guard(f)), f['hdet.spread'])
+  except ValueError as e:
+    named = re.sub(r'\bauto_lr\.(\w+)', lambda m: _AUTO_LR_FIELD.get(m.group(1), f'hdet.{m.group(1)}'), str(e))
+    raise ConfigError(named) from None
 
 
 def _check_guard(f: Fields) -> None:

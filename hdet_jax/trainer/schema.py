@@ -66,6 +66,9 @@ def one_of(*choices: Any) -> Check:
 
 
 BOOLEAN = Check('bool', lambda v: True, 'True or False')
+# A controller setting's type; its range is the core's (hdet_jax.settings.check_auto_lr; run_settings' check).
+CONTROLLER_NUMBER = Check('real', lambda v: True, 'a number')
+CONTROLLER_NUMBER_OR_NONE = Check('real', lambda v: True, 'a number or None', none_resolves=True)
 PATH = Check('path', lambda v: True, 'a path (a string) or None')
 
 
@@ -386,7 +389,7 @@ FIELDS: tuple[Field, ...] = (
     _AUTO_LR['trust'],
     RUN,
     "'fit': the largest change of log(LR correction) per sync (1.0: x2.7).",
-    check=real(lambda v: v > 0, 'a number > 0'),
+    check=CONTROLLER_NUMBER,
     python=True,
   ),
   Field(
@@ -394,7 +397,7 @@ FIELDS: tuple[Field, ...] = (
     _AUTO_LR['memory'],
     RUN,
     "'fit': forgetting factor of the line search's statistics across syncs.",
-    check=real(lambda v: 0 <= v < 1, 'in [0, 1)'),
+    check=CONTROLLER_NUMBER,
     python=True,
   ),
   Field(
@@ -403,7 +406,7 @@ FIELDS: tuple[Field, ...] = (
     RUN,
     "'fit': start at this multiple of the schedule (< 1: a cautious start).",
     legacy=1.0,
-    check=real(lambda v: v > 0, 'a number > 0 (1: start at the schedule)'),
+    check=CONTROLLER_NUMBER,
   ),
   Field(
     'hdet.step_growth',
@@ -411,7 +414,7 @@ FIELDS: tuple[Field, ...] = (
     RUN,
     "'fit': the step's gain grows by this factor while steps keep one sign (1: off).",
     legacy=1.0,
-    check=real(lambda v: v >= 1, 'a number >= 1 (1: no acceleration)'),
+    check=CONTROLLER_NUMBER,
     python=True,
   ),
   Field(
@@ -420,7 +423,7 @@ FIELDS: tuple[Field, ...] = (
     RUN,
     "'fit': the largest gain.",
     legacy=4.0,
-    check=real(lambda v: v >= 1, 'a number >= 1'),
+    check=CONTROLLER_NUMBER,
     python=True,
   ),
   Field('hdet.backoff', None, RUN, 'Step the LR down on such a window.', legacy=False, python=True),
@@ -430,7 +433,7 @@ FIELDS: tuple[Field, ...] = (
     RUN,
     'Margin in standard errors (None: 2).',
     legacy=0.0,
-    check=real(lambda v: v >= 0, 'a number >= 0 (0: any rise backs off)', none_resolves=True),
+    check=CONTROLLER_NUMBER_OR_NONE,
     python=True,
   ),
   Field(
@@ -439,7 +442,7 @@ FIELDS: tuple[Field, ...] = (
     RUN,
     'Margin as a fraction of the loss (None: 0.05).',
     legacy=0.0,
-    check=real(lambda v: 0 <= v < 1, 'a number in [0, 1) (0: off)', none_resolves=True),
+    check=CONTROLLER_NUMBER_OR_NONE,
     python=True,
   ),
   Field('hdet.rollback', None, RUN, "Undo a window whose loss blew up (None: where 'fit' guards).", legacy=False),
@@ -449,7 +452,7 @@ FIELDS: tuple[Field, ...] = (
     _AUTO_LR['temperature'],
     RUN,
     "'paper': sigma of eq. 4, in nats.",
-    check=real(lambda v: v > 0, 'a number > 0'),
+    check=CONTROLLER_NUMBER,
     python=True,
   ),
   Field(
@@ -457,7 +460,7 @@ FIELDS: tuple[Field, ...] = (
     _AUTO_LR['lr_of_lr'],
     RUN,
     "'paper': lambda of eq. 7, the step size of the base-LR update.",
-    check=real(lambda v: v >= 0, 'a number >= 0'),
+    check=CONTROLLER_NUMBER,
     python=True,
   ),
   Field(
@@ -465,7 +468,7 @@ FIELDS: tuple[Field, ...] = (
     _AUTO_LR['momentum'],
     RUN,
     "'paper': beta of eq. 7, the momentum of the base-LR velocity.",
-    check=real(lambda v: 0 <= v < 1, 'in [0, 1)'),
+    check=CONTROLLER_NUMBER,
     python=True,
   ),
   Field(
