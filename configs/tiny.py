@@ -1,7 +1,9 @@
 """python train.py --config configs/tiny.py --workdir workdirs/tiny
 
-A few-second smoke run for tests: full HDET (spread, averaging every 8 steps, auto-LR from the sync at step 16) on a
+A few-second smoke run: full HDET (spread, averaging every 8 steps, the default controller from the first sync) on a
 one-block model, 40 steps. Step 20 falls mid-fan-out (replicas differ). Everything not set here is as in default.py.
+The tests run it with the controller tuning it held in 1.0, before research's fields left the config (the controller
+from the sync at step 16, the plain fit): tests/trainer_testing.py's TINY_TUNING, given in Python.
 """
 
 from hdet_jax.trainer.config_lib import sibling
