@@ -56,16 +56,12 @@ MODES = {  # name -> config overrides
 
 
 def config_for(groups: int, overrides: dict):
-  """The default config on ``groups`` groups with ``overrides`` (tuning fields too: :func:`resolve` gives them)."""
+  """The default config on ``groups`` groups with ``overrides``, tuning fields too (record form: read it with
+  ``run_settings.resolve_recorded``)."""
   config = run_settings.recorded_config(config_lib.load_config_file(os.path.join(REPO, 'configs', 'default.py')))
   return config_lib.with_overrides(
     config, {'data.batch_size': GLOBAL_WINDOWS // groups, 'hdet.sync_every': 25, **overrides}
   )
-
-
-def resolve(config):
-  config, tuning = run_settings.split(config)
-  return run_settings.resolve(config, tuning=tuning)
 
 
 def label(groups: int, fsdp: int, tensor: int) -> str:
@@ -76,7 +72,7 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   """(config, mesh, params, opt_state, step, window_end, data, window end's further arguments): the trainer's
   programs, compiled."""
   config = config_for(groups, overrides)
-  run = resolve(config)
+  run = run_settings.resolve_recorded(config)
   mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
   tx = optimizer_lib.make_optimizer(run.optimizer, groups)
   graphdef, _ = run.task.abstract_model(run.task_settings)
@@ -202,7 +198,7 @@ def bare_step(graphdef, tx, hdet: bool, sync: bool):
 def compiled_pair(groups: int, fsdp: int, tensor: int, sync_every: int):
   """{'plain', 'nosync', 'sync'}: (compiled program, args) of bare steps on the layout."""
   config = config_for(groups, {'hdet.sync_every': sync_every, 'hdet.score': 'window'})
-  run = resolve(config)
+  run = run_settings.resolve_recorded(config)
   mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
   graphdef, _ = run.task.abstract_model(run.task_settings)
   o = run.optimizer

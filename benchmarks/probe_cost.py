@@ -55,21 +55,14 @@ def _default_config(**overrides):
   return config_lib.with_overrides(config, {'hdet.controller': 'fit', **overrides})
 
 
-def _resolve(config):
-  from hdet_jax.trainer import run_settings
-
-  config, tuning = run_settings.split(config)
-  return run_settings.resolve(config, tuning=tuning)
-
-
 def _programs(probe_windows: int):
   """(config, {name: compiled program}, {name: a call running it once to completion}) for the step and the
   window end with each score."""
-  from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib
+  from hdet_jax.trainer import mesh as mesh_lib, optimizer as optimizer_lib, programs as programs_lib, run_settings
   from hdet_jax.trainer.tasks import lm_input_pipeline as input_pipeline
 
   config = _default_config(**{'hdet.probe_windows': probe_windows})
-  run = _resolve(config)
+  run = run_settings.resolve_recorded(config)
   d = run.task_settings.data
   n = jax.device_count()
   mesh = mesh_lib.make_mesh(n)
@@ -88,7 +81,7 @@ def _programs(probe_windows: int):
   }
   inputs = {'step': [data]}
   for score, extra in (('window', []), ('common', [probe])):
-    r = _resolve(_default_config(**{'hdet.score': score, 'hdet.probe_windows': probe_windows}))
+    r = run_settings.resolve_recorded(_default_config(**{'hdet.score': score, 'hdet.probe_windows': probe_windows}))
     name = f'window end ({"window score" if score == "window" else "common batch"})'
     extra = extra + ([programs_lib.make_anchor(mesh, tx)(params, opt_state)] if r.loop.rolls_back else [])
     programs[name] = (

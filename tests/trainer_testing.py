@@ -60,10 +60,7 @@ def run_bracket(config, workdir):
   return bracket.run_bracket(config, workdir, tuning=tuning)
 
 
-def resolve(config, optimizer=None):
-  """``run_settings.resolve`` of ``config``, its tuning fields (if any) given in Python."""
-  config, tuning = run_settings.split(config)
-  return run_settings.resolve(config, optimizer, tuning)
+resolve = run_settings.resolve_recorded  # (``run_settings.resolve`` of ``config``, its tuning fields given in Python)
 
 
 def leaves(tree):

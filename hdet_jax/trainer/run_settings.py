@@ -208,20 +208,31 @@ def split(config: Any) -> tuple[Any, dict[str, Any]]:
     config, tuning = split(recorded_config(product_config))
     train_and_evaluate(config, workdir, tuning=tuning)
   """
+  flat, tuning = _split_fields(config)
+  return ml_collections.ConfigDict(config_lib.unflatten(flat)), tuning
+
+
+def _split_fields(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+  """:func:`split` on the flattened fields: (the config's other fields, its tuning fields)."""
   flat = config_lib.flatten(json.loads(config.to_json()))
   names = schema.tuning_fields()
   tuning = {name: flat.pop(name) for name in names if name in flat}
   if tuning:  # a record's config: a tuning field it lacks, added after it was written, reads as such records trained
     tuning = {name: tuning[name] if name in tuning else schema.BY_NAME[name].absent for name in names}
-  return ml_collections.ConfigDict(config_lib.unflatten(flat)), tuning
+  return flat, tuning
 
 
 def recorded_config(config: Any, tuning: Fields | None = None) -> Any:
   """``config`` with the tuning fields (``tuning``'s, the rest at their defaults) in their places: a config as records
   hold it, whose tuning fields research sets like any other (:func:`split` takes them back out)."""
-  product, held = split(config)
-  flat = config_lib.flatten(json.loads(product.to_json()))
+  flat, held = _split_fields(config)
   return ml_collections.ConfigDict(config_lib.unflatten(with_tuning(flat, {**held, **(tuning or {})})))
+
+
+def resolve_recorded(config: Any, optimizer: optimizer_lib.Base | None = None) -> RunSettings:
+  """:func:`resolve` of a config as records hold it: its tuning fields (:func:`split`) given as ``tuning``."""
+  config, tuning = split(config)
+  return resolve(config, optimizer, tuning)
 
 
 def _resolve(given: dict, f: Fields, task: tasks_lib.Task, base: optimizer_lib.Base | None) -> RunSettings:
