@@ -54,8 +54,8 @@ def _bad_override(e: Exception) -> None:
     else text
   )
   print(
-    f'error: bad --config override{where}: {detail} The fields, each with a comment, are in the config '
-    'file (configs/default.py).',
+    f'error: bad --config override{where}: {detail} The fields, each with its help, are in '
+    'hdet_jax/trainer/fields.py.',
     file=sys.stderr,
   )
   sys.exit(2)

@@ -622,7 +622,7 @@ def checked_base_config(task_overrides: dict, quick: bool):
     known = config_lib.flatten(base_config({}, quick))
     for key in task_overrides:
       if key not in known and not any(k.startswith(key + '.') for k in known):
-        raise KeyError(f'no field named {key!r} (the fields, each with a comment, are in configs/default.py)')
+        raise KeyError(f'no field named {key!r} (the fields, each with its help, are in hdet_jax/trainer/fields.py)')
     base = base_config(task_overrides, quick)
     records.resolve(base)  # (raises ConfigError, a ValueError, naming the field)
   except (KeyError, AttributeError, TypeError, ValueError) as e:
