@@ -54,8 +54,7 @@ def _bad_override(e: Exception) -> None:
     else text
   )
   print(
-    f'error: bad --config override{where}: {detail} The fields, each with its help, are in '
-    'hdet_jax/trainer/fields.py.',
+    f'error: bad --config override{where}: {detail} The fields, each with its help, are in hdet_jax/trainer/fields.py.',
     file=sys.stderr,
   )
   sys.exit(2)
