@@ -1,7 +1,8 @@
 """Loading configs: a config file's ``get_config()``, configs built on a sibling file, overrides, flattening.
 
-What a field means, its default, type and range are its line in ``fields.py`` (the typed config); a config is checked and resolved
-into each part's settings by ``run_settings.resolve``, the last function that takes the ConfigDict.
+What a field means, its default, type and range are its line in ``fields.py`` (the typed config); a config is
+checked and resolved into each part's settings by ``run_settings.resolve``, the last function that takes the
+ConfigDict.
 """
 
 from __future__ import annotations
