@@ -11,8 +11,8 @@ Every field not set here is as in default.py (the hdet.*, optim.* and run fields
 """
 
 import ml_collections
-from ml_collections import config_dict
 
+from hdet_jax.trainer import fields
 from hdet_jax.trainer.config_lib import sibling
 
 
@@ -23,22 +23,10 @@ def get_config() -> ml_collections.ConfigDict:
     1000  # S: total optimizer steps (3.2 epochs of the 80,000 training examples at 8 x 32 a step).
   )
 
-  config.data = ml_collections.ConfigDict()
-  config.data.path = config_dict.placeholder(str)  # An .npz with x, y, x_test, y_test; None: generate MNIST-1D.
-  # MNIST-1D's make_dataset arguments (the rest at get_dataset_args' defaults: 40-sample signals, 10 classes).
-  # 20x the published 5,000, so that the test cross-entropy varies less from seed to seed
-  # (research/workloads_discussion.md, 'The noise floor'). Generated once per process.
-  config.data.num_samples = 100000
-  config.data.train_split = 0.8  # The first 80% of the generated examples train, the rest test.
-  config.data.dataset_seed = 42  # The generator's seed (the package's default): the same data for every config.seed.
-  config.data.batch_size = 32  # Examples per replica per step (the global batch is num_replicas times this).
-
-  config.model = ml_collections.ConfigDict()
-  config.model.kind = 'cnn'  # 'cnn': the reference CNN below; 'mlp': two ReLU layers of model.hidden units.
-  config.model.hidden = 128  # Units of each of the MLP's two hidden layers (model.kind='mlp' only).
-  config.model.channels = 25  # Channels of each of the three convolutions (the reference CNN's 25).
-  config.model.num_classes = 10  # Output classes (labels must lie in [0, num_classes)).
-  config.model.dropout = 0.0  # Dropout on the flattened features before the linear head (base value if explored).
+  # The task's own data.* and model.* (each field with its help: hdet_jax/trainer/fields.py, Mnist1dData and
+  # Mnist1dModel); e.g. --config.model.kind=mlp.
+  config.data = fields.config_dict_of(fields.Mnist1dData)
+  config.model = fields.config_dict_of(fields.Mnist1dModel)
 
   config.optim.max_lr = 3e-2  # Peak LR, the high end of the guess: the run starts at a tenth (hdet.initial_scale).
   config.eval_every = 250  # Steps between test evaluations of the averaged model (and one at the end).

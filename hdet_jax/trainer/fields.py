@@ -259,17 +259,59 @@ class Config:
   compilation_cache: str = field('~/.cache/hdet_jax/xla', role=LOOP)
 
 
+# A task's own fields: its config's data.* and model.* (configs/mnist1d.py sets them from these sections). A line
+# without field(...) is the trainer's field (declared above, in Data or Model), at the task's value.
+
+
+@dataclasses.dataclass(frozen=True)
+class Mnist1dData:
+  """``data.*`` of task 'mnist1d' (hdet_jax/trainer/tasks/mnist1d.py)."""
+
+  # An .npz with x, y, x_test, y_test; None: generate MNIST-1D.
+  path: str | None = None
+  # MNIST-1D's make_dataset arguments (the rest at get_dataset_args' defaults: 40-sample signals, 10 classes).
+  # 20x the published 5,000, so that the test cross-entropy varies less from seed to seed
+  # (research/workloads_discussion.md, 'The noise floor'). Generated once per process.
+  num_samples: int = field(100000, valid(lambda v: v >= 20, 'an integer >= 20'))
+  # The first 80% of the generated examples train, the rest test.
+  train_split: float = field(0.8, _OPEN_UNIT)
+  # The generator's seed (the package's default): the same data for every config.seed.
+  dataset_seed: int = field(42, valid(lambda v: 0 <= v < 2**32, 'an integer in [0, 2**32)'))
+  # Examples per replica per step (the global batch is num_replicas times this).
+  batch_size: int = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Mnist1dModel:
+  """``model.*`` of task 'mnist1d'."""
+
+  # 'cnn': the reference CNN below; 'mlp': two ReLU layers of model.hidden units.
+  kind: str = field('cnn', legacy='cnn')
+  # Units of each of the MLP's two hidden layers (model.kind='mlp' only).
+  hidden: int = field(128, _INT_AT_LEAST_1, legacy=128)
+  # Channels of each of the three convolutions (the reference CNN's 25).
+  channels: int = field(25, _INT_AT_LEAST_1)
+  # Output classes (labels must lie in [0, num_classes)).
+  num_classes: int = field(10, valid(lambda v: v >= 2, 'an integer >= 2'))
+  # Dropout on the flattened features before the linear head (base value if explored).
+  dropout: float = 0.0
+
+
+TASK_SECTIONS = {'mnist1d': {'data': Mnist1dData, 'model': Mnist1dModel}}  # each task's own sections
+
+
 def get_config() -> ml_collections.ConfigDict:
   """The main job's config: every field of :class:`Config` at its default, as an ``ml_collections.ConfigDict`` (a
   field whose default is None is a placeholder of its type, so ``--config.init_from=DIR`` overrides it)."""
-  return _config_dict(Config)
+  return config_dict_of(Config)
 
 
-def _config_dict(cls: type) -> ml_collections.ConfigDict:
+def config_dict_of(cls: type) -> ml_collections.ConfigDict:
+  """A typed config section (e.g. :class:`Mnist1dData`) at its defaults, as an ``ml_collections.ConfigDict``."""
   out = ml_collections.ConfigDict()
   for f in dataclasses.fields(cls):
     if f.metadata.get('section'):
-      out[f.name] = _config_dict(f.default_factory)
+      out[f.name] = config_dict_of(f.default_factory)
     elif f.default is None:
       out[f.name] = config_dict.placeholder(_optional_type(f.type))
     else:

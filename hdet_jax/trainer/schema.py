@@ -149,6 +149,8 @@ def declared(cls: type = fields_lib.Config, prefix: str = '') -> tuple[Field, ..
       rows += declared(f.default_factory, f'{prefix}{f.name}.')
       continue
     m = f.metadata
+    if 'role' not in m:  # a task section's line for a trainer's field: the task's value, declared by the trainer
+      continue
     check = None if m['check'] is None else _check(hints[f.name], m['check'])
     rows.append(Field(prefix + f.name, f.default, m['role'], helps[f.name], legacy=m['legacy'], check=check))
   return tuple(rows)
@@ -332,68 +334,12 @@ _TUNING = {
   ),
 }
 
-# A task's own fields, declared by its config (configs/<task>.py, whose lines tests/test_schema.py checks against
-# these rows).
-_TASK_FIELDS = (
-  Field(
-    'data.num_samples',
-    100000,
-    RUN,
-    "MNIST-1D's make_dataset arguments (the rest at get_dataset_args' defaults: 40-sample signals, "
-    '10 classes). 20x the published 5,000, so that the test cross-entropy varies less from seed to seed '
-    "(research/workloads_discussion.md, 'The noise floor'). Generated once per process.",
-    task='mnist1d',
-    check=integer(lambda v: v >= 20, 'an integer >= 20'),
-  ),
-  Field(
-    'data.train_split',
-    0.8,
-    RUN,
-    'The first 80% of the generated examples train, the rest test.',
-    task='mnist1d',
-    check=real(lambda v: 0 < v < 1, 'in (0, 1)'),
-  ),
-  Field(
-    'data.dataset_seed',
-    42,
-    RUN,
-    "The generator's seed (the package's default): the same data for every config.seed.",
-    task='mnist1d',
-    check=integer(lambda v: 0 <= v < 2**32, 'an integer in [0, 2**32)'),
-  ),
-  Field(
-    'model.kind',
-    'cnn',
-    RUN,
-    "'cnn': the reference CNN below; 'mlp': two ReLU layers of model.hidden units.",
-    legacy='cnn',
-    task='mnist1d',
-  ),
-  Field(
-    'model.hidden',
-    128,
-    RUN,
-    "Units of each of the MLP's two hidden layers (model.kind='mlp' only).",
-    legacy=128,
-    task='mnist1d',
-    check=integer(lambda v: v >= 1, 'an integer >= 1'),
-  ),
-  Field(
-    'model.channels',
-    25,
-    RUN,
-    "Channels of each of the three convolutions (the reference CNN's 25).",
-    task='mnist1d',
-    check=integer(lambda v: v >= 1, 'an integer >= 1'),
-  ),
-  Field(
-    'model.num_classes',
-    10,
-    RUN,
-    'Output classes (labels must lie in [0, num_classes)).',
-    task='mnist1d',
-    check=integer(lambda v: v >= 2, 'an integer >= 2'),
-  ),
+# A task's own fields (``fields.TASK_SECTIONS``): its rows carry the task's name.
+_TASK_FIELDS = tuple(
+  dataclasses.replace(row, task=task)
+  for task, sections in fields_lib.TASK_SECTIONS.items()
+  for name, cls in sections.items()
+  for row in declared(cls, f'{name}.')
 )
 
 
