@@ -327,7 +327,7 @@ def make_plan(
     seed=seed,
     average_opt_state=_flag('average_opt_state', average_opt_state),
     built=built,
-    rollback=_rollback(rollback, auto_lr),
+    rollback=check_rollback(rollback, auto_lr),
   )
 
 
@@ -349,13 +349,25 @@ def _checked_optimizer(optimizer, learning_rate, optimizer_kwargs, extra, auto_l
   return learning_rate
 
 
-def _rollback(rollback, auto_lr) -> bool:
-  """``rollback`` checked: it returns to the last sync where the guard backs off, so it needs the guard."""
+def check_rollback(rollback: bool, auto_lr: 'AutoLR | None') -> bool:
+  """``hdet(rollback=...)`` checked against its controller (raises ValueError, one line): the rollback returns to the
+  last sync where the guard backs off, so it needs the guard, the 'fit' controller with ``backoff=True``. The trainer
+  checks its config with it too.
+
+  Example:
+    >>> from hdet_jax import settings
+    >>> settings.check_rollback(True, settings.AutoLR(total_steps=100))
+    True
+    >>> settings.check_rollback(True, None)
+    Traceback (most recent call last):
+    ...
+    ValueError: rollback=True returns the replicas to the last sync where the guard backs off, so it needs the ...
+  """
   rollback = _flag('rollback', rollback)
   if rollback and not (isinstance(auto_lr, AutoLR) and auto_lr.controller == 'fit' and auto_lr.backoff):
     raise ValueError(
       'rollback=True returns the replicas to the last sync where the guard backs off, so it needs the guard: '
-      'auto_lr=hdet_jax.AutoLR(total_steps=...) (backoff=True, the default), or rollback=False.'
+      "the 'fit' controller with backoff=True (hdet_jax.AutoLR(total_steps=...), its default), or rollback=False."
     )
   return rollback
 

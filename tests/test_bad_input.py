@@ -370,6 +370,10 @@ IGNORED = [
   ({'hdet.auto_lr': False}, 'tiny', ['hdet.warmup_steps=10', 'hdet.trust=0.25'], 'hdet.auto_lr=False'),
   ({'hdet.controller': 'paper', 'hdet.trust': 0.5}, 'default', ['hdet.trust=0.5'], "hdet.controller='paper'"),
   ({'hdet.lr_of_lr': 0.1}, 'default', ['hdet.lr_of_lr=0.1'], "hdet.controller='fit'"),
+  # the guard's margins where no 'fit' controller runs (with one, the core's check_auto_lr refuses them without the
+  # back-off: tests/test_run_settings.py)
+  ({'hdet.controller': 'paper', 'hdet.backoff_fraction': 0.1}, 'default', ['hdet.backoff_fraction=0.1'], "'paper'"),
+  ({'hdet.auto_lr': False, 'hdet.backoff_stderrs': 3.0}, 'default', ['hdet.backoff_stderrs=3.0'], 'auto_lr=False'),
   ({'hdet.score': 'window', 'hdet.probe_windows': 4}, 'default', ['hdet.probe_windows=4'], "hdet.score='window'"),
   ({'hdet.sync_every': 25, 'hdet.num_syncs': 10}, 'default', ['hdet.num_syncs=10'], 'hdet.sync_every=25'),
   (

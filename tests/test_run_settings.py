@@ -310,7 +310,9 @@ def test_backoff_needs_the_fit_controller(other):
 @pytest.mark.parametrize('other', [{'hdet.backoff': False}, {'hdet.backoff': False, 'hdet.auto_lr': False}])
 def test_rollback_needs_the_back_off(other):
   trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.rollback': True}))
-  with pytest.raises(config_lib.ConfigError, match=r'hdet\.rollback=.*needs hdet\.backoff=True') as e:
+  with pytest.raises(
+    config_lib.ConfigError, match=r"hdet\.rollback=True .*needs the guard: the 'fit' controller with hdet\.backoff=True"
+  ) as e:
     trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.rollback': True, **other}))
   assert '\n' not in str(e.value)
 
@@ -408,8 +410,10 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
 
 
 def test_backoff_fraction_needs_the_back_off_and_is_below_one():
+  """The core's rule (hdet_jax.settings.check_auto_lr), in its words, naming the config's fields."""
   trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_fraction': 0.05}))
-  with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_fraction=0\.05 .*needs hdet\.backoff=True') as e:
+  says = r'^hdet\.backoff_fraction must be a number in \[0, 1\), and > 0 only with hdet\.backoff=True; got 0\.05\.$'
+  with pytest.raises(config_lib.ConfigError, match=says) as e:
     trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': False, 'hdet.backoff_fraction': 0.05}))
   assert '\n' not in str(e.value)
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_fraction'):
@@ -418,7 +422,9 @@ def test_backoff_fraction_needs_the_back_off_and_is_below_one():
 
 def test_backoff_stderrs_needs_the_back_off():
   trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': 2.0}))
-  with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_stderrs=2\.0 .*needs hdet\.backoff=True'):
+  with pytest.raises(
+    config_lib.ConfigError, match=r'^hdet\.backoff_stderrs must be .*> 0 only with hdet\.backoff=True; got 2\.0\.$'
+  ):
     trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': False, 'hdet.backoff_stderrs': 2.0}))
   with pytest.raises(config_lib.ConfigError, match=r'hdet\.backoff_stderrs'):
     trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.backoff': True, 'hdet.backoff_stderrs': -1.0}))

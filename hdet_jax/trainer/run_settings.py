@@ -546,6 +546,8 @@ _FIT_FIELDS = (
   'hdet.step_growth',
   'hdet.max_gain',
   'hdet.after_stop',
+  'hdet.backoff_stderrs',
+  'hdet.backoff_fraction',
 )
 _PAPER_FIELDS = ('hdet.temperature', 'hdet.lr_of_lr', 'hdet.momentum', 'hdet.smooth_decay')
 _CONTROLLER_FIELDS = (
@@ -705,39 +707,29 @@ _AUTO_LR_FIELD = {'total_steps': 'num_train_steps', 'stop_steps': 'hdet.stop_fra
 
 
 def _check_controller(f: Fields) -> None:
-  """The controller's ranges: the core's own check (``hdet_jax.settings.check_auto_lr``) of the controller this
-  config builds, its error naming the config or tuning field. A controller that is off is not built, nor checked."""
-  if not f['hdet.auto_lr'] or f['hdet.spread'] == 0:  # (auto-LR without a spread: check_controller_acts says so)
-    return
+  """The controller's ranges and the guard's rules: the core's own checks (``hdet_jax.settings.check_auto_lr`` and
+  ``check_rollback``) of the controller and rollback this config builds, the error naming the config or tuning
+  field. A controller that is off is not built, nor its ranges checked."""
+  g = guard(f)
+  auto_lr = auto_lr_settings(f, g)
   try:
-    H.settings.check_auto_lr(auto_lr_settings(f, guard(f)), f['hdet.spread'])
+    if auto_lr is not None and f['hdet.spread'] != 0:  # (auto-LR without a spread: check_controller_acts says so)
+      H.settings.check_auto_lr(auto_lr, f['hdet.spread'])
+    H.settings.check_rollback(g.rollback, auto_lr)
   except ValueError as e:
     named = re.sub(r'\bauto_lr\.(\w+)', lambda m: _AUTO_LR_FIELD.get(m.group(1), f'hdet.{m.group(1)}'), str(e))
-    raise ConfigError(named) from None
+    raise ConfigError(re.sub(r'(?<![.\w])(rollback|backoff)=', r'hdet.\1=', named)) from None
 
 
 def _check_guard(f: Fields) -> None:
-  """The back-off's fields set where it cannot act (a field left at None resolves where it can: :func:`guard`)."""
+  """The back-off's fields set where it cannot act (a field left at None resolves where it can: :func:`guard`). The
+  rules the core states (the margins need the back-off, the rollback the guard) are its: :func:`_check_controller`."""
   if f['hdet.backoff'] and not _backoff_applies(f):
     raise ConfigError(
       f"hdet.backoff=True steps the 'fit' controller's LR correction down: it needs hdet.auto_lr=True "
       f"and hdet.controller='fit' (got {f['hdet.controller']!r}), or set hdet.backoff=False."
     )
-  on = guard(f).backoff
-  for margin in ('backoff_stderrs', 'backoff_fraction'):
-    if (f[f'hdet.{margin}'] or 0.0) > 0 and not on:
-      raise ConfigError(
-        f"hdet.{margin}={f[f'hdet.{margin}']} sets how far the window's training loss must rise for "
-        f"the back-off: it needs hdet.backoff=True (or None, with the 'fit' controller), or set "
-        f'hdet.{margin}=0.'
-      )
   rollback, optimizer = f['hdet.rollback'], f['optim.name']
-  if rollback and not on:
-    raise ConfigError(
-      "hdet.rollback=True returns to the last sync's state where the back-off fires, so it needs "
-      "hdet.backoff=True or None (with hdet.auto_lr=True and hdet.controller='fit'); or set "
-      'hdet.rollback=False.'
-    )
   if rollback and optimizer not in SHARED_STATE_OPTIMIZERS:
     raise ConfigError(
       f'hdet.rollback=True keeps one copy of the optimizer state for every replica to return to, but '
