@@ -245,7 +245,8 @@ def test_a_controller_setting_outside_the_cores_range_is_one_line_naming_its_fie
     config, tuning = config, {name: bad}
   else:
     config, tuning = config_lib.with_overrides(config, {name: bad}), None
-  with pytest.raises(config_lib.ConfigError, match='^' + re.escape(f'{name} {says}') + '$'):
+  named = says.replace(' backoff=True', ' hdet.backoff=True')  # (the core's argument, named as the config's field)
+  with pytest.raises(config_lib.ConfigError, match='^' + re.escape(f'{name} {named}') + '$'):
     run_settings.resolve(config, tuning=tuning)
   off = config_lib.with_overrides(config_lib.load_config_file(os.path.join(ROOT, 'configs', 'default.py')), {})
   off.hdet.auto_lr = False  # no controller built: nothing to check (train.py warns the value is ignored)
