@@ -9,10 +9,10 @@ adamw)))``, same global micro-batch of 32 rows), four ways:
 * **new path**: ``hdet_linen.make_trainer``'s own step: the global-batch ``train_step`` under ``over_replicas`` (a
   shard_map manual over 'replica' only), FSDP from ``nn.with_partitioning`` on 'data', the batch split by rows;
 * **shard_map path**: docs/scaling.md's per-replica step under ``shard_map_replicas`` on the same mesh, the state
-  unboxed and put with ``group_shardings(state, mesh, 'replica', 'data')``, the batch stacked ``[N, B/N, ...]`` on
-  ``P('replica', 'data')``;
+  unboxed and put with ``stacked_shardings(state, 'replica', mesh=mesh, inner_axis='data')``, the batch stacked
+  ``[N, B/N, ...]`` on ``P('replica', 'data')``;
 * **shard_map path, linen layout** (a control): the same, with the new path's layout (the linen annotations'
-  shardings, unboxed) in place of ``group_shardings``': what differs between the first two rows because of the
+  shardings, unboxed) in place of ``stacked_shardings``': what differs between the first two rows because of the
   layout and not the path;
 * **vmap variant**: the same global-batch ``train_step`` under ``jax.vmap(axis_name='replica',
   spmd_axis_name='replica')`` in a jit with the new path's shardings: the design ``over_replicas`` rejected;
@@ -94,7 +94,7 @@ def new_path(hdet, mesh, micro):
 
 
 def shard_map_path(hdet, mesh, micro, notes=None, layout='group'):
-  """docs/scaling.md's replica groups: one replica's step under shard_map_replicas, with ``group_shardings``'
+  """docs/scaling.md's replica groups: one replica's step under shard_map_replicas, with ``stacked_shardings``'
   layout (``layout='group'``) or the new path's (``'linen'``: the linen annotations' shardings, unboxed).
 
   As the docs write it (``check_vma`` on), the trace fails here: MultiSteps' ``optax.tree.zeros_like`` of a
@@ -112,7 +112,7 @@ def shard_map_path(hdet, mesh, micro, notes=None, layout='group'):
 
   state = nn.meta.unbox(jax.jit(hdet.create_state)(jax.random.key(0)))
   if layout == 'group':
-    shardings = hdet_jax.group_shardings(state, mesh, 'replica', 'data')
+    shardings = hdet_jax.stacked_shardings(state, 'replica', mesh=mesh, inner_axis='data')
   else:
     abstract = jax.eval_shape(hdet.create_state, jax.random.key(0))
     shardings = nn.meta.unbox(hdet_jax.stacked_shardings(nn.get_sharding(abstract, mesh), 'replica'))

@@ -124,7 +124,7 @@ def plain_fsdp_bytes() -> tuple[int, int]:
   _, params = model_lib.split_model(config.model, config.data.seq_len, jax.random.key(0))
   stacked = H.stack_replicas(params, 1)
   state = jax.vmap(optax.adamw(1e-3).init)(stacked)
-  put = lambda t: jax.device_put(t, H.group_shardings(t, mesh, mesh_lib.AXIS, mesh_lib.INNER))
+  put = lambda t: jax.device_put(t, H.stacked_shardings(t, mesh_lib.AXIS, mesh=mesh, inner_axis=mesh_lib.INNER))
   tree = (put(stacked), put(state))
   return device_bytes(tree), sum(x.nbytes for x in jax.tree.leaves(tree))
 
@@ -215,10 +215,10 @@ def compiled_pair(groups: int, fsdp: int, tensor: int, sync_every: int):
     state = jax.jit(jax.vmap(tx.init))(params)
     rules = mesh_lib.rules(mesh)
     shardings = (
-      H.group_shardings(params, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules),
-      H.state_shardings(state, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules)
+      H.stacked_shardings(params, mesh_lib.AXIS, mesh=mesh, inner_axis=mesh_lib.INNER, **rules),
+      H.stacked_shardings(state, mesh_lib.AXIS, mesh=mesh, inner_axis=mesh_lib.INNER, **rules)
       if hdet
-      else H.group_shardings(state, mesh, mesh_lib.AXIS, mesh_lib.INNER, **rules),
+      else H.stacked_shardings(state, mesh_lib.AXIS, mesh=mesh, inner_axis=mesh_lib.INNER, **rules),
     )
     args = (jax.device_put(params, shardings[0]), jax.device_put(state, shardings[1]), data)
     fn = jax.jit(

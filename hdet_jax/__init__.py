@@ -10,7 +10,6 @@ from hdet_jax.accumulate import multi_steps
 from hdet_jax.packing import packed
 from hdet_jax.replicas import (
   average_replicas,
-  batch_shardings,
   evaluate_over_replicas,
   group_shardings,
   over_replicas,
@@ -18,12 +17,12 @@ from hdet_jax.replicas import (
   replica,
   shard_map_replicas,
   stack_replicas,
-  stacked_shardings,
 )
 from hdet_jax.schedules import one_cycle
 from hdet_jax.settings import AutoLR, Explore, hyperparam_names
 from hdet_jax.sync import apply_updates
-from hdet_jax.transform import HDETState, hdet, replica_value, state_shardings
+from hdet_jax.shardings import batch_shardings, stacked_shardings, state_shardings
+from hdet_jax.transform import HDETState, hdet, replica_value
 from hdet_jax.views import hyperparams
 from hdet_jax.windows import is_sync_step
 
@@ -48,11 +47,13 @@ __all__ = [
   'average_replicas',
   'replica',
   'pmean_finite',
-  'group_shardings',
-  'state_shardings',
   'over_replicas',
   'evaluate_over_replicas',
+  # The shardings of stacked replicas (hdet_jax.shardings).
   'stacked_shardings',
   'batch_shardings',
+  # Deprecated: stacked_shardings(..., mesh=) under 1.0's names, until the next major release.
+  'group_shardings',
+  'state_shardings',
 ]
 __version__ = '1.0.0'  # pyproject.toml's; CHANGELOG.md says when it moves

@@ -31,6 +31,7 @@ import contextvars
 import functools
 import inspect
 import re
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import chex
@@ -846,60 +847,6 @@ def _local_view(value, role: str, per_device: int):
   return value
 
 
-def stacked_shardings(shardings: ArrayTree, replica_axis: str) -> ArrayTree:
-  """The shardings of a stacked tree from one replica's: ``P(*spec)`` becomes ``P(replica_axis, *spec)``.
-
-  Keep your trainer's state shardings (FSDP, tensor parallel, from ``nn.get_sharding`` or your own
-  rules) and add the leading replica axis; each replica's copy then lives, sharded as before, on its
-  own slice of the mesh. Leaves may be ``NamedSharding`` or ``PartitionSpec``.
-
-  Example:
-    >>> import jax, numpy as np, hdet_jax
-    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'data'))  # the step's mesh: (8,), ('data',)
-    >>> state_sharding = {'w': NamedSharding(mesh, P(None, 'data')), 'count': NamedSharding(mesh, P())}
-    >>> jax.tree.map(lambda s: tuple(s.spec), hdet_jax.stacked_shardings(state_sharding, 'replica'))
-    {'count': ('replica',), 'w': ('replica', None, 'data')}
-  """
-  return jax.tree.map(
-    lambda s: _map_spec(s, lambda spec: P(replica_axis, *spec)),
-    shardings,
-    is_leaf=lambda s: isinstance(s, (NamedSharding, P)),
-  )
-
-
-def batch_shardings(shardings: ArrayTree, replica_axis: str) -> ArrayTree:
-  """The shardings of a global batch split by rows over the replicas: the replica axis joins the
-  leading dimension's axes (``P('data')`` becomes ``P(('replica', 'data'))``), so each replica's rows
-  are on its own devices and split as before inside them.
-
-  Example:
-    >>> import jax, numpy as np, hdet_jax
-    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'data'))
-    >>> tuple(hdet_jax.batch_shardings(NamedSharding(mesh, P('data')), 'replica').spec)
-    (('replica', 'data'),)
-  """
-
-  def spec(spec):
-    first = spec[0] if len(spec) else None
-    first = () if first is None else (first,) if isinstance(first, str) else tuple(first)
-    return P((replica_axis, *first), *spec[1:])
-
-  return jax.tree.map(lambda s: _map_spec(s, spec), shardings, is_leaf=lambda s: isinstance(s, (NamedSharding, P)))
-
-
-def _map_spec(sharding, fn):
-  if isinstance(sharding, NamedSharding):
-    return NamedSharding(sharding.mesh, fn(sharding.spec), memory_kind=sharding.memory_kind)
-  if isinstance(sharding, P):
-    return fn(sharding)
-  raise ValueError(
-    f'stacked_shardings/batch_shardings: expected NamedSharding or PartitionSpec leaves, got '
-    f'{type(sharding).__name__}; build the shardings on a jax.sharding.Mesh.'
-  )
-
-
 def replica_axes(replica_axis: str, per_device: int, local_axis: str = 'local') -> AxisName:
   """The replica axis ``hdet`` and the per-replica function use under :func:`shard_map_replicas`:
   ``replica_axis`` itself with one replica per device, else ``(replica_axis, local_axis)``."""
@@ -992,51 +939,44 @@ def group_shardings(
   tensor_rules: tuple[tuple[str, int], ...] = (),
   fsdp_rules: tuple[tuple[str, int], ...] = (),
 ) -> ArrayTree:
-  """Per-leaf ``NamedSharding`` of a stacked tree on a mesh of replica groups (FSDP and/or tensor parallel).
-
-  Each group holds one replica's copy. Leaves matching a tensor-parallel rule (see :func:`tensor_dim`;
-  Megatron style: column-parallel kernels split on their output dimension, row-parallel ones on
-  their input dimension) are split over ``tensor_axis`` when the mesh has it; FSDP then shards the
-  dimension an FSDP rule names (same form), or else the largest other dimension, over ``inner_axis``
-  (see :func:`inner_spec`). With neither axis in the
-  mesh, or both of size 1, this is :func:`replica_sharding` per leaf. ``stacked`` may hold arrays or
-  ``jax.ShapeDtypeStruct``. Nothing else is needed for tensor parallelism: the maps are manual over
-  the replica axis only, so XLA's partitioner inserts the group's collectives from these shardings.
-
-  Example:
-    4 replica groups of 2 devices, FSDP and then tensor parallel inside each group:
-
-    >>> import jax, jax.numpy as jnp, numpy as np, hdet_jax
-    >>> from jax.sharding import Mesh
-    >>> params = hdet_jax.stack_replicas({'fc1': {'kernel': jnp.ones((4, 6)), 'bias': jnp.ones(6)},
-    ...                                   'fc2': {'kernel': jnp.ones((6, 4))}}, 4)
-    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'fsdp'))
-    >>> params = jax.device_put(params, hdet_jax.group_shardings(params, mesh, 'replica', 'fsdp'))
-    >>> jax.tree.map(lambda x: tuple(x.sharding.spec), params)
-    {'fc1': {'bias': ('replica', 'fsdp'), 'kernel': ('replica', None, 'fsdp')},
-     'fc2': {'kernel': ('replica', 'fsdp')}}
-    >>> mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('replica', 'tensor'))
-    >>> rules = ((r'fc1/(kernel|bias)$', -1), (r'fc2/kernel$', 0))  # column-, then row-parallel
-    >>> params = jax.device_put(params, hdet_jax.group_shardings(params, mesh, 'replica', None, tensor_rules=rules))
-    >>> jax.tree.map(lambda x: tuple(x.sharding.spec), params)
-    {'fc1': {'bias': ('replica', 'tensor'), 'kernel': ('replica', None, 'tensor')},
-     'fc2': {'kernel': ('replica', 'tensor')}}
-  """
+  """Deprecated (1.0's name): ``hdet_jax.stacked_shardings(stacked, replica_axis, mesh=mesh, inner_axis=...)``,
+  the same per-leaf ``NamedSharding`` of a stacked tree on a mesh of replica groups (FSDP and/or tensor parallel;
+  :mod:`hdet_jax.shardings` says how). Kept until the next major release."""
+  warnings.warn(
+    'hdet_jax.group_shardings(stacked, mesh, ...) is deprecated: use hdet_jax.stacked_shardings(stacked, '
+    'replica_axis, mesh=mesh, ...), the same shardings.',
+    DeprecationWarning,
+    2,
+  )
   if replica_axis not in mesh.shape:
     raise ValueError(
       f'group_shardings: the mesh has no axis {replica_axis!r} (axes: '
       f'{tuple(mesh.axis_names)}); pass replica_axis= one of them.'
     )
+  rules = dict(tensor_axis=tensor_axis, tensor_rules=tensor_rules, fsdp_rules=fsdp_rules)
+  return jax.tree_util.tree_map_with_path(
+    lambda path, x: rule_sharding(path, x, mesh, replica_axis, inner_axis, **rules), stacked
+  )
+
+
+def rule_sharding(
+  path: Any,
+  x: Any,
+  mesh: jax.sharding.Mesh,
+  replica_axis: str,
+  inner_axis: str | None,
+  *,
+  tensor_axis: str = 'tensor',
+  tensor_rules: tuple[tuple[str, int], ...] = (),
+  fsdp_rules: tuple[tuple[str, int], ...] = (),
+) -> NamedSharding:
+  """One stacked leaf's sharding by HDET's rules (``hdet_jax.stacked_shardings(..., mesh=)``): the replica axis
+  first, the tensor-parallel rule's dimension over ``tensor_axis``, FSDP over ``inner_axis`` (:func:`inner_spec`)."""
+  shape = tuple(x.shape)
+  name = path_string(path)
   size = mesh.shape.get(inner_axis, 1) if inner_axis else 1
-  tsize = mesh.shape.get(tensor_axis, 1)
-
-  def spec(path, x):
-    shape = tuple(x.shape)
-    name = path_string(path)
-    dim = tensor_dim(name, shape, tensor_rules, tsize) if tensor_rules else None
-    fdim = tensor_dim(name, shape, fsdp_rules, size, 'fsdp') if fsdp_rules else None
-    return NamedSharding(
-      mesh, inner_spec(shape, replica_axis, inner_axis, size, tensor_axis=tensor_axis, tensor_dim=dim, inner_dim=fdim)
-    )
-
-  return jax.tree_util.tree_map_with_path(spec, stacked)
+  dim = tensor_dim(name, shape, tensor_rules, mesh.shape.get(tensor_axis, 1)) if tensor_rules else None
+  fdim = tensor_dim(name, shape, fsdp_rules, size, 'fsdp') if fsdp_rules else None
+  return NamedSharding(
+    mesh, inner_spec(shape, replica_axis, inner_axis, size, tensor_axis=tensor_axis, tensor_dim=dim, inner_dim=fdim)
+  )

@@ -176,7 +176,7 @@ def hdet(
       the model is sharded over (FSDP, tensor parallel): only it is averaged over. On a mesh
       such as ``('replica', 'fsdp')`` a replica is a group of devices: map with
       :func:`hdet_jax.shard_map_replicas` (manual over this axis only) and lay the state out
-      with :func:`hdet_jax.group_shardings` and :func:`state_shardings`. With several replicas
+      with :func:`hdet_jax.stacked_shardings` (``mesh=``). With several replicas
       per device (:func:`hdet_jax.shard_map_replicas` with ``per_device > 1``) it is the pair
       ``(device axis, local axis)``, e.g. ``('data', 'local')``: replica d * (N / D) + v.
     auto_lr: controller settings, or None for fan-out/converge only.
@@ -498,26 +498,6 @@ def _check_update_args(plan: Plan, updates, params, value, sync, score) -> None:
     raise ValueError('hdet: update() needs params (the sync averages them).')
   if sync is not None and not isinstance(sync, bool):
     raise ValueError(f'hdet: sync must be None or a Python bool, got {type(sync).__name__}.')
-
-
-def state_shardings(
-  state: HDETState, mesh: jax.sharding.Mesh, replica_axis: str = 'data', inner_axis: str | None = 'fsdp', **tensor
-) -> HDETState:
-  """Per-leaf shardings of a stacked :class:`HDETState` on a mesh of replica groups (see ``group_shardings``).
-
-  The wrapped optimizer's state (Adam's moments: the parameters' shapes, and paths that end with the
-  parameters') is sharded over ``inner_axis``, and by the tensor-parallel rules in ``tensor``
-  (``tensor_axis=``, ``tensor_rules=``), like the parameters; HDET's own fields (a count, ``[G, N]``
-  values, the controller's few numbers) stay whole on every device of their group, where every
-  device reads them each step.
-  """
-  whole = replicas.group_shardings(state, mesh, replica_axis, None)
-  split = lambda tree: replicas.group_shardings(tree, mesh, replica_axis, inner_axis, **tensor)
-  if getattr(state, 'anchor', None) is not None:  # the rollback's copy, laid out as what it copies
-    whole = whole._replace(
-      anchor=whole.anchor._replace(params=split(state.anchor.params), inner_state=split(state.anchor.inner_state))
-    )
-  return whole._replace(inner_state=split(state.inner_state))
 
 
 def replica_value(state: HDETState, index: int, replica_axis: replicas.AxisName = 'data') -> jax.Array:

@@ -71,8 +71,8 @@ def setup(tx, mesh, shared=True, sync=None, loss_fn=loss_fn, params=None, rules=
   groups = mesh.shape[AX]
   params = H.stack_replicas(init_params() if params is None else params, groups)
   state = jax.jit(jax.vmap(tx.init))(params)
-  psh = H.group_shardings(params, mesh, AX, tensor_rules=rules)
-  ssh = H.state_shardings(state, mesh, AX, tensor_rules=rules)
+  psh = H.stacked_shardings(params, AX, mesh=mesh, tensor_rules=rules)
+  ssh = H.stacked_shardings(state, AX, mesh=mesh, tensor_rules=rules)
 
   def step(p, s, batch):
     loss, g = jax.value_and_grad(loss_fn)(p, *batch)  # a group's mean: XLA reduces over 'fsdp'
@@ -120,7 +120,7 @@ def test_layout_keeps_shardings_and_bytes_and_equals_1d_on_group_batches(groups,
   mesh, tx, data = mesh2d(groups, size), make_tx(groups, auto_lr=None), batches(groups, 4)
   params0 = H.stack_replicas(init_params(), groups)
   state0 = jax.eval_shape(jax.vmap(tx.init), params0)
-  want = {'params': H.group_shardings(params0, mesh, AX), 'state': H.state_shardings(state0, mesh, AX)}
+  want = {'params': H.stacked_shardings(params0, AX, mesh=mesh), 'state': H.stacked_shardings(state0, AX, mesh=mesh)}
 
   # Independent expectation of per-device bytes: one replica's copy, split over the group
   # when some dim after the leading one divides by the group size, for the parameters and
@@ -165,7 +165,7 @@ def test_tensor_parallel_groups_keep_their_layout_and_equal_1d(groups, fsdp, ten
   mesh = Mesh(np.asarray(jax.devices()[: groups * fsdp * tensor]).reshape(shape), axes)
   tx, data = make_tx(groups, auto_lr=None), batches(groups, 4)  # syncs after steps 1 and 3
   params0 = H.stack_replicas(init_params(), groups)
-  want = H.group_shardings(params0, mesh, AX, tensor_rules=MLP_RULES)
+  want = H.stacked_shardings(params0, AX, mesh=mesh, tensor_rules=MLP_RULES)
   f = INNER if fsdp > 1 else None
   # w1 [R, 16, 8]: hidden (8) over 'tensor', the input dim (16) over 'fsdp'; w2 [R, 8, 4]: hidden
   # over 'tensor', its output (4) over 'fsdp'; b1 [R, 8] over 'tensor'; b2 [R, 4] over 'fsdp'.
@@ -196,20 +196,20 @@ def test_tensor_rule_that_does_not_divide_is_one_clear_error():
   mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4), (AX, 'tensor'))
   params = H.stack_replicas(init_params(), 2)
   # A rule on w2's last dim (4 outputs over 4 devices) splits w2 alone.
-  got = H.group_shardings(params, mesh, AX, tensor_rules=((r'w2$', -1),))
+  got = H.stacked_shardings(params, AX, mesh=mesh, tensor_rules=((r'w2$', -1),))
   assert (got['w2'].spec, got['b1'].spec) == (P(AX, None, 'tensor'), P(AX))
   # FSDP rules pick FSDP's dimension (default: the largest), or keep a leaf whole (None).
   mesh3 = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), (AX, INNER, 'tensor'))
-  got = H.group_shardings(params, mesh3, AX, tensor_rules=MLP_RULES, fsdp_rules=((r'w2$', None), (r'w1$', 1)))
+  got = H.stacked_shardings(params, AX, mesh=mesh3, tensor_rules=MLP_RULES, fsdp_rules=((r'w2$', None), (r'w1$', 1)))
   assert (got['w1'].spec, got['w2'].spec, got['b2'].spec) == (P(AX, None, 'tensor'), P(AX, 'tensor'), P(AX, INNER))
-  got = H.group_shardings(params, mesh3, AX, fsdp_rules=((r'w1$', 1),))
+  got = H.stacked_shardings(params, AX, mesh=mesh3, fsdp_rules=((r'w1$', 1),))
   assert (got['w1'].spec, got['w2'].spec) == (P(AX, None, INNER), P(AX, INNER))
   with pytest.raises(
     ValueError,
     match=r"rule \('b\$', 0\) matches 'b' of shape \(6,\), whose dimension 0 is not "
     r'split evenly by the tensor axis of size 4',
   ):
-    H.group_shardings({'b': jnp.zeros((2, 6))}, mesh, AX, tensor_rules=((r'b$', 0),))
+    H.stacked_shardings({'b': jnp.zeros((2, 6))}, AX, mesh=mesh, tensor_rules=((r'b$', 0),))
 
 
 @pytest.mark.parametrize('groups,size', [(4, 2), (2, 4)])
@@ -337,4 +337,4 @@ def test_bad_2d_arguments_are_one_clear_error():
   with pytest.raises(ValueError, match='average_opt_state must be True or False'):
     make_tx(4, average_opt_state='yes')
   with pytest.raises(ValueError, match="no axis 'replica'.*pass replica_axis="):
-    H.group_shardings({'w': jnp.zeros((4, 2))}, Mesh(np.asarray(jax.devices()), ('data',)), AX)
+    H.stacked_shardings({'w': jnp.zeros((4, 2))}, AX, mesh=Mesh(np.asarray(jax.devices()), ('data',)))

@@ -165,12 +165,12 @@ def test_group_shardings_rule_keeping_a_leaf_whole_and_a_size_one_tensor_axis():
 
   leaf = {'w': jax.ShapeDtypeStruct((2, 4, 6), jnp.float32)}  # [replicas, 4, 6]
   mesh3 = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), (AX, 'fsdp', 'tensor'))
-  assert H.group_shardings(leaf, mesh3, AX, tensor_rules=((r'w$', None),))['w'].spec == P(AX, None, 'fsdp')
-  assert H.group_shardings(leaf, mesh3, AX, tensor_rules=((r'w$', 0),))['w'].spec == P(AX, 'tensor', 'fsdp')
+  assert H.stacked_shardings(leaf, AX, mesh=mesh3, tensor_rules=((r'w$', None),))['w'].spec == P(AX, None, 'fsdp')
+  assert H.stacked_shardings(leaf, AX, mesh=mesh3, tensor_rules=((r'w$', 0),))['w'].spec == P(AX, 'tensor', 'fsdp')
   mesh1 = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4, 1), (AX, 'fsdp', 'tensor'))
-  assert H.group_shardings(leaf, mesh1, AX, tensor_rules=((r'w$', 5),))['w'].spec == P(AX, 'fsdp')
+  assert H.stacked_shardings(leaf, AX, mesh=mesh1, tensor_rules=((r'w$', 5),))['w'].spec == P(AX, 'fsdp')
   with pytest.raises(ValueError, match=r"tensor-parallel rule \('w\$', 5\) matches 'w'"):
-    H.group_shardings(leaf, mesh3, AX, tensor_rules=((r'w$', 5),))
+    H.stacked_shardings(leaf, AX, mesh=mesh3, tensor_rules=((r'w$', 5),))
 
 
 @pytest.mark.parametrize('dtype', [jnp.float16, jnp.bfloat16, jnp.int8, jnp.uint16])

@@ -49,7 +49,7 @@ def make_mesh(num_replicas: int, fsdp: int = 1, tensor: int = 1, devices: int | 
 
 
 def rules(mesh: Mesh, task: tasks_lib.Task | None = None) -> dict:
-  """group_shardings' rules on ``mesh``: the task's tensor-parallel rules, and its FSDP exceptions
+  """``stacked_shardings``' rules on ``mesh``: the task's tensor-parallel rules, and its FSDP exceptions
   where the group also has a tensor axis (FSDP alone keeps its largest-dimension default).
   ``task`` None: the LM's."""
   task = task or tasks_lib.get()
@@ -68,8 +68,8 @@ def layout(mesh: Mesh, params: Any, opt_state: Any, task: tasks_lib.Task | None 
   if not grouped(mesh):
     return None
   return (
-    H.group_shardings(params, mesh, AXIS, INNER, **rules(mesh, task)),
-    H.state_shardings(opt_state, mesh, AXIS, INNER, **rules(mesh, task)),
+    H.stacked_shardings(params, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task)),
+    H.stacked_shardings(opt_state, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task)),
   )
 
 
@@ -78,7 +78,7 @@ def param_layout(mesh: Mesh, abstract_params: Any, num_replicas: int, task: task
   if not grouped(mesh):
     return replica_sharding(mesh)
   stacked = jax.eval_shape(lambda p: H.stack_replicas(p, num_replicas), abstract_params)
-  return H.group_shardings(stacked, mesh, AXIS, INNER, **rules(mesh, task))
+  return H.stacked_shardings(stacked, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task))
 
 
 def with_layout(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None) -> dict:
@@ -100,7 +100,7 @@ def unstacked_layout(mesh: Mesh, stacked: Any, task: tasks_lib.Task | None = Non
   ``stacked`` holds arrays or shapes."""
   if not grouped(mesh):
     return jax.tree.map(lambda _: replicated(mesh), stacked)
-  groups = H.group_shardings(stacked, mesh, AXIS, INNER, **rules(mesh, task))
+  groups = H.stacked_shardings(stacked, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task))
   return jax.tree.map(lambda s: NamedSharding(mesh, P(*s.spec[1:])), groups)
 
 
@@ -120,7 +120,7 @@ def stacked_anchor_layout(mesh: Mesh, anchor: Any, task: tasks_lib.Task | None =
   ``P('data')``, and on a 2-D mesh split inside each group as the state it copies."""
   if not grouped(mesh):
     return jax.tree.map(lambda _: replica_sharding(mesh), anchor)
-  return H.group_shardings(anchor, mesh, AXIS, INNER, **rules(mesh, task))
+  return H.stacked_shardings(anchor, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task))
 
 
 def anchor_shapes(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None) -> dict:

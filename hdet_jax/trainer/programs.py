@@ -78,7 +78,9 @@ def make_opt_init(tx: optax.GradientTransformation, mesh: Mesh, task: tasks_lib.
     return jax.jit(init, out_shardings=replica_sharding(mesh))
 
   def opt_init(params):
-    shardings = H.state_shardings(jax.eval_shape(init, params), mesh, AXIS, INNER, **rules(mesh, task))
+    shardings = H.stacked_shardings(
+      jax.eval_shape(init, params), AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task)
+    )
     return jax.jit(init, out_shardings=shardings)(params)
 
   return opt_init
@@ -446,5 +448,5 @@ def make_average(mesh: Mesh, params: Any = None, task: tasks_lib.Task | None = N
   if not grouped(mesh):
     return jax.jit(H.average_replicas, out_shardings=replicated(mesh))
   inner = lambda sh: NamedSharding(mesh, P(*sh.spec[1:]))
-  shardings = H.group_shardings(params, mesh, AXIS, INNER, **rules(mesh, task))
+  shardings = H.stacked_shardings(params, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task))
   return jax.jit(H.average_replicas, out_shardings=jax.tree.map(inner, shardings))

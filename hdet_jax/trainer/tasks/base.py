@@ -137,7 +137,7 @@ class Task:
   param_groups: dict = {}
   # The model hyperparameters HDET may explore per replica (``hdet.explore.*``) besides optimizer ones.
   explorable: tuple[str, ...] = ()
-  # Replica groups: tensor-parallel rules and FSDP exceptions (see hdet_jax.group_shardings); () : none.
+  # Replica groups: tensor-parallel rules and FSDP exceptions (see hdet_jax.stacked_shardings); () : none.
   tensor_rules: tuple = ()
   fsdp_rules: tuple = ()
 
