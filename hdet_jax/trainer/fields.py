@@ -71,7 +71,7 @@ _OPEN_UNIT = valid(lambda v: 0 < v < 1, 'in (0, 1)')
 
 @dataclasses.dataclass(frozen=True)
 class Data:
-  """``data.*``: the LM task's corpus and windows (a task's config declares its own: configs/mnist1d.py)."""
+  """``data.*``: the LM task's corpus and windows (another task declares its own below: Mnist1dData)."""
 
   # A local UTF-8 text file; None: the built-in data.corpus.
   path: str | None = field(None, ANY_PATH)
