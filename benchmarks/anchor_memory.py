@@ -50,18 +50,20 @@ def measure(config, devices: int) -> dict:
   run = run_settings.resolve(config)
   n, task, settings = run.mesh.num_replicas, run.task, run.task_settings
   mesh = mesh_lib.make_mesh(n, devices=devices)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n, rollback=True)  # the library's rollback, as the trainer's
+  tx = optimizer_lib.make_optimizer(
+    run.optimizer, n, seed=run.seed, rollback=True
+  )  # the library's rollback, as the trainer's
   graphdef, _ = task.abstract_model(settings)
   params, opt_state = programs_lib.make_init(task, settings, tx, mesh, n)(jax.random.key(0))
   dev = mesh.devices.flat[0]
   anchor = programs_lib.make_anchor(mesh, tx)(params, opt_state)
   rng = np.random.default_rng(0)
   windows = ip.probe_windows(
-    rng.integers(0, 256, 100_000, dtype=np.uint8), settings.data.seq_len, settings.probe_windows, settings.seed, 0
+    rng.integers(0, 256, 100_000, dtype=np.uint8), settings.data.seq_len, settings.probe_windows, run.seed, 0
   )
   common = mesh_lib.put_stacked(np.broadcast_to(windows, (n,) + windows.shape), mesh, batch_dim=1)
   end = lambda tx, programs, *rest: (
-    programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=programs)
+    programs_lib.make_window_end(tx, mesh, seed=run.seed, graphdef=graphdef, settings=programs)
     .lower(params, opt_state, common, *rest)
     .compile()
   )
@@ -76,7 +78,7 @@ def measure(config, devices: int) -> dict:
     'anchor_per_replica': device_bytes((params, opt_state.inner_state), dev),
     'window_end': footprint(end(tx, run.programs, anchor)),
     'window_end_no_rollback': footprint(
-      end(optimizer_lib.make_optimizer(no_rollback.optimizer, n), no_rollback.programs)
+      end(optimizer_lib.make_optimizer(no_rollback.optimizer, n, seed=no_rollback.seed), no_rollback.programs)
     ),
   }
 

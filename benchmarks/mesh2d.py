@@ -74,7 +74,7 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   config = config_for(groups, overrides)
   run = run_settings.resolve_recorded(config)
   mesh = mesh_lib.make_mesh(groups, fsdp, tensor)
-  tx = optimizer_lib.make_optimizer(run.optimizer, groups)
+  tx = optimizer_lib.make_optimizer(run.optimizer, groups, seed=run.seed)
   graphdef, _ = run.task.abstract_model(run.task_settings)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, groups)(jax.random.key(0))
   layout = mesh_lib.layout(mesh, params, opt_state)
@@ -85,7 +85,7 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
     np.zeros((groups, run.task_settings.probe_windows, d.seq_len + 1), np.uint8), mesh, batch_dim=1
   )
   step = (
-    programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs, shardings=layout)
+    programs_lib.make_train_step(graphdef, tx, mesh, sync=False, seed=run.seed, settings=run.programs, shardings=layout)
     .lower(params, opt_state, data)
     .compile()
   )
@@ -93,7 +93,7 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   shardings = mesh_lib.anchor_layout(mesh, params, opt_state.inner_state)
   anchor = [programs_lib.make_anchor(mesh, tx, shardings)(params, opt_state)] if run.loop.rolls_back else []
   window_end = (
-    programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=run.programs, shardings=layout)
+    programs_lib.make_window_end(tx, mesh, graphdef=graphdef, seed=run.seed, settings=run.programs, shardings=layout)
     .lower(params, opt_state, probe, *anchor)
     .compile()
   )
@@ -204,7 +204,7 @@ def compiled_pair(groups: int, fsdp: int, tensor: int, sync_every: int):
   o = run.optimizer
   txs = {
     'plain': optax.adamw(run.given['optim.max_lr'], b1=o.b1, b2=o.b2, weight_decay=o.weight_decay),
-    'hdet': optimizer_lib.make_optimizer(o, groups),
+    'hdet': optimizer_lib.make_optimizer(o, groups, seed=run.seed),
   }
   params = programs_lib.make_init(run.task, run.task_settings, txs['hdet'], mesh, groups)(jax.random.key(0))[0]
   d = run.task_settings.data

@@ -66,7 +66,7 @@ def _programs(probe_windows: int):
   d = run.task_settings.data
   n = jax.device_count()
   mesh = mesh_lib.make_mesh(n)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n, seed=run.seed)
   graphdef, _ = run.task.abstract_model(run.task_settings)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
   train = input_pipeline.split(input_pipeline.load_corpus(None), d.val_fraction)[0]
@@ -75,7 +75,9 @@ def _programs(probe_windows: int):
   probe = input_pipeline.probe_windows(train, d.seq_len, probe_windows, 0, 0)
   probe = mesh_lib.put_stacked(np.broadcast_to(probe, (n,) + probe.shape), mesh)
   programs = {
-    'step': programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs, chunk_steps=25)
+    'step': programs_lib.make_train_step(
+      graphdef, tx, mesh, sync=False, seed=run.seed, settings=run.programs, chunk_steps=25
+    )
     .lower(params, opt_state, data)
     .compile()
   }
@@ -85,7 +87,7 @@ def _programs(probe_windows: int):
     name = f'window end ({"window score" if score == "window" else "common batch"})'
     extra = extra + ([programs_lib.make_anchor(mesh, tx)(params, opt_state)] if r.loop.rolls_back else [])
     programs[name] = (
-      programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=r.programs)
+      programs_lib.make_window_end(tx, mesh, graphdef=graphdef, seed=r.seed, settings=r.programs)
       .lower(params, opt_state, *extra)
       .compile()
     )

@@ -70,8 +70,8 @@ def faulty_task(task: Any, faults: Mapping[int, Sequence[int] | None]) -> Any:
   import jax.numpy as jnp
 
   class Faulty(type(task)):
-    def load(self, settings, num_replicas):
-      data = task.load(settings, num_replicas)
+    def load(self, settings, num_replicas, seed):
+      data = task.load(settings, num_replicas, seed)
       return tasks_lib.TaskData(
         batches=FaultyBatches(data.batches, num_replicas, faults),
         eval_batch=data.eval_batch,

@@ -26,5 +26,5 @@ def test_config_is_valid_and_documented(path):
   assert doc.startswith(f'python train.py --config configs/{name}'), doc.splitlines()[0]
   config = config_lib.load_config_file(path)
   run = trainer_testing.resolve(config)
-  tx = optimizer_lib.make_optimizer(run.optimizer, 8)
+  tx = optimizer_lib.make_optimizer(run.optimizer, 8, seed=run.seed)
   assert callable(tx.update)

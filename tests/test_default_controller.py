@@ -64,7 +64,7 @@ def test_a_readme_loop_with_the_shortest_call_follows_the_trainers_base_lrs_bit_
     weight_decay=o.weight_decay,
   )
   run = trainer_testing.resolve(config)
-  trainer = optimizer_lib.make_optimizer(run.optimizer, N)
+  trainer = optimizer_lib.make_optimizer(run.optimizer, N, seed=run.seed)
   assert jax.device_count() >= N
   mesh = Mesh(np.array(jax.devices()[:N]), ('data',))
   rng = np.random.default_rng(0)

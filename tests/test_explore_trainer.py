@@ -33,7 +33,7 @@ def test_dropout_rate_really_differs_per_replica():
   config = _tiny()
   n = 8
   run = trainer_testing.resolve(config)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n, seed=run.seed)
   names = run.loop.hyperparam_names
   assert names == (
     'learning_rate/embedding',
@@ -49,7 +49,7 @@ def test_dropout_rate_really_differs_per_replica():
   x = jnp.ones((n, 64, 512))
 
   def measure(state, x):
-    reg, _ = programs_lib.regularization(run.programs, state)
+    reg, _ = programs_lib.regularization(run.programs, run.seed, state)
     y = model_lib.dropout(x, reg.dropout_rate, reg.dropout_key)
     return jnp.mean(y == 0), reg.dropout_rate
 

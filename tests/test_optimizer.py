@@ -197,7 +197,7 @@ def test_setting_the_factor_keeps_every_leaf_and_its_layout(fsdp):
   mesh = mesh_lib.make_mesh(n, fsdp)
   run = trainer_testing.resolve(config)
   _, opt_state = programs_lib.make_init(
-    run.task, run.task_settings, optimizer_lib.make_optimizer(run.optimizer, n), mesh, n
+    run.task, run.task_settings, optimizer_lib.make_optimizer(run.optimizer, n, seed=run.seed), mesh, n
   )(jax.random.key(0))
   is_scaled = lambda x: isinstance(x, optimizer_lib.RuntimeScaleState)
   before = [(np.array(x), x.sharding) for x in jax.tree.leaves(opt_state)]  # (copies: the setter donates)

@@ -25,7 +25,7 @@ def test_chunked_data_reads_each_steps_batch_at_the_optimizer_count():
   n, k, steps = 8, 4, 9
   mesh = mesh_lib.make_mesh(n)
   run = trainer_testing.resolve(config)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n, seed=run.seed)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   init = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)
   rng = np.random.default_rng(0)
@@ -35,7 +35,9 @@ def test_chunked_data_reads_each_steps_batch_at_the_optimizer_count():
   out = {}
   for chunk in (0, k):
     params, opt_state = init(jax.random.key(0))
-    step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs, chunk_steps=chunk)
+    step = programs_lib.make_train_step(
+      graphdef, tx, mesh, sync=False, seed=run.seed, settings=run.programs, chunk_steps=chunk
+    )
     losses = []
     for t in range(steps):
       data = batches.batch(t) if chunk == 0 else batches.chunk(t - t % k, k)
@@ -57,7 +59,7 @@ def _tiny_start(config, n):
   """(mesh, tx, graphdef, params, opt_state, batches): ``n`` replicas of ``config`` at step 0, on random bytes."""
   mesh = mesh_lib.make_mesh(n)
   run = trainer_testing.resolve(config)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n, seed=run.seed)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
   batches = ip.TrainBatches(
@@ -76,7 +78,14 @@ def test_window_end_and_distance_measure_each_replicas_distance_from_the_mean():
   config = config_lib.load_config_file(TINY)
   n = 8
   mesh, tx, graphdef, params, opt_state, batches = _tiny_start(config, n)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=trainer_testing.resolve(config).programs)
+  step = programs_lib.make_train_step(
+    graphdef,
+    tx,
+    mesh,
+    sync=False,
+    seed=trainer_testing.resolve(config).seed,
+    settings=trainer_testing.resolve(config).programs,
+  )
   for t in range(8):  # tiny syncs after step 7: the replicas have drifted apart for 8 steps
     params, opt_state, _ = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh))
   before = jax.tree.map(np.asarray, params)
@@ -88,7 +97,7 @@ def test_window_end_and_distance_measure_each_replicas_distance_from_the_mean():
   np.testing.assert_allclose(got['distance'], want, rtol=1e-4)
   np.testing.assert_allclose(got['mean_norm'], _tree_rows_norm(mean)[0], rtol=1e-5)
 
-  after, _, m = programs_lib.make_window_end(tx, mesh)(params, opt_state)
+  after, _, m = programs_lib.make_window_end(tx, mesh, seed=0)(params, opt_state)
   after = jax.tree.map(np.asarray, after)
   chex.assert_trees_all_close(
     jax.tree.map(lambda a: a[0], after), jax.tree.map(lambda x: x[0], mean), rtol=1e-5, atol=1e-6
@@ -107,12 +116,12 @@ def _window_setup(config, n=8):
   """(n, mesh, tx, graphdef, params, opt_state, data, batches, step program) of a tiny run on n replicas."""
   mesh = mesh_lib.make_mesh(n)
   run = trainer_testing.resolve(config)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n, seed=run.seed)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
   data = np.random.default_rng(0).integers(0, 256, 200_000, dtype=np.uint8)
   batches = ip.TrainBatches(data, config.data.seq_len, config.data.batch_size, n, seed=1)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs)
+  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, seed=run.seed, settings=run.programs)
   return n, mesh, tx, graphdef, params, opt_state, data, batches, step
 
 
@@ -130,7 +139,13 @@ def test_window_end_scores_each_replicas_last_iterate_on_the_common_batch():
   # leaf and replica, the pattern behind XLA:CPU's in-process all-reduce deadlock; CONTRIBUTING.md)
   host = jax.device_get(params)
   want = [float(task.loss(graphdef, jax.tree.map(lambda x: x[r], host), windows)) for r in range(n)]
-  end = programs_lib.make_window_end(tx, mesh, graphdef=graphdef, settings=trainer_testing.resolve(config).programs)
+  end = programs_lib.make_window_end(
+    tx,
+    mesh,
+    graphdef=graphdef,
+    seed=trainer_testing.resolve(config).seed,
+    settings=trainer_testing.resolve(config).programs,
+  )
   _, _, m = end(params, opt_state, common)
   got = np.asarray(m['window_losses'])[0]
   np.testing.assert_allclose(got, want, rtol=2e-6)
@@ -155,7 +170,7 @@ def test_the_rollback_anchor_is_one_copy_per_device_in_the_groups_layout():
     mesh = mesh_lib.make_mesh(n if fsdp == 1 else 4, fsdp=fsdp, devices=devices)
     reps = n if fsdp == 1 else 4
     run = trainer_testing.resolve(config)
-    tx = optimizer_lib.make_optimizer(run.optimizer, reps, rollback=True)
+    tx = optimizer_lib.make_optimizer(run.optimizer, reps, seed=run.seed, rollback=True)
     params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, reps)(jax.random.key(0))
     if fsdp > 1:
       layout = mesh_lib.layout(mesh, params, opt_state)

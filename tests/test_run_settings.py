@@ -115,7 +115,9 @@ def test_regularization_and_optimizer_choices_reach_the_programs():
     PLATEAU,
   )
   p = run.programs
-  assert (p.dropout, p.label_smoothing, p.seed, p.plateau, p.schedule_free) == (0.1, 0.05, 7, True, False)
+  assert (p.dropout, p.label_smoothing, run.seed, p.plateau, p.schedule_free) == (0.1, 0.05, 7, True, False)
+  # the seed is said once, the run's: the parts take it as an argument (make_optimizer, the programs, Task.load)
+  assert [t for t in (run, p, run.optimizer, run.task_settings, run.loop) if 'seed' in t._fields] == [run]
   assert run.loop.controller is None and run.optimizer.auto_lr is None and not run.loop.common_batch
   explored = trainer_testing.resolve(_config(**{'hdet.explore.dropout': 0.05, 'hdet.explore.weight_decay': 0.5}))
   assert (

@@ -33,6 +33,11 @@ def _settings(config):
   return trainer_testing.resolve(config).task_settings
 
 
+def _load(task, config, num_replicas=8):
+  """``task``'s data for ``config``, at the run's seed."""
+  return task.load(_settings(config), num_replicas, trainer_testing.resolve(config).seed)
+
+
 def small_mnist1d(**overrides):
   """mnist1d at test size: 400 generated examples, 16 steps, 4 examples per replica, syncs every 8."""
   return _config(
@@ -79,7 +84,7 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
 
   n = config.hdet.num_replicas
   run = trainer_testing.resolve(config)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n, seed=run.seed)
   mesh = mesh_lib.make_mesh(n, devices=devices)
   abstract = jax.eval_shape(
     lambda k: dict(zip(('params', 'opt_state'), programs.make_init(run.task, run.task_settings, tx, mesh, n)(k))),
@@ -161,7 +166,7 @@ def test_lm_task_is_the_model_and_pipeline_it_wraps():
   config = _config(TINY)
   task = tasks.get(config.task)
   assert task is tasks.get() and task.name == 'lm'
-  data = task.load(_settings(config), 8)
+  data = _load(task, config)
   corpus = input_pipeline.load_corpus(None)
   train, val = input_pipeline.split(corpus, config.data.val_fraction)
   want = input_pipeline.TrainBatches(train, 32, 4, 8, config.seed)
@@ -199,17 +204,15 @@ def test_mnist1d_data_is_the_packages_generator_deterministic_and_leaves_numpy_a
 
 def test_mnist1d_batches_are_a_function_of_seed_and_step():
   config = small_mnist1d()
-  data = mnist1d.TASK.load(_settings(config), 8)
+  data = _load(mnist1d.TASK, config)
   chunk = data.batches.chunk(4, 3)
   assert chunk['x'].shape == (8, 3, 4, 40, 1) and chunk['y'].shape == (8, 3, 4)
   np.testing.assert_array_equal(chunk['x'][:, 1], data.batches.batch(5)['x'])  # a chunk is its steps' batches
   idx = data.batches.indices(0)
   assert len(np.unique(idx)) == idx.size  # within an epoch no two replicas share an example
-  again = mnist1d.TASK.load(_settings(config), 8).batches.indices(7)
+  again = _load(mnist1d.TASK, config).batches.indices(7)
   np.testing.assert_array_equal(again, data.batches.indices(7))
-  other = mnist1d.TASK.load(
-    _settings(_config(MNIST1D, **{'data.num_samples': 400, 'data.batch_size': 4, 'seed': 1})), 8
-  )
+  other = _load(mnist1d.TASK, _config(MNIST1D, **{'data.num_samples': 400, 'data.batch_size': 4, 'seed': 1}))
   assert not np.array_equal(other.batches.indices(0), idx)
   assert data.eval_batch['x'].shape == (8, 10, 40, 1)  # 80 test examples, 10 per replica
   probe = data.probe(2)
@@ -232,7 +235,7 @@ def _conv1d(x, kernel, bias, stride=2, pad=1):
 def test_cnn_loss_on_a_fixed_batch_matches_a_numpy_oracle():
   config = small_mnist1d(**{'model.channels': 5})
   graphdef, params = mnist1d.TASK.init_model(_settings(config), jax.random.key(3))
-  data = mnist1d.TASK.load(_settings(config), 8)
+  data = _load(mnist1d.TASK, config)
   batch = data.batches.batch(0)
   batch = {'x': batch['x'][0], 'y': batch['y'][0]}
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
@@ -272,7 +275,7 @@ def test_mlp_loss_on_a_fixed_batch_matches_a_numpy_oracle():
   graphdef, params = mnist1d.TASK.init_model(_settings(config), jax.random.key(4))
   assert sorted(params) == ['dense1', 'dense2', 'linear']
   assert sum(a.size for a in jax.tree.leaves(params)) == (40 * 7 + 7) + (7 * 7 + 7) + (7 * 10 + 10)
-  batch = mnist1d.TASK.load(_settings(config), 8).batches.batch(0)
+  batch = _load(mnist1d.TASK, config).batches.batch(0)
   batch = {'x': batch['x'][0], 'y': batch['y'][0]}
   p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
   h = batch['x'].astype(np.float64).reshape(len(batch['x']), -1)

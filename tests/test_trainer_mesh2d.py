@@ -32,12 +32,14 @@ def tiny(**overrides):
 def run_steps(config, mesh, n, steps):
   """``steps`` trainer steps (the window end after each sync) on ``mesh``; (params, opt_state, losses)."""
   run = trainer_testing.resolve(config)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n, seed=run.seed)
   graphdef, _ = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
   layout = mesh_lib.layout(mesh, params, opt_state)
-  step = programs_lib.make_train_step(graphdef, tx, mesh, sync=False, settings=run.programs, shardings=layout)
-  window_end = programs_lib.make_window_end(tx, mesh, shardings=layout)
+  step = programs_lib.make_train_step(
+    graphdef, tx, mesh, sync=False, seed=run.seed, settings=run.programs, shardings=layout
+  )
+  window_end = programs_lib.make_window_end(tx, mesh, seed=run.seed, shardings=layout)
   batches = ip.TrainBatches(
     np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8),
     config.data.seq_len,
@@ -116,12 +118,18 @@ def test_low_communication_switch_removes_the_gradient_all_reduce_across_groups(
   mesh, n = mesh_lib.make_mesh(4, 2), 4
   config = tiny(**{'hdet.low_communication': True, 'hdet.score': 'window'})
   run = trainer_testing.resolve(config)
-  tx = optimizer_lib.make_optimizer(run.optimizer, n)
+  tx = optimizer_lib.make_optimizer(run.optimizer, n, seed=run.seed)
   graphdef, abstract = model_lib.abstract_model(config.model, config.data.seq_len)
   params, opt_state = programs_lib.make_init(run.task, run.task_settings, tx, mesh, n)(jax.random.key(0))
   data = mesh_lib.put_stacked(np.zeros((n, config.data.batch_size, config.data.seq_len + 1), np.uint8), mesh, 1)
   step = programs_lib.make_train_step(
-    graphdef, tx, mesh, sync=False, settings=run.programs, shardings=mesh_lib.layout(mesh, params, opt_state)
+    graphdef,
+    tx,
+    mesh,
+    sync=False,
+    seed=run.seed,
+    settings=run.programs,
+    shardings=mesh_lib.layout(mesh, params, opt_state),
   )
   got = comm.replica_axis_bytes(step.lower(params, opt_state, data).compile().as_text(), (4, 2))
   assert got < 64 < metrics.num_params(abstract)  # no gradient crosses groups

@@ -42,11 +42,11 @@ def check_run(settings: run_settings.RunSettings, workdir: str) -> Run:
   run_settings.check_controller_acts(schema.complete(settings.given, task.name))
   n, devices = _resolve_replicas(settings)
   try:
-    data = task.load(task_settings, n)
+    data = task.load(task_settings, n, settings.seed)
   except tasks_lib.TaskError as e:
     raise ConfigError(str(e)) from None
   try:
-    tx = optimizer_lib.make_optimizer(settings.optimizer, n, rollback=settings.loop.rolls_back)
+    tx = optimizer_lib.make_optimizer(settings.optimizer, n, seed=settings.seed, rollback=settings.loop.rolls_back)
   except ValueError as e:
     raise ConfigError(f'config: {e}') from None
   fields = settings.training_fields(n)

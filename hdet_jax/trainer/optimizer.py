@@ -60,7 +60,6 @@ class OptimizerSettings(NamedTuple):
   spread: float  # eq. 1's alpha
   windows: tuple[int, ...]  # the sync windows (hdet()'s sync_every)
   auto_lr: H.AutoLR | None  # the controller, None: fixed base LR
-  seed: int  # the multipliers' permutations
   param_groups: dict | None  # regexes on parameter paths: one LR per group
   explore: dict | None  # name -> hdet_jax.Explore: the hyperparameters explored besides the LR
   average_opt_state: bool  # the low-communication mode averages the optimizer state too
@@ -105,11 +104,12 @@ def set_runtime_lr_scale(opt_state: Any, scale: jax.Array) -> Any:
 
 
 def make_optimizer(
-  settings: OptimizerSettings, num_replicas: int, *, rollback: bool = False
+  settings: OptimizerSettings, num_replicas: int, *, seed: int, rollback: bool = False
 ) -> optax.GradientTransformationExtraArgs:
   """``hdet_jax.hdet`` around the base optax optimizer, schedule and HDET settings of ``settings``, for N replicas
-  on the replica axis ``'data'`` (however many devices: the programs map it with ``over_replicas``); ``rollback``:
-  the guard's (``hdet(..., rollback=True)``)."""
+  on the replica axis ``'data'`` (however many devices: the programs map it with ``over_replicas``); ``seed``: the
+  run's (``RunSettings.seed``: the multipliers' permutations); ``rollback``: the guard's
+  (``hdet(..., rollback=True)``)."""
   o = settings
   if o.base is None and o.name not in FACTORIES:
     raise ValueError(f'optim.name={o.name!r} is not one of {sorted(FACTORIES)}.')
@@ -131,7 +131,7 @@ def make_optimizer(
     replica_axis=AXIS,  # the programs map it with over_replicas: it stands for each device's replicas too
     auto_lr=o.auto_lr,
     exact_sync=True,
-    seed=o.seed,
+    seed=seed,
     param_groups=o.param_groups,
     explore=o.explore,
     average_opt_state=o.average_opt_state,

@@ -36,7 +36,6 @@ class ProgramSettings(NamedTuple):
   a plain run of the byte LM: no regularization, the all-reduced gradient, each window's own losses as the scores."""
 
   task: tasks_lib.Task | None = None  # the workload (None: the byte LM)
-  seed: int = 0  # the dropout keys' root, with the step and the replica
   hyperparam_names: tuple[str, ...] = ('learning_rate',)  # the optimizer state's [G] order
   dropout: float = 0.0  # model.dropout, where it is not explored
   attn_temperature: float = 1.0  # model.attn_temperature, where it is not explored
@@ -117,12 +116,12 @@ def _on_replicas(step: Callable, mesh: Mesh, check_vma: bool = True) -> Callable
 
 
 def regularization(
-  settings: ProgramSettings, opt_state: Any, axis: Any = AXIS
+  settings: ProgramSettings, seed: int, opt_state: Any, axis: Any = AXIS
 ) -> tuple[tasks_lib.Regularization, jax.Array]:
   """This replica's model regularization and label smoothing for the coming step.
 
   Explored values come from the optimizer state (each replica's own); the others from
-  ``settings``. The dropout key depends only on (seed, step, replica), so a resumed run draws the
+  ``settings``. The dropout key depends only on (``seed``, the run's; step; replica), so a resumed run draws the
   same masks.
   """
   names = settings.hyperparam_names
@@ -134,7 +133,7 @@ def regularization(
   key = None
   if 'dropout' in names or settings.dropout > 0:
     key = jax.random.fold_in(
-      jax.random.fold_in(jax.random.key(settings.seed + _DROPOUT_TAG), opt_state.count), H.replicas.axis_index(axis)
+      jax.random.fold_in(jax.random.key(seed + _DROPOUT_TAG), opt_state.count), H.replicas.axis_index(axis)
     )
   reg = tasks_lib.Regularization(
     dropout_rate=rate, dropout_key=key, attn_temperature=value('attn_temperature', settings.attn_temperature)
@@ -177,6 +176,7 @@ def make_train_step(
   mesh: Mesh,
   *,
   sync: bool,
+  seed: int,
   settings: ProgramSettings = ProgramSettings(),
   packer: MetricsPacker | None = None,
   chunk_steps: int = 0,
@@ -208,7 +208,7 @@ def make_train_step(
     if chunk_steps:
       batch = jax.tree.map(lambda d: lax.dynamic_index_in_dim(d, opt_state.count % chunk_steps, keepdims=False), data)
     used = opt_state  # its values and base are what this step trains with
-    loss, updates, opt_state = _update(task, graphdef, tx, settings, params, opt_state, batch, axis, sync)
+    loss, updates, opt_state = _update(task, graphdef, tx, settings, seed, params, opt_state, batch, axis, sync)
     stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
     params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=sync)
     metrics = {
@@ -237,6 +237,7 @@ def _update(
   graphdef: Any,
   tx: optax.GradientTransformation,
   settings: ProgramSettings,
+  seed: int,
   params: Any,
   opt_state: Any,
   batch: Any,
@@ -245,7 +246,7 @@ def _update(
 ) -> tuple[jax.Array, Any, Any]:
   """One replica's (loss, updates, opt_state) of a training step on ``batch`` (the all-reduce included, if
   ``settings.shares_gradient``); the loss is plain cross-entropy, what the controller compares (see ``Task.losses``)."""
-  reg, smoothing = regularization(settings, opt_state, axis)
+  reg, smoothing = regularization(settings, seed, opt_state, axis)
   (_, loss), grads = jax.value_and_grad(lambda p: task.losses(graphdef, p, batch, reg, smoothing), has_aux=True)(params)
   if settings.shares_gradient:
     grads = H.pmean_finite(grads, axis)  # the all-reduce, skipping replicas whose gradient is not finite
@@ -257,10 +258,17 @@ def _update(
 
 
 def _common_score(
-  task: tasks_lib.Task, graphdef: Any, settings: ProgramSettings, params: Any, opt_state: Any, windows: Any, axis: Any
+  task: tasks_lib.Task,
+  graphdef: Any,
+  settings: ProgramSettings,
+  seed: int,
+  params: Any,
+  opt_state: Any,
+  windows: Any,
+  axis: Any,
 ) -> jax.Array:
   """This replica's loss on the common batch ``windows``, with its own attention temperature and no dropout."""
-  reg, _ = regularization(settings, opt_state, axis)
+  reg, _ = regularization(settings, seed, opt_state, axis)
   reg = reg._replace(dropout_rate=0.0, dropout_key=None)  # compare the models, not their noise
   return task.loss(graphdef, params, windows, reg)
 
@@ -274,6 +282,7 @@ def make_window_end(
   tx: optax.GradientTransformation,
   mesh: Mesh,
   *,
+  seed: int,
   packer: MetricsPacker | None = None,
   graphdef: Any = None,
   settings: ProgramSettings = ProgramSettings(),
@@ -313,7 +322,7 @@ def make_window_end(
       opt_state = opt_state._replace(anchor=extra.pop(0))
     score = None
     if probe:
-      score = _common_score(task, graphdef, settings, params, opt_state, windows, axis)
+      score = _common_score(task, graphdef, settings, seed, params, opt_state, windows, axis)
     updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
     stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
     params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=True)

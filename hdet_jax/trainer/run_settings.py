@@ -13,7 +13,7 @@ the programs' cache key are made of). Defaults that depend on other fields (the 
 Example::
 
   run = resolve(config)
-  tx = optimizer.make_optimizer(run.optimizer, num_replicas=8)
+  tx = optimizer.make_optimizer(run.optimizer, num_replicas=8, seed=run.seed)
   run.loop.windows        # (100,): the sync window T
 """
 
@@ -117,7 +117,7 @@ class RunSettings(NamedTuple):
   given: dict  # the config's fields as given, flattened (JSON values): config.json, identity
   task: tasks_lib.Task  # config.task's workload
   task_settings: tasks_lib.TaskSettings  # its own fields (data.*, model.*, ...), completed from the schema
-  seed: int  # the run's key: init, warm-start noise, data order
+  seed: int  # the run's (config.seed), said here only: init, warm-start noise, data order, permutations, dropout
   init_from: str | None  # a workdir whose averaged model a warm start reads (None: random init)
   warm_init_nu: float  # the warm start's noise scale (eq. 10)
   guard: Guard  # the back-off guard, resolved
@@ -242,7 +242,6 @@ def _resolve(given: dict, f: Fields, task: tasks_lib.Task, base: optimizer_lib.B
   common = bool(f['hdet.auto_lr']) and f['hdet.score'] == 'common'
   programs = ProgramSettings(
     task=task,
-    seed=int(f['seed']),
     hyperparam_names=names,
     dropout=f['model.dropout'],
     attn_temperature=f['model.attn_temperature'],
@@ -303,14 +302,13 @@ def _resolve(given: dict, f: Fields, task: tasks_lib.Task, base: optimizer_lib.B
 
 
 def task_settings(f: Fields, task: tasks_lib.Task) -> tasks_lib.TaskSettings:
-  """The task's own fields: ``data.*`` and ``model.*``, the seed, and what its data reads of the loop's."""
+  """The task's own fields: ``data.*`` and ``model.*``, and what its data reads of the loop's."""
 
   def section(prefix):
     return tasks_lib.Section({k[len(prefix) :]: v for k, v in f.items() if k.startswith(prefix)})
 
   return tasks_lib.TaskSettings(
     name=task.name,
-    seed=int(f['seed']),
     data=section('data.'),
     model=section('model.'),
     eval_windows=int(f['eval_windows']),
@@ -334,7 +332,6 @@ def optimizer_settings(f: Fields, task: tasks_lib.Task, guard_: Guard) -> Optimi
     spread=f['hdet.spread'],
     windows=sync_windows(f),
     auto_lr=auto_lr_settings(f, guard_),
-    seed=f['seed'],
     param_groups=param_groups(f, task),
     explore=explore or None,
     average_opt_state=bool(f['hdet.average_opt_state']),

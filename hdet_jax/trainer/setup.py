@@ -287,6 +287,7 @@ def build_programs(run: Run, params: Any, opt_state: Any, chunk: Any, probe: lis
       run.tx,
       mesh,
       sync=False,
+      seed=run.settings.seed,
       settings=settings,
       packer=packers[False],
       chunk_steps=run.settings.loop.chunk_steps,
@@ -298,7 +299,13 @@ def build_programs(run: Run, params: Any, opt_state: Any, chunk: Any, probe: lis
   extra = [anchor] if anchor is not None else []
   window_end = (
     programs_lib.make_window_end(
-      run.tx, mesh, packer=packers[True], graphdef=run.graphdef, settings=settings, shardings=layout
+      run.tx,
+      mesh,
+      seed=run.settings.seed,
+      packer=packers[True],
+      graphdef=run.graphdef,
+      settings=settings,
+      shardings=layout,
     )
     .lower(params, opt_state, *probe, *extra)
     .compile()

@@ -102,7 +102,7 @@ def test_the_digits_check_trains_on_the_committed_digits():
   assert config.model.channels == 25 and config.num_train_steps == 600
   with contextlib.chdir(exp.REPO):
     run = records.resolve(config)
-    data = run.task.load(run.task_settings, 8)
+    data = run.task.load(run.task_settings, 8, run.seed)
   assert data.description == '1,437 train / 360 test examples (signals 64 x 1)'
   assert exp.load('grid_lr0.03_s0', exp.Site('digits', False, ''))['num_params'] == 5960
 

@@ -172,7 +172,7 @@ def test_the_rows_configs_are_research_s_valid_and_documented():
     doc = ast.get_docstring(ast.parse(open(path).read()))
     assert doc.startswith(f'research/configs/{name}.py: one row of the Table 1 ablation'), doc.splitlines()[0]
     run = records.resolve(T.load_row_config(name))
-    assert callable(optimizer_lib.make_optimizer(run.optimizer, 8).update)
+    assert callable(optimizer_lib.make_optimizer(run.optimizer, 8, seed=run.seed).update)
 
 
 def test_the_rows_config_json_is_what_1_0_wrote_and_its_workdirs_resume(tmp_path):

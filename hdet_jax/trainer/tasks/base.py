@@ -84,7 +84,6 @@ class TaskSettings(NamedTuple):
   every :class:`Task` method reads. The trainer's fields are the trainer's."""
 
   name: str  # config.task
-  seed: int  # the data order and the common batches
   data: Section  # data.*: path, batch_size and the task's own
   model: Section  # model.*
   eval_windows: int  # validation examples per evaluation (0: the whole split)
@@ -149,7 +148,7 @@ class Task:
     if tensor > 1:
       raise ValueError(f'the {self.name} task has no tensor-parallel layout; use mesh.tensor=1.')
 
-  def load(self, settings: TaskSettings, num_replicas: int) -> TaskData:
+  def load(self, settings: TaskSettings, num_replicas: int, seed: int) -> TaskData:
     raise NotImplementedError
 
   def abstract_model(self, settings: TaskSettings) -> tuple[Any, Any]:

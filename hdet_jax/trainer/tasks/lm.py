@@ -48,12 +48,12 @@ class LanguageModel(base.Task):
   def check_tensor_parallel(self, settings: base.TaskSettings, tensor: int) -> None:
     model_lib.check_tensor_parallel(settings.model, settings.data.seq_len, tensor)
 
-  def load(self, settings: base.TaskSettings, num_replicas: int) -> base.TaskData:
+  def load(self, settings: base.TaskSettings, num_replicas: int, seed: int) -> base.TaskData:
     d = settings.data
     try:
       corpus = input_pipeline.load_corpus(d.path, d.corpus)
       train, val = input_pipeline.split(corpus, d.val_fraction)
-      batches = input_pipeline.TrainBatches(train, d.seq_len, d.batch_size, num_replicas, settings.seed)
+      batches = input_pipeline.TrainBatches(train, d.seq_len, d.batch_size, num_replicas, seed)
       val_windows = input_pipeline.validation_windows(val, d.seq_len, num_replicas, settings.eval_windows)
     except input_pipeline.DataError as e:
       raise base.TaskError(str(e)) from None
@@ -61,7 +61,7 @@ class LanguageModel(base.Task):
     return base.TaskData(
       batches=batches,
       eval_batch=val_windows,
-      probe=lambda index: input_pipeline.probe_windows(train, d.seq_len, probes, settings.seed, index),
+      probe=lambda index: input_pipeline.probe_windows(train, d.seq_len, probes, seed, index),
       description=f'{len(train):,} train / {len(val):,} validation bytes',
     )
 

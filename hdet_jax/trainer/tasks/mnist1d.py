@@ -260,7 +260,7 @@ class MNIST1D(base.Task):
       return read_npz(d.path, settings.model.num_classes)
     return generate(d.num_samples, d.train_split, d.dataset_seed)
 
-  def load(self, settings: base.TaskSettings, num_replicas: int) -> base.TaskData:
+  def load(self, settings: base.TaskSettings, num_replicas: int, seed: int) -> base.TaskData:
     a = self.arrays(settings)
     x, x_test = _channels_last(a['x']), _channels_last(a['x_test'])
     if settings.model.kind == 'cnn' and conv_length(conv_length(conv_length(x.shape[1], 5), 3), 3) < 1:
@@ -273,11 +273,11 @@ class MNIST1D(base.Task):
         f'the test split has {len(a["y_test"])} examples, fewer than one for each of '
         f'{num_replicas} replicas; use more test examples.'
       )
-    batches = ExampleBatches(x, a['y'], settings.data.batch_size, num_replicas, settings.seed)
+    batches = ExampleBatches(x, a['y'], settings.data.batch_size, num_replicas, seed)
     probes = settings.probe_windows
 
     def probe(index):
-      rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([settings.seed, _PROBE_TAG, index])))
+      rng = np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, _PROBE_TAG, index])))
       idx = rng.integers(0, len(a['y']), size=probes)
       return {'x': x[idx], 'y': a['y'][idx]}
 
