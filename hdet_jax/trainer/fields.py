@@ -313,13 +313,13 @@ def config_dict_of(cls: type) -> ml_collections.ConfigDict:
     if f.metadata.get('section'):
       out[f.name] = config_dict_of(f.default_factory)
     elif f.default is None:
-      out[f.name] = config_dict.placeholder(_optional_type(f.type))
+      out[f.name] = config_dict.placeholder(optional_type(f.type))
     else:
       out[f.name] = f.default
   return out
 
 
-def _optional_type(annotation: Any) -> type:
+def optional_type(annotation: Any) -> type:
   """``X`` of ``X | None``."""
   assert isinstance(annotation, types.UnionType), annotation
   (kind,) = [t for t in annotation.__args__ if t is not type(None)]

@@ -56,6 +56,11 @@ def rules(mesh: Mesh, task: tasks_lib.Task | None = None) -> dict:
   return dict(tensor_rules=task.tensor_rules, fsdp_rules=task.fsdp_rules if TENSOR in mesh.shape else ())
 
 
+def by_rules(mesh: Mesh, stacked: Any, task: tasks_lib.Task | None = None) -> Any:
+  """A stacked tree's shardings on a grouped ``mesh`` by the task's rules (``hdet_jax.stacked_shardings(mesh=)``)."""
+  return H.stacked_shardings(stacked, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task))
+
+
 def grouped(mesh: Mesh) -> bool:
   """Whether a replica is a group of devices (the mesh has axes besides the replica axis)."""
   return len(mesh.axis_names) > 1
@@ -68,8 +73,8 @@ def layout(mesh: Mesh, params: Any, opt_state: Any, task: tasks_lib.Task | None 
   if not grouped(mesh):
     return None
   return (
-    H.stacked_shardings(params, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task)),
-    H.stacked_shardings(opt_state, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task)),
+    by_rules(mesh, params, task),
+    by_rules(mesh, opt_state, task),
   )
 
 
@@ -78,7 +83,7 @@ def param_layout(mesh: Mesh, abstract_params: Any, num_replicas: int, task: task
   if not grouped(mesh):
     return replica_sharding(mesh)
   stacked = jax.eval_shape(lambda p: H.stack_replicas(p, num_replicas), abstract_params)
-  return H.stacked_shardings(stacked, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task))
+  return by_rules(mesh, stacked, task)
 
 
 def with_layout(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None) -> dict:
@@ -100,7 +105,7 @@ def unstacked_layout(mesh: Mesh, stacked: Any, task: tasks_lib.Task | None = Non
   ``stacked`` holds arrays or shapes."""
   if not grouped(mesh):
     return jax.tree.map(lambda _: replicated(mesh), stacked)
-  groups = H.stacked_shardings(stacked, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task))
+  groups = by_rules(mesh, stacked, task)
   return jax.tree.map(lambda s: NamedSharding(mesh, P(*s.spec[1:])), groups)
 
 
@@ -120,7 +125,7 @@ def stacked_anchor_layout(mesh: Mesh, anchor: Any, task: tasks_lib.Task | None =
   ``P('data')``, and on a 2-D mesh split inside each group as the state it copies."""
   if not grouped(mesh):
     return jax.tree.map(lambda _: replica_sharding(mesh), anchor)
-  return H.stacked_shardings(anchor, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task))
+  return by_rules(mesh, anchor, task)
 
 
 def anchor_shapes(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None) -> dict:

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
 from hdet_jax.trainer import tasks as tasks_lib
-from hdet_jax.trainer.mesh import AXIS, INNER, grouped, layout, replica_sharding, replicated, rules
+from hdet_jax.trainer.mesh import AXIS, by_rules, grouped, layout, replica_sharding, replicated
 
 
 class ProgramSettings(NamedTuple):
@@ -77,9 +77,7 @@ def make_opt_init(tx: optax.GradientTransformation, mesh: Mesh, task: tasks_lib.
     return jax.jit(init, out_shardings=replica_sharding(mesh))
 
   def opt_init(params):
-    shardings = H.stacked_shardings(
-      jax.eval_shape(init, params), AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task)
-    )
+    shardings = by_rules(mesh, jax.eval_shape(init, params), task)
     return jax.jit(init, out_shardings=shardings)(params)
 
   return opt_init
@@ -457,5 +455,5 @@ def make_average(mesh: Mesh, params: Any = None, task: tasks_lib.Task | None = N
   if not grouped(mesh):
     return jax.jit(H.average_replicas, out_shardings=replicated(mesh))
   inner = lambda sh: NamedSharding(mesh, P(*sh.spec[1:]))
-  shardings = H.stacked_shardings(params, AXIS, mesh=mesh, inner_axis=INNER, **rules(mesh, task))
+  shardings = by_rules(mesh, params, task)
   return jax.jit(H.average_replicas, out_shardings=jax.tree.map(inner, shardings))

@@ -159,7 +159,7 @@ def declared(cls: type = fields_lib.Config, prefix: str = '') -> tuple[Field, ..
 def _check(annotation: Any, valid: fields_lib.Range) -> Check:
   """A declared range with its kind: the annotation's type (``str | None``: a path)."""
   optional = isinstance(annotation, types.UnionType) and type(None) in annotation.__args__
-  base = fields_lib._optional_type(annotation) if optional else annotation
+  base = fields_lib.optional_type(annotation) if optional else annotation
   kind = 'choice' if valid.choice else {int: 'int', float: 'real', bool: 'bool', str: 'path'}[base]
   return Check(kind, valid.ok, valid.what, none_resolves=optional and kind != 'path')
 
