@@ -29,7 +29,7 @@ EXAMPLES = {
   'hdet_jax.shardings': 17,
   'hdet_jax.sync': 9,
   'hdet_jax.transform': 11,
-  'hdet_jax.views': 6,
+  'hdet_jax.views': 12,
   'hdet_jax.windows': 2,
 }
 
