@@ -104,7 +104,9 @@ def test_host_metrics_turns_per_replica_metrics_into_floats_to_log():
   logs = H.host_metrics(metrics, reduce={'loss': 'mean', 'aux': 'sum', 'grad_norm': 'mean'}, per_replica=True)
   assert all(type(v) is float for v in logs.values())
   assert logs['loss'] == 19.5 / 8 and logs['aux/tokens'] == 248.0 and logs['grad_norm'] == 0.75
-  np.testing.assert_allclose(logs['loss/spread'], np.sqrt(np.mean((loss.astype(np.float64) - 19.5 / 8) ** 2)), rtol=1e-12)
+  np.testing.assert_allclose(
+    logs['loss/spread'], np.sqrt(np.mean((loss.astype(np.float64) - 19.5 / 8) ** 2)), rtol=1e-12
+  )
   np.testing.assert_allclose(logs['aux/tokens/spread'], np.sqrt(np.mean((tokens - 31.0) ** 2)), rtol=1e-12)
   assert [logs[f'loss/{r}'] for r in range(N)] == loss.tolist()
   assert set(logs) == (
