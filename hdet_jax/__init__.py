@@ -23,7 +23,7 @@ from hdet_jax.settings import AutoLR, Explore, hyperparam_names
 from hdet_jax.sync import apply_updates
 from hdet_jax.shardings import batch_shardings, stacked_shardings, state_shardings
 from hdet_jax.transform import HDETState, hdet, replica_value
-from hdet_jax.views import hyperparams
+from hdet_jax.views import host_metrics, hyperparams
 from hdet_jax.windows import is_sync_step
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
   'hyperparam_names',
   'replica_value',
   'is_sync_step',
+  'host_metrics',
   # Replicas on a mesh.
   'shard_map_replicas',
   'stack_replicas',

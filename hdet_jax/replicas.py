@@ -644,6 +644,7 @@ def evaluate_over_replicas(
   *,
   batch_argnames: tuple[str, ...] = ('batch',),
   per_device: int = 1,
+  reduce: Any = 'mean',
 ) -> Callable[..., Any]:
   """The trainer's eval step on the replicas' average, each replica group evaluating its share of the batch.
 
@@ -654,6 +655,25 @@ def evaluate_over_replicas(
   ``B / N`` rows, so the mean of their row means is the global batch's mean (a sum over rows comes back
   divided by N). The result is ``eval_step(average_replicas(params), batch)`` on one device to float32
   rounding (``pmean`` is a sum divided by N, :func:`average_replicas` ``x0 + mean(x - x0)``).
+
+  ``reduce`` says how the N shards' results of each output become the batch's:
+
+  .. math::
+
+    \\mathrm{mean}: \\frac{1}{N} \\sum_r y_r, \\qquad \\mathrm{sum}: \\sum_r y_r, \\qquad
+    \\text{a callable } f: f([y_0, \\ldots, y_{N-1}])
+
+  - ``'mean'`` (the default): right for a mean over the rows (every shard holds ``B / N`` rows), wrong for a
+    count, a sum, or a mean over masked tokens whose count differs between the shards.
+  - ``'sum'``: sums and counts (``jnp.sum(loss * mask)``, ``jnp.sum(mask)``), summed over the shards; an
+    integer count stays an exact integer. The count-weighted mean ``loss_sum / tokens`` is then the one
+    device's to float32 rounding (tests/test_eval_pattern.py, masks that differ per shard: 1.4e-7 measured, 4e-6
+    the bound).
+  - a callable: gets the shards' results stacked ``[N, ...]`` (row r: rows ``[r B/N, (r+1) B/N)`` of the batch)
+    and returns the output, e.g. a count-weighted mean from each shard's mean and count,
+    ``lambda y: {'loss': jnp.sum(y['loss'] * y['tokens']) / jnp.sum(y['tokens']), 'tokens': jnp.sum(y['tokens'])}``.
+  - a pytree of those, a prefix of the eval step's outputs: ``{'loss_sum': 'sum', 'tokens': 'sum', 'acc':
+    'mean'}``; a string applies to every output below it, a callable gets its part of the outputs whole.
 
   ``jax.jit(eval_step)`` of :func:`average_replicas` splits the batch over every device only while nothing
   pins its rows to the trainer's axes: a ``with_sharding_constraint(batch, P('data'))`` in the eval step,
@@ -674,8 +694,22 @@ def evaluate_over_replicas(
     '0.38186'
     >>> f'{jax.jit(eval_step)(hdet_jax.average_replicas(params), batch):.5f}'  # the average on one device
     '0.38186'
+
+    A masked eval step returning sums and counts, summed over the shards, whose counts differ:
+
+    >>> def masked_step(params, batch):
+    ...   err = (batch['x'] @ params['w'] - 1) ** 2
+    ...   return {'loss_sum': jnp.sum(err * batch['mask']), 'tokens': jnp.sum(batch['mask'])}
+    >>> masked = {'x': batch, 'mask': (jnp.arange(16) % 4 < jnp.arange(16) // 4).astype(jnp.int32)}
+    >>> out = jax.jit(hdet_jax.evaluate_over_replicas(masked_step, mesh, 'replica', reduce='sum'))(params, masked)
+    >>> f'{out["loss_sum"] / out["tokens"]:.5f}', int(out['tokens'])  # the count-weighted mean: 0 + 1 + 2 + 3 rows
+    ('0.21304', 6)
+    >>> one = jax.jit(masked_step)(hdet_jax.average_replicas(params), masked)
+    >>> f'{one["loss_sum"] / one["tokens"]:.5f}'
+    '0.21304'
   """
   batch_argnames = (batch_argnames,) if isinstance(batch_argnames, str) else batch_argnames
+  _check_reduce(reduce, 'evaluate_over_replicas')
   signature = _signature(eval_step)
   mean = lambda x: pmean(x, replica_axis) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
 
@@ -692,9 +726,50 @@ def evaluate_over_replicas(
       return _call(eval_step, local, [jax.tree.map(mean, v) if s else v for s, (_, v) in zip(stacked, local)])
 
     mapped = over_replicas(on_average, mesh, replica_axis, batch_argnames=batch_argnames, per_device=per_device)
-    return jax.tree.map(lambda x: jnp.mean(x, axis=0), mapped(*args, **kwargs))
+    return reduce_replicas(mapped(*args, **kwargs), reduce, 'evaluate_over_replicas')
 
   return evaluate
+
+
+# reduce='mean' | 'sum' over the leading [N] axis (jnp here; numpy on the host, views.host_metrics).
+_REDUCTIONS = {'mean': lambda x: jnp.mean(x, axis=0), 'sum': lambda x: jnp.sum(x, axis=0)}
+
+
+def _is_reduction(how) -> bool:
+  return callable(how) or (isinstance(how, str) and how in _REDUCTIONS)
+
+
+def _check_reduce(reduce, who: str) -> None:
+  """One clear error for a ``reduce=`` whose leaves are not ``'mean'``, ``'sum'`` or callables, before any work."""
+  leaves = jax.tree.leaves(reduce, is_leaf=callable)
+  bad = [how for how in leaves if not _is_reduction(how)]
+  if not leaves or bad:
+    raise ValueError(
+      f"{who}: reduce={(bad[0] if bad else reduce)!r} is not a reduction; pass reduce='mean' (a mean over rows), "
+      "'sum' (sums and counts), a callable of the replicas' stacked [N, ...] results, or a pytree of those "
+      "matching the outputs (e.g. {'loss_sum': 'sum', 'tokens': 'sum'})."
+    )
+
+
+def reduce_replicas(stacked: ArrayTree, reduce: Any = 'mean', who: str = 'reduce_replicas') -> ArrayTree:
+  """Each output's N stacked results ``[N, ...]`` reduced over the leading axis as ``reduce`` says (see
+  :func:`evaluate_over_replicas`: ``'mean'``, ``'sum'``, a callable of the stacked part, or a pytree prefix of
+  ``stacked`` holding those)."""
+  if not _is_reduction(reduce):  # a pytree: one reduction per output, or per part of them
+    try:
+      parts = jax.tree.structure(reduce, is_leaf=callable).flatten_up_to(stacked)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+        f'{who}: reduce={reduce!r} does not match the outputs {jax.tree.structure(stacked)}; give one of '
+        "'mean', 'sum' or a callable for each output (a dict with the outputs' keys), or one for all."
+      ) from e
+    hows = jax.tree.leaves(reduce, is_leaf=callable)
+    return jax.tree.unflatten(
+      jax.tree.structure(reduce, is_leaf=callable), [reduce_replicas(p, h, who) for h, p in zip(hows, parts)]
+    )
+  if callable(reduce):
+    return reduce(stacked)
+  return jax.tree.map(_REDUCTIONS[reduce], stacked)
 
 
 LOCAL_AXIS = '_hdet_local'  # over_replicas' vmap axis over each device's replicas (per_device > 1)

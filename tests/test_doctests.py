@@ -23,13 +23,13 @@ EXAMPLES = {
   'hdet_jax.multipliers': 2,
   'hdet_jax.packing': 17,
   'hdet_jax.param_groups': 4,
-  'hdet_jax.replicas': 38,
+  'hdet_jax.replicas': 44,
   'hdet_jax.schedules': 3,
   'hdet_jax.settings': 9,
   'hdet_jax.shardings': 17,
   'hdet_jax.sync': 9,
   'hdet_jax.transform': 11,
-  'hdet_jax.views': 6,
+  'hdet_jax.views': 12,
   'hdet_jax.windows': 2,
 }
 

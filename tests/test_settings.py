@@ -453,6 +453,7 @@ USER_API = [
   'evaluate_over_replicas',
   'group_shardings',
   'hdet',
+  'host_metrics',
   'hyperparam_names',
   'hyperparams',
   'is_sync_step',

@@ -1,5 +1,7 @@
 """hdet_jax.hyperparams (hdet_jax.views): every replica's and the base values, the way optax users look for them."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -90,3 +92,75 @@ def test_hyperparams_finds_the_state_under_multisteps_and_names_a_built_optimize
     hp = H.hyperparams(state)
     assert set(hp) == {name, f'base_{name}'}
     np.testing.assert_allclose(hp[name], base * np.array([0.5, 5 / 6, 7 / 6, 1.5]), rtol=1e-6)
+
+
+def test_host_metrics_turns_per_replica_metrics_into_floats_to_log():
+  """[N] per-replica metrics against numpy: the mean over replicas (a mean over each replica's rows: the global
+  batch's), the sum (a token count), the replicas' population standard deviation, each replica's row, and a global
+  [] metric as it is; every value a Python float."""
+  loss = np.array([2.0, 2.5, 1.0, 4.0, 3.0, 3.5, 2.0, 1.5], np.float32)
+  tokens = np.array([30, 32, 29, 31, 33, 28, 30, 35], np.int32)
+  metrics = {'loss': jnp.asarray(loss), 'aux': {'tokens': jnp.asarray(tokens)}, 'grad_norm': jnp.float32(0.75)}
+  logs = H.host_metrics(metrics, reduce={'loss': 'mean', 'aux': 'sum', 'grad_norm': 'mean'}, per_replica=True)
+  assert all(type(v) is float for v in logs.values())
+  assert logs['loss'] == 19.5 / 8 and logs['aux/tokens'] == 248.0 and logs['grad_norm'] == 0.75
+  np.testing.assert_allclose(
+    logs['loss/spread'], np.sqrt(np.mean((loss.astype(np.float64) - 19.5 / 8) ** 2)), rtol=1e-12
+  )
+  np.testing.assert_allclose(logs['aux/tokens/spread'], np.sqrt(np.mean((tokens - 31.0) ** 2)), rtol=1e-12)
+  assert [logs[f'loss/{r}'] for r in range(N)] == loss.tolist()
+  assert set(logs) == (
+    {'loss', 'loss/spread', 'aux/tokens', 'aux/tokens/spread', 'grad_norm'}
+    | {f'{k}/{r}' for k in ('loss', 'aux/tokens') for r in range(N)}
+  )
+  assert H.host_metrics(metrics)['aux/tokens'] == 31.0  # the default mean: one replica's count, not the batch's
+
+
+def test_host_metrics_gives_the_learning_rate_in_use_with_a_factory_and_a_built_optimizer():
+  """After 4 updates (a sync after 3 reshuffled the replicas) the learning rates for the coming step are
+  schedule(4) * rho[perm[r]] (rho: 1 - 0.25 ... 1 + 0.25, spread_multipliers); around a built optimizer the rows
+  are factors, and optimizer_lr= turns them into the same learning rates."""
+  schedule = optax.linear_schedule(0.1, 0.0, 40)
+  factory = H.hdet(optax.sgd, schedule, num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX)
+  built = H.hdet(optax.sgd(schedule), num_replicas=N, spread=0.25, sync_every=3, replica_axis=AX)
+  _, state = _run(factory, steps=4)
+  _, built_state = _run(built, steps=4)
+  rho = 1.0 + 0.25 * np.linspace(-1.0, 1.0, N)  # eq. 1's multipliers, closed form
+  want = 0.1 * (1 - 4 / 40) * rho
+  logs = H.host_metrics(opt_state=state, per_replica=True)
+  perm = np.asarray(state.controller.perm[0, 0])
+  np.testing.assert_allclose([logs[f'learning_rate/{r}'] for r in range(N)], want[perm], rtol=1e-6)
+  np.testing.assert_allclose(
+    [logs['base_learning_rate'], logs['learning_rate/min'], logs['learning_rate/max']],
+    [0.09, want.min(), want.max()],
+    rtol=1e-6,
+  )
+  assert logs['sync_count'] == 1.0 and logs['finite_replicas'] == N
+  factors = H.host_metrics(opt_state=built_state)
+  np.testing.assert_allclose(
+    [factors['lr_scale/min'], factors['lr_scale/max'], factors['base_lr_scale']], [0.75, 1.25, 1]
+  )
+  in_use = H.host_metrics(opt_state=built_state, optimizer_lr=schedule, per_replica=True)
+  for key in [k for k in logs if 'learning_rate' in k]:
+    np.testing.assert_allclose(in_use[key], logs[key], rtol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize(
+  'kwargs, message',
+  [
+    (dict(reduce='avg'), "host_metrics: reduce='avg' is not a reduction; pass reduce='mean'"),
+    (dict(reduce={'loss': 'total'}), "host_metrics: reduce='total' is not a reduction"),
+    (dict(reduce={'tokens': 'sum'}), "host_metrics: reduce={'tokens': 'sum'} does not match the metrics"),
+    (dict(metrics={'loss': jnp.zeros((N, 3))}), "host_metrics: metric 'loss' has shape (8, 3); give per-replica"),
+    (dict(optimizer_lr=0.1), 'host_metrics: optimizer_lr= reads the state: pass opt_state= too'),
+    (dict(opt_state='factory', optimizer_lr=0.1), 'host_metrics: optimizer_lr= is for hdet around a built optimizer'),
+    (dict(per_replica=1), 'host_metrics: per_replica must be True or False, got 1.'),
+  ],
+)
+def test_host_metrics_refuses_bad_input_in_one_line(kwargs, message):
+  if kwargs.get('opt_state') == 'factory':
+    kwargs['opt_state'] = jax.vmap(H.hdet(optax.sgd, 0.1, num_replicas=N).init)(H.stack_replicas(jnp.zeros(2), N))
+  kwargs.setdefault('metrics', {'loss': jnp.zeros(N)})
+  with pytest.raises(ValueError, match=re.escape(message)) as e:
+    H.host_metrics(**kwargs)
+  assert '\n' not in str(e.value)
