@@ -492,6 +492,7 @@ def bench_trainer(steps):
   for line in res['lines']:
     say(line)
   TABLES['trainer'] = res['rows']
+  say(trainer_overhead.smoke()['line'])  # the smoke run's wall time (a timed test until 2026-12)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -66,6 +66,25 @@ def test_the_trainer_overhead_times_every_compiled_program_of_the_loop(monkeypat
   assert 0.0 < got['outside'] < 1.0
 
 
+def test_the_smoke_benchmark_prints_the_runs_own_wall_time(tmp_path):
+  """benchmarks/trainer_overhead.smoke (the timed figure tests/test_trainer.py asserted until 2026-12), on a 16-step
+  smoke run: its figures are the run's summary.json, read back, and the process's wall time holds the run's."""
+  import json
+
+  from benchmarks import trainer_overhead
+
+  got = trainer_overhead.smoke(str(tmp_path), ('--config.num_train_steps=16', '--config.plots=False'))
+  summary = json.loads((tmp_path / 'summary.json').read_text())
+  assert got['steps'] == summary['step'] == 16
+  assert (got['wall_s'], got['setup_s']) == (summary['wall_s'], summary['setup_s'])
+  assert 0 < got['setup_s'] < got['wall_s'] < got['process_s']
+  assert got['line'].startswith(
+    'smoke[python train.py --config configs/tiny.py --config.num_train_steps=16 --config.plots=False, 16 steps]: '
+    f'wall_s {summary["wall_s"]:.1f} s (setup {summary["setup_s"]:.1f} s, '
+  )
+  assert f'{summary["wall_s"] / 300:.3f} of the 300 s' in got['line']
+
+
 def test_the_jit_with_shardings_path_sends_across_replicas_what_the_shard_map_path_sends(capsys):
   """benchmarks/gspmd_path.py --quick, 4 replicas x 2 FSDP devices: hdet_linen's step (over_replicas) sends across
   replicas on every step only the gradient's all-reduce, as the docs' shard_map path does, and the window's average
