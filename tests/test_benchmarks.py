@@ -41,6 +41,18 @@ def test_the_non_sync_step_takes_at_most_two_more_input_buffers_than_plain_and_n
   assert unpacked['leaves'] - plain['leaves'] == 26
 
 
+def test_the_benchmarks_run_the_default_controller_and_say_so():
+  """Issue 83: the overhead benchmark ran AutoLR.paper. hdet_tx builds the product default AutoLR(total_steps=S) unless
+  --auto-lr says paper, and the page's Method names the one it ran."""
+  import hdet_jax
+
+  assert C.CONTROLLER == 'default'
+  assert C.CONTROLLERS['default']() == hdet_jax.AutoLR(total_steps=C.TOTAL_STEPS)
+  assert C.CONTROLLERS['paper']().controller == 'paper' and C.CONTROLLERS['default']().controller == 'fit'
+  method = bench.METHOD.format(auto_lr=C.CONTROLLER_CALLS[C.CONTROLLER])
+  assert 'auto_lr=AutoLR(total_steps=S))` (controller on, S = 100,000 steps' in method
+
+
 def test_the_trainer_overhead_times_every_compiled_program_of_the_loop(monkeypatch):
   """benchmarks/trainer_overhead.py on the default config for 30 steps: T = round(30 / 15) = 2, so 15 syncs,
   each running the window-end program after the step (which, with the guard's rollback, also returns the next
