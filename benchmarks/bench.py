@@ -313,6 +313,8 @@ def bench_memory(size_name, steps=6):
       size_name,
       '--steps',
       str(steps),
+      '--auto-lr',
+      C.CONTROLLER,
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     out[vname] = json.loads(res.stdout.strip().splitlines()[-1])
@@ -490,6 +492,7 @@ def bench_trainer(steps):
   for line in res['lines']:
     say(line)
   TABLES['trainer'] = res['rows']
+  say(trainer_overhead.smoke()['line'])  # the smoke run's wall time (a timed test until 2026-12)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -535,7 +538,8 @@ METHOD = (
   'ratio is what the method reads for two identical programs (the noise floor). HDET/plain at T is, per round, '
   '((T-1) x non-sync step + 1 x sync step) / (T x plain step), then the median over rounds: the cost of one '
   'sync window. Plain = the same step with `optax.adam(one_cycle)`; HDET = `hdet(optax.adam, one_cycle, N=8, '
-  'spread=0.25, auto_lr=AutoLR(...))` (controller on). "before" = the one-program design (`sync=None`, a '
+  'spread=0.25, auto_lr={auto_lr})` (controller on, S = 100,000 steps, in sections 1-4). "before" = the '
+  'one-program design (`sync=None`, a '
   '`lax.cond` holding the all-reduce, no donation; compared with plain without donation); "two whole-step '
   'programs" = `sync=False`/`sync=True` steps dispatched by the loop; "after" = the trainer\'s design: the '
   '`sync=False` step on every step and, on sync steps, a small window-end program after it '
@@ -624,7 +628,7 @@ def write_markdown(path, args, elapsed):
     f'Regenerate (from the repository root, venv active): `{cmd}` (about {elapsed / 60:.0f} min; '
     "absolute times move with the machine's other load, ratios less so).",
     '',
-    METHOD,
+    METHOD.format(auto_lr=C.CONTROLLER_CALLS[C.CONTROLLER]),
     '',
   ]
   for key, heading, columns, note in SECTIONS:
@@ -644,16 +648,24 @@ def main():
   p.add_argument('--rounds', type=int, default=12)
   p.add_argument('--k', type=int, default=8, help='steps per block (default model; 10x uses k/2)')
   p.add_argument('--trainer-steps', type=int, default=500)
+  p.add_argument(
+    '--auto-lr',
+    default='default',
+    choices=sorted(C.CONTROLLERS),
+    help="HDET's controller in sections 1-4: the product default AutoLR(total_steps=S), or AutoLR.paper",
+  )
   p.add_argument('--write', default=None, help='markdown output (default results/benchmarks.md for a full run)')
   p.add_argument('--memory-child', default=None, help=argparse.SUPPRESS)
   p.add_argument('--size', default='default', help=argparse.SUPPRESS)
   p.add_argument('--steps', type=int, default=6, help=argparse.SUPPRESS)
   args = p.parse_args()
   args.argv = [a for a in sys.argv[1:]]
+  C.CONTROLLER = args.auto_lr
   if args.memory_child:
     memory_child(args.size, args.memory_child, args.steps)
     return
   start = time.perf_counter()
+  say(f'controller: HDET runs auto_lr={C.CONTROLLER_CALLS[C.CONTROLLER]} (S = {C.TOTAL_STEPS}) in sections 1-4')
   sections = args.sections.split(',')
   size_names = args.sizes.split(',')
   write = args.write or ('results/benchmarks.md' if args.sections == p.get_default('sections') else None)

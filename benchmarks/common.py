@@ -97,6 +97,20 @@ def plain_tx():
   return optax.adam(H.one_cycle(max_lr=MAX_LR, total_steps=TOTAL_STEPS))
 
 
+# The controllers a benchmark can run HDET with (``python -m benchmarks.bench --auto-lr NAME``).
+CONTROLLERS = {
+  # The product default, the guarded climb: the controller users are told to run.
+  'default': lambda: H.AutoLR(total_steps=TOTAL_STEPS),
+  # The paper's (eqs. 4-9): what the overhead benchmark ran until 2026-12, kept to compare against.
+  'paper': lambda: H.AutoLR.paper(total_steps=TOTAL_STEPS, warmup_steps=0, temperature=0.1),
+}
+CONTROLLER = 'default'  # the key of CONTROLLERS that hdet_tx builds; bench.py's --auto-lr sets it.
+CONTROLLER_CALLS = {
+  'default': 'AutoLR(total_steps=S)',
+  'paper': 'AutoLR.paper(total_steps=S, warmup_steps=0, temperature=0.1)',
+}
+
+
 def hdet_tx(sync_every: int, exact_sync: bool):
   return H.hdet(
     optax.adam,
@@ -105,7 +119,7 @@ def hdet_tx(sync_every: int, exact_sync: bool):
     spread=0.25,
     sync_every=sync_every,
     replica_axis=AXIS,
-    auto_lr=H.AutoLR.paper(total_steps=TOTAL_STEPS, warmup_steps=0, temperature=0.1),
+    auto_lr=CONTROLLERS[CONTROLLER](),
     exact_sync=exact_sync,
   )
 

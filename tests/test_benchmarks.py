@@ -41,6 +41,18 @@ def test_the_non_sync_step_takes_at_most_two_more_input_buffers_than_plain_and_n
   assert unpacked['leaves'] - plain['leaves'] == 26
 
 
+def test_the_benchmarks_run_the_default_controller_and_say_so():
+  """Issue 83: the overhead benchmark ran AutoLR.paper. hdet_tx builds the product default AutoLR(total_steps=S) unless
+  --auto-lr says paper, and the page's Method names the one it ran."""
+  import hdet_jax
+
+  assert C.CONTROLLER == 'default'
+  assert C.CONTROLLERS['default']() == hdet_jax.AutoLR(total_steps=C.TOTAL_STEPS)
+  assert C.CONTROLLERS['paper']().controller == 'paper' and C.CONTROLLERS['default']().controller == 'fit'
+  method = bench.METHOD.format(auto_lr=C.CONTROLLER_CALLS[C.CONTROLLER])
+  assert 'auto_lr=AutoLR(total_steps=S))` (controller on, S = 100,000 steps' in method
+
+
 def test_the_trainer_overhead_times_every_compiled_program_of_the_loop(monkeypatch):
   """benchmarks/trainer_overhead.py on the default config for 30 steps: T = round(30 / 15) = 2, so 15 syncs,
   each running the window-end program after the step (which, with the guard's rollback, also returns the next
@@ -64,6 +76,25 @@ def test_the_trainer_overhead_times_every_compiled_program_of_the_loop(monkeypat
   assert 'T=2,' in got['lines'][0] and '(T=2,' in got['rows'][2]
   assert '8 replicas on 8 CPU device(s), 30 steps' in got['lines'][0]  # the suite's 8 simulated devices
   assert 0.0 < got['outside'] < 1.0
+
+
+def test_the_smoke_benchmark_prints_the_runs_own_wall_time(tmp_path):
+  """benchmarks/trainer_overhead.smoke (the timed figure tests/test_trainer.py asserted until 2026-12), on a 16-step
+  smoke run: its figures are the run's summary.json, read back, and the process's wall time holds the run's."""
+  import json
+
+  from benchmarks import trainer_overhead
+
+  got = trainer_overhead.smoke(str(tmp_path), ('--config.num_train_steps=16', '--config.plots=False'))
+  summary = json.loads((tmp_path / 'summary.json').read_text())
+  assert got['steps'] == summary['step'] == 16
+  assert (got['wall_s'], got['setup_s']) == (summary['wall_s'], summary['setup_s'])
+  assert 0 < got['setup_s'] < got['wall_s'] < got['process_s']
+  assert got['line'].startswith(
+    'smoke[python train.py --config configs/tiny.py --config.num_train_steps=16 --config.plots=False, 16 steps]: '
+    f'wall_s {summary["wall_s"]:.1f} s (setup {summary["setup_s"]:.1f} s, '
+  )
+  assert f'{summary["wall_s"] / 300:.3f} of the 300 s' in got['line']
 
 
 def test_the_jit_with_shardings_path_sends_across_replicas_what_the_shard_map_path_sends(capsys):

@@ -109,7 +109,9 @@ def test_end_to_end_train_py(straight):
   summary = json.load(open(os.path.join(workdir, 'summary.json')))
   assert summary['step'] == 40 and summary['diverged_at'] is None
   assert summary['final_val_loss'] == evals[-1]['val_loss']
-  assert 0 < summary['tokens_per_s'] and 0 < summary['wall_s'] < 300
+  # Its wall time is a benchmark's figure (benchmarks/trainer_overhead.py's smoke), not a bound here: recorded, the
+  # setup (building and compiling) inside it.
+  assert 0 < summary['tokens_per_s'] and 0 < summary['setup_s'] < summary['wall_s']
   for name in ('loss.png', 'lr.png', 'controller.png'):
     path = os.path.join(workdir, 'plots', name)
     with open(path, 'rb') as f:
