@@ -56,7 +56,7 @@ class ControllerState(NamedTuple):
   # sync).
   train_loss_se: jax.Array
   # [] bool ('fit'): whether the last sync's back-off stepped the LRs down (a trainer's rollback returns to the sync
-  # before it then).
+  # before it then); at a sync on or after the run's last step it still returns, but the LRs hold.
   backed_off: jax.Array
   # [G] bool ('fit' with settle): the hyperparameter's climb has ended; its replicas train at the base (no spread) and
   # its correction holds.

@@ -48,7 +48,8 @@ class AutoLR:
   The paper's controller (eqs. 4-9) is one call away: :meth:`AutoLR.paper`.
 
   Attributes:
-    total_steps: S, the length of the run.
+    total_steps: S, the length of the run: a sync on or after step S still averages, but the controller holds
+      (no step trains at what it would set; :func:`hdet_jax.sync.hold_after_last_step`).
     controller: ``'fit'`` (the line search; the fields up to ``settle``) or ``'paper'`` (eqs. 4-9; the
       fields from ``temperature`` on). Build the paper's with :meth:`AutoLR.paper`.
     warmup_steps: S_warm; the controller updates at the first sync at or after this step.

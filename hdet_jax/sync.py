@@ -130,6 +130,7 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
       new_c = _fit_controller(plan, c, new_c, window_losses, started, rise_only=stopped)
     else:
       new_c = _fit_controller(plan, c, new_c, window_losses, started & ~stopped)
+    new_c = hold_after_last_step(a, st.count, c, new_c)
   key, sub = jax.random.split(jax.random.wrap_key_data(c.key))
   new_c = new_c._replace(
     key=jax.random.key_data(key), perm=multipliers.draw_permutations(sub, len(plan.names), plan.num_replicas)
@@ -141,6 +142,44 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
     sync_count=st.sync_count + 1,
     synced=jnp.ones([], bool),
   )
+
+
+# The controller's fields an update moves: the values the next window trains at and the fits behind them. Not
+# ``backed_off``, the guard's verdict on the window just trained (with ``rollback`` it returns the replicas), nor the
+# measurements ``window_losses``, ``train_loss`` and ``train_loss_se``.
+MOVED = ('base', 'velocity', 'weights', 'delta', 'correction', 'xtx', 'xty', 'gain', 'asked', 'stderr', 'settled')
+
+
+def hold_after_last_step(auto_lr, count: jax.Array, c, new_c):
+  """``new_c`` with the controller's update undone at a sync on or after the run's last step.
+
+  .. math:: c_{k+1} = c_k \\quad\\text{if}\\ t \\ge S
+
+  with t the updates applied (``state.count``) and S ``auto_lr.total_steps``. No step trains at what such an update
+  would set, so the state (logged, checkpointed, the warm start of a next run) keeps the learning-rate factor and
+  base the run's last window trained with, instead of one it never used. The window's end still averages the
+  replicas (the final model is their average), and the guard still judges the window: with ``rollback`` a window
+  whose loss rose still returns the replicas to the last sync, only the LRs do not step down.
+
+  Args:
+    auto_lr: the :class:`hdet_jax.AutoLR` (its ``total_steps``).
+    count: [] int32, the updates applied, this sync's step included.
+    c: the controller state before the sync.
+    new_c: the controller state after the sync's update.
+
+  Example:
+    >>> import jax.numpy as jnp, hdet_jax
+    >>> from hdet_jax import controller, sync
+    >>> c = controller.init_controller_state(jnp.ones(1), 4, jnp.zeros(2, jnp.uint32))
+    >>> moved = c._replace(correction=jnp.ones(1))
+    >>> a = hdet_jax.AutoLR(total_steps=100)
+    >>> float(sync.hold_after_last_step(a, jnp.asarray(99), c, moved).correction[0])  # a step is left: it moves
+    1.0
+    >>> float(sync.hold_after_last_step(a, jnp.asarray(100), c, moved).correction[0])  # the last step: it holds
+    0.0
+  """
+  ended = count >= auto_lr.total_steps
+  return new_c._replace(**{f: jnp.where(ended, getattr(c, f), getattr(new_c, f)) for f in MOVED})
 
 
 def window_train_loss(plan: Plan, st) -> dict[str, jax.Array]:

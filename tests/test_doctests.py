@@ -27,7 +27,7 @@ EXAMPLES = {
   'hdet_jax.schedules': 3,
   'hdet_jax.settings': 9,
   'hdet_jax.shardings': 17,
-  'hdet_jax.sync': 9,
+  'hdet_jax.sync': 16,
   'hdet_jax.transform': 11,
   'hdet_jax.views': 12,
   'hdet_jax.windows': 2,

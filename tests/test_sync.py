@@ -237,6 +237,10 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
       np.mean([1.0 + 3.0 * (states[j].values[0] / 1e-2 - 1.0) ** 2 for j in range((k - 1) * T, k * T)], 0),
       rtol=1e-5,
     )
+    if k * T >= S:  # the sync after the run's last step: no step trains at what it would set, so nothing moves
+      np.testing.assert_array_equal(after.controller.velocity, c0.velocity)
+      np.testing.assert_array_equal(after.controller.base, c0.base)
+      continue
     w, delta, v, base = numpy_controller(v, losses, lrs[:, None], 0.05, 0.7, 0.6, gamma, floor)
     np.testing.assert_allclose(after.controller.velocity, v, rtol=1e-3, atol=1e-9)
     np.testing.assert_allclose(after.controller.base, base, rtol=1e-4)
@@ -272,7 +276,8 @@ def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth, max
   """The 'fit' controller in hdet: at each sync the correction moves by the numpy fit of the window's
   losses on the replicas' offsets (times the Rprop gain, with step_growth, capped at max_gain: the last case's
   gain reaches its cap inside the trust region, so the cap AutoLR is given is the one applied), and the base is
-  the schedule times exp(correction); the correction starts at log(initial_scale)."""
+  the schedule times exp(correction); the correction starts at log(initial_scale). The sync after the run's last
+  step (t = S) holds the correction the last window trained at."""
   S, T = 60, 5
   sched = optax.linear_schedule(5e-3, 2e-3, S)
   tx = H.hdet(
@@ -296,12 +301,13 @@ def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth, max
     fitted.append(step[0])
     sure.append(abs(b[0]) > 2 * numpy_slope_stderr(after.controller.window_losses, u)[0])
     taken = numpy_accelerate(fitted, growth, max_gain, 0.2, sure)[-1]
-    corr += taken
+    corr += taken if k * T < S else 0.0
     np.testing.assert_allclose(after.controller.correction, [corr], rtol=1e-3, atol=1e-4)
     t = k * T
     np.testing.assert_allclose(after.base[0], float(sched(t)) * np.exp(after.controller.correction[0]), rtol=1e-5)
   # It moved toward the bowl's bottom at LR 1e-2, from below.
-  assert states[-1].base[0] > 2 * float(sched(S))
+  assert states[-1].base[0] > 1.5 * float(sched(S))
+  assert np.array_equal(states[S].controller.correction, states[S - T].controller.correction)  # held at t = S
 
 
 @pytest.mark.parametrize('start', [0.3, 3.0])
@@ -362,8 +368,8 @@ def test_initial_scale_is_the_run_of_a_scaled_schedule():
     [s.controller.correction - np.log(c) for s in cautious], [s.controller.correction for s in scaled], atol=2e-5
   )
   # ... and it climbed: from a quarter of a schedule that starts 2x above the bowl's bottom (LR 1e-2),
-  # toward the bottom.
-  assert cautious[0].base[0] < 0.6e-2 and cautious[-1].base[0] > 0.8e-2
+  # toward the bottom (the sync after the last step, t = S, takes no step up).
+  assert cautious[0].base[0] < 0.6e-2 and cautious[-1].base[0] > 0.7e-2
 
 
 @pytest.mark.parametrize('exact', [True, False])
@@ -876,8 +882,10 @@ def test_settle_ends_the_spread_once_two_windows_in_a_row_trained_past_the_bowls
     np.testing.assert_array_equal(settled[k].values[0], np.full(N, settled[k].base[0], np.float32))
     assert settled[k].controller.correction[0] == settled[k_star].controller.correction[0]
     xtx = settled[k].controller.xtx
-    if k > k_star and k % T == 0:  # the LR's rows of X^T X only decay: its offsets are 0 once settled
+    if k > k_star and k % T == 0 and k < len(settled) - 1:  # the LR's rows of X^T X only decay: its offsets are 0
       np.testing.assert_allclose(xtx[0, 0], 0.5 * settled[k - T].controller.xtx[0, 0], rtol=1e-6)
+  # The sync after the run's last step holds the fit's statistics too.
+  chex.assert_trees_all_equal(settled[-1].controller.xtx, settled[-1 - T].controller.xtx)
   assert np.ptp(plain[-1].values[0]) > 0.4 * plain[-1].base[0]  # without settle the replicas still spread
 
 
@@ -972,3 +980,62 @@ def test_average_inner_state_passes_a_state_without_float_leaves_through():
   )
   np.testing.assert_allclose(np.asarray(got['mu']), np.broadcast_to(mu.mean(0), (N, 2)), rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(got['count']), count)
+
+
+def _run_to_its_end(auto_lr, S, lr, T=5):
+  """S steps of SGD (gradient 1 on every weight) with a bowl at LR 1e-2 as each replica's loss, from a constant
+  schedule ``lr``: every state, and the parameters before each step and after the last."""
+  tx = H.hdet(
+    optax.sgd, lr, num_replicas=N, spread=0.25, sync_every=T, replica_axis=AX, auto_lr=auto_lr, exact_sync=True
+  )
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.vmap(tx.init)(sp)
+
+  def step(p, s):
+    my_lr = s.values[0, lax.axis_index(AX)]
+    u, s = tx.update(jax.tree.map(jnp.ones_like, p), s, p, value=1.0 + 3.0 * (my_lr / 1e-2 - 1.0) ** 2)
+    return H.apply_updates(p, u, s, replica_axis=AX), s
+
+  f = jax.jit(jax.vmap(step, axis_name=AX))
+  states, params = [jax.tree.map(lambda x: np.asarray(x[0]), ss)], [np.asarray(sp['w'])]
+  for _ in range(S):
+    sp, ss = f(sp, ss)
+    states.append(jax.tree.map(lambda x: np.asarray(x[0]), ss))
+    params.append(np.asarray(sp['w']))
+  return states, params
+
+
+@pytest.mark.parametrize('controller', ['fit', 'paper'])
+def test_nothing_moves_after_the_last_step(controller):
+  """The run's last step (t = S = total_steps) ends a window: the replicas are still averaged (the final model is
+  their average, bit for bit on every replica), but the controller does not move, so the final state holds the
+  factor (or base) the last step trained with. The same run told it has T more steps is the same run up to there,
+  and its controller does move at that sync."""
+  S, T = 20, 5
+  lr = 1e-2 if controller == 'fit' else 5e-3  # 'fit' starts at a tenth of it; 'paper' at it, below the bottom
+  make = lambda total: (
+    H.AutoLR(total_steps=total)  # the guarded climb: from a tenth of the schedule, rise-only
+    if controller == 'fit'
+    else H.AutoLR.paper(total_steps=total, temperature=0.01, decay=0.0)
+  )
+  ended, ended_params = _run_to_its_end(make(S), S, lr)
+  longer, _ = _run_to_its_end(make(S + T), S, lr)
+  for a, b in zip(ended[:S], longer[:S]):
+    chex.assert_trees_all_equal(a, b)
+  last, final = ended[S - 1], ended[S]  # the state the last step trained at, and the state after it
+  rho = H.multipliers.spread_multipliers(N, 0.25)[last.controller.perm[0]]
+  if controller == 'fit':
+    factor = lambda s: np.exp(s.controller.correction[0])  # the schedule times it
+    assert factor(last) > 1.0  # the climb rose from 0.1 at the earlier syncs, past the bowl's bottom
+    assert abs(np.log(factor(longer[S]) / factor(last))) > 0.1  # the longer run's sync at t = S moves it (backs off)
+  else:
+    factor = lambda s: s.controller.base[0] / lr
+    assert factor(longer[S]) > factor(last) * (1 + 1e-3)  # the longer run's sync at t = S raises it
+  np.testing.assert_allclose(last.values[0], lr * factor(last) * rho, rtol=1e-6)  # the last step's LRs
+  assert factor(final) == factor(last)  # ... are the final state's factor: nothing moved
+  chex.assert_trees_all_equal(final.controller.velocity, last.controller.velocity)
+  np.testing.assert_allclose(final.base[0], lr * factor(last), rtol=1e-6)
+  # The last step still ends in the average: each replica stepped w - lr_r, and every one holds their mean.
+  want = np.mean(ended_params[S - 1] - last.values[0][:, None], axis=0)
+  np.testing.assert_allclose(ended_params[S], np.broadcast_to(want, (N, 3)), rtol=1e-6)
+  assert (ended_params[S] == ended_params[S][0]).all() and bool(final.synced) and int(final.sync_count) == S // T
