@@ -14,10 +14,10 @@ only; ``--train`` trains the rest of the grid for the seeds asked (records in ``
 sweep's own runs where it has them). The gap is paired: the kept run's final against the same seed's run at the
 sweep's best grid point (its 3-seed mean's).
 
-    python -m research.early_bracket                      # reads the records (results/early_bracket.{md,json})
-    python -m research.early_bracket --report-only        # the same, and refuses --train
-    python -m research.early_bracket --train --workload finetune,mnist1d   # complete seeds 0-2 (cached, resumable)
-    python -m research.early_bracket --quick --train       # a smoke run over the quick sweep's records
+    python -m research.archive.early_bracket                      # reads the records (results/early_bracket.{md,json})
+    python -m research.archive.early_bracket --report-only        # the same, and refuses --train
+    python -m research.archive.early_bracket --train --workload finetune,mnist1d  # complete seeds 0-2 (cached)
+    python -m research.archive.early_bracket --quick --train       # a smoke run over the quick sweep's records
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 
 from research import autolr
 from research import autolr_report
-from research import climb_and_price
+from research.archive import climb_and_price
 from research import records
 from research import workloads
 
