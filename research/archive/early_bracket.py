@@ -81,13 +81,16 @@ def final(rec: dict) -> float:
 def bracket(runs: dict[float, dict], rungs, loss=None) -> float | None:
   """Successive halving over ``runs`` (peak LR -> record): at each rung ``(fraction, keep)`` the ``keep`` runs with
   the lowest training loss at that fraction (``loss(record, fraction)``, :func:`loss_at` by default) go on; the peak
-  LR of the last one left (None: a rung has no block to compare; ties go to the lower LR)."""
+  LR of the last one left (None: a rung has no block to compare; ties go to the lower LR), kept by the trainer's own
+  ``bracket.survivors``."""
+  from hdet_jax.trainer import bracket as trainer_bracket
+
   alive, loss = dict(runs), loss or loss_at
   for fraction, keep in rungs:
     losses = {lr: loss(r, fraction) for lr, r in alive.items()}
     if any(v is None for v in losses.values()):
       return None
-    alive = {lr: alive[lr] for lr in sorted(sorted(losses), key=lambda lr: losses[lr])[:keep]}
+    alive = {lr: alive[lr] for lr in trainer_bracket.survivors(losses, keep)}  # (the product's rule: NaN as inf)
   return min(alive)
 
 
