@@ -38,6 +38,7 @@ import numpy as np
 
 from research import autolr_report
 from research import records
+from research.peers import baselines  # noqa: F401  (autolr's peers: records.trainer_arguments gives them)
 from hdet_jax.trainer import run_settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -309,28 +310,6 @@ PEER_SETTINGS = {
   'schedule_free_adamw': {'optim.max_lr': 0.0025, 'optim.schedule': 'constant'},
   'adam_plateau': {'optim.max_lr': 'high', 'optim.schedule': 'constant'},
 }
-
-
-def baselines() -> dict:
-  """The peers as the trainer takes them: each an ``optimizer.Base`` given in Python (the product's ``optim.name``
-  names only its own optimizers), at the LR its documentation sets; the peers' configs and records name them by
-  ``optim.name`` as before (``records.trainer_arguments``)."""
-  import optax
-  from hdet_jax.trainer.optimizer import Base
-
-  contrib = optax.contrib
-  return {
-    'prodigy': Base('prodigy', contrib.prodigy),
-    'dog': Base('dog', contrib.dog),
-    'dadapt_adamw': Base('dadapt_adamw', contrib.dadapt_adamw),
-    'mechanize_adam': Base('mechanize_adam', lambda learning_rate: contrib.mechanize(optax.adam(learning_rate))),
-    'schedule_free_adamw': Base('schedule_free_adamw', contrib.schedule_free_adamw, schedule_free=True),
-    'adam_plateau': Base(
-      'adam_plateau',
-      lambda learning_rate: optax.chain(optax.adam(learning_rate), contrib.reduce_on_plateau()),
-      plateau=True,
-    ),
-  }
 
 
 PLAIN = {'hdet.spread': 0.0, 'hdet.sync_every': 0, 'hdet.num_syncs': 0, 'hdet.auto_lr': False}

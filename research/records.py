@@ -138,15 +138,15 @@ def load_config(path: str) -> Any:
 
 def trainer_arguments(config: Any) -> tuple[Any, dict]:
   """(config, keyword arguments) of the trainer's ``train_and_evaluate`` for a study's ``config``: its tuning fields
-  given in Python (``tuning``), and an LR-free peer's ``optim.name`` (``research.autolr.baselines``) as a base
+  given in Python (``tuning``), and an LR-free peer's ``optim.name`` (``research.peers.baselines``) as a base
   optimizer, the config keeping the product's optimizer. The study's config (its record's ``config``) keeps them all.
   """
   from hdet_jax.trainer import run_settings
-  from research import autolr
+  from research import peers as peers_lib
 
   product, tuning = run_settings.split(config)
   kwargs = {'tuning': tuning}
-  peers = autolr.baselines()
+  peers = peers_lib.baselines()
   if product.optim.name in peers:
     kwargs['optimizer'] = peers[product.optim.name]
     product.optim.name = 'adamw'

@@ -1,4 +1,4 @@
-"""research/configs/hdet_full.py: one row of the Table 1 ablation, run by ``python -m research.table1``
+"""research/configs/hdet_full.py: one row of the Table 1 ablation, run by ``python -m research.archive.table1``
 (its tuning fields go to the trainer in Python: ``research.records.trainer_arguments``).
 
 HDET (full): LR spread, periodic averaging and auto-LR from a warm noisy start, at the high
@@ -6,7 +6,7 @@ peak LR. Needs the warm checkpoint first: a Baseline-Low run,
 the baseline_low row at seed 100
 (the experiment's pre-training run), or point --config.init_from at another workdir.
 
-One row of the paper's Table 1 ablation (§4), as run by ``python -m research.table1``
+One row of the paper's Table 1 ablation (§4), as run by ``python -m research.archive.table1``
 (results/table1.md): everything else as in default.py, 500 steps, and the ablation family's
 high peak LR HIGH_LR, chosen by that experiment's plain data-parallel LR sweep (the lowest grid
 LR where plain data parallel crashed or clearly degraded); baseline_low uses a ninth of it.

@@ -1,4 +1,4 @@
-"""research/configs/warm_init.py: one row of the Table 1 ablation, run by ``python -m research.table1``
+"""research/configs/warm_init.py: one row of the Table 1 ablation, run by ``python -m research.archive.table1``
 (its tuning fields go to the trainer in Python: ``research.records.trainer_arguments``).
 
 Warm-Init: plain data parallel at the high peak LR from a warm noisy start (eq. 10), no
@@ -6,7 +6,7 @@ spread, no averaging. Needs the warm checkpoint first: a Baseline-Low run,
 the baseline_low row at seed 100
 (the experiment's pre-training run), or point --config.init_from at another workdir.
 
-One row of the paper's Table 1 ablation (§4), as run by ``python -m research.table1``
+One row of the paper's Table 1 ablation (§4), as run by ``python -m research.archive.table1``
 (results/table1.md): everything else as in default.py, 500 steps, and the ablation family's
 high peak LR HIGH_LR, chosen by that experiment's plain data-parallel LR sweep (the lowest grid
 LR where plain data parallel crashed or clearly degraded); baseline_low uses a ninth of it.

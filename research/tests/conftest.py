@@ -35,24 +35,18 @@ import chex  # noqa: E402
 chex.set_n_cpu_devices(8)
 
 
-# The slowest test files first, in the order of their summed test times in a 2-process run (2026-11-28: about 200,
-# 80, 80, 70, 60, 50, 50, 50, 25, 20 and 10 s; the suite about 6 minutes; test_reports_regenerate.py, about 25 s since
-# it redraws the workload screens and autolr's task pages too, 2026-11-29). pytest-xdist's --dist loadfile hands
-# whole files to the processes in collection order, so the long ones first leave only short ones for the end and the
-# two processes finish together.
+# The slowest test files first (research/archive/tests/ shares this setup: its conftest.py), in the order of their
+# summed test times in a 2-process run (2026-11-28, before the archived studies' files left: about 200, 80, 80, 70, 60,
+# 50, 50, 50, 25, 20 and 10 s; test_reports_regenerate.py, about 25 s since it redraws the workload screens and
+# autolr's task pages too, 2026-11-29). pytest-xdist's --dist loadfile hands whole files to the processes in
+# collection order, so the long ones first leave only short ones for the end and the two processes finish together.
 _SLOWEST_FIRST = (
   'test_workloads.py',
-  'test_model_size.py',
   'test_autolr.py',
-  'test_heldout_task.py',
-  'test_finer_grid.py',
   'test_wider_rung.py',
   'test_bracket_straddle.py',
-  'test_schedule_bracket.py',
   'test_reports_regenerate.py',
   'test_bracket_mode.py',
-  'test_table1.py',
-  'test_early_bracket.py',
 )
 
 

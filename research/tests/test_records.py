@@ -2,8 +2,10 @@
 
 import fcntl
 import json
+import math
 import multiprocessing
 import os
+import statistics
 
 import pytest
 
@@ -145,3 +147,14 @@ def test_a_record_made_before_1_0_reads_without_the_fields_removed_then_at_their
   }
   assert records.without_removed(flat) == {'hdet.score_tail': 0.5, 'hdet.spread': 0.25}
   assert set(records.REMOVED_DEFAULTS) | records.REMOVED_RUN_FIELDS == set(compat.REMOVED)
+
+
+def test_paired_gap_is_the_ratio_of_means_with_the_per_seed_standard_error():
+  values, reference = [1.1, 2.2, 2.9], [1.0, 2.0, 3.0]
+  gap, se = records.paired_gap(values, reference)
+  per_seed = [v / r - 1 for v, r in zip(values, reference)]  # 0.1, 0.1, -1/30
+  assert gap == pytest.approx(6.2 / 6.0 - 1)
+  assert se == pytest.approx(statistics.stdev(per_seed) / math.sqrt(3))
+  assert records.paired_gap([1.0], [2.0]) == (pytest.approx(-0.5), None)  # (one seed: no standard error)
+  assert records.paired_gap([1.0, None], [1.0, 1.0]) == (None, None)
+  assert records.paired_gap([1.0, 1.0], [1.0]) == (None, None)

@@ -4,8 +4,9 @@ research/README.md's "Reproducing them" table lists every study, its page and wh
 Each one that does runs here, in this process, into a temporary folder (``--out``): every ``.md`` and ``.json`` it
 writes must equal the committed file beside its page byte for byte (nothing under results/ is written). The others
 must say on their page that they are not regenerable, and a live one's ``--report-only`` must say so too and write
-nothing. The table is checked against the studies table above it, the modules in research/ and the records under
-results/, so a new study cannot be left out of it.
+nothing. The table is checked against the studies tables above it (live and archived), the modules in research/ and
+research/archive/ and the records under results/, so a new study cannot be left out of it. The archived studies' pages
+redraw here too (``research.archive.<study>``): the one check of them in CI, their own tests being out of it.
 """
 
 import difflib
@@ -43,16 +44,29 @@ REGENERABLE = [s for s, row in INDEX.items() if row['report_only'] == REDRAWS]
 NOT_REGENERABLE_STUDIES = [s for s, row in INDEX.items() if row['report_only'] != REDRAWS]
 
 
+def _studies(kind: str) -> list[str]:
+  """The studies of the README's ``kind`` table ('live' or 'archived'), in its order, the retired ones included."""
+  rows = _table(README.read_text(encoding='utf-8'), f'| {kind} study | question | answer')
+  return [re.match(r'\[(\w+)\]', r[0]).group(1) for r in rows]
+
+
+LIVE, ARCHIVED = _studies('live'), _studies('archived')
+
+
 def _retired() -> set[str]:
-  rows = _table(README.read_text(encoding='utf-8'), '| study | question | answer')
+  rows = _table(README.read_text(encoding='utf-8'), '| archived study | question | answer')
   return {re.match(r'\[(\w+)\]', r[0]).group(1) for r in rows if '(retired)' in r[0]}
+
+
+def _module(study: str) -> str:
+  return f'research.archive.{study}' if study in ARCHIVED else f'research.{study}'
 
 
 def test_the_index_lists_every_study_once_and_every_module_and_record_is_in_it():
   text = README.read_text(encoding='utf-8')
-  studies = [re.match(r'\[(\w+)\]', r[0]).group(1) for r in _table(text, '| study | question | answer')]
-  assert studies == list(INDEX)  # the same studies, in the same order, in both tables
+  assert LIVE + ARCHIVED == list(INDEX)  # the same studies, in the same order, in the studies tables and this one
   assert len(INDEX) == 19 and len(REGENERABLE) == 16  # (a new study, or one no longer regenerable, changes these)
+  assert len(LIVE) == 8 and len(ARCHIVED) == 11  # (a study archived, or brought back, changes these)
   links = dict(re.findall(r'^\[(\w+)\]: \.\./(\S+)$', text, flags=re.M))
   assert links == {s: row['page'] for s, row in INDEX.items()}  # every study's link is its page
   for study, row in INDEX.items():
@@ -61,13 +75,23 @@ def test_the_index_lists_every_study_once_and_every_module_and_record_is_in_it()
   # Every module in research/ is a study of the index (one that is not retired) or a helper the README names.
   helpers_text = text[text.index('Helpers, not studies:') :]
   helpers = set(re.findall(r'`(\w+)\.py`', helpers_text[: helpers_text.index('\n\n')]))
-  assert helpers == {'records', 'autolr_report', 'table1_report', 'heldout_corpus', 'digits_npz'}
-  modules = {p.stem for p in (REPO / 'research').glob('*.py')} - {'__init__'}
+  assert helpers == {'records', 'autolr_report', 'peers', 'heldout_corpus', 'table1_report', 'digits_npz'}
+  live = {p.stem for p in (REPO / 'research').glob('*.py')} - {'__init__'}
+  archived = {p.stem for p in (REPO / 'research' / 'archive').glob('*.py')} - {'__init__'}
   retired = _retired()
   assert retired == {'noise_scale', 'annealed_rung', 'noise_cost'}
-  unindexed, gone = modules - helpers - set(INDEX), set(INDEX) - retired - modules
-  assert not unindexed, f"research/ modules in neither research/README.md's index nor its helpers: {unindexed}"
-  assert not gone, f'studies in the index, not retired, without a module: {gone}'
+  assert live - helpers == set(LIVE), f'research/ is the live studies and the helpers: {live ^ (set(LIVE) | helpers)}'
+  assert archived - helpers == set(ARCHIVED) - retired, f'research/archive/ is the archived studies: {archived}'
+  # CI's research step (`pytest research/tests`) runs the live studies' tests alone: an archived study's are in
+  # research/archive/tests/, and no live study or live test imports the archive.
+  ci_tests = {p.stem.removeprefix('test_') for p in (REPO / 'research' / 'tests').glob('test_*.py')}
+  assert not ci_tests & set(ARCHIVED), ci_tests & set(ARCHIVED)
+  archived_tests = {p.stem.removeprefix('test_') for p in (REPO / 'research' / 'archive' / 'tests').glob('test_*.py')}
+  assert archived_tests <= set(ARCHIVED) | helpers, archived_tests
+  for path in [*(REPO / 'research').glob('*.py'), *(REPO / 'research' / 'tests').glob('test_*.py')]:
+    if path.name == pathlib.Path(__file__).name:
+      continue  # (this file redraws the archived pages by module name, importlib)
+    assert 'research.archive import' not in path.read_text(encoding='utf-8'), f'{path.name} (live) imports the archive'
   # Every study's JSON at the top of results/ and every records folder results/<study>/runs/ is an indexed study's.
   jsons = {p.stem for p in (REPO / 'results').glob('*.json')}
   runs = {p.parent.name for p in (REPO / 'results').glob('*/runs')}
@@ -92,7 +116,7 @@ def test_report_only_redraws_the_committed_page_byte_for_byte(study, tmp_path, m
   from hdet_jax.trainer import process
 
   monkeypatch.setattr(process, 'setup_jax', lambda *a, **k: None)  # nothing trains: leave this process's JAX as it is
-  importlib.import_module(f'research.{study}').main(['--report-only', '--out', str(tmp_path)])
+  importlib.import_module(_module(study)).main(['--report-only', '--out', str(tmp_path)])
   capsys.readouterr()
   page = REPO / INDEX[study]['page']
   written = sorted(p.name for p in tmp_path.iterdir() if p.suffix in ('.md', '.json'))
@@ -100,7 +124,7 @@ def test_report_only_redraws_the_committed_page_byte_for_byte(study, tmp_path, m
   for name in written:
     got, want = (tmp_path / name).read_bytes(), (page.parent / name).read_bytes()
     assert got == want, (
-      f'{page.parent.relative_to(REPO) / name} is not what `python -m research.{study} '
+      f'{page.parent.relative_to(REPO) / name} is not what `python -m {_module(study)} '
       f'--report-only` writes:\n{_first_difference(got, want)}'
     )
 
@@ -182,5 +206,5 @@ def test_a_page_that_cannot_be_redrawn_says_so(study, capsys):
   assert not re.search(r'\bexperiments\.\w', text)  # a live study's page names research.<study>
   before = sorted(p.relative_to(REPO) for p in (REPO / 'results').rglob('*'))
   with pytest.raises(SystemExit, match=f'results/{study}.md.* not regenerable'):
-    importlib.import_module(f'research.{study}').main(['--report-only'])
+    importlib.import_module(_module(study)).main(['--report-only'])
   assert sorted(p.relative_to(REPO) for p in (REPO / 'results').rglob('*')) == before  # nothing written

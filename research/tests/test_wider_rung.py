@@ -1,5 +1,5 @@
-"""research/wider_rung.py: the LR bracket with a wider first rung, composed from a committed bracket's runs; and
-research/last_rung.py's quick run, which builds on wider_rung's (one quick bracket for both: about 40 s)."""
+"""research/wider_rung.py: the LR bracket with a wider first rung, composed from a committed bracket's runs (the
+archived research/archive/last_rung.py's quick run builds on its quick bracket: research/archive/tests/)."""
 
 import json
 import math
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from research import bracket_mode
-from research import last_rung
 from research import wider_rung as exp
 
 CELL = exp.QUICK_CELL
@@ -71,28 +70,6 @@ def test_quick_composes_the_wider_bracket_as_a_real_one_trains_it(quick):
   }
   seed = saved['rows'][CELL]['best']['seeds'][0]
   assert seed['wider']['2']['final_metric'] == checked['bracket']['final_metric']
-
-
-def test_last_rung_quick_trains_the_runner_up_to_the_end(quick):
-  """research.last_rung --quick on this quick bracket (cached: only the runner-up's end trains)."""
-  work = quick
-  last_rung.main(['--quick', '--workdir', work])
-  cell = exp.QUICK_CELL
-  with open(bracket_mode.record_path(cell, 'best', 0, True, work), encoding='utf-8') as f:
-    rec = json.load(f)
-  # The default's last rung: the bracket's first-rung survivors and the first added point, ranked by their losses
-  # there (the record's and the probe's); the runner-up is the lowest but the kept point.
-  extra = exp.extra_points(rec)[0]
-  with open(exp.probe_path(cell, 'best', 0, extra, True, work), encoding='utf-8') as f:
-    last = {extra: json.load(f)['losses'][-1]}
-  last.update({lr: rec['rungs'][-1]['losses'][f'{lr:.6g}'] for lr in rec['rungs'][0]['kept']})
-  ranked = sorted(last, key=lambda lr: (last[lr], lr))
-  saved = json.load(open(os.path.join(work, 'last_rung.json'), encoding='utf-8'))
-  seed = saved['rows'][cell]['best']['seeds'][0]
-  assert seed['kept_lr'] == ranked[0] and seed['runner_up_lr'] == ranked[1]
-  with open(exp.end_path(cell, 'best', 0, ranked[1], True, work), encoding='utf-8') as f:
-    assert seed['runner_up_final'] == json.load(f)['final_metric']
-  assert math.isfinite(seed['runner_up_final']) and seed['runner_up_final'] != seed['final_metric']
 
 
 def test_committed_records_compose_from_their_probes():

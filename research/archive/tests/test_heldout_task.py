@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from research import heldout_task as exp
+from research.archive import heldout_task as exp
 from research import records
 
 
@@ -121,7 +121,7 @@ def test_fresh_seeds_name_the_sweep_and_the_bracket_and_exclude_the_reports_seed
       exp.main(bad + ['--report-only'])
     assert '--fresh-seeds must be seeds other than 0,1,2' in capsys.readouterr().err
   # Every seed-3-7 record the 8-seed table reads is committed: the command would train nothing.
-  from research import finer_grid
+  from research.archive import finer_grid
 
   for check in (cell.split(':')[1] for cell in finer_grid.TASKS):
     site = exp.Site(check, False, '')

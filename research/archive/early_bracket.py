@@ -14,10 +14,10 @@ only; ``--train`` trains the rest of the grid for the seeds asked (records in ``
 sweep's own runs where it has them). The gap is paired: the kept run's final against the same seed's run at the
 sweep's best grid point (its 3-seed mean's).
 
-    python -m research.early_bracket                      # reads the records (results/early_bracket.{md,json})
-    python -m research.early_bracket --report-only        # the same, and refuses --train
-    python -m research.early_bracket --train --workload finetune,mnist1d   # complete seeds 0-2 (cached, resumable)
-    python -m research.early_bracket --quick --train       # a smoke run over the quick sweep's records
+    python -m research.archive.early_bracket                      # reads the records (results/early_bracket.{md,json})
+    python -m research.archive.early_bracket --report-only        # the same, and refuses --train
+    python -m research.archive.early_bracket --train --workload finetune,mnist1d  # complete seeds 0-2 (cached)
+    python -m research.archive.early_bracket --quick --train       # a smoke run over the quick sweep's records
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 
 from research import autolr
 from research import autolr_report
-from research import climb_and_price
+from research.archive import climb_and_price
 from research import records
 from research import workloads
 
@@ -81,13 +81,16 @@ def final(rec: dict) -> float:
 def bracket(runs: dict[float, dict], rungs, loss=None) -> float | None:
   """Successive halving over ``runs`` (peak LR -> record): at each rung ``(fraction, keep)`` the ``keep`` runs with
   the lowest training loss at that fraction (``loss(record, fraction)``, :func:`loss_at` by default) go on; the peak
-  LR of the last one left (None: a rung has no block to compare; ties go to the lower LR)."""
+  LR of the last one left (None: a rung has no block to compare; ties go to the lower LR), kept by the trainer's own
+  ``bracket.survivors``."""
+  from hdet_jax.trainer import bracket as trainer_bracket
+
   alive, loss = dict(runs), loss or loss_at
   for fraction, keep in rungs:
     losses = {lr: loss(r, fraction) for lr, r in alive.items()}
     if any(v is None for v in losses.values()):
       return None
-    alive = {lr: alive[lr] for lr in sorted(sorted(losses), key=lambda lr: losses[lr])[:keep]}
+    alive = {lr: alive[lr] for lr in trainer_bracket.survivors(losses, keep)}  # (the product's rule: NaN as inf)
   return min(alive)
 
 

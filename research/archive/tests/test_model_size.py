@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from research import model_size as exp
+from research.archive import model_size as exp
 
 
 def _write(root, name, lr, final):

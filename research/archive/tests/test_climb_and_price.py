@@ -7,11 +7,11 @@ import os
 import numpy as np
 
 from research import autolr_report
-from research import climb_and_price as cp
+from research.archive import climb_and_price as cp
 from hdet_jax.trainer import config_lib
 from research import records
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 RHO = np.linspace(0.75, 1.25, 8)
 
 

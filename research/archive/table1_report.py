@@ -438,7 +438,7 @@ def _controller_lr_section(settings, named) -> Iterator[str]:
 
 def _discussion(quick) -> Iterator[str]:
   """The hand-written reading of the full run (not for --quick)."""
-  disc = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'table1_discussion.md')
+  disc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'table1_discussion.md')  # research/
   if not quick and os.path.exists(disc):
     with open(disc, encoding='utf-8') as f:
       yield f.read()

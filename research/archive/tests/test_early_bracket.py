@@ -7,7 +7,7 @@ import os
 import pytest
 
 from research import autolr
-from research import early_bracket as exp
+from research.archive import early_bracket as exp
 from research import workloads
 
 

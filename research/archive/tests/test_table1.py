@@ -14,7 +14,7 @@ import pytest
 
 from hdet_jax.trainer import run_settings
 from research import records
-from research import table1 as T
+from research.archive import table1 as T
 
 QUICK_RUNS = 12  # 2 sweep points, Baseline-Low, the pre-training run, 4 rows and 4 mechanism runs (1 seed)
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from research import digits_npz
+from research.archive import digits_npz
 
 # The class sizes of the 1,797 digits (UCI "Optical Recognition of Handwritten Digits", the test set's counts as
 # scikit-learn's load_digits documents them).

@@ -8,7 +8,7 @@ is read row by row as a 64-sample signal, its 0-16 counts divided by 16 (exact i
 The file is committed (``research/data/digits.npz``, about 57 kB); this command rebuilds it bit for bit and
 needs scikit-learn, which the project does not depend on::
 
-    pip install scikit-learn && python -m research.digits_npz
+    pip install scikit-learn && python -m research.archive.digits_npz
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'digits.npz')
+PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'data', 'digits.npz')  # research/data/
 TEST_EXAMPLES = 360
 
 

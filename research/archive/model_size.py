@@ -17,10 +17,10 @@ Each run is one record (``results/model_size/runs/<name>.json``: cached; a rerun
 ``--jobs N`` trains N runs at once, each in its own process (a GPU's host loop, not its compute, bounds these
 small models, so runs side by side fill it).
 
-    python -m research.model_size --jobs 8        # train what is missing, then report (results/model_size.md)
-    python -m research.model_size --jobs 3 --seeds ''   # seed 0 alone
-    python -m research.model_size --report-only   # redraw results/model_size.{md,json} (--out DIR: into DIR)
-    python -m research.model_size --quick         # a smoke run: the tiny LM, 2 grid points, the best start
+    python -m research.archive.model_size --jobs 8        # train what is missing, then report (results/model_size.md)
+    python -m research.archive.model_size --jobs 3 --seeds ''   # seed 0 alone
+    python -m research.archive.model_size --report-only   # redraw results/model_size.{md,json} (--out DIR: into DIR)
+    python -m research.archive.model_size --quick         # a smoke run: the tiny LM, 2 grid points, the best start
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import numpy as np
 
 from research import autolr
 from research import bracket_mode
-from research import finer_grid
-from research import heldout_task
+from research.archive import finer_grid
+from research.archive import heldout_task
 from research import records
 from research import workloads
 
@@ -169,7 +169,7 @@ def train_job(name: str, quick: bool, work_root: str) -> dict:
 def run_jobs(names: list[str], quick: bool, work_root: str, jobs: int) -> None:
   """Trains the missing ``names``, ``jobs`` at a time, each in a process of its own."""
   todo = [n for n in names if load(n, quick, work_root) is None]
-  cmd = [sys.executable, '-m', 'research.model_size', '--workdir', work_root] + (['--quick'] if quick else [])
+  cmd = [sys.executable, '-m', 'research.archive.model_size', '--workdir', work_root] + (['--quick'] if quick else [])
 
   def one(name):
     t0 = time.time()

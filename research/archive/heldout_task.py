@@ -6,7 +6,7 @@ fine-tuning task (``results/workloads.md``, ``results/wider_rung.md``). Each che
 the data's draw and the run's length at once (:data:`CHECKS`): ``wide``, 64 channels (28k parameters) on dataset
 seed 7 for 1000 steps; ``narrow``, 16 channels on dataset seed 11 for 500 steps; ``digits`` (added after the
 twenty-sixth pass, when every default had been chosen), the default CNN on another dataset, scikit-learn's
-handwritten digits read as 64-sample signals (``research/digits_npz.py``; 1,437 training examples, 360 test), at
+handwritten digits read as 64-sample signals (``research/archive/digits_npz.py``; 1,437 training examples, 360 test), at
 8 examples per replica a step for 600 steps (about 27 epochs); ``mlp`` (added after the twenty-eighth pass), another
 model family, an MLP of two ReLU layers of 128 units (``model.kind='mlp'``, 23k parameters) on dataset seed 13 for 750
 steps. AdamW, 3 seeds. The plain one-cycle
@@ -18,13 +18,13 @@ every other check's starts) the default HDET run (``configs/mnist1d.py``) and th
 Each run is one record (``results/heldout_task/runs/<check>/<name>.json``: cached; a rerun trains only what is
 missing).
 
-    python -m research.heldout_task                  # train what is missing (about 20 min here), then report
-    python -m research.heldout_task --checks narrow  # one check
-    python -m research.heldout_task --report-only
-    python -m research.heldout_task --fresh-seeds 3,4,5,6,7   # the sweep and bracket on 5 more seeds (finer_grid)
-    python -m research.heldout_task --checks digits --rung-trace   # do the rungs' rankings hold to the end?
+    python -m research.archive.heldout_task                  # train what is missing (about 20 min here), then report
+    python -m research.archive.heldout_task --checks narrow  # one check
+    python -m research.archive.heldout_task --report-only
+    python -m research.archive.heldout_task --fresh-seeds 3,4,5,6,7  # the sweep, bracket on 5 more seeds
+    python -m research.archive.heldout_task --checks digits --rung-trace   # do the rungs' rankings hold to the end?
                                                                      # (and an annealed copy's?)
-    python -m research.heldout_task --quick          # a smoke run: the tiny CNN, 2 grid points, the best start
+    python -m research.archive.heldout_task --quick          # a smoke run: the tiny CNN, 2 grid points, the best start
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ REPO = autolr.REPO
 CHECKS = {
   'wide': ({'model.channels': 64, 'data.dataset_seed': 7}, 1000),
   'narrow': ({'model.channels': 16, 'data.dataset_seed': 11}, 500),
-  # Other data: handwritten digits (research/digits_npz.py), 64-sample signals, an eighth of the batch.
+  # Other data: handwritten digits (research/archive/digits_npz.py), 64-sample signals, an eighth of the batch.
   'digits': ({'data.path': 'research/data/digits.npz', 'data.batch_size': 8}, 600),
   # Another model family (added after the twenty-eighth pass): an MLP, two ReLU layers of 128 units (23k
   # parameters), on dataset seed 13, for 750 steps, a length no mnist1d default was measured at.

@@ -11,9 +11,9 @@ HDET controller (``workloads.DEFAULT_VARIANT``) from 10x below, at and 10x above
 Runs record their training loss at every step (mean over the replicas), so a comparison reads the mean of the
 ``COMPARE_STEPS`` steps before it, on batches common to the grid at one seed (every grid run draws the same batches).
 
-    python -m research.schedule_bracket              # train what is missing (cached, resumable), then report
-    python -m research.schedule_bracket --report-only
-    python -m research.schedule_bracket --quick      # a smoke run: the tiny LM, two grid points, one start
+    python -m research.archive.schedule_bracket              # train what is missing (cached, resumable), then report
+    python -m research.archive.schedule_bracket --report-only
+    python -m research.archive.schedule_bracket --quick      # a smoke run: the tiny LM, two grid points, one start
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import numpy as np
 
 from research import autolr
 from research import autolr_report
-from research import climb_and_price
-from research import early_bracket
+from research.archive import climb_and_price
+from research.archive import early_bracket
 from research import records
 from research import workloads
 

@@ -23,10 +23,10 @@ Footing as in ``wider_rung``: where a bracket's record was made on another CPU (
 is retrained to the last rung here and both ends are trained here, and the runner-up's final enters as the record's
 plus the difference of the two ends.
 
-    python -m research.last_rung                    # train what is missing (cached, resumable), then report
-    python -m research.last_rung --report-only
-    python -m research.last_rung --cells mnist1d:1000:adamw --eight-seeds ''   # one cell's runner-ups only
-    python -m research.last_rung --quick            # a smoke run: wider_rung's quick bracket
+    python -m research.archive.last_rung                    # train what is missing (cached, resumable), then report
+    python -m research.archive.last_rung --report-only
+    python -m research.archive.last_rung --cells mnist1d:1000:adamw --eight-seeds ''   # one cell's runner-ups only
+    python -m research.archive.last_rung --quick            # a smoke run: wider_rung's quick bracket
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import numpy as np
 
 from research import autolr
 from research import bracket_mode
-from research import heldout_task
+from research.archive import heldout_task
 from research import records
 from research import wider_rung
 from research import workloads

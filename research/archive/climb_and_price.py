@@ -1,8 +1,8 @@
 """What sets the 'fit' climb's end point, and what sets the ensemble's price: both read from cached records.
 
-    python -m research.climb_and_price            # results/climb_and_price.{md,json} from the committed records
-    python -m research.climb_and_price --report-only   # the same (nothing here trains)
-    python -m research.climb_and_price --quick    # the same over research.workloads --quick's records
+    python -m research.archive.climb_and_price            # results/climb_and_price.{md,json} from the committed records
+    python -m research.archive.climb_and_price --report-only   # the same (nothing here trains)
+    python -m research.archive.climb_and_price --quick    # the same over research.workloads --quick's records
 
 Nothing trains here: the records are those of ``research.workloads`` (and ``research.autolr`` for the LM).
 

@@ -18,11 +18,11 @@ LM's and fine-tuning's records were made on another CPU. There the finer bracket
 bracket's recorded final plus the difference of the two kept points' ends, both trained here (as
 ``wider_rung.paired_final``); where both keep the same point it is the record's.
 
-    python -m research.finer_grid                   # train what is missing (cached, resumable), then report
-    python -m research.finer_grid --cells task:wide,mnist1d:1000:adamw
-    python -m research.finer_grid --report-only
-    python -m research.finer_grid --check mnist1d:1000:adamw:best:0   # one composed bracket trained for real
-    python -m research.finer_grid --quick           # a smoke run: a 5-point quick bracket on mnist1d's tiny CNN
+    python -m research.archive.finer_grid                   # train what is missing (cached, resumable), then report
+    python -m research.archive.finer_grid --cells task:wide,mnist1d:1000:adamw
+    python -m research.archive.finer_grid --report-only
+    python -m research.archive.finer_grid --check mnist1d:1000:adamw:best:0   # one composed bracket trained for real
+    python -m research.archive.finer_grid --quick           # a smoke run: a 5-point quick bracket on mnist1d's tiny CNN
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import shutil
 
 from research import autolr
 from research import bracket_mode
-from research import heldout_task
-from research import last_rung
+from research.archive import heldout_task
+from research.archive import last_rung
 from research import records
 from research import wider_rung
 

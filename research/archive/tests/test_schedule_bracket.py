@@ -7,7 +7,7 @@ import pytest
 
 from research import autolr
 from research import records
-from research import schedule_bracket as exp
+from research.archive import schedule_bracket as exp
 from research import workloads
 
 

@@ -1,4 +1,5 @@
-"""research/last_rung.py: the default bracket's last-rung runner-up, and what 3 seeds resolve."""
+"""research/archive/last_rung.py: the default bracket's last-rung runner-up, and what 3 seeds resolve; its quick run
+builds on wider_rung's quick bracket (about 40 s)."""
 
 import json
 import math
@@ -8,20 +9,8 @@ import statistics
 import pytest
 
 from research import bracket_mode
-from research import last_rung as exp
-from research import records
+from research.archive import last_rung as exp
 from research import wider_rung
-
-
-def test_paired_gap_is_the_ratio_of_means_with_the_per_seed_standard_error():
-  values, reference = [1.1, 2.2, 2.9], [1.0, 2.0, 3.0]
-  gap, se = records.paired_gap(values, reference)
-  per_seed = [v / r - 1 for v, r in zip(values, reference)]  # 0.1, 0.1, -1/30
-  assert gap == pytest.approx(6.2 / 6.0 - 1)
-  assert se == pytest.approx(statistics.stdev(per_seed) / math.sqrt(3))
-  assert records.paired_gap([1.0], [2.0]) == (pytest.approx(-0.5), None)  # (one seed: no standard error)
-  assert records.paired_gap([1.0, None], [1.0, 1.0]) == (None, None)
-  assert records.paired_gap([1.0, 1.0], [1.0]) == (None, None)
 
 
 @pytest.mark.parametrize(
@@ -121,3 +110,33 @@ def test_the_eight_seed_rows_recompute_from_the_raw_records():
       ]
       assert r['hdet']['finals'] == hdet
       assert r['hdet']['gap'] == pytest.approx(sum(hdet) / sum(means[best]) - 1, rel=1e-9)
+
+
+@pytest.fixture(scope='module')
+def quick(tmp_path_factory):
+  """wider_rung's quick bracket, which last_rung's quick run builds on."""
+  work = str(tmp_path_factory.mktemp('wider_rung'))
+  wider_rung.main(['--quick', '--workdir', work])
+  return work
+
+
+def test_last_rung_quick_trains_the_runner_up_to_the_end(quick):
+  """research.last_rung --quick on this quick bracket (cached: only the runner-up's end trains)."""
+  work = quick
+  exp.main(['--quick', '--workdir', work])
+  cell = wider_rung.QUICK_CELL
+  with open(bracket_mode.record_path(cell, 'best', 0, True, work), encoding='utf-8') as f:
+    rec = json.load(f)
+  # The default's last rung: the bracket's first-rung survivors and the first added point, ranked by their losses
+  # there (the record's and the probe's); the runner-up is the lowest but the kept point.
+  extra = wider_rung.extra_points(rec)[0]
+  with open(wider_rung.probe_path(cell, 'best', 0, extra, True, work), encoding='utf-8') as f:
+    last = {extra: json.load(f)['losses'][-1]}
+  last.update({lr: rec['rungs'][-1]['losses'][f'{lr:.6g}'] for lr in rec['rungs'][0]['kept']})
+  ranked = sorted(last, key=lambda lr: (last[lr], lr))
+  saved = json.load(open(os.path.join(work, 'last_rung.json'), encoding='utf-8'))
+  seed = saved['rows'][cell]['best']['seeds'][0]
+  assert seed['kept_lr'] == ranked[0] and seed['runner_up_lr'] == ranked[1]
+  with open(wider_rung.end_path(cell, 'best', 0, ranked[1], True, work), encoding='utf-8') as f:
+    assert seed['runner_up_final'] == json.load(f)['final_metric']
+  assert math.isfinite(seed['runner_up_final']) and seed['runner_up_final'] != seed['final_metric']

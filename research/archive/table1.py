@@ -1,8 +1,8 @@
 """The paper's Table 1 ablation on the KJV byte-level LM, with an LR sweep and mechanism runs.
 
-    python -m research.table1                 # the full experiment: 46 runs (about an hour on 2 cores)
-    python -m research.table1 --quick         # a smoke run of every stage on a tiny model
-    python -m research.table1 --report-only   # redraw results/table1.{md,json} and its figures from the records
+    python -m research.archive.table1                 # the full experiment: 46 runs (about an hour on 2 cores)
+    python -m research.archive.table1 --quick         # a smoke run of every stage on a tiny model
+    python -m research.archive.table1 --report-only   # redraw results/table1.{md,json} and its figures from the records
 
 Stages:
 
@@ -43,9 +43,9 @@ import time
 import numpy as np
 
 from research import records
-from research import table1_report
+from research.archive import table1_report
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # ---- The experiment's settings (the full run). ----
 STEPS = 500  # Optimizer steps of every run (warm rows: after the pre-training run).
@@ -345,7 +345,7 @@ def main(argv=None):
   kept = os.path.isdir(records_dir) and any(f.endswith('.json') for f in os.listdir(records_dir))
   if args.report_only and not kept:
     shown = records_dir if args.quick else 'results/table1/runs/'
-    raise SystemExit(f'error: --report-only: no records in {shown}; python -m research.table1 trains the runs.')
+    raise SystemExit(f'error: --report-only: no records in {shown}; python -m research.archive.table1 trains the runs.')
 
   from absl import logging
   from hdet_jax.trainer import process

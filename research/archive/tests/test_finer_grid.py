@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from research import finer_grid as exp
+from research.archive import finer_grid as exp
 from research import wider_rung
 
 
@@ -164,7 +164,7 @@ def test_committed_eight_seed_rows_recompute_from_the_records():
   with its final; the default's mnist1d's 8-seed table of results/last_rung.json, or a held-out classifier's
   bracket records; the reference the sweep's best LR by its 8-seed mean; gaps, se, verdicts and the paired
   comparison recomputed; and the rows rebuilt from the records equal the committed JSON."""
-  from research import heldout_task
+  from research.archive import heldout_task
 
   saved = _load(os.path.join(exp.REPO, 'results', 'finer_grid.json'))
   eight, three = saved['eight_seeds'], saved['rows']
@@ -227,7 +227,7 @@ def test_committed_eight_seed_rows_recompute_from_the_records():
 def test_a_diverged_grid_seed_counts_as_inf_in_the_eight_seed_reference(monkeypatch):
   """A held-out classifier's 8-seed reference: the grid point with the lowest 8-seed mean, a diverged seed (None)
   counting as inf for its point only; the default bracket's finals and kept points per start."""
-  from research import heldout_task
+  from research.archive import heldout_task
 
   site = heldout_task.Site('narrow', False, '')
   grid = heldout_task.plan(site)['grid']
