@@ -1,6 +1,6 @@
 """The flax helpers of docs/add_to_trainer.md (hdet_jax.flax_utils): apply_gradients is a TrainState's update with
-``value=`` passed on, and dense_general_ok works with the core and flax alone (issue 84: without the trainer extra's orbax and
-ml_collections)."""
+``value=`` passed on, and dense_general_ok works with the core and flax alone (issue 84: without the trainer
+extra's orbax and ml_collections)."""
 
 import subprocess
 import sys
