@@ -7,6 +7,7 @@ The core (this package's top-level modules) depends on jax, optax, numpy and che
 """
 
 from hdet_jax.accumulate import multi_steps
+from hdet_jax.flax_utils import apply_gradients, dense_general_ok
 from hdet_jax.packing import packed
 from hdet_jax.replicas import (
   average_replicas,
@@ -50,6 +51,9 @@ __all__ = [
   'pmean_finite',
   'over_replicas',
   'evaluate_over_replicas',
+  # A flax trainer of your own (hdet_jax.flax_utils: flax without the trainer extra).
+  'apply_gradients',
+  'dense_general_ok',
   # The shardings of stacked replicas (hdet_jax.shardings).
   'stacked_shardings',
   'batch_shardings',

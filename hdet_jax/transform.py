@@ -1,7 +1,9 @@
 """The HDET optax transformation: fan-out, converge and the auto-LR controller.
 
-``hdet`` wraps an optax optimizer *factory* (``optax.adam``, ``optax.sgd``, any callable that
-takes ``learning_rate=`` and returns a transformation) and turns a plain data-parallel
+``hdet`` wraps an optax optimizer, either the one you built (``optax.adamw(1e-3)``, a chain with its own
+schedule inside: each replica's update is scaled by its learning rate's factor) or a *factory* of the
+learning rate (``optax.adam``, ``optax.sgd``, any callable that takes ``learning_rate=`` and returns a
+transformation: each replica builds it at its own learning rate), and turns a plain data-parallel
 training step into Hyperparameter-Divergent Ensemble Training. It runs wherever the replica
 axis is bound: ``jax.shard_map`` (the primary path), ``jax.pmap`` and
 ``jax.vmap(axis_name=...)``.

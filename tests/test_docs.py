@@ -89,6 +89,27 @@ def test_user_pages_read_as_a_guide():
   assert {page: words for page, words in hits.items() if words} == {}
 
 
+# What hdet takes, said wrongly (issue 86): a page that says it takes a factory only, or refuses a built optimizer.
+FACTORY_ONLY = re.compile(
+  r'not `+optax\.\w+\([^)`]*\)`+|factory only|only a factory|only (?:an )?(?:optax )?(?:optimizer )?factor(?:y|ies)|'
+  r'wraps an optax optimizer \*?factory\*?',
+  re.I,
+)
+
+
+def test_the_pages_say_one_thing_about_what_hdet_takes():
+  """hdet takes the optimizer you built and a factory of the learning rate (tests/test_built_optimizer.py runs
+  both): no page, README, API page or the core's docstrings say it takes a factory only, and the pages that
+  introduce hdet name both forms."""
+  texts = {str(p.relative_to(ROOT)): p.read_text() for p in USER_PAGES + [ROOT / 'README.md']}
+  texts.update({str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / 'hdet_jax').glob('*.py'))})
+  said = {name: sorted({m.group() for m in FACTORY_ONLY.finditer(text)}) for name, text in texts.items()}
+  assert {name: words for name, words in said.items() if words} == {}
+  for name in ('docs/getting_started.md', 'hdet_jax/transform.py', 'README.md', 'docs/add_to_trainer.md'):
+    assert 'optax.adamw(' in texts[name] and re.search(r'factory', texts[name]), name
+  assert FACTORY_ONLY.search('wraps an optax optimizer *factory* (`optax.adamw`, not `optax.adamw(1e-3)`)')
+
+
 def test_user_pages_code_fits_the_page():
   wide = []
   for page in USER_PAGES:

@@ -72,27 +72,25 @@ def make_trainer(mesh):
   abstract = jax.eval_shape(create_state, jax.random.key(0))
   state_sharding = nn.get_sharding(abstract, mesh)
   state_sharding = hdet_jax.stacked_shardings(state_sharding, 'replica')
-  batch_sharding = NamedSharding(mesh, P('data'))
-  split_batch = hdet_jax.batch_shardings(batch_sharding, 'replica')  # B/N rows each
+  batch_sharding = hdet_jax.batch_shardings(NamedSharding(mesh, P('data')), 'replica')
 
   def train_step(state, batch):
-    batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
+    batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P('data')))
     loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn, batch)
     grads = hdet_jax.pmean_finite(grads, 'replica')  # the all-reduce across replicas
-    upd, opt = state.tx.update(grads, state.opt_state, state.params, value=loss)
-    state = state.replace(step=state.step + 1, opt_state=opt,
-                          params=optax.apply_updates(state.params, upd))
+    state = hdet_jax.apply_gradients(state, grads, value=loss)
     return state, {'loss': loss}
+  train_step = hdet_jax.over_replicas(train_step, mesh, 'replica')  # once, where it is
 
   def eval_step(params, batch):
     return loss_fn(params, Model().apply, batch)
+  eval_step = hdet_jax.evaluate_over_replicas(eval_step, mesh, 'replica')
 
-  step = jax.jit(hdet_jax.over_replicas(train_step, mesh, 'replica'),
-                 in_shardings=(state_sharding, split_batch),
+  step = jax.jit(train_step, in_shardings=(state_sharding, batch_sharding),
                  out_shardings=(state_sharding, None), donate_argnames=('state',))
-  evaluate = jax.jit(hdet_jax.evaluate_over_replicas(eval_step, mesh, 'replica'))
+  evaluate = jax.jit(eval_step)
   init = jax.jit(create_state, out_shardings=state_sharding)
-  return init, step, evaluate, split_batch
+  return init, step, evaluate, batch_sharding
 
 
 def train(workdir, steps=STEPS, seed=0):
@@ -105,7 +103,7 @@ def train(workdir, steps=STEPS, seed=0):
     args = ocp.args.StandardRestore(target)
     state = manager.restore(manager.latest_step(), args=args)
   data, losses = batches(seed), []
-  start = int(state.step[0]) // ACCUM  # optimizer steps done: resume from there
+  start = manager.latest_step() or 0  # optimizer steps saved: resume from there
   for _ in range(start):  # skip the batches already trained on
     next(data)
   for t in range(start, steps):

@@ -80,26 +80,25 @@ def make_trainer(mesh):
   model_def = nnx.graphdef(nnx.eval_shape(lambda: Model(nnx.Rngs(0))))  # for eval
   state_sharding = nnx.get_named_sharding(abstract, mesh)
   state_sharding = hdet_jax.stacked_shardings(state_sharding, 'replica')
-  batch_sharding = NamedSharding(mesh, P('data'))
-  split_batch = hdet_jax.batch_shardings(batch_sharding, 'replica')  # B/N rows each
+  batch_sharding = hdet_jax.batch_shardings(NamedSharding(mesh, P('data')), 'replica')
 
   def train_step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
-    batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
+    batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P('data')))
     loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-    grads = hdet_jax.pmean_finite(grads, 'replica')  # the all-reduce across replicas
-    optimizer.update(model, grads, value=loss)
+    optimizer.update(model, hdet_jax.pmean_finite(grads, 'replica'), value=loss)
     return nnx.state((model, optimizer)), {'loss': loss}
+  train_step = hdet_jax.over_replicas(train_step, mesh, 'replica')  # once, where it is
 
   def eval_step(params, batch):
     return loss_fn(nnx.merge(model_def, params), batch)
+  eval_step = hdet_jax.evaluate_over_replicas(eval_step, mesh, 'replica')
 
-  step = jax.jit(hdet_jax.over_replicas(train_step, mesh, 'replica'),
-                 in_shardings=(state_sharding, split_batch),
+  step = jax.jit(train_step, in_shardings=(state_sharding, batch_sharding),
                  out_shardings=(state_sharding, None), donate_argnames=('state',))
-  evaluate = jax.jit(hdet_jax.evaluate_over_replicas(eval_step, mesh, 'replica'))
+  evaluate = jax.jit(eval_step)
   init = jax.jit(lambda key: create_state(key)[1], out_shardings=state_sharding)
-  return init, step, evaluate, split_batch
+  return init, step, evaluate, batch_sharding
 
 
 def train(workdir, steps=STEPS, seed=0):
@@ -113,7 +112,7 @@ def train(workdir, steps=STEPS, seed=0):
       args = ocp.args.StandardRestore(target)
       state = manager.restore(manager.latest_step(), args=args)
     data, losses = batches(seed), []
-    start = int(state[1]['step'][...][0]) // ACCUM  # optimizer steps done
+    start = manager.latest_step() or 0  # optimizer steps saved
     for _ in range(start):  # skip the batches already trained on
       next(data)
     for t in range(start, steps):

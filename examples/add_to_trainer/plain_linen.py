@@ -70,7 +70,7 @@ def make_trainer(mesh):
   batch_sharding = NamedSharding(mesh, P('data'))
 
   def train_step(state, batch):
-    batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
+    batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P('data')))
     loss, grads = jax.value_and_grad(loss_fn)(state.params, state.apply_fn, batch)
     state = state.apply_gradients(grads=grads)
     return state, {'loss': loss}
@@ -95,7 +95,7 @@ def train(workdir, steps=STEPS, seed=0):
     args = ocp.args.StandardRestore(target)
     state = manager.restore(manager.latest_step(), args=args)
   data, losses = batches(seed), []
-  start = int(state.step) // ACCUM  # optimizer steps done: resume from there
+  start = manager.latest_step() or 0  # optimizer steps saved: resume from there
   for _ in range(start):  # skip the batches already trained on
     next(data)
   for t in range(start, steps):

@@ -79,7 +79,7 @@ def make_trainer(mesh):
 
   def train_step(state, batch):
     model, optimizer = nnx.merge(graphdef, state)
-    batch = jax.lax.with_sharding_constraint(batch, batch_sharding)
+    batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P('data')))
     loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
     optimizer.update(model, grads)
     return nnx.state((model, optimizer)), {'loss': loss}
@@ -105,7 +105,7 @@ def train(workdir, steps=STEPS, seed=0):
       args = ocp.args.StandardRestore(target)
       state = manager.restore(manager.latest_step(), args=args)
     data, losses = batches(seed), []
-    start = int(state[1]['step'][...]) // ACCUM  # optimizer steps done
+    start = manager.latest_step() or 0  # optimizer steps saved
     for _ in range(start):  # skip the batches already trained on
       next(data)
     for t in range(start, steps):
