@@ -565,7 +565,8 @@ def _on_local_replicas(fn, bound, values, roles, local_axes, *, keep_name: bool,
 def _checked_map_args(fn, mesh, replica_axis, batch_argnames, per_device, who) -> tuple[tuple[str, ...], Any]:
   """The map's arguments checked before anything is traced: ``(batch_argnames as a tuple, fn's signature)``."""
   if not callable(fn):
-    raise ValueError(f"{who}: the step must be a function of the replica's arguments, got {fn!r}.")
+    param = {'over_replicas': 'train_step', 'evaluate_over_replicas': 'eval_step'}.get(who, 'fn')
+    raise ValueError(f"{who}: {param} must be a function of one replica's arguments, got {fn!r}.")
   if not arguments.is_int(per_device) or per_device < 1:
     raise ValueError(
       f'{who}: per_device must be a positive integer, got {per_device!r} (the number of replicas on each device '

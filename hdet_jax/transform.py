@@ -269,7 +269,9 @@ def hdet(
   if removed:
     raise ValueError(f'hdet: {removed[0]}= was removed in hdet-jax 1.0: {REMOVED_ARGUMENTS[removed[0]]}.')
   if sync_every is None:
-    sync_every = windows.default_period(auto_lr.total_steps) if isinstance(auto_lr, AutoLR) else 100
+    # (a total_steps that is not a count is refused with the other settings, by make_plan)
+    counted = isinstance(auto_lr, AutoLR) and arguments.is_int(auto_lr.total_steps)
+    sync_every = windows.default_period(auto_lr.total_steps) if counted else 100
   plan = settings.make_plan(
     optimizer,
     learning_rate,
