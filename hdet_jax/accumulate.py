@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from hdet_jax import arguments
 from hdet_jax import replicas
 
 
@@ -64,9 +65,12 @@ def multi_steps(
     [0.0, 0.0] 1 0
     [-2.0, -2.0] 0 1
   """
-  if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+  every_k = arguments.count(every_k, 'every_k', who='multi_steps', what=' (the micro-batches per optimizer step)')
+  use_grad_mean = arguments.flag(use_grad_mean, 'use_grad_mean', who='multi_steps')
+  if not (callable(getattr(optimizer, 'init', None)) and callable(getattr(optimizer, 'update', None))):
     raise ValueError(
-      f'multi_steps: every_k must be a positive integer (the micro-batches per optimizer step), got {every_k!r}.'
+      f'multi_steps: optimizer must be a built optax transformation (e.g. hdet_jax.hdet(...) or optax.adamw(1e-3)), '
+      f'got {optimizer!r}.'
     )
   reference = optax.MultiSteps(optimizer, every_k, use_grad_mean=use_grad_mean)  # its init: the same state
   inner = optax.with_extra_args_support(optimizer)

@@ -119,8 +119,16 @@ def packed(tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransform
     ['-0.00075', '-0.000917', '-0.00108', '-0.00125']
   """
 
+  if not (callable(getattr(tx, 'init', None)) and callable(getattr(tx, 'update', None))):
+    raise ValueError(f'packed: tx must be an hdet_jax.hdet(...) transformation, got {tx!r}.')
+
   def init_fn(params):
     state = tx.init(params)
+    if not isinstance(state, HDETState):
+      raise ValueError(
+        f'packed: tx must be an hdet_jax.hdet(...) transformation (its init gives an HDETState), got a '
+        f'{type(state).__name__} from its init; wrap hdet itself, then chain or multi_steps around packed(...).'
+      )
     if state.anchor is not None:
       raise ValueError(
         "packed(hdet(..., rollback=True)): the packed state has no room for the rollback's anchor (a copy of the "

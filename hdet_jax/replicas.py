@@ -43,6 +43,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
+from hdet_jax import arguments
 from hdet_jax.param_groups import path_string
 
 
@@ -161,6 +162,13 @@ def stack_replicas(tree: ArrayTree, num_replicas: int, *, per_device: int = 1) -
   ``per_device = k > 1`` (the map's, :func:`over_replicas`): an :class:`Anchor` in ``tree`` (``hdet(...,
   rollback=True)``) is copied N / k times instead, one copy per device (see :func:`share_anchors`).
   """
+  num_replicas = arguments.count(num_replicas, 'num_replicas', who='stack_replicas', what=' (N, the leading axis)')
+  per_device = arguments.count(per_device, 'per_device', who='stack_replicas', what=' (the replicas on each device)')
+  if num_replicas % per_device:
+    raise ValueError(
+      f'stack_replicas: per_device={per_device} does not divide num_replicas={num_replicas} (N = D * per_device); '
+      'pass the per_device of the map that runs them.'
+    )
   stack = lambda n: lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x))
   if per_device == 1:
     return jax.tree.map(stack(num_replicas), tree)
@@ -255,6 +263,8 @@ def average_replicas(stacked: ArrayTree) -> ArrayTree:
   boolean leaves (step counters, flags of a whole train state) are replica 0's: they have no mean.
   """
 
+  leading_axis(stacked, 'stacked', who='average_replicas')
+
   # x0 + mean(x - x0): bitwise x0 when the replicas agree (right after a sync the exported
   # model then equals every replica), and less rounding than summing the raw values otherwise.
   def mean(x):
@@ -268,7 +278,31 @@ def average_replicas(stacked: ArrayTree) -> ArrayTree:
 
 def replica(stacked: ArrayTree, index: int) -> ArrayTree:
   """Replica ``index``'s copy of a stacked tree."""
+  n = leading_axis(stacked, 'stacked', who='replica')
+  if n is not None:
+    arguments.index(index, 'index', n, who='replica', of='replica, on the leading axis of size N')
   return jax.tree.map(lambda x: x[index], stacked)
+
+
+def leading_axis(stacked: ArrayTree, name: str, *, who: str) -> int | None:
+  """N, the leading replica axis every leaf of a stacked tree shares (None for a tree without leaves); one error
+  line naming ``name`` where a leaf has no leading axis or the leaves disagree. An :class:`Anchor` may be held
+  once per device (:func:`share_anchors`), so its leaves are not counted."""
+  leaves = jax.tree_util.tree_leaves_with_path(stacked, is_leaf=_is_anchor)
+  shapes = [(path_string(p), jnp.shape(x)) for p, x in leaves if not _is_anchor(x)]
+  flat = next(((p, s) for p, s in shapes if not s), None)
+  if flat is not None:
+    raise ValueError(
+      f'{who}: {name} must be a stacked tree, a leading replica axis [N, ...] on every leaf '
+      f'(hdet_jax.stack_replicas(tree, N)); leaf {flat[0] or "(the root)"!r} has shape ().'
+    )
+  counts = sorted({s[0] for _, s in shapes})
+  if len(counts) > 1:
+    raise ValueError(
+      f'{who}: the leaves of {name} disagree on the number of replicas (leading axes {counts}); stack every leaf '
+      'with hdet_jax.stack_replicas(tree, N).'
+    )
+  return counts[0] if counts else None
 
 
 def vma(x: chex.Array) -> frozenset:
@@ -294,13 +328,16 @@ def match_vma(x: ArrayTree, like: ArrayTree) -> ArrayTree:
   return jax.tree.map(cast, x, like)
 
 
-def axis_size_or_raise(axis_name: AxisName, expected: int | None = None, who: str = 'hdet') -> int:
-  """The size of a bound mapped axis (or pair), with a clear error when it is not bound or does not match."""
+def axis_size_or_raise(
+  axis_name: AxisName, expected: int | None = None, who: str = 'hdet', name: str = 'replica_axis'
+) -> int:
+  """The size of a bound mapped axis (or pair), with a clear error when it is not bound or does not match
+  (``name``: the argument that named it)."""
   try:
     size = axis_size(axis_name)
   except (NameError, KeyError, ValueError) as e:
     raise ValueError(
-      f'{who}: replica_axis={axis_name!r} is not bound here. Call the update inside '
+      f'{who}: {name}={axis_name!r} is not bound here. Call the update inside '
       f'jax.shard_map over a mesh with an axis named {axis_name!r}, jax.pmap(..., axis_name='
       f'{axis_name!r}) or jax.vmap(..., axis_name={axis_name!r}), or pass the right replica_axis.'
     ) from e
@@ -347,6 +384,8 @@ def pmean_finite(tree: ArrayTree, axis_name: AxisName) -> ArrayTree:
   averaged gradient and the optimizer state built from it, so a single non-finite gradient
   would otherwise poison every replica at once.
   """
+  arguments.axis_name(axis_name, 'axis_name', who='pmean_finite')
+  axis_size_or_raise(axis_name, who='pmean_finite', name='axis_name')
   return finite_mean(tree, axis_name)[0]
 
 
@@ -422,6 +461,17 @@ def shard_map_replicas(
     ``shard_map_replicas(train_step, mesh, 'data', per_device=4)``, with ``train_step``'s ``hdet`` built
     with ``replica_axis=('data', 'local')``.
   """
+  who = 'shard_map_replicas'
+  arguments.axis_name(local_axis, 'local_axis', who=who, pair=False)
+  if local_axis == replica_axis or (isinstance(mesh, jax.sharding.Mesh) and local_axis in mesh.shape):
+    raise ValueError(f'{who}: local_axis={local_axis!r} names a mesh axis; name the local vmap axis apart.')
+  check_vma = arguments.flag(check_vma, 'check_vma', who=who)
+  if stacked_argnums is not None and not (
+    isinstance(stacked_argnums, tuple) and all(arguments.is_int(i) and i >= 0 for i in stacked_argnums)
+  ):
+    raise ValueError(
+      f'{who}: stacked_argnums must be None or a tuple of argument positions >= 0, got {stacked_argnums!r}.'
+    )
   return _map_replicas(
     fn,
     mesh,
@@ -440,7 +490,8 @@ def _map_replicas(
 ):
   """:func:`shard_map_replicas`; ``keep_name`` (:func:`over_replicas`): with ``per_device > 1`` the name
   ``replica_axis`` stands for the pair ``(replica_axis, local_axis)`` in this module's helpers while ``fn`` is
-  traced, the stacked arguments must hold D * per_device replicas, and ``fn``'s collectives are checked."""
+  traced, and ``fn``'s collectives are checked. Either way the stacked arguments must hold D * per_device
+  replicas (at ``per_device=1`` a device would otherwise drop all but the first of the replicas it is given)."""
   batch_argnames, signature = _checked_map_args(fn, mesh, replica_axis, batch_argnames, per_device, who)
   role = functools.partial(_role, batch_argnames=batch_argnames, stacked_argnums=stacked_argnums)
 
@@ -454,8 +505,8 @@ def _map_replicas(
       else:
         roles.append('static')
     specs = tuple(P() if r == 'replicated' else P(replica_axis) for r in roles if r != 'static')
-    if keep_name:
-      _check_replica_count(bound, roles, mesh.shape[replica_axis], per_device, replica_axis, who)
+    _check_replica_count(bound, roles, mesh.shape[replica_axis], per_device, replica_axis, who)
+    _check_batch_rows(bound, roles, mesh.shape[replica_axis] * per_device, who)
 
     def body(*local):
       local = iter(local)
@@ -513,7 +564,10 @@ def _on_local_replicas(fn, bound, values, roles, local_axes, *, keep_name: bool,
 
 def _checked_map_args(fn, mesh, replica_axis, batch_argnames, per_device, who) -> tuple[tuple[str, ...], Any]:
   """The map's arguments checked before anything is traced: ``(batch_argnames as a tuple, fn's signature)``."""
-  if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
+  if not callable(fn):
+    param = {'over_replicas': 'train_step', 'evaluate_over_replicas': 'eval_step'}.get(who, 'fn')
+    raise ValueError(f"{who}: {param} must be a function of one replica's arguments, got {fn!r}.")
+  if not arguments.is_int(per_device) or per_device < 1:
     raise ValueError(
       f'{who}: per_device must be a positive integer, got {per_device!r} (the number of replicas on each device '
       f'of the replica axis: N / D).'
@@ -528,10 +582,15 @@ def _checked_map_args(fn, mesh, replica_axis, batch_argnames, per_device, who) -
       f'{who}: batch_argnames {tuple(unknown)} are not parameters of '
       f'{getattr(fn, "__name__", fn)!r} (its parameters: {names}); name the batch argument(s).'
     )
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError(f'{who}: mesh must be a jax.sharding.Mesh with a replica axis, got {type(mesh).__name__}.')
+  arguments.axis_name(replica_axis, 'replica_axis', who=who, pair=False)
   if replica_axis not in mesh.shape:
     raise ValueError(
       f'{who}: the mesh has no axis {replica_axis!r} (axes: {tuple(mesh.axis_names)}); pass replica_axis= one of them.'
     )
+  if not all(isinstance(n, str) for n in batch_argnames):
+    raise ValueError(f'{who}: batch_argnames must be parameter names (strings), got {batch_argnames!r}.')
   return tuple(batch_argnames), signature
 
 
@@ -708,9 +767,10 @@ def evaluate_over_replicas(
     >>> f'{one["loss_sum"] / one["tokens"]:.5f}'
     '0.21304'
   """
-  batch_argnames = (batch_argnames,) if isinstance(batch_argnames, str) else batch_argnames
+  batch_argnames, signature = _checked_map_args(
+    eval_step, mesh, replica_axis, batch_argnames, per_device, 'evaluate_over_replicas'
+  )
   _check_reduce(reduce, 'evaluate_over_replicas')
-  signature = _signature(eval_step)
   mean = lambda x: pmean(x, replica_axis) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
 
   @functools.wraps(eval_step)
@@ -853,6 +913,19 @@ def _check_replica_count(bound, roles, devices: int, per_device: int, replica_ax
       f'{who}: the state holds N={n} replicas and the mesh axis {replica_axis!r} has D={devices} devices, so '
       f'per_device={per_device} does not fit (N = D * per_device); {fix}.'
     )
+
+
+def _check_batch_rows(bound, roles, n: int, who: str) -> None:
+  """Every batch leaf's rows split evenly over the ``n`` replicas, at least one row each (an empty batch would
+  give every replica the mean of no rows, NaN, without a word)."""
+  for (name, value), r in zip(bound, roles):
+    rows = sorted({jnp.shape(x)[0] if jnp.ndim(x) else 0 for x in jax.tree.leaves(value)}) if r == 'batch' else []
+    bad = next((b for b in rows if b < n or b % n), None)
+    if bad is not None:
+      raise ValueError(
+        f'{who}: the batch {name!r} has {bad} rows, which {n} replicas cannot share (replica r trains on rows '
+        f'[r B/N, (r+1) B/N)); pass a batch of a positive multiple of {n} rows.'
+      )
 
 
 def _signature(fn) -> inspect.Signature | None:

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from hdet_jax import arguments
+
 
 def one_cycle(
   max_lr: float,
@@ -50,6 +52,7 @@ def one_cycle(
     ['4e-05', '0.001', '4e-09']
   """
   _check_one_cycle(max_lr, total_steps, pct_start, anneal_strategy, div_factor, final_div_factor)
+  three_phase = arguments.flag(three_phase, 'three_phase', who='one_cycle')
   starts, ends, values = _phases(max_lr, total_steps, pct_start, div_factor, final_div_factor, three_phase)
 
   def schedule(count: chex.Numeric) -> chex.Array:
@@ -74,7 +77,7 @@ def one_cycle(
 def _check_one_cycle(max_lr, total_steps, pct_start, anneal_strategy, div_factor, final_div_factor) -> None:
   if not max_lr > 0:
     raise ValueError(f'max_lr must be > 0, got {max_lr!r}.')
-  if int(total_steps) != total_steps or total_steps < 2:
+  if not arguments.is_int(total_steps) or total_steps < 2:
     raise ValueError(f'total_steps must be an integer >= 2, got {total_steps!r}.')
   if not 0.0 < pct_start < 1.0:
     raise ValueError(f'pct_start must be in (0, 1), got {pct_start!r}.')

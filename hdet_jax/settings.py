@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hdet_jax import arguments
 from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
 from hdet_jax import windows
@@ -294,6 +295,9 @@ def make_plan(
   learning_rate = _checked_optimizer(optimizer, learning_rate, optimizer_kwargs, extra, auto_lr)
   groups = _param_groups(param_groups)
   _check_replicas(num_replicas, spread, replica_axis)
+  exact_sync, guard_nonfinite = _flag('exact_sync', exact_sync), _flag('guard_nonfinite', guard_nonfinite)
+  if not arguments.is_int(seed):
+    raise ValueError(f"hdet: seed must be an integer (it seeds the multipliers' permutations), got {seed!r}.")
   sync_windows = windows.as_windows(sync_every)
   lr = Explore(learning_rate, float(spread), low=None, high=None)
   names = hyperparam_names(param_groups=dict(groups), explore=dict(extra), built=built)
@@ -305,6 +309,7 @@ def make_plan(
   spreads = tuple(float(h.spread) for _, h in hps)
   additive = tuple(bool(h.additive) for _, h in hps)
   scale, offset = _spread_tables(int(num_replicas), spreads, additive)
+  _warn_if_plain(int(num_replicas), spreads, auto_lr)
   return Plan(
     optimizer=optimizer,
     optimizer_kwargs=dict(optimizer_kwargs),
@@ -323,8 +328,8 @@ def make_plan(
     replica_axis=replica_axis,
     auto_lr=auto_lr,
     **controlled,
-    exact_sync=bool(exact_sync),
-    guard_nonfinite=bool(guard_nonfinite),
+    exact_sync=exact_sync,
+    guard_nonfinite=guard_nonfinite,
     seed=seed,
     average_opt_state=_flag('average_opt_state', average_opt_state),
     built=built,
@@ -432,6 +437,10 @@ def _explored(explore, optimizer_kwargs) -> tuple[tuple[str, Explore], ...]:
 
 
 def _param_groups(param_groups) -> tuple[tuple[str, str], ...]:
+  if param_groups is not None and not isinstance(param_groups, dict):
+    raise ValueError(
+      f'param_groups must be None or a dict of group name -> regex of parameter paths, got {param_groups!r}.'
+    )
   groups = tuple((param_groups or {}).items())
   for group, pattern in groups:
     try:
@@ -442,9 +451,9 @@ def _param_groups(param_groups) -> tuple[tuple[str, str], ...]:
 
 
 def _check_replicas(num_replicas, spread, replica_axis) -> None:
-  if not _is_int(num_replicas) or num_replicas < 1:
+  if not arguments.is_int(num_replicas) or num_replicas < 1:
     raise ValueError(f'num_replicas must be a positive integer (the replica axis size), got {num_replicas!r}.')
-  if not isinstance(spread, (int, float)) or not 0.0 <= spread < 1.0:
+  if not arguments.is_number(spread) or not 0.0 <= spread < 1.0:
     raise ValueError(
       f'spread (alpha) must be in [0, 1): the lowest multiplier 1 - spread must stay positive; got {spread!r}.'
     )
@@ -461,11 +470,19 @@ def _check_replicas(num_replicas, spread, replica_axis) -> None:
     )
 
 
+def _warn_if_plain(num_replicas: int, spreads: tuple[float, ...], auto_lr) -> None:
+  """One warning where the settings leave nothing to compare (an error would refuse a baseline run meant so)."""
+  if num_replicas == 1:
+    arguments.warn_plain_training('hdet', 'num_replicas=1 (one replica)', stacklevel=5)
+  elif auto_lr is None and not any(spreads):
+    arguments.warn_plain_training('hdet', 'spread=0, no explored spread and auto_lr=None', stacklevel=5)
+
+
 def _check_explored_value(name: str, h: Explore) -> None:
   lo = -math.inf if h.low is None else h.low
   hi = math.inf if h.high is None else h.high
   if (
-    not isinstance(h.spread, (int, float))
+    not arguments.is_number(h.spread)
     or not math.isfinite(h.spread)
     or h.spread < 0
     or (not h.additive and h.spread >= 1)
@@ -505,9 +522,9 @@ def check_auto_lr(auto_lr: 'AutoLR', spread: float) -> None:
 def _check_auto_lr(a, spread) -> None:
   if not isinstance(a, AutoLR):
     raise ValueError(f'auto_lr must be an hdet_jax.AutoLR or None, got {type(a).__name__}.')
-  if not _is_int(a.total_steps) or a.total_steps < 2:
+  if not arguments.is_int(a.total_steps) or a.total_steps < 2:
     raise ValueError(f'auto_lr.total_steps must be an integer >= 2, got {a.total_steps!r}.')
-  if not _is_int(a.warmup_steps) or not 0 <= a.warmup_steps < a.total_steps:
+  if not arguments.is_int(a.warmup_steps) or not 0 <= a.warmup_steps < a.total_steps:
     raise ValueError(f'auto_lr.warmup_steps must be in [0, total_steps={a.total_steps}), got {a.warmup_steps!r}.')
   if not a.temperature > 0:
     raise ValueError(f'auto_lr.temperature (sigma) must be > 0, got {a.temperature!r}.')
@@ -529,7 +546,7 @@ def _check_auto_lr(a, spread) -> None:
     raise ValueError(f'auto_lr.trust must be > 0 (the largest log-step per sync), got {a.trust!r}.')
   if not (isinstance(a.memory, (int, float)) and 0.0 <= a.memory < 1.0):
     raise ValueError(f'auto_lr.memory must be in [0, 1), got {a.memory!r}.')
-  if a.stop_steps is not None and (not _is_int(a.stop_steps) or a.stop_steps < 0):
+  if a.stop_steps is not None and (not arguments.is_int(a.stop_steps) or a.stop_steps < 0):
     raise ValueError(f'auto_lr.stop_steps must be None or an integer >= 0, got {a.stop_steps!r}.')
   scale = a.initial_scale
   if scale is not None and not (isinstance(scale, (int, float)) and 0.0 < scale < math.inf):
@@ -644,10 +661,6 @@ def _spread_tables(n: int, spreads, additive) -> tuple[np.ndarray, np.ndarray]:
   )
   offset = np.asarray([sp * unit if add else np.zeros(n) for sp, add in zip(spreads, additive)], np.float32)
   return scale, offset
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 # What jax raises where a value needed at build time is traced (hdet() built from arrays computed under jit).

@@ -19,6 +19,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hdet_jax import arguments
 from hdet_jax import replicas
 from hdet_jax.transform import HDETState
 
@@ -73,6 +74,7 @@ def stacked_shardings(
     {'fc1': {'bias': ('replica', 'tensor'), 'kernel': ('replica', None, 'tensor')},
      'fc2': {'kernel': ('replica', 'tensor')}}
   """
+  arguments.axis_name(replica_axis, 'replica_axis', who='stacked_shardings')
   if mesh is None:
     return jax.tree.map(lambda s: _map_spec(s, lambda spec: P(replica_axis, *spec)), tree, is_leaf=_is_sharding)
   if replica_axis not in mesh.shape:
@@ -115,6 +117,8 @@ def batch_shardings(shardings: ArrayTree, replica_axis: str = 'data') -> ArrayTr
     >>> tuple(hdet_jax.batch_shardings(NamedSharding(mesh, P('data')), 'replica').spec)
     (('replica', 'data'),)
   """
+
+  arguments.axis_name(replica_axis, 'replica_axis', who='batch_shardings', pair=False)
 
   def spec(spec):
     first = spec[0] if len(spec) else None

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from hdet_jax import arguments
 from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
 from hdet_jax import replicas
@@ -316,6 +317,15 @@ def apply_updates(
     >>> bool(opt_state.synced[0]), bool((params == params[0]).all())  # every replica holds the average
     (True, True)
   """
+  arguments.axis_name(replica_axis, 'replica_axis', who='apply_updates')
+  guard_nonfinite = arguments.flag(guard_nonfinite, 'guard_nonfinite', who='apply_updates')
+  if sync is not None and not isinstance(sync, bool):
+    raise ValueError(f'apply_updates: sync must be None or a Python bool, got {type(sync).__name__}.')
+  if not all(hasattr(state, f) for f in ('synced', 'replica_ok', 'anchor')) or jnp.ndim(state.synced) != 0:
+    raise ValueError(
+      f'apply_updates: state must be the hdet_jax.HDETState that tx.update returned (not the whole optimizer '
+      f'state of a chain, nor a stacked one outside the map), got {type(state).__name__}.'
+    )
   new_params = optax.apply_updates(params, updates)
   mean = lambda p: average(p, replica_axis, guard_nonfinite, state.replica_ok)[0]
   if sync is False:

@@ -20,9 +20,11 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
+from hdet_jax import arguments
 from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
 from hdet_jax import replicas
@@ -269,7 +271,9 @@ def hdet(
   if removed:
     raise ValueError(f'hdet: {removed[0]}= was removed in hdet-jax 1.0: {REMOVED_ARGUMENTS[removed[0]]}.')
   if sync_every is None:
-    sync_every = windows.default_period(auto_lr.total_steps) if isinstance(auto_lr, AutoLR) else 100
+    # (a total_steps that is not a count is refused with the other settings, by make_plan)
+    counted = isinstance(auto_lr, AutoLR) and arguments.is_int(auto_lr.total_steps)
+    sync_every = windows.default_period(auto_lr.total_steps) if counted else 100
   plan = settings.make_plan(
     optimizer,
     learning_rate,
@@ -429,7 +433,7 @@ def update(
 
   See :func:`hdet` for the arguments. ``updates=None`` runs only the end of a window.
   """
-  _check_update_args(plan, updates, params, value, sync, score)
+  _check_update_args(plan, updates, state, params, value, sync, score)
   window_end_only = updates is None
   if window_end_only:  # the step itself already ran, with sync=False
     updates = jax.tree.map(jnp.zeros_like, params)
@@ -474,8 +478,16 @@ def _inner_step(plan: Plan, grads, state: HDETState, params, value, extra_args) 
   return updates, state
 
 
-def _check_update_args(plan: Plan, updates, params, value, sync, score) -> None:
+def _check_update_args(plan: Plan, updates, state, params, value, sync, score) -> None:
   replicas.axis_size_or_raise(plan.replica_axis, plan.num_replicas)
+  expected = (len(plan.names), plan.num_replicas)
+  values = getattr(state, 'values', None)  # (a Mapping's .values is a method: not checked here)
+  if isinstance(values, (jax.Array, np.ndarray)) and values.shape != expected:
+    raise ValueError(
+      f"hdet: state must be one replica's HDETState, its values [G, N] = {expected}, got values of shape "
+      f'{jnp.shape(state.values)}: call tx.update inside the map (shard_map_replicas, over_replicas, vmap) on the '
+      "state this tx.init built, not on the stacked [N, ...] state or another build's."
+    )
   window_end_only = updates is None
   if window_end_only and (sync is not True or params is None or value is not None):
     raise ValueError(
@@ -491,15 +503,22 @@ def _check_update_args(plan: Plan, updates, params, value, sync, score) -> None:
     raise ValueError(
       "hdet: auto_lr is on, so update() needs this replica's loss: call tx.update(grads, state, params, value=loss)."
     )
-  if value is not None and jnp.ndim(value) != 0:
+  if value is not None and (not _is_real(value) or jnp.ndim(value) != 0):
+    got = f'shape {jnp.shape(value)}' if _is_real(value) else type(value).__name__
     raise ValueError(
-      f"hdet: value must be this replica's scalar loss, got shape {jnp.shape(value)}. "
-      'Reduce the per-example losses to their mean first.'
+      f"hdet: value must be this replica's scalar loss, got {got}. Reduce the per-example losses to their mean first."
     )
   if params is None:
     raise ValueError('hdet: update() needs params (the sync averages them).')
   if sync is not None and not isinstance(sync, bool):
     raise ValueError(f'hdet: sync must be None or a Python bool, got {type(sync).__name__}.')
+
+
+def _is_real(value) -> bool:
+  """Whether ``value`` is a real number or array (a loss), not a tuple, dict or string that ``jnp.ndim`` lets by."""
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    return not jnp.issubdtype(value.dtype, jnp.complexfloating)
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def replica_value(state: HDETState, index: int, replica_axis: replicas.AxisName = 'data') -> jax.Array:
@@ -508,4 +527,12 @@ def replica_value(state: HDETState, index: int, replica_axis: replicas.AxisName 
   Call it in the train step, before the update (the update moves ``state.values`` on to the
   step after), inside the mapped context.
   """
+  arguments.axis_name(replica_axis, 'replica_axis', who='replica_value')
+  if jnp.ndim(state.values) != 2:
+    raise ValueError(
+      f"replica_value: state must be one replica's HDETState (values [G, N]), got values of shape "
+      f'{jnp.shape(state.values)}: call it inside the map, on the state the step was given.'
+    )
+  g = jnp.shape(state.values)[0]
+  arguments.index(index, 'index', g, who='replica_value', of='hyperparameter, in hdet_jax.hyperparam_names order')
   return state.values[index, replicas.axis_index(replica_axis)]

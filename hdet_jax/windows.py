@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hdet_jax import arguments
 
 # The default windows: NUM_SYNCS syncs a run, each window at most LONGEST_WINDOW steps (the trainer's
 # hdet.num_syncs and hdet.longest_window), so a short run gets as many controller decisions as a long one
@@ -34,8 +35,8 @@ def default_period(total_steps: int, num_syncs: int = NUM_SYNCS, longest_window:
 
 def as_windows(sync_every: int | Sequence[int]) -> tuple[int, ...]:
   """``sync_every`` as a tuple of window lengths (the last one repeats), validated."""
-  lengths = (sync_every,) if _is_int(sync_every) else tuple(sync_every) if _is_seq(sync_every) else ()
-  if not lengths or not all(_is_int(w) and w >= 1 for w in lengths):
+  lengths = (sync_every,) if arguments.is_int(sync_every) else tuple(sync_every) if _is_seq(sync_every) else ()
+  if not lengths or not all(arguments.is_int(w) and w >= 1 for w in lengths):
     raise ValueError(
       f'sync_every (T) must be an integer >= 1, or a sequence of them (window lengths in order, the last '
       f'repeating, e.g. (25, 25, 100)); got {sync_every!r}.'
@@ -93,10 +94,6 @@ def syncs_between(windows: tuple[int, ...], first: int, last: int) -> float:
   return float(sum(int(c) / int(w) for w, c in zip(length, steps)))
 
 
-def _is_int(x: Any) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
 def _is_seq(x: Any) -> bool:
   return isinstance(x, (tuple, list)) or (isinstance(x, np.ndarray) and x.ndim == 1)
 
@@ -111,5 +108,7 @@ def is_sync_step(sync_every: int | Sequence[int], step: Any) -> Any:
     >>> [t for t in range(300) if hdet_jax.is_sync_step((25, 25, 100), t)]
     [24, 49, 149, 249]
   """
+  if not isinstance(step, jax.Array) and not (arguments.is_int(step) and step >= 0):
+    raise ValueError(f'is_sync_step: step must be an integer >= 0 (the 0-based step) or an int array, got {step!r}.')
   ends = ends_window(as_windows(sync_every), step + 1)
   return ends if isinstance(ends, jax.Array) else bool(ends)

@@ -5,6 +5,7 @@ file (a task's parameter groups and explorable model hyperparameters are attribu
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 import hdet_jax as H
+from hdet_jax import arguments
 from hdet_jax.trainer.mesh import AXIS
 
 
@@ -122,18 +124,22 @@ def make_optimizer(
     )
   else:
     factory = base
-  return H.hdet(
-    factory,
-    o.schedule,
-    num_replicas=num_replicas,
-    spread=o.spread,
-    sync_every=o.windows,
-    replica_axis=AXIS,  # the programs map it with over_replicas: it stands for each device's replicas too
-    auto_lr=o.auto_lr,
-    exact_sync=True,
-    seed=seed,
-    param_groups=o.param_groups,
-    explore=o.explore,
-    average_opt_state=o.average_opt_state,
-    rollback=rollback,
-  )
+  # The config says plainly when a run is plain training (hdet.spread=0 with no controller: a bracket's baselines,
+  # docs/trainer.md's plain data parallelism), so the core's warning for a build that may not mean it is not said.
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', arguments.PlainTrainingWarning)
+    return H.hdet(
+      factory,
+      o.schedule,
+      num_replicas=num_replicas,
+      spread=o.spread,
+      sync_every=o.windows,
+      replica_axis=AXIS,  # the programs map it with over_replicas: it stands for each device's replicas too
+      auto_lr=o.auto_lr,
+      exact_sync=True,
+      seed=seed,
+      param_groups=o.param_groups,
+      explore=o.explore,
+      average_opt_state=o.average_opt_state,
+      rollback=rollback,
+    )
