@@ -358,12 +358,12 @@ def _checked_optimizer(optimizer, learning_rate, optimizer_kwargs, extra, auto_l
   return learning_rate
 
 
-def _check_value(who: str, value) -> None:
+def _check_value(who: str, value, finite: bool = True) -> None:
   """A hyperparameter's value: a finite number (or array scalar), or a schedule (a function of the step)."""
   if callable(value) or isinstance(value, jax.core.Tracer):
     return  # (a traced value gets its own error line where it is read, evaluate_schedules)
   array = isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0
-  if not (arguments.is_number(value) or array) or not math.isfinite(float(value)):
+  if not (arguments.is_number(value) or array) or (finite and not math.isfinite(float(value))):
     raise ValueError(f'{who} must be a finite number or an optax schedule (a function of the step), got {value!r}.')
 
 
@@ -504,7 +504,7 @@ def _check_explored_value(name: str, h: Explore) -> None:
     )
   if not lo < hi:
     raise ValueError(f'explore[{name!r}]: low={h.low!r} must be below high={h.high!r}.')
-  _check_value(f'explore[{name!r}]: value', h.value)
+  _check_value(f'explore[{name!r}]: value', h.value, finite=False)  # (its own line below says non-finite)
   v0 = evaluate_schedules([h.value], [0])[0][0]
   if not math.isfinite(v0):
     raise ValueError(f'explore[{name!r}]: the value {v0!r} is not finite.')
