@@ -266,6 +266,9 @@ def hyperparam_names(
     >>> hdet_jax.hyperparam_names(built=True)
     ('lr_scale',)
   """
+  for name, given in (('param_groups', param_groups), ('explore', explore)):
+    if given is not None and not isinstance(given, dict):
+      raise ValueError(f'hyperparam_names: {name} must be None or a dict, as hdet() takes it, got {given!r}.')
   lr = LR_NAMES[1] if built else LR_NAMES[0]
   lrs = tuple(f'{lr}/{g}' for g in param_groups) if param_groups else (lr,)
   return lrs + tuple(explore or ())
@@ -352,7 +355,17 @@ def _checked_optimizer(optimizer, learning_rate, optimizer_kwargs, extra, auto_l
       'hdet: learning_rate is required with an optimizer factory (e.g. hdet(optax.adamw, 3e-3, ...)); '
       'or pass the optimizer you already built, hdet(optax.adamw(3e-3), ...), which keeps its own.'
     )
+  _check_value('learning_rate', learning_rate)
   return learning_rate
+
+
+def _check_value(who: str, value, finite: bool = True) -> None:
+  """A hyperparameter's value: a finite number (or array scalar), or a schedule (a function of the step)."""
+  if callable(value) or isinstance(value, jax.core.Tracer):
+    return  # (a traced value gets its own error line where it is read, evaluate_schedules)
+  array = isinstance(value, (jax.Array, np.ndarray)) and np.ndim(value) == 0
+  if not (arguments.is_number(value) or array) or (finite and not math.isfinite(float(value))):
+    raise ValueError(f'{who} must be a finite number or an optax schedule (a function of the step), got {value!r}.')
 
 
 def check_rollback(rollback: bool, auto_lr: 'AutoLR | None') -> bool:
@@ -492,6 +505,7 @@ def _check_explored_value(name: str, h: Explore) -> None:
     )
   if not lo < hi:
     raise ValueError(f'explore[{name!r}]: low={h.low!r} must be below high={h.high!r}.')
+  _check_value(f'explore[{name!r}]: value', h.value, finite=False)  # (its own line below says non-finite)
   v0 = evaluate_schedules([h.value], [0])[0][0]
   if not math.isfinite(v0):
     raise ValueError(f'explore[{name!r}]: the value {v0!r} is not finite.')

@@ -156,7 +156,8 @@ def hdet(
   ``base = mean_r lr_r (1 - gamma) + lambda v``, floored to stay positive.
 
   With ``spread=0`` and no controller the updates equal ``optimizer(learning_rate)``'s bit
-  for bit between syncs (and the sync is a no-op up to rounding, since the replicas agree).
+  for bit between syncs (and the sync is a no-op up to rounding, since the replicas agree); such a build, or one
+  of ``num_replicas=1``, is plain training, and says so once (:class:`hdet_jax.arguments.PlainTrainingWarning`).
 
   Sync steps: the update of step t that ends a window (``(t + 1) % sync_every == 0`` for a fixed T) returns
   ``pmean(p + u) - p``. Applied with ``optax.apply_updates`` the replicas then agree to

@@ -319,6 +319,18 @@ RANGES = [
   ('one_cycle max_lr 0', lambda: H.one_cycle(0.0, 100), ('max_lr',)),
   ('one_cycle pct_start 1', lambda: H.one_cycle(1e-3, 100, pct_start=1.0), ('pct_start',)),
   ('param_groups a list', lambda: _hdet(param_groups=['embed']), ('param_groups',)),
+  ('hdet learning_rate str', lambda: H.hdet(optax.sgd, '1e-3', num_replicas=N), ('learning_rate', "'1e-3'")),
+  ('hdet learning_rate nan', lambda: H.hdet(optax.sgd, float('nan'), num_replicas=N), ('learning_rate', 'finite')),
+  (
+    'Explore value str',
+    lambda: _hdet(explore={'wd': H.Explore('0.1', 0.5, to_optimizer=False)}),
+    ("explore['wd']", 'value'),
+  ),
+  (
+    'hyperparam_names param_groups',
+    lambda: H.hyperparam_names(param_groups=['embed']),
+    ('hyperparam_names', 'param_groups'),
+  ),
   ('hdet exact_sync', lambda: _hdet(exact_sync='no'), ('exact_sync',)),
   ('hdet guard_nonfinite', lambda: _hdet(guard_nonfinite=1), ('guard_nonfinite',)),
   ('hdet average_opt_state', lambda: _hdet(average_opt_state='yes'), ('average_opt_state',)),

@@ -20,6 +20,7 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 # unnoticed, and a finder that found none would fail here rather than pass.
 EXAMPLES = {
   'hdet_jax.accumulate': 4,
+  'hdet_jax.arguments': 3,
   'hdet_jax.flax_utils': 14,
   'hdet_jax.multipliers': 2,
   'hdet_jax.packing': 17,
