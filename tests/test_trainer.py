@@ -49,7 +49,13 @@ def test_fit_controller_records_what_it_asked_and_its_slopes_standard_error(stra
   recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   values = {r['step']: np.asarray(r['values'], np.float64) for r in recs['train']}
   xtx, xty, correction = np.zeros((6, 6)), np.zeros(6), np.zeros(3)
-  for c in recs['controller']:
+  *syncs, last = recs['controller']
+  # The run's last step (39 of 40) is a sync: it averages, but the controller holds (nothing moves after the last
+  # step), so its record is the sync before's, the factor the last window trained with.
+  assert last['step'] == 39
+  for k in ('asks', 'stderrs', 'deltas', 'corrections', 'velocities'):
+    assert last[k] == syncs[-1][k], k
+  for c in syncs:
     if c['step'] + 1 < 10:  # hdet.warmup_steps = 10: the sync at step 8 is before the controller starts
       assert c['asks'] == c['stderrs'] == c['deltas'] == c['corrections'] == [0.0] * 3
       continue
