@@ -1,7 +1,7 @@
 """hdet-jax: Hyperparameter-Divergent Ensemble Training as an optax transformation.
 
 The user API is this module's ``__all__``; internals (the controllers' math, the collectives, state packing)
-stay importable from their modules (``hdet_jax.controller``, ``hdet_jax.replicas``, ``hdet_jax.packing``, ...).
+stay importable from their modules (``hdet_jax.controller``, ``hdet_jax.axes``, ``hdet_jax.packing``, ...).
 The core (this package's top-level modules) depends on jax, optax, numpy and chex only; the trainer in
 ``hdet_jax.trainer`` adds flax, orbax and I/O on top and is never imported from here.
 """
@@ -9,12 +9,11 @@ The core (this package's top-level modules) depends on jax, optax, numpy and che
 from hdet_jax.accumulate import multi_steps
 from hdet_jax.flax_utils import apply_gradients, dense_general_ok
 from hdet_jax.packing import packed
+from hdet_jax.axes import pmean_finite
 from hdet_jax.replicas import (
   average_replicas,
   evaluate_over_replicas,
-  group_shardings,
   over_replicas,
-  pmean_finite,
   replica,
   shard_map_replicas,
   stack_replicas,
@@ -22,7 +21,7 @@ from hdet_jax.replicas import (
 from hdet_jax.schedules import one_cycle
 from hdet_jax.settings import AutoLR, Explore, hyperparam_names
 from hdet_jax.sync import apply_updates
-from hdet_jax.shardings import batch_shardings, stacked_shardings, state_shardings
+from hdet_jax.shardings import batch_shardings, group_shardings, stacked_shardings, state_shardings
 from hdet_jax.transform import HDETState, hdet, replica_value
 from hdet_jax.views import host_metrics, hyperparams
 from hdet_jax.windows import is_sync_step

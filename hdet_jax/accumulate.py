@@ -19,7 +19,7 @@ import optax
 from jax import lax
 
 from hdet_jax import arguments
-from hdet_jax import replicas
+from hdet_jax import axes as axes_lib
 
 
 def multi_steps(
@@ -42,7 +42,7 @@ def multi_steps(
   times per window instead of once. Extra arguments of ``update`` (``value=loss``) reach the wrapped
   optimizer on the last micro-batch, as under ``MultiSteps``; HDET then compares the last micro-batch's loss.
   With several replicas per device (:func:`hdet_jax.over_replicas` with ``per_device > 1``) the micro-batch
-  count is read unbatched (:func:`hdet_jax.replicas.unbatched`), so the cond stays a cond under the map's
+  count is read unbatched (:func:`hdet_jax.axes.unbatched`), so the cond stays a cond under the map's
   ``vmap``.
 
   Args:
@@ -108,9 +108,9 @@ def update(
 
   # Under a checked shard_map both branches must vary over the same mesh axes: the inputs' (a mean only removes
   # axes), where the sync's pmean in one branch would leave a leaf invariant that the other returns varying.
-  axes = frozenset().union(*(replicas.vma(x) for x in jax.tree.leaves((grads, state, params))))
+  axes = frozenset().union(*(axes_lib.vma(x) for x in jax.tree.leaves((grads, state, params))))
   vary = lambda f: lambda s: _varying(f(s), axes)
-  out, inner_state = lax.cond(replicas.unbatched(emit), vary(last), vary(before_last), state.inner_opt_state)
+  out, inner_state = lax.cond(axes_lib.unbatched(emit), vary(last), vary(before_last), state.inner_opt_state)
   return out, optax.MultiStepsState(
     mini_step=optax.safe_increment(n) % every_k,
     gradient_step=emit * optax.safe_increment(state.gradient_step) + (1 - emit) * state.gradient_step,
@@ -129,7 +129,7 @@ def _varying(tree: Any, axes: frozenset) -> Any:
   """Each leaf cast to vary over ``axes`` where it does not already (nothing to do outside shard_map)."""
 
   def cast(x):
-    missing = tuple(sorted(axes - replicas.vma(x)))
+    missing = tuple(sorted(axes - axes_lib.vma(x)))
     return lax.pcast(x, missing, to='varying') if missing else x
 
   return jax.tree.map(cast, tree)

@@ -1,5 +1,5 @@
-"""The checks of the public API's arguments, one per class: counts, flags, axis names, indices, and the
-settings under which HDET is only plain training.
+"""The checks of the public API's arguments, one per class: counts, flags, spreads, axis names, a mesh's axes,
+indices, and the settings under which HDET is only plain training.
 
 Each public function checks its arguments with these before any work (at build time, or where a shape is only
 known then, at trace time): a bad one raises a ``ValueError`` of one line that names the function, the argument
@@ -42,6 +42,12 @@ def is_number(x: Any) -> bool:
   return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
+def is_spread(x: Any) -> bool:
+  """Whether ``x`` is a multiplicative spread (eq. 1's alpha, or an explored hyperparameter's): a number in
+  ``[0, 1)``, so that the lowest multiplier ``1 - x`` stays positive."""
+  return is_number(x) and 0.0 <= x < 1.0
+
+
 def count(value: Any, name: str, *, who: str, minimum: int = 1, what: str = '') -> int:
   """``value`` as an int where it is an integer >= ``minimum``; else one error line naming ``who`` and ``name``
   (``what``: what the count counts, said after the range)."""
@@ -67,6 +73,13 @@ def axis_name(value: Any, name: str, *, who: str, pair: bool = True) -> None:
   if not (ok and all(isinstance(a, str) and a for a in names)):
     kind = 'a mesh/map axis name, or a tuple of distinct ones (device axis, local vmap axis)' if pair else None
     raise ValueError(f'{who}: {name} must be {kind or "a mesh axis name (a non-empty string)"}, got {value!r}.')
+
+
+def mesh_axis(mesh: Any, value: Any, name: str, *, who: str) -> None:
+  """An axis of ``mesh`` (``name``: the argument that names it); else one error line listing the mesh's axes."""
+  if value not in mesh.shape:
+    axes = tuple(mesh.axis_names)
+    raise ValueError(f'{who}: the mesh has no axis {value!r} (axes: {axes}); pass {name}= one of them.')
 
 
 def index(value: Any, name: str, size: int, *, who: str, of: str) -> None:

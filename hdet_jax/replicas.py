@@ -1,4 +1,4 @@
-"""Replica-axis helpers: the leading-axis layout, varying-type casts, and shard_map glue.
+"""The maps of stacked replicas: the leading-axis layout, and running one replica's step over a mesh.
 
 HDET's replicas differ between syncs, so nothing per-replica may be declared replicated.
 The layout that works everywhere: every leaf of the parameters and of the optimizer state
@@ -8,159 +8,44 @@ mesh's replica axis and the body sees a slice of size 1; under ``pmap`` and
 
 On a mesh with more axes than the replica axis (``('replica', 'fsdp')``), one replica is a *group*
 of devices: ``shard_map`` is manual over the replica axis only and the others stay Auto, so
-XLA's partitioner shards each leaf inside the group as its sharding says (:func:`group_shardings`).
+XLA's partitioner shards each leaf inside the group as its sharding says (:func:`~hdet_jax.stacked_shardings`).
 
-N replicas on D devices (N a multiple of D, :func:`shard_map_replicas` with ``per_device = N / D > 1``):
-``shard_map`` over the devices and ``vmap`` over the N / D replicas on each. The replica axis is then
-the pair of axes ``(device axis, local axis)``, and replica r = d * (N / D) + v. A tuple axis name
-across a shard_map axis and a vmap axis is not a collective JAX can take in one call (jax 0.10), so
-:func:`axis_index`, :func:`psum`, :func:`pmean` and :func:`all_gather` take the axes one at a time,
-innermost (the vmap axis) first; with a single axis name they are ``lax``'s own calls.
-
-:func:`over_replicas` with ``per_device > 1`` keeps the user's axis name: while it traces the step, the
-name (``'replica'``) *resolves* to the pair ``('replica', LOCAL_AXIS)`` in every helper here, so ``hdet``
-built with ``replica_axis='replica'`` and a step calling :func:`pmean_finite` (grads, 'replica') run
-unchanged at any number of replicas per device. A ``lax`` collective called directly cannot span both
-axes; the map refuses a step that calls one over the replica axis (:func:`check_collectives`).
+N replicas on D devices (``per_device = N / D > 1``): ``shard_map`` over the devices and ``vmap`` over the
+N / D replicas on each; the replica axis is then the pair ``(device axis, local axis)``, whose collectives
+are :mod:`hdet_jax.axes`'. :func:`over_replicas` keeps the user's axis name, which resolves to the pair while
+it traces the step; a ``lax`` collective called directly over the replica axis spans the devices only, so the
+map refuses it (:func:`check_collectives`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import inspect
-import re
-import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
-import chex
 from chex import ArrayTree  # by name: get_type_hints resolves its recursive reference to itself here
 import jax
 import jax.extend
 import jax.numpy as jnp
-from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 import numpy as np
 
 from hdet_jax import arguments
+from hdet_jax import axes as axes_lib
+from hdet_jax import sync as sync_lib
 from hdet_jax.param_groups import path_string
 
-
-AxisName = str | tuple[str, ...]  # a replica axis: one mapped axis, or (outer, ..., inner) taken together
-
-
-# While a replica map traces its function: {axis name: (mesh axis, local axis)} (over_replicas with several replicas
-# per device; empty otherwise) and the local vmap axes it binds.
-_MAPPED: contextvars.ContextVar[tuple[dict[str, tuple[str, ...]], frozenset[str]]] = contextvars.ContextVar(
-  'hdet_jax_mapped_replicas', default=({}, frozenset())
-)
-# The name scope of this module's collectives while an alias is set: check_collectives tells them from a step's own.
-_SCOPE = 'hdet_replica_collective'
-
-
-@contextlib.contextmanager
-def _mapped(aliases: dict[str, tuple[str, ...]], local_axes: frozenset[str]):
-  """Sets the axis aliases and local axes while a replica map traces its function."""
-  outer_aliases, outer_local = _MAPPED.get()
-  token = _MAPPED.set(({**outer_aliases, **aliases}, outer_local | local_axes))
-  try:
-    yield
-  finally:
-    _MAPPED.reset(token)
-
-
-def _axes(axis_name: AxisName) -> tuple[str, ...]:
-  """The axes ``axis_name`` stands for, outermost first (an alias set by :func:`over_replicas` expanded)."""
-  aliases = _MAPPED.get()[0]
-  names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-  return tuple(a for name in names for a in aliases.get(name, (name,)))
-
-
-def _scope():
-  """A name scope on this module's collectives while an alias is set (none otherwise: programs stay as they were)."""
-  return jax.named_scope(_SCOPE) if _MAPPED.get()[0] else contextlib.nullcontext()
-
-
-def axis_size(axis_name: AxisName) -> int:
-  """The number of replicas on ``axis_name`` (a tuple: the product of its axes' sizes)."""
-  size = 1
-  for a in _axes(axis_name):
-    size *= lax.axis_size(a)
-  return size
-
-
-def axis_index(axis_name: AxisName) -> jax.Array:
-  """[] int32: this replica's index on ``axis_name``; for ``(outer, inner)``, ``outer * size(inner) + inner``."""
-  axes = _axes(axis_name)
-  with _scope():
-    if len(axes) == 1:
-      return lax.axis_index(axes[0])
-    index = jnp.zeros([], jnp.int32)
-    for a in axes:
-      index = index * lax.axis_size(a) + lax.axis_index(a)
-    return index
-
-
-def psum(tree: ArrayTree, axis_name: AxisName) -> ArrayTree:
-  """``lax.psum`` over ``axis_name``; a tuple is summed one axis at a time, the innermost first."""
-  axes = _axes(axis_name)
-  with _scope():
-    if len(axes) == 1:
-      return lax.psum(tree, axes[0])
-    for a in reversed(axes):
-      tree = lax.psum(tree, a)
-    return tree
-
-
-def pmean(tree: ArrayTree, axis_name: AxisName) -> ArrayTree:
-  """``lax.pmean`` over ``axis_name`` (a tuple: :func:`psum` divided by the replica count)."""
-  axes = _axes(axis_name)
-  if len(axes) == 1:
-    with _scope():
-      return lax.pmean(tree, axes[0])
-  size = axis_size(axes)
-  return jax.tree.map(lambda s: s / size, psum(tree, axes))
-
-
-def all_gather(x: ArrayTree, axis_name: AxisName) -> ArrayTree:
-  """``lax.all_gather`` over ``axis_name``: ``[N, ...]`` in replica order (a tuple: gathered innermost first,
-  then tiled over the outer axes, so row r is replica r = outer * size(inner) + inner)."""
-  axes = _axes(axis_name)
-  with _scope():
-    if len(axes) == 1:
-      return lax.all_gather(x, axes[0])
-    x = lax.all_gather(x, axes[-1])
-    for a in reversed(axes[:-1]):
-      x = lax.all_gather(x, a, tiled=True)
-    return x
-
-
-def unbatched(x: chex.Array, axis_name: AxisName | None = None) -> chex.Array:
-  """``x``, a value every replica holds alike (a step count), as one the replicas' local ``vmap`` does not batch.
-
-  Where a map runs several replicas per device (``per_device > 1``) each device's replicas are a ``vmap``, under
-  which a ``lax.cond`` on a batched predicate becomes a select that runs both branches, the sync's all-reduce
-  included, on every step. A collective over the vmap's own axis returns an unbatched value, so a predicate
-  built from ``unbatched(count)`` keeps the cond a cond. ``x`` is taken through ``lax.pmax`` over the local vmap
-  axes of ``axis_name`` (None: every local axis bound by the map); elsewhere it is returned as it is.
-  """
-  local = _MAPPED.get()[1]
-  axes = [a for a in (local if axis_name is None else _axes(axis_name)) if a in local]
-  if not axes:
-    return x
-  as_int = jnp.asarray(x).dtype == jnp.bool_
-  y = jnp.asarray(x, jnp.int32) if as_int else x
-  for a in sorted(axes):
-    y = lax.pmax(y, a)
-  return y > 0 if as_int else y
+# 1.0's paths to the collectives (CHANGELOG 1.0: ``from hdet_jax.replicas import ...``) and the results pages'
+# to the rollback's anchor: the names live in hdet_jax.axes and hdet_jax.sync.
+from hdet_jax.axes import all_gather, axis_index, finite_mean, pmean, psum  # noqa: F401
+from hdet_jax.sync import Anchor, share_anchors  # noqa: F401
 
 
 def stack_replicas(tree: ArrayTree, num_replicas: int, *, per_device: int = 1) -> ArrayTree:
   """Copies every leaf N times along a new leading replica axis.
 
-  ``per_device = k > 1`` (the map's, :func:`over_replicas`): an :class:`Anchor` in ``tree`` (``hdet(...,
-  rollback=True)``) is copied N / k times instead, one copy per device (see :func:`share_anchors`).
+  ``per_device = k > 1`` (the map's, :func:`over_replicas`): an :class:`~hdet_jax.sync.Anchor` in ``tree`` (``hdet(...,
+  rollback=True)``) is copied N / k times instead, one copy per device (see :func:`~hdet_jax.sync.share_anchors`).
   """
   num_replicas = arguments.count(num_replicas, 'num_replicas', who='stack_replicas', what=' (N, the leading axis)')
   per_device = arguments.count(per_device, 'per_device', who='stack_replicas', what=' (the replicas on each device)')
@@ -172,87 +57,8 @@ def stack_replicas(tree: ArrayTree, num_replicas: int, *, per_device: int = 1) -
   stack = lambda n: lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x))
   if per_device == 1:
     return jax.tree.map(stack(num_replicas), tree)
-  on = lambda node: jax.tree.map(stack(num_replicas // per_device if _is_anchor(node) else num_replicas), node)
-  return jax.tree.map(on, tree, is_leaf=_is_anchor)
-
-
-class Anchor(NamedTuple):
-  """What the last sync left (``hdet(..., rollback=True)``): where a sync whose guard backs off returns.
-
-  Every replica holds the same copy (the sync's average, and the optimizer state, which the shared gradient
-  keeps equal), laid out like the parameters and the optimizer state. Where a map runs several replicas on a
-  device, it may hold one copy per device (:func:`share_anchors`).
-  """
-
-  params: Any  # the parameters the last sync left (the average), as the parameters.
-  inner_state: Any  # the wrapped optimizer's state then, as ``HDETState.inner_state``.
-  train_loss: jax.Array  # [] float32: the training loss of the window that sync ended (the guard's baseline).
-  train_loss_se: jax.Array  # [] float32: its standard error.
-
-
-def _is_anchor(node) -> bool:
-  return isinstance(node, Anchor)
-
-
-def share_anchors(stacked: ArrayTree, per_device: int) -> ArrayTree:
-  """A stacked tree ``[N, ...]`` whose :class:`Anchor` s are held once per device: ``[N / per_device, ...]``.
-
-  Every replica's anchor is the same (the last sync's average and the optimizer state the all-reduced gradient
-  keeps equal), so the k replicas a device runs under :func:`over_replicas` (``per_device=k``) can share one
-  copy: the rollback then costs one copy of the state per device, not k. The maps take both forms, and give
-  back the form they were given. The other leaves are left as they are.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, hdet_jax
-    >>> tx = hdet_jax.hdet(optax.adam, 1e-3, num_replicas=8, auto_lr=hdet_jax.AutoLR(total_steps=100),
-    ...                    rollback=True)
-    >>> stacked = jax.vmap(tx.init)(hdet_jax.stack_replicas(jnp.ones(3), 8))
-    >>> state = hdet_jax.replicas.share_anchors(stacked, per_device=4)
-    >>> state.count.shape, state.anchor.params.shape  # 8 replicas, 2 anchors: one for each device's 4
-    ((8,), (2, 3))
-  """
-  if per_device == 1:
-    return stacked
-  every = lambda node: jax.tree.map(lambda x: x[::per_device], node) if _is_anchor(node) else node
-  return jax.tree.map(every, stacked, is_leaf=_is_anchor)
-
-
-# While a map traces its function with the anchors held once per device (its vmap does not batch them).
-_SHARED_ANCHORS: contextvars.ContextVar[bool] = contextvars.ContextVar('hdet_jax_shared_anchors', default=False)
-
-
-def shared_anchor(anchor: Anchor, axis_name: AxisName) -> Anchor:
-  """The anchor a sync leaves, as the map holds it: where it holds one copy per device (:func:`share_anchors`),
-  the device's first local replica's (all hold the same), unbatched by the local ``vmap``; else as it is."""
-  local = _MAPPED.get()[1]
-  axes = sorted(a for a in _axes(axis_name) if a in local)
-  if not _SHARED_ANCHORS.get() or not axes:
-    return anchor
-
-  def first(x):
-    for a in axes:
-      x = lax.all_gather(x, a)[0]  # the local replicas' copies, stacked; replica 0's, with no arithmetic
-    return x
-
-  return jax.tree.map(first, anchor)
-
-
-def _anchor_axes(value, per_device: int) -> tuple[Any, Any, bool]:
-  """(``value`` as the local vmap reads it, its ``in_axes``, whether it holds a shared anchor): in a stacked
-  argument, an anchor held once per device (its leaves' leading axis 1 where the others' is ``per_device``) loses
-  that axis and is not batched."""
-  shared = lambda node: _is_anchor(node) and all(jnp.shape(x)[:1] == (1,) for x in jax.tree.leaves(node))
-  if per_device == 1 or not any(shared(n) for n in jax.tree.leaves(value, is_leaf=_is_anchor)):
-    return value, 0, False
-  local = jax.tree.map(lambda n: jax.tree.map(lambda x: x[0], n) if shared(n) else n, value, is_leaf=_is_anchor)
-  return local, jax.tree.map(lambda n: None if shared(n) else 0, value, is_leaf=_is_anchor), True
-
-
-def _anchors_to_devices(out: Any) -> Any:
-  """The map's outputs with their anchors (unbatched inside) back to one copy per device."""
-  return jax.tree.map(
-    lambda node: jax.tree.map(lambda x: x[:1], node) if _is_anchor(node) else node, out, is_leaf=_is_anchor
-  )
+  on = lambda node: jax.tree.map(stack(num_replicas // per_device if sync_lib._is_anchor(node) else num_replicas), node)
+  return jax.tree.map(on, tree, is_leaf=sync_lib._is_anchor)
 
 
 def average_replicas(stacked: ArrayTree) -> ArrayTree:
@@ -286,10 +92,10 @@ def replica(stacked: ArrayTree, index: int) -> ArrayTree:
 
 def leading_axis(stacked: ArrayTree, name: str, *, who: str) -> int | None:
   """N, the leading replica axis every leaf of a stacked tree shares (None for a tree without leaves); one error
-  line naming ``name`` where a leaf has no leading axis or the leaves disagree. An :class:`Anchor` may be held
-  once per device (:func:`share_anchors`), so its leaves are not counted."""
-  leaves = jax.tree_util.tree_leaves_with_path(stacked, is_leaf=_is_anchor)
-  shapes = [(path_string(p), jnp.shape(x)) for p, x in leaves if not _is_anchor(x)]
+  line naming ``name`` where a leaf has no leading axis or the leaves disagree. An :class:`~hdet_jax.sync.Anchor`
+  may be held once per device (:func:`~hdet_jax.sync.share_anchors`), so its leaves are not counted."""
+  leaves = jax.tree_util.tree_leaves_with_path(stacked, is_leaf=sync_lib._is_anchor)
+  shapes = [(path_string(p), jnp.shape(x)) for p, x in leaves if not sync_lib._is_anchor(x)]
   flat = next(((p, s) for p, s in shapes if not s), None)
   if flat is not None:
     raise ValueError(
@@ -303,90 +109,6 @@ def leading_axis(stacked: ArrayTree, name: str, *, who: str) -> int | None:
       'with hdet_jax.stack_replicas(tree, N).'
     )
   return counts[0] if counts else None
-
-
-def vma(x: chex.Array) -> frozenset:
-  """The mesh axes a value varies over (empty outside shard_map and under vmap/pmap)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, 'mat', None)  # the varying axes: aval.mat.varying (jax >= 0.10), else aval.vma
-  return frozenset(getattr(mat, 'varying', ()) if mat is not None else getattr(aval, 'vma', ()))
-
-
-def match_vma(x: ArrayTree, like: ArrayTree) -> ArrayTree:
-  """Casts each leaf of x to vary over the axes its counterpart in ``like`` varies over.
-
-  The two branches of a ``lax.cond`` must agree in varying-ness under ``check_vma``; a
-  ``pmean`` result is invariant while the parameters it replaces vary. ``lax.pcast`` fails
-  under ``vmap(axis_name=...)``, so only the missing axes are cast, and under vmap/pmap
-  nothing is missing.
-  """
-
-  def cast(a, b):
-    missing = tuple(sorted(vma(b) - vma(a)))
-    return lax.pcast(a, missing, to='varying') if missing else a
-
-  return jax.tree.map(cast, x, like)
-
-
-def axis_size_or_raise(
-  axis_name: AxisName, expected: int | None = None, who: str = 'hdet', name: str = 'replica_axis'
-) -> int:
-  """The size of a bound mapped axis (or pair), with a clear error when it is not bound or does not match
-  (``name``: the argument that named it)."""
-  try:
-    size = axis_size(axis_name)
-  except (NameError, KeyError, ValueError) as e:
-    raise ValueError(
-      f'{who}: {name}={axis_name!r} is not bound here. Call the update inside '
-      f'jax.shard_map over a mesh with an axis named {axis_name!r}, jax.pmap(..., axis_name='
-      f'{axis_name!r}) or jax.vmap(..., axis_name={axis_name!r}), or pass the right replica_axis.'
-    ) from e
-  if expected is not None and size != expected:
-    raise ValueError(
-      f'{who}: num_replicas={expected} but the axis {axis_name!r} has size {size}. '
-      f'Set num_replicas={size} or map over {expected} replicas.'
-    )
-  return size
-
-
-def all_finite(tree: ArrayTree) -> chex.Array:
-  """[] bool: whether every element of every leaf is finite (on this replica)."""
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.ones([], bool)
-
-
-def finite_mean(tree: ArrayTree, axis_name: AxisName, ok: chex.Array | None = None) -> tuple[ArrayTree, chex.Array]:
-  """The mean over ``axis_name`` of the replicas whose leaves are all finite.
-
-  Replicas with any NaN or inf are left out of the sum and the count (when ``ok`` is given, it
-  decides instead: this replica enters iff ``ok``),
-  so one replica that blew up does not poison the others. With every replica finite the
-  result equals ``lax.pmean`` bit for bit (both are a psum divided by N). If no replica is
-  finite the leaves come back NaN, so the failure stays visible.
-
-  Returns:
-    ``(mean, count)``: the mean tree and the number of replicas that entered it.
-  """
-  mine = all_finite(tree) if ok is None else ok
-  count = psum(mine.astype(jnp.int32), axis_name)
-  total = psum(jax.tree.map(lambda x: jnp.where(mine, x, jnp.zeros_like(x)), tree), axis_name)
-
-  def divide(s):
-    return jnp.where(count > 0, s / count.astype(s.dtype), jnp.full_like(s, jnp.nan))
-
-  return jax.tree.map(divide, total), count
-
-
-def pmean_finite(tree: ArrayTree, axis_name: AxisName) -> ArrayTree:
-  """``lax.pmean`` over the replicas whose values are all finite (see :func:`finite_mean`).
-
-  Use it for the data-parallel gradient all-reduce under HDET: every replica shares the
-  averaged gradient and the optimizer state built from it, so a single non-finite gradient
-  would otherwise poison every replica at once.
-  """
-  arguments.axis_name(axis_name, 'axis_name', who='pmean_finite')
-  axis_size_or_raise(axis_name, who='pmean_finite', name='axis_name')
-  return finite_mean(tree, axis_name)[0]
 
 
 def shard_map_replicas(
@@ -420,15 +142,15 @@ def shard_map_replicas(
   ``per_device = N / D > 1``: N replicas on the D devices of ``replica_axis``, each device
   running its N / D consecutive replicas under ``jax.vmap(..., axis_name=local_axis)``. ``fn``'s
   collectives then span the pair ``(replica_axis, local_axis)`` (build ``hdet`` with that tuple as
-  its ``replica_axis`` and use :func:`psum`, :func:`pmean`, :func:`all_gather`, :func:`axis_index`).
+  its ``replica_axis`` and use :mod:`hdet_jax.axes`' ``psum``, ``pmean``, ``all_gather``, ``axis_index``).
   This map runs unchecked (``check_vma=False``): jax 0.10 cannot type a collective over a vmap axis
   inside a checked shard_map (it asserts in ``pvary``), and the check's subject, values that vary
   over the *mesh* axis, is the same per-replica function as at ``per_device=1``, where it runs checked.
 
   On a mesh with further axes (e.g. ``('replica', 'fsdp')``) the map is manual over
   ``replica_axis`` only: ``fn`` then sees one group's leaves as global arrays over the inner
-  axes, which XLA partitions as their shardings say (put them with :func:`group_shardings` or
-  :func:`stacked_shardings` and pass those as the jit's ``out_shardings`` so they stay put), and
+  axes, which XLA partitions as their shardings say (put them with :func:`~hdet_jax.group_shardings` or
+  :func:`~hdet_jax.stacked_shardings` and pass those as the jit's ``out_shardings`` so they stay put), and
   ``with_sharding_constraint`` over the inner axes works inside ``fn``. Collectives over
   ``replica_axis`` in ``fn`` then run between groups, and a mean over a leaf sharded on an
   inner axis is the group's mean. Why a map manual over the replica axis and not
@@ -540,26 +262,27 @@ def _map_replicas(
 
 def _on_local_replicas(fn, bound, values, roles, local_axes, *, keep_name: bool, who: str):
   """One device's k = ``per_device`` replicas of ``fn`` under ``jax.vmap(axis_name=local_axis)`` (``local_axes``:
-  ``(replica_axis, local_axis, per_device)``); an anchor held once per device (:func:`share_anchors`) is not
-  batched, and comes back one copy per device. ``keep_name``: :func:`over_replicas`' alias and check."""
+  ``(replica_axis, local_axis, per_device)``); an anchor held once per device
+  (:func:`~hdet_jax.sync.share_anchors`) is not batched, and comes back one copy per device. ``keep_name``:
+  :func:`over_replicas`' alias and check."""
   replica_axis, local_axis, per_device = local_axes
   views = [
-    _anchor_axes(v, per_device) if r == 'stacked' else (v, 0 if r == 'batch' else None, False)
+    sync_lib._anchor_axes(v, per_device) if r == 'stacked' else (v, 0 if r == 'batch' else None, False)
     for v, r in zip(values, roles)
   ]
   values, axes, shared = [v[0] for v in views], [v[1] for v in views], any(v[2] for v in views)
   mapped = jax.vmap(lambda *v: _call(fn, bound, v), in_axes=tuple(axes), axis_name=local_axis)
   aliases = {replica_axis: (replica_axis, local_axis)} if keep_name else {}
-  token = _SHARED_ANCHORS.set(shared)
+  token = sync_lib._SHARED_ANCHORS.set(shared)
   try:
-    with _mapped(aliases, frozenset({local_axis})):
+    with axes_lib._mapped(aliases, frozenset({local_axis})):
       if keep_name:
         out = _traced_and_checked(mapped, values, roles, replica_axis, per_device, who)
       else:
         out = mapped(*values)
   finally:
-    _SHARED_ANCHORS.reset(token)
-  return _anchors_to_devices(out) if shared else out
+    sync_lib._SHARED_ANCHORS.reset(token)
+  return sync_lib._anchors_to_devices(out) if shared else out
 
 
 def _checked_map_args(fn, mesh, replica_axis, batch_argnames, per_device, who) -> tuple[tuple[str, ...], Any]:
@@ -585,10 +308,7 @@ def _checked_map_args(fn, mesh, replica_axis, batch_argnames, per_device, who) -
   if not isinstance(mesh, jax.sharding.Mesh):
     raise ValueError(f'{who}: mesh must be a jax.sharding.Mesh with a replica axis, got {type(mesh).__name__}.')
   arguments.axis_name(replica_axis, 'replica_axis', who=who, pair=False)
-  if replica_axis not in mesh.shape:
-    raise ValueError(
-      f'{who}: the mesh has no axis {replica_axis!r} (axes: {tuple(mesh.axis_names)}); pass replica_axis= one of them.'
-    )
+  arguments.mesh_axis(mesh, replica_axis, 'replica_axis', who=who)
   if not all(isinstance(n, str) for n in batch_argnames):
     raise ValueError(f'{who}: batch_argnames must be parameter names (strings), got {batch_argnames!r}.')
   return tuple(batch_argnames), signature
@@ -622,9 +342,9 @@ def over_replicas(
   here and in ``hdet(replica_axis=...)``), and:
 
   - the state stacked on a leading ``[N]`` axis (:func:`stack_replicas`), sharded with
-    :func:`stacked_shardings` (your shardings with ``replica_axis`` in front);
+    :func:`~hdet_jax.stacked_shardings` (your shardings with ``replica_axis`` in front);
   - the batch (the arguments in ``batch_argnames``) stays global ``[B, ...]``, put with
-    :func:`batch_shardings`; replica r trains on its ``B / N`` rows;
+    :func:`~hdet_jax.batch_shardings`; replica r trains on its ``B / N`` rows;
   - one line in the step, ``grads = hdet_jax.pmean_finite(grads, replica_axis)`` (``jax.lax.pmean`` works
     too with one replica per device), and ``value=loss`` passed to ``tx.update``;
   - every output comes back stacked ``[N, ...]`` (a metric: one value per replica).
@@ -633,8 +353,8 @@ def over_replicas(
   runs its k consecutive replicas under ``jax.vmap`` (replica r = d k + v), and the step, ``hdet(...,
   replica_axis=replica_axis, num_replicas=N)`` and the shardings stay as they are; only the mesh's
   replica axis is D long. While the step is traced the name ``replica_axis`` stands for the device axis
-  and the vmap's axis together in :mod:`hdet_jax.replicas`' collectives (:func:`pmean_finite`, and those
-  ``hdet`` runs), and ``hdet``'s sync stays under a ``lax.cond`` (:func:`unbatched`), so the window's
+  and the vmap's axis together in :mod:`hdet_jax.axes`' collectives (:func:`~hdet_jax.pmean_finite`, and those
+  ``hdet`` runs), and ``hdet``'s sync stays under a ``lax.cond`` (:func:`~hdet_jax.axes.unbatched`), so the window's
   all-reduce still runs only at the end of a window. A ``jax.lax`` collective over ``replica_axis`` in the
   step would span the devices only, not each device's k replicas: the map refuses it with a ``ValueError``
   (it reads the traced step once, :func:`check_collectives`).
@@ -738,7 +458,7 @@ def evaluate_over_replicas(
   pins its rows to the trainer's axes: a ``with_sharding_constraint(batch, P('data'))`` in the eval step,
   or an eval batch put on ``P('data')``, leaves each replica group evaluating the whole batch. Here each
   group evaluates its rows whatever the step constrains. ``per_device`` and ``batch_argnames`` are
-  :func:`over_replicas`'; jit the result, with the batch put with :func:`batch_shardings` where it can be.
+  :func:`over_replicas`'; jit the result, with the batch put with :func:`~hdet_jax.batch_shardings` where it can be.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, hdet_jax
@@ -771,7 +491,7 @@ def evaluate_over_replicas(
     eval_step, mesh, replica_axis, batch_argnames, per_device, 'evaluate_over_replicas'
   )
   _check_reduce(reduce, 'evaluate_over_replicas')
-  mean = lambda x: pmean(x, replica_axis) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
+  mean = lambda x: axes_lib.pmean(x, replica_axis) if jnp.issubdtype(jnp.result_type(x), jnp.inexact) else x
 
   @functools.wraps(eval_step)
   def evaluate(*args, **kwargs):
@@ -850,12 +570,12 @@ def check_collectives(jaxpr, replica_axis: str, per_device: int, who: str = 'ove
   for eqn in jaxpr.eqns:
     named = eqn.params.get('axes', eqn.params.get('axis_name'))
     named = (named,) if isinstance(named, str) else named if isinstance(named, (tuple, list)) else ()
-    ours = _SCOPE in str(eqn.source_info.name_stack)
+    ours = axes_lib._SCOPE in str(eqn.source_info.name_stack)
     if replica_axis in named and eqn.primitive.name not in _TYPE_CASTS and not ours:
       raise ValueError(
         f'{who}: with per_device={per_device} the step calls {eqn.primitive.name} over {replica_axis!r} directly'
         f'{_where(eqn)}, which spans the devices only and not the {per_device} replicas on each; use '
-        f'hdet_jax.pmean_finite(grads, {replica_axis!r}) for the gradient (hdet_jax.replicas.psum, pmean, '
+        f'hdet_jax.pmean_finite(grads, {replica_axis!r}) for the gradient (hdet_jax.axes.psum, pmean, '
         'all_gather and axis_index for others), which span both.'
       )
   for sub in jax.extend.core.subjaxprs(jaxpr):
@@ -893,8 +613,8 @@ def _check_replica_count(bound, roles, devices: int, per_device: int, replica_ax
       jnp.shape(x)[0]
       for (_, value), r in zip(bound, roles)
       if r == 'stacked'
-      for x in jax.tree.leaves(value, is_leaf=_is_anchor)  # (an anchor may be held once per device)
-      if not _is_anchor(x) and jnp.ndim(x)
+      for x in jax.tree.leaves(value, is_leaf=sync_lib._is_anchor)  # (an anchor may be held once per device)
+      if not sync_lib._is_anchor(x) and jnp.ndim(x)
     }
   )
   if len(counts) > 1:
@@ -993,138 +713,3 @@ def _local_view(value, role: str, per_device: int):
   if role == 'batch' and per_device > 1:
     return jax.tree.map(lambda a: a.reshape((per_device, a.shape[0] // per_device) + a.shape[1:]), value)
   return value
-
-
-def replica_axes(replica_axis: str, per_device: int, local_axis: str = 'local') -> AxisName:
-  """The replica axis ``hdet`` and the per-replica function use under :func:`shard_map_replicas`:
-  ``replica_axis`` itself with one replica per device, else ``(replica_axis, local_axis)``."""
-  return replica_axis if per_device == 1 else (replica_axis, local_axis)
-
-
-def replica_sharding(mesh: jax.sharding.Mesh, replica_axis: str = 'data') -> NamedSharding:
-  """The sharding of a stacked leaf: leading axis over the replica axis, the rest replicated."""
-  return NamedSharding(mesh, P(replica_axis))
-
-
-def inner_spec(
-  shape: tuple[int, ...],
-  replica_axis: str,
-  inner_axis: str | None,
-  inner_size: int,
-  *,
-  tensor_axis: str | None = None,
-  tensor_dim: int | None = None,
-  inner_dim: int | None = None,
-) -> P:
-  """The spec of a stacked leaf ``[N, ...]``: replica axis first, the inner axes on one dim each.
-
-  ``tensor_dim`` (a dimension of the unstacked leaf, from a tensor-parallel rule) is split over
-  ``tensor_axis``. The inner (FSDP) axis goes on ``inner_dim`` if given (from an FSDP rule), else on
-  the largest other dimension after the leading one that it divides (the first such on ties), so
-  parameters and the optimizer state built from them (Adam's moments share their shapes) shard the
-  same way. A leaf with no such dimension (a scalar count, a vector shorter than the group) stays
-  whole over that axis: it is small. ``-1`` for either dim (a rule's None) keeps the leaf whole.
-  """
-  axes: dict[int, str] = {}
-  if inner_dim == _WHOLE:
-    inner_axis = None
-  if tensor_axis is not None and tensor_dim == _WHOLE:
-    tensor_dim = None
-  if tensor_axis is not None and tensor_dim is not None:
-    axes[tensor_dim + 1] = tensor_axis
-  dims = [
-    i
-    for i in range(1, len(shape))
-    if inner_axis
-    and inner_size > 1
-    and shape[i] % inner_size == 0
-    and i not in axes
-    and (inner_dim is None or i == inner_dim + 1)
-  ]
-  if dims:
-    axes[max(dims, key=lambda i: (shape[i], -i))] = inner_axis
-  if not axes:
-    return P(replica_axis)
-  return P(replica_axis, *[axes.get(i) for i in range(1, max(axes) + 1)])
-
-
-_WHOLE = -1  # tensor_dim's answer for a rule whose dimension is None
-
-
-def tensor_dim(path: str, shape: tuple[int, ...], rules, tensor_size: int, what: str = 'tensor') -> int | None:
-  """The unstacked dimension a tensor-parallel (or FSDP) rule splits, for a leaf at ``path`` of stacked ``shape``.
-
-  ``rules`` are ``(regex, dim)`` pairs (``dim`` None: keep the leaf whole over the axis), searched in
-  order in the leaf's path (``'blocks/0/fc1/kernel'``;
-  an optimizer state's moments end with their parameter's path, so they match the same rule). The
-  first match wins; no match, or a size-1 axis, is None. A matched dimension the axis does not divide
-  raises, naming the rule: the partitioner would otherwise pad it silently.
-  """
-  if tensor_size <= 1:
-    return None
-  for pattern, dim in rules:
-    if re.search(pattern, path):
-      if dim is None:  # the rule keeps this leaf whole over the axis
-        return _WHOLE
-      dim = dim + len(shape) - 1 if dim < 0 else dim  # -1: the last dimension
-      if not 0 <= dim < len(shape) - 1 or shape[dim + 1] % tensor_size:
-        raise ValueError(
-          f'{"tensor-parallel" if what == "tensor" else what} rule ({pattern!r}, {dim}) matches {path!r} of '
-          f'shape {tuple(shape[1:])}, whose dimension {dim} is not split evenly by the {what} axis of size '
-          f'{tensor_size}; choose a {what} size that divides it or change the rule.'
-        )
-      return dim
-  return None
-
-
-def group_shardings(
-  stacked: ArrayTree,
-  mesh: jax.sharding.Mesh,
-  replica_axis: str = 'data',
-  inner_axis: str | None = 'fsdp',
-  *,
-  tensor_axis: str = 'tensor',
-  tensor_rules: tuple[tuple[str, int], ...] = (),
-  fsdp_rules: tuple[tuple[str, int], ...] = (),
-) -> ArrayTree:
-  """Deprecated (1.0's name): ``hdet_jax.stacked_shardings(stacked, replica_axis, mesh=mesh, inner_axis=...)``,
-  the same per-leaf ``NamedSharding`` of a stacked tree on a mesh of replica groups (FSDP and/or tensor parallel;
-  :mod:`hdet_jax.shardings` says how). Kept until the next major release."""
-  warnings.warn(
-    'hdet_jax.group_shardings(stacked, mesh, ...) is deprecated: use hdet_jax.stacked_shardings(stacked, '
-    'replica_axis, mesh=mesh, ...), the same shardings.',
-    DeprecationWarning,
-    2,
-  )
-  if replica_axis not in mesh.shape:
-    raise ValueError(
-      f'group_shardings: the mesh has no axis {replica_axis!r} (axes: '
-      f'{tuple(mesh.axis_names)}); pass replica_axis= one of them.'
-    )
-  rules = dict(tensor_axis=tensor_axis, tensor_rules=tensor_rules, fsdp_rules=fsdp_rules)
-  return jax.tree_util.tree_map_with_path(
-    lambda path, x: rule_sharding(path, x, mesh, replica_axis, inner_axis, **rules), stacked
-  )
-
-
-def rule_sharding(
-  path: Any,
-  x: Any,
-  mesh: jax.sharding.Mesh,
-  replica_axis: str,
-  inner_axis: str | None,
-  *,
-  tensor_axis: str = 'tensor',
-  tensor_rules: tuple[tuple[str, int], ...] = (),
-  fsdp_rules: tuple[tuple[str, int], ...] = (),
-) -> NamedSharding:
-  """One stacked leaf's sharding by HDET's rules (``hdet_jax.stacked_shardings(..., mesh=)``): the replica axis
-  first, the tensor-parallel rule's dimension over ``tensor_axis``, FSDP over ``inner_axis`` (:func:`inner_spec`)."""
-  shape = tuple(x.shape)
-  name = path_string(path)
-  size = mesh.shape.get(inner_axis, 1) if inner_axis else 1
-  dim = tensor_dim(name, shape, tensor_rules, mesh.shape.get(tensor_axis, 1)) if tensor_rules else None
-  fdim = tensor_dim(name, shape, fsdp_rules, size, 'fsdp') if fsdp_rules else None
-  return NamedSharding(
-    mesh, inner_spec(shape, replica_axis, inner_axis, size, tensor_axis=tensor_axis, tensor_dim=dim, inner_dim=fdim)
-  )

@@ -4,12 +4,17 @@ The average is eq. 3 (one all-reduce over the replica axis, only on sync steps).
 each replica's window loss (or the caller's ``score``, e.g. every replica's loss on one common batch),
 all-gathered so every replica computes the same update, then every hyperparameter gets a fresh
 permutation from the key all replicas share.
+
+The rollback's :class:`Anchor` (what the last sync left, where a sync whose guard backs off returns) is here too,
+with its sharing: a map that runs several replicas on a device may hold one copy per device (:func:`share_anchors`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import contextvars
+from typing import Any, NamedTuple
 
+from chex import ArrayTree
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,30 +22,106 @@ import optax
 from jax import lax
 
 from hdet_jax import arguments
+from hdet_jax import axes as axes_lib
 from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
-from hdet_jax import replicas
 from hdet_jax import values
 from hdet_jax import settings
 from hdet_jax import windows
 from hdet_jax.settings import Plan
 
 
-Anchor = replicas.Anchor  # (defined beside the maps, which may hold it once per device)
+class Anchor(NamedTuple):
+  """What the last sync left (``hdet(..., rollback=True)``): where a sync whose guard backs off returns.
+
+  Every replica holds the same copy (the sync's average, and the optimizer state, which the shared gradient
+  keeps equal), laid out like the parameters and the optimizer state. Where a map runs several replicas on a
+  device, it may hold one copy per device (:func:`share_anchors`).
+  """
+
+  params: Any  # the parameters the last sync left (the average), as the parameters.
+  inner_state: Any  # the wrapped optimizer's state then, as ``HDETState.inner_state``.
+  train_loss: jax.Array  # [] float32: the training loss of the window that sync ended (the guard's baseline).
+  train_loss_se: jax.Array  # [] float32: its standard error.
 
 
-def anchor_at(params: Any, state) -> replicas.Anchor:
+def _is_anchor(node) -> bool:
+  return isinstance(node, Anchor)
+
+
+def share_anchors(stacked: ArrayTree, per_device: int) -> ArrayTree:
+  """A stacked tree ``[N, ...]`` whose :class:`Anchor` s are held once per device: ``[N / per_device, ...]``.
+
+  Every replica's anchor is the same (the last sync's average and the optimizer state the all-reduced gradient
+  keeps equal), so the k replicas a device runs under :func:`~hdet_jax.over_replicas` (``per_device=k``) can share one
+  copy: the rollback then costs one copy of the state per device, not k. The maps take both forms, and give
+  back the form they were given. The other leaves are left as they are.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, hdet_jax
+    >>> tx = hdet_jax.hdet(optax.adam, 1e-3, num_replicas=8, auto_lr=hdet_jax.AutoLR(total_steps=100),
+    ...                    rollback=True)
+    >>> stacked = jax.vmap(tx.init)(hdet_jax.stack_replicas(jnp.ones(3), 8))
+    >>> state = hdet_jax.sync.share_anchors(stacked, per_device=4)
+    >>> state.count.shape, state.anchor.params.shape  # 8 replicas, 2 anchors: one for each device's 4
+    ((8,), (2, 3))
+  """
+  if per_device == 1:
+    return stacked
+  every = lambda node: jax.tree.map(lambda x: x[::per_device], node) if _is_anchor(node) else node
+  return jax.tree.map(every, stacked, is_leaf=_is_anchor)
+
+
+# While a map traces its function with the anchors held once per device (its vmap does not batch them).
+_SHARED_ANCHORS: contextvars.ContextVar[bool] = contextvars.ContextVar('hdet_jax_shared_anchors', default=False)
+
+
+def shared_anchor(anchor: Anchor, axis_name: axes_lib.AxisName) -> Anchor:
+  """The anchor a sync leaves, as the map holds it: where it holds one copy per device (:func:`share_anchors`),
+  the device's first local replica's (all hold the same), unbatched by the local ``vmap``; else as it is."""
+  local = axes_lib._MAPPED.get()[1]
+  axes = sorted(a for a in axes_lib._axes(axis_name) if a in local)
+  if not _SHARED_ANCHORS.get() or not axes:
+    return anchor
+
+  def first(x):
+    for a in axes:
+      x = lax.all_gather(x, a)[0]  # the local replicas' copies, stacked; replica 0's, with no arithmetic
+    return x
+
+  return jax.tree.map(first, anchor)
+
+
+def _anchor_axes(value, per_device: int) -> tuple[Any, Any, bool]:
+  """(``value`` as the local vmap reads it, its ``in_axes``, whether it holds a shared anchor): in a stacked
+  argument, an anchor held once per device (its leaves' leading axis 1 where the others' is ``per_device``) loses
+  that axis and is not batched."""
+  shared = lambda node: _is_anchor(node) and all(jnp.shape(x)[:1] == (1,) for x in jax.tree.leaves(node))
+  if per_device == 1 or not any(shared(n) for n in jax.tree.leaves(value, is_leaf=_is_anchor)):
+    return value, 0, False
+  local = jax.tree.map(lambda n: jax.tree.map(lambda x: x[0], n) if shared(n) else n, value, is_leaf=_is_anchor)
+  return local, jax.tree.map(lambda n: None if shared(n) else 0, value, is_leaf=_is_anchor), True
+
+
+def _anchors_to_devices(out: Any) -> Any:
+  """The map's outputs with their anchors (unbatched inside) back to one copy per device."""
+  return jax.tree.map(
+    lambda node: jax.tree.map(lambda x: x[:1], node) if _is_anchor(node) else node, out, is_leaf=_is_anchor
+  )
+
+
+def anchor_at(params: Any, state) -> Anchor:
   """The anchor a sync that did not back off leaves (and the first one, at init): the parameters it landed on,
   the wrapped optimizer's state, and its window's training loss with its standard error (the guard's baseline)."""
   c = state.controller
-  return replicas.Anchor(params, state.inner_state, c.train_loss, c.train_loss_se)
+  return Anchor(params, state.inner_state, c.train_loss, c.train_loss_se)
 
 
-def average(tree: Any, axis_name: replicas.AxisName, guard_nonfinite: bool, ok=None) -> tuple[Any, jax.Array]:
+def average(tree: Any, axis_name: axes_lib.AxisName, guard_nonfinite: bool, ok=None) -> tuple[Any, jax.Array]:
   """(the replicas' mean, how many replicas entered it); with the guard, only the ``ok`` finite ones."""
   if guard_nonfinite:
-    return replicas.finite_mean(tree, axis_name, ok)
-  return replicas.pmean(tree, axis_name), jnp.asarray(replicas.axis_size(axis_name), jnp.int32)
+    return axes_lib.finite_mean(tree, axis_name, ok)
+  return axes_lib.pmean(tree, axis_name), jnp.asarray(axes_lib.axis_size(axis_name), jnp.int32)
 
 
 def end_window(plan: Plan, params, updates, state, *, gather: bool, score=None):
@@ -54,9 +135,9 @@ def end_window(plan: Plan, params, updates, state, *, gather: bool, score=None):
   if plan.guard_nonfinite:
     # A replica whose parameters or window loss went non-finite sits this average out
     # and is reset to the others' average.
-    ok = jnp.logical_and(replicas.all_finite(stepped), jnp.isfinite(state.loss_sum))
+    ok = jnp.logical_and(axes_lib.all_finite(stepped), jnp.isfinite(state.loss_sum))
   if plan.exact_sync and not plan.rollback:  # apply_updates does the averaging, reading replica_ok.
-    count = replicas.psum(ok.astype(jnp.int32), plan.replica_axis)
+    count = axes_lib.psum(ok.astype(jnp.int32), plan.replica_axis)
   else:
     new_params, count = average(stepped, plan.replica_axis, plan.guard_nonfinite, ok)
   state = state._replace(finite_replicas=count, replica_ok=ok)
@@ -75,15 +156,15 @@ def roll_back(plan: Plan, state, new_params):
   """The state after a sync with ``rollback``: where the guard backed off (``controller.backed_off``, the same on
   every replica), the anchor's optimizer state and its window's loss as the guard's next baseline, the anchor
   kept; else the sync's, and the anchor moves to it (the average ``new_params``). An anchor the map holds once per
-  device (:func:`hdet_jax.replicas.share_anchors`) is picked once there, not once per replica."""
+  device (:func:`share_anchors`) is picked once there, not once per replica."""
   back, anchor, c = state.controller.backed_off, state.anchor, state.controller
   c = c._replace(
     train_loss=_where(back, anchor.train_loss, c.train_loss),
     train_loss_se=_where(back, anchor.train_loss_se, c.train_loss_se),
   )
   state = state._replace(inner_state=_where(back, anchor.inner_state, state.inner_state), controller=c)
-  moved = replicas.shared_anchor(anchor_at(new_params, state), plan.replica_axis)
-  return state._replace(anchor=_where(replicas.unbatched(back, plan.replica_axis), anchor, moved))
+  moved = shared_anchor(anchor_at(new_params, state), plan.replica_axis)
+  return state._replace(anchor=_where(axes_lib.unbatched(back, plan.replica_axis), anchor, moved))
 
 
 def _where(flag: jax.Array, old: Any, new: Any) -> Any:
@@ -103,7 +184,7 @@ def average_inner_state(plan: Plan, inner_state: Any, ok: jax.Array) -> Any:
   if not leaves:  # e.g. plain SGD: no state to average
     return inner_state
   mean, _ = average(leaves, plan.replica_axis, plan.guard_nonfinite, ok)
-  mean = iter(replicas.match_vma(mean, leaves))
+  mean = iter(axes_lib.match_vma(mean, leaves))
   out = [next(mean) if f else x for x, f in zip(jax.tree.leaves(inner_state), floats)]
   return jax.tree.unflatten(jax.tree.structure(inner_state), out)
 
@@ -113,9 +194,9 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
   c = st.controller
   window_losses = c.window_losses
   if score is not None:  # the caller's comparison (e.g. every replica on one common batch)
-    window_losses = replicas.all_gather(jnp.asarray(score, jnp.float32), plan.replica_axis)
+    window_losses = axes_lib.all_gather(jnp.asarray(score, jnp.float32), plan.replica_axis)
   elif gather:
-    window_losses = replicas.all_gather(
+    window_losses = axes_lib.all_gather(
       st.loss_sum / windows.window_length(plan.sync_windows, st.count), plan.replica_axis
     )
   new_c = c._replace(window_losses=window_losses)
@@ -189,7 +270,7 @@ def window_train_loss(plan: Plan, st) -> dict[str, jax.Array]:
   leaves alone): with n steps, replica r's losses x_t and its noise variance s_r^2 = sum_t (x_t - x_{t-1})^2 / 2n,
   ``se = sqrt(mean_r s_r^2 / n)`` (the steps taken as independent)."""
   n = windows.window_length(plan.sync_windows, st.count).astype(jnp.float32)
-  train_loss, var = replicas.pmean((st.loss_sum / n, st.loss_diff_sq_sum / (2.0 * n)), plan.replica_axis)
+  train_loss, var = axes_lib.pmean((st.loss_sum / n, st.loss_diff_sq_sum / (2.0 * n)), plan.replica_axis)
   return {
     'train_loss': jnp.asarray(train_loss, jnp.float32).reshape(()),
     'train_loss_se': jnp.sqrt(jnp.asarray(var, jnp.float32) / n).reshape(()),
@@ -290,7 +371,7 @@ def apply_updates(
   updates: Any,
   state,
   *,
-  replica_axis: replicas.AxisName = 'data',
+  replica_axis: axes_lib.AxisName = 'data',
   sync: bool | None = None,
   guard_nonfinite: bool = True,
 ) -> Any:
@@ -334,5 +415,5 @@ def apply_updates(
     mean = lambda p: state.anchor.params
   if sync:
     return mean(new_params)
-  synced = replicas.unbatched(state.synced, replica_axis)  # a cond, not a select, under per_device > 1
-  return lax.cond(synced, lambda p: replicas.match_vma(mean(p), p), lambda p: p, new_params)
+  synced = axes_lib.unbatched(state.synced, replica_axis)  # a cond, not a select, under per_device > 1
+  return lax.cond(synced, lambda p: axes_lib.match_vma(mean(p), p), lambda p: p, new_params)

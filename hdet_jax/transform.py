@@ -25,9 +25,9 @@ import optax
 from jax import lax
 
 from hdet_jax import arguments
+from hdet_jax import axes as axes_lib
 from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
-from hdet_jax import replicas
 from hdet_jax import settings
 from hdet_jax import sync as sync_lib
 from hdet_jax import values as values_lib
@@ -107,7 +107,7 @@ def hdet(
   num_replicas: int,
   spread: float = 0.25,
   sync_every: int | Sequence[int] | None = None,
-  replica_axis: replicas.AxisName = 'data',
+  replica_axis: axes_lib.AxisName = 'data',
   auto_lr: AutoLR | None = None,
   exact_sync: bool = False,
   seed: int = 0,
@@ -443,8 +443,8 @@ def update(
   end = lambda ops: sync_lib.end_window(plan, params, *ops, score=score, gather=value is not None or window_end_only)
   if sync is None:
     updates, state = lax.cond(
-      windows.ends_window(plan.sync_windows, replicas.unbatched(state.count, plan.replica_axis)),
-      lambda ops: replicas.match_vma(end(ops), ops),
+      windows.ends_window(plan.sync_windows, axes_lib.unbatched(state.count, plan.replica_axis)),
+      lambda ops: axes_lib.match_vma(end(ops), ops),
       lambda ops: ops,
       (updates, state),
     )
@@ -464,7 +464,7 @@ def _settled(plan: Plan, controller: ctrl.ControllerState) -> jax.Array | None:
 
 def _inner_step(plan: Plan, grads, state: HDETState, params, value, extra_args) -> tuple[Any, HDETState]:
   """The wrapped optimizer's update at this replica's values; the loss joins the window's sum."""
-  values = state.values[:, replicas.axis_index(plan.replica_axis)]  # [G]: this replica's, for this step
+  values = state.values[:, axes_lib.axis_index(plan.replica_axis)]  # [G]: this replica's, for this step
   inner = optax.with_extra_args_support(inner_optimizer(plan, [values[i] for i in range(len(plan.names))]))
   if value is not None:  # the wrapped optimizer may read the loss too (reduce_on_plateau)
     extra_args = dict(extra_args, value=value)
@@ -480,7 +480,7 @@ def _inner_step(plan: Plan, grads, state: HDETState, params, value, extra_args) 
 
 
 def _check_update_args(plan: Plan, updates, state, params, value, sync, score) -> None:
-  replicas.axis_size_or_raise(plan.replica_axis, plan.num_replicas)
+  axes_lib.axis_size_or_raise(plan.replica_axis, plan.num_replicas)
   expected = (len(plan.names), plan.num_replicas)
   values = getattr(state, 'values', None)  # (a Mapping's .values is a method: not checked here)
   if isinstance(values, (jax.Array, np.ndarray)) and values.shape != expected:
@@ -522,7 +522,7 @@ def _is_real(value) -> bool:
   return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def replica_value(state: HDETState, index: int, replica_axis: replicas.AxisName = 'data') -> jax.Array:
+def replica_value(state: HDETState, index: int, replica_axis: axes_lib.AxisName = 'data') -> jax.Array:
   """This replica's value of hyperparameter ``index`` for the coming step (e.g. its dropout rate).
 
   Call it in the train step, before the update (the update moves ``state.values`` on to the
@@ -536,4 +536,4 @@ def replica_value(state: HDETState, index: int, replica_axis: replicas.AxisName 
     )
   g = jnp.shape(state.values)[0]
   arguments.index(index, 'index', g, who='replica_value', of='hyperparameter, in hdet_jax.hyperparam_names order')
-  return state.values[index, replicas.axis_index(replica_axis)]
+  return state.values[index, axes_lib.axis_index(replica_axis)]

@@ -151,9 +151,9 @@ def test_the_windows_all_reduce_runs_only_in_the_sync_branch(runs, layout):
 
 
 def test_without_the_unbatched_count_the_average_would_run_every_step(monkeypatch):
-  """The control: with the step count left batched under the vmap (replicas.unbatched made the identity), the cond
+  """The control: with the step count left batched under the vmap (axes.unbatched made the identity), the cond
   becomes a select and the parameters' all-reduce runs on every step. So the test above can tell."""
-  monkeypatch.setattr(hdet_jax.replicas, 'unbatched', lambda x, axis_name=None: x)
+  monkeypatch.setattr(hdet_jax.axes, 'unbatched', lambda x, axis_name=None: x)
   mesh, _, _, step = _compiled('2x4')
   always, in_branches = comm.collectives_by_place(step.as_text(), tuple(mesh.devices.shape))
   assert in_branches == [] and ' conditional(' not in step.as_text()

@@ -42,17 +42,16 @@ def test_collectives_over_a_device_axis_and_a_vmap_axis_are_the_replica_axis(dev
 
   mesh = Mesh(np.asarray(jax.devices()[:devices]), (AX,))
   k = N // devices
-  axis = H.replicas.replica_axes(AX, k)
-  assert axis == ((AX, 'local') if k > 1 else AX)
+  axis = (AX, 'local') if k > 1 else AX  # the map's replica axis: the device axis, paired with its local vmap axis
   x = np.asarray(jax.random.normal(jax.random.key(1), (N, 6)), np.float32)
 
   def per_replica(a):
     return {
-      'index': H.replicas.axis_index(axis),
-      'size': jnp.asarray(H.replicas.axis_size(axis)),
-      'mean': H.replicas.pmean(a, axis),
-      'sum': H.replicas.psum(a, axis),
-      'gather': H.replicas.all_gather(a[0], axis),
+      'index': H.axes.axis_index(axis),
+      'size': jnp.asarray(H.axes.axis_size(axis)),
+      'mean': H.axes.pmean(a, axis),
+      'sum': H.axes.psum(a, axis),
+      'gather': H.axes.all_gather(a[0], axis),
     }
 
   out = jax.jit(H.shard_map_replicas(per_replica, mesh, AX, per_device=k))(
@@ -153,7 +152,7 @@ def test_replica_picks_one_copy_of_a_stacked_tree():
 
 
 def test_replica_sharding_puts_one_replica_on_each_device(mesh):
-  sharding = H.replicas.replica_sharding(mesh, AX)
+  sharding = H.shardings.replica_sharding(mesh, AX)
   assert sharding.spec == P(AX) and sharding.mesh is mesh
   assert sharding.shard_shape((N, 3, 5)) == (1, 3, 5)
 
@@ -220,12 +219,12 @@ def test_the_wrappers_keep_the_signature_keyword_calls_donation_and_static_argum
     state0 = np.arange(N, dtype=np.float32)
     batch = np.arange(4 * N, dtype=np.float32)  # replica r sees rows [4r, 4r + 4)
     rows = batch.reshape(N, 4)
-    state = jax.device_put(state0, H.replicas.replica_sharding(mesh, AX))
+    state = jax.device_put(state0, H.shardings.replica_sharding(mesh, AX))
     out, total = step(batch=batch, state=state)
     assert state.is_deleted()  # donated
     np.testing.assert_allclose(np.asarray(out), state0 * 2.0 + rows.mean(1))
     np.testing.assert_allclose(np.asarray(total), rows.sum(1))
-    frozen, _ = step(jax.device_put(state0, H.replicas.replica_sharding(mesh, AX)), batch, 3.0, train=False)
+    frozen, _ = step(jax.device_put(state0, H.shardings.replica_sharding(mesh, AX)), batch, 3.0, train=False)
     np.testing.assert_array_equal(np.asarray(frozen), state0)  # the static flag took the other branch
 
 

@@ -20,7 +20,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
-from hdet_jax import replicas
 from hdet_jax.trainer import tasks as tasks_lib
 
 AXIS = 'data'
@@ -145,8 +144,8 @@ def anchor_shapes(mesh: Mesh, abstract: dict, task: tasks_lib.Task | None = None
 
 
 def replica_sharding(mesh: Mesh) -> NamedSharding:
-  """The core's :func:`hdet_jax.replicas.replica_sharding` on the trainer's replica axis."""
-  return replicas.replica_sharding(mesh, AXIS)
+  """The core's :func:`hdet_jax.shardings.replica_sharding` on the trainer's replica axis."""
+  return H.shardings.replica_sharding(mesh, AXIS)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -131,7 +131,7 @@ def regularization(
   key = None
   if 'dropout' in names or settings.dropout > 0:
     key = jax.random.fold_in(
-      jax.random.fold_in(jax.random.key(seed + _DROPOUT_TAG), opt_state.count), H.replicas.axis_index(axis)
+      jax.random.fold_in(jax.random.key(seed + _DROPOUT_TAG), opt_state.count), H.axes.axis_index(axis)
     )
   reg = tasks_lib.Regularization(
     dropout_rate=rate, dropout_key=key, attn_temperature=value('attn_temperature', settings.attn_temperature)
@@ -250,7 +250,7 @@ def _update(
     grads = H.pmean_finite(grads, axis)  # the all-reduce, skipping replicas whose gradient is not finite
   if settings.plateau:
     # reduce_on_plateau keeps state from value=, which must then agree across replicas: the global loss.
-    loss = H.replicas.pmean(loss, axis)
+    loss = H.axes.pmean(loss, axis)
   updates, opt_state = tx.update(grads, opt_state, params, value=loss, sync=sync)
   return loss, updates, opt_state
 
@@ -293,7 +293,7 @@ def make_window_end(
   it, with its own attention temperature and no dropout, computed before the average, is the score
   the controller compares (``tx.update(..., score=)``).
   With ``settings.rolls_back`` (the guard's ``hdet.rollback``; ``tx`` built with ``rollback=True``) a last argument
-  and a last output, the library's :class:`hdet_jax.replicas.Anchor`, one copy per device (see :func:`make_anchor`):
+  and a last output, the library's :class:`hdet_jax.sync.Anchor`, one copy per device (see :func:`make_anchor`):
   where this sync's back-off fires the replicas return to it (``tx.update`` does it; the controller keeps its new,
   lower LR), else it moves to the sync's average. The packed state leaves the anchor out, so the step between
   syncs never carries it.
@@ -340,7 +340,7 @@ def make_window_end(
 def make_anchor(mesh: Mesh, tx: optax.GradientTransformation, shardings: Any = None) -> Callable:
   """Jitted ``(params, opt_state) -> anchor``: where the rollback returns to before the first sync (see
   :func:`make_window_end`, which moves it on), the library's :func:`hdet_jax.sync.anchor_at` of the state, held
-  once per device (:func:`hdet_jax.replicas.share_anchors`): the replicas' parameters and wrapped optimizer state
+  once per device (:func:`hdet_jax.sync.share_anchors`): the replicas' parameters and wrapped optimizer state
   are the same on every replica there (the start, and an optimizer of ``run_settings.SHARED_STATE_OPTIMIZERS`` on
   the shared gradient; ``run_settings.guard`` turns the rollback off elsewhere), so N replicas on one device keep
   one copy of the state instead of N. ``shardings``: :func:`hdet_jax.trainer.mesh.anchor_layout`'s (a 2-D mesh).
@@ -354,7 +354,7 @@ def first_anchor(tx: optax.GradientTransformation, mesh: Mesh) -> Callable:
 
   def anchor(params, packed):
     anchors = jax.vmap(lambda p, s: H.sync.anchor_at(p, unpack(tx, p, s)))(params, packed)
-    return H.replicas.share_anchors(anchors, jax.tree.leaves(params)[0].shape[0] // mesh.shape[AXIS])
+    return H.sync.share_anchors(anchors, jax.tree.leaves(params)[0].shape[0] // mesh.shape[AXIS])
 
   return anchor
 
@@ -380,7 +380,7 @@ def make_restored_anchor(mesh: Mesh, shardings: Any = None) -> Callable:
   copies = mesh.shape[AXIS]
 
   def restored(saved):
-    anchor = H.replicas.Anchor(saved['params'], saved['inner'], saved['train_loss'], saved['train_loss_se'])
+    anchor = H.sync.Anchor(saved['params'], saved['inner'], saved['train_loss'], saved['train_loss_se'])
     return H.stack_replicas(anchor, copies)
 
   return jax.jit(restored, out_shardings=replica_sharding(mesh) if shardings is None else shardings)
@@ -418,7 +418,7 @@ def make_distance(mesh: Mesh) -> Callable:
   that never average: the window end measures it for the others."""
 
   def distance(params):
-    return _distance_metrics(params, H.replicas.pmean(params, AXIS))
+    return _distance_metrics(params, H.axes.pmean(params, AXIS))
 
   return jax.jit(_on_replicas(distance, mesh))
 
@@ -444,7 +444,7 @@ def make_eval_step(graphdef: Any, mesh: Mesh, task: tasks_lib.Task | None = None
   task = task or tasks_lib.get()
 
   def evaluate(params, batch):
-    return task.eval_metrics(graphdef, H.replicas.pmean(params, AXIS), batch)
+    return task.eval_metrics(graphdef, H.axes.pmean(params, AXIS), batch)
 
   return jax.jit(_on_replicas(evaluate, mesh))
 

@@ -109,7 +109,7 @@ def split_model(model_config: Any, seq_len: int, key: jax.Array) -> tuple[nnx.Gr
 
 def check_tensor_parallel(model_config: Any, seq_len: int, tensor: int) -> None:
   """Raises ValueError unless every dimension :data:`TENSOR_RULES` splits divides by ``tensor``."""
-  from hdet_jax.replicas import tensor_dim
+  from hdet_jax.shardings import tensor_dim
   from hdet_jax.param_groups import path_string
 
   _, shapes = abstract_model(model_config, seq_len)
