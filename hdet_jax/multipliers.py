@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hdet_jax import arguments
+
 
 def spread_multipliers(num_replicas: int, spread: float) -> np.ndarray:
   """Returns the symmetric multipliers of paper eq. 1, as float64 numpy.
@@ -33,24 +35,29 @@ def spread_multipliers(num_replicas: int, spread: float) -> np.ndarray:
   """
   if int(num_replicas) != num_replicas or num_replicas < 1:
     raise ValueError(f'num_replicas must be a positive integer, got {num_replicas!r}.')
-  if not 0.0 <= spread < 1.0:
+  if not arguments.is_spread(spread):
     raise ValueError(f'spread must be in [0, 1) so every multiplier 1 +- spread stays positive, got {spread!r}.')
-  n = int(num_replicas)
-  half = (n - 1) / 2.0
-  r = np.arange(n, dtype=np.float64)
-  rho = 1.0 + spread * (r - half) / max(half, 0.5)
+  centred, scale = _centred(int(num_replicas))
+  rho = 1.0 + spread * centred / scale
   # Set the lower half to 2 - (upper half), which is exact (Sterbenz), so each
   # pair r, N-1-r sums to exactly 2 and the mean is 1 to the last bit.
-  upper = r > half
+  upper = centred > 0  # r > (N-1)/2 (r - (N-1)/2 is exact: a whole or half number)
   rho[::-1][upper] = 2.0 - rho[upper]
   return rho
 
 
 def unit_offsets(num_replicas: int) -> np.ndarray:
   """Eq. 1's offsets ``u_r = (r - (N-1)/2) / max((N-1)/2, 0.5)`` in [-1, 1], so rho = 1 + alpha u."""
-  n = int(num_replicas)
+  centred, scale = _centred(int(num_replicas))
+  return centred / scale
+
+
+def _centred(n: int) -> tuple[np.ndarray, float]:
+  """Eq. 1's offsets before the division, ``r - (N-1)/2`` (float64, r = 0..N-1), and the divisor
+  ``max((N-1)/2, 0.5)``: each caller divides in its own order (alpha times first for the multipliers), so both
+  keep their bits."""
   half = (n - 1) / 2.0
-  return (np.arange(n, dtype=np.float64) - half) / max(half, 0.5)
+  return np.arange(n, dtype=np.float64) - half, max(half, 0.5)
 
 
 def draw_permutations(key: chex.PRNGKey, num_hyperparams: int, num_replicas: int) -> chex.Array:

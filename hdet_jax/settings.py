@@ -466,7 +466,7 @@ def _param_groups(param_groups) -> tuple[tuple[str, str], ...]:
 def _check_replicas(num_replicas, spread, replica_axis) -> None:
   if not arguments.is_int(num_replicas) or num_replicas < 1:
     raise ValueError(f'num_replicas must be a positive integer (the replica axis size), got {num_replicas!r}.')
-  if not arguments.is_number(spread) or not 0.0 <= spread < 1.0:
+  if not arguments.is_spread(spread):
     raise ValueError(
       f'spread (alpha) must be in [0, 1): the lowest multiplier 1 - spread must stay positive; got {spread!r}.'
     )

@@ -27,7 +27,10 @@ from typing import Any, Callable, NamedTuple
 import ml_collections
 from ml_collections import config_dict
 
+from hdet_jax.arguments import is_spread
+from hdet_jax.settings import DEFAULT_INITIAL_SCALE
 from hdet_jax.trainer.optimizer import OPTIMIZERS
+from hdet_jax.windows import NUM_SYNCS
 
 RUN, LOOP_PROGRAMS, LOOP = 'run', 'loop_programs', 'loop'
 ABSENT = object()  # no legacy value: no record predates the field
@@ -136,13 +139,13 @@ class Explore:
   """``hdet.explore.*``: more hyperparameters spread across the replicas, as the LR is; 0: off."""
 
   # Multiplicative spread of AdamW's weight decay, in [0, 1).
-  weight_decay: float = field(0.0, valid(lambda v: 0 <= v < 1, 'in [0, 1) (0: off)'))
+  weight_decay: float = field(0.0, valid(is_spread, 'in [0, 1) (0: off)'))
   # Additive half-width of the dropout rate (clipped to [0, 0.9]).
   dropout: float = field(0.0, valid(lambda v: v >= 0, 'a number >= 0 (0: off)'))
   # Additive half-width of label smoothing (clipped to [0, 0.5]).
   label_smoothing: float = field(0.0, valid(lambda v: v >= 0, 'a number >= 0 (0: off)'))
   # Multiplicative spread of the attention temperature, in [0, 1).
-  attn_temperature: float = field(0.0, valid(lambda v: 0 <= v < 1, 'in [0, 1) (0: off)'))
+  attn_temperature: float = field(0.0, valid(is_spread, 'in [0, 1) (0: off)'))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,19 +155,19 @@ class Hdet:
   # N replicas on however many devices (N a multiple of them); 0: one per device.
   num_replicas: int = field(8, valid(lambda v: v >= 0, 'an integer >= 0 (0: all devices)'))
   # alpha of eq. 1: LRs span base * [1 - alpha, 1 + alpha]; 0: plain data parallel.
-  spread: float = field(
-    0.25, valid(lambda v: 0 <= v < 1, 'in [0, 1) (the lowest multiplier 1 - spread stays positive)')
-  )
+  spread: float = field(0.25, valid(is_spread, 'in [0, 1) (the lowest multiplier 1 - spread stays positive)'))
   # T: average the replicas every T steps; 0: T from num_syncs.
   sync_every: int = field(0, valid(lambda v: v >= 0, 'an integer >= 0 (0: never)'))
   # With sync_every 0: T = round(num_train_steps / num_syncs), at most 100; both 0: never.
-  num_syncs: int = field(15, valid(lambda v: v >= 0, 'an integer >= 0 (used where hdet.sync_every is 0)'), legacy=0)
+  num_syncs: int = field(
+    NUM_SYNCS, valid(lambda v: v >= 0, 'an integer >= 0 (used where hdet.sync_every is 0)'), legacy=0
+  )
   # The controller moves the base LR at each sync.
   auto_lr: bool = field(True)
   # 'fit' (the guarded climb, a line search) or 'paper' (eqs. 4-9).
   controller: str = field('fit', one_of('paper', 'fit'))
   # 'fit': start at this multiple of the schedule (< 1: a cautious start).
-  initial_scale: float = field(0.1, valid(lambda v: True, 'a number'), legacy=1.0)
+  initial_scale: float = field(DEFAULT_INITIAL_SCALE, valid(lambda v: True, 'a number'), legacy=1.0)
   # Undo a window whose loss blew up (None: where 'fit' guards).
   rollback: bool | None = field(None, legacy=False)
   # Per-group LRs (embedding, no_decay, weights), each with its own controller.

@@ -65,20 +65,12 @@ CONTROLLER_NUMBER = Check('real', lambda v: True, 'a number')
 CONTROLLER_NUMBER_OR_NONE = Check('real', lambda v: True, 'a number or None', none_resolves=True)
 
 
-def _is_int(v: Any) -> bool:
-  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
 def _is_real(v: Any) -> bool:
-  return (
-    isinstance(v, (int, float, np.integer, np.floating))
-    and not isinstance(v, (bool, np.bool_))
-    and math.isfinite(float(v))
-  )
+  return H.arguments.is_number(v) and math.isfinite(float(v))
 
 
 _KINDS = {
-  'int': _is_int,
+  'int': H.arguments.is_int,
   'real': _is_real,
   'bool': lambda v: isinstance(v, (bool, np.bool_)),
   'choice': lambda v: True,
@@ -199,7 +191,7 @@ _TUNING = {
   'hdet.num_syncs': (
     Field(
       'hdet.longest_window',
-      100,
+      H.windows.LONGEST_WINDOW,
       RUN,
       '... at most this many steps (0: no cap). Both 0: never average.',
       legacy=100,
