@@ -17,7 +17,7 @@ innermost (the vmap axis) first; with a single axis name they are ``lax``'s own 
   \\qquad k = N / D.
 
 :func:`~hdet_jax.over_replicas` with ``per_device > 1`` keeps the user's axis name: while it traces the step, the
-name (``'replica'``) *resolves* to the pair ``('replica', LOCAL_AXIS)`` in every helper here, so ``hdet``
+name (``'replica'``) *resolves* to the pair ``('replica', replicas.LOCAL_AXIS)`` in every helper here, so ``hdet``
 built with ``replica_axis='replica'`` and a step calling :func:`pmean_finite` (grads, 'replica') run
 unchanged at any number of replicas per device. A ``lax`` collective called directly cannot span both
 axes; the map refuses a step that calls one over the replica axis (:func:`hdet_jax.replicas.check_collectives`).
