@@ -153,11 +153,8 @@ def shard_map_replicas(
   :func:`~hdet_jax.stacked_shardings` and pass those as the jit's ``out_shardings`` so they stay put), and
   ``with_sharding_constraint`` over the inner axes works inside ``fn``. Collectives over
   ``replica_axis`` in ``fn`` then run between groups, and a mean over a leaf sharded on an
-  inner axis is the group's mean. Why a map manual over the replica axis and not
-  ``jax.vmap(fn, spmd_axis_name=replica_axis)``: under ``vmap`` the per-replica step count is a
-  batched value, so ``hdet``'s ``lax.cond`` on it becomes a select and the window's parameter
-  all-reduce runs on every step; here each device reads its own replica's count and the all-reduce
-  runs only in the sync branch.
+  inner axis is the group's mean. Why a map manual over the replica axis and not ``jax.vmap(fn,
+  spmd_axis_name=replica_axis)``: :func:`over_replicas` says.
 
   Example:
     One replica on each of 8 devices:
