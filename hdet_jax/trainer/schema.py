@@ -32,6 +32,7 @@ import numpy as np
 import hdet_jax as H
 from hdet_jax.trainer import fields as fields_lib
 from hdet_jax.trainer.fields import LOOP, LOOP_PROGRAMS, RUN
+from hdet_jax.trainer import tasks as tasks_lib
 
 _ABSENT = fields_lib.ABSENT
 
@@ -334,11 +335,11 @@ _TUNING = {
   ),
 }
 
-# A task's own fields (``fields.TASK_SECTIONS``): its rows carry the task's name.
+# A task's own fields (its ``Task.sections``, tasks/<task>.py): its rows carry the task's name.
 _TASK_FIELDS = tuple(
-  dataclasses.replace(row, task=task)
-  for task, sections in fields_lib.TASK_SECTIONS.items()
-  for name, cls in sections.items()
+  dataclasses.replace(row, task=task.name)
+  for task in map(tasks_lib.get, tasks_lib.names())
+  for name, cls in task.sections.items()
   for row in declared(cls, f'{name}.')
 )
 
