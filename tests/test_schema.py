@@ -116,7 +116,7 @@ def test_the_tuning_fields_are_research_s_and_the_controller_s_defaults_are_the_
 
 
 # The hand-kept tables the schema replaced, as of 1b9826f: records and workdirs were made against these.
-_RUN_FIELDS = {
+_LOOP_FIELDS = {
   'stop_at_step',
   'log_every',
   'eval_every',
@@ -174,10 +174,10 @@ _NOT_IN_PROGRAMS = {
 
 
 def test_the_derived_tables_are_the_ones_records_were_made_with():
-  assert schema.RUN_FIELDS == _RUN_FIELDS | {'chunk_steps'}  # (added since: loop-only, so in no record)
+  assert schema.LOOP_FIELDS == _LOOP_FIELDS | {'chunk_steps'}  # (added since: loop-only, so in no record)
   assert compat.QUIET_DEFAULTS == _QUIET_DEFAULTS
   assert set(program_cache.NOT_IN_PROGRAMS) == _NOT_IN_PROGRAMS
-  assert set(program_cache.NOT_IN_PROGRAMS) <= schema.RUN_FIELDS
+  assert set(program_cache.NOT_IN_PROGRAMS) <= schema.LOOP_FIELDS
 
 
 def test_every_default_passes_its_own_check_and_the_checked_fields_are_the_old_rules():

@@ -374,7 +374,7 @@ def loop_only() -> frozenset[str]:
   return frozenset(f.name for f in FIELDS if f.role in (LOOP, LOOP_PROGRAMS))
 
 
-RUN_FIELDS = loop_only()
+LOOP_FIELDS = loop_only()  # (the fields outside a run's identity)
 
 
 def not_in_programs() -> tuple[str, ...]:
@@ -441,7 +441,7 @@ def check_fields(values: Mapping[str, Any]) -> None:
 def defines_a_run(field: str) -> bool:
   """Whether a (dotted) field can change one run's trajectory: not loop-only, not the LR bracket's (a bracket's
   runs are one-run configs that never read ``bracket.*``; ``bracket.json`` records the bracket's own fields)."""
-  return field not in RUN_FIELDS and not field.startswith('bracket.')
+  return field not in LOOP_FIELDS and not field.startswith('bracket.')
 
 
 def run_identity(fields: Mapping[str, Any]) -> dict[str, Any]:
