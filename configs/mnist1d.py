@@ -14,6 +14,7 @@ import ml_collections
 
 from hdet_jax.trainer import fields
 from hdet_jax.trainer.config_lib import sibling
+from hdet_jax.trainer.tasks import mnist1d
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -23,10 +24,10 @@ def get_config() -> ml_collections.ConfigDict:
     1000  # S: total optimizer steps (3.2 epochs of the 80,000 training examples at 8 x 32 a step).
   )
 
-  # The task's own data.* and model.* (each field with its help: hdet_jax/trainer/fields.py, Mnist1dData and
-  # Mnist1dModel); e.g. --config.model.kind=mlp.
-  config.data = fields.config_dict_of(fields.Mnist1dData)
-  config.model = fields.config_dict_of(fields.Mnist1dModel)
+  # The task's own data.* and model.* (each field with its help: hdet_jax/trainer/tasks/mnist1d.py, Mnist1dData
+  # and Mnist1dModel); e.g. --config.model.kind=mlp.
+  config.data = fields.config_dict_of(mnist1d.Mnist1dData)
+  config.model = fields.config_dict_of(mnist1d.Mnist1dModel)
 
   config.optim.max_lr = 3e-2  # Peak LR, the high end of the guess: the run starts at a tenth (hdet.initial_scale).
   config.eval_every = 250  # Steps between test evaluations of the averaged model (and one at the end).

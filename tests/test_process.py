@@ -52,4 +52,4 @@ def test_gpu_runs_get_xla_deterministic_ops_unless_told_otherwise(monkeypatch):
   process.setup_jax(tiny())
   assert os.environ['XLA_FLAGS'] == (flag if _cuda_plugin_distributions() else '')
   # A resumed run may change it (it steers rounding on GPUs only): not a training field.
-  assert 'deterministic_gpu' in schema.RUN_FIELDS
+  assert 'deterministic_gpu' in schema.LOOP_FIELDS

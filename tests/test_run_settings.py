@@ -176,7 +176,7 @@ def test_training_fields_leave_out_what_only_steers_a_run():
     for f in ('plots', 'log_every', 'tensorboard', 'compilation_cache', 'eval_every', 'checkpoint_every')
   }
   assert trainer_testing.resolve(config_lib.with_overrides(_tiny(), steer)).training_fields(8) == a
-  assert not set(a) & schema.RUN_FIELDS and a['hdet.num_replicas'] == 8
+  assert not set(a) & schema.LOOP_FIELDS and a['hdet.num_replicas'] == 8
   b = trainer_testing.resolve(config_lib.with_overrides(_tiny(), {'hdet.spread': 0.2, 'seed': 1})).training_fields(8)
   assert schema.differences(a, b) == 'hdet.spread: 0.25 -> 0.2, seed: 0 -> 1'
   assert 'and 1 more' in schema.differences(a, {**b, 'x': 1, 'y': 2, 'z': 3}, limit=4)

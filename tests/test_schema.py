@@ -116,7 +116,7 @@ def test_the_tuning_fields_are_research_s_and_the_controller_s_defaults_are_the_
 
 
 # The hand-kept tables the schema replaced, as of 1b9826f: records and workdirs were made against these.
-_RUN_FIELDS = {
+_LOOP_FIELDS = {
   'stop_at_step',
   'log_every',
   'eval_every',
@@ -174,10 +174,10 @@ _NOT_IN_PROGRAMS = {
 
 
 def test_the_derived_tables_are_the_ones_records_were_made_with():
-  assert schema.RUN_FIELDS == _RUN_FIELDS | {'chunk_steps'}  # (added since: loop-only, so in no record)
+  assert schema.LOOP_FIELDS == _LOOP_FIELDS | {'chunk_steps'}  # (added since: loop-only, so in no record)
   assert compat.QUIET_DEFAULTS == _QUIET_DEFAULTS
   assert set(program_cache.NOT_IN_PROGRAMS) == _NOT_IN_PROGRAMS
-  assert set(program_cache.NOT_IN_PROGRAMS) <= schema.RUN_FIELDS
+  assert set(program_cache.NOT_IN_PROGRAMS) <= schema.LOOP_FIELDS
 
 
 def test_every_default_passes_its_own_check_and_the_checked_fields_are_the_old_rules():
@@ -262,3 +262,24 @@ def test_a_field_a_config_lacks_reads_as_its_legacy_value_else_its_default():
   assert 'model.kind' not in got and schema.complete({'task': 'mnist1d'})['model.kind'] == 'cnn'
   full = config_lib.flatten(run_settings.recorded_config(default.get_config()))
   assert schema.complete(full) == full  # a complete config reads as it is
+
+
+def test_contributings_field_example_is_the_source_as_it_is():
+  """CONTRIBUTING.md's real example of adding a field (``chunk_steps``) quotes the files it names, line for line:
+  each ``# path...`` header is followed by lines that are in that file as written (up to a trailing comment)."""
+  import pathlib
+  import re
+
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  text = (repo / 'CONTRIBUTING.md').read_text()
+  block = re.search(r'The real example, `chunk_steps`.*?```text\n(.*?)```', text, re.S).group(1)
+  checked, path = 0, None
+  for line in block.splitlines():
+    if line.startswith('# hdet_jax/'):
+      path = repo / line[2:].split(',')[0].split(':')[0]
+      source = path.read_text()
+    else:
+      code = line.strip() if line.lstrip().startswith('#') else line.split('  # ')[0].strip()  # (a help comment whole)
+      assert code and code in source, (path.name, code)
+      checked += 1
+  assert checked == 3

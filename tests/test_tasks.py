@@ -379,3 +379,38 @@ def test_a_bad_npz_from_the_command_line_exits_2_with_one_error_line(tmp_path):
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
   assert len(errors) == 1 and 'data.path=' in errors[0] and 'y must hold integer labels' in errors[0]
   assert not (tmp_path / 'w').exists()
+
+
+def test_every_task_module_is_found_and_nothing_outside_tasks_names_a_task():
+  """The seam is closed: a task is its module (with a ``TASK``) and a config; nothing registers it, and no trainer
+  module outside ``tasks/`` compares against a task's name (the config's default, ``task='lm'``, aside)."""
+  import ast
+  import pathlib
+
+  package = pathlib.Path(tasks.__file__).parent
+  with_task = sorted(  # the oracle: the modules that assign TASK at their top level, read without importing them
+    p.stem
+    for p in package.glob('*.py')
+    if any(
+      isinstance(n, ast.Assign) and any(getattr(t, 'id', None) == 'TASK' for t in n.targets)
+      for n in ast.parse(p.read_text()).body
+    )
+  )
+  assert with_task == ['lm', 'mnist1d']
+  assert tasks.names() == tuple(sorted(tasks.get(m).name for m in with_task)) == tasks.TASKS
+  assert tasks.get('mnist1d') is mnist1d.TASK
+  named = []
+  for path in sorted(package.parent.glob('*.py')):
+    tree = ast.parse(path.read_text())
+    docstrings = {
+      id(n.body[0].value)
+      for n in ast.walk(tree)
+      if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef)) and n.body and isinstance(n.body[0], ast.Expr)
+    }
+    named += [
+      (path.name, node.lineno, node.value)
+      for node in ast.walk(tree)
+      if isinstance(node, ast.Constant) and node.value in tasks.names() and id(node) not in docstrings
+    ]
+  # The one exception: fields.py's task: str = field('lm', legacy='lm').
+  assert named == [('fields.py', named[0][1], 'lm'), ('fields.py', named[0][1], 'lm')], named

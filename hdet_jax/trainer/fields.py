@@ -66,26 +66,26 @@ def section(cls: type) -> Any:
   return dataclasses.field(default_factory=cls, metadata={'section': True})
 
 
-_INT_AT_LEAST_1 = valid(lambda v: v >= 1, 'an integer >= 1')
+INT_AT_LEAST_1 = valid(lambda v: v >= 1, 'an integer >= 1')
 _POSITIVE = valid(lambda v: v > 0, 'a number > 0')
 _UNIT = valid(lambda v: 0 <= v < 1, 'in [0, 1)')
-_OPEN_UNIT = valid(lambda v: 0 < v < 1, 'in (0, 1)')
+OPEN_UNIT = valid(lambda v: 0 < v < 1, 'in (0, 1)')
 
 
 @dataclasses.dataclass(frozen=True)
 class Data:
-  """``data.*``: the LM task's corpus and windows (another task declares its own below: Mnist1dData)."""
+  """``data.*``: the LM task's corpus and windows (another task declares its own in its module: Mnist1dData)."""
 
   # A local UTF-8 text file; None: the built-in data.corpus.
   path: str | None = field(None, ANY_PATH)
   # Without data.path: 'kjv' (King James Bible) or 'wyc' (Wycliffe Bible).
   corpus: str = field('kjv', legacy='kjv')
   # The corpus's last fraction of bytes is held out for validation.
-  val_fraction: float = field(0.05, _OPEN_UNIT)
+  val_fraction: float = field(0.05, OPEN_UNIT)
   # Bytes of context per training window.
-  seq_len: int = field(64, _INT_AT_LEAST_1)
+  seq_len: int = field(64, INT_AT_LEAST_1)
   # Windows per replica per step (the global batch is num_replicas times this).
-  batch_size: int = field(8, _INT_AT_LEAST_1)
+  batch_size: int = field(8, INT_AT_LEAST_1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +93,11 @@ class Model:
   """``model.*``: the LM task's byte-level transformer."""
 
   # Width of the residual stream (and of the byte embedding).
-  d_model: int = field(64, _INT_AT_LEAST_1)
+  d_model: int = field(64, INT_AT_LEAST_1)
   # Transformer blocks.
-  num_layers: int = field(2, _INT_AT_LEAST_1)
+  num_layers: int = field(2, INT_AT_LEAST_1)
   # Attention heads per block (must divide d_model).
-  num_heads: int = field(4, _INT_AT_LEAST_1)
+  num_heads: int = field(4, INT_AT_LEAST_1)
   # MLP hidden width as a multiple of d_model.
   mlp_ratio: float = field(4, _POSITIVE)
   # Dropout rate on attention and MLP outputs (the base value if explored).
@@ -117,7 +117,7 @@ class Optim:
   # 'one_cycle' (torch's OneCycleLR), 'warmup_cosine' or 'constant'.
   schedule: str = field('one_cycle', one_of('one_cycle', 'warmup_cosine', 'constant'))
   # Fraction of the steps spent warming the LR up to max_lr.
-  pct_start: float = field(0.3, _OPEN_UNIT)
+  pct_start: float = field(0.3, OPEN_UNIT)
   # The schedule starts at max_lr / div_factor ...
   div_factor: float = field(25.0, _POSITIVE)
   # ... and ends at max_lr / (div_factor * final_div_factor).
@@ -235,9 +235,9 @@ class Config:
   bracket: Bracket = section(Bracket)
   warm_init: WarmInit = section(WarmInit)
   # Steps between metric flushes (JSONL, progress bar); also the NaN check interval.
-  log_every: int = field(25, _INT_AT_LEAST_1, role=LOOP_PROGRAMS)
+  log_every: int = field(25, INT_AT_LEAST_1, role=LOOP_PROGRAMS)
   # Steps whose batches go to the devices in one transfer (fewer: less device memory).
-  chunk_steps: int = field(25, _INT_AT_LEAST_1, role=LOOP_PROGRAMS)
+  chunk_steps: int = field(25, INT_AT_LEAST_1, role=LOOP_PROGRAMS)
   # Steps between validations of the averaged model (and one at the end); 0: at the end.
   eval_every: int = field(250, valid(lambda v: v >= 0, 'an integer >= 0 (0: only at the end)'), role=LOOP)
   # Validation windows per evaluation (0: the whole validation split).
@@ -262,47 +262,6 @@ class Config:
   compilation_cache: str = field('~/.cache/hdet_jax/xla', role=LOOP)
 
 
-# A task's own fields: its config's data.* and model.* (configs/mnist1d.py sets them from these sections). A line
-# without field(...) is the trainer's field (declared above, in Data or Model), at the task's value.
-
-
-@dataclasses.dataclass(frozen=True)
-class Mnist1dData:
-  """``data.*`` of task 'mnist1d' (hdet_jax/trainer/tasks/mnist1d.py)."""
-
-  # An .npz with x, y, x_test, y_test; None: generate MNIST-1D.
-  path: str | None = None
-  # MNIST-1D's make_dataset arguments (the rest at get_dataset_args' defaults: 40-sample signals, 10 classes).
-  # 20x the published 5,000, so that the test cross-entropy varies less from seed to seed
-  # (research/workloads_discussion.md, 'The noise floor'). Generated once per process.
-  num_samples: int = field(100000, valid(lambda v: v >= 20, 'an integer >= 20'))
-  # The first 80% of the generated examples train, the rest test.
-  train_split: float = field(0.8, _OPEN_UNIT)
-  # The generator's seed (the package's default): the same data for every config.seed.
-  dataset_seed: int = field(42, valid(lambda v: 0 <= v < 2**32, 'an integer in [0, 2**32)'))
-  # Examples per replica per step (the global batch is num_replicas times this).
-  batch_size: int = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class Mnist1dModel:
-  """``model.*`` of task 'mnist1d'."""
-
-  # 'cnn': the reference CNN below; 'mlp': two ReLU layers of model.hidden units.
-  kind: str = field('cnn', legacy='cnn')
-  # Units of each of the MLP's two hidden layers (model.kind='mlp' only).
-  hidden: int = field(128, _INT_AT_LEAST_1, legacy=128)
-  # Channels of each of the three convolutions (the reference CNN's 25).
-  channels: int = field(25, _INT_AT_LEAST_1)
-  # Output classes (labels must lie in [0, num_classes)).
-  num_classes: int = field(10, valid(lambda v: v >= 2, 'an integer >= 2'))
-  # Dropout on the flattened features before the linear head (base value if explored).
-  dropout: float = 0.0
-
-
-TASK_SECTIONS = {'mnist1d': {'data': Mnist1dData, 'model': Mnist1dModel}}  # each task's own sections
-
-
 def get_config() -> ml_collections.ConfigDict:
   """The main job's config: every field of :class:`Config` at its default, as an ``ml_collections.ConfigDict`` (a
   field whose default is None is a placeholder of its type, so ``--config.init_from=DIR`` overrides it)."""
@@ -310,7 +269,7 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 def config_dict_of(cls: type) -> ml_collections.ConfigDict:
-  """A typed config section (e.g. :class:`Mnist1dData`) at its defaults, as an ``ml_collections.ConfigDict``."""
+  """A typed config section (e.g. a task's ``Mnist1dData``) at its defaults, as an ``ml_collections.ConfigDict``."""
   out = ml_collections.ConfigDict()
   for f in dataclasses.fields(cls):
     if f.metadata.get('section'):

@@ -619,22 +619,8 @@ def _ignored(f: Fields, task: tasks_lib.Task) -> list[tuple[str, tuple[str, ...]
     )
   if not f['init_from']:
     add("init_from is None: the run starts from a random init, without a warm start's noise", ('warm_init.nu',))
-  if f['data.path']:
-    reads = {'lm': 'a built-in corpus', 'mnist1d': 'generating MNIST-1D'}.get(task.name, 'its own data')
-    add(
-      f'data.path={f["data.path"]!r} is read instead of {reads}',
-      (
-        'data.corpus',
-        'data.num_samples',
-        'data.train_split',
-        'data.dataset_seed',
-      )
-      if task.name in ('lm', 'mnist1d')
-      else (),
-    )
-  if task.name == 'mnist1d':
-    other = {'cnn': ('model.hidden',), 'mlp': ('model.channels',)}.get(f['model.kind'], ())
-    add(f'model.kind={f["model.kind"]!r} does not read it', other)
+  for why, names in task.unread(f):  # the task's own fields (tasks/<task>.py)
+    add(why, names)
   return out
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import hdet_jax as H
 from hdet_jax.trainer import fields as fields_lib
 from hdet_jax.trainer.fields import LOOP, LOOP_PROGRAMS, RUN
+from hdet_jax.trainer import tasks as tasks_lib
 
 _ABSENT = fields_lib.ABSENT
 
@@ -326,11 +327,11 @@ _TUNING = {
   ),
 }
 
-# A task's own fields (``fields.TASK_SECTIONS``): its rows carry the task's name.
+# A task's own fields (its ``Task.sections``, tasks/<task>.py): its rows carry the task's name.
 _TASK_FIELDS = tuple(
-  dataclasses.replace(row, task=task)
-  for task, sections in fields_lib.TASK_SECTIONS.items()
-  for name, cls in sections.items()
+  dataclasses.replace(row, task=task.name)
+  for task in map(tasks_lib.get, tasks_lib.names())
+  for name, cls in task.sections.items()
   for row in declared(cls, f'{name}.')
 )
 
@@ -365,7 +366,7 @@ def loop_only() -> frozenset[str]:
   return frozenset(f.name for f in FIELDS if f.role in (LOOP, LOOP_PROGRAMS))
 
 
-RUN_FIELDS = loop_only()
+LOOP_FIELDS = loop_only()  # (the fields outside a run's identity)
 
 
 def not_in_programs() -> tuple[str, ...]:
@@ -432,7 +433,7 @@ def check_fields(values: Mapping[str, Any]) -> None:
 def defines_a_run(field: str) -> bool:
   """Whether a (dotted) field can change one run's trajectory: not loop-only, not the LR bracket's (a bracket's
   runs are one-run configs that never read ``bracket.*``; ``bracket.json`` records the bracket's own fields)."""
-  return field not in RUN_FIELDS and not field.startswith('bracket.')
+  return field not in LOOP_FIELDS and not field.startswith('bracket.')
 
 
 def run_identity(fields: Mapping[str, Any]) -> dict[str, Any]:

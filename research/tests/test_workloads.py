@@ -181,7 +181,7 @@ def test_the_default_reads_the_records_of_the_variants_that_train_its_runs():
   # of 0 (one replica per device, on 8 devices), and the run fields.
   assert theirs['hdet.num_replicas'] == 0 and mine['hdet.num_replicas'] == 8
   newer = {k for k in mine if k not in theirs}
-  assert all(mine[k] == compat.QUIET_DEFAULTS[k] for k in newer if k not in schema.RUN_FIELDS), newer
+  assert all(mine[k] == compat.QUIET_DEFAULTS[k] for k in newer if k not in schema.LOOP_FIELDS), newer
   assert {k: v for k, v in mine.items() if k in theirs and k != 'hdet.num_replicas'} == {
     k: v for k, v in theirs.items() if k != 'hdet.num_replicas'
   }

@@ -139,6 +139,15 @@ class Task:
   # Replica groups: tensor-parallel rules and FSDP exceptions (see hdet_jax.stacked_shardings); () : none.
   tensor_rules: tuple = ()
   fsdp_rules: tuple = ()
+  # The task's own config sections, typed as hdet_jax/trainer/fields.py's: {'data': ..., 'model': ...}; a section
+  # left out is the trainer's (fields.Data, fields.Model: the LM's).
+  sections: dict = {}
+
+  def unread(self, fields: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
+    """``(why, names)`` for the task's fields that ``fields`` (the run's flattened, completed fields) leaves
+    unread, e.g. a generator's settings under ``data.path``: the run warns about those set away from their
+    default (``run_settings.ignored``)."""
+    return []
 
   def check(self, settings: TaskSettings) -> None:
     """Raises TaskError for a task field that cannot work (before anything is read or written)."""

@@ -34,6 +34,11 @@ class LanguageModel(base.Task):
   tensor_rules = model_lib.TENSOR_RULES
   fsdp_rules = model_lib.FSDP_RULES
 
+  def unread(self, fields: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
+    if not fields['data.path']:
+      return []
+    return [(f'data.path={fields["data.path"]!r} is read instead of a built-in corpus', ('data.corpus',))]
+
   def check(self, settings: base.TaskSettings) -> None:
     m = settings.model
     if m.d_model % m.num_heads:

@@ -13,8 +13,6 @@ flattened signal through two ReLU layers of ``model.hidden`` units into the line
 cross-entropy of the averaged model (nats, lower is better); test accuracy is reported beside it.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import os
@@ -27,11 +25,53 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from hdet_jax.trainer.fields import INT_AT_LEAST_1, OPEN_UNIT, field, valid
 from hdet_jax.trainer.tasks import base
 
 _TRAIN_TAG = 0x6D31  # separates the example order's stream from any other use of the seed
 _PROBE_TAG = 0x7031  # the common batches compared at syncs
 NPZ_KEYS = ('x', 'y', 'x_test', 'y_test')
+
+
+# ---- Fields ----
+
+# The task's own data.* and model.* (configs/mnist1d.py sets them from these sections), declared as the trainer's
+# are (hdet_jax/trainer/fields.py). A line without field(...) is the trainer's field (fields.Data or fields.Model),
+# at the task's value.
+
+
+@dataclasses.dataclass(frozen=True)
+class Mnist1dData:
+  """``data.*`` of task 'mnist1d'."""
+
+  # An .npz with x, y, x_test, y_test; None: generate MNIST-1D.
+  path: str | None = None
+  # MNIST-1D's make_dataset arguments (the rest at get_dataset_args' defaults: 40-sample signals, 10 classes).
+  # 20x the published 5,000, so that the test cross-entropy varies less from seed to seed
+  # (research/workloads_discussion.md, 'The noise floor'). Generated once per process.
+  num_samples: int = field(100000, valid(lambda v: v >= 20, 'an integer >= 20'))
+  # The first 80% of the generated examples train, the rest test.
+  train_split: float = field(0.8, OPEN_UNIT)
+  # The generator's seed (the package's default): the same data for every config.seed.
+  dataset_seed: int = field(42, valid(lambda v: 0 <= v < 2**32, 'an integer in [0, 2**32)'))
+  # Examples per replica per step (the global batch is num_replicas times this).
+  batch_size: int = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Mnist1dModel:
+  """``model.*`` of task 'mnist1d'."""
+
+  # 'cnn': the reference CNN below; 'mlp': two ReLU layers of model.hidden units.
+  kind: str = field('cnn', legacy='cnn')
+  # Units of each of the MLP's two hidden layers (model.kind='mlp' only).
+  hidden: int = field(128, INT_AT_LEAST_1, legacy=128)
+  # Channels of each of the three convolutions (the reference CNN's 25).
+  channels: int = field(25, INT_AT_LEAST_1)
+  # Output classes (labels must lie in [0, num_classes)).
+  num_classes: int = field(10, valid(lambda v: v >= 2, 'an integer >= 2'))
+  # Dropout on the flattened features before the linear head (base value if explored).
+  dropout: float = 0.0
 
 
 # ---- Data ----
@@ -240,6 +280,16 @@ class MNIST1D(base.Task):
   # 'conv': the hidden layers' kernels (the CNN's convolutions, the MLP's dense layers).
   param_groups = {'no_decay': r'bias$', 'conv': r'^(conv|dense)\d/kernel$', 'head': r'^linear/kernel$'}
   explorable = ('dropout',)
+  sections = {'data': Mnist1dData, 'model': Mnist1dModel}
+
+  def unread(self, fields: dict[str, Any]) -> list[tuple[str, tuple[str, ...]]]:
+    out = []
+    if fields['data.path']:
+      generator = ('data.corpus', 'data.num_samples', 'data.train_split', 'data.dataset_seed')
+      out.append((f'data.path={fields["data.path"]!r} is read instead of generating MNIST-1D', generator))
+    other = {'cnn': ('model.hidden',), 'mlp': ('model.channels',)}.get(fields['model.kind'], ())
+    out.append((f'model.kind={fields["model.kind"]!r} does not read it', other))
+    return out
 
   def check(self, settings: base.TaskSettings) -> None:
     d, m = settings.data, settings.model
