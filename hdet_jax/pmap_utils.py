@@ -59,7 +59,7 @@ AXIS = 'replica'
 def _one_replica_error(who: str, shape: tuple[int, ...]) -> ValueError:
   return ValueError(
     f"{who}: the state holds one replica (its HDETState's count has shape {shape}, not [N]): pass the stacked "
-    "[N, ...] state the pmapped step returns, every replica (not jax.tree.map(lambda x: x[0], state), which keeps "
+    '[N, ...] state the pmapped step returns, every replica (not jax.tree.map(lambda x: x[0], state), which keeps '
     'replica 0 alone), and restore into a stacked target (hdet_jax.stack_replicas(state, N)).'
   )
 
@@ -80,7 +80,7 @@ def _devices(devices: Sequence[jax.Device] | None, n: int | None, who: str) -> t
   if devices is not None and not (
     isinstance(devices, Sequence) and devices and all(isinstance(d, jax.Device) for d in devices)
   ):
-    raise ValueError(f'{who}: devices must be a non-empty sequence of jax devices (those pmap runs on), got {devices!r}.')
+    raise ValueError(f"{who}: devices must be a non-empty sequence of jax devices (the pmap's), got {devices!r}.")
   devices = tuple(jax.devices() if devices is None else devices)
   if n is not None and n != len(devices):
     raise ValueError(

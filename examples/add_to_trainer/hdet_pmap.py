@@ -71,7 +71,7 @@ def create_learning_rate_fn():
 def create_train_state(key):
   variables = ResNet().init(key, jnp.zeros((1, SIZE, SIZE, 3)), train=False)
   tx = optax.sgd(create_learning_rate_fn(), momentum=MOMENTUM, nesterov=True)
-  tx = hdet_jax.hdet(tx, num_replicas=jax.device_count(), replica_axis='batch', auto_lr=hdet_jax.AutoLR(total_steps=STEPS))
+  tx = hdet_jax.hdet(tx, num_replicas=jax.device_count(), replica_axis='batch', auto_lr=hdet_jax.AutoLR(STEPS))
   state = TrainState.create(
       apply_fn=ResNet().apply, params=variables['params'], tx=tx, batch_stats=variables['batch_stats'])
   return hdet_jax.stack_replicas(state, jax.device_count())  # [N, ...] on every leaf: replica r on device r
