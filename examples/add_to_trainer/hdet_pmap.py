@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import jax_utils
 from flax.training import checkpoints, train_state
 from jax import lax
 import hdet_jax
@@ -71,10 +72,11 @@ def create_learning_rate_fn():
 def create_train_state(key):
   variables = ResNet().init(key, jnp.zeros((1, SIZE, SIZE, 3)), train=False)
   tx = optax.sgd(create_learning_rate_fn(), momentum=MOMENTUM, nesterov=True)
-  tx = hdet_jax.hdet(tx, num_replicas=jax.device_count(), replica_axis='batch', auto_lr=hdet_jax.AutoLR(STEPS))
+  tx = hdet_jax.hdet(tx, num_replicas=jax.device_count(), replica_axis='batch',
+                     auto_lr=hdet_jax.AutoLR(total_steps=STEPS))
   state = TrainState.create(
       apply_fn=ResNet().apply, params=variables['params'], tx=tx, batch_stats=variables['batch_stats'])
-  return hdet_jax.stack_replicas(state, jax.device_count())  # [N, ...] on every leaf: replica r on device r
+  return hdet_jax.stack_replicas(state, jax.device_count())  # [N, ...] on every leaf
 
 
 def compute_metrics(logits, labels):
@@ -95,9 +97,10 @@ def train_step(state, batch):
   grads = hdet_jax.pmean_finite(grads, 'batch')  # the all-reduce across replicas
   new_model_state, logits = aux[1]
   metrics = compute_metrics(logits, batch['label'])
-  new_state = hdet_jax.apply_gradients(state, grads, value=aux[0])  # this replica's loss to the controller
-  batch_stats = hdet_jax.average_at_sync(new_model_state['batch_stats'], new_state, 'batch')
-  new_state = new_state.replace(batch_stats=batch_stats)  # per replica; averaged with the params at a sync
+  batch_stats = new_model_state['batch_stats']
+  new_state = hdet_jax.apply_gradients(state, grads, value=aux[0])  # value: for the LR
+  batch_stats = hdet_jax.average_at_sync(batch_stats, new_state, 'batch')  # at syncs
+  new_state = new_state.replace(batch_stats=batch_stats)
   return new_state, metrics
 
 
@@ -112,15 +115,16 @@ def restore_checkpoint(state, workdir):
 
 
 def save_checkpoint(state, workdir):
-  state = hdet_jax.replicas_to_host(state)  # every replica [N, ...] as numpy, not x[0]
+  state = hdet_jax.replicas_to_host(state)  # every replica [N, ...], not x[0]
   checkpoints.save_checkpoint(workdir, state, int(state.step[0]), keep=3)
 
 
-cross_replica_mean = hdet_jax.pmap_average  # the replicas' mean; a non-finite replica sits out
+cross_replica_mean = hdet_jax.pmap_average  # a non-finite replica sits out
 
 
 def sync_batch_stats(state):
-  return state.replace(**cross_replica_mean({'params': state.params, 'batch_stats': state.batch_stats}))
+  variables = {'params': state.params, 'batch_stats': state.batch_stats}
+  return state.replace(**cross_replica_mean(variables))  # to evaluate, not to train on
 
 
 def train(workdir, steps=STEPS, seed=0):
@@ -135,7 +139,7 @@ def train(workdir, steps=STEPS, seed=0):
     next(data)
   for step in range(step_offset, steps):
     state, metrics = p_train_step(state, shard(next(data)))
-    losses.append(float(metrics['loss'][0]))  # the global batch's (compute_metrics' pmean)
+    losses.append(float(jax_utils.unreplicate(metrics)['loss']))  # the global batch's
     if (step + 1) % CKPT_EVERY == 0 or step + 1 == steps:
       save_checkpoint(state, workdir)
   eval_metrics = p_eval_step(sync_batch_stats(state), shard(next(batches(seed + 1000))))

@@ -94,7 +94,8 @@ def train_step(state, batch):
   grads = lax.pmean(grads, axis_name='batch')
   new_model_state, logits = aux[1]
   metrics = compute_metrics(logits, batch['label'])
-  new_state = state.apply_gradients(grads=grads, batch_stats=new_model_state['batch_stats'])
+  batch_stats = new_model_state['batch_stats']
+  new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
   return new_state, metrics
 
 
@@ -132,7 +133,7 @@ def train(workdir, steps=STEPS, seed=0):
     next(data)
   for step in range(step_offset, steps):
     state, metrics = p_train_step(state, shard(next(data)))
-    losses.append(float(metrics['loss'][0]))  # the global batch's (compute_metrics' pmean)
+    losses.append(float(jax_utils.unreplicate(metrics)['loss']))  # the global batch's
     if (step + 1) % CKPT_EVERY == 0 or step + 1 == steps:
       state = sync_batch_stats(state)
       save_checkpoint(state, workdir)
