@@ -2,10 +2,10 @@
 
     python -m benchmarks.pmap_eval [--width 16] [--repeats 20]
 
-On 8 simulated CPU devices, examples/add_to_trainer/hdet_pmap.py's state after 7 steps (8 replicas, one per device, one step past a sync)
-and its pmapped eval step on one 64-row batch. Each way computes the average, puts it where the eval step reads it
-and evaluates; the figure is the median wall time of ``--repeats`` calls after two warm-up calls, to the eval loss
-on the host:
+On 8 simulated CPU devices, examples/add_to_trainer/hdet_pmap.py's state after 7 steps (8 replicas, one per device,
+one step past a sync: the replicas apart) and its pmapped eval step on one 64-row batch. Each way computes the
+average, puts it where the eval step reads it and evaluates; the figure is the median wall time of ``--repeats``
+calls after two warm-up calls, to the eval loss on the host:
 
 * **unjitted average of the whole state**: ``hdet_jax.average_replicas(state)`` (every leaf of the TrainState:
   parameters, batch statistics, momentum, HDET's state; one small op per leaf, outside jit), then
