@@ -1,12 +1,13 @@
 """plain_pmap.py plus HDET: docs/pmap.md shows and explains the diff.
 
 flax linen: a small ResNet (convolutions, BatchNorm, a residual block) in a ``TrainState`` with ``batch_stats``;
-``jax.pmap(train_step, axis_name='batch')`` over the devices, the state copied to each with
-``jax_utils.replicate`` and the gradient ``lax.pmean``'d; SGD with Nesterov momentum on a warmup + cosine
-schedule and an L2 penalty in the loss; the devices' batch statistics averaged before evaluation and
-checkpoints; ``flax.training.checkpoints`` saving device 0's copy. The task: 8x8 RGB images of 4 classes, each a
+``jax.pmap(train_step, axis_name='batch')`` over the devices, one HDET replica on each: the state stacked
+``[N, ...]`` and put on the devices with ``hdet_jax.replicas_to_devices``, the gradient averaged with
+``hdet_jax.pmean_finite``; SGD with Nesterov momentum on a warmup + cosine schedule and an L2 penalty in the loss,
+wrapped by ``hdet``; each replica's batch statistics its own, averaged at the syncs; the replicas' average
+evaluated; ``flax.training.checkpoints`` saving every replica. The task: 8x8 RGB images of 4 classes, each a
 fixed random pattern, shifted and noised, made here (nothing is downloaded). ``python hdet_pmap.py [--quick]``
-trains it as 8 replicas on 8 simulated CPU devices, one replica per device.
+trains it as 8 replicas on 8 simulated CPU devices.
 """
 import functools
 from typing import Any
