@@ -75,6 +75,27 @@ def _replica_count(tree: ArrayTree, name: str, who: str) -> int | None:
   return replicas.leading_axis(tree, name, who=who)
 
 
+def _hdet_replicas(tree: ArrayTree) -> int | None:
+  """N as an HDETState in ``tree`` knows it (its ``values`` are [..., G, N]), else None."""
+  for found in jax.tree.leaves(tree, is_leaf=views._is_hdet_state):
+    if views._is_hdet_state(found):
+      values = found.values if hasattr(found, 'values') and not callable(found.values) else found['values']
+      return int(jnp.shape(values)[-1])
+  return None
+
+
+def _process_local(x) -> bool:
+  """Whether ``x`` is a pmap output across processes: this process's replicas only, ``[local devices, ...]``, one
+  on each of its devices (pmap gives each process its own rows of a multi-process pmap)."""
+  return (
+    jax.process_count() > 1
+    and isinstance(x, jax.Array)
+    and x.is_fully_addressable
+    and jnp.ndim(x) >= 1
+    and x.shape[0] == jax.local_device_count() == len(x.devices())
+  )
+
+
 def _devices(devices: Sequence[jax.Device] | None, n: int | None, who: str) -> tuple[jax.Device, ...]:
   """The devices the replicas go to (every process's, ``jax.devices()``, by default): one per replica."""
   if devices is not None and not (
@@ -101,9 +122,10 @@ def replicas_to_host(state: ArrayTree) -> ArrayTree:
   with ``flax.training.checkpoints.save_checkpoint`` or orbax as before, and put it back with
   :func:`replicas_to_devices`. The values are the devices' own, bit for bit.
 
-  Where the state spans processes (multi-host pmap), each leaf is gathered from every process
-  (``jax.experimental.multihost_utils.process_allgather``): every process must call this, and each then holds the
-  whole state (save it from one, ``jax.process_index() == 0``, with ``flax.training.checkpoints``).
+  Where the pmap spans processes (multi-host pmap), it gives each process its own replicas, ``[local devices,
+  ...]``; this gathers every process's, in order (``jax.experimental.multihost_utils.process_allgather``, a
+  collective: every process must call this), and each process then holds the whole ``[N, ...]`` state and saves it
+  as on one host. A state that holds fewer replicas than its HDETState counts is refused.
 
   Args:
     state: the stacked train state the pmapped step returns (or any stacked tree: the parameters alone).
@@ -131,13 +153,20 @@ def replicas_to_host(state: ArrayTree) -> ArrayTree:
   _replica_count(state, 'state', 'replicas_to_host')
 
   def get(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      from jax.experimental import multihost_utils  # (jax's own; only where a leaf spans processes)
+    if isinstance(x, jax.Array) and (not x.is_fully_addressable or _process_local(x)):
+      from jax.experimental import multihost_utils  # (jax's own; only where the state spans processes)
 
-      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))  # every process's replicas, in order
     return np.asarray(jax.device_get(x))
 
-  return jax.tree.map(get, state)
+  out = jax.tree.map(get, state)
+  n, want = replicas.leading_axis(out, 'state', who='replicas_to_host'), _hdet_replicas(out)
+  if want is not None and n != want:
+    raise ValueError(
+      f'replicas_to_host: the state holds {n} of its {want} replicas (HDETState.values has N = {want}): pass the '
+      'whole stacked state, every process calling this where the pmap spans processes.'
+    )
+  return out
 
 
 def replicas_to_devices(state: ArrayTree, devices: Sequence[jax.Device] | None = None) -> ArrayTree:
@@ -205,6 +234,9 @@ def pmap_average(tree: ArrayTree, devices: Sequence[jax.Device] | None = None) -
   (averaging it mid-window would be a sync HDET did not make). A replica with a non-finite leaf is left out, so
   one that blew up does not poison the evaluation; if none is finite, the leaves are NaN.
 
+  Across processes each passes its own replicas, as the pmapped step gave them (``[local devices, ...]``), and
+  gets them back averaged over all N.
+
   Args:
     tree: a stacked tree on the devices, ``[N, ...]`` on every leaf (what the pmapped step returns).
     devices: the devices the pmap runs on (its ``devices=``); by default ``jax.devices()``, pmap's.
@@ -222,7 +254,8 @@ def pmap_average(tree: ArrayTree, devices: Sequence[jax.Device] | None = None) -
     [3.0, 3.0]
   """
   n = _replica_count(tree, 'tree', 'pmap_average')
-  devices = _devices(devices, n, 'pmap_average')
+  local = jax.process_count() > 1 and all(_process_local(x) for x in jax.tree.leaves(tree))
+  devices = _devices(devices, None if local else n, 'pmap_average')  # across processes: this one's replicas
   return _averaged(devices)(tree)
 
 

@@ -62,8 +62,11 @@ def batches(seed=0):
 
 
 def shard(batch):
-  """[BATCH, ...] -> [devices, BATCH / devices, ...]: the rows of each device (flax's common_utils.shard)."""
-  return jax.tree.map(lambda x: x.reshape((jax.local_device_count(), -1) + x.shape[1:]), batch)
+  """This process's rows of a global batch [BATCH, ...], as [its devices, BATCH / devices, ...]: what a per-host
+  input pipeline gives flax's common_utils.shard (the whole batch on one host)."""
+  p, hosts = jax.process_index(), jax.process_count()
+  rows = lambda x: x[p * len(x) // hosts:(p + 1) * len(x) // hosts]
+  return jax.tree.map(lambda x: rows(x).reshape((jax.local_device_count(), -1) + x.shape[1:]), batch)
 
 
 def create_learning_rate_fn():
