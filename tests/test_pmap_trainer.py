@@ -56,6 +56,7 @@ if __name__ == '__main__':
   sys.exit(0)
 
 
+import flax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -173,6 +174,9 @@ def test_a_one_replica_state_is_refused_at_save_and_at_restore(straight, tmp_pat
     line = str(e.value)
     assert '\n' not in line and line.startswith(fn.__name__ + ': the state holds one replica'), line
     assert 'count has shape ()' in line and 'x[0]' in line
+  half = jax.tree.map(lambda x: x[: N // 2], state)  # some replicas only (a process's own, say)
+  with pytest.raises(ValueError, match=r'^replicas_to_host: the state holds 4 of its 8 replicas'):
+    hdet_jax.replicas_to_host(half)
   checkpoints.save_checkpoint(str(tmp_path), one, int(one.step), keep=1)
   target = hdet_jax.replicas_to_host(state)
   try:
@@ -215,13 +219,18 @@ def _at(tree, path):
   return np.asarray(tree)
 
 
-def test_the_stacked_state_mapped_with_in_axes_none_is_refused_in_one_line():
-  """pmap(in_axes=(None, 0)) hands every device the whole stacked state: HDET's update refuses it while the step is
-  traced, naming the state (docs/pmap.md, "The state")."""
+def test_the_stacked_state_mapped_with_in_axes_none_fails_while_the_step_is_traced():
+  """pmap(in_axes=(None, 0)) hands every device the whole stacked state. The example's model then refuses its
+  stacked parameters (flax's shape check names the [N, ...] shape), and a step that reaches the update gets HDET's
+  one-line refusal naming the state (docs/pmap.md, "The state"); nothing runs."""
   state = hdet_jax.replicas_to_host(hdet.create_train_state(jax.random.key(0)))
   step = jax.pmap(hdet.train_step, axis_name='batch', in_axes=(None, 0))
-  with pytest.raises(ValueError, match=r"^hdet: state must be one replica's HDETState") as e:
+  with pytest.raises(flax.errors.ScopeParamShapeError, match=r'has shape \(8, 3, 3, 3, 16\)'):
     step(state, hdet.shard(next(hdet.batches(0))))
+  tx, _, params, opt_state = _stats_step()
+  update = lambda opt_state, g: tx.update(g, opt_state, params, value=jnp.sum(g['w']))
+  with pytest.raises(ValueError, match=r"^hdet: state must be one replica's HDETState") as e:
+    jax.pmap(update, axis_name='batch', in_axes=(None, 0))(opt_state, params)
   assert '\n' not in str(e.value)
 
 
