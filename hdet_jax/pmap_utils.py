@@ -9,7 +9,8 @@ says, in short:
 - **The state is mapped like the batch.** The train state is stacked, ``[N, ...]`` on every leaf
   (:func:`hdet_jax.stack_replicas`), because the replicas differ between syncs; pmap maps it over its leading axis,
   ``in_axes=0`` (pmap's default), never ``None``. With ``in_axes=None`` every device would get the whole stacked
-  state, which ``tx.update`` refuses in one line.
+  state: the step fails while it is traced (a flax model's shape check names the ``[N, ...]`` parameter, and
+  ``tx.update`` refuses the stacked state in one line).
 - **Checkpoints hold every replica.** :func:`replicas_to_host` replaces a pmap trainer's
   ``jax.device_get(jax.tree.map(lambda x: x[0], state))`` (replica 0 alone: under HDET a silent loss of the other
   N - 1) with the ``[N, ...]`` state as host numpy arrays; :func:`replicas_to_devices` replaces
@@ -17,7 +18,7 @@ says, in short:
   outputs (pmap refuses arrays committed to one device, as a checkpoint restores them). Both refuse a state that
   holds one replica.
 - **Evaluate the average.** :func:`pmap_average` is the replicas' mean on every device, one compiled pmap
-  (an all-reduce of the tree's bytes): the input of the trainer's pmapped eval step.
+  (two all-reduces of the tree's bytes): the input of the trainer's pmapped eval step.
 - **BatchNorm's statistics stay per replica and are averaged at the syncs.** :func:`average_at_sync`, in the step:
   each replica's running statistics follow its own parameters (its own learning rate) between syncs, and at a sync,
   where HDET averages the parameters, the statistics are averaged too, under the same non-finite guard.
