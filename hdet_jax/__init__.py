@@ -10,6 +10,7 @@ from hdet_jax.accumulate import multi_steps
 from hdet_jax.flax_utils import apply_gradients, dense_general_ok
 from hdet_jax.packing import packed
 from hdet_jax.axes import pmean_finite
+from hdet_jax.pmap_utils import average_at_sync, pmap_average, replicas_to_devices, replicas_to_host
 from hdet_jax.replicas import (
   average_replicas,
   evaluate_over_replicas,
@@ -53,6 +54,11 @@ __all__ = [
   # A flax trainer of your own (hdet_jax.flax_utils: flax without the trainer extra).
   'apply_gradients',
   'dense_general_ok',
+  # A jax.pmap trainer (hdet_jax.pmap_utils): checkpoints of every replica, the average for evaluation, BatchNorm.
+  'replicas_to_host',
+  'replicas_to_devices',
+  'pmap_average',
+  'average_at_sync',
   # The shardings of stacked replicas (hdet_jax.shardings).
   'stacked_shardings',
   'batch_shardings',

@@ -275,6 +275,11 @@ AXES = [
     lambda a: H.replica_value(_hdet().init(jnp.ones(3)), 0, replica_axis=a),
     ('replica_value', 'replica_axis'),
   ),
+  (
+    'average_at_sync',
+    lambda a: H.average_at_sync(jnp.ones(2), _hdet().init(jnp.ones(3)), a),
+    ('average_at_sync', 'axis_name'),
+  ),
 ]
 
 

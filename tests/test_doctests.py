@@ -26,6 +26,7 @@ EXAMPLES = {
   'hdet_jax.multipliers': 2,
   'hdet_jax.packing': 17,
   'hdet_jax.param_groups': 4,
+  'hdet_jax.pmap_utils': 33,
   'hdet_jax.replicas': 39,
   'hdet_jax.schedules': 3,
   'hdet_jax.settings': 9,
