@@ -199,12 +199,14 @@ def table(measured):
 
 
 def per_seed(measured):
-  seeds = list(next(iter(measured.values()))['seeds'])
-  head = '| layout | ' + ' | '.join(f'seed {s}: eval (train; factor)' for s in seeds) + ' |'
-  rows = [head, '|---|' + '---|' * len(seeds)]
-  for name, m in measured.items():
-    cells = [f'{v["eval"]:.4f} ({v["train"]:.4f}; x{v["factor"]:.1f})' for v in (m['seeds'][s] for s in seeds)]
-    rows.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+  """One row per seed: each layout's evaluation loss (its final training loss; its learned factor)."""
+  names = list(measured)
+  rows = ['| seed | ' + ' | '.join(f'{name}: eval (train; factor)' for name in names) + ' |']
+  rows.append('|---|' + '---|' * len(names))
+  for seed in next(iter(measured.values()))['seeds']:
+    cells = [measured[name]['seeds'][seed] for name in names]
+    cells = [f'{v["eval"]:.4f} ({v["train"]:.4f}; x{v["factor"]:.1f})' for v in cells]
+    rows.append(f'| {seed} | ' + ' | '.join(cells) + ' |')
   return rows
 
 
@@ -270,33 +272,45 @@ def page(measured, command, steps):
 
 
 def compare(measured, a='8 x 1', b='4 x 2 FSDP'):
-  """a's losses against b's: the mean over the seeds of a / b - 1 (train, eval), and the seeds where a's is lower."""
+  """a's losses against b's, per kind (train, eval): the mean over the seeds of a / b - 1, the seeds where a's is
+  lower, the seeds, each layout's standard deviation over the seeds, and each one's worst (highest) seed."""
   sa, sb = measured[a]['seeds'], measured[b]['seeds']
   out = {}
   for key in ('train', 'eval'):
-    ratios = [sa[s][key] / sb[s][key] - 1 for s in sa]
-    out[key] = (statistics.mean(ratios), sum(r < 0 for r in ratios), len(ratios))
+    va, vb = [sa[s][key] for s in sa], [sb[s][key] for s in sa]
+    ratios = [x / y - 1 for x, y in zip(va, vb)]
+    sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in (va, vb)]
+    out[key] = {
+      'mean': statistics.mean(ratios),
+      'lower': sum(r < 0 for r in ratios),
+      'seeds': len(ratios),
+      'sd': sd,
+      'worst': (max(va), max(vb)),
+    }
   return out
 
 
 def reading(measured):
   c = compare(measured)
-  (tr, tw, n), (ev, ew, _) = c['train'], c['eval']
+  tr, ev = c['train'], c['eval']
   return (
-    f'8 replicas against 4 (8 x 1 against 4 x 2 FSDP, twice the state per device): the final training loss '
-    f'{tr:+.1%} on average over the {n} seeds (lower on {tw} of {n}), the evaluation loss {ev:+.1%} (lower on '
-    f'{ew} of {n}).'
+    f'8 replicas against 4 (8 x 1 against 4 x 2 FSDP, twice the state per device), over {tr["seeds"]} seeds: the '
+    f'final training loss {tr["mean"]:+.1%} on average (lower on {tr["lower"]}), its spread over the seeds '
+    f'±{tr["sd"][0]:.4f} against ±{tr["sd"][1]:.4f} and its worst seed {tr["worst"][0]:.4f} against '
+    f'{tr["worst"][1]:.4f} ({tr["worst"][0] / tr["worst"][1] - 1:+.1%}); the evaluation loss {ev["mean"]:+.1%} '
+    f'(lower on {ev["lower"]}), ±{ev["sd"][0]:.4f} against ±{ev["sd"][1]:.4f}, worst {ev["worst"][0]:.4f} '
+    f'against {ev["worst"][1]:.4f}.'
   )
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--quick', action='store_true', help='1 seed of 6 steps; writes nothing')
-  p.add_argument('--seeds', type=int, default=None, help='seeds 0 .. S-1 (default 5; --quick 1)')
+  p.add_argument('--seeds', type=int, default=None, help='seeds 0 .. S-1 (default 10; --quick 1)')
   p.add_argument('--steps', type=int, default=None, help="optimizer steps per run (default: the example's 40)")
   p.add_argument('--write', action='store_true', help=f'write {RESULTS.relative_to(ROOT)}')
   args = p.parse_args(argv)
-  seeds = range(args.seeds or (1 if args.quick else 5))
+  seeds = range(args.seeds or (1 if args.quick else 10))
   steps = args.steps or (6 if args.quick else _load('hdet_linen').STEPS)
   start = time.perf_counter()
   measured = measure(seeds, steps, log=lambda line: print('# ' + line, file=sys.stderr, flush=True))

@@ -147,3 +147,23 @@ def test_the_replicas_per_device_benchmark_counts_the_rule_and_the_layouts_train
   assert replicas_fsdp.agreement(got) < 1e-5
   assert len(got['8 on 4 x 1']['seeds'][0]['losses']) == 3
   assert [row.split(' | ')[0] for row in replicas_fsdp.table(got)[2:]] == [f'| {name}' for name in layouts]
+
+
+def test_both_pages_quote_the_replicas_benchmarks_record():
+  """docs/add_to_trainer.md and docs/scaling.md give one answer for N with FSDP (issue 84, item 4), and the figures
+  they quote are results/replicas_fsdp.md's: each layout's bytes per device, and its reading's comparison of 8
+  replicas with 4."""
+  import pathlib
+  import re
+
+  root = pathlib.Path(__file__).resolve().parent.parent
+  record = (root / 'results' / 'replicas_fsdp.md').read_text()
+  trainer, scaling = ((root / 'docs' / name).read_text() for name in ('add_to_trainer.md', 'scaling.md'))
+  rows = {m.group(1): m.group(2) for m in re.finditer(r'^\| ([^|]+?) \| \d+ \| \d+ \| ([\d,]+) \|', record, re.M)}
+  assert set(rows) == {'8 x 1', '4 x 2 FSDP', '8 on 4 x 2 FSDP', '8 on 4 x 1'}, rows
+  flat = ' '.join(trainer.split())
+  assert all(f'{b} B' in flat for b in rows.values()), rows
+  mean = re.search(r'the final training loss -(\d\.\d)% on average \(lower on (\d+)\)', record)
+  assert mean and f'{mean.group(1)}% below 4' in flat and f'{mean.group(1)}% below 4' in ' '.join(scaling.split())
+  for page in (flat, ' '.join(scaling.split())):
+    assert 'up to 8' in page and '(P + O) N / D' in page
