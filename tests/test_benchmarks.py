@@ -124,15 +124,15 @@ def test_the_jit_with_shardings_path_sends_across_replicas_what_the_shard_map_pa
 
 
 def test_the_replicas_per_device_benchmark_counts_the_rule_and_the_layouts_train_alike():
-  """benchmarks/replicas_fsdp.py on three of its layouts for 3 steps: each device holds the training state's
+  """benchmarks/replicas_fsdp.py on two of its layouts for 3 steps: each device holds the training state's
   (P + O) x N / D, the stacked state's bytes over the devices (within 2%: HDET's own few numbers and the leaves too
-  small to split stay whole on every device of an FSDP group; measured 0.2%), and 8 replicas give the same losses
+  small to split stay whole on every device of an FSDP group; measured 1.3%), and 8 replicas give the same losses
   on 4 groups of 2 with FSDP as on 4 devices without (float32 rounding)."""
   import jax
 
   from benchmarks import replicas_fsdp
 
-  layouts = ('4 x 2 FSDP', '8 on 4 x 2 FSDP', '8 on 4 x 1')
+  layouts = ('8 on 4 x 2 FSDP', '8 on 4 x 1')
   got = replicas_fsdp.measure([0], 3, layouts)
   for name in layouts:
     n, groups, fsdp, _ = replicas_fsdp.LAYOUTS[name]
@@ -143,7 +143,7 @@ def test_the_replicas_per_device_benchmark_counts_the_rule_and_the_layouts_train
     rule = stacked / (groups * fsdp)
     assert rule <= got[name]['state B'] <= 1.02 * rule, (name, got[name]['state B'], rule)
     assert got[name]['footprint B'] >= got[name]['state B'] and got[name]['flops'] > 0
-  assert got['8 on 4 x 1']['state B'] > 1.9 * got['8 on 4 x 2 FSDP']['state B'] > 3.8 * got['4 x 2 FSDP']['state B']
+  assert got['8 on 4 x 1']['state B'] > 1.9 * got['8 on 4 x 2 FSDP']['state B']  # 2 copies a device, against 1
   assert replicas_fsdp.agreement(got) < 1e-5
   assert len(got['8 on 4 x 1']['seeds'][0]['losses']) == 3
   assert [row.split(' | ')[0] for row in replicas_fsdp.table(got)[2:]] == [f'| {name}' for name in layouts]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 
 import hdet_jax
 
@@ -112,8 +113,13 @@ def _leaves_equal(a, b):
   return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def test_hdets_state_round_trips_and_the_restored_stream_resumes_bit_for_bit(tmp_path):
-  got = runs(HDET, 0, tmp_path / 'hdet')
+@pytest.fixture(scope='module')
+def hdet_runs(tmp_path_factory):
+  return runs(HDET, 0, tmp_path_factory.mktemp('resume') / 'hdet')
+
+
+def test_hdets_state_round_trips_and_the_restored_stream_resumes_bit_for_bit(hdet_runs):
+  got = hdet_runs
   saved, restored = got['saved'][1], got['restored'][1]
   assert _leaves_equal(got['saved'], got['restored'])
   assert int(restored.sync_count[0]) == K // T and int(restored.count[0]) == K  # 4 syncs, 20 updates
@@ -124,13 +130,13 @@ def test_hdets_state_round_trips_and_the_restored_stream_resumes_bit_for_bit(tmp
   assert eval_loss(resumed) == eval_loss(straight)
 
 
-def test_a_restarted_stream_moves_the_controller_and_hdet_more_than_plain(tmp_path):
+def test_a_restarted_stream_moves_the_controller_and_hdet_more_than_plain(hdet_runs, tmp_path):
   """Restarting the stream at step 20 changes the batches of steps 20-39 (they repeat steps 0-19's). Measured (seed
   0, the same at the suite's XLA flags and at XLA's defaults): HDET's learned factor x5.11 against the uninterrupted
   run's x6.31, its final evaluation 10.0% off, plain Adam's 1.6% (seeds 1 and 2: HDET 12.0% and 6.3%, plain 1.8% and
   1.9%; ``python tests/test_resume.py``). Asserted: both runs differ from their uninterrupted ones, HDET's learned
   factor by more than 10%, and HDET's evaluation by more than twice plain's."""
-  hdet, plain = runs(HDET, 0, tmp_path / 'hdet'), runs(PLAIN, 0, tmp_path / 'plain')
+  hdet, plain = hdet_runs, runs(PLAIN, 0, tmp_path / 'plain')
   changes = {}
   for name, got in (('hdet', hdet), ('plain', plain)):
     straight, restarted = got['straight'][0], got['restarted'][0]
