@@ -183,3 +183,14 @@ def test_between_syncs_only_the_gradient_crosses_replicas():
   # The window's average runs in a branch: an all-reduce of about the parameters' bytes across replicas.
   averaged = sum(c.operand_bytes for c in in_branches if c.crosses_replicas and c.op == 'all-reduce')
   assert averaged >= 0.9 * grad_bytes, (averaged, grad_bytes)
+
+
+def test_one_replica_per_device_with_the_fsdp_annotations_kept_is_refused_today(tmp_path):
+  """hdet_linen with N = 8 on 8 devices (a 'data' axis of size 1): over_replicas makes a mesh axis of size 1 manual,
+  and the constraints to 'data' (the step's, flax's ``with_partitioning``) are refused inside the map, as
+  docs/add_to_trainer.md's "How many replicas, with FSDP kept" says. When this stops raising, that note and
+  benchmarks/replicas_fsdp.py's unboxed x 1 layouts can go."""
+  example = _load('hdet_linen')
+  example.N = len(jax.devices())
+  with pytest.raises(ValueError, match='can only refer to Auto axes'):
+    example.train(str(tmp_path), 1)

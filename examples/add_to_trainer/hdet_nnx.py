@@ -113,7 +113,7 @@ def train(workdir, steps=STEPS, seed=0):
       state = manager.restore(manager.latest_step(), args=args)
     data, losses = batches(seed), []
     start = manager.latest_step() or 0  # optimizer steps saved
-    for _ in range(start):  # skip the batches already trained on
+    for _ in range(start):  # the batch position: skip the batches trained on
       next(data)
     for t in range(start, steps):
       for micro in np.split(next(data), ACCUM):
