@@ -1,6 +1,7 @@
 """The pmap path's cost, counted: HDET against plain under ``jax.pmap``, beside the mesh path (``shard_map``).
 
-    python -m benchmarks.pmap_path [--smoke] [--write] [--rounds R] [--k K] [--compiles C]
+    python -m benchmarks.pmap_path [--smoke] [--write] [--rounds R] [--k K] [--compiles C] [--save FILE]
+    python -m benchmarks.pmap_path --from FILE [--write]   # the report of a saved run, nothing measured
 
 The benchmarks' step (``benchmarks/common.py``: the trainer's TransformerLM, ``optax.adam(one_cycle)``, the
 gradient's ``lax.pmean``), N = 8 replicas on 8 simulated CPU devices, run two ways from the same per-replica
@@ -14,7 +15,8 @@ programs:
   are counted apart: the compiled HLO with the conditional replaced by a call of one branch, counted by XLA's
   own cost analysis (``cond, not taken``: a non-sync step; ``cond, taken``: a sync step);
 * ``sync=False`` and ``sync=True``, two programs the loop picks between (the trainer's dispatch);
-* ``sync=False`` with the parameters and optimizer state donated, beside plain donated (kernels only).
+* the same with HDET's small state packed in one buffer (``hdet_jax.packed``), and with the parameters and
+  optimizer state donated (``jax.pmap(..., donate_argnums=(0, 1))``), beside plain donated.
 
 Counted per device and step (deterministic): XLA's flops and bytes accessed; the kernels of the optimized HLO
 (fusions, copies, every other instruction that runs work; parameters, constants, tuples, bitcasts and
@@ -23,8 +25,8 @@ get-tuple-elements are free), the collectives (all-reduce and all-gather: count 
 median of ``--compiles`` builds per program, the paths side by side in a fresh order every round) and the step
 (the median over interleaved rounds of K calls of each program through the path's own dispatch, ``pmap``'s or
 ``jit``'s, with a plain/plain A/A control per path). ``--write`` replaces this benchmark's section of
-results/benchmarks.md (or appends it); ``--smoke`` runs a one-block model, one compile and two rounds, and writes
-nothing.
+results/benchmarks.md (or appends it); ``--smoke`` runs a one-block model, one compile and two rounds of two calls,
+and writes nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import datetime
 import os
 import pathlib
+import pickle
 import re
 import statistics
 import sys
@@ -51,13 +54,17 @@ RESULTS = C.REPO / 'results' / 'benchmarks.md'
 HEADING = '## The pmap path, counted'
 PATHS = {'mesh': 'shard_map', 'pmap': 'pmap'}  # path name: common.Variant backend
 SMOKE_MODEL = (types.SimpleNamespace(d_model=16, num_layers=1, num_heads=2, mlp_ratio=2), 8, 2, 'one-block smoke model')
-# The variants, one of each per path: (name, kind, mode, donate). HDET's state is not packed, exact_sync off.
+# The variants, one of each per path: (name, kind, mode, donate, packed). exact_sync off; "packed": HDET's small
+# state in one buffer (``hdet_jax.packed``'s layout, common.py's ``packed=True``).
 VARIANTS = (
-  ('plain', 'plain', 'static', False),
-  ('cond', 'hdet', 'cond', False),
-  ('two programs', 'hdet', 'static', False),
-  ('plain, donated', 'plain', 'static', True),
-  ('two programs, donated', 'hdet', 'static', True),
+  ('plain', 'plain', 'static', False, False),
+  ('cond', 'hdet', 'cond', False, False),
+  ('two programs', 'hdet', 'static', False, False),
+  ('cond, packed', 'hdet', 'cond', False, True),
+  ('two programs, packed', 'hdet', 'static', False, True),
+  ('plain, donated', 'plain', 'static', True, False),
+  ('two programs, donated', 'hdet', 'static', True, False),
+  ('two programs, packed, donated', 'hdet', 'static', True, True),
 )
 # The counted programs: (row, variant, program flag, branch of the conditional or None, the plain row it is read
 # against).
@@ -67,8 +74,17 @@ PROGRAMS = (
   ('non-sync step: sync=False program', 'two programs', False, None, 'plain'),
   ('sync step: cond, taken (sync=None)', 'cond', None, 1, 'plain'),
   ('sync step: sync=True program', 'two programs', True, None, 'plain'),
+  ('non-sync step: cond, not taken, packed', 'cond, packed', None, 0, 'plain'),
+  ('non-sync step: sync=False program, packed', 'two programs, packed', False, None, 'plain'),
   ('plain, donated', 'plain, donated', None, None, 'plain, donated'),
   ('non-sync step: sync=False program, donated', 'two programs, donated', False, None, 'plain, donated'),
+  (
+    'non-sync step: sync=False program, packed, donated',
+    'two programs, packed, donated',
+    False,
+    None,
+    'plain, donated',
+  ),
 )
 FREE = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'partition-id', 'replica-id'}
 # The timed programs: (name, variant, Runner phase).
@@ -88,8 +104,8 @@ COMPILED = (
 
 
 def variant(name: str, path: str) -> C.Variant:
-  _, kind, mode, donate = next(v for v in VARIANTS if v[0] == name)
-  return C.Variant(f'{name} ({path})', kind, mode, donate=donate, packed=False, backend=PATHS[path])
+  _, kind, mode, donate, packed = next(v for v in VARIANTS if v[0] == name)
+  return C.Variant(f'{name} ({path})', kind, mode, donate=donate, packed=packed, backend=PATHS[path])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -224,7 +240,7 @@ class Timed:
 
 def _flags(vname: str) -> list:
   """The program flags of a variant's build (``common.build_programs``)."""
-  _, kind, mode, _ = next(v for v in VARIANTS if v[0] == vname)
+  _, kind, mode, *_ = next(v for v in VARIANTS if v[0] == vname)
   return [False, True] if kind == 'hdet' and mode == 'static' else [None]
 
 
@@ -316,6 +332,7 @@ def measure(smoke: bool = False, rounds: int = 30, k: int = 5, compiles: int = 3
     'compiled': seconds,
     'model': f'd_model={m.d_model} layers={m.num_layers} seq={seq} batch/replica={batch} '
     f'params/replica={C.num_params(m, seq):,} ({src})',
+    'param B': 4 * C.num_params(m, seq),  # float32 parameters of one replica, on its device
     'rounds': rounds,
     'k': k,
     'compiles': compiles,
@@ -414,34 +431,93 @@ def step_table(measured: dict) -> list[str]:
   return lines
 
 
+def _over(x: dict, b: dict) -> str:
+  """The counted figures of ``x`` over 1.005x ``b``'s, as text."""
+  keys = [k for k in ('flops', 'bytes accessed', 'kernels') if x[k] > 1.005 * b[k]]
+  return ', '.join(f'{k} {x[k] / b[k]:.4f}x' for k in keys) or 'nothing'
+
+
 def reading(measured: dict) -> list[str]:
-  """Sentences read off the figures (each claim checked against them before it is written)."""
-  c = measured['counted']
+  """The page's reading, one bullet a finding, every number read off the figures (and each claim checked on
+  them, the sentence says otherwise)."""
+  c, pb = measured['counted'], measured['param B']
+  at = lambda row: c[row, 'pmap']
+  p, pd = at('plain'), at('plain, donated')
+  ns, nsp = at('non-sync step: sync=False program'), at('non-sync step: sync=False program, packed')
+  nsd, nspd = at('non-sync step: sync=False program, donated'), at('non-sync step: sync=False program, packed, donated')
+  cn, cnp = at('non-sync step: cond, not taken (sync=None)'), at('non-sync step: cond, not taken, packed')
+  cs, ss = at('sync step: cond, taken (sync=None)'), at('sync step: sync=True program')
   out = []
-  same = all(c[row, 'pmap'] == c[row, 'mesh'] for row, *_ in PROGRAMS)
+  differ = [row for row, *_ in PROGRAMS if c[row, 'pmap'] != c[row, 'mesh']]
   out.append(
-    'The pmap path compiles to what the mesh path compiles: every counted figure of every program is the same on '
-    'both paths (`jax.pmap` is `jit` of a `shard_map` over the devices in this jax).'
-    if same
-    else 'The pmap path and the mesh path count differently: '
-    + ', '.join(row for row, *_ in PROGRAMS if c[row, 'pmap'] != c[row, 'mesh'])
-    + '.'
+    '- **The pmap path compiles to what the mesh path compiles**: every counted figure of every program is the '
+    "same on both paths (in this jax, `jax.pmap` is `jit` of a `shard_map` over the devices, pmap's squeeze and "
+    'expand of the mapped axis costing nothing), so the pmap path has no cost of its own in the compiled program; '
+    'what it costs over plain is the HDET design a pmap trainer runs.'
+    if not differ
+    else '- The pmap path and the mesh path count differently: ' + ', '.join(differ) + '.'
   )
-  p = c['plain', 'pmap']
-  over = []
-  for row, *_, base in PROGRAMS:
-    if row == base:
-      continue
-    x, b = c[row, 'pmap'], c[base, 'pmap']
-    for key in ('flops', 'bytes accessed', 'kernels'):
-      if x[key] > 1.005 * b[key]:
-        over.append(f'{row}: {key} {x[key] / b[key]:.4f}x')
-  out.append('Over 1.005x plain on the pmap path: ' + ('; '.join(over) if over else 'nothing') + '.')
-  ns, cond = c['non-sync step: sync=False program', 'pmap'], c['non-sync step: cond, not taken (sync=None)', 'pmap']
   out.append(
-    'A non-sync step of the one-program design (sync=None) accesses '
-    f'{cond["bytes accessed"] - p["bytes accessed"]:,.0f} '
-    f'B more than plain per device, the sync=False program {ns["bytes accessed"] - p["bytes accessed"]:,.0f} B.'
+    f'- **The sync=False program** (a non-sync step, two-program dispatch) counts {ns["flops"] / p["flops"]:.5f}x '
+    f"plain's flops and {ns['bytes accessed'] / p['bytes accessed']:.5f}x its bytes, and sends plain's one "
+    f'all-reduce ({ns["all-reduce"][1]:,} B, the gradient). Over 1.005x: {_over(ns, p)}. Its kernels are '
+    f"plain's {p['kernels']} with {ns['fusions'] - p['fusions']:+d} fusions (the next step's values: the schedule, "
+    "the multipliers, the count and the window's loss sum, scalars) and "
+    f'{ns["copies"] - p["copies"]:+d} copies: without donation, every small state field a non-sync step leaves '
+    "as it was is copied to an output buffer of its own (an output may not share a caller's buffer). "
+    f'Packed (`hdet_jax.packed`: the small fields in one buffer), {nsp["copies"] - p["copies"]:+d} copies and '
+    f'kernels {nsp["kernels"] / p["kernels"]:.4f}x; donated too, {nspd["copies"] - pd["copies"]:+d} copies and '
+    f'kernels {nspd["kernels"] / pd["kernels"]:.4f}x against plain donated (unpacked and donated, '
+    f'{nsd["copies"] - pd["copies"]:+d}: donated buffers pair with outputs by shape, issue 27).',
+  )
+  extra = cn['bytes accessed'] - ns['bytes accessed']
+  out.append(
+    f"- **The one-program design** (`sync=None`, the examples' way): its non-sync step (the cond not taken) "
+    f"counts {cn['bytes accessed'] / p['bytes accessed']:.5f}x plain's bytes, {extra:,.0f} B per device more "
+    f"than the sync=False program, of which {2 * pb:,} B are twice the parameters ({pb:,} B): `hdet`'s `lax.cond` "
+    "takes the wrapped optimizer's updates as an operand (the sync branch replaces them), so XLA writes them out "
+    "and `optax.apply_updates` reads them back, where plain and the sync=False program fuse Adam's update into "
+    f"the parameters' ({cn['fusions'] - ns['fusions']:+d} fusions against the sync=False program, "
+    f'{cn["copies"] - p["copies"]:+d} copies against plain; packed, {cnp["copies"] - p["copies"]:+d} copies and '
+    f'still {cnp["bytes accessed"] - nsp["bytes accessed"]:,.0f} B). Over 1.005x: {_over(cn, p)}. Not fixed in '
+    'the library: a branch taken at run time needs the parameter-sized result in one buffer whichever branch '
+    'runs, and any rewrite (a correction added after the cond, a select) writes and reads one as well; the fix '
+    "is the dispatch the trainer uses: the sync=False program on every step and a sync program at a window's end.",
+  )
+  t100 = lambda n, s_, k: (99 * n[k] + s_[k]) / (100 * p[k])
+  out.append(
+    f"- **The sync step** (the window's average and the controller): the sync=True program counts "
+    f"{ss['flops'] / p['flops']:.5f}x plain's flops and {ss['bytes accessed'] / p['bytes accessed']:.5f}x its "
+    f"bytes, and sends {ss['all-reduce'][1] - p['all-reduce'][1]:,} B more all-reduce (the parameters' average) "
+    f"and {ss['all-gather'][0]} all-gather of {ss['all-gather'][1]:,} B (the replicas' losses, for the "
+    f'controller); the cond taken {cs["flops"] / p["flops"]:.5f}x and '
+    f'{cs["bytes accessed"] / p["bytes accessed"]:.5f}x. '
+    'The work a sync exists for, once a window: over a window of T = 100 steps, '
+    f'{t100(ns, ss, "flops"):.5f}x flops and {t100(ns, ss, "bytes accessed"):.5f}x bytes (two programs), '
+    f'{t100(cn, cs, "flops"):.5f}x and {t100(cn, cs, "bytes accessed"):.5f}x (sync=None).',
+  )
+  sec = measured['compiled']
+  med = lambda build, path: statistics.median(sec[build, path]['wall'])
+  builds = [b for b, _ in COMPILED]
+  out.append(
+    '- **Compilation** (CPU, the median of the builds): '
+    + '; '.join(f'{b} {med(b, "pmap"):.1f} s on the pmap path, {med(b, "mesh"):.1f} s on the mesh path' for b in builds)
+    + '. The one-program design compiles the step and the sync branch together: '
+    + f'{med(builds[1], "pmap") / med(builds[0], "pmap"):.2f}x '
+    "plain's time on the pmap path (the issue's 9 s against 4 s, about 2x, is this); the two programs compile the "
+    "step twice (the mesh benchmark's window-end program, section 3, compiles less: `update(None, ..., sync=True)`).",
+  )
+  t = measured['times']
+  ratio = lambda name, path: C.ratio_ci(t[name, path], t['plain', path])[1]
+  aa = [ratio('plain (A/A control)', path) for path in PATHS]
+  out.append(
+    '- **Step time** (CPU, shared cores; the A/A control reads '
+    + ' and '.join(f'{x:.3f}' for x in aa)
+    + ' on the mesh and pmap paths, the noise floor): the cond not taken / plain '
+    + ' and '.join(f'{ratio("cond, not taken", path):.3f}' for path in PATHS)
+    + ', the sync=False program / plain '
+    + ' and '.join(f'{ratio("sync=False program", path):.3f}' for path in PATHS)
+    + '. The counted figures above are the evidence; these only say whether the machine could see them.',
   )
   return out
 
@@ -484,11 +560,14 @@ def section(measured: dict, command: str) -> list[str]:
       '',
       f'Step time, CPU (2 shared cores): median over {measured["rounds"]} interleaved rounds of {measured["k"]} calls '
       "of each program through its path's dispatch; ratios are the median of per-round ratios with a bootstrap "
-      '95% CI; the cond runs its untaken branch (T = 1000):',
+      '95% CI; dispatch = the median time until a call returns (the work queued, not done); the cond runs its '
+      'untaken branch (T = 1000):',
       '',
     ]
     + step_table(measured)
-    + ['', ' '.join(reading(measured)), '']
+    + ['']
+    + reading(measured)
+    + ['']
   )
 
 
@@ -511,6 +590,8 @@ def main(argv=None):
   p.add_argument('--rounds', type=int, default=None, help='interleaved step-time rounds (default 30; --smoke 2)')
   p.add_argument('--k', type=int, default=None, help='calls per program per round (default 5; --smoke 2)')
   p.add_argument('--compiles', type=int, default=None, help='builds per program for compile time (default 3)')
+  p.add_argument('--save', metavar='FILE', help='also pickle the measurements to FILE')
+  p.add_argument('--from', dest='load', metavar='FILE', help='report the measurements --save wrote (no measuring)')
   p.add_argument('--write', action='store_true', help=f'replace or append the section in {RESULTS.relative_to(C.REPO)}')
   args = p.parse_args(argv)
   for name in ('rounds', 'k', 'compiles'):
@@ -523,8 +604,16 @@ def main(argv=None):
   compiles = args.compiles or (1 if args.smoke else 3)
   start = time.perf_counter()
   log = lambda line: print('# ' + line, file=sys.stderr, flush=True)
-  measured = measure(args.smoke, rounds, k, compiles, log=log)
-  argv = sys.argv[1:] if argv is None else list(argv)
+  if args.load:
+    with open(args.load, 'rb') as f:
+      measured, argv = pickle.load(f)
+  else:
+    measured = measure(args.smoke, rounds, k, compiles, log=log)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = [a for i, a in enumerate(argv) if a != '--save' and (i == 0 or argv[i - 1] != '--save')]
+  if args.save:
+    with open(args.save, 'wb') as f:
+      pickle.dump((measured, argv), f)
   text = section(measured, 'python -m benchmarks.pmap_path' + (' ' + ' '.join(argv) if argv else ''))
   print('\n'.join(text[2:]))
   print(f'# {time.perf_counter() - start:.0f} s', file=sys.stderr)
