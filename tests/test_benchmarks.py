@@ -152,7 +152,7 @@ def test_the_pmap_path_counts_what_the_mesh_path_counts(capsys):
   all-reduce of the gradient (P bytes, the parameters' size); the sync adds the average's all-reduce (P more) and
   the controller's all-gather; the one-program design's untaken branch reads and writes the updates once more
   than the sync=False program (2 P bytes: the lax.cond keeps them from fusing into apply_updates), plus the small
-  state's copies."""
+  state's copies; packed, the non-sync step copies what plain copies, donated or not."""
   from benchmarks import pmap_path
 
   got = pmap_path.main(['--smoke'])
@@ -169,6 +169,14 @@ def test_the_pmap_path_counts_what_the_mesh_path_counts(capsys):
   assert abs(nosync['flops'] / plain['flops'] - 1) < 1e-4
   extra = cond_ns['bytes accessed'] - nosync['bytes accessed']
   assert 2 * params_b <= extra <= 2 * params_b + 4096, (extra, params_b)
+  # Undonated, the small state fields a non-sync step leaves as they were are copied to outputs of their own;
+  # packed into one buffer (hdet_jax.packed), that buffer changes every step (the count is in it): no copy.
+  assert nosync['copies'] > plain['copies']
+  assert c['non-sync step: sync=False program, packed', 'pmap']['copies'] == plain['copies']
+  assert (
+    c['non-sync step: sync=False program, packed, donated', 'pmap']['copies'] == c['plain, donated', 'pmap']['copies']
+  )
+  assert got['load'] and got['param B'] == params_b
   printed = capsys.readouterr().out
   assert all(f'| pmap | {row} |' in printed and f'| mesh | {row} |' in printed for row in rows), printed
   assert all(min(ts) > 0 for ts in got['times'].values())
