@@ -146,7 +146,7 @@ class Variant:
   donate: bool = True
   exact_sync: bool = False
   sync_every: int = 1000
-  backend: str = 'auto'  # 'shard_map', 'vmap' (all replicas on one device), or 'auto': replica_backend()
+  backend: str = 'auto'  # 'shard_map', 'pmap', 'vmap' (all replicas on one device), or 'auto': replica_backend()
   packed: bool = True
 
   def resolved(self) -> 'Variant':
@@ -200,11 +200,18 @@ def build_programs(graphdef, v: Variant, mesh) -> tuple[Any, dict]:
       updates, opt_state = tx.update(None, opt_state, params, sync=True)
       return H.apply_updates(params, updates, opt_state, replica_axis=AXIS, sync=True), opt_state
 
-    programs['end'] = jax.jit(_over_replicas(_unpacking(tx, v, window_end), v, mesh), donate_argnums=donate)
+    programs['end'] = _compiled(_unpacking(tx, v, window_end), v, mesh, donate)
   for flag in flags:
-    body = per_replica_step(graphdef, tx, v, flag)
-    programs[flag] = jax.jit(_over_replicas(body, v, mesh), donate_argnums=donate)
+    programs[flag] = _compiled(per_replica_step(graphdef, tx, v, flag), v, mesh, donate)
   return tx, programs
+
+
+def _compiled(fn, v: Variant, mesh, donate):
+  """``fn`` (one replica's program) as a program over the replicas: ``jax.pmap`` itself for the pmap backend
+  (what a pmap trainer calls, not a jit around it), else a jit of :func:`_over_replicas`."""
+  if v.backend == 'pmap':
+    return jax.pmap(fn, axis_name=AXIS, devices=list(mesh.devices.flat), donate_argnums=donate)
+  return jax.jit(_over_replicas(fn, v, mesh), donate_argnums=donate)
 
 
 def _over_replicas(fn, v: Variant, mesh):
@@ -215,7 +222,8 @@ def _over_replicas(fn, v: Variant, mesh):
 
 
 def init_state(model_cfg, seq_len, tx, v: Variant, mesh, key=0):
-  """Stacked params and optimizer state, on the mesh (shard_map) or on device 0 (vmap)."""
+  """Stacked params and optimizer state, on the mesh (shard_map, pmap: one replica per device) or on device 0
+  (vmap)."""
 
   def init(k):
     _, params = model_lib.split_model(model_cfg, seq_len, k)
@@ -223,7 +231,7 @@ def init_state(model_cfg, seq_len, tx, v: Variant, mesh, key=0):
     init = tx.init if v.kind == 'plain' or not v.packed else lambda p: H.packing.pack_state(tx.init(p))
     return stacked, jax.vmap(init)(stacked)
 
-  if v.backend == 'shard_map':
+  if v.backend in ('shard_map', 'pmap'):
     sharding = NamedSharding(mesh, P(AXIS))
   else:
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -235,7 +243,7 @@ def make_batches(seq_len, batch, v: Variant, mesh, count=4, seed=0):
   out = []
   for _ in range(count):
     x = rng.integers(0, 256, size=(N, batch, seq_len + 1), dtype=np.uint8)
-    if v.backend == 'shard_map':
+    if v.backend in ('shard_map', 'pmap'):
       out.append(jax.device_put(x, NamedSharding(mesh, P(AXIS))))
     else:
       out.append(jax.device_put(x, jax.devices()[0]))

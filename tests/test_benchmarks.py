@@ -167,3 +167,62 @@ def test_both_pages_quote_the_replicas_benchmarks_record():
   assert mean and f'{mean.group(1)}% below 4' in flat and f'{mean.group(1)}% below 4' in ' '.join(scaling.split())
   for page in (flat, ' '.join(scaling.split())):
     assert 'up to 8' in page and '(P + O) N / D' in page
+
+
+def test_a_branch_of_a_conditional_is_counted_as_the_program_that_takes_it():
+  """benchmarks/pmap_path.take_branch + xla_cost: a lax.cond between x @ x and x + 1 on [32, 32] counts, branch by
+  branch, the closed forms XLA charges (2 n^3 flops for the product, n^2 for the sum), and the costliest branch is
+  what the compiled program's own cost analysis reports for the conditional."""
+  import jax
+  import jax.numpy as jnp
+
+  from benchmarks import pmap_path
+
+  n = 32
+  f = jax.jit(lambda x, p: jax.lax.cond(p, lambda x: x @ x, lambda x: x + 1.0, x))
+  compiled = f.lower(jnp.ones((n, n)), True).compile()
+  hlo = compiled.as_text()
+  taken, untaken = (pmap_path.xla_cost(pmap_path.take_branch(hlo, b))['flops'] for b in (1, 0))
+  outside = untaken - n**2  # the entry's own work (the predicate), the same on both paths: a few flops
+  assert 0 <= outside <= 4 and taken == 2 * n**3 + outside, (taken, untaken)
+  whole = compiled.cost_analysis()
+  whole = whole[0] if isinstance(whole, (list, tuple)) else whole
+  assert taken == whole['flops']
+  assert 'dot' not in pmap_path.kernels(pmap_path.take_branch(hlo, 0))
+  assert 'conditional' not in pmap_path.kernels(hlo)  # a conditional is not a kernel; its branches' are
+
+
+def test_the_pmap_path_counts_what_the_mesh_path_counts(capsys):
+  """benchmarks/pmap_path.py --smoke (a one-block model): jax.pmap(step) and jit(shard_map_replicas(step)) compile
+  to the same work, program by program; HDET's sync=False program does plain's flops and sends plain's one
+  all-reduce of the gradient (P bytes, the parameters' size); the sync adds the average's all-reduce (P more) and
+  the controller's all-gather; the one-program design's untaken branch reads and writes the updates once more
+  than the sync=False program (2 P bytes: the lax.cond keeps them from fusing into apply_updates), plus the small
+  state's copies; packed, the non-sync step copies what plain copies, donated or not."""
+  from benchmarks import pmap_path
+
+  got = pmap_path.main(['--smoke'])
+  c = got['counted']
+  rows = [row for row, *_ in pmap_path.PROGRAMS]
+  assert all(c[row, 'pmap'] == c[row, 'mesh'] for row in rows)
+  plain = c['plain', 'pmap']
+  nosync = c['non-sync step: sync=False program', 'pmap']
+  cond_ns = c['non-sync step: cond, not taken (sync=None)', 'pmap']
+  cond_s = c['sync step: cond, taken (sync=None)', 'pmap']
+  params_b = 4 * C.num_params(*pmap_path.SMOKE_MODEL[:2])
+  assert plain['all-reduce'] == nosync['all-reduce'] == cond_ns['all-reduce'] == (1, params_b)
+  assert cond_s['all-reduce'][1] >= 2 * params_b and cond_s['all-gather'][0] == 1
+  assert abs(nosync['flops'] / plain['flops'] - 1) < 1e-4
+  extra = cond_ns['bytes accessed'] - nosync['bytes accessed']
+  assert 2 * params_b <= extra <= 2 * params_b + 4096, (extra, params_b)
+  # Undonated, the small state fields a non-sync step leaves as they were are copied to outputs of their own;
+  # packed into one buffer (hdet_jax.packed), that buffer changes every step (the count is in it): no copy.
+  assert nosync['copies'] > plain['copies']
+  assert c['non-sync step: sync=False program, packed', 'pmap']['copies'] == plain['copies']
+  assert (
+    c['non-sync step: sync=False program, packed, donated', 'pmap']['copies'] == c['plain, donated', 'pmap']['copies']
+  )
+  assert got['load'] and got['param B'] == params_b
+  printed = capsys.readouterr().out
+  assert all(f'| pmap | {row} |' in printed and f'| mesh | {row} |' in printed for row in rows), printed
+  assert all(min(ts) > 0 for ts in got['times'].values())
