@@ -1034,6 +1034,10 @@ def test_nothing_moves_after_the_last_step(controller):
   np.testing.assert_allclose(last.values[0], lr * factor(last) * rho, rtol=1e-6)  # the last step's LRs
   assert factor(final) == factor(last)  # ... are the final state's factor: nothing moved
   chex.assert_trees_all_equal(final.controller.velocity, last.controller.velocity)
+  # The held sync says so: no step taken, none asked (not the sync before's, which moved).
+  assert np.any(ended[S - T].controller.delta != 0)
+  chex.assert_trees_all_equal(final.controller.delta, np.zeros(1, np.float32))
+  chex.assert_trees_all_equal(final.controller.asked, np.zeros(1, np.float32))
   np.testing.assert_allclose(final.base[0], lr * factor(last), rtol=1e-6)
   # The last step still ends in the average: each replica stepped w - lr_r, and every one holds their mean.
   want = np.mean(ended_params[S - 1] - last.values[0][:, None], axis=0)
