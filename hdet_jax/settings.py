@@ -175,14 +175,14 @@ DEFAULT_INITIAL_SCALE = 0.1  # AutoLR.initial_scale=None around a factory: a ten
 # The 'fit' fields at the values that leave a controller without them: what AutoLR.paper sets.
 _FIT_OFF = dict(
   initial_scale=1.0,
-  anneal_fraction=0.0,
-  schedule=None,
   step_growth=1.0,
   after_stop='hold',
   backoff=False,
   backoff_stderrs=0.0,
   backoff_fraction=0.0,
   settle=False,
+  anneal_fraction=0.0,
+  schedule=None,
 )
 
 

@@ -24,7 +24,8 @@ def mesh():
 
 
 # The 'fit' controller as AutoLR(controller='fit') was before 1.0, the guarded climb's parts off (a start at the
-# schedule, trust 0.25, no acceleration, no stop, no back-off, no settling): each test sets the parts it tests.
+# schedule, trust 0.25, no acceleration, no stop, no back-off, no settling, no anneal rule): each test sets the parts
+# it tests.
 PLAIN_FIT = dict(
   controller='fit',
   initial_scale=1.0,
@@ -36,6 +37,7 @@ PLAIN_FIT = dict(
   backoff_stderrs=0.0,
   backoff_fraction=0.0,
   settle=False,
+  anneal_fraction=0.0,
 )
 
 
