@@ -36,6 +36,11 @@ class AutoLR:
     high end of your guess (around an optimizer you built, it starts at that optimizer's own learning rate);
   * it only rises (``after_stop='rise'`` from ``stop_steps=0``), each step at most ``trust`` in log units
     (x2.7), amplified while the fitted steps keep one direction (``step_growth``, up to ``max_gain``);
+  * it keeps the schedule's anneal: once the learning-rate schedule has fallen below ``anneal_fraction`` (0.5)
+    of its peak, the factor no longer rises (it may still fall), so ``lr_t / schedule(t)`` is non-increasing over
+    the rest of the decay (:func:`hdet_jax.sync.anneal`). A factory's schedule is read at build; around an
+    optimizer you built pass its schedule as ``schedule=``, else a cosine decay from ``warmup_steps`` to
+    ``total_steps`` is assumed (no rise in the run's second half);
   * it is guarded: a window whose mean training loss rose by more than ``backoff_stderrs`` standard errors
     and ``backoff_fraction`` of the loss steps the LR back down (``backoff``; the trainer also rolls the
     replicas back to the sync before);
@@ -85,6 +90,14 @@ class AutoLR:
     min_value: 'paper': floor on every base value (None: a tenth of the schedule's final value).
     smooth_decay: 'paper': within a window the base decays continuously (False holds it between syncs, as
       the reference does).
+    anneal_fraction: 'fit': from the first sync at or after the step the learning-rate schedule falls below this
+      fraction of its peak (:func:`hdet_jax.settings.anneal_start`), the learning rates' factor takes no step up.
+      Late in a decaying schedule a larger factor always looks better over one window, and a climb left to run
+      there cancels the decay. In [0, 1); 0: off (the climb may rise to the end).
+    schedule: 'fit' around a built optimizer: its learning-rate schedule (the function of the step it was built
+      with), for ``anneal_fraction`` to find its decay. None: a cosine decay from ``warmup_steps`` to
+      ``total_steps`` is assumed (the rule then applies from halfway at the default). A factory's schedule is
+      ``hdet``'s ``learning_rate``: giving one here too is refused.
 
   Example:
     >>> import hdet_jax
@@ -116,6 +129,8 @@ class AutoLR:
   decay: float | None = None
   min_value: float | None = None
   smooth_decay: bool = True
+  anneal_fraction: float = 0.5
+  schedule: Callable[[Any], Any] | None = None
 
   @classmethod
   def paper(
@@ -166,6 +181,8 @@ _FIT_OFF = dict(
   backoff_stderrs=0.0,
   backoff_fraction=0.0,
   settle=False,
+  anneal_fraction=0.0,
+  schedule=None,
 )
 
 
@@ -237,6 +254,9 @@ class Plan(NamedTuple):
   built: bool = False
   # a sync whose guard backs off returns the replicas to the last sync's parameters and optimizer state.
   rollback: bool = False
+  # 'fit': from the first sync at or after this step the learning rates' correction no longer rises (the schedule's
+  # anneal, see anneal_start); None: it may rise to the end.
+  anneal_from: int | None = None
 
 
 # The learning-rate rows' names: a factory's learning rate; a built optimizer's factor on its own learning rate.
@@ -585,6 +605,17 @@ def _check_auto_lr(a, spread) -> None:
       f'(it ends a rise-only climb); got settle={a.settle!r}, controller={a.controller!r}, '
       f'after_stop={a.after_stop!r}.'
     )
+  f = a.anneal_fraction
+  if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0):
+    raise ValueError(
+      f"auto_lr.anneal_fraction must be a number in [0, 1) (the schedule's fraction of its peak below which the "
+      f'factor no longer rises; 0: off), got {f!r}.'
+    )
+  if a.schedule is not None and not callable(a.schedule):
+    raise ValueError(
+      f"auto_lr.schedule must be None or the built optimizer's learning-rate schedule (a function of the step), "
+      f'got {a.schedule!r}.'
+    )
   if spread == 0.0:
     raise ValueError(
       'auto_lr needs spread > 0: with spread=0 every replica trains at the same LR and the '
@@ -629,8 +660,75 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built=False) -> d
   start_scale = a.initial_scale if a.initial_scale is not None else (1.0 if built else DEFAULT_INITIAL_SCALE)
   initial = tuple(math.log(start_scale) if is_learning_rate(name) else 0.0 for name, _ in hps)
   return dict(
-    controller_start=start, decay=decay, floors=floors, start_values=tuple(firsts), initial_correction=initial
+    controller_start=start,
+    decay=decay,
+    floors=floors,
+    start_values=tuple(firsts),
+    initial_correction=initial,
+    anneal_from=_anneal_from(a, hps[0][1].value, built),
   )
+
+
+def _anneal_from(a: AutoLR, learning_rate, built: bool) -> int | None:
+  """The plan's ``anneal_from`` (see :func:`anneal_start`): from the factory's learning-rate schedule; around a
+  built optimizer from ``auto_lr.schedule``, or where none is given the step a cosine decay from ``warmup_steps`` to
+  ``total_steps`` would fall below ``anneal_fraction`` of its peak (halfway, at the default 0.5)."""
+  if a.controller != 'fit' or a.anneal_fraction == 0:
+    return None
+  if not built and a.schedule is not None:
+    raise ValueError(
+      'auto_lr.schedule is for a built optimizer, whose schedule hdet cannot see; with a factory hdet reads the '
+      'schedule you pass as learning_rate: drop auto_lr.schedule.'
+    )
+  if built and a.schedule is None:
+    into = math.acos(2.0 * a.anneal_fraction - 1.0) / math.pi  # cos decay (1 + cos(pi x)) / 2 = fraction at x
+    return a.warmup_steps + math.ceil(into * (a.total_steps - a.warmup_steps))
+  return anneal_start(a.schedule if built else learning_rate, a.total_steps, a.anneal_fraction)
+
+
+def anneal_start(schedule, total_steps: int, fraction: float) -> int | None:
+  """The first step after a schedule's peak at which it is below ``fraction`` of that peak, or None (no such step
+  before ``total_steps``: a constant or rising schedule, a number, or ``fraction`` 0).
+
+  .. math:: t_a = \\min\\{t > t_p : s(t) < f\\, s(t_p)\\}, \\quad t_p = \\operatorname{argmax}_{0 \\le t < S} s(t)
+
+  From the first sync at or after ``t_a`` on, the 'fit' controller's learning-rate factor no longer rises (falls are
+  still taken): the anneal from ``f`` of the peak down keeps the schedule's shape, ``lr_t / s(t)`` non-increasing.
+  The schedule is evaluated at every step, in one compiled call.
+
+  Args:
+    schedule: an optax schedule (a function of the step) or a number.
+    total_steps: S, the steps evaluated (0 to S - 1).
+    fraction: f in [0, 1).
+
+  Example:
+    >>> import optax
+    >>> from hdet_jax import settings
+    >>> cosine = optax.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=10, decay_steps=111)
+    >>> settings.anneal_start(cosine, 111, 0.5)  # past the cosine's midpoint (60.5): its peak is at step 10
+    61
+    >>> settings.anneal_start(optax.constant_schedule(1.0), 110, 0.5) is None  # nothing decays
+    True
+  """
+  if not callable(schedule) or fraction <= 0:
+    return None
+  values = _schedule_path(schedule, int(total_steps))
+  peak = int(np.argmax(values))
+  below = np.nonzero(values[peak + 1 :] < fraction * values[peak])[0]
+  return peak + 1 + int(below[0]) if below.size else None
+
+
+def _schedule_path(schedule, total_steps: int) -> np.ndarray:
+  """[S] float32: the schedule at steps 0 .. S - 1, vectorized in one compiled call where it maps over steps
+  (optax's schedules do), else step by step (:func:`evaluate_schedules`)."""
+  try:
+    path = lambda: jax.vmap(lambda t: jnp.asarray(schedule(t), jnp.float32))(jnp.arange(total_steps))
+    consts = jax.make_jaxpr(path)().consts
+  except _TRACED_ERRORS:  # a schedule with Python control flow on the step: one step at a time
+    return np.asarray(evaluate_schedules([schedule], list(range(total_steps)))[0], np.float32)
+  if any(isinstance(c, jax.core.Tracer) for c in consts):
+    evaluate_schedules([schedule], [0])  # (its one error line)
+  return np.asarray(jax.jit(path).lower().compile()(), np.float32)
 
 
 def _check_decays_to_positive(name, h, v0, v1, start, last) -> None:

@@ -209,9 +209,9 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
     if a.controller == 'paper':
       new_c = _paper_controller(plan, c, new_c, window_losses, started & ~stopped)
     elif a.after_stop == 'rise':  # the fit goes on after the stop, taking only steps up
-      new_c = _fit_controller(plan, c, new_c, window_losses, started, rise_only=stopped)
+      new_c = _fit_controller(plan, c, new_c, window_losses, started, st.count, rise_only=stopped)
     else:
-      new_c = _fit_controller(plan, c, new_c, window_losses, started & ~stopped)
+      new_c = _fit_controller(plan, c, new_c, window_losses, started & ~stopped, st.count)
     new_c = hold_after_last_step(a, st.count, c, new_c)
   key, sub = jax.random.split(jax.random.wrap_key_data(c.key))
   new_c = new_c._replace(
@@ -230,6 +230,9 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
 # ``backed_off``, the guard's verdict on the window just trained (with ``rollback`` it returns the replicas), nor the
 # measurements ``window_losses``, ``train_loss`` and ``train_loss_se``.
 MOVED = ('base', 'velocity', 'weights', 'delta', 'correction', 'xtx', 'xty', 'gain', 'asked', 'stderr', 'settled')
+# Of those, the ones that say what the sync itself did (the step taken, and the 'fit' step asked): a held sync
+# sets them to 0, as a sync before the controller starts leaves them.
+HELD_AT_ZERO = ('delta', 'asked')
 
 
 def hold_after_last_step(auto_lr, count: jax.Array, c, new_c):
@@ -239,9 +242,11 @@ def hold_after_last_step(auto_lr, count: jax.Array, c, new_c):
 
   with t the updates applied (``state.count``) and S ``auto_lr.total_steps``. No step trains at what such an update
   would set, so the state (logged, checkpointed, the warm start of a next run) keeps the learning-rate factor and
-  base the run's last window trained with, instead of one it never used. The window's end still averages the
-  replicas (the final model is their average), and the guard still judges the window: with ``rollback`` a window
-  whose loss rose still returns the replicas to the last sync, only the LRs do not step down.
+  base the run's last window trained with, instead of one it never used. The fields that say what the sync did,
+  the step taken (``delta``) and the step asked (``asked``), are 0 there: nothing moved and nothing was asked. The
+  window's end still averages the replicas (the final model is their average), and the guard still judges the
+  window: with ``rollback`` a window whose loss rose still returns the replicas to the last sync, only the LRs do
+  not step down.
 
   Args:
     auto_lr: the :class:`hdet_jax.AutoLR` (its ``total_steps``).
@@ -253,15 +258,20 @@ def hold_after_last_step(auto_lr, count: jax.Array, c, new_c):
     >>> import jax.numpy as jnp, hdet_jax
     >>> from hdet_jax import controller, sync
     >>> c = controller.init_controller_state(jnp.ones(1), 4, jnp.zeros(2, jnp.uint32))
-    >>> moved = c._replace(correction=jnp.ones(1))
+    >>> c = c._replace(delta=jnp.full(1, 0.5))  # the sync before took a step of 0.5
+    >>> moved = c._replace(correction=jnp.ones(1), delta=jnp.ones(1))
     >>> a = hdet_jax.AutoLR(total_steps=100)
     >>> float(sync.hold_after_last_step(a, jnp.asarray(99), c, moved).correction[0])  # a step is left: it moves
     1.0
-    >>> float(sync.hold_after_last_step(a, jnp.asarray(100), c, moved).correction[0])  # the last step: it holds
-    0.0
+    >>> held = sync.hold_after_last_step(a, jnp.asarray(100), c, moved)  # the last step: it holds
+    >>> float(held.correction[0]), float(held.delta[0])  # the factor trained with; this sync's step: none
+    (0.0, 0.0)
   """
   ended = count >= auto_lr.total_steps
-  return new_c._replace(**{f: jnp.where(ended, getattr(c, f), getattr(new_c, f)) for f in MOVED})
+  held = {f: jnp.where(ended, getattr(c, f), getattr(new_c, f)) for f in MOVED}
+  # What this sync did, not the one before's: no step taken, none asked (the logged record says nothing moved).
+  held.update({f: jnp.where(ended, jnp.zeros_like(getattr(c, f)), getattr(new_c, f)) for f in HELD_AT_ZERO})
+  return new_c._replace(**held)
 
 
 def window_train_loss(plan: Plan, st) -> dict[str, jax.Array]:
@@ -310,9 +320,11 @@ def _paper_controller(plan: Plan, c, new_c, window_losses, active):
 CONFIDENT_STDERRS = 2.0
 
 
-def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
+def _fit_controller(plan: Plan, c, new_c, scores, active, count, rise_only=False):
   """The 'fit' controller's update of the correction (see :func:`hdet_jax.controller.fit_update`);
-  ``rise_only`` (after the stop, ``after_stop='rise'``): steps that would lower a value are not taken."""
+  ``rise_only`` (after the stop, ``after_stop='rise'``): steps that would lower a value are not taken. From
+  ``plan.anneal_from`` on (``count``, the updates applied, at or past it) the learning rates' steps up are not
+  taken either (:func:`anneal`)."""
   a = plan.auto_lr
   # Each replica's nominal offset u from the base in the window that ends here: rho - 1
   # (multiplicative) or the additive offset, under the window's permutations.
@@ -351,6 +363,7 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
     is_lr = jnp.asarray([settings.is_learning_rate(n) for n in plan.names])
     back = rose & is_lr
     step, gain = jnp.where(back, -trust, step), jnp.where(back, -1.0, gain)
+  step = anneal(plan, count, step)
   keep = lambda new, old: jnp.where(active, new, old)
   return new_c._replace(
     backed_off=jnp.logical_and(jnp.any(back), active).reshape(()),
@@ -364,6 +377,45 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, rise_only=False):
     asked=keep(out.step, c.asked),
     stderr=keep(out.stderr, c.stderr),
   )
+
+
+def anneal(plan: Plan, count: jax.Array, step: jax.Array) -> jax.Array:
+  """[G] the 'fit' controller's step with the learning rates' rises dropped once the schedule anneals.
+
+  .. math:: \\Delta c_g \\leftarrow \\min(\\Delta c_g, 0) \\quad\\text{if}\\ t \\ge t_a
+    \\text{ and } g \\text{ is a learning rate}
+
+  with t the updates applied (``count``) and t_a ``plan.anneal_from``, the first step after the schedule's peak at
+  which it has fallen below ``AutoLR.anneal_fraction`` of it (:func:`hdet_jax.settings.anneal_start`). Late in a
+  decaying schedule a larger factor looks better over one window, so a climb left to run cancels the decay; from
+  t_a on the factor only holds or falls, so ``lr_t / s(t)`` is non-increasing and the anneal keeps the schedule's
+  shape. A run whose factor never asks to rise from t_a on is unchanged bit for bit; with no decay (``anneal_from``
+  None) no op is added.
+
+  Args:
+    plan: the validated plan (its ``anneal_from`` and ``names``).
+    count: [] int32, the updates applied, this sync's step included.
+    step: [G] float32, the step the controller would take.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, hdet_jax
+    >>> from hdet_jax import settings, sync
+    >>> cosine = optax.cosine_decay_schedule(1e-2, 101)  # below half its peak past its midpoint, 50.5
+    >>> plan = settings.make_plan(
+    ...   optax.sgd, cosine, num_replicas=4, spread=0.25, sync_every=10, replica_axis='data',
+    ...   auto_lr=hdet_jax.AutoLR(total_steps=100), exact_sync=False, seed=0, explore=None, param_groups=None,
+    ...   guard_nonfinite=True, optimizer_kwargs={})
+    >>> plan.anneal_from
+    51
+    >>> [float(sync.anneal(plan, jnp.asarray(t), jnp.asarray([0.5]))[0]) for t in (50, 51)]  # rises stop at 51
+    [0.5, 0.0]
+    >>> float(sync.anneal(plan, jnp.asarray(80), jnp.asarray([-0.5]))[0])  # falls are still taken
+    -0.5
+  """
+  if plan.anneal_from is None:
+    return step
+  is_lr = jnp.asarray([settings.is_learning_rate(n) for n in plan.names])
+  return jnp.where(is_lr & (count >= plan.anneal_from), jnp.minimum(step, 0.0), step)
 
 
 def apply_updates(

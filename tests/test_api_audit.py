@@ -320,6 +320,12 @@ RANGES = [
   ),
   ('AutoLR trust 0', lambda: _hdet(auto_lr=H.AutoLR(total_steps=100, trust=0.0)), ('auto_lr.trust',)),
   ('AutoLR memory 1', lambda: _hdet(auto_lr=H.AutoLR(total_steps=100, memory=1.0)), ('auto_lr.memory',)),
+  (
+    'AutoLR anneal_fraction 1',
+    lambda: _hdet(auto_lr=H.AutoLR(total_steps=100, anneal_fraction=1.0)),
+    ('auto_lr.anneal_fraction',),
+  ),
+  ('AutoLR schedule a number', lambda: _hdet(auto_lr=H.AutoLR(total_steps=100, schedule=1e-3)), ('auto_lr.schedule',)),
   ('AutoLR momentum 1', lambda: _hdet(auto_lr=H.AutoLR.paper(total_steps=100, momentum=1.0)), ('auto_lr.momentum',)),
   ('one_cycle max_lr 0', lambda: H.one_cycle(0.0, 100), ('max_lr',)),
   ('one_cycle pct_start 1', lambda: H.one_cycle(1e-3, 100, pct_start=1.0), ('pct_start',)),

@@ -329,6 +329,23 @@ def test_settle_needs_the_rise_only_fit(other):
   assert '\n' not in str(e.value)
 
 
+def test_the_anneal_rule_is_the_core_s_and_records_before_it_read_as_the_default():
+  """hdet.anneal_fraction (issue 86), left at None: the default config's climb gets the core's AutoLR rule (0.5);
+  where it does not apply (the paper's controller, no auto-LR) it is 0. None is what a config written before the
+  field (a committed record's, a 1.0 workdir's) reads as, so it stays out of the training fields and those resume;
+  the tiny test run keeps 1.0's controller, without the rule (0, in its training fields)."""
+  run = trainer_testing.resolve(_config())
+  assert run.optimizer.auto_lr.anneal_fraction == hdet_jax.AutoLR(total_steps=2).anneal_fraction == 0.5
+  assert 'hdet.anneal_fraction' not in run.training_fields(8)
+  for other in ({'hdet.controller': 'paper'}, {'hdet.auto_lr': False}):
+    assert run_settings.anneals(_completed(config_lib.with_overrides(_config(), other))) == 0.0
+  flat = config_lib.flatten(_config())
+  del flat['hdet.anneal_fraction']
+  assert schema.complete(flat)['hdet.anneal_fraction'] is None
+  tiny = trainer_testing.resolve(_tiny())
+  assert tiny.optimizer.auto_lr.anneal_fraction == 0.0 and tiny.training_fields(8)['hdet.anneal_fraction'] == 0.0
+
+
 def test_settle_left_unset_is_on_wherever_it_applies():
   """configs/default.py leaves hdet.settle at None: on for its rise-only 'fit' climb, off under the paper's
   controller, without auto-LR or with after_stop='hold' (no error there, unlike settle=True); a set value wins.
@@ -503,7 +520,7 @@ def test_a_tuning_field_given_in_python_trains_and_is_recorded_as_before():
   assert record.hdet.trust == 1.0 and record.hdet.score == 'common' and record.stop_at_step == 0
   record.hdet.trust = 0.5
   config, tuning = run_settings.split(record)
-  assert 'trust' not in config.hdet and tuning['hdet.trust'] == 0.5 and len(tuning) == 21
+  assert 'trust' not in config.hdet and tuning['hdet.trust'] == 0.5 and len(tuning) == 22
   assert run_settings.resolve(config, tuning=tuning).training_fields(8) == tuned.training_fields(8)
 
 

@@ -340,6 +340,8 @@ def test_autolr_defaults_are_the_guarded_climb():
     decay=None,
     min_value=None,
     smooth_decay=True,
+    anneal_fraction=0.5,
+    schedule=None,
   )
   # The removed knob is gone, not ignored.
   assert 'overshoot' not in {f.name for f in dataclasses.fields(H.AutoLR)}
@@ -385,6 +387,8 @@ def test_autolr_paper_is_the_papers_controller_with_the_fit_fields_neutral():
     decay=0.01,
     min_value=1e-5,
     smooth_decay=False,
+    anneal_fraction=0.0,
+    schedule=None,
   )
   default = H.AutoLR.paper(total_steps=100)
   assert (

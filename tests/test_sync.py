@@ -24,7 +24,8 @@ def mesh():
 
 
 # The 'fit' controller as AutoLR(controller='fit') was before 1.0, the guarded climb's parts off (a start at the
-# schedule, trust 0.25, no acceleration, no stop, no back-off, no settling): each test sets the parts it tests.
+# schedule, trust 0.25, no acceleration, no stop, no back-off, no settling, no anneal rule): each test sets the parts
+# it tests.
 PLAIN_FIT = dict(
   controller='fit',
   initial_scale=1.0,
@@ -36,6 +37,7 @@ PLAIN_FIT = dict(
   backoff_stderrs=0.0,
   backoff_fraction=0.0,
   settle=False,
+  anneal_fraction=0.0,
 )
 
 
@@ -1034,6 +1036,10 @@ def test_nothing_moves_after_the_last_step(controller):
   np.testing.assert_allclose(last.values[0], lr * factor(last) * rho, rtol=1e-6)  # the last step's LRs
   assert factor(final) == factor(last)  # ... are the final state's factor: nothing moved
   chex.assert_trees_all_equal(final.controller.velocity, last.controller.velocity)
+  # The held sync says so: no step taken, none asked (not the sync before's, which moved).
+  assert np.any(ended[S - T].controller.delta != 0)
+  chex.assert_trees_all_equal(final.controller.delta, np.zeros(1, np.float32))
+  chex.assert_trees_all_equal(final.controller.asked, np.zeros(1, np.float32))
   np.testing.assert_allclose(final.base[0], lr * factor(last), rtol=1e-6)
   # The last step still ends in the average: each replica stepped w - lr_r, and every one holds their mean.
   want = np.mean(ended_params[S - 1] - last.values[0][:, None], axis=0)

@@ -51,10 +51,12 @@ def test_fit_controller_records_what_it_asked_and_its_slopes_standard_error(stra
   xtx, xty, correction = np.zeros((6, 6)), np.zeros(6), np.zeros(3)
   *syncs, last = recs['controller']
   # The run's last step (39 of 40) is a sync: it averages, but the controller holds (nothing moves after the last
-  # step), so its record is the sync before's, the factor the last window trained with.
+  # step), so its record keeps the sync before's factor and fit, the ones the last window trained with, and says it
+  # took no step and asked none.
   assert last['step'] == 39
-  for k in ('asks', 'stderrs', 'deltas', 'corrections', 'velocities'):
+  for k in ('stderrs', 'corrections', 'velocities'):
     assert last[k] == syncs[-1][k], k
+  assert last['asks'] == last['deltas'] == [0.0] * 3 != syncs[-1]['deltas']
   for c in syncs:
     if c['step'] + 1 < 10:  # hdet.warmup_steps = 10: the sync at step 8 is before the controller starts
       assert c['asks'] == c['stderrs'] == c['deltas'] == c['corrections'] == [0.0] * 3

@@ -25,6 +25,7 @@ TINY_TUNING = {
   'hdet.step_growth': 1.0,
   'hdet.warmup_steps': 10,
   'hdet.stop_fraction': 1.0,
+  'hdet.anneal_fraction': 0.0,  # (1.0 had no anneal rule, issue 86's)
 }
 
 

@@ -454,6 +454,7 @@ def auto_lr_settings(f: Fields, guard_: Guard) -> H.AutoLR | None:
     backoff_stderrs=guard_.backoff_stderrs,
     backoff_fraction=guard_.backoff_fraction,
     settle=settles(f),
+    anneal_fraction=anneals(f),
     **common,
   )
 
@@ -467,6 +468,16 @@ def settles(f: Fields) -> bool:
   if f['hdet.settle'] is not None:
     return bool(f['hdet.settle'])
   return _settle_applies(f)
+
+
+def anneals(f: Fields) -> float:
+  """``hdet.anneal_fraction`` as the controller takes it (``hdet_jax.AutoLR.anneal_fraction``): as set, or where
+  left at None (the default) the core's default wherever it applies (the 'fit' controller with ``auto_lr``), else 0.
+  None stays None in the run's training fields, as records and workdirs made before the field read."""
+  if f['hdet.anneal_fraction'] is not None:
+    return float(f['hdet.anneal_fraction'])
+  applies = bool(f['hdet.auto_lr']) and f['hdet.controller'] == 'fit'
+  return float(schema.AUTO_LR_DEFAULTS['anneal_fraction']) if applies else 0.0
 
 
 def _settle_applies(f: Fields) -> bool:
@@ -545,6 +556,7 @@ _FIT_FIELDS = (
   'hdet.after_stop',
   'hdet.backoff_stderrs',
   'hdet.backoff_fraction',
+  'hdet.anneal_fraction',
 )
 _PAPER_FIELDS = ('hdet.temperature', 'hdet.lr_of_lr', 'hdet.momentum', 'hdet.smooth_decay')
 _CONTROLLER_FIELDS = (

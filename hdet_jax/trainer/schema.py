@@ -283,6 +283,16 @@ _TUNING = {
   'hdet.rollback': (
     Field('hdet.settle', None, RUN, "'fit': stop spreading once the climb has ended.", legacy=False),
     Field(
+      'hdet.anneal_fraction',
+      None,
+      RUN,
+      "'fit': no rise of the LR's factor once the schedule is below this fraction of its peak (None: 0.5; 0: off).",
+      # A record or workdir made before the field reads as the rule wherever it applies: its run is today's but
+      # where the rule binds (issue 86's note lists the committed records where it does).
+      legacy=None,
+      check=CONTROLLER_NUMBER_OR_NONE,
+    ),
+    Field(
       'hdet.temperature', _AUTO_LR['temperature'], RUN, "'paper': sigma of eq. 4, in nats.", check=CONTROLLER_NUMBER
     ),
     Field(
