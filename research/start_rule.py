@@ -150,6 +150,7 @@ def workload_cells(quick: bool, work_root: str) -> list[dict]:
         rule01 = {g: _stat(hdet.get(g, [])) for g in GUESSES}
         mine = [x for s in SEEDS if (x := own.get(autolr.hdet_name(optim, RULE1_VARIANT, 'high', s)))]
         rule1 = {**{g: rule01[src] for g, src in RULE1_FROM_RULE01.items()}, 'high': _stat(mine)}
+        ends = [e for x in mine if (e := _end_scale(x))]
         cells.append(
           {
             'workload': workload,
@@ -159,6 +160,7 @@ def workload_cells(quick: bool, work_root: str) -> list[dict]:
             'best_lr': best_lr,
             'best': None if best_lr is None else stats[best_lr]['value'],
             'rule': {'0.1': rule01, '1': rule1},
+            'rule1_high_end_scale': _geomean(ends),
           }
         )
   return cells
@@ -186,6 +188,7 @@ def schedule_cell() -> tuple[dict | None, dict]:
     'best_lr': best_lr,
     'best': stats[best_lr]['value'],
     'rule': {rule: {g: _stat([x for x in rs if x]) for g, rs in by.items()} for rule, by in runs.items()},
+    'rule1_high_end_scale': _geomean([e for x in runs['1']['high'] if x and (e := _end_scale(x))]),
   }
   diffs = [
     abs(a['val_bpb'] / b['val_bpb'] - 1.0)
@@ -194,6 +197,28 @@ def schedule_cell() -> tuple[dict | None, dict]:
     if a and b and a['val_bpb'] is not None and b['val_bpb'] is not None
   ]
   return cell, {'pairs': len(diffs), 'max_rel_diff': max(diffs) if diffs else None}
+
+
+def _end_scale(rec: dict) -> float | None:
+  """The peak of the schedule a run ended on, its peak LR times the controller's last correction (the weights'
+  learning rate where there are groups): the LR the climb settled on, in the units of the LR passed."""
+  ctrl = rec.get('controller') or []
+  if not ctrl or not ctrl[-1].get('corrections'):
+    return None
+  return rec['config']['optim']['max_lr'] * math.exp(ctrl[-1]['corrections'][autolr_report.lr_index(rec)])
+
+
+def _end_span(cells: list[dict], text: bool) -> str:
+  xs = [
+    c['rule1_high_end_scale'] / c['best_lr']
+    for c in cells
+    if (c['workload'] != 'mnist1d') == text and c.get('rule1_high_end_scale') and c['best_lr']
+  ]
+  return '-' if not xs else f'{min(xs):.3g}x' if len(xs) == 1 else f'{min(xs):.3g}x to {max(xs):.3g}x'
+
+
+def _geomean(xs: list[float]) -> float | None:
+  return float(np.exp(np.mean(np.log(xs)))) if xs else None
 
 
 def summary(cells: list[dict]) -> dict:
@@ -263,15 +288,19 @@ def write_report(out_dir: str, cells: list[dict], alias: dict, quick: bool) -> s
     f'({alias.get("pairs", 0)} seed pairs).',
     '',
     '| workload | steps | optim | schedule | sweep best | rule 0.1: 10x low / best / 10x high | '
-    'rule 1: 10x low / best / 10x high |',
-    '|---|---|---|---|---|---|---|',
+    "rule 1: 10x low / best / 10x high | rule 1 from 10x high: the peak it ended on (x the sweep's best) |",
+    '|---|---|---|---|---|---|---|---|',
   ]
   for c in cells:
     best = '-' if c['best'] is None else f'{c["best"]:.4g} at {c["best_lr"]:.4g}'
     row = [
       ' / '.join('-' if c['best'] is None else _fmt_gap(c['rule'][r][g], c['best']) for g in GUESSES) for r in RULES
     ]
-    lines.append(f'| {c["workload"]} | {c["steps"]} | {c["optim"]} | {c["schedule"]} | {best} | {row[0]} | {row[1]} |')
+    end = c.get('rule1_high_end_scale')
+    end = '-' if end is None or not c['best_lr'] else f'{end / c["best_lr"]:.3g}x'
+    lines.append(
+      f'| {c["workload"]} | {c["steps"]} | {c["optim"]} | {c["schedule"]} | {best} | {row[0]} | {row[1]} | {end} |'
+    )
   lines += ['', '## Each rule, by the guess passed (every row above)', '']
   lines += [
     '| rule | guess | cells | within 1% | median gap | worst gap | text cells |',
@@ -289,9 +318,13 @@ def write_report(out_dir: str, cells: list[dict], alias: dict, quick: bool) -> s
     '',
     '## The rule',
     '',
-    '- **No single rule covers both errors.** The climb rises from a start too low and never lowers a start '
-    'too high that does not blow up, so the two rules are the same runs shifted by a factor 10 in the guess: '
-    'whichever start is the default, a guess 10x on one side of it is climbed from and 10x on the other is not.',
+    '- **No single rule covers both errors.** The climb rises from a start too low; from one too high its only '
+    "way down is the guard's back-off, after a window whose loss rose by its margins, and a run that is only bad "
+    "never triggers it: rule 1's runs from 10x high ended on a peak of "
+    f"{_end_span(cells, text=True)} the sweep's best on text and {_end_span(cells, text=False)} on MNIST-1D, "
+    'where the back-off lowered them only after the first windows had done their damage. The two rules are the '
+    'same runs shifted by a factor 10 in the guess: whichever start is the default, a guess 10x on one side of it '
+    'is climbed from and 10x on the other is not.',
     f'- **The default, rule 0.1, protects against a guess 10x too high:** {high01["within_1pct"]} of '
     f"{high01['cells']} cells within 1% (median {high01['median']:+.1f}%), against rule 1's {high1['within_1pct']} "
     f'of {high1["cells"]} (median {high1["median"]:+.1f}%, worst {high1["worst"]:+.1f}%, {high1["worst_cell"]}).'
