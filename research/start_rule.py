@@ -7,7 +7,7 @@ rules were in the library: 0.1 (a tenth of what is passed: the trainer's, every 
 rule 0.1 starts the climb at 0.01 / 0.1 / 1 of the best, rule 1 at 0.1 / 1 / 10. The first two of rule 1's starts
 are rule 0.1's runs from the best and from 10x high (the same start and schedule: ``results/workloads.md``'s
 records); its third, a climb from 10x the best, is trained here on every workload, length and optimizer but the
-fine-tuning (3 seeds each; committed so far: mnist1d's 18 runs, the LM's 3 at 750 steps and seed 0 at 1500, the rest
+fine-tuning (3 seeds each; committed so far: mnist1d's 18 runs and the LM's 6 at 750 and 1500 steps; the LM at 3000
 trains on the next ``python -m research.start_rule``). The LM at 750 steps under a warmup-cosine schedule has both
 rules at every start in the archived schedule study's records (``results/schedule_bracket/runs/``, its ``start1``
 control), read as data.
