@@ -343,7 +343,8 @@ def _answer(r: dict) -> list[str]:
     f'- **Short runs and a 10x too low start cost more:** '
     f'{_span(_gaps(cells, "hdet", lambda c: text(c) and short(c)))} on the shortest text runs (the LM at '
     f'{shortest["lm"]} steps, fine-tuning at {shortest["finetune"]}). Give the highest peak LR you would '
-    'consider: the guarded climb starts at a tenth of it and only rises.'
+    'consider: the guarded climb starts at a tenth of the learning rate you pass, built optimizer or factory '
+    'alike, and only rises.'
   )
   add(
     f'- **On small classifiers it misses by tens of percent** (a 5k-parameter CNN on MNIST-1D: '

@@ -32,8 +32,10 @@ class AutoLR:
   search along the replicas' line (:func:`hdet_jax.controller.fit_update`) that scales the user's schedule
   by a learned factor, keeping its shape:
 
-  * it starts cautiously, at ``initial_scale`` (0.1) times the schedule: give the schedule's peak as the
-    high end of your guess (around an optimizer you built, it starts at that optimizer's own learning rate);
+  * it starts at a tenth of the learning rate you pass (``initial_scale=0.1``): a factory's schedule and a
+    built optimizer's own learning rate alike. Pass the highest learning rate you would consider: a guess up
+    to 10x too high is where the climb ends up starting near the best, while a climb started too high is never
+    corrected (:doc:`/results/start_rule`);
   * it only rises (``after_stop='rise'`` from ``stop_steps=0``), each step at most ``trust`` in log units
     (x2.7), amplified while the fitted steps keep one direction (``step_growth``, up to ``max_gain``);
   * it keeps the schedule's anneal: once the learning-rate schedule has fallen below ``anneal_fraction`` (0.5)
@@ -59,9 +61,9 @@ class AutoLR:
     controller: ``'fit'`` (the line search; the fields up to ``settle``) or ``'paper'`` (eqs. 4-9; the
       fields from ``temperature`` on). Build the paper's with :meth:`AutoLR.paper`.
     warmup_steps: S_warm; the controller updates at the first sync at or after this step.
-    initial_scale: 'fit': the learning rates' correction starts at this factor; None (the default): 0.1 of a
-      factory's schedule, 1 around a built optimizer (its own learning rate). (< 1: a cautious start the
-      line search has to raise; 1: start at the schedule). Other hyperparameters start uncorrected.
+    initial_scale: 'fit': the learning rates' correction starts at this factor; None (the default): 0.1, a
+      tenth of the learning rate you pass, whether the optimizer is a factory or built. (< 1: a cautious start
+      the line search has to raise; 1: start at the schedule). Other hyperparameters start uncorrected.
     trust: 'fit': the largest change of the log-correction per sync (additive values move at most their
       spread per sync).
     memory: 'fit': forgetting factor in [0, 1) of the regression's statistics across syncs.
@@ -170,7 +172,9 @@ class AutoLR:
     )
 
 
-DEFAULT_INITIAL_SCALE = 0.1  # AutoLR.initial_scale=None around a factory: a tenth of its schedule.
+# AutoLR.initial_scale=None: the climb starts at a tenth of the LR it is given, a factory's schedule or a built
+# optimizer's own LR alike. The climb only rises (a stable too-high LR is never lowered), so the start is low.
+DEFAULT_INITIAL_SCALE = 0.1
 
 # The 'fit' fields at the values that leave a controller without them: what AutoLR.paper sets.
 _FIT_OFF = dict(
@@ -328,7 +332,7 @@ def make_plan(
   for name, h in extra:
     _check_explored_value(name, h)
   lows = tuple(-math.inf if h.low is None else float(h.low) for _, h in hps)
-  controlled = _controller_plan(auto_lr, hps, lows, spread, sync_windows, built)
+  controlled = _controller_plan(auto_lr, hps, lows, spread, sync_windows)
   spreads = tuple(float(h.spread) for _, h in hps)
   additive = tuple(bool(h.additive) for _, h in hps)
   scale, offset = _spread_tables(int(num_replicas), spreads, additive)
@@ -419,9 +423,8 @@ def is_built(optimizer) -> bool:
 def _built_reference(learning_rate, optimizer_kwargs, extra, auto_lr) -> float:
   """The learning-rate row's reference around a built optimizer, after checking what cannot apply to one.
 
-  The row is a factor on the optimizer's own learning rate, 1 at the start: the guarded climb, which starts a
-  factory's schedule at ``initial_scale`` of it, starts a built optimizer at its own learning rate (the
-  measured advice for a factory, "pass 10x your tuned peak", with nothing to scale).
+  The row is a factor on the optimizer's own learning rate, 1 at the reference: the guarded climb starts its
+  correction at ``initial_scale`` (0.1) of it, as it starts a factory's schedule at a tenth.
   """
   if learning_rate is not None:
     raise ValueError(
@@ -623,7 +626,7 @@ def _check_auto_lr(a, spread) -> None:
     )
 
 
-def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built=False) -> dict[str, Any]:
+def _controller_plan(auto_lr, hps, lows, spread, sync_windows) -> dict[str, Any]:
   """The Plan's controller fields: ``controller_start``, and per hyperparameter ``decay``, ``floors``,
   ``start_values``."""
   g = len(hps)
@@ -657,7 +660,8 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built=False) -> d
     else max(lo, float(a.min_value) if (a.min_value is not None and is_learning_rate(name)) else 0.1 * v1)
     for (name, h), v1, lo in zip(hps, finals, lows)
   )
-  start_scale = a.initial_scale if a.initial_scale is not None else (1.0 if built else DEFAULT_INITIAL_SCALE)
+  # One start rule, a factory's schedule and a built optimizer's own LR alike (issue 84; results/start_rule.md).
+  start_scale = a.initial_scale if a.initial_scale is not None else DEFAULT_INITIAL_SCALE
   initial = tuple(math.log(start_scale) if is_learning_rate(name) else 0.0 for name, _ in hps)
   return dict(
     controller_start=start,

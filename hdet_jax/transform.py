@@ -6,7 +6,8 @@ learning rate (``optax.adam``, ``optax.sgd``, any callable that takes ``learning
 transformation: each replica builds it at its own learning rate), and turns a plain data-parallel
 training step into Hyperparameter-Divergent Ensemble Training. It runs wherever the replica
 axis is bound: ``jax.shard_map`` (the primary path), ``jax.pmap`` and
-``jax.vmap(axis_name=...)``.
+``jax.vmap(axis_name=...)``. With ``auto_lr=AutoLR(total_steps=S)`` the climb starts at a tenth of the learning
+rate you pass, in either form: pass the highest learning rate you would consider.
 
 The module reads top to bottom: the state, the factory (which validates its arguments into a frozen
 :class:`hdet_jax.settings.Plan`), then ``init`` and ``update`` as functions of that plan. The end of a
@@ -126,12 +127,13 @@ def hdet(
 
   *Around a built optimizer* replica r takes the optimizer's update ``u(t)`` (on the shared gradient, with
   the optimizer's own learning rate inside) scaled by ``c(t) rho[perm[r]]``, where ``c`` is the controller's
-  factor (1 without ``auto_lr``; with ``AutoLR(total_steps=S)`` it starts at 1, your own learning rate, and
-  the guarded climb moves it). For an optimizer whose update is linear in its learning rate and whose state
-  does not read it (SGD, momentum, Adam, AdamW with a mask, Lion, Adafactor, any of them after
-  ``clip_by_global_norm`` or under ``inject_hyperparams``), this is the factory path with the learning rate
-  ``c rho lr(t)``: with ``AutoLR``, ``hdet(optax.adamw(lr), auto_lr=a)`` equals ``hdet(optax.adamw, lr /
-  a.initial_scale, auto_lr=a)`` to float32 rounding (tests/test_built_optimizer.py). The state rows of the
+  factor (1 without ``auto_lr``; with ``AutoLR(total_steps=S)`` the climb starts at a tenth of the learning rate
+  you pass, ``c = 0.1``, as it starts a factory's schedule, and the guarded climb moves it). For an optimizer
+  whose update is linear in its learning rate and whose state does not read it (SGD, momentum, Adam, AdamW
+  with a mask, Lion, Adafactor, any of them after ``clip_by_global_norm`` or under ``inject_hyperparams``),
+  this is the factory path with the learning rate
+  ``c rho lr(t)``: with ``AutoLR``, ``hdet(optax.adamw(lr), auto_lr=a)`` equals ``hdet(optax.adamw, lr,
+  auto_lr=a)`` to float32 rounding (tests/test_built_optimizer.py). The state rows of the
   learning rate are then factors, named ``lr_scale`` (:func:`hdet_jax.hyperparams`). Optimizers whose state
   reads the learning rate or the step taken (schedule-free, Prodigy, D-Adaptation, Mechanic, DoG, COCOB,
   MoMo, MADGRAD, Lookahead, L-BFGS, line searches, Rprop, SAM) are refused at ``init`` where their state
@@ -249,8 +251,8 @@ def hdet(
     >>> import jax, jax.numpy as jnp, optax, hdet_jax
     >>> tx = hdet_jax.hdet(optax.adamw(1e-2, weight_decay=0.1), num_replicas=4, auto_lr=hdet_jax.AutoLR(1000))
     >>> opt_state = jax.vmap(tx.init)(hdet_jax.stack_replicas({'w': jnp.ones(2)}, 4))
-    >>> [round(x, 4) for x in hdet_jax.hyperparams(opt_state)['lr_scale'].tolist()]  # factors on 1e-2, next step's
-    [0.75, 0.9167, 1.0833, 1.25]
+    >>> [round(x, 4) for x in hdet_jax.hyperparams(opt_state)['lr_scale'].tolist()]  # factors on 1e-2: a tenth, spread
+    [0.075, 0.0917, 0.1083, 0.125]
 
     Around a factory:
 

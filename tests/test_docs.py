@@ -110,6 +110,56 @@ def test_the_pages_say_one_thing_about_what_hdet_takes():
   assert FACTORY_ONLY.search('wraps an optax optimizer *factory* (`optax.adamw`, not `optax.adamw(1e-3)`)')
 
 
+# Where the guarded climb starts, said once (issue 84): a tenth of the learning rate passed, whether hdet is given a
+# built optimizer or a factory. The other rule the library had (a built optimizer's climb at its own learning rate),
+# in the words the pages used for it.
+ONE_START_RULE = 'a tenth of the learning rate you pass'
+OTHER_START_RULE = re.compile(
+  r"starts? (?:`?c`? )?at 1\b|starts? at (?:your|its|that optimizer's|the optimizer's|the trainer's) own "
+  r'(?:learning rate|LR)|starts at your learning rate|factor 1 on it|1 around a built optimizer|'
+  r'10 \* lr\b|lr / (?:0\.1|a\.initial_scale)',
+  re.I,
+)
+
+
+def _one_line(text: str) -> str:
+  return re.sub(r'\s+', ' ', text)
+
+
+def test_the_pages_say_one_start_rule():
+  """Every page and docstring that says where the climb starts says the one rule in the same words, none the other
+  (the pages, README, the API pages and the core's modules), and the code has the one rule: the same start around a
+  built optimizer and a factory."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from hdet_jax import settings, transform
+
+  texts = {str(p.relative_to(ROOT)): p.read_text() for p in USER_PAGES + [ROOT / 'README.md']}
+  texts.update({str(p.relative_to(ROOT)): p.read_text() for p in sorted((ROOT / 'hdet_jax').glob('*.py'))})
+  said = {name: sorted({m.group() for m in OTHER_START_RULE.finditer(_one_line(t))}) for name, t in texts.items()}
+  assert {name: words for name, words in said.items() if words} == {}
+  speak = {
+    **{name: texts[name] for name in ('README.md', 'docs/getting_started.md', 'docs/add_to_trainer.md')},
+    **{name: texts[name] for name in ('docs/own_step.md', 'docs/how_it_works.md', 'docs/verdict.md')},
+    'AutoLR': hdet_jax.AutoLR.__doc__,
+    'hdet': hdet_jax.hdet.__doc__,
+    'hdet_jax/transform.py (module)': transform.__doc__,
+  }
+  assert [name for name, text in speak.items() if ONE_START_RULE not in _one_line(text)] == []
+  # The words of the other rule, as add_to_trainer and hdet's docstring said it, are caught.
+  for old in ('`AutoLR(total_steps=S)` starts `c` at 1, your own', 'it starts at 1, your own learning rate, and'):
+    assert OTHER_START_RULE.search(old), old
+  # One rule in the code: the climb's first factor is 0.1 of what is passed, built or factory.
+  assert settings.DEFAULT_INITIAL_SCALE == 0.1 and hdet_jax.AutoLR(10).initial_scale is None
+  a, params = hdet_jax.AutoLR(total_steps=100), hdet_jax.stack_replicas({'w': jnp.zeros(2)}, 2)
+  built = jax.vmap(hdet_jax.hdet(optax.sgd(0.5), num_replicas=2, auto_lr=a).init)(params)
+  factory = jax.vmap(hdet_jax.hdet(optax.sgd, 0.5, num_replicas=2, auto_lr=a).init)(params)
+  assert float(hdet_jax.hyperparams(built)['base_lr_scale']) == pytest.approx(0.1, rel=1e-6)
+  assert float(hdet_jax.hyperparams(factory)['base_learning_rate']) == pytest.approx(0.05, rel=1e-6)
+
+
 def test_user_pages_code_fits_the_page():
   wide = []
   for page in USER_PAGES:

@@ -54,8 +54,9 @@ def loss_fn(model, batch):
 
 
 def create_state(key):
-  # (AutoLR over 10 steps syncs every step, the climb up to x2.7 each: from a 1e-2 peak it passed 60x and diverged)
-  schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 2, STEPS)
+  # (AutoLR over 10 steps syncs every step, the climb up to x2.7 each: started at 1e-2 it passed 60x and diverged;
+  # it starts at a tenth of this 3e-2 peak)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-2, 2, STEPS)
   tx = hdet_jax.hdet(
     optax.adamw(schedule), num_replicas=N, replica_axis='replica', auto_lr=hdet_jax.AutoLR(total_steps=STEPS)
   )
