@@ -332,7 +332,7 @@ def make_plan(
   for name, h in extra:
     _check_explored_value(name, h)
   lows = tuple(-math.inf if h.low is None else float(h.low) for _, h in hps)
-  controlled = _controller_plan(auto_lr, hps, lows, spread, sync_windows)
+  controlled = _controller_plan(auto_lr, hps, lows, spread, sync_windows, built)
   spreads = tuple(float(h.spread) for _, h in hps)
   additive = tuple(bool(h.additive) for _, h in hps)
   scale, offset = _spread_tables(int(num_replicas), spreads, additive)
@@ -626,7 +626,7 @@ def _check_auto_lr(a, spread) -> None:
     )
 
 
-def _controller_plan(auto_lr, hps, lows, spread, sync_windows) -> dict[str, Any]:
+def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built: bool) -> dict[str, Any]:
   """The Plan's controller fields: ``controller_start``, and per hyperparameter ``decay``, ``floors``,
   ``start_values``."""
   g = len(hps)

@@ -32,7 +32,8 @@ HDET = hdet_jax.hdet(
   num_replicas=N,
   sync_every=T,
   replica_axis='replica',
-  auto_lr=hdet_jax.AutoLR(total_steps=STEPS, initial_scale=1.0),
+  # The schedule is constant (no anneal to keep): said, so the anneal rule does not assume a cosine over the run.
+  auto_lr=hdet_jax.AutoLR(total_steps=STEPS, initial_scale=1.0, schedule=optax.constant_schedule(LR)),
 )
 PLAIN = optax.adam(LR)
 

@@ -77,7 +77,7 @@ def create_train_state(key):
   variables = ResNet().init(key, jnp.zeros((1, SIZE, SIZE, 3)), train=False)
   tx = optax.sgd(create_learning_rate_fn(), momentum=MOMENTUM, nesterov=True)
   tx = hdet_jax.hdet(tx, num_replicas=jax.device_count(), replica_axis='batch',
-                     auto_lr=hdet_jax.AutoLR(total_steps=STEPS))
+                     auto_lr=hdet_jax.AutoLR(total_steps=STEPS, initial_scale=1.0))
   state = TrainState.create(
       apply_fn=ResNet().apply, params=variables['params'], tx=tx, batch_stats=variables['batch_stats'])
   return hdet_jax.stack_replicas(state, jax.device_count())  # [N, ...] on every leaf
