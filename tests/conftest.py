@@ -102,7 +102,7 @@ def _own_programs(request):
 def straight(tmp_path_factory):
   """configs/tiny.py trained by ``python train.py`` with the tests' tuning (trainer_testing.train_tiny_cli): 40 steps in
   one go, made once for the session (trainer_testing.shared_run), its workdir shared by the files that read it
-  (test_trainer.py). ``(workdir, what train.py printed)``; the tests only read the workdir."""
+  (test_trainer.py, test_tasks.py). ``(workdir, what train.py printed)``; the tests only read the workdir."""
   import trainer_testing
 
   return trainer_testing.shared_run(tmp_path_factory, 'tiny-straight', trainer_testing.train_tiny_cli)

@@ -21,7 +21,7 @@ import trainer_testing
 
 
 # `straight` (tests/conftest.py): `python train.py --config configs/tiny.py` with the tests' tuning, 40 steps in one go;
-# one run for the session (trainer_testing.shared_run), for any file that reads it.
+# one run for the session (trainer_testing.shared_run), shared with tests/test_tasks.py's bit-for-bit check.
 
 
 def test_fit_controller_records_what_it_asked_and_its_slopes_standard_error(straight):
