@@ -31,9 +31,9 @@ chex.set_n_cpu_devices(8)
 # test's outcome may depend on the flags, nor on any other source of a result's last bits (another CPU's).
 FAST_COMPILE_FLAGS = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
 # (Not XLA:CPU's older fusion emitters, --xla_cpu_use_fusion_emitters=false, on jaxlib 0.10.2: they compile the tiny
-# run's programs in about two thirds of the time, but programs that should round alike no longer do: a 2-process run
-# ends 7e-4 from the 1-process one (test_trainer.py), and test_programs.py, test_optimizer.py and test_tasks.py's
-# bitwise or 1e-4 checks fail; measured 2026-12-07.)
+# run's programs in about two thirds of the time, but programs that should round alike no longer do: in-process
+# bitwise checks of test_programs.py (chunked data) and test_optimizer.py (the wrapped sgd at scale s) fail;
+# measured 2026-12-07.)
 if os.environ.get('HDET_XLA_DEFAULT_FLAGS', '') not in ('', '0'):
   os.environ['XLA_FLAGS'] = ' '.join(
     f for f in os.environ.get('XLA_FLAGS', '').split() if f not in FAST_COMPILE_FLAGS.split()
