@@ -116,14 +116,18 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
   return [f for f, p in zip(checkpoints.fingerprint(state), paths) if not p.endswith(added)]
 
 
-def test_lm_runs_bit_for_bit_as_before_the_seam(tmp_path):
+def test_lm_runs_bit_for_bit_as_before_the_seam(straight):
   """configs/tiny.py's losses, evaluations and step-40 checkpoint fingerprint equal those recorded by the trainer
   before the task seam (bitwise on the processor that recorded them; XLA:CPU rounds differently on others,
   so there the losses and evaluations to float32 rounding). The state's fingerprint is taken in the layout it was
-  recorded in (the optimizer state unpacked, see unpacked_fingerprint); the averaged parameters' as saved."""
+  recorded in (the optimizer state unpacked, see unpacked_fingerprint); the averaged parameters' as saved.
+
+  The run is the session's shared `straight` (tests/conftest.py: train.py on configs/tiny.py with the tests' tuning,
+  as this test's own in-process run was; its plots and TensorBoard files change no number, and test_trainer.py's
+  resume test holds such a run bit for bit to the in-process one); only read here."""
   ref = json.load(open(REFERENCE, encoding='utf-8'))
-  workdir = str(tmp_path / 'lm')
-  summary = train_and_evaluate(_config(TINY, plots=False, tensorboard=False), workdir)
+  workdir, _ = straight
+  summary = json.load(open(os.path.join(workdir, 'summary.json'), encoding='utf-8'))
   m = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   got_evals = [{'step': r['step'], 'val_loss': r['val_loss']} for r in m['eval']]
   got_train = {

@@ -20,22 +20,8 @@ from trainer_testing import ROOT, TINY, leaves as _leaves, restore_raw as _resto
 import trainer_testing
 
 
-@pytest.fixture(scope='module')
-def straight(tmp_path_factory):
-  """`python train.py --config configs/tiny.py` as a subprocess, with the tests' tuning (tests/tuned_train.py): 40
-  steps in one go."""
-  workdir = str(tmp_path_factory.mktemp('straight'))
-  env = dict(os.environ, JAX_NUM_CPU_DEVICES='8')
-  proc = subprocess.run(
-    [sys.executable, trainer_testing.TUNED_TRAIN, '--config', TINY, '--workdir', workdir],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return workdir, proc.stdout
+# `straight` (tests/conftest.py): `python train.py --config configs/tiny.py` with the tests' tuning, 40 steps in one go;
+# one run for the session (trainer_testing.shared_run), shared with tests/test_tasks.py's bit-for-bit check.
 
 
 def test_fit_controller_records_what_it_asked_and_its_slopes_standard_error(straight):

@@ -1,7 +1,11 @@
 """Helpers the trainer's end-to-end tests share: the tiny config, and a checkpoint read back as plain arrays."""
 
 import importlib.util
+import json
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 
@@ -92,3 +96,45 @@ def compiled(fn):
     return fn(), count[0]
   finally:
     active[0] = False
+
+
+def shared_run(tmp_path_factory, name, make):
+  """``(workdir, result)`` of ``make(workdir)``, made once for the whole test session: with pytest-xdist once over all
+  its worker processes (the first to ask makes it, holding a file lock; the others wait and read its workdir), so that
+  test files in different workers share a run instead of each training it. ``result`` is what ``make`` returned, as
+  JSON keeps it. The tests that read the workdir must not write to it (copy it first).
+
+  Example: ``workdir, stdout = shared_run(tmp_path_factory, 'tiny', lambda w: train(w))``.
+  """
+  root = tmp_path_factory.getbasetemp()
+  try:
+    import fcntl
+  except ImportError:  # no POSIX file locks (Windows): each process makes its own
+    fcntl = None
+  if fcntl and os.environ.get('PYTEST_XDIST_WORKER'):
+    root = root.parent  # the session's base folder, above each worker's own
+  workdir, done = root / f'shared-{name}', root / f'shared-{name}.json'
+  with open(root / f'shared-{name}.lock', 'w') as lock:
+    if fcntl:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    if not done.exists():
+      shutil.rmtree(workdir, ignore_errors=True)  # what a failed attempt left (it would be resumed otherwise)
+      result = make(str(workdir))
+      done.write_text(json.dumps(result))
+  return str(workdir), json.loads(done.read_text())
+
+
+def train_tiny_cli(workdir):
+  """``python train.py --config configs/tiny.py`` as a subprocess with the tests' tuning (tests/tuned_train.py): 40
+  steps in one go, on 8 CPU devices. Returns what it printed."""
+  env = dict(os.environ, JAX_NUM_CPU_DEVICES='8')
+  proc = subprocess.run(
+    [sys.executable, TUNED_TRAIN, '--config', TINY, '--workdir', workdir],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
