@@ -163,8 +163,10 @@ def test_both_pages_quote_the_replicas_benchmarks_record():
   assert set(rows) == {'8 x 1', '4 x 2 FSDP', '8 on 4 x 2 FSDP', '8 on 4 x 1'}, rows
   flat = ' '.join(trainer.split())
   assert all(f'{b} B' in flat for b in rows.values()), rows
-  mean = re.search(r'the final training loss -(\d\.\d)% on average \(lower on (\d+)\)', record)
-  assert mean and f'{mean.group(1)}% below 4' in flat and f'{mean.group(1)}% below 4' in ' '.join(scaling.split())
+  mean = re.search(r'the final training loss ([+-]\d\.\d)% on average \(lower on (\d+)\)', record)
+  quoted = f'{mean.group(1)}% above 4' if mean and mean.group(1)[0] == '+' else f'{mean and mean.group(1)[1:]}% below 4'
+  assert mean and quoted in flat and quoted in ' '.join(scaling.split()), quoted
+  assert f'lower on {mean.group(2)}' in flat and f'lower on {mean.group(2)}' in ' '.join(scaling.split())
   for page in (flat, ' '.join(scaling.split())):
     assert 'up to 8' in page and '(P + O) N / D' in page
 
