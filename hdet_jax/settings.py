@@ -38,11 +38,12 @@ class AutoLR:
     corrected (:doc:`/results/start_rule`);
   * it only rises (``after_stop='rise'`` from ``stop_steps=0``), each step at most ``trust`` in log units
     (x2.7), amplified while the fitted steps keep one direction (``step_growth``, up to ``max_gain``);
-  * it keeps the schedule's anneal: once the learning-rate schedule has fallen below ``anneal_fraction`` (0.5)
-    of its peak, the factor no longer rises (it may still fall), so ``lr_t / schedule(t)`` is non-increasing over
-    the rest of the decay (:func:`hdet_jax.sync.anneal`). A factory's schedule is read at build; around an
-    optimizer you built pass its schedule as ``schedule=``, else a cosine decay from ``warmup_steps`` to
-    ``total_steps`` is assumed (no rise in the run's second half);
+  * with ``anneal_fraction=0.5`` (off by default: measured, it cost where it bound) it keeps the schedule's
+    anneal: once the learning-rate schedule has fallen below that fraction of its peak, the factor no longer
+    rises (it may still fall), so ``lr_t / schedule(t)`` is non-increasing over the rest of the decay
+    (:func:`hdet_jax.sync.anneal`). A factory's schedule is read at build; around an optimizer you built pass its
+    schedule as ``schedule=``, else a cosine decay from ``warmup_steps`` to ``total_steps`` is assumed (no rise in
+    the run's second half);
   * it is guarded: a window whose mean training loss rose by more than ``backoff_stderrs`` standard errors
     and ``backoff_fraction`` of the loss steps the LR back down (``backoff``; the trainer also rolls the
     replicas back to the sync before);
@@ -131,7 +132,7 @@ class AutoLR:
   decay: float | None = None
   min_value: float | None = None
   smooth_decay: bool = True
-  anneal_fraction: float = 0.5
+  anneal_fraction: float = 0.0  # off: measured, keeping the anneal cost where it bound (docs/how_it_works.md)
   schedule: Callable[[Any], Any] | None = None
 
   @classmethod

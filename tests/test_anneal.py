@@ -21,6 +21,7 @@ from hdet_jax import settings
 N, AX = 4, 'data'
 S, T, WARMUP, PEAK, END = 120, 10, 20, 1e-2, 1e-4
 BOWL = 10 * PEAK  # the learning rate every replica's loss is lowest at: the schedule is 10x low
+ON = 0.5  # the rule, opt-in (AutoLR's default, 0, leaves it off)
 
 
 def schedule():
@@ -66,13 +67,22 @@ def climb(tx, built):
 
 
 def factory(**auto):
-  return H.hdet(optax.sgd, schedule(), num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=H.AutoLR(S, **auto))
+  return H.hdet(
+    optax.sgd,
+    schedule(),
+    num_replicas=N,
+    sync_every=T,
+    replica_axis=AX,
+    auto_lr=H.AutoLR(S, **{'anneal_fraction': ON, **auto}),
+  )
 
 
 def built(**auto):
   """The factory's run as a built optimizer: at a tenth of the schedule, where the factory's climb starts."""
   sgd = optax.sgd(lambda t: schedule()(t) / 10)
-  return H.hdet(sgd, num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=H.AutoLR(S, **auto))
+  return H.hdet(
+    sgd, num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=H.AutoLR(S, **{'anneal_fraction': ON, **auto})
+  )
 
 
 def factors(states, is_built):
@@ -134,7 +144,7 @@ def test_the_rule_does_nothing_where_the_climb_does_not_rise_in_the_anneal():
     num_replicas=N,
     sync_every=T,
     replica_axis=AX,
-    auto_lr=H.AutoLR(S, **a),
+    auto_lr=H.AutoLR(S, **{'anneal_fraction': ON, **a}),
   )
   chex.assert_trees_all_equal(climb(high(), False), climb(high(anneal_fraction=0.0), False))
 
@@ -144,7 +154,12 @@ def test_a_run_that_ends_before_the_decay_is_unchanged():
   without the rule."""
   rising = optax.warmup_cosine_decay_schedule(0.0, PEAK, 100, 400)
   make = lambda **a: H.hdet(  # noqa: E731
-    optax.sgd, rising, num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=H.AutoLR(60, **a)
+    optax.sgd,
+    rising,
+    num_replicas=N,
+    sync_every=T,
+    replica_axis=AX,
+    auto_lr=H.AutoLR(60, **{'anneal_fraction': ON, **a}),
   )
   plan = settings.make_plan(
     optax.sgd,
@@ -153,7 +168,7 @@ def test_a_run_that_ends_before_the_decay_is_unchanged():
     spread=0.25,
     sync_every=T,
     replica_axis=AX,
-    auto_lr=H.AutoLR(60),
+    auto_lr=H.AutoLR(60, anneal_fraction=ON),
     exact_sync=False,
     seed=0,
     explore=None,
@@ -189,7 +204,7 @@ def test_a_schedule_given_with_a_factory_is_refused():
     factory(schedule=schedule())
 
 
-# AutoLR(controller='paper') with every 'fit' setting off but the anneal's.
+# AutoLR(controller='paper') with every other 'fit' setting off (the anneal's given: ON).
 PAPER_OFF = dict(
   initial_scale=1.0,
   step_growth=1.0,
@@ -203,4 +218,18 @@ PAPER_OFF = dict(
 
 def test_the_paper_controller_takes_no_anneal_setting():
   with pytest.raises(ValueError, match=r"controller='paper' takes none of the 'fit' settings, got anneal_fraction"):
-    H.hdet(optax.sgd, schedule(), num_replicas=N, replica_axis=AX, auto_lr=H.AutoLR(S, controller='paper', **PAPER_OFF))
+    H.hdet(
+      optax.sgd,
+      schedule(),
+      num_replicas=N,
+      replica_axis=AX,
+      auto_lr=H.AutoLR(S, controller='paper', **PAPER_OFF, anneal_fraction=ON),
+    )
+
+
+def test_the_rule_is_off_by_default():
+  """AutoLR's default leaves the climb free to the end (measured: where the rule bound it cost): the plan has no
+  anneal step, and the default run is the run at anneal_fraction=0 bit for bit."""
+  assert H.AutoLR(S).anneal_fraction == 0.0
+  default = H.hdet(optax.sgd, schedule(), num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=H.AutoLR(S))
+  chex.assert_trees_all_equal(climb(default, False), climb(factory(anneal_fraction=0.0), False))

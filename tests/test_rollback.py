@@ -30,7 +30,7 @@ def _run(steps, exact, rollback=True):
     num_replicas=N,
     sync_every=T,
     replica_axis=AX,
-    auto_lr=H.AutoLR(total_steps=40),
+    auto_lr=H.AutoLR(total_steps=40, initial_scale=1.0),  # the scenario's jump sized for a start at SGD's own LR
     exact_sync=exact,
     rollback=rollback,
   )
@@ -122,7 +122,7 @@ def _run_over_replicas(steps, devices, per_device, share):
     num_replicas=N,
     sync_every=T,
     replica_axis='replica',
-    auto_lr=H.AutoLR(total_steps=40),
+    auto_lr=H.AutoLR(total_steps=40, initial_scale=1.0),  # as _run's
     exact_sync=True,
     rollback=True,
   )

@@ -330,12 +330,12 @@ def test_settle_needs_the_rise_only_fit(other):
 
 
 def test_the_anneal_rule_is_the_core_s_and_records_before_it_read_as_the_default():
-  """hdet.anneal_fraction (issue 86), left at None: the default config's climb gets the core's AutoLR rule (0.5);
-  where it does not apply (the paper's controller, no auto-LR) it is 0. None is what a config written before the
-  field (a committed record's, a 1.0 workdir's) reads as, so it stays out of the training fields and those resume;
-  the tiny test run keeps 1.0's controller, without the rule (0, in its training fields)."""
+  """hdet.anneal_fraction (issue 86), left at None: the default config's climb gets the core's AutoLR default
+  (0: off, opt-in); where it does not apply (the paper's controller, no auto-LR) it is 0. None is what a config
+  written before the field (a committed record's, a 1.0 workdir's) reads as, so it stays out of the training fields
+  and those resume; the tiny test run keeps 1.0's controller, without the rule (0, in its training fields)."""
   run = trainer_testing.resolve(_config())
-  assert run.optimizer.auto_lr.anneal_fraction == hdet_jax.AutoLR(total_steps=2).anneal_fraction == 0.5
+  assert run.optimizer.auto_lr.anneal_fraction == hdet_jax.AutoLR(total_steps=2).anneal_fraction == 0.0
   assert 'hdet.anneal_fraction' not in run.training_fields(8)
   for other in ({'hdet.controller': 'paper'}, {'hdet.auto_lr': False}):
     assert run_settings.anneals(_completed(config_lib.with_overrides(_config(), other))) == 0.0

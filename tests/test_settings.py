@@ -340,7 +340,7 @@ def test_autolr_defaults_are_the_guarded_climb():
     decay=None,
     min_value=None,
     smooth_decay=True,
-    anneal_fraction=0.5,
+    anneal_fraction=0.0,
     schedule=None,
   )
   # The removed knob is gone, not ignored.

@@ -84,7 +84,8 @@ def test_end_to_end_train_py(straight):
   ctrl = recs['controller']
   assert [c['step'] for c in ctrl] == [7, 15, 23, 31, 39]
   assert ctrl[0]['delta'] == 0 and ctrl[0]['velocity'] == 0  # before the warmup
-  assert all(c['delta'] != 0 for c in ctrl[1:])  # the controller acts from the sync after step 10
+  assert all(c['delta'] != 0 for c in ctrl[1:-1])  # the controller acts from the sync after step 10 ...
+  assert ctrl[-1]['delta'] == 0 and not any(ctrl[-1]['asks'])  # ... and holds at the last step's (nothing moves)
   for c in ctrl[1:]:
     np.testing.assert_allclose(sum(c['weights']), 1.0, rtol=1e-5)
   # Just before each average: every replica's distance from the mean (spread replicas sit apart), and its norm.
