@@ -677,7 +677,7 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built: bool) -> d
 def _anneal_from(a: AutoLR, learning_rate, built: bool) -> int | None:
   """The plan's ``anneal_from`` (see :func:`anneal_start`): from the factory's learning-rate schedule; around a
   built optimizer from ``auto_lr.schedule``, or where none is given the step a cosine decay from ``warmup_steps`` to
-  ``total_steps`` would fall below ``anneal_fraction`` of its peak (halfway, at the default 0.5)."""
+  ``total_steps`` would fall below ``anneal_fraction`` of its peak (halfway, at 0.5)."""
   if a.controller != 'fit' or a.anneal_fraction == 0:
     return None
   if not built and a.schedule is not None:

@@ -286,9 +286,8 @@ _TUNING = {
       'hdet.anneal_fraction',
       None,
       RUN,
-      "'fit': no rise of the LR's factor once the schedule is below this fraction of its peak (None: 0.5; 0: off).",
-      # A record or workdir made before the field reads as the rule wherever it applies: its run is today's but
-      # where the rule binds (issue 86's note lists the committed records where it does).
+      "'fit': no rise of the LR's factor once the schedule is below this fraction of its peak (None: the core's 0, off).",
+      # A record or workdir made before the field reads as None: the core's default, off, as every such run trained.
       legacy=None,
       check=CONTROLLER_NUMBER_OR_NONE,
     ),
