@@ -286,7 +286,7 @@ _TUNING = {
       'hdet.anneal_fraction',
       None,
       RUN,
-      "'fit': no rise of the LR's factor once the schedule is below this fraction of its peak (None: the core's 0, off).",
+      "'fit': no rise of the LR's factor once the schedule is below this fraction of its peak (None: off).",
       # A record or workdir made before the field reads as None: the core's default, off, as every such run trained.
       legacy=None,
       check=CONTROLLER_NUMBER_OR_NONE,
