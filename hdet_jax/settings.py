@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable, NamedTuple
+import types
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -299,48 +300,39 @@ def hyperparam_names(
   return lrs + tuple(explore or ())
 
 
-def make_plan(
-  optimizer,
-  learning_rate,
-  *,
-  num_replicas,
-  spread,
-  sync_every,
-  replica_axis,
-  auto_lr,
-  exact_sync,
-  seed,
-  explore,
-  param_groups,
-  guard_nonfinite,
-  optimizer_kwargs,
-  average_opt_state=False,
-  rollback=False,
-) -> Plan:
-  """Validates every ``hdet`` argument eagerly and returns the frozen plan."""
-  built = is_built(optimizer)
-  extra = _explored(explore, optimizer_kwargs)
-  learning_rate = _checked_optimizer(optimizer, learning_rate, optimizer_kwargs, extra, auto_lr)
-  groups = _param_groups(param_groups)
-  _check_replicas(num_replicas, spread, replica_axis)
-  exact_sync, guard_nonfinite = _flag('exact_sync', exact_sync), _flag('guard_nonfinite', guard_nonfinite)
-  if not arguments.is_int(seed):
-    raise ValueError(f"hdet: seed must be an integer (it seeds the multipliers' permutations), got {seed!r}.")
-  sync_windows = windows.as_windows(sync_every)
-  lr = Explore(learning_rate, float(spread), low=None, high=None)
+def make_plan(args: Mapping[str, Any]) -> Plan:
+  """Validates every ``hdet`` argument eagerly and returns the frozen plan.
+
+  ``args``: hdet's arguments by name, as hdet received them (its ``locals()``, ``**optimizer_kwargs`` as the dict
+  ``optimizer_kwargs``). hdet's signature is the one list of them and of their defaults.
+  """
+  hdet = types.SimpleNamespace(**args)
+  removed = sorted(set(hdet.optimizer_kwargs) & set(REMOVED_ARGUMENTS))
+  if removed:
+    raise ValueError(f'hdet: {removed[0]}= was removed in hdet-jax 1.0: {REMOVED_ARGUMENTS[removed[0]]}.')
+  built = is_built(hdet.optimizer)
+  extra = _explored(hdet.explore, hdet.optimizer_kwargs)
+  learning_rate = _checked_optimizer(hdet.optimizer, hdet.learning_rate, hdet.optimizer_kwargs, extra, hdet.auto_lr)
+  groups = _param_groups(hdet.param_groups)
+  _check_replicas(hdet.num_replicas, hdet.spread, hdet.replica_axis)
+  exact_sync, guard_nonfinite = _flag('exact_sync', hdet.exact_sync), _flag('guard_nonfinite', hdet.guard_nonfinite)
+  if not arguments.is_int(hdet.seed):
+    raise ValueError(f"hdet: seed must be an integer (it seeds the multipliers' permutations), got {hdet.seed!r}.")
+  sync_windows = windows.as_windows(_sync_every(hdet.sync_every, hdet.auto_lr))
+  lr = Explore(learning_rate, float(hdet.spread), low=None, high=None)
   names = hyperparam_names(param_groups=dict(groups), explore=dict(extra), built=built)
   hps = tuple(zip(names, (lr,) * (len(names) - len(extra)) + tuple(h for _, h in extra)))
   for name, h in extra:
     _check_explored_value(name, h)
   lows = tuple(-math.inf if h.low is None else float(h.low) for _, h in hps)
-  controlled = _controller_plan(auto_lr, hps, lows, spread, sync_windows, built)
+  controlled = _controller_plan(hdet.auto_lr, hps, lows, hdet.spread, sync_windows, built)
   spreads = tuple(float(h.spread) for _, h in hps)
   additive = tuple(bool(h.additive) for _, h in hps)
-  scale, offset = _spread_tables(int(num_replicas), spreads, additive)
-  _warn_if_plain(int(num_replicas), spreads, auto_lr)
+  scale, offset = _spread_tables(int(hdet.num_replicas), spreads, additive)
+  _warn_if_plain(int(hdet.num_replicas), spreads, hdet.auto_lr)
   return Plan(
-    optimizer=optimizer,
-    optimizer_kwargs=dict(optimizer_kwargs),
+    optimizer=hdet.optimizer,
+    optimizer_kwargs=dict(hdet.optimizer_kwargs),
     names=names,
     schedules=tuple(h.value for _, h in hps),
     spreads=spreads,
@@ -351,18 +343,32 @@ def make_plan(
     scale=scale,
     offset=offset,
     groups=groups,
-    num_replicas=int(num_replicas),
+    num_replicas=int(hdet.num_replicas),
     sync_windows=sync_windows,
-    replica_axis=replica_axis,
-    auto_lr=auto_lr,
+    replica_axis=hdet.replica_axis,
+    auto_lr=hdet.auto_lr,
     **controlled,
     exact_sync=exact_sync,
     guard_nonfinite=guard_nonfinite,
-    seed=seed,
-    average_opt_state=_flag('average_opt_state', average_opt_state),
+    seed=hdet.seed,
+    average_opt_state=_flag('average_opt_state', hdet.average_opt_state),
     built=built,
-    rollback=check_rollback(rollback, auto_lr),
+    rollback=check_rollback(hdet.rollback, hdet.auto_lr),
   )
+
+
+# hdet()'s removed arguments, each with what to do instead (research/README.md, 'Retired in 1.0'): without this
+# check they would reach the wrapped optimizer as keywords and fail there.
+REMOVED_ARGUMENTS = {'fan': 'the learning rates fan out linearly (eq. 1, spread in [0, 1)); drop the argument'}
+
+
+def _sync_every(sync_every, auto_lr):
+  """``sync_every`` with None as the measured default: ``round(S / 15)``, at most 100, with ``auto_lr``'s S, else 100
+  (a ``total_steps`` that is not a count is refused with the other settings)."""
+  if sync_every is not None:
+    return sync_every
+  counted = isinstance(auto_lr, AutoLR) and arguments.is_int(auto_lr.total_steps)
+  return windows.default_period(auto_lr.total_steps) if counted else 100
 
 
 def _checked_optimizer(optimizer, learning_rate, optimizer_kwargs, extra, auto_lr):

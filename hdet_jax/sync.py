@@ -398,13 +398,13 @@ def anneal(plan: Plan, count: jax.Array, step: jax.Array) -> jax.Array:
     step: [G] float32, the step the controller would take.
 
   Example:
-    >>> import jax.numpy as jnp, optax, hdet_jax
+    >>> import inspect, jax.numpy as jnp, optax, hdet_jax
     >>> from hdet_jax import settings, sync
     >>> cosine = optax.cosine_decay_schedule(1e-2, 101)  # below half its peak past its midpoint, 50.5
-    >>> plan = settings.make_plan(
-    ...   optax.sgd, cosine, num_replicas=4, spread=0.25, sync_every=10, replica_axis='data',
-    ...   auto_lr=hdet_jax.AutoLR(total_steps=100, anneal_fraction=0.5), exact_sync=False, seed=0, explore=None,
-    ...   param_groups=None, guard_nonfinite=True, optimizer_kwargs={})
+    >>> args = inspect.signature(hdet_jax.hdet).bind(  # hdet's arguments, its defaults for the rest
+    ...   optax.sgd, cosine, num_replicas=4, sync_every=10, auto_lr=hdet_jax.AutoLR(100, anneal_fraction=0.5))
+    >>> args.apply_defaults()
+    >>> plan = settings.make_plan(args.arguments)
     >>> plan.anneal_from
     51
     >>> [float(sync.anneal(plan, jnp.asarray(t), jnp.asarray([0.5]))[0]) for t in (50, 51)]  # rises stop at 51

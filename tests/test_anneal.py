@@ -17,6 +17,7 @@ import pytest
 
 import hdet_jax as H
 from hdet_jax import settings
+from replica_testing import hdet_plan
 
 N, AX = 4, 'data'
 S, T, WARMUP, PEAK, END = 120, 10, 20, 1e-2, 1e-4
@@ -161,20 +162,8 @@ def test_a_run_that_ends_before_the_decay_is_unchanged():
     replica_axis=AX,
     auto_lr=H.AutoLR(60, **{'anneal_fraction': ON, **a}),
   )
-  plan = settings.make_plan(
-    optax.sgd,
-    rising,
-    num_replicas=N,
-    spread=0.25,
-    sync_every=T,
-    replica_axis=AX,
-    auto_lr=H.AutoLR(60, anneal_fraction=ON),
-    exact_sync=False,
-    seed=0,
-    explore=None,
-    param_groups=None,
-    guard_nonfinite=True,
-    optimizer_kwargs={},
+  plan = hdet_plan(
+    optax.sgd, rising, num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=H.AutoLR(60, anneal_fraction=ON)
   )
   assert plan.anneal_from is None
   global S
