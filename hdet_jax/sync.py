@@ -386,7 +386,7 @@ def anneal(plan: Plan, count: jax.Array, step: jax.Array) -> jax.Array:
     \\text{ and } g \\text{ is a learning rate}
 
   with t the updates applied (``count``) and t_a ``plan.anneal_from``, the first step after the schedule's peak at
-  which it has fallen below ``AutoLR.anneal_fraction`` of it (:func:`hdet_jax.settings.anneal_start`). Late in a
+  which it has fallen below ``AutoLR.anneal_fraction`` of it (:func:`hdet_jax.schedules.anneal_start`). Late in a
   decaying schedule a larger factor looks better over one window, so a climb left to run cancels the decay; from
   t_a on the factor only holds or falls, so ``lr_t / s(t)`` is non-increasing and the anneal keeps the schedule's
   shape. A run whose factor never asks to rise from t_a on is unchanged bit for bit; with no decay (``anneal_from``
