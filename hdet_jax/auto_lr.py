@@ -209,7 +209,7 @@ def check_auto_lr(auto_lr: 'AutoLR', spread: float) -> None:
     raise ValueError(f'auto_lr.lr_of_lr (lambda) must be >= 0, got {a.lr_of_lr!r}.')
   if a.controller not in ctrl.VARIANTS:
     raise ValueError(f'auto_lr.controller must be one of {ctrl.VARIANTS}, got {a.controller!r}.')
-  if a.controller == 'paper':
+  if ctrl.is_paper(a):
     unset = lambda k: k == 'initial_scale' and a.initial_scale is None  # None: each mode's default
     fit_set = [f'{k}={getattr(a, k)!r}' for k, v in _FIT_OFF.items() if getattr(a, k) != v and not unset(k)]
     if fit_set:

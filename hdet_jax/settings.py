@@ -249,7 +249,7 @@ def check_rollback(rollback: bool, auto_lr: 'AutoLR | None') -> bool:
     ValueError: rollback=True returns the replicas to the last sync where the guard backs off, so it needs the ...
   """
   rollback = _flag('rollback', rollback)
-  if rollback and not (isinstance(auto_lr, AutoLR) and auto_lr.controller == 'fit' and auto_lr.backoff):
+  if rollback and not (isinstance(auto_lr, AutoLR) and ctrl.is_fit(auto_lr) and auto_lr.backoff):
     raise ValueError(
       'rollback=True returns the replicas to the last sync where the guard backs off, so it needs the guard: '
       "the 'fit' controller with backoff=True (hdet_jax.AutoLR(total_steps=...), its default), or rollback=False."
@@ -284,7 +284,7 @@ def _built_reference(learning_rate, optimizer_kwargs, extra, auto_lr) -> float:
       f'hdet: explore[{passed[0]!r}] is passed to the optimizer, which is already built; explore it with a '
       f'factory (hdet(optax.adamw, schedule, explore=...)), or set to_optimizer=False if the step reads it.'
     )
-  if isinstance(auto_lr, AutoLR) and auto_lr.controller == 'paper':
+  if isinstance(auto_lr, AutoLR) and ctrl.is_paper(auto_lr):
     raise ValueError(
       "hdet: AutoLR.paper replaces the schedule with the controller's own, which a built optimizer keeps "
       'inside; use AutoLR(total_steps=...) (it scales your schedule), or a factory with learning_rate=.'
@@ -402,7 +402,7 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built: bool) -> d
       f'or sync_every={sync_windows if len(sync_windows) > 1 else sync_windows[0]}.'
     )
   firsts, finals = zip(*evaluate_schedules([h.value for _, h in hps], [start, last]))
-  if a.controller != 'fit':  # 'fit' scales the schedule; it needs no positive end value
+  if not ctrl.is_fit(a):  # 'fit' scales the schedule; it needs no positive end value
     for (name, h), v0, v1 in zip(hps, firsts, finals):
       _check_decays_to_positive(name, h, v0, v1, start, last)
   if a.decay is not None and not a.decay < 1:
@@ -433,7 +433,7 @@ def _anneal_from(a: AutoLR, learning_rate, built: bool) -> int | None:
   """The plan's ``anneal_from`` (see :func:`anneal_start`): from the factory's learning-rate schedule; around a
   built optimizer from ``auto_lr.schedule``, or where none is given the step a cosine decay from ``warmup_steps`` to
   ``total_steps`` would fall below ``anneal_fraction`` of its peak (halfway, at 0.5)."""
-  if a.controller != 'fit' or a.anneal_fraction == 0:
+  if not ctrl.is_fit(a) or a.anneal_fraction == 0:
     return None
   if not built and a.schedule is not None:
     raise ValueError(
@@ -472,7 +472,7 @@ def _decays(a: AutoLR, hps, firsts, finals, num_syncs: float) -> tuple[float, ..
   """
   return tuple(
     0.0
-    if h.additive or a.controller == 'fit'
+    if h.additive or ctrl.is_fit(a)
     else float(a.decay)
     if (a.decay is not None and is_learning_rate(name))
     else ctrl.decay_for_schedule(v0, v1, num_syncs)

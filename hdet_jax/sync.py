@@ -201,12 +201,12 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
     )
   new_c = c._replace(window_losses=window_losses)
   a = plan.auto_lr
-  if a is not None and a.controller == 'fit' and a.backoff:
+  if ctrl.is_fit(a) and a.backoff:
     new_c = new_c._replace(**window_train_loss(plan, st))
   if a is not None:
     started = st.count >= plan.controller_start
     stopped = st.count > a.stop_steps if a.stop_steps is not None else jnp.zeros([], bool)
-    if a.controller == 'paper':
+    if ctrl.is_paper(a):
       new_c = _paper_controller(plan, c, new_c, window_losses, started & ~stopped)
     elif a.after_stop == 'rise':  # the fit goes on after the stop, taking only steps up
       new_c = _fit_controller(plan, c, new_c, window_losses, started, st.count, rise_only=stopped)
