@@ -20,7 +20,8 @@ from hdet_jax.replicas import (
   stack_replicas,
 )
 from hdet_jax.schedules import one_cycle
-from hdet_jax.settings import AutoLR, Explore, hyperparam_names
+from hdet_jax.auto_lr import AutoLR
+from hdet_jax.settings import Explore, hyperparam_names
 from hdet_jax.sync import apply_updates
 from hdet_jax.shardings import batch_shardings, group_shardings, stacked_shardings, state_shardings
 from hdet_jax.transform import HDETState, hdet, replica_value

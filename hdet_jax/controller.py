@@ -196,6 +196,18 @@ def init_controller_state(
 VARIANTS = ('paper', 'fit')
 
 
+# The one place a controller is told by its name (AutoLR.controller); the rest of the core asks these.
+def is_fit(auto_lr) -> bool:
+  """Whether ``auto_lr`` (an :class:`hdet_jax.AutoLR`, or None) runs the line search, ``'fit'``: a learned correction
+  of the user's schedule."""
+  return getattr(auto_lr, 'controller', None) == 'fit'
+
+
+def is_paper(auto_lr) -> bool:
+  """Whether ``auto_lr`` runs the paper's eqs. 4-9, ``'paper'``: the controller's own base, replacing the schedule."""
+  return getattr(auto_lr, 'controller', None) == 'paper'
+
+
 class FitUpdate(NamedTuple):
   """The intermediate quantities of one ``'fit'`` update, for logging and tests."""
 

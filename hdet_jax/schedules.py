@@ -1,8 +1,10 @@
-"""Base schedules. Any optax schedule works as HDET's base; this adds torch's OneCycleLR."""
+"""Base schedules. Any optax schedule works as HDET's base; this adds torch's OneCycleLR, and reads schedules at
+build time: their values at given steps in one compiled call, and where one anneals (:func:`anneal_start`)."""
 
 from __future__ import annotations
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -104,3 +106,89 @@ def _phases(max_lr, total_steps, pct_start, div_factor, final_div_factor, three_
       'increase total_steps or move pct_start away from 0 and 1.'
     )
   return np.array([0.0] + ends[:-1]), np.array(ends), values
+
+
+def anneal_start(schedule, total_steps: int, fraction: float) -> int | None:
+  """The first step after a schedule's peak at which it is below ``fraction`` of that peak, or None (no such step
+  before ``total_steps``: a constant or rising schedule, a number, or ``fraction`` 0).
+
+  .. math:: t_a = \\min\\{t > t_p : s(t) < f\\, s(t_p)\\}, \\quad t_p = \\operatorname{argmax}_{0 \\le t < S} s(t)
+
+  From the first sync at or after ``t_a`` on, the 'fit' controller's learning-rate factor no longer rises (falls are
+  still taken): the anneal from ``f`` of the peak down keeps the schedule's shape, ``lr_t / s(t)`` non-increasing.
+  The schedule is evaluated at every step, in one compiled call.
+
+  Args:
+    schedule: an optax schedule (a function of the step) or a number.
+    total_steps: S, the steps evaluated (0 to S - 1).
+    fraction: f in [0, 1).
+
+  Example:
+    >>> import optax
+    >>> from hdet_jax import schedules
+    >>> cosine = optax.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=10, decay_steps=111)
+    >>> schedules.anneal_start(cosine, 111, 0.5)  # past the cosine's midpoint (60.5): its peak is at step 10
+    61
+    >>> schedules.anneal_start(optax.constant_schedule(1.0), 110, 0.5) is None  # nothing decays
+    True
+  """
+  if not callable(schedule) or fraction <= 0:
+    return None
+  values = _schedule_path(schedule, int(total_steps))
+  peak = int(np.argmax(values))
+  below = np.nonzero(values[peak + 1 :] < fraction * values[peak])[0]
+  return peak + 1 + int(below[0]) if below.size else None
+
+
+def _schedule_path(schedule, total_steps: int) -> np.ndarray:
+  """[S] float32: the schedule at steps 0 .. S - 1, vectorized in one compiled call where it maps over steps
+  (optax's schedules do), else step by step (:func:`evaluate_schedules`)."""
+  try:
+    path = lambda: jax.vmap(lambda t: jnp.asarray(schedule(t), jnp.float32))(jnp.arange(total_steps))
+    consts = jax.make_jaxpr(path)().consts
+  except _TRACED_ERRORS:  # a schedule with Python control flow on the step: one step at a time
+    return np.asarray(evaluate_schedules([schedule], list(range(total_steps)))[0], np.float32)
+  if any(isinstance(c, jax.core.Tracer) for c in consts):
+    evaluate_schedules([schedule], [0])  # (its one error line)
+  return np.asarray(jax.jit(path).lower().compile()(), np.float32)
+
+
+# What jax raises where a value needed at build time is traced (hdet() built from arrays computed under jit).
+_TRACED_ERRORS = (
+  jax.errors.ConcretizationTypeError,
+  jax.errors.TracerArrayConversionError,
+  jax.errors.TracerBoolConversionError,
+  jax.errors.TracerIntegerConversionError,
+)
+
+
+def evaluate_schedules(schedules, steps) -> list[list[float]]:
+  """Values of several schedules (floats or callables) at several steps, in one compiled call.
+
+  Evaluating an optax schedule eagerly compiles each of its ops as a separate program, each one's
+  host memory kept in JAX's caches; one jit of all of them compiles a single program.
+  """
+  fns = [s for s in schedules if callable(s)]
+  table = lambda: jnp.stack([jnp.stack([jnp.asarray(f(t), jnp.float32) for t in steps]) for f in fns])
+  # A compiled executable runs at once even when hdet() is built under jit, eval_shape or vmap (a
+  # trainer's jitted init), where calling the jitted function would stage it into the enclosing trace;
+  # the values are the same bits either way.
+  if fns and any(isinstance(c, jax.core.Tracer) for c in jax.make_jaxpr(table)().consts):
+    raise ValueError(
+      'hdet: a schedule depends on a traced value, so it cannot be evaluated when hdet() is built; '
+      'pass Python numbers (or a schedule of them), not arrays computed under jit, or build hdet() '
+      'outside the traced function.'
+    )
+  got = iter(np.asarray(jax.jit(table).lower().compile()()).tolist() if fns else [])
+  return [next(got) if callable(s) else [_as_float(s)] * len(steps) for s in schedules]
+
+
+def _as_float(value) -> float:
+  """A scalar setting as a Python float: one error line where it is a traced value."""
+  try:
+    return float(value)
+  except _TRACED_ERRORS:
+    raise ValueError(
+      f'hdet: got a traced value ({jax.typeof(value)}) where a number is needed at build time; '
+      'pass a Python number, or build hdet() outside the traced function.'
+    ) from None

@@ -1,6 +1,7 @@
-"""What ``hdet()`` is built from: the settings (:class:`AutoLR`, :class:`Explore`) and the validated plan.
+"""What ``hdet()`` is built from: the settings (:class:`Explore`; :class:`AutoLR` and its checks are
+:mod:`hdet_jax.auto_lr`'s) and the validated plan.
 
-Every check of ``hdet``'s arguments lives here and runs eagerly, before anything is traced; each error
+Every check of ``hdet``'s arguments runs here, eagerly, before anything is traced; each error
 names the parameter and the fix. The result is a frozen :class:`Plan`, the only thing the
 transformation's ``init`` and ``update`` read. The ``[G]`` order of the explored hyperparameters (the
 rows of ``HDETState.values``, ``base`` and the controller's fields) is defined once, by
@@ -12,183 +13,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable, NamedTuple
+import types
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from hdet_jax import arguments
 from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
 from hdet_jax import windows
-
-
-@dataclasses.dataclass(frozen=True)
-class AutoLR:
-  """Settings of the auto-LR controller. ``AutoLR(total_steps=S)`` is the measured default, the *guarded climb*.
-
-  The guarded climb (``controller='fit'`` at these defaults; ``python train.py``'s controller) is a line
-  search along the replicas' line (:func:`hdet_jax.controller.fit_update`) that scales the user's schedule
-  by a learned factor, keeping its shape:
-
-  * it starts at a tenth of the learning rate you pass (``initial_scale=0.1``): a factory's schedule and a
-    built optimizer's own learning rate alike. Pass the highest learning rate you would consider: a guess up
-    to 10x too high is where the climb ends up starting near the best, while a climb started too high is never
-    corrected (:doc:`/results/start_rule`);
-  * it only rises (``after_stop='rise'`` from ``stop_steps=0``), each step at most ``trust`` in log units
-    (x2.7), amplified while the fitted steps keep one direction (``step_growth``, up to ``max_gain``);
-  * with ``anneal_fraction=0.5`` (off by default: measured, it cost where it bound) it keeps the schedule's
-    anneal: once the learning-rate schedule has fallen below that fraction of its peak, the factor no longer
-    rises (it may still fall), so ``lr_t / schedule(t)`` is non-increasing over the rest of the decay
-    (:func:`hdet_jax.sync.anneal`). A factory's schedule is read at build; around an optimizer you built pass its
-    schedule as ``schedule=``, else a cosine decay from ``warmup_steps`` to ``total_steps`` is assumed (no rise in
-    the run's second half);
-  * it is guarded: a window whose mean training loss rose by more than ``backoff_stderrs`` standard errors
-    and ``backoff_fraction`` of the loss steps the LR back down (``backoff``; the trainer also rolls the
-    replicas back to the sync before);
-  * it settles: once the climb has ended (two confident asks down in a row) the replicas stop spreading
-    and the rest of the run trains at the base LR (``settle``).
-
-  Against an 8-run LR sweep, one run lands close to the sweep's best on text at the default length, further
-  off on short runs, from a 10x too-low start and on small classifiers: :doc:`/verdict` has the numbers, from
-  the committed records.
-
-  The paper's controller (eqs. 4-9) is one call away: :meth:`AutoLR.paper`.
-
-  Attributes:
-    total_steps: S, the length of the run: a sync on or after step S still averages, but the controller holds
-      (no step trains at what it would set; :func:`hdet_jax.sync.hold_after_last_step`).
-    controller: ``'fit'`` (the line search; the fields up to ``settle``) or ``'paper'`` (eqs. 4-9; the
-      fields from ``temperature`` on). Build the paper's with :meth:`AutoLR.paper`.
-    warmup_steps: S_warm; the controller updates at the first sync at or after this step.
-    initial_scale: 'fit': the learning rates' correction starts at this factor; None (the default): 0.1, a
-      tenth of the learning rate you pass, whether the optimizer is a factory or built. (< 1: a cautious start
-      the line search has to raise; 1: start at the schedule). Other hyperparameters start uncorrected.
-    trust: 'fit': the largest change of the log-correction per sync (additive values move at most their
-      spread per sync).
-    memory: 'fit': forgetting factor in [0, 1) of the regression's statistics across syncs.
-    step_growth: 'fit': eta >= 1; while consecutive fitted steps agree in sign, each taken step is the
-      fitted one times a gain that grows by this factor per sync (Rprop; see
-      :func:`hdet_jax.controller.accelerate`); a reversal resets it to 1. 1: the plain fit.
-    max_gain: 'fit': the largest gain, >= 1 (each step stays within ``trust``).
-    stop_steps: the controller makes no update at syncs after this step, except what ``after_stop``
-      allows; None: it runs to the end.
-    after_stop: 'fit': at syncs after ``stop_steps``, ``'hold'`` (no update) or ``'rise'`` (only steps that
-      raise a value are taken).
-    backoff: 'fit': at a sync where the replicas' mean training loss over the window rose past the margins
-      below (or is not finite), the learning rates' correction steps down by ``trust``, whatever the fit
-      asked and whatever ``after_stop`` allows, and the gain resets.
-    backoff_stderrs: 'fit' with ``backoff``: only a rise of more than ``k sqrt(2) se`` counts, se the
-      standard error of the window before's mean loss from its step-to-step changes. 0: any rise.
-    backoff_fraction: 'fit' with ``backoff``: only a rise of more than this fraction of the window before's
-      loss counts too (with ``backoff_stderrs``, the larger margin). 0: off.
-    settle: 'fit' with ``after_stop='rise'``: a hyperparameter whose climb has ended (the second confident
-      ask down in a row once it has risen above its start) stops spreading and its correction holds.
-    temperature: 'paper': sigma of the softmax over window losses (eq. 4), in loss units.
-    lr_of_lr: 'paper': lambda, the step size of the base update (eq. 7).
-    momentum: 'paper': beta, the velocity's momentum (eq. 7), in [0, 1).
-    decay: 'paper': gamma override. None decays the base geometrically to the schedule's value at step
-      S - 1; ``hdet_jax.controller.reference_decay(div, final_div, K)`` reproduces the reference.
-    min_value: 'paper': floor on every base value (None: a tenth of the schedule's final value).
-    smooth_decay: 'paper': within a window the base decays continuously (False holds it between syncs, as
-      the reference does).
-    anneal_fraction: 'fit': from the first sync at or after the step the learning-rate schedule falls below this
-      fraction of its peak (:func:`hdet_jax.settings.anneal_start`), the learning rates' factor takes no step up.
-      Late in a decaying schedule a larger factor always looks better over one window, and a climb left to run
-      there cancels the decay. In [0, 1); 0: off (the climb may rise to the end).
-    schedule: 'fit' around a built optimizer: its learning-rate schedule (the function of the step it was built
-      with), for ``anneal_fraction`` to find its decay. None: a cosine decay from ``warmup_steps`` to
-      ``total_steps`` is assumed (the rule then applies from halfway at the default). A factory's schedule is
-      ``hdet``'s ``learning_rate``: giving one here too is refused.
-
-  Example:
-    >>> import hdet_jax
-    >>> auto_lr = hdet_jax.AutoLR(total_steps=1500)  # the guarded climb
-    >>> auto_lr.controller, auto_lr.trust
-    ('fit', 1.0)
-    >>> paper = hdet_jax.AutoLR.paper(total_steps=1500, warmup_steps=750)  # eqs. 4-9
-    >>> paper.controller, paper.temperature
-    ('paper', 0.1)
-  """
-
-  total_steps: int
-  controller: str = 'fit'
-  warmup_steps: int = 0
-  initial_scale: float | None = None
-  trust: float = 1.0
-  memory: float = 0.5
-  step_growth: float = 2.0
-  max_gain: float = 4.0
-  stop_steps: int | None = 0
-  after_stop: str = 'rise'
-  backoff: bool = True
-  backoff_stderrs: float = 2.0
-  backoff_fraction: float = 0.05
-  settle: bool = True
-  temperature: float = 0.1
-  lr_of_lr: float = 0.5
-  momentum: float = 0.9
-  decay: float | None = None
-  min_value: float | None = None
-  smooth_decay: bool = True
-  anneal_fraction: float = 0.0  # off: measured, keeping the anneal cost where it bound (docs/how_it_works.md)
-  schedule: Callable[[Any], Any] | None = None
-
-  @classmethod
-  def paper(
-    cls,
-    total_steps: int,
-    *,
-    warmup_steps: int = 0,
-    temperature: float = 0.1,
-    lr_of_lr: float = 0.5,
-    momentum: float = 0.9,
-    decay: float | None = None,
-    min_value: float | None = None,
-    smooth_decay: bool = True,
-    stop_steps: int | None = None,
-  ) -> 'AutoLR':
-    """The paper's controller (eqs. 4-9): a softmax over the replicas' window losses weights their
-    values, the base moves additively toward the better ones and decays geometrically, replacing the
-    schedule once the controller starts.
-
-    Example:
-      >>> import hdet_jax
-      >>> hdet_jax.AutoLR.paper(total_steps=1500, warmup_steps=750, temperature=0.1).controller
-      'paper'
-    """
-    return cls(
-      total_steps=total_steps,
-      controller='paper',
-      warmup_steps=warmup_steps,
-      stop_steps=stop_steps,
-      temperature=temperature,
-      lr_of_lr=lr_of_lr,
-      momentum=momentum,
-      decay=decay,
-      min_value=min_value,
-      smooth_decay=smooth_decay,
-      **_FIT_OFF,
-    )
-
-
-# AutoLR.initial_scale=None: the climb starts at a tenth of the LR it is given, a factory's schedule or a built
-# optimizer's own LR alike. The climb only rises (a stable too-high LR is never lowered), so the start is low.
-DEFAULT_INITIAL_SCALE = 0.1
-
-# The 'fit' fields at the values that leave a controller without them: what AutoLR.paper sets.
-_FIT_OFF = dict(
-  initial_scale=1.0,
-  step_growth=1.0,
-  after_stop='hold',
-  backoff=False,
-  backoff_stderrs=0.0,
-  backoff_fraction=0.0,
-  settle=False,
-  anneal_fraction=0.0,
-  schedule=None,
-)
+from hdet_jax.auto_lr import DEFAULT_INITIAL_SCALE, AutoLR, check_auto_lr  # (the trainer reads them here too)
+from hdet_jax.schedules import anneal_start, evaluate_schedules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,48 +135,39 @@ def hyperparam_names(
   return lrs + tuple(explore or ())
 
 
-def make_plan(
-  optimizer,
-  learning_rate,
-  *,
-  num_replicas,
-  spread,
-  sync_every,
-  replica_axis,
-  auto_lr,
-  exact_sync,
-  seed,
-  explore,
-  param_groups,
-  guard_nonfinite,
-  optimizer_kwargs,
-  average_opt_state=False,
-  rollback=False,
-) -> Plan:
-  """Validates every ``hdet`` argument eagerly and returns the frozen plan."""
-  built = is_built(optimizer)
-  extra = _explored(explore, optimizer_kwargs)
-  learning_rate = _checked_optimizer(optimizer, learning_rate, optimizer_kwargs, extra, auto_lr)
-  groups = _param_groups(param_groups)
-  _check_replicas(num_replicas, spread, replica_axis)
-  exact_sync, guard_nonfinite = _flag('exact_sync', exact_sync), _flag('guard_nonfinite', guard_nonfinite)
-  if not arguments.is_int(seed):
-    raise ValueError(f"hdet: seed must be an integer (it seeds the multipliers' permutations), got {seed!r}.")
-  sync_windows = windows.as_windows(sync_every)
-  lr = Explore(learning_rate, float(spread), low=None, high=None)
+def make_plan(args: Mapping[str, Any]) -> Plan:
+  """Validates every ``hdet`` argument eagerly and returns the frozen plan.
+
+  ``args``: hdet's arguments by name, as hdet received them (its ``locals()``, ``**optimizer_kwargs`` as the dict
+  ``optimizer_kwargs``). hdet's signature is the one list of them and of their defaults.
+  """
+  hdet = types.SimpleNamespace(**args)
+  removed = sorted(set(hdet.optimizer_kwargs) & set(REMOVED_ARGUMENTS))
+  if removed:
+    raise ValueError(f'hdet: {removed[0]}= was removed in hdet-jax 1.0: {REMOVED_ARGUMENTS[removed[0]]}.')
+  built = is_built(hdet.optimizer)
+  extra = _explored(hdet.explore, hdet.optimizer_kwargs)
+  learning_rate = _checked_optimizer(hdet.optimizer, hdet.learning_rate, hdet.optimizer_kwargs, extra, hdet.auto_lr)
+  groups = _param_groups(hdet.param_groups)
+  _check_replicas(hdet.num_replicas, hdet.spread, hdet.replica_axis)
+  exact_sync, guard_nonfinite = _flag('exact_sync', hdet.exact_sync), _flag('guard_nonfinite', hdet.guard_nonfinite)
+  if not arguments.is_int(hdet.seed):
+    raise ValueError(f"hdet: seed must be an integer (it seeds the multipliers' permutations), got {hdet.seed!r}.")
+  sync_windows = windows.as_windows(_sync_every(hdet.sync_every, hdet.auto_lr))
+  lr = Explore(learning_rate, float(hdet.spread), low=None, high=None)
   names = hyperparam_names(param_groups=dict(groups), explore=dict(extra), built=built)
   hps = tuple(zip(names, (lr,) * (len(names) - len(extra)) + tuple(h for _, h in extra)))
   for name, h in extra:
     _check_explored_value(name, h)
   lows = tuple(-math.inf if h.low is None else float(h.low) for _, h in hps)
-  controlled = _controller_plan(auto_lr, hps, lows, spread, sync_windows, built)
+  controlled = _controller_plan(hdet.auto_lr, hps, lows, hdet.spread, sync_windows, built)
   spreads = tuple(float(h.spread) for _, h in hps)
   additive = tuple(bool(h.additive) for _, h in hps)
-  scale, offset = _spread_tables(int(num_replicas), spreads, additive)
-  _warn_if_plain(int(num_replicas), spreads, auto_lr)
+  scale, offset = _spread_tables(int(hdet.num_replicas), spreads, additive)
+  _warn_if_plain(int(hdet.num_replicas), spreads, hdet.auto_lr)
   return Plan(
-    optimizer=optimizer,
-    optimizer_kwargs=dict(optimizer_kwargs),
+    optimizer=hdet.optimizer,
+    optimizer_kwargs=dict(hdet.optimizer_kwargs),
     names=names,
     schedules=tuple(h.value for _, h in hps),
     spreads=spreads,
@@ -351,18 +178,32 @@ def make_plan(
     scale=scale,
     offset=offset,
     groups=groups,
-    num_replicas=int(num_replicas),
+    num_replicas=int(hdet.num_replicas),
     sync_windows=sync_windows,
-    replica_axis=replica_axis,
-    auto_lr=auto_lr,
+    replica_axis=hdet.replica_axis,
+    auto_lr=hdet.auto_lr,
     **controlled,
     exact_sync=exact_sync,
     guard_nonfinite=guard_nonfinite,
-    seed=seed,
-    average_opt_state=_flag('average_opt_state', average_opt_state),
+    seed=hdet.seed,
+    average_opt_state=_flag('average_opt_state', hdet.average_opt_state),
     built=built,
-    rollback=check_rollback(rollback, auto_lr),
+    rollback=check_rollback(hdet.rollback, hdet.auto_lr),
   )
+
+
+# hdet()'s removed arguments, each with what to do instead (research/README.md, 'Retired in 1.0'): without this
+# check they would reach the wrapped optimizer as keywords and fail there.
+REMOVED_ARGUMENTS = {'fan': 'the learning rates fan out linearly (eq. 1, spread in [0, 1)); drop the argument'}
+
+
+def _sync_every(sync_every, auto_lr):
+  """``sync_every`` with None as the measured default: ``round(S / 15)``, at most 100, with ``auto_lr``'s S, else 100
+  (a ``total_steps`` that is not a count is refused with the other settings)."""
+  if sync_every is not None:
+    return sync_every
+  counted = isinstance(auto_lr, AutoLR) and arguments.is_int(auto_lr.total_steps)
+  return windows.default_period(auto_lr.total_steps) if counted else 100
 
 
 def _checked_optimizer(optimizer, learning_rate, optimizer_kwargs, extra, auto_lr):
@@ -408,7 +249,7 @@ def check_rollback(rollback: bool, auto_lr: 'AutoLR | None') -> bool:
     ValueError: rollback=True returns the replicas to the last sync where the guard backs off, so it needs the ...
   """
   rollback = _flag('rollback', rollback)
-  if rollback and not (isinstance(auto_lr, AutoLR) and auto_lr.controller == 'fit' and auto_lr.backoff):
+  if rollback and not (isinstance(auto_lr, AutoLR) and ctrl.is_fit(auto_lr) and auto_lr.backoff):
     raise ValueError(
       'rollback=True returns the replicas to the last sync where the guard backs off, so it needs the guard: '
       "the 'fit' controller with backoff=True (hdet_jax.AutoLR(total_steps=...), its default), or rollback=False."
@@ -443,7 +284,7 @@ def _built_reference(learning_rate, optimizer_kwargs, extra, auto_lr) -> float:
       f'hdet: explore[{passed[0]!r}] is passed to the optimizer, which is already built; explore it with a '
       f'factory (hdet(optax.adamw, schedule, explore=...)), or set to_optimizer=False if the step reads it.'
     )
-  if isinstance(auto_lr, AutoLR) and auto_lr.controller == 'paper':
+  if isinstance(auto_lr, AutoLR) and ctrl.is_paper(auto_lr):
     raise ValueError(
       "hdet: AutoLR.paper replaces the schedule with the controller's own, which a built optimizer keeps "
       'inside; use AutoLR(total_steps=...) (it scales your schedule), or a factory with learning_rate=.'
@@ -541,92 +382,6 @@ def _check_explored_value(name: str, h: Explore) -> None:
     )
 
 
-def check_auto_lr(auto_lr: 'AutoLR', spread: float) -> None:
-  """The controller's settings checked as ``hdet()`` checks them: raises ValueError, one line naming the field as
-  ``auto_lr.<field>`` (its range, and the rules across fields), or returns None. For callers that hold these
-  settings under other names (the trainer's config) and check them before any work.
-
-  Example:
-    >>> from hdet_jax import settings
-    >>> settings.check_auto_lr(settings.AutoLR(total_steps=100, trust=0.5), spread=0.25)
-    >>> settings.check_auto_lr(settings.AutoLR(total_steps=100, trust=-1.0), spread=0.25)
-    Traceback (most recent call last):
-    ...
-    ValueError: auto_lr.trust must be > 0 (the largest log-step per sync), got -1.0.
-  """
-  _check_auto_lr(auto_lr, spread)
-
-
-def _check_auto_lr(a, spread) -> None:
-  if not isinstance(a, AutoLR):
-    raise ValueError(f'auto_lr must be an hdet_jax.AutoLR or None, got {type(a).__name__}.')
-  if not arguments.is_int(a.total_steps) or a.total_steps < 2:
-    raise ValueError(f'auto_lr.total_steps must be an integer >= 2, got {a.total_steps!r}.')
-  if not arguments.is_int(a.warmup_steps) or not 0 <= a.warmup_steps < a.total_steps:
-    raise ValueError(f'auto_lr.warmup_steps must be in [0, total_steps={a.total_steps}), got {a.warmup_steps!r}.')
-  if not a.temperature > 0:
-    raise ValueError(f'auto_lr.temperature (sigma) must be > 0, got {a.temperature!r}.')
-  if not 0.0 <= a.momentum < 1.0:
-    raise ValueError(f'auto_lr.momentum (beta) must be in [0, 1), got {a.momentum!r}.')
-  if not a.lr_of_lr >= 0:
-    raise ValueError(f'auto_lr.lr_of_lr (lambda) must be >= 0, got {a.lr_of_lr!r}.')
-  if a.controller not in ctrl.VARIANTS:
-    raise ValueError(f'auto_lr.controller must be one of {ctrl.VARIANTS}, got {a.controller!r}.')
-  if a.controller == 'paper':
-    unset = lambda k: k == 'initial_scale' and a.initial_scale is None  # None: each mode's default
-    fit_set = [f'{k}={getattr(a, k)!r}' for k, v in _FIT_OFF.items() if getattr(a, k) != v and not unset(k)]
-    if fit_set:
-      raise ValueError(
-        f"auto_lr: controller='paper' takes none of the 'fit' settings, got {', '.join(fit_set)}; "
-        f'build it with hdet_jax.AutoLR.paper(total_steps=..., ...).'
-      )
-  if not (isinstance(a.trust, (int, float)) and 0.0 < a.trust < math.inf):
-    raise ValueError(f'auto_lr.trust must be > 0 (the largest log-step per sync), got {a.trust!r}.')
-  if not (isinstance(a.memory, (int, float)) and 0.0 <= a.memory < 1.0):
-    raise ValueError(f'auto_lr.memory must be in [0, 1), got {a.memory!r}.')
-  if a.stop_steps is not None and (not arguments.is_int(a.stop_steps) or a.stop_steps < 0):
-    raise ValueError(f'auto_lr.stop_steps must be None or an integer >= 0, got {a.stop_steps!r}.')
-  scale = a.initial_scale
-  if scale is not None and not (isinstance(scale, (int, float)) and 0.0 < scale < math.inf):
-    raise ValueError(f'auto_lr.initial_scale must be None or a number > 0 (1: start at the schedule), got {scale!r}.')
-  if a.after_stop not in ('hold', 'rise'):
-    raise ValueError(f"auto_lr.after_stop must be 'hold' or, with controller='fit', 'rise'; got {a.after_stop!r}.")
-  for name in ('step_growth', 'max_gain'):
-    v = getattr(a, name)
-    if not (isinstance(v, (int, float)) and 1.0 <= v < math.inf):
-      raise ValueError(f'auto_lr.{name} must be a number >= 1 (1: no acceleration), got {v!r}.')
-  if not isinstance(a.backoff, bool):
-    raise ValueError(f'auto_lr.backoff must be a bool, got {a.backoff!r}.')
-  k = a.backoff_stderrs
-  if not (isinstance(k, (int, float)) and not isinstance(k, bool) and 0.0 <= k < math.inf) or (k > 0 and not a.backoff):
-    raise ValueError(f'auto_lr.backoff_stderrs must be a number >= 0, and > 0 only with backoff=True; got {k!r}.')
-  f = a.backoff_fraction
-  if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0) or (f > 0 and not a.backoff):
-    raise ValueError(f'auto_lr.backoff_fraction must be a number in [0, 1), and > 0 only with backoff=True; got {f!r}.')
-  if not isinstance(a.settle, bool) or (a.settle and a.after_stop != 'rise'):
-    raise ValueError(
-      f"auto_lr.settle must be a bool, and True only with controller='fit' and after_stop='rise' "
-      f'(it ends a rise-only climb); got settle={a.settle!r}, controller={a.controller!r}, '
-      f'after_stop={a.after_stop!r}.'
-    )
-  f = a.anneal_fraction
-  if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f < 1.0):
-    raise ValueError(
-      f"auto_lr.anneal_fraction must be a number in [0, 1) (the schedule's fraction of its peak below which the "
-      f'factor no longer rises; 0: off), got {f!r}.'
-    )
-  if a.schedule is not None and not callable(a.schedule):
-    raise ValueError(
-      f"auto_lr.schedule must be None or the built optimizer's learning-rate schedule (a function of the step), "
-      f'got {a.schedule!r}.'
-    )
-  if spread == 0.0:
-    raise ValueError(
-      'auto_lr needs spread > 0: with spread=0 every replica trains at the same LR and the '
-      'controller gets no signal. Set spread (e.g. 0.25) or auto_lr=None.'
-    )
-
-
 def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built: bool) -> dict[str, Any]:
   """The Plan's controller fields: ``controller_start``, and per hyperparameter ``decay``, ``floors``,
   ``start_values``."""
@@ -636,7 +391,7 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built: bool) -> d
       controller_start=0, decay=(0.0,) * g, floors=lows, start_values=(0.0,) * g, initial_correction=(0.0,) * g
     )
   a = auto_lr
-  _check_auto_lr(a, spread)
+  check_auto_lr(a, spread)
   # The first sync at or after the warmup (syncs happen after steps T, 2T, ... for a fixed T).
   start = windows.first_sync_at_or_after(sync_windows, int(a.warmup_steps))
   last = int(a.total_steps) - 1
@@ -647,7 +402,7 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built: bool) -> d
       f'or sync_every={sync_windows if len(sync_windows) > 1 else sync_windows[0]}.'
     )
   firsts, finals = zip(*evaluate_schedules([h.value for _, h in hps], [start, last]))
-  if a.controller != 'fit':  # 'fit' scales the schedule; it needs no positive end value
+  if not ctrl.is_fit(a):  # 'fit' scales the schedule; it needs no positive end value
     for (name, h), v0, v1 in zip(hps, firsts, finals):
       _check_decays_to_positive(name, h, v0, v1, start, last)
   if a.decay is not None and not a.decay < 1:
@@ -678,7 +433,7 @@ def _anneal_from(a: AutoLR, learning_rate, built: bool) -> int | None:
   """The plan's ``anneal_from`` (see :func:`anneal_start`): from the factory's learning-rate schedule; around a
   built optimizer from ``auto_lr.schedule``, or where none is given the step a cosine decay from ``warmup_steps`` to
   ``total_steps`` would fall below ``anneal_fraction`` of its peak (halfway, at 0.5)."""
-  if a.controller != 'fit' or a.anneal_fraction == 0:
+  if not ctrl.is_fit(a) or a.anneal_fraction == 0:
     return None
   if not built and a.schedule is not None:
     raise ValueError(
@@ -689,51 +444,6 @@ def _anneal_from(a: AutoLR, learning_rate, built: bool) -> int | None:
     into = math.acos(2.0 * a.anneal_fraction - 1.0) / math.pi  # cos decay (1 + cos(pi x)) / 2 = fraction at x
     return a.warmup_steps + math.ceil(into * (a.total_steps - a.warmup_steps))
   return anneal_start(a.schedule if built else learning_rate, a.total_steps, a.anneal_fraction)
-
-
-def anneal_start(schedule, total_steps: int, fraction: float) -> int | None:
-  """The first step after a schedule's peak at which it is below ``fraction`` of that peak, or None (no such step
-  before ``total_steps``: a constant or rising schedule, a number, or ``fraction`` 0).
-
-  .. math:: t_a = \\min\\{t > t_p : s(t) < f\\, s(t_p)\\}, \\quad t_p = \\operatorname{argmax}_{0 \\le t < S} s(t)
-
-  From the first sync at or after ``t_a`` on, the 'fit' controller's learning-rate factor no longer rises (falls are
-  still taken): the anneal from ``f`` of the peak down keeps the schedule's shape, ``lr_t / s(t)`` non-increasing.
-  The schedule is evaluated at every step, in one compiled call.
-
-  Args:
-    schedule: an optax schedule (a function of the step) or a number.
-    total_steps: S, the steps evaluated (0 to S - 1).
-    fraction: f in [0, 1).
-
-  Example:
-    >>> import optax
-    >>> from hdet_jax import settings
-    >>> cosine = optax.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=10, decay_steps=111)
-    >>> settings.anneal_start(cosine, 111, 0.5)  # past the cosine's midpoint (60.5): its peak is at step 10
-    61
-    >>> settings.anneal_start(optax.constant_schedule(1.0), 110, 0.5) is None  # nothing decays
-    True
-  """
-  if not callable(schedule) or fraction <= 0:
-    return None
-  values = _schedule_path(schedule, int(total_steps))
-  peak = int(np.argmax(values))
-  below = np.nonzero(values[peak + 1 :] < fraction * values[peak])[0]
-  return peak + 1 + int(below[0]) if below.size else None
-
-
-def _schedule_path(schedule, total_steps: int) -> np.ndarray:
-  """[S] float32: the schedule at steps 0 .. S - 1, vectorized in one compiled call where it maps over steps
-  (optax's schedules do), else step by step (:func:`evaluate_schedules`)."""
-  try:
-    path = lambda: jax.vmap(lambda t: jnp.asarray(schedule(t), jnp.float32))(jnp.arange(total_steps))
-    consts = jax.make_jaxpr(path)().consts
-  except _TRACED_ERRORS:  # a schedule with Python control flow on the step: one step at a time
-    return np.asarray(evaluate_schedules([schedule], list(range(total_steps)))[0], np.float32)
-  if any(isinstance(c, jax.core.Tracer) for c in consts):
-    evaluate_schedules([schedule], [0])  # (its one error line)
-  return np.asarray(jax.jit(path).lower().compile()(), np.float32)
 
 
 def _check_decays_to_positive(name, h, v0, v1, start, last) -> None:
@@ -762,7 +472,7 @@ def _decays(a: AutoLR, hps, firsts, finals, num_syncs: float) -> tuple[float, ..
   """
   return tuple(
     0.0
-    if h.additive or a.controller == 'fit'
+    if h.additive or ctrl.is_fit(a)
     else float(a.decay)
     if (a.decay is not None and is_learning_rate(name))
     else ctrl.decay_for_schedule(v0, v1, num_syncs)
@@ -778,44 +488,3 @@ def _spread_tables(n: int, spreads, additive) -> tuple[np.ndarray, np.ndarray]:
   )
   offset = np.asarray([sp * unit if add else np.zeros(n) for sp, add in zip(spreads, additive)], np.float32)
   return scale, offset
-
-
-# What jax raises where a value needed at build time is traced (hdet() built from arrays computed under jit).
-_TRACED_ERRORS = (
-  jax.errors.ConcretizationTypeError,
-  jax.errors.TracerArrayConversionError,
-  jax.errors.TracerBoolConversionError,
-  jax.errors.TracerIntegerConversionError,
-)
-
-
-def evaluate_schedules(schedules, steps) -> list[list[float]]:
-  """Values of several schedules (floats or callables) at several steps, in one compiled call.
-
-  Evaluating an optax schedule eagerly compiles each of its ops as a separate program, each one's
-  host memory kept in JAX's caches; one jit of all of them compiles a single program.
-  """
-  fns = [s for s in schedules if callable(s)]
-  table = lambda: jnp.stack([jnp.stack([jnp.asarray(f(t), jnp.float32) for t in steps]) for f in fns])
-  # A compiled executable runs at once even when hdet() is built under jit, eval_shape or vmap (a
-  # trainer's jitted init), where calling the jitted function would stage it into the enclosing trace;
-  # the values are the same bits either way.
-  if fns and any(isinstance(c, jax.core.Tracer) for c in jax.make_jaxpr(table)().consts):
-    raise ValueError(
-      'hdet: a schedule depends on a traced value, so it cannot be evaluated when hdet() is built; '
-      'pass Python numbers (or a schedule of them), not arrays computed under jit, or build hdet() '
-      'outside the traced function.'
-    )
-  got = iter(np.asarray(jax.jit(table).lower().compile()()).tolist() if fns else [])
-  return [next(got) if callable(s) else [_as_float(s)] * len(steps) for s in schedules]
-
-
-def _as_float(value) -> float:
-  """A scalar setting as a Python float: one error line where it is a traced value."""
-  try:
-    return float(value)
-  except _TRACED_ERRORS:
-    raise ValueError(
-      f'hdet: got a traced value ({jax.typeof(value)}) where a number is needed at build time; '
-      'pass a Python number, or build hdet() outside the traced function.'
-    ) from None

@@ -201,12 +201,12 @@ def sync_controller(plan: Plan, st, *, gather: bool, score=None):
     )
   new_c = c._replace(window_losses=window_losses)
   a = plan.auto_lr
-  if a is not None and a.controller == 'fit' and a.backoff:
+  if ctrl.is_fit(a) and a.backoff:
     new_c = new_c._replace(**window_train_loss(plan, st))
   if a is not None:
     started = st.count >= plan.controller_start
     stopped = st.count > a.stop_steps if a.stop_steps is not None else jnp.zeros([], bool)
-    if a.controller == 'paper':
+    if ctrl.is_paper(a):
       new_c = _paper_controller(plan, c, new_c, window_losses, started & ~stopped)
     elif a.after_stop == 'rise':  # the fit goes on after the stop, taking only steps up
       new_c = _fit_controller(plan, c, new_c, window_losses, started, st.count, rise_only=stopped)
@@ -386,7 +386,7 @@ def anneal(plan: Plan, count: jax.Array, step: jax.Array) -> jax.Array:
     \\text{ and } g \\text{ is a learning rate}
 
   with t the updates applied (``count``) and t_a ``plan.anneal_from``, the first step after the schedule's peak at
-  which it has fallen below ``AutoLR.anneal_fraction`` of it (:func:`hdet_jax.settings.anneal_start`). Late in a
+  which it has fallen below ``AutoLR.anneal_fraction`` of it (:func:`hdet_jax.schedules.anneal_start`). Late in a
   decaying schedule a larger factor looks better over one window, so a climb left to run cancels the decay; from
   t_a on the factor only holds or falls, so ``lr_t / s(t)`` is non-increasing and the anneal keeps the schedule's
   shape. A run whose factor never asks to rise from t_a on is unchanged bit for bit; with no decay (``anneal_from``
@@ -398,13 +398,13 @@ def anneal(plan: Plan, count: jax.Array, step: jax.Array) -> jax.Array:
     step: [G] float32, the step the controller would take.
 
   Example:
-    >>> import jax.numpy as jnp, optax, hdet_jax
+    >>> import inspect, jax.numpy as jnp, optax, hdet_jax
     >>> from hdet_jax import settings, sync
     >>> cosine = optax.cosine_decay_schedule(1e-2, 101)  # below half its peak past its midpoint, 50.5
-    >>> plan = settings.make_plan(
-    ...   optax.sgd, cosine, num_replicas=4, spread=0.25, sync_every=10, replica_axis='data',
-    ...   auto_lr=hdet_jax.AutoLR(total_steps=100, anneal_fraction=0.5), exact_sync=False, seed=0, explore=None,
-    ...   param_groups=None, guard_nonfinite=True, optimizer_kwargs={})
+    >>> args = inspect.signature(hdet_jax.hdet).bind(  # hdet's arguments, its defaults for the rest
+    ...   optax.sgd, cosine, num_replicas=4, sync_every=10, auto_lr=hdet_jax.AutoLR(100, anneal_fraction=0.5))
+    >>> args.apply_defaults()
+    >>> plan = settings.make_plan(args.arguments)
     >>> plan.anneal_from
     51
     >>> [float(sync.anneal(plan, jnp.asarray(t), jnp.asarray([0.5]))[0]) for t in (50, 51)]  # rises stop at 51

@@ -270,30 +270,8 @@ def hdet(
     >>> [f'{lr:.2g}' for lr in hdet_jax.hyperparams(opt_state)['learning_rate'].tolist()]  # the next step's
     ['9e-06', '1.1e-05', '1.3e-05', '1.5e-05']
   """
-  removed = sorted(set(optimizer_kwargs) & set(REMOVED_ARGUMENTS))
-  if removed:
-    raise ValueError(f'hdet: {removed[0]}= was removed in hdet-jax 1.0: {REMOVED_ARGUMENTS[removed[0]]}.')
-  if sync_every is None:
-    # (a total_steps that is not a count is refused with the other settings, by make_plan)
-    counted = isinstance(auto_lr, AutoLR) and arguments.is_int(auto_lr.total_steps)
-    sync_every = windows.default_period(auto_lr.total_steps) if counted else 100
-  plan = settings.make_plan(
-    optimizer,
-    learning_rate,
-    num_replicas=num_replicas,
-    spread=spread,
-    sync_every=sync_every,
-    replica_axis=replica_axis,
-    auto_lr=auto_lr,
-    exact_sync=exact_sync,
-    seed=seed,
-    explore=explore,
-    param_groups=param_groups,
-    guard_nonfinite=guard_nonfinite,
-    optimizer_kwargs=optimizer_kwargs,
-    average_opt_state=average_opt_state,
-    rollback=rollback,
-  )
+  # First, while locals() holds only hdet's arguments: its signature is their one list, make_plan reads them by name.
+  plan = settings.make_plan(locals())
 
   def init_fn(params):
     return init(plan, params)
@@ -302,11 +280,6 @@ def hdet(
     return update(plan, updates, state, params, **kwargs)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-# hdet()'s removed arguments, each with what to do instead (research/README.md, 'Retired in 1.0'): without this
-# check they would reach the wrapped optimizer as keywords and fail there.
-REMOVED_ARGUMENTS = {'fan': 'the learning rates fan out linearly (eq. 1, spread in [0, 1)); drop the argument'}
 
 
 def inner_optimizer(plan: Plan, values: list[jax.Array]) -> optax.GradientTransformation:

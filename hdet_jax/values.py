@@ -30,12 +30,12 @@ def replica_values(plan: Plan, base: jax.Array, perm: jax.Array, settled: jax.Ar
   return jnp.clip(v, np.asarray(plan.lows, np.float32)[:, None], np.asarray(plan.highs, np.float32)[:, None])
 
 
-def base_values(plan: Plan, t: jax.Array, controller: ctrl.ControllerState | None) -> jax.Array:
+def base_values(plan: Plan, t: jax.Array, controller: ctrl.ControllerState) -> jax.Array:
   """[G] base values for step t: the schedule, or the controller's base once it has started."""
   scheduled = jnp.stack([jnp.asarray(s(t) if callable(s) else s, jnp.float32) for s in plan.schedules])
-  if plan.auto_lr is None or controller is None:
+  if plan.auto_lr is None:
     return scheduled
-  if plan.auto_lr.controller == 'fit':  # the user's schedule under the controller's correction
+  if ctrl.is_fit(plan.auto_lr):  # the user's schedule under the controller's correction
     add = jnp.asarray(plan.additive)
     corrected = jnp.where(add, scheduled + controller.correction, scheduled * jnp.exp(controller.correction))
     return jnp.clip(corrected, jnp.asarray(plan.lows, jnp.float32), jnp.asarray(plan.highs, jnp.float32))

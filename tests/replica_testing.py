@@ -1,4 +1,6 @@
-"""Shared helpers of the core tests: replicas on the 8 simulated devices, and a quadratic problem."""
+"""Shared helpers of the core tests: replicas on the 8 simulated devices, a quadratic problem, and hdet's plan."""
+
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax as H
+from hdet_jax import settings
 
 N = 8
 AX = 'data'
@@ -25,6 +28,13 @@ def quad_problem(dim=5, seed=0):
   """Per-replica targets c_r; l(theta; B_r) = 0.5 |theta - c_r|^2."""
   c = jax.random.normal(jax.random.key(seed), (N, dim))
   return {'w': jnp.zeros((dim,))}, c
+
+
+def hdet_plan(*args, **kwargs) -> settings.Plan:
+  """The plan ``hdet(*args, **kwargs)`` builds, hdet's defaults for what is left out."""
+  bound = inspect.signature(H.hdet).bind(*args, **kwargs)
+  bound.apply_defaults()
+  return settings.make_plan(bound.arguments)
 
 
 def one_in_flight(f):

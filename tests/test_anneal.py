@@ -16,7 +16,8 @@ import optax
 import pytest
 
 import hdet_jax as H
-from hdet_jax import settings
+from hdet_jax import schedules
+from replica_testing import hdet_plan
 
 N, AX = 4, 'data'
 S, T, WARMUP, PEAK, END = 120, 10, 20, 1e-2, 1e-4
@@ -96,16 +97,16 @@ def factors(states, is_built):
 
 @pytest.mark.parametrize('fraction', [0.5, 0.25, 0.9])
 def test_anneal_start_is_the_closed_forms(fraction):
-  assert settings.anneal_start(schedule(), S, fraction) == numpy_anneal_start(fraction)
-  assert settings.anneal_start(optax.constant_schedule(PEAK), S, fraction) is None  # nothing decays
-  assert settings.anneal_start(PEAK, S, fraction) is None
-  assert settings.anneal_start(schedule(), S, 0.0) is None
+  assert schedules.anneal_start(schedule(), S, fraction) == numpy_anneal_start(fraction)
+  assert schedules.anneal_start(optax.constant_schedule(PEAK), S, fraction) is None  # nothing decays
+  assert schedules.anneal_start(PEAK, S, fraction) is None
+  assert schedules.anneal_start(schedule(), S, 0.0) is None
 
 
 def test_anneal_start_of_a_schedule_with_python_control_flow():
   """A schedule that branches on the step in Python (no vmap) is read one step at a time, to the same step."""
   stepwise = lambda t: PEAK if t < 50 else PEAK / 4  # noqa: E731
-  assert settings.anneal_start(stepwise, S, 0.5) == 50
+  assert schedules.anneal_start(stepwise, S, 0.5) == 50
 
 
 @pytest.mark.parametrize(
@@ -161,20 +162,8 @@ def test_a_run_that_ends_before_the_decay_is_unchanged():
     replica_axis=AX,
     auto_lr=H.AutoLR(60, **{'anneal_fraction': ON, **a}),
   )
-  plan = settings.make_plan(
-    optax.sgd,
-    rising,
-    num_replicas=N,
-    spread=0.25,
-    sync_every=T,
-    replica_axis=AX,
-    auto_lr=H.AutoLR(60, anneal_fraction=ON),
-    exact_sync=False,
-    seed=0,
-    explore=None,
-    param_groups=None,
-    guard_nonfinite=True,
-    optimizer_kwargs={},
+  plan = hdet_plan(
+    optax.sgd, rising, num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=H.AutoLR(60, anneal_fraction=ON)
   )
   assert plan.anneal_from is None
   global S

@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 import hdet_jax as H
 from hdet_jax import settings as settings_lib
+from replica_testing import hdet_plan
 
 SCHED = H.one_cycle(1e-3, 100)
 floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
@@ -84,23 +85,7 @@ def test_factory_rejects_every_invalid_combination(num_replicas, spread, sync_ev
 
 
 def _plan(learning_rate, **kw):
-  from hdet_jax import settings as S
-
-  args = dict(
-    num_replicas=8,
-    spread=0.25,
-    sync_every=5,
-    replica_axis='data',
-    auto_lr=None,
-    exact_sync=False,
-    seed=0,
-    explore=None,
-    param_groups=None,
-    guard_nonfinite=True,
-    optimizer_kwargs={},
-  )
-  args.update(kw)
-  return S.make_plan(optax.sgd, learning_rate, **args)
+  return hdet_plan(optax.sgd, learning_rate, **{'num_replicas': 8, 'sync_every': 5, **kw})
 
 
 def test_plan_order_start_decay_and_floors_closed_form():
@@ -147,23 +132,7 @@ def test_plan_order_start_decay_and_floors_closed_form():
 
 def _make(**kw):
   """settings.make_plan with hdet's defaults (a constant LR: no schedule to evaluate), overridden by ``kw``."""
-  args = dict(
-    optimizer=optax.sgd,
-    learning_rate=1e-3,
-    num_replicas=8,
-    spread=0.25,
-    sync_every=5,
-    replica_axis='data',
-    auto_lr=None,
-    exact_sync=False,
-    seed=0,
-    explore=None,
-    param_groups=None,
-    guard_nonfinite=True,
-    optimizer_kwargs={},
-  )
-  args.update(kw)
-  return settings_lib.make_plan(args.pop('optimizer'), args.pop('learning_rate'), **args)
+  return hdet_plan(**{'optimizer': optax.sgd, 'learning_rate': 1e-3, 'num_replicas': 8, 'sync_every': 5, **kw})
 
 
 def _step_schedule(t):

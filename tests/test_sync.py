@@ -15,7 +15,7 @@ import hdet_jax as H
 
 from oracles import numpy_accelerate, numpy_controller, numpy_fit, numpy_slope_stderr
 from jax.sharding import NamedSharding, PartitionSpec as P
-from replica_testing import AX, N, make_mesh, one_in_flight, put, quad_problem, quad_step, run, signal_run
+from replica_testing import AX, N, hdet_plan, make_mesh, one_in_flight, put, quad_problem, quad_step, run, signal_run
 
 
 @pytest.fixture(scope='module')
@@ -647,20 +647,13 @@ def test_a_sync_schedule_averages_and_compares_at_each_windows_end(mesh):
     [states[3 + i].base[0] for i in range(5)], b * (1 - gamma) ** (np.arange(5) / 5 - 1.0), rtol=1e-5
   )
   # Without decay= the gamma reaching the schedule's end counts 1/3 + 1/5 ... per step from the first sync.
-  plan = H.settings.make_plan(
+  plan = hdet_plan(
     optax.sgd,
     optax.linear_schedule(1e-2, 1e-3, S),
     num_replicas=N,
-    spread=0.25,
     sync_every=sync_every,
     replica_axis=AX,
     auto_lr=H.AutoLR.paper(total_steps=S),
-    exact_sync=False,
-    seed=0,
-    explore=None,
-    param_groups=None,
-    guard_nonfinite=True,
-    optimizer_kwargs={},
   )
   syncs = 5 * (1 / 5) + (S - 1 - 8) * (1 / 4)  # steps 3..7 in the 5-window, 8..38 in 4-windows
   v0, v1 = 1e-2 + (1e-3 - 1e-2) * 3 / S, 1e-2 + (1e-3 - 1e-2) * (S - 1) / S
@@ -954,24 +947,9 @@ def test_settle_needs_two_asks_down_in_a_row_each_beyond_twice_its_standard_erro
 def test_average_inner_state_passes_a_state_without_float_leaves_through():
   """Plain SGD's state (no leaves) and an integer-only state are returned as they are, with no collective (this runs
   outside any map, where a pmean over 'data' would fail); a float leaf beside an int one is averaged, the int kept."""
-  from hdet_jax import settings, sync
+  from hdet_jax import sync
 
-  plan = settings.make_plan(
-    optax.sgd,
-    1e-3,
-    num_replicas=N,
-    spread=0.25,
-    sync_every=4,
-    replica_axis=AX,
-    auto_lr=None,
-    exact_sync=False,
-    seed=0,
-    explore=None,
-    param_groups=None,
-    guard_nonfinite=True,
-    optimizer_kwargs={},
-    average_opt_state=True,
-  )
+  plan = hdet_plan(optax.sgd, 1e-3, num_replicas=N, sync_every=4, replica_axis=AX, average_opt_state=True)
   ok = jnp.ones([], bool)
   for inner in (optax.sgd(1e-3).init({'w': jnp.zeros(2)}), (optax.EmptyState(), {'count': np.int32(3)})):
     assert sync.average_inner_state(plan, inner, ok) is inner

@@ -6,27 +6,14 @@ import optax
 
 import hdet_jax as H
 from hdet_jax import controller as ctrl
-from hdet_jax import settings, values
+from hdet_jax import values
+from replica_testing import hdet_plan
 
 N = 8
 
 
 def _plan(**kw):
-  args = dict(
-    num_replicas=N,
-    spread=0.25,
-    sync_every=4,
-    replica_axis='data',
-    auto_lr=None,
-    exact_sync=False,
-    seed=0,
-    explore=None,
-    param_groups=None,
-    guard_nonfinite=True,
-    optimizer_kwargs={},
-  )
-  args.update(kw)
-  return settings.make_plan(optax.sgd, args.pop('learning_rate', 1e-2), **args)
+  return hdet_plan(optax.sgd, kw.pop('learning_rate', 1e-2), **{'num_replicas': N, 'sync_every': 4, **kw})
 
 
 def test_replica_values_against_numpy():
