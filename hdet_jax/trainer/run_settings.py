@@ -24,6 +24,7 @@ import inspect
 import json
 import math
 import re
+import typing
 from typing import Any, Mapping, NamedTuple
 
 import ml_collections
@@ -256,20 +257,7 @@ def _resolve(given: dict, f: Fields, task: tasks_lib.Task, base: optimizer_lib.B
     plateau=bool(base and base.plateau),
     schedule_free=bool(base and base.schedule_free),
   )
-  loop = LoopSettings(
-    num_train_steps=int(f['num_train_steps']),
-    stop_at_step=int(f['stop_at_step']),
-    log_every=int(f['log_every']),
-    chunk_steps=int(f['chunk_steps']),
-    eval_every=int(f['eval_every']),
-    checkpoint_every=int(f['checkpoint_every']),
-    max_checkpoints=int(f['max_checkpoints']),
-    stop_on_nan=bool(f['stop_on_nan']),
-    progress_bar=bool(f['progress_bar']),
-    plots=bool(f['plots']),
-    tensorboard=bool(f['tensorboard']),
-    lr_unit=unit,
-  )
+  loop = _read(LoopSettings, f, lr_unit=unit)
   mesh = MeshSettings(
     num_replicas=int(f['hdet.num_replicas']),
     devices=int(f['mesh.devices']),
@@ -298,6 +286,13 @@ def _resolve(given: dict, f: Fields, task: tasks_lib.Task, base: optimizer_lib.B
       max_lr=float(f['optim.max_lr']),
     ),
   )
+
+
+def _read(cls: type, f: Fields, **resolved: Any) -> Any:
+  """A part's settings ``cls`` (a NamedTuple): each field ``resolved`` leaves out read off ``f`` by its name, as its
+  type (a loop field is its line in fields.py and its line in LoopSettings)."""
+  kinds = typing.get_type_hints(cls)
+  return cls(**{k: kinds[k](f[k]) for k in cls._fields if k not in resolved}, **resolved)
 
 
 def task_settings(f: Fields, task: tasks_lib.Task) -> tasks_lib.TaskSettings:
