@@ -106,7 +106,7 @@ def main(argv=None):
   parser.add_argument('--devices', default='1,2,8', help='comma-separated device counts (each divides N)')
   args = parser.parse_args(argv)
   config = config_lib.load_config_file(args.config)
-  if not run_settings.resolve(config).loop.rolls_back:
+  if not run_settings.resolve(config).guard.rollback:
     raise SystemExit(f'error: {args.config} does not roll back (hdet.rollback resolves to False): nothing to measure.')
   rows = [measure(config, int(d)) for d in args.devices.split(',')]
   for r in rows:

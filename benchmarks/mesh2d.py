@@ -91,7 +91,7 @@ def build(groups: int, fsdp: int, tensor: int, overrides: dict):
   )
   # The window end's further arguments: the common batch, and the rollback's anchor where the config rolls back.
   shardings = mesh_lib.anchor_layout(mesh, params, opt_state.inner_state)
-  anchor = [programs_lib.make_anchor(mesh, tx, shardings)(params, opt_state)] if run.loop.rolls_back else []
+  anchor = [programs_lib.make_anchor(mesh, tx, shardings)(params, opt_state)] if run.guard.rollback else []
   window_end = (
     programs_lib.make_window_end(tx, mesh, graphdef=graphdef, seed=run.seed, settings=run.programs, shardings=layout)
     .lower(params, opt_state, probe, *anchor)

@@ -85,7 +85,7 @@ def _programs(probe_windows: int):
   for score, extra in (('window', []), ('common', [probe])):
     r = run_settings.resolve_recorded(_default_config(**{'hdet.score': score, 'hdet.probe_windows': probe_windows}))
     name = f'window end ({"window score" if score == "window" else "common batch"})'
-    extra = extra + ([programs_lib.make_anchor(mesh, tx)(params, opt_state)] if r.loop.rolls_back else [])
+    extra = extra + ([programs_lib.make_anchor(mesh, tx)(params, opt_state)] if r.guard.rollback else [])
     programs[name] = (
       programs_lib.make_window_end(tx, mesh, graphdef=graphdef, seed=r.seed, settings=r.programs)
       .lower(params, opt_state, *extra)

@@ -160,7 +160,7 @@ def measure(steps: int = 500) -> dict:
   outside = (loop_s - sec['step']) / loop_s
   other = loop_s - sum(sec.values())
   parts = ', '.join(f'{p} {sec[p]:.2f} s ({sec[p] / loop_s * 100:.1f}%)' for p in PHASES[1:])
-  period = run_settings.resolve(config).loop.windows[-1]  # T (hdet.sync_every 0: counted per run)
+  period = run_settings.resolve(config).optimizer.windows[-1]  # T (hdet.sync_every 0: counted per run)
   layout = (
     f'{summary["num_replicas"]} replicas on {summary["num_devices"]} {jax.devices()[0].platform.upper()} device(s)'
   )

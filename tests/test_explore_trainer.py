@@ -34,7 +34,7 @@ def test_dropout_rate_really_differs_per_replica():
   n = 8
   run = trainer_testing.resolve(config)
   tx = optimizer_lib.make_optimizer(run.optimizer, n, seed=run.seed)
-  names = run.loop.hyperparam_names
+  names = run.programs.hyperparam_names
   assert names == (
     'learning_rate/embedding',
     'learning_rate/no_decay',

@@ -52,10 +52,12 @@ def test_the_default_config_resolves_to_the_libraries_default_and_its_loop():
   library_default = hdet_jax.AutoLR(total_steps=steps, initial_scale=settings.DEFAULT_INITIAL_SCALE)
   assert steps == 1500 and run.optimizer.auto_lr == library_default
   # The window: round(1500 / 15) = 100 steps, the cap; the guard on (it rolls back), the common batch scores.
-  assert run.loop.windows == run.optimizer.windows == (100,)
-  assert (run.loop.rolls_back, run.programs.rolls_back, run.loop.common_batch, run.programs.common_batch) == (True,) * 4
-  assert run.loop.controller == 'fit' and run.loop.lr_unit == 1.0 and run.loop.hyperparam_names == ('learning_rate',)
-  assert run.loop.end == steps and not run.loop.never_syncs
+  assert run.optimizer.windows == (100,)
+  assert (run.guard.rollback, run.programs.rolls_back, run.programs.common_batch) == (True,) * 3
+  assert run.controller == 'fit' and run.loop.lr_unit == 1.0 and run.programs.hyperparam_names == ('learning_rate',)
+  assert run.loop.end == steps and not run.never_syncs
+  # each fact two parts read is held by one of them (the windows the optimizer's, the rollback the guard's, ...)
+  assert not {'windows', 'rolls_back', 'common_batch', 'hyperparam_names', 'controller'} & set(run.loop._fields)
   assert (run.mesh.num_replicas, run.mesh.fsdp, run.mesh.tensor, run.mesh.batch_size) == (8, 1, 1, 8)
   assert run.programs.shares_gradient and not (run.programs.plateau or run.programs.schedule_free)
   assert run.init_from is None and run.task.name == 'lm' and run.given['num_train_steps'] == steps
@@ -65,11 +67,11 @@ def test_the_loops_sync_steps_and_sync_index_follow_the_window():
   run = trainer_testing.resolve(_config('tiny', **{'hdet.sync_every': 8, 'stop_at_step': 30}))
   loop = run.loop
   want = [t for t in range(loop.num_train_steps) if (t + 1) % 8 == 0]  # the update of step t ends window (t+1)/8
-  assert [t for t in range(loop.num_train_steps) if loop.is_sync_step(t)] == want
-  assert [loop.sync_index(t) for t in want] == list(range(len(want)))
+  assert [t for t in range(loop.num_train_steps) if run.is_sync_step(t)] == want
+  assert [run.sync_index(t) for t in want] == list(range(len(want)))
   assert loop.end == 30 and trainer_testing.resolve(_config('tiny', stop_at_step=500)).loop.end == loop.num_train_steps
-  never = trainer_testing.resolve(_config('tiny', **{'hdet.sync_every': 0, 'hdet.num_syncs': 0})).loop
-  assert never.never_syncs and not any(never.is_sync_step(t) for t in range(never.num_train_steps))
+  never = trainer_testing.resolve(_config('tiny', **{'hdet.sync_every': 0, 'hdet.num_syncs': 0}))
+  assert never.never_syncs and not any(never.is_sync_step(t) for t in range(never.loop.num_train_steps))
 
 
 @pytest.mark.parametrize(
@@ -89,7 +91,7 @@ def test_the_guard_is_resolved_once_for_the_controller_the_loop_and_the_programs
   run = trainer_testing.resolve(config, base)
   guard = run_settings.guard({**_completed(config), **({'optim.name': base.name} if base else {})})
   assert run.guard == guard
-  assert run.loop.rolls_back is run.programs.rolls_back is guard.rollback is rolls_back
+  assert run.programs.rolls_back is guard.rollback is rolls_back
   if config.hdet.controller == 'fit':
     a = run.optimizer.auto_lr
     assert (
@@ -118,11 +120,9 @@ def test_regularization_and_optimizer_choices_reach_the_programs():
   assert (p.dropout, p.label_smoothing, run.seed, p.plateau, p.schedule_free) == (0.1, 0.05, 7, True, False)
   # the seed is said once, the run's: the parts take it as an argument (make_optimizer, the programs, Task.load)
   assert [t for t in (run, p, run.optimizer, run.task_settings, run.loop) if 'seed' in t._fields] == [run]
-  assert run.loop.controller is None and run.optimizer.auto_lr is None and not run.loop.common_batch
+  assert run.controller is None and run.optimizer.auto_lr is None and not run.programs.common_batch
   explored = trainer_testing.resolve(_config(**{'hdet.explore.dropout': 0.05, 'hdet.explore.weight_decay': 0.5}))
-  assert (
-    explored.programs.hyperparam_names == explored.loop.hyperparam_names == ('learning_rate', 'weight_decay', 'dropout')
-  )
+  assert explored.programs.hyperparam_names == ('learning_rate', 'weight_decay', 'dropout')
   assert trainer_testing.resolve(_config(), SCHEDULE_FREE).programs.schedule_free
 
 
@@ -221,7 +221,7 @@ def test_num_syncs_counts_the_windows_per_run(steps, num_syncs, want):
   config = config_lib.with_overrides(
     _tiny(), {'num_train_steps': steps, 'hdet.num_syncs': num_syncs, 'hdet.sync_every': 0 if num_syncs else 8}
   )
-  assert trainer_testing.resolve(config).loop.windows == want
+  assert trainer_testing.resolve(config).optimizer.windows == want
 
 
 def test_more_syncs_than_steps_is_refused():
@@ -403,7 +403,7 @@ def test_the_guard_left_unset_is_on_wherever_the_back_off_applies():
     c = config_lib.with_overrides(trainer_testing.load('default'), other)
     run = trainer_testing.resolve(c, base)
     assert run.guard._asdict() == want, other
-    assert run.loop.rolls_back is want['rollback'], other
+    assert run.guard.rollback is want['rollback'], other
     auto_lr = run.optimizer.auto_lr
     if auto_lr is not None:
       assert (auto_lr.backoff, auto_lr.backoff_stderrs, auto_lr.backoff_fraction) == (
@@ -451,10 +451,10 @@ def test_backoff_stderrs_needs_the_back_off():
 
 def test_sync_every_wins_over_num_syncs_and_both_zero_never_syncs():
   config = config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 4})
-  assert config.hdet.sync_every == 8 and trainer_testing.resolve(config).loop.windows == (8,)
+  assert config.hdet.sync_every == 8 and trainer_testing.resolve(config).optimizer.windows == (8,)
   config = config_lib.with_overrides(_tiny(), {'hdet.num_syncs': 0, 'hdet.sync_every': 0})
-  loop = trainer_testing.resolve(config).loop
-  assert loop.never_syncs and loop.windows == (41,)
+  run = trainer_testing.resolve(config)
+  assert run.never_syncs and run.optimizer.windows == (41,)
 
 
 @pytest.mark.parametrize('steps,want', [(300, 20), (750, 50), (1500, 100), (3000, 100), (1000, 67)])
@@ -464,10 +464,12 @@ def test_longest_window_caps_the_windows_counted_per_run(steps, want):
   default = trainer_testing.load('default')
   config = config_lib.with_overrides(default, {'num_train_steps': steps})
   assert (config.hdet.sync_every, config.hdet.num_syncs, config.hdet.longest_window) == (0, 15, 100)
-  assert trainer_testing.resolve(config).loop.windows == (want,)
+  assert trainer_testing.resolve(config).optimizer.windows == (want,)
   uncapped = config_lib.with_overrides(config, {'hdet.longest_window': 0})
-  assert trainer_testing.resolve(uncapped).loop.windows == (round(steps / 15),)
-  assert trainer_testing.resolve(config_lib.with_overrides(config, {'hdet.sync_every': 250})).loop.windows == (250,)
+  assert trainer_testing.resolve(uncapped).optimizer.windows == (round(steps / 15),)
+  assert trainer_testing.resolve(config_lib.with_overrides(config, {'hdet.sync_every': 250})).optimizer.windows == (
+    250,
+  )
 
 
 def test_a_workdir_written_before_fields_at_their_legacy_value_still_resumes(tmp_path):
@@ -555,6 +557,6 @@ def test_the_paper_controller_alone_is_the_papers_method_at_its_values():
     want.lr_of_lr,
     want.momentum,
   )
-  assert not run.loop.common_batch and run.training_fields(8)['hdet.score'] == 'window'
+  assert not run.programs.common_batch and run.training_fields(8)['hdet.score'] == 'window'
   common = run_settings.resolve(config, tuning={'hdet.score': 'common', 'hdet.stop_fraction': 0.5})
-  assert common.loop.common_batch and common.optimizer.auto_lr.stop_steps == 750
+  assert common.programs.common_batch and common.optimizer.auto_lr.stop_steps == 750

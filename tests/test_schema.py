@@ -289,4 +289,4 @@ def test_contributings_field_example_is_the_source_as_it_is():
       code = line.strip() if line.lstrip().startswith('#') else line.split('  # ')[0].strip()  # (a help comment whole)
       assert code and code in source, (path.name, code)
       checked += 1
-  assert checked == 3
+  assert checked == 4

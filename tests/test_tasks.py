@@ -92,7 +92,7 @@ def unpacked_fingerprint(config, workdir, step, devices=None):
   )
   abstract = mesh_lib.with_layout(mesh, abstract)
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(mesh))
-  if run.loop.rolls_back:  # the rollback's anchor (formats 7 and 9), which the reference predates
+  if run.guard.rollback:  # the rollback's anchor (formats 7 and 9), which the reference predates
     abstract['anchor'] = mesh_lib.anchor_shapes(mesh, abstract)
   ckpt = checkpoints.Checkpointer(workdir, 0)
   state, _ = ckpt.restore(step, abstract)

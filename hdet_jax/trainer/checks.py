@@ -46,7 +46,7 @@ def check_run(settings: run_settings.RunSettings, workdir: str) -> Run:
   except tasks_lib.TaskError as e:
     raise ConfigError(str(e)) from None
   try:
-    tx = optimizer_lib.make_optimizer(settings.optimizer, n, seed=settings.seed, rollback=settings.loop.rolls_back)
+    tx = optimizer_lib.make_optimizer(settings.optimizer, n, seed=settings.seed, rollback=settings.guard.rollback)
   except ValueError as e:
     raise ConfigError(f'config: {e}') from None
   fields = settings.training_fields(n)

@@ -19,9 +19,12 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import re
+import typing
 from typing import Any, Mapping, NamedTuple
 
 import ml_collections
@@ -53,7 +56,8 @@ class MeshSettings(NamedTuple):
 
 
 class LoopSettings(NamedTuple):
-  """What the training loop reads: its length, its intervals, the sync windows and what a sync step carries."""
+  """What the training loop reads of its own: its length and intervals. What it shares with another part is that
+  part's (:class:`RunSettings` says where: the sync windows, the guard's rollback, the programs' common batch)."""
 
   num_train_steps: int  # the run's length
   stop_at_step: int  # stop (as if preempted) at this step; 0: run to the end
@@ -66,30 +70,12 @@ class LoopSettings(NamedTuple):
   progress_bar: bool
   plots: bool  # draw the workdir's plots at the end
   tensorboard: bool  # TensorBoard event files beside metrics.jsonl
-  windows: tuple[int, ...]  # the sync windows (``hdet_jax.hdet``'s sync_every)
-  common_batch: bool  # a sync scores the replicas on a common batch (hdet.score='common')
-  rolls_back: bool  # the loop keeps the last sync's state on the devices (the guard's rollback)
   lr_unit: float  # optim.runtime_lr_scale's power of two (1.0: off)
-  hyperparam_names: tuple[str, ...]  # the order of the logged [G] values
-  controller: str | None  # the auto-LR controller's name, None without auto-LR
 
   @property
   def end(self) -> int:
     """The step this call trains to: ``stop_at_step`` where it is set, else the run's end."""
     return self.num_train_steps if self.stop_at_step <= 0 else min(self.stop_at_step, self.num_train_steps)
-
-  @property
-  def never_syncs(self) -> bool:
-    """Whether no step of the run averages the replicas."""
-    return self.windows[0] > self.num_train_steps
-
-  def is_sync_step(self, step: int) -> bool:
-    """Whether the update of step ``step`` (0-based) averages the replicas."""
-    return H.is_sync_step(self.windows, step)
-
-  def sync_index(self, step: int) -> int:
-    """How many syncs come before step ``step`` (0-based): 0 for the run's first sync, 1 for the second, ..."""
-    return window_lib.syncs_through(self.windows, step)
 
 
 class Guard(NamedTuple):
@@ -126,6 +112,27 @@ class RunSettings(NamedTuple):
   programs: ProgramSettings
   loop: LoopSettings
   bracket: BracketSettings
+
+  # Each fact two parts read is resolved once, in one part's settings: the sync windows the optimizer's (the core's
+  # sync_every), the rollback the guard's, the [G] order and the common batch the programs'.
+
+  @property
+  def controller(self) -> str | None:
+    """The auto-LR controller's name ('fit' or 'paper'), None without auto-LR."""
+    return self.optimizer.auto_lr.controller if self.optimizer.auto_lr is not None else None
+
+  @property
+  def never_syncs(self) -> bool:
+    """Whether no step of the run averages the replicas."""
+    return self.optimizer.windows[0] > self.loop.num_train_steps
+
+  def is_sync_step(self, step: int) -> bool:
+    """Whether the update of step ``step`` (0-based) averages the replicas."""
+    return H.is_sync_step(self.optimizer.windows, step)
+
+  def sync_index(self, step: int) -> int:
+    """How many syncs come before step ``step`` (0-based): 0 for the run's first sync, 1 for the second, ..."""
+    return window_lib.syncs_through(self.optimizer.windows, step)
 
   def training_fields(self, num_replicas: int) -> dict[str, Any]:
     """The fields that define the trajectory (what a resume compares), with N and the fields left at None
@@ -236,41 +243,21 @@ def resolve_recorded(config: Any, optimizer: optimizer_lib.Base | None = None) -
 
 
 def _resolve(given: dict, f: Fields, task: tasks_lib.Task, base: optimizer_lib.Base | None) -> RunSettings:
-  g = guard(f)
-  optimizer = optimizer_settings(f, task, g)._replace(base=base)
-  names = H.hyperparam_names(param_groups=optimizer.param_groups, explore=optimizer.explore or {})
-  common = bool(f['hdet.auto_lr']) and f['hdet.score'] == 'common'
+  g, unit = guard(f), lr_unit(f)
+  optimizer = optimizer_settings(f, task, g, unit)._replace(base=base)
   programs = ProgramSettings(
     task=task,
-    hyperparam_names=names,
+    hyperparam_names=H.hyperparam_names(param_groups=optimizer.param_groups, explore=optimizer.explore or {}),
     dropout=f['model.dropout'],
     attn_temperature=f['model.attn_temperature'],
     label_smoothing=f['optim.label_smoothing'],
     shares_gradient=not f['hdet.low_communication'],
-    common_batch=common,
+    common_batch=bool(f['hdet.auto_lr']) and f['hdet.score'] == 'common',
     rolls_back=g.rollback,
     plateau=bool(base and base.plateau),
     schedule_free=bool(base and base.schedule_free),
   )
-  loop = LoopSettings(
-    num_train_steps=int(f['num_train_steps']),
-    stop_at_step=int(f['stop_at_step']),
-    log_every=int(f['log_every']),
-    chunk_steps=int(f['chunk_steps']),
-    eval_every=int(f['eval_every']),
-    checkpoint_every=int(f['checkpoint_every']),
-    max_checkpoints=int(f['max_checkpoints']),
-    stop_on_nan=bool(f['stop_on_nan']),
-    progress_bar=bool(f['progress_bar']),
-    plots=bool(f['plots']),
-    tensorboard=bool(f['tensorboard']),
-    windows=optimizer.windows,
-    common_batch=common,
-    rolls_back=g.rollback,
-    lr_unit=lr_unit(f),
-    hyperparam_names=names,
-    controller=f['hdet.controller'] if optimizer.auto_lr is not None else None,
-  )
+  loop = _read(LoopSettings, f, lr_unit=unit)
   mesh = MeshSettings(
     num_replicas=int(f['hdet.num_replicas']),
     devices=int(f['mesh.devices']),
@@ -301,6 +288,13 @@ def _resolve(given: dict, f: Fields, task: tasks_lib.Task, base: optimizer_lib.B
   )
 
 
+def _read(cls: type, f: Fields, **resolved: Any) -> Any:
+  """A part's settings ``cls`` (a NamedTuple): each field ``resolved`` leaves out read off ``f`` by its name, as its
+  type (a loop field is its line in fields.py and its line in LoopSettings)."""
+  kinds = typing.get_type_hints(cls)
+  return cls(**{k: kinds[k](f[k]) for k in cls._fields if k not in resolved}, **resolved)
+
+
 def task_settings(f: Fields, task: tasks_lib.Task) -> tasks_lib.TaskSettings:
   """The task's own fields: ``data.*`` and ``model.*``, and what its data reads of the loop's."""
 
@@ -316,8 +310,9 @@ def task_settings(f: Fields, task: tasks_lib.Task) -> tasks_lib.TaskSettings:
   )
 
 
-def optimizer_settings(f: Fields, task: tasks_lib.Task, guard_: Guard) -> OptimizerSettings:
-  """``optim.*`` and ``hdet.*`` as :func:`optimizer.make_optimizer` takes them."""
+def optimizer_settings(f: Fields, task: tasks_lib.Task, guard_: Guard, unit: float) -> OptimizerSettings:
+  """``optim.*`` and ``hdet.*`` as :func:`optimizer.make_optimizer` takes them. ``guard_``: :func:`guard`'s;
+  ``unit``: :func:`lr_unit`'s."""
   explore = explored(f, task)
   if explore.get('weight_decay') is not None and f['optim.name'] != 'adamw':
     raise ValueError(f'hdet.explore.weight_decay needs optim.name=adamw, got {f["optim.name"]!r}.')
@@ -328,7 +323,7 @@ def optimizer_settings(f: Fields, task: tasks_lib.Task, guard_: Guard) -> Optimi
     weight_decay=f['optim.weight_decay'],
     grad_clip_norm=f['optim.grad_clip_norm'],
     runtime_lr_scale=bool(f['optim.runtime_lr_scale']),
-    schedule=schedule(f, f['optim.max_lr'] / lr_unit(f)),
+    schedule=schedule(f, f['optim.max_lr'] / unit),
     spread=f['hdet.spread'],
     windows=sync_windows(f),
     auto_lr=auto_lr_settings(f, guard_),
@@ -547,18 +542,20 @@ def resolved(flat: Fields) -> dict[str, Any]:
 
 # ---- Fields set where the run cannot use them: one warning line per cause. ----
 
-_FIT_FIELDS = (
-  'hdet.initial_scale',
-  'hdet.trust',
-  'hdet.memory',
-  'hdet.step_growth',
-  'hdet.max_gain',
-  'hdet.after_stop',
-  'hdet.backoff_stderrs',
-  'hdet.backoff_fraction',
-  'hdet.anneal_fraction',
-)
-_PAPER_FIELDS = ('hdet.temperature', 'hdet.lr_of_lr', 'hdet.momentum', 'hdet.smooth_decay')
+
+def _only(names: Any) -> tuple[str, ...]:
+  """The trainer's fields (``hdet.<name>``) of those of ``hdet_jax.AutoLR``'s fields ``names``, in its order."""
+  return tuple(
+    f'hdet.{f.name}' for f in dataclasses.fields(H.AutoLR) if f.name in names and f'hdet.{f.name}' in schema.BY_NAME
+  )
+
+
+# Each controller's own fields, read off the core: AutoLR.paper takes every field the paper's controller reads, the
+# 'fit' controller's are the rest; the paper's own are its arguments from temperature on (AutoLR's layout: the fields
+# every controller reads come before).
+_PAPER_ARGUMENTS = tuple(inspect.signature(H.AutoLR.paper).parameters)
+_FIT_FIELDS = _only({f.name for f in dataclasses.fields(H.AutoLR)} - {*_PAPER_ARGUMENTS, 'controller'})
+_PAPER_FIELDS = _only(_PAPER_ARGUMENTS[_PAPER_ARGUMENTS.index('temperature') :])
 _CONTROLLER_FIELDS = (
   'hdet.controller',
   'hdet.score',

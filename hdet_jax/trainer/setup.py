@@ -128,7 +128,9 @@ def initial_state(run: Run) -> TrainState:
     run.writer.write('event', step=0, event='start', init_from=None)
   if restored is None and loop.lr_unit != 1.0:  # (a checkpoint holds its own)
     opt_state = set_lr_scale(key, opt_state, loop.lr_unit)
-  run.writer.write('hyperparams', step=start, names=list(loop.hyperparam_names), controller=loop.controller)
+  run.writer.write(
+    'hyperparams', step=start, names=list(settings.programs.hyperparam_names), controller=settings.controller
+  )
   run.writer.flush()  # the start/resume is on record even if this start is killed before its first log interval
   rng = jax.device_put(np.asarray(jax.random.key_data(root)), mesh_lib.replicated(run.mesh))
   # The step reads its batch from a chunk of chunk_steps steps' batches at the optimizer's step count,
@@ -145,7 +147,7 @@ def initial_state(run: Run) -> TrainState:
     anchor = program_cache.get(key, 'restored_anchor', lambda: programs_lib.make_restored_anchor(run.mesh, layout))(
       anchor
     )
-  elif loop.rolls_back:  # before the first sync: the start
+  elif settings.guard.rollback:  # before the first sync: the start
     layout = mesh_lib.stacked_anchor_layout(run.mesh, _abstract_anchor(run, params, opt_state), settings.task)
     anchor = program_cache.get(key, 'anchor', lambda: programs_lib.make_anchor(run.mesh, run.tx, layout))(
       params, opt_state
@@ -187,7 +189,7 @@ def _restore(run: Run, init: Callable, root: Any) -> tuple | None:
   abstract = jax.eval_shape(lambda k: dict(zip(('params', 'opt_state'), init(k))), root)
   abstract = mesh_lib.with_layout(run.mesh, abstract, task)  # restored straight into the run's layout
   abstract['rng'] = jax.ShapeDtypeStruct((2,), np.uint32, sharding=mesh_lib.replicated(run.mesh))
-  if run.settings.loop.rolls_back:  # the state the last sync left, which the next one may return to
+  if run.settings.guard.rollback:  # the state the last sync left, which the next one may return to
     abstract['anchor'] = mesh_lib.anchor_shapes(run.mesh, abstract, task)
   t_restore = time.time()
   try:
@@ -247,10 +249,9 @@ def upload(run: Run, step: int) -> Any:
 def probe(run: Run, step: int) -> list:
   """The window end's data for the sync after step ``step``: none, or the common batch (every replica gets the same
   windows)."""
-  loop = run.settings.loop
-  if not loop.common_batch:
+  if not run.settings.programs.common_batch:
     return []
-  w = run.data.probe(loop.sync_index(step))
+  w = run.data.probe(run.settings.sync_index(step))
   return [
     mesh_lib.put_stacked(jax.tree.map(lambda a: np.broadcast_to(a, (run.n,) + a.shape), w), run.mesh, batch_dim=1)
   ]
@@ -268,9 +269,9 @@ def compile_programs(run: Run, state: TrainState, chunk: Any) -> Run:
   # Compile the checkpoint fingerprints now too, so the loop runs only compiled code.
   checkpoints.fingerprint(checkpoint_state(state, built['saved_anchor']))
   checkpoints.fingerprint(built['average'](state.params))
-  loop = run.settings.loop
-  lr_rows = tuple(g for g, name in enumerate(loop.hyperparam_names) if name.startswith('learning_rate'))
-  return run._replace(**built, val_windows=val, lr_unit=loop.lr_unit, lr_rows=lr_rows)
+  names = run.settings.programs.hyperparam_names
+  lr_rows = tuple(g for g, name in enumerate(names) if name.startswith('learning_rate'))
+  return run._replace(**built, val_windows=val, lr_unit=run.settings.loop.lr_unit, lr_rows=lr_rows)
 
 
 def build_programs(run: Run, params: Any, opt_state: Any, chunk: Any, probe: list, anchor: Any, val: Any) -> dict:
@@ -331,7 +332,7 @@ def build_programs(run: Run, params: Any, opt_state: Any, chunk: Any, probe: lis
     .compile()
   )
   # A run that never averages measures the replicas' distance from their mean at each log interval.
-  distance = programs_lib.make_distance(mesh).lower(params).compile() if run.settings.loop.never_syncs else None
+  distance = programs_lib.make_distance(mesh).lower(params).compile() if run.settings.never_syncs else None
   process.release_host_memory()
   return dict(
     train_step=train_step,

@@ -76,7 +76,7 @@ def train_and_evaluate(
       if step % loop.chunk_steps == 0 and step != start:
         chunk = setup.upload(run, step)
       params, opt_state, m = run.train_step(state.params, state.opt_state, chunk)
-      sync, anchor = loop.is_sync_step(step), state.anchor
+      sync, anchor = settings.is_sync_step(step), state.anchor
       if sync:
         held = [anchor] if anchor is not None else []
         params, opt_state, m_sync, *held = run.window_end(params, opt_state, *setup.probe(run, step), *held)
@@ -125,7 +125,11 @@ def train_and_evaluate(
       if run.distance is not None:
         d = mesh_lib.fetch(run.distance(state.params))
         writer.write('distance', step=step, distance=d['distance'], mean_norm=d['mean_norm'][0])
-      if diverged_at is not None and loop.stop_on_nan and not _rollback_ahead(loop, done, diverged_at, rolled_back_at):
+      if (
+        diverged_at is not None
+        and loop.stop_on_nan
+        and not _rollback_ahead(settings, done, diverged_at, rolled_back_at)
+      ):
         bar.close()
         run.log(
           f"Training diverged: every replica's loss is NaN/inf at step {diverged_at}. Stopping; the "
@@ -244,18 +248,20 @@ def _write_step(writer: metrics_lib.MetricsWriter, step: int, sync: bool, m: dic
   writer.write('distance', step=step, distance=m['distance'], mean_norm=m['mean_norm'][0])
 
 
-def _rollback_ahead(loop: run_settings.LoopSettings, done: int, diverged_at: int, rolled_back_at: int | None) -> bool:
+def _rollback_ahead(
+  settings: run_settings.RunSettings, done: int, diverged_at: int, rolled_back_at: int | None
+) -> bool:
   """Whether the rollback may still undo the divergence at step ``diverged_at``, ``done`` steps in: the run rolls
   back (``hdet.rollback``) and the sync that ends the diverged window has not run yet. Its back-off fires on the
   window's non-finite training loss and returns the replicas to the sync before (the loop then clears
   ``diverged_at``); a sync that passes without it (e.g. before the controller starts) leaves the divergence, and the
   run stops at the next interval."""
-  if not loop.rolls_back or rolled_back_at == diverged_at - 1:
+  if not settings.guard.rollback or rolled_back_at == diverged_at - 1:
     return False  # (diverged at the first step after a rollback: the state it returned to is itself lost)
-  step = diverged_at
-  while step < loop.num_train_steps and not loop.is_sync_step(step):
+  step, total = diverged_at, settings.loop.num_train_steps
+  while step < total and not settings.is_sync_step(step):
     step += 1
-  return step < loop.num_train_steps and done <= step
+  return step < total and done <= step
 
 
 def _evaluate(run: Run, state: TrainState) -> dict:

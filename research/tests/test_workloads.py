@@ -135,8 +135,8 @@ def test_the_reported_variant_is_the_workloads_default_config(workload):
       autolr.run_overrides('hdet', 'adamw', config.optim.max_lr, config.seed, steps, variant=variant),
     )
     run, default = records.resolve(ran), records.resolve(config)
-    assert run.loop.windows == default.loop.windows, (workload, steps)
-    first_sync = default.loop.windows[0]
+    assert run.optimizer.windows == default.optimizer.windows, (workload, steps)
+    first_sync = default.optimizer.windows[0]
     # A stop before the first sync makes the same decisions wherever it falls (rise-only from the first sync).
     same = lambda a: dataclasses.replace(
       a, stop_steps=-1 if a.stop_steps is not None and a.stop_steps < first_sync else a.stop_steps

@@ -29,8 +29,8 @@ def _fake_train_and_evaluate(calls):
   def run(config, workdir, tuning=None):
     calls.append((os.path.basename(workdir), config.init_from, config.optim.max_lr))
     os.makedirs(workdir, exist_ok=True)
-    loop = run_settings.resolve(config, tuning=tuning).loop
-    names, n, steps = list(loop.hyperparam_names), 8, config.num_train_steps
+    resolved = run_settings.resolve(config, tuning=tuning)
+    names, n, steps = list(resolved.programs.hyperparam_names), 8, config.num_train_steps
     lr, rng = config.optim.max_lr, np.random.default_rng(config.seed)
     w = metrics.MetricsWriter(os.path.join(workdir, 'metrics.jsonl'))
     w.write('hyperparams', step=0, names=names)
@@ -46,7 +46,7 @@ def _fake_train_and_evaluate(calls):
         values=np.full((len(names), n), lr),
         bases=np.full(len(names), lr),
       )
-      if (s + 1) % min(loop.windows[-1], config.log_every) == 0:
+      if (s + 1) % min(resolved.optimizer.windows[-1], config.log_every) == 0:
         w.write('distance', step=s, distance=rng.random(n), mean_norm=10.0)
     w.close()
     return {'step': steps, 'final_val_loss': 3.0 + (lr > 0.1), 'setup_s': 0.0, 'preempted': False}
