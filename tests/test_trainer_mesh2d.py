@@ -51,7 +51,7 @@ def run_steps(config, mesh, n, steps):
   for t in range(steps):
     params, opt_state, m = step(params, opt_state, mesh_lib.put_stacked(batches.batch(t), mesh, batch_dim=1))
     losses.append(np.asarray(m['loss']))
-    if hdet_jax.is_sync_step(run.loop.windows, t):
+    if run.is_sync_step(t):
       params, opt_state, _ = window_end(params, opt_state)
     if layout is not None:  # the layout holds after every program, sync or not
       for tree, want in zip((params, opt_state), layout):

@@ -14,7 +14,7 @@ Example::
 
   run = resolve(config)
   tx = optimizer.make_optimizer(run.optimizer, num_replicas=8, seed=run.seed)
-  run.loop.windows        # (100,): the sync window T
+  run.optimizer.windows   # (100,): the sync window T
 """
 
 from __future__ import annotations
