@@ -73,6 +73,7 @@ class Plan(NamedTuple):
   lows: tuple[float, ...]  # [G] valid range (-inf when unbounded).
   highs: tuple[float, ...]  # [G] (inf when unbounded).
   to_optimizer: tuple[bool, ...]  # [G] passed to the optimizer factory as a keyword.
+  learning_rates: tuple[bool, ...]  # [G] a learning-rate row (a factory's learning rate, a built one's factor).
   scale: np.ndarray  # [G, N] float32: multiplier rho of each slot (1 when additive).
   offset: np.ndarray  # [G, N] float32: additive offset of each slot (0 when multiplicative).
   groups: tuple[tuple[str, str], ...]  # (group, regex) of the per-group learning rates; () for one LR.
@@ -175,6 +176,7 @@ def make_plan(args: Mapping[str, Any]) -> Plan:
     lows=lows,
     highs=tuple(math.inf if h.high is None else float(h.high) for _, h in hps),
     to_optimizer=tuple(h.to_optimizer for _, h in hps),
+    learning_rates=tuple(is_learning_rate(name) for name in names),
     scale=scale,
     offset=offset,
     groups=groups,

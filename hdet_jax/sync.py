@@ -26,7 +26,6 @@ from hdet_jax import axes as axes_lib
 from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
 from hdet_jax import values
-from hdet_jax import settings
 from hdet_jax import windows
 from hdet_jax.settings import Plan
 
@@ -360,7 +359,7 @@ def _fit_controller(plan: Plan, c, new_c, scores, active, count, rise_only=False
     if a.backoff_fraction > 0:  # and beyond this fraction of the window before's loss: a blow-up multiplies it
       margin = jnp.maximum(margin, a.backoff_fraction * jnp.abs(c.train_loss))
     rose = jnp.isfinite(c.train_loss) & ~(new_c.train_loss <= c.train_loss + margin)
-    is_lr = jnp.asarray([settings.is_learning_rate(n) for n in plan.names])
+    is_lr = jnp.asarray(plan.learning_rates)
     back = rose & is_lr
     step, gain = jnp.where(back, -trust, step), jnp.where(back, -1.0, gain)
   step = anneal(plan, count, step)
@@ -414,7 +413,7 @@ def anneal(plan: Plan, count: jax.Array, step: jax.Array) -> jax.Array:
   """
   if plan.anneal_from is None:
     return step
-  is_lr = jnp.asarray([settings.is_learning_rate(n) for n in plan.names])
+  is_lr = jnp.asarray(plan.learning_rates)
   return jnp.where(is_lr & (count >= plan.anneal_from), jnp.minimum(step, 0.0), step)
 
 

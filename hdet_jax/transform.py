@@ -289,7 +289,9 @@ def inner_optimizer(plan: Plan, values: list[jax.Array]) -> optax.GradientTransf
     return _scaled(plan, values)
   hp = dict(zip(plan.names, values))
   kwargs = {
-    k: v for k, v, to_opt in zip(plan.names, values, plan.to_optimizer) if to_opt and not settings.is_learning_rate(k)
+    k: v
+    for k, v, to_opt, is_lr in zip(plan.names, values, plan.to_optimizer, plan.learning_rates)
+    if to_opt and not is_lr
   }
   make = lambda lr: plan.optimizer(learning_rate=lr, **kwargs, **plan.optimizer_kwargs)
   if not plan.groups:

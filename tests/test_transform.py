@@ -534,3 +534,21 @@ def test_replica_value_is_this_replicas_column():
 
 
 # --- the controllers as wired into hdet, with a real signal, against numpy oracles --------------
+
+
+def test_update_runs_in_seven_modules():
+  """Issue 83: a reader follows ``tx.update`` through these hdet_jax modules, whichever controller or optimizer path
+  (scripts/update_path.py prints them); settings.py is not among them (the plan carries what update reads)."""
+  import importlib.util
+  import pathlib
+
+  path = pathlib.Path(__file__).resolve().parent.parent / 'scripts' / 'update_path.py'
+  spec = importlib.util.spec_from_file_location('update_path', path)
+  update_path = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(update_path)
+  want = {f'hdet_jax.{m}' for m in ('axes', 'controller', 'multipliers', 'sync', 'transform', 'values', 'windows')}
+  for auto_lr in (H.AutoLR(total_steps=100), H.AutoLR.paper(total_steps=100)):
+    tx = H.hdet(optax.adamw, 1e-2, num_replicas=4, auto_lr=auto_lr)
+    assert set(update_path.modules_in_update(tx)) == want
+  built = H.hdet(optax.adamw(1e-2), num_replicas=4, auto_lr=H.AutoLR(total_steps=100), rollback=True)
+  assert set(update_path.modules_in_update(built)) == want
