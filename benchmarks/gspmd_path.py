@@ -54,6 +54,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import hdet_jax  # noqa: E402
 from benchmarks import comm  # noqa: E402
+from benchmarks import pages  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / 'examples' / 'add_to_trainer'
@@ -413,16 +414,8 @@ def section(measured: dict, command: str) -> list[str]:
 
 
 def write(measured: dict, command: str, path=RESULTS) -> None:
-  """Replaces this benchmark's section of ``path`` (up to the next ``## `` heading), or appends it at the end."""
-  text = pathlib.Path(path).read_text()
-  new = '\n'.join(section(measured, command))
-  if HEADING in text:
-    before, after = text.split(HEADING, 1)
-    rest = re.search(r'^## ', after, re.M)
-    text = before + new + ('\n' + after[rest.start() :] if rest else '')
-  else:
-    text = text.rstrip('\n') + '\n\n' + new
-  pathlib.Path(path).write_text(text.rstrip('\n') + '\n')
+  """Replaces this benchmark's section of ``path``, or appends it at the end."""
+  pages.replace_section(path, HEADING, section(measured, command))
 
 
 def main(argv=None):

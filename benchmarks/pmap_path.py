@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import pathlib
 import pickle
 import re
 import statistics
@@ -46,6 +45,7 @@ os.environ.setdefault('JAX_NUM_CPU_DEVICES', '8')
 
 from benchmarks import comm  # noqa: E402
 from benchmarks import common as C  # noqa: E402  (sets up the devices before jax starts)
+from benchmarks import pages  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -585,15 +585,7 @@ def section(measured: dict, command: str) -> list[str]:
 
 def write(measured: dict, command: str, path=RESULTS) -> None:
   """Replaces this benchmark's section of ``path`` (up to the next ``## `` heading), or appends it at the end."""
-  text = pathlib.Path(path).read_text()
-  new = '\n'.join(section(measured, command))
-  if HEADING in text:
-    before, after = text.split(HEADING, 1)
-    rest = re.search(r'^## ', after, re.M)
-    text = before + new + ('\n' + after[rest.start() :] if rest else '')
-  else:
-    text = text.rstrip('\n') + '\n\n' + new
-  pathlib.Path(path).write_text(text.rstrip('\n') + '\n')
+  pages.replace_section(path, HEADING, section(measured, command))
 
 
 def main(argv=None):

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-import hdet_jax
 from benchmarks import comm
 from hdet_jax.param_groups import path_string
 from hdet_jax.trainer import config_lib
