@@ -18,6 +18,7 @@ constraints and the model runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from typing import Any, Callable
@@ -50,7 +51,10 @@ def apply_gradients(state: Any, grads: Any, **extra_args: Any) -> Any:
     state: a flax ``TrainState`` (or anything with ``tx``, ``opt_state``, ``params``, ``step`` and ``replace``).
     grads: the gradients, a tree like ``state.params`` (for HDET, already all-reduced across replicas with
       :func:`hdet_jax.pmean_finite`).
-    **extra_args: passed to ``state.tx.update``, e.g. ``value=loss`` (HDET's, required with ``auto_lr``).
+    **extra_args: passed to ``state.tx.update``, e.g. ``value=loss`` (HDET's, required with ``auto_lr``); those
+      that name a field of the state, such as a ``TrainState`` subclass's ``batch_stats=``, are set on the new state
+      instead, as flax's own ``apply_gradients(grads=..., **kwargs)`` does (``step=``, ``params=``,
+      ``opt_state=`` and ``tx=`` are refused: the update sets them).
 
   Returns:
     The state after one update, its ``step`` one higher.
@@ -75,9 +79,21 @@ def apply_gradients(state: Any, grads: Any, **extra_args: Any) -> Any:
       f'apply_gradients: state has no {missing[0]!r}; pass a flax TrainState (or a state with tx, opt_state, '
       f'params, step and replace), not a {type(state).__name__}.'
     )
-  updates, opt_state = state.tx.update(grads, state.opt_state, state.params, **extra_args)
+  fields = _fields(state)
+  replaced = {k: v for k, v in extra_args.items() if k in fields}  # flax's apply_gradients(**kwargs) -> replace
+  if {'step', 'params', 'opt_state', 'tx'} & set(replaced):
+    name = sorted({'step', 'params', 'opt_state', 'tx'} & set(replaced))[0]
+    raise TypeError(f'apply_gradients: {name}= is what the update itself sets; drop it (use state.replace after).')
+  update_args = {k: v for k, v in extra_args.items() if k not in fields}
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params, **update_args)
   params = optax.apply_updates(state.params, updates)
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **replaced)
+
+
+def _fields(state: Any) -> frozenset[str]:
+  """The names of ``state``'s dataclass fields (a flax ``TrainState``'s, with a subclass's own such as
+  ``batch_stats``); none where it is not a dataclass."""
+  return frozenset(f.name for f in dataclasses.fields(state)) if dataclasses.is_dataclass(state) else frozenset()
 
 
 def _boxes() -> tuple[type, ...]:

@@ -48,6 +48,36 @@ def test_apply_gradients_equals_train_states_own_method_without_hdet():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_apply_gradients_sets_a_states_own_fields_as_flax_does_and_passes_the_rest_to_the_update():
+  """A TrainState subclass's batch_stats= is set on the new state (flax's apply_gradients(grads=..., **kwargs) gives
+  its keywords to replace), not dropped into tx.update's extra arguments; value= still reaches hdet."""
+
+  class BNState(TrainState):
+    batch_stats: dict
+
+  n = 4
+  tx = hdet_jax.hdet(optax.sgd(0.1), num_replicas=n, replica_axis='replica', auto_lr=hdet_jax.AutoLR(100))
+
+  def train_step(state, x):
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean((x @ p['w']) ** 2))(state.params)
+    grads = hdet_jax.pmean_finite(grads, 'replica')
+    return hdet_jax.apply_gradients(state, grads, value=loss, batch_stats={'mean': jnp.mean(x, axis=0)})
+
+  create = lambda p: BNState.create(apply_fn=None, params=p, tx=tx, batch_stats={'mean': jnp.zeros(3)})
+  state = jax.vmap(create)(hdet_jax.stack_replicas({'w': jnp.ones(3)}, n))
+  x = np.random.default_rng(0).normal(size=(n, 8, 3)).astype(np.float32)
+  state = jax.vmap(train_step, axis_name='replica')(state, x)
+  np.testing.assert_allclose(np.asarray(state.batch_stats['mean']), x.mean(axis=1), rtol=1e-6)
+  assert float(np.asarray(state.opt_state.loss_sum)[0]) > 0  # value= reached hdet
+  plain = BNState.create(apply_fn=None, params={'w': jnp.ones(3)}, tx=optax.sgd(0.1), batch_stats={})
+  ours = hdet_jax.apply_gradients(plain, {'w': jnp.ones(3)}, batch_stats={'m': jnp.ones(1)})
+  flax_own = plain.apply_gradients(grads={'w': jnp.ones(3)}, batch_stats={'m': jnp.ones(1)})
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(flax_own)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(TypeError, match=r'apply_gradients: params= is what the update itself sets; drop it'):
+    hdet_jax.apply_gradients(plain, {'w': jnp.ones(3)}, params={'w': jnp.zeros(3)})
+
+
 def test_apply_gradients_names_what_the_state_lacks():
   with pytest.raises(TypeError, match=r"apply_gradients: state has no 'tx'; pass a flax TrainState"):
     hdet_jax.apply_gradients({'w': jnp.ones(2)}, {'w': jnp.ones(2)})
