@@ -81,13 +81,18 @@ def apply_gradients(state: Any, grads: Any, **extra_args: Any) -> Any:
     )
   fields = _fields(state)
   replaced = {k: v for k, v in extra_args.items() if k in fields}  # flax's apply_gradients(**kwargs) -> replace
-  if {'step', 'params', 'opt_state', 'tx'} & set(replaced):
-    name = sorted({'step', 'params', 'opt_state', 'tx'} & set(replaced))[0]
+  owned = sorted(_UPDATE_SETS & set(replaced))
+  if owned:
+    name = owned[0]
     raise TypeError(f'apply_gradients: {name}= is what the update itself sets; drop it (use state.replace after).')
   update_args = {k: v for k, v in extra_args.items() if k not in fields}
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params, **update_args)
   params = optax.apply_updates(state.params, updates)
   return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **replaced)
+
+
+# The fields the update itself writes: a keyword naming one would be overwritten, so it is refused.
+_UPDATE_SETS = frozenset({'step', 'params', 'opt_state', 'tx'})
 
 
 def _fields(state: Any) -> frozenset[str]:
