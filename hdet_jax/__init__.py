@@ -22,11 +22,10 @@ from hdet_jax.replicas import (
 from hdet_jax.schedules import one_cycle
 from hdet_jax.auto_lr import AutoLR
 from hdet_jax.settings import Explore, hyperparam_names
-from hdet_jax.sync import apply_updates
+from hdet_jax.sync import apply_updates, is_sync_step
 from hdet_jax.shardings import batch_shardings, group_shardings, stacked_shardings, state_shardings
 from hdet_jax.transform import HDETState, hdet, replica_value
 from hdet_jax.views import host_metrics, hyperparams
-from hdet_jax.windows import is_sync_step
 
 __all__ = [
   # The transformation and its settings.

@@ -1,6 +1,9 @@
-"""The fan-out spread (paper eq. 1) and the shared-key permutations that assign it to replicas."""
+"""The fan-out spread (paper eq. 1), the shared-key permutations that assign it to replicas, and each replica's
+values under them."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import chex
 import jax
@@ -8,6 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from hdet_jax import arguments
+
+if TYPE_CHECKING:
+  from hdet_jax.settings import Plan
 
 
 def spread_multipliers(num_replicas: int, spread: float) -> np.ndarray:
@@ -84,3 +90,22 @@ def draw_permutations(key: chex.PRNGKey, num_hyperparams: int, num_replicas: int
 def identity_permutations(num_hyperparams: int, num_replicas: int) -> chex.Array:
   """Replica r takes ``rho[r]`` for every hyperparameter (the assignment before any sync)."""
   return jnp.broadcast_to(jnp.arange(num_replicas, dtype=jnp.int32), (num_hyperparams, num_replicas))
+
+
+def replica_values(plan: Plan, base: jax.Array, perm: jax.Array, settled: jax.Array | None = None) -> jax.Array:
+  """[G, N]: every replica's value for base [G] under permutations perm [G, N].
+
+  .. math::
+
+    v_{g,r} = \\mathrm{clip}(b_g \\rho_{g,\\pi_g(r)} + o_{g,\\pi_g(r)}, \\mathrm{low}_g, \\mathrm{high}_g)
+
+  with ``b`` the base, ``rho`` the eq. 1 multipliers (1 for additive hyperparameters), ``o`` the additive offsets
+  (0 for multiplicative ones) and ``pi_g`` hyperparameter g's permutation of the window. A settled hyperparameter
+  (``settled`` [G] bool, see ``AutoLR.settle``) takes the base on every replica.
+  """
+  v = base[:, None] * jnp.take_along_axis(jnp.asarray(plan.scale), perm, axis=1) + jnp.take_along_axis(
+    jnp.asarray(plan.offset), perm, axis=1
+  )
+  if settled is not None:
+    v = jnp.where(settled[:, None], base[:, None], v)
+  return jnp.clip(v, np.asarray(plan.lows, np.float32)[:, None], np.asarray(plan.highs, np.float32)[:, None])

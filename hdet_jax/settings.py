@@ -22,7 +22,7 @@ import numpy as np
 from hdet_jax import arguments
 from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
-from hdet_jax import windows
+from hdet_jax import sync as sync_lib
 from hdet_jax.auto_lr import DEFAULT_INITIAL_SCALE, AutoLR, check_auto_lr  # (the trainer reads them here too)
 from hdet_jax.schedules import anneal_start, evaluate_schedules
 
@@ -154,7 +154,7 @@ def make_plan(args: Mapping[str, Any]) -> Plan:
   exact_sync, guard_nonfinite = _flag('exact_sync', hdet.exact_sync), _flag('guard_nonfinite', hdet.guard_nonfinite)
   if not arguments.is_int(hdet.seed):
     raise ValueError(f"hdet: seed must be an integer (it seeds the multipliers' permutations), got {hdet.seed!r}.")
-  sync_windows = windows.as_windows(_sync_every(hdet.sync_every, hdet.auto_lr))
+  sync_windows = sync_lib.as_windows(_sync_every(hdet.sync_every, hdet.auto_lr))
   lr = Explore(learning_rate, float(hdet.spread), low=None, high=None)
   names = hyperparam_names(param_groups=dict(groups), explore=dict(extra), built=built)
   hps = tuple(zip(names, (lr,) * (len(names) - len(extra)) + tuple(h for _, h in extra)))
@@ -205,7 +205,7 @@ def _sync_every(sync_every, auto_lr):
   if sync_every is not None:
     return sync_every
   counted = isinstance(auto_lr, AutoLR) and arguments.is_int(auto_lr.total_steps)
-  return windows.default_period(auto_lr.total_steps) if counted else 100
+  return sync_lib.default_period(auto_lr.total_steps) if counted else 100
 
 
 def _checked_optimizer(optimizer, learning_rate, optimizer_kwargs, extra, auto_lr):
@@ -395,7 +395,7 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built: bool) -> d
   a = auto_lr
   check_auto_lr(a, spread)
   # The first sync at or after the warmup (syncs happen after steps T, 2T, ... for a fixed T).
-  start = windows.first_sync_at_or_after(sync_windows, int(a.warmup_steps))
+  start = sync_lib.first_sync_at_or_after(sync_windows, int(a.warmup_steps))
   last = int(a.total_steps) - 1
   if start >= last:
     raise ValueError(
@@ -409,7 +409,7 @@ def _controller_plan(auto_lr, hps, lows, spread, sync_windows, built: bool) -> d
       _check_decays_to_positive(name, h, v0, v1, start, last)
   if a.decay is not None and not a.decay < 1:
     raise ValueError(f'auto_lr.decay (gamma) must be < 1, got {a.decay!r}.')
-  decay = _decays(a, hps, firsts, finals, num_syncs=windows.syncs_between(sync_windows, start, last))
+  decay = _decays(a, hps, firsts, finals, num_syncs=sync_lib.syncs_between(sync_windows, start, last))
   if a.min_value is not None and not a.min_value > 0:
     raise ValueError(f'auto_lr.min_value must be > 0 (it keeps every LR positive), got {a.min_value!r}.')
   floors = tuple(

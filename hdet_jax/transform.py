@@ -11,8 +11,8 @@ rate you pass, in either form: pass the highest learning rate you would consider
 
 The module reads top to bottom: the state, the factory (which validates its arguments into a frozen
 :class:`hdet_jax.settings.Plan`), then ``init`` and ``update`` as functions of that plan. The end of a
-window (average, controller, reshuffle) is :mod:`hdet_jax.sync`; the step's hyperparameter values are
-:mod:`hdet_jax.values`.
+window (when, and the average, controller and reshuffle) is :mod:`hdet_jax.sync`; each replica's values under
+the spread are :func:`hdet_jax.multipliers.replica_values`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
 from hdet_jax import settings
 from hdet_jax import sync as sync_lib
-from hdet_jax import values as values_lib
-from hdet_jax import windows
 from hdet_jax.param_groups import group_labels, path_string  # noqa: F401  (re-exported)
 from hdet_jax.settings import AutoLR, Explore, Plan, hyperparam_names  # noqa: F401  (re-exported)
 from hdet_jax.sync import Anchor, apply_updates  # noqa: F401  (re-exported)
@@ -375,7 +373,7 @@ def init(plan: Plan, params: Any) -> HDETState:
     jax.random.key_data(jax.random.key(plan.seed)),
     correction=jnp.asarray(plan.initial_correction, jnp.float32),
   )
-  start = values_lib.base_values(plan, jnp.zeros([], jnp.int32), controller)
+  start = base_values(plan, jnp.zeros([], jnp.int32), controller)
   inner_state = inner_optimizer(plan, list(start)).init(params)
   if plan.built:
     check_linear_in_lr(inner_state.built_optimizer_state)
@@ -385,7 +383,7 @@ def init(plan: Plan, params: Any) -> HDETState:
     loss_sum=jnp.zeros([], jnp.float32),
     loss_diff_sq_sum=jnp.zeros([], jnp.float32),
     last_loss=jnp.full([], jnp.nan, jnp.float32),
-    values=values_lib.replica_values(plan, start, multipliers.identity_permutations(g, n), _settled(plan, controller)),
+    values=multipliers.replica_values(plan, start, multipliers.identity_permutations(g, n), _settled(plan, controller)),
     sync_count=jnp.zeros([], jnp.int32),
     finite_replicas=jnp.full([], n, jnp.int32),
     replica_ok=jnp.ones([], bool),
@@ -420,7 +418,7 @@ def update(
   end = lambda ops: sync_lib.end_window(plan, params, *ops, score=score, gather=value is not None or window_end_only)
   if sync is None:
     updates, state = lax.cond(
-      windows.ends_window(plan.sync_windows, axes_lib.unbatched(state.count, plan.replica_axis)),
+      sync_lib.ends_window(plan.sync_windows, axes_lib.unbatched(state.count, plan.replica_axis)),
       lambda ops: axes_lib.match_vma(end(ops), ops),
       lambda ops: ops,
       (updates, state),
@@ -428,10 +426,30 @@ def update(
   elif sync:
     updates, state = end((updates, state))
   # What the next step will use (after any reshuffle).
-  base = values_lib.base_values(plan, state.count, state.controller)
+  base = base_values(plan, state.count, state.controller)
   return updates, state._replace(
-    base=base, values=values_lib.replica_values(plan, base, state.controller.perm, _settled(plan, state.controller))
+    base=base, values=multipliers.replica_values(plan, base, state.controller.perm, _settled(plan, state.controller))
   )
+
+
+def base_values(plan: Plan, t: jax.Array, controller: ctrl.ControllerState) -> jax.Array:
+  """[G] base values for step t: the schedule, or the controller's base once it has started."""
+  scheduled = jnp.stack([jnp.asarray(s(t) if callable(s) else s, jnp.float32) for s in plan.schedules])
+  if plan.auto_lr is None:
+    return scheduled
+  if ctrl.is_fit(plan.auto_lr):  # the user's schedule under the controller's correction
+    add = jnp.asarray(plan.additive)
+    corrected = jnp.where(add, scheduled + controller.correction, scheduled * jnp.exp(controller.correction))
+    return jnp.clip(corrected, jnp.asarray(plan.lows, jnp.float32), jnp.asarray(plan.highs, jnp.float32))
+  if plan.auto_lr.smooth_decay:
+    # From base_k / (1 - gamma) at the sync (the previous base, with no signal) to base_k at
+    # the next sync, so the no-signal path is one continuous geometric curve.
+    start, length = sync_lib.window_of(plan.sync_windows, t)
+    into_window = (t - start).astype(jnp.float32) / length
+    controlled = controller.base * jnp.asarray(1.0 - np.asarray(plan.decay), jnp.float32) ** (into_window - 1.0)
+  else:
+    controlled = controller.base
+  return jnp.where(t >= plan.controller_start, controlled, scheduled)
 
 
 def _settled(plan: Plan, controller: ctrl.ControllerState) -> jax.Array | None:

@@ -1,5 +1,6 @@
 """Prints the hdet_jax modules whose functions run while ``tx.update`` traces (issue 83's "modules update passes
-through"), for a factory with the default controller, the paper controller and a built optimizer with rollback.
+through"), for a factory with the default controller, the paper controller and a built optimizer with rollback:
+5 each, transform, multipliers, controller, sync and axes (tests/test_transform.py pins them).
 
     python scripts/update_path.py
 """

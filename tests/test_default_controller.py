@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import hdet_jax
 from hdet_jax import settings
-from hdet_jax import windows
+from hdet_jax import sync as sync_lib
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import optimizer as optimizer_lib
 import trainer_testing
@@ -38,7 +38,7 @@ def test_the_shortest_call_is_the_trainers_controller(steps):
   # initial_scale None is 0.1 around a factory (the trainer's optimizer), which the trainer's config says
   assert run.optimizer.auto_lr.initial_scale == settings.DEFAULT_INITIAL_SCALE
   assert dataclasses.replace(run.optimizer.auto_lr, initial_scale=None) == hdet_jax.AutoLR(total_steps=steps)
-  assert run.optimizer.windows == (min(round(steps / 15), 100),) == (windows.default_period(steps),)
+  assert run.optimizer.windows == (min(round(steps / 15), 100),) == (sync_lib.default_period(steps),)
 
 
 def _loss(params, batch):

@@ -32,10 +32,9 @@ EXAMPLES = {
   'hdet_jax.schedules': 8,
   'hdet_jax.settings': 6,
   'hdet_jax.shardings': 17,
-  'hdet_jax.sync': 32,
+  'hdet_jax.sync': 34,
   'hdet_jax.transform': 11,
   'hdet_jax.views': 12,
-  'hdet_jax.windows': 2,
 }
 
 

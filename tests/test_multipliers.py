@@ -1,11 +1,16 @@
-"""Eq. 1 multipliers and the shared-key permutations."""
+"""Eq. 1 multipliers, the shared-key permutations, and each replica's values under them (against numpy:
+clip(base rho[perm] + offset[perm]))."""
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import hdet_jax as H
 from hdet_jax import multipliers
+from replica_testing import hdet_plan
 
 
 @pytest.mark.parametrize('n', [1, 2, 3, 4, 7, 8, 16])
@@ -62,3 +67,32 @@ def test_permutations_are_permutations_and_independent():
   expected = 2000 / 64
   chi2 = np.sum((counts - expected) ** 2 / expected)
   assert chi2 < 110, chi2  # 63 dof: p ~ 1e-4 at 110
+
+
+def test_replica_values_against_numpy():
+  """Multiplicative LR, an additive dropout clipped to [0, 0.2], a multiplicative wd: each row is
+  clip(base * rho[perm] + offset[perm], low, high) with its own permutation."""
+  plan = hdet_plan(
+    optax.sgd,
+    1e-2,
+    num_replicas=8,
+    sync_every=4,
+    explore={
+      'dropout': H.Explore(0.1, 0.05, additive=True, low=0.0, high=0.2, to_optimizer=False),
+      'weight_decay': (1e-3, 0.5),
+    },
+  )
+  rng = np.random.default_rng(0)
+  perm = np.stack([rng.permutation(8) for _ in range(3)])
+  base = np.array([2e-2, 0.19, 1e-3], np.float32)  # the controller may move a base near an edge
+  got = np.asarray(multipliers.replica_values(plan, jnp.asarray(base), jnp.asarray(perm)))
+  u = (np.arange(8) - 3.5) / 3.5  # eq. 1's offsets for N = 8
+  want = np.stack(
+    [
+      base[0] * (1 + 0.25 * u)[perm[0]],
+      np.clip(base[1] + 0.05 * u[perm[1]], 0.0, 0.2),
+      base[2] * (1 + 0.5 * u)[perm[2]],
+    ]
+  )
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert got[1].max() == np.float32(0.2)  # the clip is live

@@ -459,16 +459,21 @@ INTERNALS = {
     'accelerate',
     'penalize_nonfinite',
   ],
-  'hdet_jax.multipliers': ['draw_permutations', 'spread_multipliers', 'unit_offsets', 'identity_permutations'],
+  'hdet_jax.multipliers': [
+    'draw_permutations',
+    'spread_multipliers',
+    'unit_offsets',
+    'identity_permutations',
+    'replica_values',
+  ],
   'hdet_jax.packing': ['PackedState', 'pack_state', 'unpack_state'],
   'hdet_jax.axes': ['all_gather', 'axis_index', 'finite_mean', 'pmean', 'psum', 'unbatched'],
   # 1.0's paths (CHANGELOG 1.0) to the collectives, now hdet_jax.axes', and the pages' to the rollback's anchor.
   'hdet_jax.replicas': ['all_gather', 'axis_index', 'finite_mean', 'pmean', 'psum', 'Anchor', 'share_anchors'],
   'hdet_jax.shardings': ['replica_sharding', 'rule_sharding', 'inner_spec', 'tensor_dim'],
-  'hdet_jax.sync': ['Anchor', 'share_anchors', 'shared_anchor'],
+  'hdet_jax.sync': ['Anchor', 'share_anchors', 'shared_anchor', 'default_period'],
   'hdet_jax.param_groups': ['group_labels'],
   'hdet_jax.settings': ['Plan', 'make_plan'],
-  'hdet_jax.windows': ['default_period'],
 }
 
 

@@ -11,7 +11,9 @@ import pytest
 from jax import lax
 
 import hdet_jax as H
-from replica_testing import AX, N, make_mesh, one_in_flight, put, quad_problem, quad_step, run
+from hdet_jax import controller as ctrl
+from hdet_jax import transform
+from replica_testing import AX, N, hdet_plan, make_mesh, one_in_flight, put, quad_problem, quad_step, run
 
 
 @pytest.fixture(scope='module')
@@ -211,6 +213,28 @@ def test_backends_agree(mesh):
 
 
 # --- controller wiring ------------------------------------------------------------------------
+
+
+def test_base_values_schedule_then_smooth_controller_path():
+  """Before the controller's first sync: the schedule. After: base_k (1 - gamma)^(i/T - 1) at step i of the
+  window (smooth), or base_k (held); 'fit': the schedule times exp(correction)."""
+  sched = optax.linear_schedule(1e-2, 1e-3, 40)
+  for smooth in (True, False):
+    paper = H.AutoLR.paper(total_steps=40, warmup_steps=6, smooth_decay=smooth)
+    plan = hdet_plan(optax.sgd, sched, num_replicas=N, sync_every=4, auto_lr=paper)
+    assert plan.controller_start == 8
+    c = ctrl.init_controller_state(jnp.asarray([5e-3]), N, jnp.zeros(2, jnp.uint32))
+    gamma = plan.decay[0]
+    for t in range(20):
+      got = float(transform.base_values(plan, jnp.asarray(t), c)[0])
+      want = float(sched(t)) if t < 8 else 5e-3 * ((1 - gamma) ** ((t % 4) / 4 - 1) if smooth else 1.0)
+      np.testing.assert_allclose(got, want, rtol=1e-6)
+  plan = hdet_plan(optax.sgd, sched, num_replicas=N, sync_every=4, auto_lr=H.AutoLR(total_steps=40))  # 'fit'
+  c = c._replace(correction=jnp.asarray([0.7]))
+  for t in (0, 9, 30):
+    np.testing.assert_allclose(
+      float(transform.base_values(plan, jnp.asarray(t), c)[0]), float(sched(t)) * np.exp(0.7), rtol=1e-6
+    )
 
 
 def test_controller_state_and_no_signal_decay(mesh):
@@ -536,7 +560,7 @@ def test_replica_value_is_this_replicas_column():
 # --- the controllers as wired into hdet, with a real signal, against numpy oracles --------------
 
 
-def test_update_runs_in_seven_modules():
+def test_update_runs_in_five_modules():
   """Issue 83: a reader follows ``tx.update`` through these hdet_jax modules, whichever controller or optimizer path
   (scripts/update_path.py prints them); settings.py is not among them (the plan carries what update reads)."""
   import importlib.util
@@ -546,7 +570,7 @@ def test_update_runs_in_seven_modules():
   spec = importlib.util.spec_from_file_location('update_path', path)
   update_path = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(update_path)
-  want = {f'hdet_jax.{m}' for m in ('axes', 'controller', 'multipliers', 'sync', 'transform', 'values', 'windows')}
+  want = {f'hdet_jax.{m}' for m in ('axes', 'controller', 'multipliers', 'sync', 'transform')}
   for auto_lr in (H.AutoLR(total_steps=100), H.AutoLR.paper(total_steps=100)):
     tx = H.hdet(optax.adamw, 1e-2, num_replicas=4, auto_lr=auto_lr)
     assert set(update_path.modules_in_update(tx)) == want

@@ -30,7 +30,7 @@ from ml_collections import config_dict
 from hdet_jax.arguments import is_spread
 from hdet_jax.settings import DEFAULT_INITIAL_SCALE
 from hdet_jax.trainer.optimizer import OPTIMIZERS
-from hdet_jax.windows import NUM_SYNCS
+from hdet_jax.sync import NUM_SYNCS
 
 RUN, LOOP_PROGRAMS, LOOP = 'run', 'loop_programs', 'loop'
 ABSENT = object()  # no legacy value: no record predates the field

@@ -31,7 +31,7 @@ import ml_collections
 import optax
 
 import hdet_jax as H
-from hdet_jax import windows as window_lib
+from hdet_jax import sync as sync_lib
 from hdet_jax.trainer import compat
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import schema
@@ -132,7 +132,7 @@ class RunSettings(NamedTuple):
 
   def sync_index(self, step: int) -> int:
     """How many syncs come before step ``step`` (0-based): 0 for the run's first sync, 1 for the second, ..."""
-    return window_lib.syncs_through(self.optimizer.windows, step)
+    return sync_lib.syncs_through(self.optimizer.windows, step)
 
   def training_fields(self, num_replicas: int) -> dict[str, Any]:
     """The fields that define the trajectory (what a resume compares), with N and the fields left at None
@@ -336,10 +336,10 @@ def optimizer_settings(f: Fields, task: tasks_lib.Task, guard_: Guard, unit: flo
 def sync_windows(f: Fields) -> tuple[int, ...]:
   """The core's ``sync_every``, one window length T: ``hdet.sync_every`` when it is > 0, else with ``hdet.num_syncs
   = K > 0`` ``round(num_train_steps / K)`` (windows counted per run), at most ``hdet.longest_window`` steps
-  (:func:`hdet_jax.windows.default_period`). Both 0 means never sync (plain data parallel): T past the last step."""
+  (:func:`hdet_jax.sync.default_period`). Both 0 means never sync (plain data parallel): T past the last step."""
   every = int(f['hdet.sync_every'])
   if every == 0 and f['hdet.num_syncs'] > 0:
-    every = window_lib.default_period(f['num_train_steps'], f['hdet.num_syncs'], f['hdet.longest_window'])
+    every = sync_lib.default_period(f['num_train_steps'], f['hdet.num_syncs'], f['hdet.longest_window'])
   return (every if every > 0 else int(f['num_train_steps']) + 1,)
 
 
@@ -813,7 +813,7 @@ def check_controller_acts(f: Fields) -> None:
       'LR, so the controller gets no signal: set hdet.spread > 0 (e.g. 0.25), or hdet.auto_lr=False.'
     )
   windows, total, warmup = sync_windows(f), int(f['num_train_steps']), int(f['hdet.warmup_steps'])
-  start = window_lib.first_sync_at_or_after(windows, warmup)
+  start = sync_lib.first_sync_at_or_after(windows, warmup)
   if start >= total - 1:  # (as hdet_jax.settings refuses it)
     if windows[0] > total:
       why = (

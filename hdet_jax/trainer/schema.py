@@ -192,7 +192,7 @@ _TUNING = {
   'hdet.num_syncs': (
     Field(
       'hdet.longest_window',
-      H.windows.LONGEST_WINDOW,
+      H.sync.LONGEST_WINDOW,
       RUN,
       '... at most this many steps (0: no cap). Both 0: never average.',
       legacy=100,
