@@ -17,10 +17,10 @@ innermost (the vmap axis) first; with a single axis name they are ``lax``'s own 
   \\qquad k = N / D.
 
 :func:`~hdet_jax.over_replicas` with ``per_device > 1`` keeps the user's axis name: while it traces the step, the
-name (``'replica'``) *resolves* to the pair ``('replica', replicas.LOCAL_AXIS)`` in every helper here, so ``hdet``
+name (``'replica'``) *resolves* to the pair ``('replica', LOCAL_AXIS)`` in every helper here, so ``hdet``
 built with ``replica_axis='replica'`` and a step calling :func:`pmean_finite` (grads, 'replica') run
 unchanged at any number of replicas per device. A ``lax`` collective called directly cannot span both
-axes; the map refuses a step that calls one over the replica axis (:func:`hdet_jax.replicas.check_collectives`).
+axes; the map refuses a step that calls one over the replica axis (:func:`check_collectives`).
 
 Example:
   8 replicas, 2 on each of 4 devices: the pair ``('data', 'local')`` is the replica axis.
@@ -44,6 +44,7 @@ import contextvars
 import chex
 from chex import ArrayTree  # by name: get_type_hints resolves its recursive reference to itself here
 import jax
+import jax.extend
 import jax.numpy as jnp
 from jax import lax
 
@@ -241,3 +242,58 @@ def pmean_finite(tree: ArrayTree, axis_name: AxisName) -> ArrayTree:
   arguments.axis_name(axis_name, 'axis_name', who='pmean_finite')
   axis_size_or_raise(axis_name, who='pmean_finite', name='axis_name')
   return finite_mean(tree, axis_name)[0]
+
+
+LOCAL_AXIS = '_hdet_local'  # over_replicas' vmap axis over each device's replicas (per_device > 1)
+
+# Primitives that name an axis but send nothing (varying-type casts).
+_TYPE_CASTS = frozenset({'pvary', 'pcast', 'pbroadcast'})
+
+
+def check_collectives(jaxpr, replica_axis: str, per_device: int, who: str = 'over_replicas') -> None:
+  """Raises if a traced step (a jaxpr, sub-jaxprs included) holds a collective over ``replica_axis`` that did not
+  come from this module's collectives.
+
+  With several replicas per device the replica axis is the mesh axis and a local ``vmap`` axis together; a
+  ``jax.lax`` collective named after the mesh axis alone spans the devices only and gives a wrong result
+  (``lax.pmean(grads, 'replica')`` would average each device's replica v with the other devices' replica v only).
+  They carry a name scope while :func:`~hdet_jax.over_replicas` traces the step.
+  """
+  for eqn in jaxpr.eqns:
+    named = eqn.params.get('axes', eqn.params.get('axis_name'))
+    named = (named,) if isinstance(named, str) else named if isinstance(named, (tuple, list)) else ()
+    ours = _SCOPE in str(eqn.source_info.name_stack)
+    if replica_axis in named and eqn.primitive.name not in _TYPE_CASTS and not ours:
+      raise ValueError(
+        f'{who}: with per_device={per_device} the step calls {eqn.primitive.name} over {replica_axis!r} directly'
+        f'{_where(eqn)}, which spans the devices only and not the {per_device} replicas on each; use '
+        f'hdet_jax.pmean_finite(grads, {replica_axis!r}) for the gradient (hdet_jax.axes.psum, pmean, '
+        'all_gather and axis_index for others), which span both.'
+      )
+  for sub in jax.extend.core.subjaxprs(jaxpr):
+    check_collectives(sub, replica_axis, per_device, who)
+
+
+def _where(eqn) -> str:
+  """' (at file.py:line)': the innermost frame of the call outside jax, optax and this package ('' if unknown)."""
+  frames = getattr(getattr(eqn.source_info, 'traceback', None), 'frames', None) or ()
+  for frame in frames:
+    name = frame.file_name.replace('\\', '/')
+    if '/jax/' not in name and '/hdet_jax/' not in name and '/optax/' not in name:
+      return f' (at {name.rsplit("/", 1)[-1]}:{frame.line_num})'
+  return ''
+
+
+def checked_call(fn, args, static, replica_axis: str, per_device: int, who: str):
+  """``fn(*args)``, traced once into a jaxpr that :func:`check_collectives` reads, then evaluated in place; the
+  ``args`` where ``static`` is True are not arrays and reach ``fn`` as they are."""
+  arrays = [a for a, s in zip(args, static) if not s]
+
+  def on_arrays(*arrays):
+    given = iter(arrays)
+    return fn(*[a if s else next(given) for a, s in zip(args, static)])
+
+  closed, shapes = jax.make_jaxpr(on_arrays, return_shape=True)(*arrays)
+  check_collectives(closed.jaxpr, replica_axis, per_device, who)
+  out = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(arrays))
+  return jax.tree.unflatten(jax.tree.structure(shapes), out)

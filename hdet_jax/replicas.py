@@ -14,7 +14,7 @@ N replicas on D devices (``per_device = N / D > 1``): ``shard_map`` over the dev
 N / D replicas on each; the replica axis is then the pair ``(device axis, local axis)``, whose collectives
 are :mod:`hdet_jax.axes`'. :func:`over_replicas` keeps the user's axis name, which resolves to the pair while
 it traces the step; a ``lax`` collective called directly over the replica axis spans the devices only, so the
-map refuses it (:func:`check_collectives`).
+map refuses it (:func:`hdet_jax.axes.check_collectives`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Any, Callable
 
 from chex import ArrayTree  # by name: get_type_hints resolves its recursive reference to itself here
 import jax
-import jax.extend
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -274,7 +273,8 @@ def _on_local_replicas(fn, bound, values, roles, local_axes, *, keep_name: bool,
   try:
     with axes_lib._mapped(aliases, frozenset({local_axis})):
       if keep_name:
-        out = _traced_and_checked(mapped, values, roles, replica_axis, per_device, who)
+        static = [r == 'static' for r in roles]
+        out = axes_lib.checked_call(mapped, values, static, replica_axis, per_device, who)
       else:
         out = mapped(*values)
   finally:
@@ -354,7 +354,7 @@ def over_replicas(
   ``hdet`` runs), and ``hdet``'s sync stays under a ``lax.cond`` (:func:`~hdet_jax.axes.unbatched`), so the window's
   all-reduce still runs only at the end of a window. A ``jax.lax`` collective over ``replica_axis`` in the
   step would span the devices only, not each device's k replicas: the map refuses it with a ``ValueError``
-  (it reads the traced step once, :func:`check_collectives`).
+  (it reads the traced step once, :func:`~hdet_jax.axes.check_collectives`).
 
   It is :func:`shard_map_replicas`, manual over ``replica_axis`` only (the other axes stay under
   XLA's partitioner) and unchecked (``check_vma=False``): a ``with_sharding_constraint`` naming your
@@ -407,7 +407,7 @@ def over_replicas(
     batch_argnames=batch_argnames,
     check_vma=False,
     per_device=per_device,
-    local_axis=LOCAL_AXIS,
+    local_axis=axes_lib.LOCAL_AXIS,
     who='over_replicas',
     keep_name=True,
   )
@@ -547,60 +547,6 @@ def reduce_replicas(stacked: ArrayTree, reduce: Any = 'mean', who: str = 'reduce
   if callable(reduce):
     return reduce(stacked)
   return jax.tree.map(_REDUCTIONS[reduce], stacked)
-
-
-LOCAL_AXIS = '_hdet_local'  # over_replicas' vmap axis over each device's replicas (per_device > 1)
-
-# Primitives that name an axis but send nothing (varying-type casts).
-_TYPE_CASTS = frozenset({'pvary', 'pcast', 'pbroadcast'})
-
-
-def check_collectives(jaxpr, replica_axis: str, per_device: int, who: str = 'over_replicas') -> None:
-  """Raises if a traced step (a jaxpr, sub-jaxprs included) holds a collective over ``replica_axis`` that did not
-  come from this module's helpers.
-
-  With several replicas per device the replica axis is the mesh axis and a local ``vmap`` axis together; a
-  ``jax.lax`` collective named after the mesh axis alone spans the devices only and gives a wrong result
-  (``lax.pmean(grads, 'replica')`` would average each device's replica v with the other devices' replica v only).
-  The helpers tag theirs with a name scope while :func:`over_replicas` traces the step.
-  """
-  for eqn in jaxpr.eqns:
-    named = eqn.params.get('axes', eqn.params.get('axis_name'))
-    named = (named,) if isinstance(named, str) else named if isinstance(named, (tuple, list)) else ()
-    ours = axes_lib._SCOPE in str(eqn.source_info.name_stack)
-    if replica_axis in named and eqn.primitive.name not in _TYPE_CASTS and not ours:
-      raise ValueError(
-        f'{who}: with per_device={per_device} the step calls {eqn.primitive.name} over {replica_axis!r} directly'
-        f'{_where(eqn)}, which spans the devices only and not the {per_device} replicas on each; use '
-        f'hdet_jax.pmean_finite(grads, {replica_axis!r}) for the gradient (hdet_jax.axes.psum, pmean, '
-        'all_gather and axis_index for others), which span both.'
-      )
-  for sub in jax.extend.core.subjaxprs(jaxpr):
-    check_collectives(sub, replica_axis, per_device, who)
-
-
-def _where(eqn) -> str:
-  """' (at file.py:line)': the innermost frame of the call outside jax, optax and this package ('' if unknown)."""
-  frames = getattr(getattr(eqn.source_info, 'traceback', None), 'frames', None) or ()
-  for frame in frames:
-    name = frame.file_name.replace('\\', '/')
-    if '/jax/' not in name and '/hdet_jax/' not in name and '/optax/' not in name:
-      return f' (at {name.rsplit("/", 1)[-1]}:{frame.line_num})'
-  return ''
-
-
-def _traced_and_checked(mapped, values, roles, replica_axis: str, per_device: int, who: str):
-  """``mapped(*values)``, traced once into a jaxpr that :func:`check_collectives` reads, then evaluated in place."""
-  arrays = [v for v, r in zip(values, roles) if r != 'static']
-
-  def on_arrays(*arrays):
-    given = iter(arrays)
-    return mapped(*[v if r == 'static' else next(given) for v, r in zip(values, roles)])
-
-  closed, shapes = jax.make_jaxpr(on_arrays, return_shape=True)(*arrays)
-  check_collectives(closed.jaxpr, replica_axis, per_device, who)
-  out = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(arrays))
-  return jax.tree.unflatten(jax.tree.structure(shapes), out)
 
 
 def _check_replica_count(bound, roles, devices: int, per_device: int, replica_axis: str, who: str) -> None:
