@@ -151,7 +151,8 @@ def make_plan(args: Mapping[str, Any]) -> Plan:
   learning_rate = _checked_optimizer(hdet.optimizer, hdet.learning_rate, hdet.optimizer_kwargs, extra, hdet.auto_lr)
   groups = _param_groups(hdet.param_groups)
   _check_replicas(hdet.num_replicas, hdet.spread, hdet.replica_axis)
-  exact_sync, guard_nonfinite = _flag('exact_sync', hdet.exact_sync), _flag('guard_nonfinite', hdet.guard_nonfinite)
+  exact_sync = arguments.flag(hdet.exact_sync, 'exact_sync', who='hdet')
+  guard_nonfinite = arguments.flag(hdet.guard_nonfinite, 'guard_nonfinite', who='hdet')
   if not arguments.is_int(hdet.seed):
     raise ValueError(f"hdet: seed must be an integer (it seeds the multipliers' permutations), got {hdet.seed!r}.")
   sync_windows = sync_lib.as_windows(_sync_every(hdet.sync_every, hdet.auto_lr))
@@ -188,7 +189,7 @@ def make_plan(args: Mapping[str, Any]) -> Plan:
     exact_sync=exact_sync,
     guard_nonfinite=guard_nonfinite,
     seed=hdet.seed,
-    average_opt_state=_flag('average_opt_state', hdet.average_opt_state),
+    average_opt_state=arguments.flag(hdet.average_opt_state, 'average_opt_state', who='hdet'),
     built=built,
     rollback=check_rollback(hdet.rollback, hdet.auto_lr),
   )
@@ -250,7 +251,7 @@ def check_rollback(rollback: bool, auto_lr: 'AutoLR | None') -> bool:
     ...
     ValueError: rollback=True returns the replicas to the last sync where the guard backs off, so it needs the ...
   """
-  rollback = _flag('rollback', rollback)
+  rollback = arguments.flag(rollback, 'rollback', who='hdet')
   if rollback and not (isinstance(auto_lr, AutoLR) and ctrl.is_fit(auto_lr) and auto_lr.backoff):
     raise ValueError(
       'rollback=True returns the replicas to the last sync where the guard backs off, so it needs the guard: '
@@ -294,12 +295,6 @@ def _built_reference(learning_rate, optimizer_kwargs, extra, auto_lr) -> float:
   return 1.0
 
 
-def _flag(name: str, value: Any) -> bool:
-  if not isinstance(value, (bool, np.bool_)):
-    raise ValueError(f'{name} must be True or False, got {value!r}.')
-  return bool(value)
-
-
 def _explored(explore, optimizer_kwargs) -> tuple[tuple[str, Explore], ...]:
   """``explore`` as (name, Explore) pairs, in order."""
   extra = []
@@ -331,23 +326,12 @@ def _param_groups(param_groups) -> tuple[tuple[str, str], ...]:
 
 
 def _check_replicas(num_replicas, spread, replica_axis) -> None:
-  if not arguments.is_int(num_replicas) or num_replicas < 1:
-    raise ValueError(f'num_replicas must be a positive integer (the replica axis size), got {num_replicas!r}.')
+  arguments.count(num_replicas, 'num_replicas', who='hdet', what=' (the replica axis size)')
   if not arguments.is_spread(spread):
     raise ValueError(
       f'spread (alpha) must be in [0, 1): the lowest multiplier 1 - spread must stay positive; got {spread!r}.'
     )
-  names = (replica_axis,) if isinstance(replica_axis, str) else replica_axis
-  if (
-    not isinstance(names, tuple)
-    or not names
-    or len(set(names)) != len(names)
-    or not all(isinstance(a, str) and a for a in names)
-  ):
-    raise ValueError(
-      f'replica_axis must be a mesh/map axis name, or a tuple of distinct ones (device axis, '
-      f'local vmap axis), got {replica_axis!r}.'
-    )
+  arguments.axis_name(replica_axis, 'replica_axis', who='hdet')
 
 
 def _warn_if_plain(num_replicas: int, spreads: tuple[float, ...], auto_lr) -> None:

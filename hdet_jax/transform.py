@@ -31,9 +31,9 @@ from hdet_jax import controller as ctrl
 from hdet_jax import multipliers
 from hdet_jax import settings
 from hdet_jax import sync as sync_lib
-from hdet_jax.param_groups import group_labels, path_string  # noqa: F401  (re-exported)
-from hdet_jax.settings import AutoLR, Explore, Plan, hyperparam_names  # noqa: F401  (re-exported)
-from hdet_jax.sync import Anchor, apply_updates  # noqa: F401  (re-exported)
+from hdet_jax.param_groups import group_labels
+from hdet_jax.settings import AutoLR, Explore, Plan
+from hdet_jax.sync import Anchor
 
 
 class HDETState(NamedTuple):
@@ -163,7 +163,7 @@ def hdet(
   ``pmean(p + u) - p``. Applied with ``optax.apply_updates`` the replicas then agree to
   rounding: ``|p'_r - avg| <= eps (|avg| + |avg - p_r|)`` with eps the unit roundoff
   (2**-24 for float32), about one ulp. For a bitwise-exact assignment build with
-  ``exact_sync=True`` and apply with :func:`apply_updates`, which assigns ``pmean(p + u)``.
+  ``exact_sync=True`` and apply with :func:`hdet_jax.apply_updates`, which assigns ``pmean(p + u)``.
 
   Args:
     optimizer: the optimizer you built (an ``optax.GradientTransformation``), or an optax factory taking
@@ -186,7 +186,7 @@ def hdet(
       ``(device axis, local axis)``, e.g. ``('data', 'local')``: replica d * (N / D) + v.
     auto_lr: controller settings, or None for fan-out/converge only.
     exact_sync: if True the sync step returns the inner update only and
-      :func:`apply_updates` does the averaging, assigning the average exactly.
+      :func:`hdet_jax.apply_updates` does the averaging, assigning the average exactly.
     seed: seeds the permutation key (identical on every replica).
     explore: more hyperparameters to explore like the learning rate,
       ``{name: Explore(...)}`` or ``{name: (value or schedule, spread)}`` (multiplicative),
@@ -201,7 +201,7 @@ def hdet(
       per group, in order), then ``explore`` in order.
     guard_nonfinite: if True (default) a sync averages only the replicas whose parameters
       are all finite and resets the others to that average (with ``exact_sync=True`` and
-      :func:`apply_updates`; an additive optax update cannot reset a NaN parameter, so on that path
+      :func:`hdet_jax.apply_updates`; an additive optax update cannot reset a NaN parameter, so on that path
       the replica stays out of every later average), and a replica whose window loss
       is not finite gets controller weight 0 (its LR counts as too large: the signal moves
       away from it). ``state.finite_replicas`` says how many entered the average; 0 means
