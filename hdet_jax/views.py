@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hdet_jax import arguments
 from hdet_jax.param_groups import path_string
 from hdet_jax.settings import hyperparam_names
 from hdet_jax.transform import BuiltOptimizerState, HDETState
@@ -181,8 +182,7 @@ def host_metrics(
     >>> round(logs['base_learning_rate'], 6), round(logs['learning_rate/min'], 6), round(logs['learning_rate/max'], 6)
     (0.2, 0.15, 0.25)
   """
-  if not isinstance(per_replica, bool):
-    raise ValueError(f'host_metrics: per_replica must be True or False, got {per_replica!r}.')
+  per_replica = arguments.flag(per_replica, 'per_replica', who='host_metrics')
   hows = jax.tree.leaves(reduce)
   if not hows or any(not isinstance(h, str) or h not in _HOST_REDUCTIONS for h in hows):
     bad = next((h for h in hows if not isinstance(h, str) or h not in _HOST_REDUCTIONS), reduce)
