@@ -10,12 +10,11 @@ another kind, a truncated, corrupt or empty one, or a directory. Each case is a 
 import io
 import json
 import os
-import subprocess
-import sys
 import zipfile
 
 import numpy as np
 import pytest
+import cli_testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, 'configs', 'tiny.py')  # the LM task
@@ -178,11 +177,9 @@ def test_a_bad_input_is_one_error_line_and_exit_2_with_the_workdir_untouched(
   else:
     path = _make(tmp_path, content, '.npz' if config == MNIST1D else '.txt')
     args = ['--config', config, f'--config.data.path={path}']
-  proc = subprocess.run(
-    [sys.executable, os.path.join(ROOT, 'train.py'), *args, '--workdir', str(workdir)],
+  proc = cli_testing.run(
+    [os.path.join(ROOT, 'train.py'), *args, '--workdir', str(workdir)],
     cwd=ROOT,
-    capture_output=True,
-    text=True,
     timeout=120,
   )
   assert proc.returncode == 2, (case, proc.stderr[-3000:])
@@ -199,11 +196,9 @@ def test_a_bad_config_file_leaves_no_new_workdir(tmp_path):
   """A new workdir is not created when the input is refused."""
   bad = tmp_path / 'bad.py'
   bad.write_text('def get_config(:\n')
-  proc = subprocess.run(
-    [sys.executable, os.path.join(ROOT, 'train.py'), '--config', str(bad), '--workdir', str(tmp_path / 'new')],
+  proc = cli_testing.run(
+    [os.path.join(ROOT, 'train.py'), '--config', str(bad), '--workdir', str(tmp_path / 'new')],
     cwd=ROOT,
-    capture_output=True,
-    text=True,
     timeout=120,
   )
   assert proc.returncode == 2 and proc.stderr.startswith('error: --config '), proc.stderr
@@ -215,9 +210,8 @@ def test_a_bracket_checks_its_runs_before_it_writes_its_record(tmp_path):
   bad = tmp_path / 'bad.txt'
   bad.write_bytes(_npz_bytes())
   workdir = tmp_path / 'new'
-  proc = subprocess.run(
+  proc = cli_testing.run(
     [
-      sys.executable,
       os.path.join(ROOT, 'train.py'),
       '--config',
       BRACKET,
@@ -226,8 +220,6 @@ def test_a_bracket_checks_its_runs_before_it_writes_its_record(tmp_path):
       str(workdir),
     ],
     cwd=ROOT,
-    capture_output=True,
-    text=True,
     timeout=120,
   )
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
@@ -297,11 +289,9 @@ def test_train_py_refuses_workdir_dot_with_one_line_and_writes_nothing(tmp_path)
   (folder / 'notes.txt').write_text('mine\n')
   (folder / 'config.json').write_text('{"training_fields": {}}\n')
   before = _snapshot(folder)
-  proc = subprocess.run(
-    [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', '.'],
+  proc = cli_testing.run(
+    [os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', '.'],
     cwd=folder,
-    capture_output=True,
-    text=True,
     timeout=120,
   )
   errors = [line for line in proc.stderr.splitlines() if line.startswith('error:')]
@@ -438,9 +428,8 @@ def test_train_py_prints_each_warning_once_at_the_start(tmp_path):
   workdir.mkdir()
   (workdir / 'config.json').write_text(json.dumps({'training_fields': {'seed': 123}}) + '\n')
   before = _snapshot(workdir)
-  proc = subprocess.run(
+  proc = cli_testing.run(
     [
-      sys.executable,
       os.path.join(ROOT, 'train.py'),
       '--config',
       TINY,
@@ -453,8 +442,6 @@ def test_train_py_prints_each_warning_once_at_the_start(tmp_path):
     cwd=ROOT,
     # the suite's XLA_FLAGS set the devices; a JAX_NUM_CPU_DEVICES left by another test's import would win
     env={k: v for k, v in os.environ.items() if k != 'JAX_NUM_CPU_DEVICES'},
-    capture_output=True,
-    text=True,
     timeout=120,
   )
   warnings = [line for line in proc.stderr.splitlines() if line.startswith('warning:')]

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+import cli_testing
 from hdet_jax.trainer import bracket
 from hdet_jax.trainer import config_lib
 from hdet_jax.trainer import run_settings
@@ -259,13 +260,10 @@ def test_two_processes_run_the_bracket_one_process_runs(tmp_path):
 
 
 def test_a_bad_bracket_on_the_command_line_is_one_error_line_and_writes_nothing(tmp_path):
-  import subprocess
-  import sys
   from trainer_testing import ROOT, chaos
 
-  proc = subprocess.run(
+  proc = cli_testing.run(
     [
-      sys.executable,
       os.path.join(ROOT, 'train.py'),
       '--config',
       os.path.join(ROOT, 'configs', 'bracket.py'),
@@ -275,8 +273,6 @@ def test_a_bad_bracket_on_the_command_line_is_one_error_line_and_writes_nothing(
     ],
     cwd=ROOT,
     env=chaos._env(),
-    capture_output=True,
-    text=True,
     timeout=120,
   )
   assert proc.returncode == 2, proc.stderr

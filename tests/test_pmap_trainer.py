@@ -19,7 +19,6 @@ import importlib.util
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -63,6 +62,7 @@ import optax  # noqa: E402
 import pytest  # noqa: E402
 from flax.training import checkpoints  # noqa: E402
 
+import cli_testing  # noqa: E402
 import hdet_jax  # noqa: E402
 
 plain = _load('plain_pmap')
@@ -124,9 +124,7 @@ def test_both_trainers_learn_and_hdet_moves_the_learning_rate(straight, tmp_path
 
 
 def _subprocess(workdir, steps, out):
-  run = subprocess.run(
-    [sys.executable, __file__, str(workdir), str(steps), str(out)], capture_output=True, text=True, timeout=400
-  )
+  run = cli_testing.run([__file__, str(workdir), str(steps), str(out)], timeout=400)
   assert run.returncode == 0, run.stderr[-3000:]
   return dict(np.load(out))
 

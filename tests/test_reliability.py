@@ -10,13 +10,13 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import cli_testing
 from hdet_jax.trainer import ConfigError, checkpoints, config_lib
 
 from trainer_testing import train_and_evaluate
@@ -122,7 +122,7 @@ def _train(base, workdir, *extra, timeout=300, faults=''):
   if faults:
     assert cmd[1] == os.path.join(ROOT, 'train.py')
     cmd[1:2] = [os.path.join(ROOT, 'tests', 'fault_testing.py'), faults]
-  return subprocess.run(cmd, cwd=ROOT, env=chaos._env(), capture_output=True, text=True, timeout=timeout)
+  return cli_testing.run(cmd[1:], cwd=ROOT, env=chaos._env(), timeout=timeout)
 
 
 def _train_here(workdir, capsys, **overrides):
@@ -380,12 +380,10 @@ def test_valid_edge_values_pass_the_checks(data):
   ],
 )
 def test_bad_values_on_the_command_line(tmp_path, override, field):
-  proc = subprocess.run(
-    [sys.executable, os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', str(tmp_path / 'w'), override],
+  proc = cli_testing.run(
+    [os.path.join(ROOT, 'train.py'), '--config', TINY, '--workdir', str(tmp_path / 'w'), override],
     cwd=ROOT,
     env=chaos._env(),
-    capture_output=True,
-    text=True,
     timeout=120,
   )
   assert proc.returncode == 2

@@ -2,13 +2,12 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+import cli_testing
 from hdet_jax.trainer import ConfigError, checkpoints, tasks
 
 from trainer_testing import train_and_evaluate
@@ -364,9 +363,8 @@ def test_a_bad_npz_is_one_error_before_anything_is_written(tmp_path, arrays, mes
 
 def test_a_bad_npz_from_the_command_line_exits_2_with_one_error_line(tmp_path):
   bad = _npz(tmp_path / 'bad.npz', y=np.full(64, -1))
-  proc = subprocess.run(
+  proc = cli_testing.run(
     [
-      sys.executable,
       os.path.join(ROOT, 'train.py'),
       '--config',
       MNIST1D,
@@ -375,8 +373,6 @@ def test_a_bad_npz_from_the_command_line_exits_2_with_one_error_line(tmp_path):
       str(tmp_path / 'w'),
     ],
     cwd=ROOT,
-    capture_output=True,
-    text=True,
     timeout=300,
   )
   assert proc.returncode == 2

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+import cli_testing
 from hdet_jax.trainer import ConfigError
 
 from trainer_testing import train_and_evaluate
@@ -313,11 +314,9 @@ def test_unknown_config_key_on_the_command_line(tmp_path, with_config, override,
   the flags are parsed, which once escaped train.py's handling as a 49-line traceback and exit 1.
   """
   config = ['--config', TINY] if with_config else []
-  proc = subprocess.run(
-    [sys.executable, os.path.join(ROOT, 'train.py'), *config, '--workdir', str(tmp_path / 'w'), override],
+  proc = cli_testing.run(
+    [os.path.join(ROOT, 'train.py'), *config, '--workdir', str(tmp_path / 'w'), override],
     cwd=ROOT,
-    capture_output=True,
-    text=True,
     timeout=120,
   )
   assert proc.returncode == 2, proc.stderr

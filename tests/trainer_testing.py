@@ -4,11 +4,10 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 
+import cli_testing
 from hdet_jax.trainer import config_lib, run_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,12 +127,10 @@ def train_tiny_cli(workdir):
   """``python train.py --config configs/tiny.py`` as a subprocess with the tests' tuning (tests/tuned_train.py): 40
   steps in one go, on 8 CPU devices. Returns what it printed."""
   env = dict(os.environ, JAX_NUM_CPU_DEVICES='8')
-  proc = subprocess.run(
-    [sys.executable, TUNED_TRAIN, '--config', TINY, '--workdir', workdir],
+  proc = cli_testing.run(
+    [TUNED_TRAIN, '--config', TINY, '--workdir', workdir],
     cwd=ROOT,
     env=env,
-    capture_output=True,
-    text=True,
     timeout=300,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
