@@ -146,21 +146,11 @@ _MEANS = {('train', 'loss'): 'train/loss/mean'}
 
 class TensorBoardWriter:
   """The scalars of the ``train``, ``controller``, ``distance``, ``eval`` and ``throughput`` records as TensorBoard
-  events: each key's tag is ``<record>/<key>``, one per element of an array (``<record>/<key>/<i>``), but for the
-  tags kept from before that rule (:data:`_TAGS`).
-
-  Those tags (N replicas; ``<name>`` from the ``hyperparams`` record, e.g. ``learning_rate/weights``):
-
-  - every step: ``train/loss/replica_<r>``, ``train/loss/mean``, ``train/<name>/replica_<r>`` (each
-    replica's learning rates and explored values) and ``train/base/<name>`` (the base values);
-  - every sync: ``controller/window_loss/replica_<r>``; for the paper's controller
-    ``controller/weight/replica_<r>``, ``controller/delta/<name>``, ``controller/velocity/<name>``; for 'fit'
-    its own quantities, named as in ``plots/controller.png``: ``controller/lr_correction/<name>`` (the factor
-    on the schedule), ``controller/step_asked/<name>``, ``controller/step_taken/<name>``,
-    ``controller/slope/<name>``, ``controller/slope_stderr/<name>``, ``controller/gain/<name>``;
-    ``distance/replica_<r>`` and
-    ``distance/mean_norm`` (also at each log interval of a run that never averages);
-  - ``eval/val_loss``, ``eval/val_bits_per_byte``; ``throughput/tokens_per_s``, ``throughput/steps_per_s``.
+  events: each key's tag is ``<record>/<key>`` (an array's element: ``<record>/<key>/<i>``), but for the tags kept
+  from before that rule (:data:`_TAGS`): e.g. ``train/loss/replica_<r>``, ``train/loss/mean``,
+  ``train/<name>/replica_<r>`` (each replica's explored values; ``<name>`` from the ``hyperparams`` record),
+  ``controller/window_loss/replica_<r>``, for 'fit' ``controller/step_asked/<name>`` (named as in
+  ``plots/controller.png``), for the paper's controller ``controller/weight/replica_<r>``.
 
   A record's scalars go out as one event (one ``add_summary`` with many values), not as one
   ``add_scalar`` call (each an event of its own) per scalar. A resumed run starts a

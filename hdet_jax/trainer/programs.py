@@ -153,8 +153,10 @@ class Each(NamedTuple):
 def _emitted(records: dict, packer: MetricsPacker | None) -> Any:
   """A program's metrics ``{record: {key: value}}`` as it returns them: packed, or without a packer one flat dict
   ``{key: [N, ...]}`` (the keys are unique over a program's records)."""
-  if packer is not None:
-    return packer.pack(records)
+  return _flat(records) if packer is None else packer.pack(records)
+
+
+def _flat(records: dict) -> dict:
   return {k: getattr(v, 'value', v) for values in records.values() for k, v in values.items()}
 
 
@@ -171,7 +173,7 @@ class MetricsPacker:
     self.layout: list[tuple[str, str, tuple[int, ...], Any, bool]] | None = None
 
   def pack(self, records: dict) -> jax.Array:
-    flat = {k: getattr(v, 'value', v) for values in records.values() for k, v in values.items()}
+    flat = _flat(records)
     self.layout = [
       (r, k, tuple(jnp.shape(flat[k])), np.dtype(jnp.result_type(flat[k])), isinstance(v, Each))
       for r, values in records.items()
