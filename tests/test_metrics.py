@@ -7,6 +7,7 @@ import os
 import struct
 
 import numpy as np
+import pytest
 from tensorboardX.proto import event_pb2
 from tensorboardX.record_writer import masked_crc32c
 
@@ -113,7 +114,26 @@ def test_jsonl_records_round_trip_non_finite_numbers_and_keep_the_last_of_each_s
   assert train[0]['loss'][0] == 1.5 and np.isnan(train[0]['loss'][1])
 
 
-def test_trainer_event_files_hold_the_jsonl_numbers(tmp_path):
+@pytest.mark.own_programs  # (its programs emit two metrics more: no other run may take them, nor it another's)
+def test_trainer_event_files_hold_the_jsonl_numbers_and_a_new_metric_takes_one_place(tmp_path, monkeypatch):
+  """The tiny run's event files hold its records' numbers under the tags they always had; and a metric added where
+  a program emits it (here one each replica computes, one read from the state, one per hyperparameter of the
+  controller's; programs.py) reaches metrics.jsonl and TensorBoard with no other edit, after the record's keys."""
+  import jax.numpy as jnp
+
+  from hdet_jax.trainer import programs
+
+  train, controller = programs._train_metrics, programs._controller_metrics  # pylint: disable=protected-access
+  monkeypatch.setattr(
+    programs,
+    '_train_metrics',
+    lambda loss, used: {
+      **train(loss, used),
+      'twice_loss': programs.Each(2 * loss),
+      'lr_max': jnp.max(used.learning_rates),
+    },
+  )
+  monkeypatch.setattr(programs, '_controller_metrics', lambda c: {**controller(c), 'gains_squared': c.gain**2})
   workdir = str(tmp_path / 'tiny')
   train_and_evaluate(config_lib.with_overrides(config_lib.load_config_file(TINY), {'plots': False}), workdir)
   files = glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
@@ -121,7 +141,17 @@ def test_trainer_event_files_hold_the_jsonl_numbers(tmp_path):
   got = read_scalars(workdir)
   recs = read_metrics(os.path.join(workdir, 'metrics.jsonl'))
   want = _expected(recs)
-  assert set(got) == set(want)
+  new = {}
+  for r in recs['train']:
+    assert list(r)[-2:] == ['twice_loss', 'lr_max'] and r['twice_loss'] == [2 * x for x in r['loss']]
+    assert r['lr_max'] == max(r['lr'])
+    new.update({(f'train/twice_loss/{i}', r['step']): x for i, x in enumerate(r['twice_loss'])})
+    new[('train/lr_max', r['step'])] = r['lr_max']
+  for r in recs['controller']:
+    assert list(r)[-1] == 'gains_squared' and len(r['gains_squared']) == 3
+    new.update({(f'controller/gains_squared/{g}', r['step']): x for g, x in enumerate(r['gains_squared'])})
+  assert set(got) == set(want) | set(new)  # every tag as before, and the new metrics' own
+  want.update({k: np.float32(v) for k, v in new.items()})
   bad = [(k, got[k], want[k]) for k in want if not np.float32(got[k]) == want[k]]
   assert not bad, bad[:5]
   # What the run covers: 40 steps x 8 replicas, the per-group learning rates, 5 syncs, 2 evaluations.

@@ -271,15 +271,17 @@ def test_a_field_a_config_lacks_reads_as_its_legacy_value_else_its_default():
   assert schema.complete(full) == full  # a complete config reads as it is
 
 
-def test_contributings_field_example_is_the_source_as_it_is():
-  """CONTRIBUTING.md's real example of adding a field (``chunk_steps``) quotes the files it names, line for line:
-  each ``# path...`` header is followed by lines that are in that file as written (up to a trailing comment)."""
+@pytest.mark.parametrize('example, lines', [('chunk_steps', 4), ('mean_norm', 1)])
+def test_contributings_field_and_metric_examples_are_the_source_as_it_is(example, lines):
+  """CONTRIBUTING.md's real examples of adding a field (``chunk_steps``) and a metric (``mean_norm``) quote the files
+  they name, line for line: each ``# path...`` header is followed by lines that are in that file as written (up to a
+  trailing comment)."""
   import pathlib
   import re
 
   repo = pathlib.Path(__file__).resolve().parents[1]
   text = (repo / 'CONTRIBUTING.md').read_text()
-  block = re.search(r'The real example, `chunk_steps`.*?```text\n(.*?)```', text, re.S).group(1)
+  block = re.search(rf'The real example, `{example}`.*?```text\n(.*?)```', text, re.S).group(1)
   checked, path = 0, None
   for line in block.splitlines():
     if line.startswith('# hdet_jax/'):
@@ -289,4 +291,4 @@ def test_contributings_field_example_is_the_source_as_it_is():
       code = line.strip() if line.lstrip().startswith('#') else line.split('  # ')[0].strip()  # (a help comment whole)
       assert code and code in source, (path.name, code)
       checked += 1
-  assert checked == 4
+  assert checked == lines

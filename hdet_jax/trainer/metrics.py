@@ -22,6 +22,12 @@ Records in ``WORKDIR/metrics.jsonl`` carry a ``kind``:
 - ``eval``: ``val_loss`` (nats) and ``val_bits_per_byte`` of the averaged model;
 - ``event``: start, resume, ``nonfinite`` (some replicas' loss is NaN/inf), ``diverged`` (all), end.
 
+The per-step records ('train', 'controller', 'distance') are written by name: the programs emit each record's keys
+as ``{record: {key: value}}`` (``programs.py``: ``_train_metrics``, ``_controller_metrics``, ``_distance_metrics``),
+and :func:`write_step` writes every key under its own name, in the order emitted, as :class:`TensorBoardWriter` shows
+it as ``<record>/<key>``; the few keys written otherwise, and the tags from before that rule, are one table each here
+(``_AFTER``, ``_WHERE``; ``_TAGS``). A new metric is one line where its program emits it.
+
 A resumed run appends (first cutting a last line a killed run left unfinished); readers keep the
 last record of each (kind, step), so steps a killed run logged after its last checkpoint, then
 recomputed by the resumed run, appear once.
@@ -103,21 +109,48 @@ def _drop_partial_last_line(path: str) -> None:
     f.truncate(0)
 
 
+# TensorBoard's tags: a record's key ``k`` (of the records in _SHOWN, ``step`` aside) is the tag ``<record>/<k>``, and
+# an array's element ``[i, j]`` the tag ``<record>/<k>/<i>/<j>``: a new metric needs nothing here. The tags shown
+# before that rule, kept as they were: (record, key) -> (tag, each axis's labels: 'r' ``replica_<r>``, 'g' the
+# hyperparameter's name; and the value's transform) or None (not shown). 'fit' shows its own controller quantities,
+# named as in plots/controller.png.
+_SHOWN = ('train', 'controller', 'distance', 'eval', 'throughput')
+_TAGS = {
+  ('train', 'loss'): ('train/loss', 'r'),  # (and its mean: _MEANS)
+  ('train', 'values'): ('train', 'gr'),
+  ('train', 'bases'): ('train/base', 'g'),
+  ('controller', 'window_losses'): ('controller/window_loss', 'r'),
+  ('controller', 'weights'): ('controller/weight', 'r'),
+  ('controller', 'deltas'): ('controller/delta', 'g'),
+  ('controller', 'velocities'): ('controller/velocity', 'g'),
+  ('distance', 'distance'): ('distance', 'r'),
+  **dict.fromkeys([('train', k) for k in ('lr', 'base_lr', 'sync')]),
+  **dict.fromkeys(
+    ('controller', k)
+    for k in ('delta', 'velocity', 'base_lr', 'corrections', 'asks', 'stderrs', 'gains')
+    + ('train_loss', 'train_loss_se', 'backed_off', 'settled')
+  ),
+}
+_FIT_TAGS = {
+  **_TAGS,
+  ('controller', 'weights'): None,
+  ('controller', 'corrections'): ('controller/lr_correction', 'g', np.exp),  # the factor on the schedule
+  ('controller', 'asks'): ('controller/step_asked', 'g'),
+  ('controller', 'deltas'): ('controller/step_taken', 'g'),
+  ('controller', 'velocities'): ('controller/slope', 'g'),
+  ('controller', 'stderrs'): ('controller/slope_stderr', 'g'),
+  ('controller', 'gains'): ('controller/gain', 'g'),
+}
+_MEANS = {('train', 'loss'): 'train/loss/mean'}
+
+
 class TensorBoardWriter:
-  """The scalars of the ``train``, ``controller``, ``eval`` and ``throughput`` records as TensorBoard events.
-
-  Tags (N replicas; ``<name>`` from the ``hyperparams`` record, e.g. ``learning_rate/weights``):
-
-  - every step: ``train/loss/replica_<r>``, ``train/loss/mean``, ``train/<name>/replica_<r>`` (each
-    replica's learning rates and explored values) and ``train/base/<name>`` (the base values);
-  - every sync: ``controller/window_loss/replica_<r>``; for the paper's controller
-    ``controller/weight/replica_<r>``, ``controller/delta/<name>``, ``controller/velocity/<name>``; for 'fit'
-    its own quantities, named as in ``plots/controller.png``: ``controller/lr_correction/<name>`` (the factor
-    on the schedule), ``controller/step_asked/<name>``, ``controller/step_taken/<name>``,
-    ``controller/slope/<name>``, ``controller/slope_stderr/<name>``, ``controller/gain/<name>``;
-    ``distance/replica_<r>`` and
-    ``distance/mean_norm`` (also at each log interval of a run that never averages);
-  - ``eval/val_loss``, ``eval/val_bits_per_byte``; ``throughput/tokens_per_s``, ``throughput/steps_per_s``.
+  """The scalars of the ``train``, ``controller``, ``distance``, ``eval`` and ``throughput`` records as TensorBoard
+  events: each key's tag is ``<record>/<key>`` (an array's element: ``<record>/<key>/<i>``), but for the tags kept
+  from before that rule (:data:`_TAGS`): e.g. ``train/loss/replica_<r>``, ``train/loss/mean``,
+  ``train/<name>/replica_<r>`` (each replica's explored values; ``<name>`` from the ``hyperparams`` record),
+  ``controller/window_loss/replica_<r>``, for 'fit' ``controller/step_asked/<name>`` (named as in
+  ``plots/controller.png``), for the paper's controller ``controller/weight/replica_<r>``.
 
   A record's scalars go out as one event (one ``add_summary`` with many values), not as one
   ``add_scalar`` call (each an event of its own) per scalar. A resumed run starts a
@@ -171,40 +204,25 @@ class TensorBoardWriter:
 
   def _scalars(self, kind: str, record: dict) -> dict[str, float]:
     """The tags and values of one record (none for a kind TensorBoard does not show)."""
-    per_replica = lambda prefix, xs: {
-      f'{prefix}/replica_{r}': x for r, x in enumerate(np.asarray(xs, np.float64).ravel().tolist())
-    }
-    per_name = lambda prefix, xs: dict(zip((f'{prefix}/{n}' for n in self.names), np.asarray(xs, np.float64).tolist()))
-    if kind == 'train':
-      loss = np.asarray(record['loss'], np.float64)
-      out = {**per_replica('train/loss', loss), 'train/loss/mean': float(np.mean(loss))}
-      for name, row in zip(self.names, np.asarray(record['values'], np.float64).tolist()):
-        out.update(per_replica(f'train/{name}', row))
-      return {**out, **per_name('train/base', record['bases'])}
-    if kind == 'controller' and self.controller == 'fit' and 'asks' in record:
-      return {
-        **per_replica('controller/window_loss', record['window_losses']),
-        **per_name('controller/lr_correction', np.exp(np.asarray(record['corrections'], np.float64))),
-        **per_name('controller/step_asked', record['asks']),
-        **per_name('controller/step_taken', record['deltas']),
-        **per_name('controller/slope', record['velocities']),
-        **per_name('controller/slope_stderr', record['stderrs']),
-        **per_name('controller/gain', record['gains']),
-      }
-    if kind == 'controller':
-      return {
-        **per_replica('controller/window_loss', record['window_losses']),
-        **per_replica('controller/weight', record['weights']),
-        **per_name('controller/delta', record['deltas']),
-        **per_name('controller/velocity', record['velocities']),
-      }
-    if kind == 'distance':
-      return {**per_replica('distance', record['distance']), 'distance/mean_norm': record['mean_norm']}
-    if kind == 'eval':
-      return {f'eval/{k}': v for k, v in record.items() if k.startswith('val_')}
-    if kind == 'throughput':
-      return {'throughput/tokens_per_s': record['tokens_per_s'], 'throughput/steps_per_s': record['steps_per_s']}
-    return {}
+    if kind not in _SHOWN:
+      return {}
+    tags = _FIT_TAGS if self.controller == 'fit' else _TAGS
+    labels = {'r': lambda i: f'replica_{i}', 'g': lambda i: self.names[i] if i < len(self.names) else None}
+    out = {}
+    for key, value in record.items():
+      shown = tags.get((kind, key), (f'{kind}/{key}', ''))
+      if key == 'step' or shown is None:
+        continue
+      tag, axes, f = (*shown, None)[:3]
+      x = np.asarray(value, np.float64)
+      x = f(x) if f is not None else x
+      for at in np.ndindex(x.shape):
+        parts = [labels.get(a, str)(i) for a, i in zip(axes.ljust(x.ndim), at)]
+        if None not in parts:
+          out['/'.join([tag, *parts])] = float(x[at])
+      if (kind, key) in _MEANS:
+        out[_MEANS[kind, key]] = float(np.mean(x))
+    return out
 
   def flush(self) -> None:
     if self._w is not None:
@@ -250,6 +268,37 @@ class MetricsWriter:
       if out is not None:
         out.close()
     self._f = self._tb = None
+
+
+# The records' keys that are no program's metric, or are written only where they tell something: kept as the records
+# have always had them (any other key is written as a program emits it, programs.py).
+_AFTER = {  # (record, key) -> (the key written after it, its value from (sync, the step's records))
+  ('train', 'base_lr'): ('sync', lambda sync, records: sync),  # whether this step averaged the replicas
+  ('controller', 'velocity'): ('base_lr', lambda sync, records: records['train']['base_lr']),  # the step's, again
+}
+_WHERE = {  # (record, key) -> whether the record holds it, from the record's values
+  # the back-off's window loss (NaN without hdet.backoff)
+  ('controller', 'train_loss'): lambda c: np.isfinite(c['train_loss']),
+  ('controller', 'train_loss_se'): lambda c: np.isfinite(c['train_loss']),
+  ('controller', 'backed_off'): lambda c: c['backed_off'],  # (``true`` where it fired)
+  ('controller', 'settled'): lambda c: np.any(c['settled']),  # (once any climb has settled)
+}
+
+
+def write_step(writer: MetricsWriter, step: int, sync: bool, records: dict) -> None:
+  """One step's records, ``{record: {key: value}}`` as the programs emit them (``programs.py``: a step's 'train', a
+  sync's 'controller' and 'distance'): each key under its own name, in the order emitted, but for :data:`_AFTER`
+  and :data:`_WHERE`."""
+  for kind, values in records.items():
+    out = {}
+    for key, value in values.items():
+      if (kind, key) in _WHERE and not _WHERE[kind, key](values):
+        continue
+      out[key] = value
+      if (kind, key) in _AFTER:
+        after, read = _AFTER[kind, key]
+        out[after] = read(sync, records)
+    writer.write(kind, step=step, **out)
 
 
 def read_metrics(path: str) -> dict[str, list[dict]]:

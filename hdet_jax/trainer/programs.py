@@ -142,8 +142,26 @@ def regularization(
 _DROPOUT_TAG = 7919
 
 
+class Each(NamedTuple):
+  """A metric each replica computes for itself (its loss, its distance from the mean): its record holds every
+  replica's value, ``[N, ...]``. Any other metric is read from what every replica holds the same copy of (the
+  optimizer state, the average): its record holds replica 0's."""
+
+  value: Any
+
+
+def _emitted(records: dict, packer: MetricsPacker | None) -> Any:
+  """A program's metrics ``{record: {key: value}}`` as it returns them: packed, or without a packer one flat dict
+  ``{key: [N, ...]}`` (the keys are unique over a program's records)."""
+  return _flat(records) if packer is None else packer.pack(records)
+
+
+def _flat(records: dict) -> dict:
+  return {k: getattr(v, 'value', v) for values in records.values() for k, v in values.items()}
+
+
 class MetricsPacker:
-  """Packs a step's metrics dict into one float32 vector per replica, and back on the host.
+  """Packs a program's metrics, ``{record: {key: value}}``, into one float32 vector per replica, and back on the host.
 
   One output array per step instead of a dozen: the host fetches a single ``[N, k]`` array per
   step, one transfer instead of one per metric (the metrics' share of the loop: results/benchmarks.md,
@@ -151,20 +169,29 @@ class MetricsPacker:
   """
 
   def __init__(self):
-    self.layout: list[tuple[str, tuple[int, ...]]] | None = None
+    # (record, key, shape, dtype, each replica's (:class:`Each`)) of each metric, in the order emitted
+    self.layout: list[tuple[str, str, tuple[int, ...], Any, bool]] | None = None
 
-  def pack(self, metrics: dict) -> jax.Array:
-    keys = sorted(metrics)
-    self.layout = [(k, tuple(jnp.shape(metrics[k]))) for k in keys]
-    return jnp.concatenate([jnp.ravel(jnp.asarray(metrics[k], jnp.float32)) for k in keys])
+  def pack(self, records: dict) -> jax.Array:
+    flat = _flat(records)
+    self.layout = [
+      (r, k, tuple(jnp.shape(flat[k])), np.dtype(jnp.result_type(flat[k])), isinstance(v, Each))
+      for r, values in records.items()
+      for k, v in values.items()
+    ]
+    return jnp.concatenate([jnp.ravel(jnp.asarray(flat[k], jnp.float32)) for k in sorted(flat)])
 
   def unpack(self, rows: np.ndarray) -> dict:
-    """``[N, k]`` host rows to the stacked metrics dict (each value ``[N, *shape]``)."""
-    out, i = {}, 0
-    for key, shape in self.layout:
+    """``[N, k]`` host rows to the records, ``{record: {key: value}}`` in the order emitted: each value in the dtype
+    it was emitted in, replica 0's, or every replica's ``[N, ...]`` for an :class:`Each` metric."""
+    at, i = {}, 0
+    for _, key, shape, dtype, _ in sorted(self.layout, key=lambda m: m[1]):  # (packed in sorted order)
       size = int(np.prod(shape, dtype=int))
-      out[key] = rows[:, i : i + size].reshape((rows.shape[0],) + shape)
+      at[key] = rows[:, i : i + size].reshape((rows.shape[0],) + shape).astype(dtype, copy=False)
       i += size
+    out = {}
+    for record, key, _, _, each in self.layout:
+      out.setdefault(record, {})[key] = at[key] if each else at[key][0]
     return out
 
 
@@ -209,19 +236,10 @@ def make_train_step(
     loss, updates, opt_state = _update(task, graphdef, tx, settings, seed, params, opt_state, batch, axis, sync)
     stepped = optax.apply_updates(params, updates)  # (what apply_updates averages on a sync step)
     params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=sync)
-    metrics = {
-      'loss': loss,
-      'lrs': used.learning_rates,
-      'base_lr': used.base_learning_rate,
-      'values': used.values,
-      'bases': used.base,
-      **_controller_metrics(opt_state.controller),
-    }
+    records = {'train': _train_metrics(loss, used), 'controller': _controller_metrics(opt_state.controller)}
     if sync:
-      metrics.update(_distance_metrics(stepped, params))
-    if packer is not None:
-      metrics = packer.pack(metrics)
-    return params, H.packing.pack_state(opt_state), metrics
+      records['distance'] = _distance_metrics(stepped, params)
+    return params, H.packing.pack_state(opt_state), _emitted(records, packer)
 
   # optax.contrib.reduce_on_plateau's lax.cond returns constants in one branch and state-derived
   # (per-replica, 'varying') values in the other, which shard_map's type check rejects.
@@ -324,10 +342,8 @@ def make_window_end(
     updates, opt_state = tx.update(None, opt_state, params, sync=True, score=score)
     stepped = optax.apply_updates(params, updates)  # (what apply_updates averages)
     params = H.apply_updates(params, updates, opt_state, replica_axis=axis, sync=True)
-    metrics = {**_controller_metrics(opt_state.controller), **_distance_metrics(stepped, params)}
-    if packer is not None:
-      metrics = packer.pack(metrics)
-    out = (params, H.packing.pack_state(opt_state), metrics)
+    records = {'controller': _controller_metrics(opt_state.controller), 'distance': _distance_metrics(stepped, params)}
+    out = (params, H.packing.pack_state(opt_state), _emitted(records, packer))
     return (*out, opt_state.anchor) if anchored else out
 
   donate = (0, 1, 3 if probe else 2) if anchored else (0, 1)
@@ -386,15 +402,37 @@ def make_restored_anchor(mesh: Mesh, shardings: Any = None) -> Callable:
   return jax.jit(restored, out_shardings=replica_sharding(mesh) if shardings is None else shardings)
 
 
+# ---------------------------------------------------------------------------------------------
+# The metrics, by record: adding one is one line here
+# ---------------------------------------------------------------------------------------------
+# Each program returns ``{record: {key: value}}`` (the step: 'train' and 'controller', the window end: 'controller'
+# and 'distance'); the host writes each record's keys as they are named here, in this order (metrics.write_step: a
+# step's 'train' record, and on a sync step the window end's others), and TensorBoard shows each
+# (metrics.TensorBoardWriter). A value is replica 0's, or each replica's where it is an :class:`Each`.
+
+
+def _train_metrics(loss: jax.Array, used: Any) -> dict:
+  """The 'train' record: each replica's loss, and every replica's LR, the base LR, every replica's explored values
+  and their bases, as the step trained with them (``used``: the optimizer state before it)."""
+  return {
+    'loss': Each(loss),
+    'lr': used.learning_rates,
+    'base_lr': used.base_learning_rate,
+    'values': used.values,
+    'bases': used.base,
+  }
+
+
 def _controller_metrics(c: Any) -> dict:
-  """The controller's state as logged: weights, window losses, delta and velocity (first and all groups), and
-  the 'fit' controller's own quantities: its log-correction of the schedule, the step it asked, the slope's
-  standard error and the gain."""
+  """The 'controller' record: the controller's state as logged: weights, window losses, delta and velocity (first
+  and all groups), and the 'fit' controller's own quantities: its log-correction of the schedule, the step it asked,
+  the slope's standard error, the gain, the back-off's window loss and its standard error and whether it fired, and
+  which climbs have settled."""
   return {
     'weights': c.weights,
+    'window_losses': c.window_losses,
     'delta': c.delta[0],
     'velocity': c.velocity[0],
-    'window_losses': c.window_losses,
     'deltas': c.delta,
     'velocities': c.velocity,
     'corrections': c.correction,
@@ -409,16 +447,17 @@ def _controller_metrics(c: Any) -> dict:
 
 
 def _distance_metrics(params: Any, mean: Any) -> dict:
-  """This replica's L2 distance from the replicas' mean (``distance``) and the mean's L2 norm (``mean_norm``)."""
-  return {'distance': _tree_norm(jax.tree.map(jnp.subtract, params, mean)), 'mean_norm': _tree_norm(mean)}
+  """The 'distance' record: this replica's L2 distance from the replicas' mean (``distance``) and the mean's L2 norm
+  (``mean_norm``)."""
+  return {'distance': Each(_tree_norm(jax.tree.map(jnp.subtract, params, mean))), 'mean_norm': _tree_norm(mean)}
 
 
-def make_distance(mesh: Mesh) -> Callable:
-  """Jitted ``params -> {'distance': [N], 'mean_norm': [N]}`` (see :func:`_distance_metrics`), for runs
-  that never average: the window end measures it for the others."""
+def make_distance(mesh: Mesh, packer: MetricsPacker | None = None) -> Callable:
+  """Jitted ``params -> {'distance': [N], 'mean_norm': [N]}`` (see :func:`_distance_metrics`; with a ``packer``
+  packed, as the step's metrics), for runs that never average: the window end measures it for the others."""
 
   def distance(params):
-    return _distance_metrics(params, H.axes.pmean(params, AXIS))
+    return _emitted({'distance': _distance_metrics(params, H.axes.pmean(params, AXIS))}, packer)
 
   return jax.jit(_on_replicas(distance, mesh))
 

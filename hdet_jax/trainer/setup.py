@@ -62,7 +62,7 @@ class Run(NamedTuple):
   average: Any = None  # params -> the averaged model, replicated
   any_finite: Any = None  # params -> whether some replica's parameters are all finite
   eval_params: Callable | None = None  # (params, opt_state) -> the parameters to evaluate (schedule-free)
-  packers: dict | None = None  # sync -> programs_lib.MetricsPacker of the step's (False) or window end's (True) metrics
+  packers: dict | None = None  # program name -> the programs_lib.MetricsPacker of its metrics
   val_windows: Any = None  # the validation windows on the devices
   distance: Any = None  # params -> each replica's distance from the mean: runs that never average
   saved_anchor: Any = None  # the loop's anchor -> the one copy a checkpoint holds (hdet.rollback)
@@ -278,7 +278,7 @@ def build_programs(run: Run, params: Any, opt_state: Any, chunk: Any, probe: lis
   """Traces, lowers and compiles the loop's programs for these arguments: :class:`Run`'s program fields but the
   data's."""
   mesh, task, settings = run.mesh, run.settings.task, run.settings.programs
-  packers = {s: programs_lib.MetricsPacker() for s in (False, True)}
+  packers = {p: programs_lib.MetricsPacker() for p in ('train_step', 'window_end', 'distance')}
   layout = mesh_lib.layout(mesh, params, opt_state, task)  # None on a 1-D mesh
   if layout is not None and anchor is not None:  # the window end pins the anchor it returns too
     layout = (*layout, mesh_lib.stacked_anchor_layout(mesh, anchor, task))
@@ -290,7 +290,7 @@ def build_programs(run: Run, params: Any, opt_state: Any, chunk: Any, probe: lis
       sync=False,
       seed=run.settings.seed,
       settings=settings,
-      packer=packers[False],
+      packer=packers['train_step'],
       chunk_steps=run.settings.loop.chunk_steps,
       shardings=layout,
     )
@@ -303,7 +303,7 @@ def build_programs(run: Run, params: Any, opt_state: Any, chunk: Any, probe: lis
       run.tx,
       mesh,
       seed=run.settings.seed,
-      packer=packers[True],
+      packer=packers['window_end'],
       graphdef=run.graphdef,
       settings=settings,
       shardings=layout,
@@ -332,7 +332,9 @@ def build_programs(run: Run, params: Any, opt_state: Any, chunk: Any, probe: lis
     .compile()
   )
   # A run that never averages measures the replicas' distance from their mean at each log interval.
-  distance = programs_lib.make_distance(mesh).lower(params).compile() if run.settings.never_syncs else None
+  distance = (
+    programs_lib.make_distance(mesh, packers['distance']).lower(params).compile() if run.settings.never_syncs else None
+  )
   process.release_host_memory()
   return dict(
     train_step=train_step,

@@ -99,20 +99,20 @@ def train_and_evaluate(
       # ---- The log interval: the steps' records (one transfer), then the evaluation and checkpoint where due. ----
       got = _fetch_metrics(run, pending)
       for (s, sync, _), m in zip(pending, got):
-        _write_step(writer, s, sync, m)
-        finite = np.isfinite(m['loss'])
+        metrics_lib.write_step(writer, s, sync, m)
+        finite = np.isfinite(m['train']['loss'])
         if not finite.all() and diverged_at is None:  # the first non-finite loss: some replicas', or every one's
           if finite.any():
             writer.write('event', step=s, event='nonfinite', replicas=np.flatnonzero(~finite))
           else:
             diverged_at = s
             writer.write('event', step=s, event='diverged')
-        if run.saved_anchor is not None and sync and m['backed_off'][0] and diverged_at is not None:
+        if run.saved_anchor is not None and sync and m['controller']['backed_off'] and diverged_at is not None:
           # The rollback undid it: the back-off returned the replicas to the sync before.
           writer.write('event', step=s, event='rolled_back', diverged_at=diverged_at)
           diverged_at, rolled_back_at = None, s
-      last_losses = [m['loss'] for m in got]
-      bar.update(len(pending), float(np.mean(last_losses[-1])), float(got[-1]['base_lr'][0]))
+      last_losses = [m['train']['loss'] for m in got]
+      bar.update(len(pending), float(np.mean(last_losses[-1])), float(got[-1]['train']['base_lr']))
       now = time.time()
       train_s, train_steps = train_s + now - t_mark, train_steps + len(pending)
       writer.write(
@@ -123,8 +123,9 @@ def train_and_evaluate(
       )
       pending = []
       if run.distance is not None:
-        d = mesh_lib.fetch(run.distance(state.params))
-        writer.write('distance', step=step, distance=d['distance'], mean_norm=d['mean_norm'][0])
+        metrics_lib.write_step(
+          writer, step, False, run.packers['distance'].unpack(mesh_lib.fetch(run.distance(state.params)))
+        )
       if (
         diverged_at is not None
         and loop.stop_on_nan
@@ -183,69 +184,28 @@ def train_and_evaluate(
 
 
 def _fetch_metrics(run: Run, pending: list) -> list[dict]:
-  """The pending steps' metrics, fetched in one transfer and unpacked: a sync step's are the step's and then the
-  window end's."""
+  """The pending steps' records (``programs.py``'s ``{record: {key: value}}``), fetched in one transfer and
+  unpacked: a step's 'train' record, and on a sync step the window end's (its 'controller' record is the one after
+  the sync; the step's, before it, is left)."""
 
   def unpack(sync, rows):
     if not sync:
-      return run.packers[False].unpack(rows)
-    return {**run.packers[False].unpack(rows[0]), **run.packers[True].unpack(rows[1])}
+      return {'train': run.packers['train_step'].unpack(rows)['train']}
+    return {'train': run.packers['train_step'].unpack(rows[0])['train'], **run.packers['window_end'].unpack(rows[1])}
 
   got = [unpack(sync, rows) for (_, sync, _), rows in zip(pending, mesh_lib.fetch([m for _, _, m in pending]))]
   if run.lr_unit != 1.0:
-    got = [_in_run_lrs(m, run.lr_unit, run.lr_rows) for m in got]
+    got = [{**m, 'train': _in_run_lrs(m['train'], run.lr_unit, run.lr_rows)} for m in got]
   return got
 
 
-def _in_run_lrs(m: dict, unit: float, rows: tuple[int, ...]) -> dict:
-  """A step's metrics with the state's learning rates (``optim.runtime_lr_scale``: the run's / ``unit``) times
+def _in_run_lrs(train: dict, unit: float, rows: tuple[int, ...]) -> dict:
+  """A step's 'train' record with the state's learning rates (``optim.runtime_lr_scale``: the run's / ``unit``) times
   ``unit``, the run's own: a power of two, so exactly the plain build's."""
-  values, bases = np.array(m['values']), np.array(m['bases'])  # [N, G, N] and [N, G] (each replica's row)
-  values[:, list(rows)] *= unit
-  bases[:, list(rows)] *= unit
-  return {**m, 'lrs': m['lrs'] * unit, 'base_lr': m['base_lr'] * unit, 'values': values, 'bases': bases}
-
-
-def _write_step(writer: metrics_lib.MetricsWriter, step: int, sync: bool, m: dict) -> None:
-  """One step's records: 'train', and on sync steps 'controller' and 'distance'."""
-  writer.write(
-    'train',
-    step=step,
-    loss=m['loss'],
-    lr=m['lrs'][0],
-    base_lr=m['base_lr'][0],
-    sync=sync,
-    values=m['values'][0],
-    bases=m['bases'][0],
-  )
-  if not sync:
-    return
-  writer.write(
-    'controller',
-    step=step,
-    weights=m['weights'][0],
-    window_losses=m['window_losses'][0],
-    delta=m['delta'][0],
-    velocity=m['velocity'][0],
-    base_lr=m['base_lr'][0],
-    deltas=m['deltas'][0],
-    velocities=m['velocities'][0],
-    corrections=m['corrections'][0],
-    asks=m['asks'][0],
-    stderrs=m['stderrs'][0],
-    gains=m['gains'][0],
-    # the window's mean training loss, kept by the back-off only (NaN without it: not written)
-    **(
-      {'train_loss': m['train_loss'][0], 'train_loss_se': m['train_loss_se'][0]}
-      if np.isfinite(m['train_loss'][0])
-      else {}
-    ),
-    # the back-off fired (with hdet.rollback the replicas returned to the sync before)
-    **({'backed_off': True} if m['backed_off'][0] else {}),
-    # hdet.settle: which hyperparameters have ended their climb (written once any has)
-    **({'settled': [bool(v) for v in m['settled'][0]]} if np.any(m['settled'][0]) else {}),
-  )
-  writer.write('distance', step=step, distance=m['distance'], mean_norm=m['mean_norm'][0])
+  values, bases = np.array(train['values']), np.array(train['bases'])  # [G, N] and [G]
+  values[list(rows)] *= unit
+  bases[list(rows)] *= unit
+  return {**train, 'lr': train['lr'] * unit, 'base_lr': train['base_lr'] * unit, 'values': values, 'bases': bases}
 
 
 def _rollback_ahead(
