@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 # Environment variables read while the server imports (jax's config reads JAX_*; XLA, TF and the BLAS libraries
 # read theirs when they load): a command whose values differ gets a server of its own.
-_AT_IMPORT = ('JAX_', 'XLA_', 'TF_', 'TPU_', 'CUDA', 'NVIDIA', 'PYTHON', 'LD_', 'OMP_', 'OPENBLAS', 'MKL_', 'HDET_')
+_AT_IMPORT = ('JAX_', 'XLA_', 'TF_', 'TPU_', 'CUDA', 'NVIDIA', 'PYTHON', 'LD_', 'OMP_', 'OPENBLAS', 'MKL_')
 _servers: dict = {}
 
 
