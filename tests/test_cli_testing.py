@@ -30,7 +30,7 @@ def test_a_script_runs_as_main_in_its_folder_with_its_environment_and_a_timeout_
     'import os, sys, time\n'
     "print(__name__, os.getcwd(), sys.argv[1:], os.environ['CLI_PROBE'], sys.path[0])\n"
     "print('to stderr', file=sys.stderr)\n"
-    "time.sleep(float(sys.argv[1]))\n"
+    'time.sleep(float(sys.argv[1]))\n'
     'sys.exit(3)\n'
   )
   env = dict(os.environ, CLI_PROBE='here')
