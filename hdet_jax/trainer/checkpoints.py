@@ -376,8 +376,3 @@ class Checkpointer:
     self._mngr.wait_until_finished()
     self._mngr.close()
     self._empty_trash()
-
-
-def abstract_like(tree: Any) -> Any:
-  """ShapeDtypeStructs (with shardings) of a tree of arrays."""
-  return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -253,10 +253,6 @@ class MetricsWriter:
       self._f.write(json.dumps(to_json_safe({'kind': kind, **record})) + '\n')
     if self._tb is not None:
       self._tb.write(kind, record)
-
-  def write_many(self, kind: str, records: Iterable[dict]) -> None:
-    for r in records:
-      self.write(kind, **r)
 
   def flush(self) -> None:
     for out in (self._f, self._tb):
