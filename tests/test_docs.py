@@ -296,7 +296,7 @@ def test_sphinx_build_passes_with_warnings_as_errors(built_docs):
     'citing',
   ):
     assert (html / f'{page}.html').exists(), page
-  assert seconds < 120, f'the build took {seconds:.0f} s'
+  print(f'sphinx -W -E -b html: {seconds:.1f} s')  # a figure, not a bound: no test asserts a time (issue 83)
 
 
 def test_objects_inv_has_every_public_name(built_docs):
