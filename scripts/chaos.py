@@ -78,21 +78,34 @@ def _complete_steps(workdir: str) -> list[int]:
   return sorted(int(n) for n in _ckpt_listing(workdir) if n.isdigit())
 
 
-def run_once(cmd: list[str], log_path: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_once(cmd: list[str], log_path: str, timeout: float = 600, popen=None) -> subprocess.CompletedProcess:
+  """Runs ``cmd`` to its end, its output appended to ``log_path``. ``popen``: what starts it, in place of
+  ``subprocess.Popen`` (the tests start a child forked from a process that has imported train.py's modules,
+  tests/cli_testing.start); None: ``subprocess.run``."""
   with open(log_path, 'a') as log:
-    return subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    if popen is None:
+      return subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+    proc = popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+      proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:  # killed, as subprocess.run kills it
+      proc.kill()
+      proc.wait()
+      raise
+    return subprocess.CompletedProcess(cmd, proc.returncode)
 
 
 def start_and_kill(
-  cmd: list[str], workdir: str, kind: str, rng: random.Random, log_path: str, expected_life: float
+  cmd: list[str], workdir: str, kind: str, rng: random.Random, log_path: str, expected_life: float, popen=None
 ) -> dict:
-  """Starts ``cmd``, SIGKILLs it at a ``kind`` point, returns what happened."""
+  """Starts ``cmd`` (with ``popen``, default ``subprocess.Popen``; see :func:`run_once`), SIGKILLs it at a ``kind``
+  point, returns what happened."""
   before = _complete_steps(workdir)
   stale = {n for n in _ckpt_listing(workdir) if TMP_MARK in n}  # left by an earlier kill; removed at start
   events_before = len(_events(workdir))
   with open(log_path, 'a') as log:
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    proc = (popen or subprocess.Popen)(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
     delay = rng.uniform(0.3, expected_life) if kind == 'random' else None
     deadline = t0 + (delay if delay is not None else 10 * expected_life)
     nth_write = rng.randint(1, 3)  # 'write': kill during this start's 1st to 3rd checkpoint write
@@ -135,9 +148,17 @@ def _events(workdir: str) -> list[dict]:
 
 
 def chaos(
-  workdir: str, cache: str, kills: int, seed: int, log_path: str, setup_s: float, train_s: float, total_steps: int
+  workdir: str,
+  cache: str,
+  kills: int,
+  seed: int,
+  log_path: str,
+  setup_s: float,
+  train_s: float,
+  total_steps: int,
+  popen=None,
 ) -> dict:
-  """Kills ``kills`` times (alternating write / random points), then runs to the end."""
+  """Kills ``kills`` times (alternating write / random points), then runs to the end (``popen``: :func:`run_once`'s)."""
   rng = random.Random(seed)
   cmd = train_cmd(workdir, cache, extra=(f'--config.num_train_steps={total_steps}',) if total_steps else ())
   records = []
@@ -148,7 +169,7 @@ def chaos(
     done = _complete_steps(workdir)[-1] if _complete_steps(workdir) else 0
     # Random points up to the setup plus 1.5 / kills of the training: enough kills land before the end.
     life = warm_setup + min(train_s * 1.5 / kills, train_s * (total_steps - done) / total_steps)
-    rec = start_and_kill(cmd, workdir, kind, rng, log_path, life)
+    rec = start_and_kill(cmd, workdir, kind, rng, log_path, life, popen)
     if kind == 'write' and rec['seen_write_in_progress']:
       warm_setup = min(warm_setup, rec['killed_at_s'])
     starts += 1
@@ -158,7 +179,7 @@ def chaos(
       break
     records.append(rec)
   t0 = time.time()
-  final = run_once(cmd, log_path)
+  final = run_once(cmd, log_path, popen=popen)
   starts += 1
   if final.returncode != 0:
     raise RuntimeError(f'the final run failed with status {final.returncode} (see {log_path})')
@@ -222,21 +243,25 @@ def compare(ref: str, got: str) -> dict:
   }
 
 
-def run(base: str, kills: int, seed: int, steps: int | None = None) -> dict:
-  """The reference run, the chaos run and their comparison, all under ``base``."""
-  ref, got, cache = (os.path.join(base, n) for n in ('reference', 'chaos', 'xla_cache'))
+def run(base: str, kills: int, seed: int, steps: int | None = None, *, cache: str | None = None, popen=None) -> dict:
+  """The reference run, the chaos run and their comparison, all under ``base``; ``cache``: the compilation cache
+  (default ``base``/xla_cache); ``popen``: what starts each train.py command (:func:`run_once`'s)."""
+  ref, got = (os.path.join(base, n) for n in ('reference', 'chaos'))
+  cache = cache or os.path.join(base, 'xla_cache')
   for d in (ref, got):
     shutil.rmtree(d, ignore_errors=True)
   os.makedirs(base, exist_ok=True)
   log_path = os.path.join(base, 'train.log')
   t0 = time.time()
-  r = run_once(train_cmd(ref, cache, extra=(f'--config.num_train_steps={steps}',) if steps else ()), log_path)
+  r = run_once(
+    train_cmd(ref, cache, extra=(f'--config.num_train_steps={steps}',) if steps else ()), log_path, popen=popen
+  )
   if r.returncode != 0:
     raise RuntimeError(f'reference run failed (see {log_path})')
   with open(os.path.join(ref, 'summary.json')) as f:
     summary = json.load(f)
   setup_s, train_s = summary['setup_s'], summary['wall_s'] - summary['setup_s']
-  report = chaos(got, cache, kills, seed, log_path, setup_s, train_s, steps or summary['num_train_steps'])
+  report = chaos(got, cache, kills, seed, log_path, setup_s, train_s, steps or summary['num_train_steps'], popen)
   report.update(compare(ref, got), reference_setup_s=round(setup_s, 2), wall_s=round(time.time() - t0, 1), log=log_path)
   report['reference_run_s'] = round(summary['wall_s'], 2)
   return report

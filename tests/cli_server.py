@@ -6,10 +6,11 @@ A train.py subprocess spends most of a bad input's ~2.8 s importing jax, flax, o
 0.8 s); the suite starts dozens. The child of a fork has those modules already, and nothing else of this process: no
 JAX backend has started here (checked before every fork), so the child's JAX starts as a fresh process's does.
 
-Protocol (one JSON object per line): the client writes ``{"argv", "cwd", "env", "stdout", "stderr"}``; the server
-answers ``{"pid": PID}`` once the child runs and ``{"returncode": CODE}`` when it has ended (negative: killed by that
-signal, as :mod:`subprocess` reports it). Its first line is ``{"ready": true}``, or ``{"ready": false, "why": ...}``
-when it cannot fork safely (the client then starts real subprocesses).
+Protocol (one JSON object per line): the client writes ``{"argv", "cwd", "env", "stdout", "stderr"}`` (the output
+files' paths; ``"stderr": null`` sends stderr into stdout; with ``"append": true`` they are appended to, else
+truncated); the server answers ``{"pid": PID}`` once the child runs and ``{"returncode": CODE}`` when it has ended
+(negative: killed by that signal, as :mod:`subprocess` reports it). Its first line is ``{"ready": true}``, or
+``{"ready": false, "why": ...}`` when it cannot fork safely (the client then starts real subprocesses).
 """
 
 import json
@@ -47,8 +48,9 @@ def _child(request: dict) -> None:
     os.environ.clear()
     os.environ.update(request['env'])
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    os.dup2(os.open(request['stdout'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)
-    os.dup2(os.open(request['stderr'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    mode = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request.get('append') else os.O_TRUNC)
+    os.dup2(os.open(request['stdout'], mode), 1)
+    os.dup2(os.open(request['stderr'], mode) if request['stderr'] else 1, 2)  # None: into stdout (2>&1)
     argv = request['argv']
     sys.argv = list(argv)
     sys.path[:] = [os.path.dirname(os.path.abspath(argv[0]))] + _PATH[1:]  # as `python SCRIPT` sets it

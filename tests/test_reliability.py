@@ -3,6 +3,7 @@
 The figures these tests measure are recorded in results/reliability.md.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -10,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -37,17 +39,32 @@ def tiny(**overrides):
 # ---- Preemption: SIGKILL at random points and during checkpoint writes. ----
 
 
+def _forked(cmd, *, cwd, env, stdout, stderr):
+  """chaos.py's ``popen`` here: train.py in a child forked from a process that has imported its modules
+  (tests/cli_testing.start, ~2.4 s of imports less per start), a real process that the SIGKILLs end as they end a
+  subprocess, its output appended to chaos.py's log as Popen's would be."""
+  assert cmd[0] == sys.executable and stderr == subprocess.STDOUT and 'a' in stdout.mode
+  return cli_testing.start(cmd[1:], cwd=cwd, env=env, stdout=stdout.name, append=True)
+
+
+def _cache(base):
+  """The compilation cache of the chaos run and of every train.py run here: this test process's (tests/conftest.py),
+  so that the runs trained in this process (_train_here) load the programs the reference compiled (the key leaves out
+  the device-count flag, the one XLA flag chaos._env changes) instead of compiling them again."""
+  return os.environ.get('JAX_COMPILATION_CACHE_DIR') or os.path.join(base, 'xla_cache')
+
+
 @pytest.fixture(scope='module')
 def chaos_run(tmp_path_factory):
   """scripts/chaos.py's run: a reference, then the same command killed 3 times (two during a checkpoint
   write, one at a random point) and restarted. ``python scripts/chaos.py`` kills 20 times."""
   base = str(tmp_path_factory.mktemp('chaos'))
-  report = chaos.run(base, kills=3, seed=0)
+  report = chaos.run(base, kills=3, seed=0, cache=_cache(base), popen=_forked)
   if len(report['kills']) < 3:
     # A 'write' kill polls for a checkpoint write in progress; on a loaded machine the poll can miss every write of
     # a start, which then trains to the end before a third kill lands. Too few kills is the setup failing, not the
     # recovery under test: run it once more (other kill points).
-    report = chaos.run(base, kills=3, seed=1)
+    report = chaos.run(base, kills=3, seed=1, cache=_cache(base), popen=_forked)
   return base, report
 
 
@@ -118,7 +135,7 @@ def _corrupt(step_dir, how):
 def _train(base, workdir, *extra, timeout=300, faults=''):
   """The chaos run's command (same config, its warm compilation cache) in ``workdir``; ``faults``: the steps
   (separated by commas) at which every replica's loss is made NaN (train.py run by tests/fault_testing.py)."""
-  cmd = chaos.train_cmd(workdir, os.path.join(base, 'xla_cache'), extra=extra)
+  cmd = chaos.train_cmd(workdir, _cache(base), extra=extra)
   if faults:
     assert cmd[1] == os.path.join(ROOT, 'train.py')
     cmd[1:2] = [os.path.join(ROOT, 'tests', 'fault_testing.py'), faults]
@@ -141,8 +158,14 @@ def _finished(summary):
   return summary['step'] == 40 and summary['diverged_at'] is None and not summary['preempted']
 
 
+@functools.cache
+def _reference_checkpoint(base, step):
+  """The reference's checkpoint, read once for the tests that compare with it (~1 s a read; none writes there)."""
+  return chaos.load_checkpoint(os.path.join(base, 'reference'), step)
+
+
 def _assert_equal_to_reference(base, workdir, step=40):
-  a_state, a_avg, _ = chaos.load_checkpoint(os.path.join(base, 'reference'), step)
+  a_state, a_avg, _ = _reference_checkpoint(base, step)
   b_state, b_avg, _ = chaos.load_checkpoint(workdir, step)
   assert len(a_state) == len(b_state) and len(a_avg) == len(b_avg)
   for x, y in zip(a_state + a_avg, b_state + b_avg):
@@ -191,9 +214,10 @@ def test_every_checkpoint_corrupt_is_a_clear_error(chaos_run, tmp_path):
 def test_sigterm_checkpoints_then_exits_and_resumes_bit_for_bit(chaos_run, tmp_path, capsys):
   base, _ = chaos_run
   workdir = str(tmp_path / 'term')
-  cmd = chaos.train_cmd(workdir, os.path.join(base, 'xla_cache'))
+  cmd = chaos.train_cmd(workdir, _cache(base))
   cmd = [c for c in cmd if not c.startswith('--config.checkpoint_every')] + ['--config.checkpoint_every=0']
-  proc = subprocess.Popen(cmd, cwd=ROOT, env=chaos._env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  log = tmp_path / 'term.log'
+  proc = cli_testing.start(cmd[1:], cwd=ROOT, env=chaos._env(), stdout=log)  # (a real process, as _forked's)
   path = os.path.join(workdir, 'metrics.jsonl')
   deadline = time.time() + 120
   while time.time() < deadline:  # wait for training to be under way: a 'train' record on disk
@@ -202,7 +226,8 @@ def test_sigterm_checkpoints_then_exits_and_resumes_bit_for_bit(chaos_run, tmp_p
     time.sleep(0.05)
   t_signal = time.time()
   proc.send_signal(signal.SIGTERM)
-  out = proc.communicate(timeout=120)[0]
+  proc.wait(timeout=120)
+  out = log.read_text()
   exit_s = time.time() - t_signal
   assert proc.returncode == 143, out[-2000:]
   assert 'Stopped by SIGTERM after step' in out and 'Traceback' not in out
