@@ -256,13 +256,15 @@ class Runner:
   ``phase``: for two-program variants, 'nosync' runs only the non-sync program and 'sync' only
   the sync program; 'loop' dispatches by step number as a training loop does ((t+1) % T == 0).
   One-program variants ignore it (the count inside the state decides).
+  ``state``: (params, opt_state) as :func:`init_state` makes them for this variant, to start from (another runner's,
+  made once); None: made here.
   """
 
-  def __init__(self, v: Variant, graphdef, model_cfg, seq_len, batch, mesh, phase='loop'):
+  def __init__(self, v: Variant, graphdef, model_cfg, seq_len, batch, mesh, phase='loop', state=None):
     v = v.resolved()
     self.v, self.phase = v, phase
     self.tx, self.programs = build_programs(graphdef, v, mesh)
-    self.params, self.opt_state = init_state(model_cfg, seq_len, self.tx, v, mesh)
+    self.params, self.opt_state = state or init_state(model_cfg, seq_len, self.tx, v, mesh)
     self.batches = make_batches(seq_len, batch, v, mesh)
     self.t = 0
 

@@ -98,14 +98,14 @@ def test_the_smoke_benchmark_prints_the_runs_own_wall_time(tmp_path):
 
 
 def test_the_jit_with_shardings_path_sends_across_replicas_what_the_shard_map_path_sends(capsys):
-  """benchmarks/gspmd_path.py --quick, 4 replicas x 2 FSDP devices: hdet_linen's step (over_replicas) sends across
-  replicas on every step only the gradient's all-reduce, as the docs' shard_map path does, and the window's average
-  only in a branch; the vmap design (hdet's sync lax.cond on a batched count becomes a select) sends the
-  parameters' all-reduce on every step too. Measured: 74,688 B every step in both paths (parameters 75,648 B per
-  device), the vmap variant 194,993 B and no conditional."""
+  """benchmarks/gspmd_path.py --quick (one timed round of one step), 4 replicas x 2 FSDP devices: hdet_linen's step
+  (over_replicas) sends across replicas on every step only the gradient's all-reduce, as the docs' shard_map path
+  does, and the window's average only in a branch; the vmap design (hdet's sync lax.cond on a batched count becomes a
+  select) sends the parameters' all-reduce on every step too. Measured: 74,688 B every step in both paths
+  (parameters 75,648 B per device), the vmap variant 194,993 B and no conditional."""
   from benchmarks import gspmd_path
 
-  got = gspmd_path.main(['--quick'])
+  got = gspmd_path.main(['--quick', '--rounds', '1', '--k', '1'])  # one timed call each: the times are only > 0
   res, errors = got['results'], got['errors']
   new, ref = res['new path'], res['shard_map path']
   params = new['param B']  # one replica's parameters on one device: the kernels and the embedding split over 'data'
