@@ -46,6 +46,35 @@ def plain_fit(total_steps, **kw):
   return H.AutoLR(total_steps=total_steps, **(PLAIN_FIT | kw))
 
 
+def signal_runs(runs):
+  """replica_testing.signal_run of each ``{key: (tx, steps)}``: ``{key: states}``. The runs step in lockstep, all in
+  one compiled program (a run past its own steps steps on, unrecorded): XLA:CPU compiles the kernels that their
+  programs share (hdet's sync and controller) once per program, so one program of several runs compiles in about a
+  third of the CPU time of one program per run, and each run in it is its own computation, as in signal_run."""
+
+  def stepper(tx):
+    def step(p, s):
+      my_lr = s.values[0, lax.axis_index(AX)]
+      u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0 + 3.0 * (my_lr / 1e-2 - 1.0) ** 2)
+      return optax.apply_updates(p, u), s
+
+    return jax.vmap(step, axis_name=AX)
+
+  keys = list(runs)  # (in lists: the keys need not sort, as a dict's must in a pytree)
+  steppers = [stepper(runs[key][0]) for key in keys]
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  carry = jax.jit(lambda sp: [(sp, jax.vmap(runs[key][0].init)(sp)) for key in keys])(sp)
+  step = jax.jit(lambda carry: [f(*c) for f, c in zip(steppers, carry)])
+  host = lambda c: jax.tree.map(lambda x: np.asarray(x)[0], c[1])
+  states = {key: [host(c)] for key, c in zip(keys, carry)}
+  for t in range(max(steps for _, steps in runs.values())):
+    carry = step(carry)
+    for key, c in zip(keys, carry):
+      if t < runs[key][1]:
+        states[key].append(host(c))
+  return states
+
+
 @pytest.mark.parametrize('exact', [False, True])
 def test_window_end_program_equals_the_fused_sync_step(mesh, exact):
   """A step with sync=False followed by update(None, ..., sync=True) does what one sync=True step does."""
@@ -201,13 +230,15 @@ def test_score_replaces_the_window_loss_and_stop_steps_freezes_the_controller(co
     jax.vmap(lambda p, s: tx.update(p, s, p, value=1.0, sync=False, score=1.0), axis_name=AX)(sp, ss)
 
 
-@pytest.mark.parametrize('smooth', [True, False])
-def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
-  """Real signal, non-zero decay, a floor (min_value) and a seed: every sync's velocity and base equal
-  eqs. 4-7 computed in numpy from the window's losses and LRs; between syncs the base follows the
-  smooth geometric path (or holds, smooth_decay=False)."""
-  S, T, gamma, floor = 80, 5, 0.03, 4e-3
-  tx = H.hdet(
+PAPER_S, PAPER_T, PAPER_GAMMA, PAPER_FLOOR = 80, 5, 0.03, 4e-3
+
+
+@pytest.fixture(scope='module')
+def paper_runs():
+  """test_paper_controller_as_wired_matches_numpy_oracle's runs, smooth_decay on and off and another seed's (its
+  first window), in one program (signal_runs)."""
+  S, T = PAPER_S, PAPER_T
+  make = lambda smooth: H.hdet(
     optax.sgd,
     5e-3,
     num_replicas=N,
@@ -221,12 +252,31 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
       temperature=0.05,
       lr_of_lr=0.7,
       momentum=0.6,
-      decay=gamma,
-      min_value=floor,
+      decay=PAPER_GAMMA,
+      min_value=PAPER_FLOOR,
       smooth_decay=smooth,
     ),
   )
-  states = signal_run(tx, S)
+  other = H.hdet(
+    optax.sgd,
+    5e-3,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    seed=8,
+    auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=0),
+  )
+  return signal_runs({True: (make(True), S), False: (make(False), S), 'other': (other, T)})
+
+
+@pytest.mark.parametrize('smooth', [True, False])
+def test_paper_controller_as_wired_matches_numpy_oracle(paper_runs, smooth):
+  """Real signal, non-zero decay, a floor (min_value) and a seed: every sync's velocity and base equal
+  eqs. 4-7 computed in numpy from the window's losses and LRs; between syncs the base follows the
+  smooth geometric path (or holds, smooth_decay=False)."""
+  S, T, gamma, floor = PAPER_S, PAPER_T, PAPER_GAMMA, PAPER_FLOOR
+  states = paper_runs[smooth]
   v = np.zeros(1)
   moved = 0
   for k in range(1, S // T + 1):
@@ -256,43 +306,42 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
   want = b * (1 - gamma) ** (np.arange(T) / T - 1.0) if smooth else np.full(T, b)
   np.testing.assert_allclose(inside, want, rtol=1e-5)
   # The seed sets the permutations: another seed draws others.
-  other = signal_run(
-    H.hdet(
-      optax.sgd,
-      5e-3,
-      num_replicas=N,
-      spread=0.25,
-      sync_every=T,
-      replica_axis=AX,
-      seed=8,
-      auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=0),
-    ),
-    T,
-  )
+  other = paper_runs['other']
   assert not np.array_equal(other[T].controller.perm, states[T].controller.perm)
 
 
-@pytest.mark.parametrize(
-  'initial_scale,growth,max_gain', [(1.0, 1.0, 3.0), (0.2, 1.0, 3.0), (0.2, 2.0, 3.0), (1.0, 2.0, 1.5)]
-)
-def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth, max_gain):
+FIT_CASES = [(1.0, 1.0, 3.0), (0.2, 1.0, 3.0), (0.2, 2.0, 3.0), (1.0, 2.0, 1.5)]
+FIT_S, FIT_T = 60, 5
+
+
+def _fit_schedule():
+  return optax.linear_schedule(5e-3, 2e-3, FIT_S)
+
+
+@pytest.fixture(scope='module')
+def fit_runs():
+  """test_fit_controller_as_wired_matches_numpy_oracle's runs, one per case, in one program (signal_runs)."""
+  make = lambda initial_scale, growth, max_gain: H.hdet(
+    optax.sgd,
+    _fit_schedule(),
+    num_replicas=N,
+    spread=0.25,
+    sync_every=FIT_T,
+    replica_axis=AX,
+    auto_lr=plain_fit(FIT_S, trust=0.2, memory=0.4, initial_scale=initial_scale, step_growth=growth, max_gain=max_gain),
+  )
+  return signal_runs({case: (make(*case), FIT_S) for case in FIT_CASES})
+
+
+@pytest.mark.parametrize('initial_scale,growth,max_gain', FIT_CASES)
+def test_fit_controller_as_wired_matches_numpy_oracle(fit_runs, initial_scale, growth, max_gain):
   """The 'fit' controller in hdet: at each sync the correction moves by the numpy fit of the window's
   losses on the replicas' offsets (times the Rprop gain, with step_growth, capped at max_gain: the last case's
   gain reaches its cap inside the trust region, so the cap AutoLR is given is the one applied), and the base is
   the schedule times exp(correction); the correction starts at log(initial_scale). The sync after the run's last
   step (t = S) holds the correction the last window trained at."""
-  S, T = 60, 5
-  sched = optax.linear_schedule(5e-3, 2e-3, S)
-  tx = H.hdet(
-    optax.sgd,
-    sched,
-    num_replicas=N,
-    spread=0.25,
-    sync_every=T,
-    replica_axis=AX,
-    auto_lr=plain_fit(S, trust=0.2, memory=0.4, initial_scale=initial_scale, step_growth=growth, max_gain=max_gain),
-  )
-  states = signal_run(tx, S)
+  S, T, sched = FIT_S, FIT_T, _fit_schedule()
+  states = fit_runs[initial_scale, growth, max_gain]
   np.testing.assert_allclose(states[0].base[0], initial_scale * float(sched(0)), rtol=1e-6)
   xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), np.log(initial_scale)
   rho = H.multipliers.spread_multipliers(N, 0.25)
@@ -313,23 +362,30 @@ def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth, max
   assert np.array_equal(states[S].controller.correction, states[S - T].controller.correction)  # held at t = S
 
 
-@pytest.mark.parametrize('start', [0.3, 3.0])
-def test_after_stop_rise_takes_only_steps_up_after_the_stop(start):
-  """after_stop='rise': up to stop_steps the correction follows the numpy fit both ways; after it the fit
-  goes on (its statistics keep updating) and only positive steps are taken. From below the bowl's bottom
-  the LR keeps climbing past the stop; from above it holds, as with 'hold'."""
+@pytest.fixture(scope='module')
+def after_stop_runs():
+  """test_after_stop_rise_takes_only_steps_up_after_the_stop's runs, from each start, in one program
+  (signal_runs)."""
   S, T, stop = 80, 5, 20
-  sched = optax.constant_schedule(1e-2 * start)
-  tx = H.hdet(
+  make = lambda start: H.hdet(
     optax.sgd,
-    sched,
+    optax.constant_schedule(1e-2 * start),
     num_replicas=N,
     spread=0.25,
     sync_every=T,
     replica_axis=AX,
     auto_lr=plain_fit(S, trust=0.1, memory=0.4, stop_steps=stop, after_stop='rise'),
   )
-  states = signal_run(tx, S)
+  return signal_runs({start: (make(start), S) for start in (0.3, 3.0)})
+
+
+@pytest.mark.parametrize('start', [0.3, 3.0])
+def test_after_stop_rise_takes_only_steps_up_after_the_stop(after_stop_runs, start):
+  """after_stop='rise': up to stop_steps the correction follows the numpy fit both ways; after it the fit
+  goes on (its statistics keep updating) and only positive steps are taken. From below the bowl's bottom
+  the LR keeps climbing past the stop; from above it holds, as with 'hold'."""
+  S, T, stop = 80, 5, 20
+  states = after_stop_runs[start]
   xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), 0.0
   rho = H.multipliers.spread_multipliers(N, 0.25)
   for k in range(1, S // T + 1):
@@ -352,7 +408,7 @@ def test_initial_scale_is_the_run_of_a_scaled_schedule():
   sched = optax.linear_schedule(2e-2, 8e-3, S)
 
   def run_with(schedule, scale):
-    return signal_run(
+    return (
       H.hdet(
         optax.sgd,
         schedule,
@@ -365,7 +421,8 @@ def test_initial_scale_is_the_run_of_a_scaled_schedule():
       S,
     )
 
-  cautious, scaled = run_with(sched, c), run_with(lambda t: c * sched(t), 1.0)
+  runs = signal_runs({'cautious': run_with(sched, c), 'scaled': run_with(lambda t: c * sched(t), 1.0)})
+  cautious, scaled = runs['cautious'], runs['scaled']
   np.testing.assert_allclose([s.values for s in cautious], [s.values for s in scaled], rtol=2e-5)
   np.testing.assert_allclose(
     [s.controller.correction - np.log(c) for s in cautious], [s.controller.correction for s in scaled], atol=2e-5
@@ -590,12 +647,11 @@ def test_paper_controller_stops_at_min_value():
   assert bases[-1] == np.float32(floor) and min(bases) >= np.float32(floor)
 
 
-@pytest.mark.parametrize('start', [5e-4, 2e-1])
-def test_step_growth_settles_at_the_bowls_bottom(start):
-  """With step_growth the correction still settles: started 20x below or above the bowl's bottom (LR 1e-2),
-  the fit's steps are taken at growing gain, overshoot, reverse (gain back to 1) and end at the bottom."""
+@pytest.fixture(scope='module')
+def step_growth_runs():
+  """test_step_growth_settles_at_the_bowls_bottom's runs, from each start, in one program (signal_runs)."""
   S, T = 120, 5
-  tx = H.hdet(
+  make = lambda start: H.hdet(
     optax.sgd,
     optax.constant_schedule(start),
     num_replicas=N,
@@ -604,7 +660,15 @@ def test_step_growth_settles_at_the_bowls_bottom(start):
     replica_axis=AX,
     auto_lr=plain_fit(S, trust=0.5, memory=0.0, step_growth=2.0, max_gain=4.0),
   )
-  states = signal_run(tx, S)
+  return signal_runs({start: (make(start), S) for start in (5e-4, 2e-1)})
+
+
+@pytest.mark.parametrize('start', [5e-4, 2e-1])
+def test_step_growth_settles_at_the_bowls_bottom(step_growth_runs, start):
+  """With step_growth the correction still settles: started 20x below or above the bowl's bottom (LR 1e-2),
+  the fit's steps are taken at growing gain, overshoot, reverse (gain back to 1) and end at the bottom."""
+  T = 5
+  states = step_growth_runs[start]
   gains = np.array([s.controller.gain[0] for s in states[T::T]])
   assert np.abs(gains).max() >= 2.0 and (gains < 0).any() and (gains > 0).any()  # it accelerated and reversed
   np.testing.assert_allclose(states[-1].base[0], 1e-2, rtol=0.05)
@@ -838,9 +902,9 @@ def test_a_window_that_blows_up_backs_off_however_widely_it_spreads():
   assert [b for *_, b, _ in out] == [False, True]
 
 
-def _settle_run(start, settle, S=100, T=5, stop_steps=0):
-  """signal_run (a bowl at LR 1e-2) from a constant LR ``start``, rise-only after ``stop_steps`` (0: from the
-  first sync), with or without ``settle``."""
+def _settle_tx(start, settle, S=100, T=5, stop_steps=0):
+  """(tx, S) of a signal run (a bowl at LR 1e-2) from a constant LR ``start``, rise-only after ``stop_steps`` (0:
+  from the first sync), with or without ``settle``."""
   tx = H.hdet(
     optax.sgd,
     optax.constant_schedule(start),
@@ -852,10 +916,24 @@ def _settle_run(start, settle, S=100, T=5, stop_steps=0):
       S, trust=0.5, memory=0.5, stop_steps=stop_steps, after_stop='rise', step_growth=2.0, max_gain=4.0, settle=settle
     ),
   )
-  return signal_run(tx, S)
+  return tx, S
 
 
-def test_settle_ends_the_spread_once_two_windows_in_a_row_trained_past_the_bowls_bottom():
+@pytest.fixture(scope='module')
+def settle_runs():
+  """The settle tests' runs, in one program (signal_runs): from below the bottom with settle and without, from
+  above it (40 steps), and from below with the stop after the run's end."""
+  return signal_runs(
+    {
+      'settled': _settle_tx(1e-3, True),
+      'plain': _settle_tx(1e-3, False),
+      'above': _settle_tx(2e-1, True, S=40),
+      'no stop': _settle_tx(1e-3, True, stop_steps=100),
+    }
+  )
+
+
+def test_settle_ends_the_spread_once_two_windows_in_a_row_trained_past_the_bowls_bottom(settle_runs):
   """From 10x below the bowl's bottom the climb rises until a window trains above 1e-2; the loss is exactly
   quadratic in the offset, so that window's fit asks down with confidence, rise-only holds the LR, and the next
   window's fit asks down again: it settles there (closed form: the sync after the first window whose base exceeds
@@ -863,7 +941,7 @@ def test_settle_ends_the_spread_once_two_windows_in_a_row_trained_past_the_bowls
   and the correction holds, where without settle the replicas keep spreading. A settled hyperparameter adds
   nothing to the regression's statistics (only the forgetting factor acts)."""
   T = 5
-  settled, plain = _settle_run(1e-3, True), _settle_run(1e-3, False)
+  settled, plain = settle_runs['settled'], settle_runs['plain']
   syncs = list(range(T, len(settled), T))
   window_bases = [settled[k - 1].base[0] for k in syncs]  # the base the window ending at sync k trained at
   first_above = next(i for i, b in enumerate(window_bases) if b > 1e-2)
@@ -885,18 +963,18 @@ def test_settle_ends_the_spread_once_two_windows_in_a_row_trained_past_the_bowls
   assert np.ptp(plain[-1].values[0]) > 0.4 * plain[-1].base[0]  # without settle the replicas still spread
 
 
-def test_settle_needs_a_rise_first():
+def test_settle_needs_a_rise_first(settle_runs):
   """Started 20x above the bowl's bottom every fit asks down with confidence, but the rise-only climb never
   raised the LR above its start: nothing settles and the replicas keep spreading."""
-  states = _settle_run(2e-1, True, S=40)
+  states = settle_runs['above']
   assert not any(bool(s.controller.settled[0]) for s in states)
   assert states[-1].controller.correction[0] == 0.0 and np.ptp(states[-1].values[0]) > 0.4 * states[-1].base[0]
 
 
-def test_settle_waits_for_the_rise_only_climb():
+def test_settle_waits_for_the_rise_only_climb(settle_runs):
   """Before the stop the fit takes its asks both ways, so asks down in a row past the bowl's bottom are taken,
   not a climb's end: nothing settles before the stop (here: the whole run)."""
-  states = _settle_run(1e-3, True, stop_steps=100)
+  states = settle_runs['no stop']
   deltas = np.array([s.controller.delta[0] for s in states[5::5]])
   assert (deltas < -0.01).sum() >= 2 and (deltas > 0.01).any()  # it climbed and took asks down
   assert not any(bool(s.controller.settled[0]) for s in states)
