@@ -785,48 +785,88 @@ def _backoff_corrections(
   training loss is ``window_losses[k] + 0.01 r + noise * d_j`` on replica r at the window's step j
   (d = 1, -1, 1, -1, 0: mean 0; ``noise_by_window[k]`` in place of ``noise`` if given), each sync scored on a bowl in
   the offset u, (u - 0.05)^2 (every fit asks for a larger LR)."""
-  tx = H.hdet(
-    optax.sgd,
-    1e-2,
-    num_replicas=N,
-    spread=0.25,
-    sync_every=T,
-    replica_axis=AX,
-    auto_lr=plain_fit(
-      100,
-      trust=trust,
-      memory=0.5,
-      stop_steps=0 if rise_only else None,
-      after_stop='rise' if rise_only else 'hold',
-      backoff=backoff,
-      backoff_stderrs=stderrs,
-      backoff_fraction=fraction,
-    ),
-  )
-  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
-  ss = jax.vmap(tx.init)(sp)
-  step = jax.jit(
-    jax.vmap(lambda p, s, v: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=v, sync=False)[1], axis_name=AX)
-  )
-  end = jax.jit(jax.vmap(lambda p, s, y: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX))
-  out = []
-  d = [1.0, -1.0, 1.0, -1.0, 0.0]
-  for k, loss in enumerate(window_losses):
-    amp = noise if noise_by_window is None else noise_by_window[k]
-    for j in range(T):
-      ss = step(sp, ss, jnp.asarray(loss + 0.01 * np.arange(N) + amp * d[j], jnp.float32))
-    u = np.asarray(ss.values[0, 0], np.float64) / float(ss.base[0, 0]) - 1.0
-    ss = end(sp, ss, jnp.asarray((u - 0.05) ** 2, jnp.float32))
-    out.append(
-      (
-        float(ss.controller.correction[0, 0]),
-        float(ss.controller.train_loss[0]),
-        float(ss.controller.asked[0, 0]),
-        bool(ss.controller.backed_off[0]),
-        float(ss.controller.train_loss_se[0]),
+  return _backoff_runs(
+    [
+      dict(
+        backoff=backoff,
+        window_losses=window_losses,
+        rise_only=rise_only,
+        T=T,
+        trust=trust,
+        noise=noise,
+        stderrs=stderrs,
+        noise_by_window=noise_by_window,
+        fraction=fraction,
       )
+    ]
+  )[0]
+
+
+def _backoff_runs(cases):
+  """_backoff_corrections of each case (a dict of its arguments, as many windows in each), the cases in lockstep:
+  each step, and each sync, of all of them in one compiled program (XLA:CPU compiles the kernels their programs
+  share once per program; signal_runs)."""
+  full = lambda c: dict(rise_only=False, T=5, trust=0.5, noise=0.0, stderrs=0.0, noise_by_window=None, fraction=0.0) | c
+  cases = [full(c) for c in cases]
+  (T,), (windows,) = {c['T'] for c in cases}, {len(c['window_losses']) for c in cases}
+
+  def make(c):
+    return H.hdet(
+      optax.sgd,
+      1e-2,
+      num_replicas=N,
+      spread=0.25,
+      sync_every=c['T'],
+      replica_axis=AX,
+      auto_lr=plain_fit(
+        100,
+        trust=c['trust'],
+        memory=0.5,
+        stop_steps=0 if c['rise_only'] else None,
+        after_stop='rise' if c['rise_only'] else 'hold',
+        backoff=c['backoff'],
+        backoff_stderrs=c['stderrs'],
+        backoff_fraction=c['fraction'],
+      ),
     )
-  return out
+
+  txs = [make(c) for c in cases]
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.jit(lambda sp: [jax.vmap(tx.init)(sp) for tx in txs])(sp)
+  steps = [
+    jax.vmap(
+      lambda p, s, v, tx=tx: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=v, sync=False)[1], axis_name=AX
+    )
+    for tx in txs
+  ]
+  ends = [jax.vmap(lambda p, s, y, tx=tx: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX) for tx in txs]
+  step = jax.jit(lambda ss, vs: [f(sp, s, v) for f, s, v in zip(steps, ss, vs)])
+  end = jax.jit(lambda ss, ys: [f(sp, s, y) for f, s, y in zip(ends, ss, ys)])
+  outs = [[] for _ in cases]
+  d = [1.0, -1.0, 1.0, -1.0, 0.0]
+  for k in range(windows):
+    for j in range(T):
+      vs = []
+      for c in cases:
+        amp = c['noise'] if c['noise_by_window'] is None else c['noise_by_window'][k]
+        vs.append(jnp.asarray(c['window_losses'][k] + 0.01 * np.arange(N) + amp * d[j], jnp.float32))
+      ss = step(ss, vs)
+    ys = []
+    for s in ss:
+      u = np.asarray(s.values[0, 0], np.float64) / float(s.base[0, 0]) - 1.0
+      ys.append(jnp.asarray((u - 0.05) ** 2, jnp.float32))
+    ss = end(ss, ys)
+    for out, s in zip(outs, ss):
+      out.append(
+        (
+          float(s.controller.correction[0, 0]),
+          float(s.controller.train_loss[0]),
+          float(s.controller.asked[0, 0]),
+          bool(s.controller.backed_off[0]),
+          float(s.controller.train_loss_se[0]),
+        )
+      )
+  return outs
 
 
 @pytest.mark.parametrize('rise_only', [False, True])
@@ -835,7 +875,7 @@ def test_backoff_steps_down_by_trust_where_the_window_training_loss_rose(rise_on
   correction moves as without it, except at the rise and the NaN, where it steps down by exactly trust
   (rise-only or not); the first sync has nothing to compare with. The recorded loss is the replicas' mean."""
   losses = [2.0, 1.0, 1.5, 1.2, float('nan')]
-  plain, backed = _backoff_corrections(False, losses, rise_only), _backoff_corrections(True, losses, rise_only)
+  plain, backed = _backoff_runs([dict(backoff=b, window_losses=losses, rise_only=rise_only) for b in (False, True)])
   fitted = np.diff([0.0] + [c for c, *_ in plain])
   assert np.all(fitted > 0.01)  # every fit asked up (the NaN window's scores are the bowl too)
   taken = np.diff([0.0] + [c for c, *_ in backed])
@@ -867,8 +907,11 @@ def test_backoff_stderrs_counts_only_a_rise_beyond_k_standard_errors_of_the_wind
   standard errors match the numpy oracle (step-to-step changes, so a trend is not noise), and with k = 2 the
   rise must exceed 2 sqrt(2) times the first window's (0.144): 0.12 does not back off, 0.15 does; with k = 0
   any rise does."""
-  for rise, k, backs in ((0.12, 2.0, False), (0.15, 2.0, True), (0.10, 0.0, True), (0.02, 0.0, True)):
-    out = _backoff_corrections(True, [1.0, 1.0 + rise], noise=0.1, stderrs=k)
+  cases = ((0.12, 2.0, False), (0.15, 2.0, True), (0.10, 0.0, True), (0.02, 0.0, True))
+  outs = _backoff_runs(
+    [dict(backoff=True, window_losses=[1.0, 1.0 + rise], noise=0.1, stderrs=k) for rise, k, _ in cases]
+  )
+  for (rise, k, backs), out in zip(cases, outs):
     se = _window_se_oracle([1.0, 1.0 + rise], 0.1)
     assert 0.12 < 2 * np.sqrt(2) * se[0] < 0.15
     assert [b for *_, b, _ in out] == [False, backs], (rise, k)
@@ -882,15 +925,18 @@ def test_backoff_fraction_counts_only_a_rise_beyond_that_fraction_of_the_window_
   2-se margin (0.144 > 0.052) in charge (0.12 does not back off); alone (no stderrs) a rise of 0.06 backs off and
   0.04 does not; a non-finite window backs off whatever f."""
   mean0 = 1.0 + 0.01 * (N - 1) / 2
-  for rise, k, f, backs in (
+  cases = (
     (0.15, 2.0, 0.2, False),
     (0.25, 2.0, 0.2, True),
     (0.12, 2.0, 0.05, False),
     (0.06, 0.0, 0.05, True),
     (0.04, 0.0, 0.05, False),
     (float('nan'), 2.0, 0.2, True),
-  ):
-    out = _backoff_corrections(True, [1.0, 1.0 + rise], noise=0.1, stderrs=k, fraction=f)
+  )
+  outs = _backoff_runs(
+    [dict(backoff=True, window_losses=[1.0, 1.0 + rise], noise=0.1, stderrs=k, fraction=f) for rise, k, f, _ in cases]
+  )
+  for (rise, k, f, backs), out in zip(cases, outs):
     assert [b for *_, b, _ in out] == [False, backs], (rise, k, f)
     assert (0.04 < f * mean0 < 0.06) or (0.2 < f * mean0 < 0.21)
 
