@@ -480,27 +480,40 @@ def test_permutations_identical_on_replicas_and_independent_across_hyperparams(m
 
 
 def _run(mesh, tx, loss_fn, steps, params, guard, inject=None, exact=False):
-  def step(p, s, t):
-    loss, g = jax.value_and_grad(loss_fn)(p)
-    if inject is not None:  # NaN into replica inject[1]'s gradient and loss at step inject[0]
-      bad = jnp.logical_and(t == inject[0], lax.axis_index(AX) == inject[1])
-      g = jax.tree.map(lambda x: jnp.where(bad, jnp.nan, x), g)
-      loss = jnp.where(bad, jnp.nan, loss)
-    g = H.pmean_finite(g, AX) if guard else lax.pmean(g, AX)
-    u, s = tx.update(g, s, p, value=loss)
-    p = H.apply_updates(p, u, s, replica_axis=AX, guard_nonfinite=guard) if exact else optax.apply_updates(p, u)
-    return p, s, loss
+  return _runs(mesh, [(tx, loss_fn, guard, inject, exact)], steps, params)[0]
+
+
+def _runs(mesh, runs, steps, params):
+  """Each run ``(tx, loss_fn, guard, inject, exact)``: per step, the replicas' parameters, losses and state. The runs
+  step in lockstep, in one compiled program (XLA:CPU compiles the kernels their programs share once per program)."""
+
+  def stepper(tx, loss_fn, guard, inject, exact):
+    def step(p, s, t):
+      loss, g = jax.value_and_grad(loss_fn)(p)
+      if inject is not None:  # NaN into replica inject[1]'s gradient and loss at step inject[0]
+        bad = jnp.logical_and(t == inject[0], lax.axis_index(AX) == inject[1])
+        g = jax.tree.map(lambda x: jnp.where(bad, jnp.nan, x), g)
+        loss = jnp.where(bad, jnp.nan, loss)
+      g = H.pmean_finite(g, AX) if guard else lax.pmean(g, AX)
+      u, s = tx.update(g, s, p, value=loss)
+      p = H.apply_updates(p, u, s, replica_axis=AX, guard_nonfinite=guard) if exact else optax.apply_updates(p, u)
+      return p, s, loss
+
+    return H.shard_map_replicas(step, mesh, AX, stacked_argnums=(0, 1))
 
   sp = H.stack_replicas(params, N)
-  ss = jax.jit(jax.vmap(tx.init))(sp)
+  ss = jax.jit(lambda sp: [jax.vmap(run[0].init)(sp) for run in runs])(sp)
   sharding = NamedSharding(mesh, P(AX))
   sp, ss = jax.device_put((sp, ss), sharding)
-  f = one_in_flight(jax.jit(H.shard_map_replicas(step, mesh, AX, stacked_argnums=(0, 1))))
-  history = []
+  steppers = [stepper(*run) for run in runs]
+  f = one_in_flight(jax.jit(lambda carry, t: [g(p, s, t) for g, (p, s) in zip(steppers, carry)]))
+  carry, histories = [(sp, s) for s in ss], [[] for _ in runs]
   for t in range(steps):
-    sp, ss, loss = f(sp, ss, jnp.int32(t))
-    history.append((np.asarray(sp['w']), np.asarray(loss), jax.tree.map(np.asarray, ss)))
-  return history
+    out = f(carry, jnp.int32(t))
+    carry = [(p, s) for p, s, _ in out]
+    for history, (p, s, loss) in zip(histories, out):
+      history.append((np.asarray(p['w']), np.asarray(loss), jax.tree.map(np.asarray, s)))
+  return histories
 
 
 def quad(p):
@@ -521,9 +534,16 @@ def test_injected_nan_is_contained(mesh, exact):
     guard_nonfinite=guard,
     exact_sync=exact,
   )
-  guarded = _run(mesh, mk(True), quad, 12, params, True, inject=(5, 3), exact=exact)
-  clean = _run(mesh, mk(True), quad, 12, params, True, exact=exact)
-  unguarded = _run(mesh, mk(False), quad, 12, params, False, inject=(5, 3), exact=exact)
+  guarded, clean, unguarded = _runs(
+    mesh,
+    [
+      (mk(True), quad, True, (5, 3), exact),
+      (mk(True), quad, True, None, exact),
+      (mk(False), quad, False, (5, 3), exact),
+    ],
+    12,
+    params,
+  )
   # Step 5 (window 4..7): replica 3's loss is NaN; the gradient all-reduce leaves it out.
   w, _, st = guarded[7]  # right after the sync ending that window
   assert np.all(np.isfinite(w)) and np.max(np.abs(w - w[0])) <= 1e-6
@@ -555,8 +575,9 @@ def test_highest_lr_replica_diverges_for_real(mesh):
     auto_lr=H.AutoLR.paper(total_steps=200, warmup_steps=0, temperature=0.05, decay=0.0),
     guard_nonfinite=guard,
   )
-  guarded = _run(mesh, mk(True), barrier, 40, params, True)
-  unguarded = _run(mesh, mk(False), barrier, 40, params, False)
+  guarded, unguarded = _runs(
+    mesh, [(mk(True), barrier, True, None, False), (mk(False), barrier, False, None, False)], 40, params
+  )
   losses = np.stack([h[1] for h in guarded])
   # The top-LR replicas really went out of the domain during fan-out...
   assert np.isnan(losses).any()
