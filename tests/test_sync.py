@@ -747,40 +747,53 @@ def test_a_sync_schedule_averages_and_compares_at_each_windows_end(mesh):
   np.testing.assert_allclose(plan.decay[0], 1 - (v1 / v0) ** (1 / syncs), rtol=1e-5)
 
 
-def _two_syncs_correction(growth, ratio, T=5):
-  """The 'fit' correction after each of two syncs whose scores are a bowl in the replicas' offset u,
-  k (u - 0.05)^2 (both ask for a larger LR), the second plus noise orthogonal to 1, u and u^2 scaled so that
-  its fitted slope is ``ratio`` standard errors (numpy_slope_stderr); the first is noiseless."""
-  tx = H.hdet(
-    optax.sgd,
-    1e-2,
-    num_replicas=N,
-    spread=0.25,
-    sync_every=T,
-    replica_axis=AX,
-    auto_lr=plain_fit(100, trust=1.0, memory=0.5, step_growth=growth, max_gain=4.0),
-  )
+def _two_syncs_corrections(growths, ratio, T=5):
+  """For each step_growth of ``growths``, the 'fit' correction after each of two syncs whose scores are a bowl in
+  the replicas' offset u, k (u - 0.05)^2 (both ask for a larger LR), the second plus noise orthogonal to 1, u and u^2
+  scaled so that its fitted slope is ``ratio`` standard errors (numpy_slope_stderr); the first is noiseless. The
+  runs step in lockstep, each step (and each sync) of all of them in one compiled program."""
+  txs = [
+    H.hdet(
+      optax.sgd,
+      1e-2,
+      num_replicas=N,
+      spread=0.25,
+      sync_every=T,
+      replica_axis=AX,
+      auto_lr=plain_fit(100, trust=1.0, memory=0.5, step_growth=growth, max_gain=4.0),
+    )
+    for growth in growths
+  ]
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
-  ss = jax.vmap(tx.init)(sp)
-  step = jax.jit(
-    jax.vmap(lambda p, s: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0, sync=False)[1], axis_name=AX)
-  )
-  end = jax.jit(jax.vmap(lambda p, s, y: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX))
-  corrections, rng = [], np.random.default_rng(0)
+  ss = jax.jit(lambda sp: [jax.vmap(tx.init)(sp) for tx in txs])(sp)
+  steps = [
+    jax.vmap(
+      lambda p, s, tx=tx: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0, sync=False)[1], axis_name=AX
+    )
+    for tx in txs
+  ]
+  ends = [jax.vmap(lambda p, s, y, tx=tx: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX) for tx in txs]
+  step = jax.jit(lambda ss: [f(sp, s) for f, s in zip(steps, ss)])
+  end = jax.jit(lambda ss, ys: [f(sp, s, y) for f, s, y in zip(ends, ss, ys)])
+  corrections = [[] for _ in txs]
   for k in range(2):
     for _ in range(T):
-      ss = step(sp, ss)
-    u = np.asarray(ss.values[0, 0], np.float64) / float(ss.base[0, 0]) - 1.0  # each replica's offset
-    y = (u - 0.05) ** 2
-    if k == 1:
-      basis = np.stack([np.ones(N), u, u**2], 1)
-      e = rng.normal(size=N)
-      e -= basis @ np.linalg.lstsq(basis, e, rcond=None)[0]  # orthogonal: the fit's slope stays the bowl's
-      b = -2 * 0.05
-      y = y + e * abs(b) / (ratio * numpy_slope_stderr(e, u[:, None])[0])
-      np.testing.assert_allclose(abs(b) / numpy_slope_stderr(y, u[:, None])[0], ratio, rtol=1e-6)
-    ss = end(sp, ss, jnp.asarray(y, jnp.float32))
-    corrections.append(float(ss.controller.correction[0, 0]))
+      ss = step(ss)
+    ys = []
+    for s in ss:
+      u = np.asarray(s.values[0, 0], np.float64) / float(s.base[0, 0]) - 1.0  # each replica's offset
+      y = (u - 0.05) ** 2
+      if k == 1:
+        basis = np.stack([np.ones(N), u, u**2], 1)
+        e = np.random.default_rng(0).normal(size=N)
+        e -= basis @ np.linalg.lstsq(basis, e, rcond=None)[0]  # orthogonal: the fit's slope stays the bowl's
+        b = -2 * 0.05
+        y = y + e * abs(b) / (ratio * numpy_slope_stderr(e, u[:, None])[0])
+        np.testing.assert_allclose(abs(b) / numpy_slope_stderr(y, u[:, None])[0], ratio, rtol=1e-6)
+      ys.append(jnp.asarray(y, jnp.float32))
+    ss = end(ss, ys)
+    for c, s in zip(corrections, ss):
+      c.append(float(s.controller.correction[0, 0]))
   return corrections
 
 
@@ -789,7 +802,7 @@ def test_the_gain_grows_only_on_a_slope_above_twice_its_standard_error(ratio):
   """Both syncs ask for a larger LR; at the second the fitted slope is `ratio` standard errors. With
   step_growth=2 the second step is taken at gain 2 exactly when ratio > 2, else at gain 1 (the same
   correction as without growth): the confidence threshold is 2 standard errors."""
-  plain, grown = _two_syncs_correction(1.0, ratio), _two_syncs_correction(2.0, ratio)
+  plain, grown = _two_syncs_corrections((1.0, 2.0), ratio)
   assert plain[0] == grown[0] and 0.0 < plain[0] < 0.5  # the first step: gain 1 either way, unclipped
   second = plain[1] - plain[0]
   assert 0.0 < second < 0.4
