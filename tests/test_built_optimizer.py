@@ -68,9 +68,9 @@ def _problem():
   return {'w': jnp.zeros((DIM, 2)), 'b': jnp.zeros((2,))}, x, y
 
 
-def _train(tx, steps=STEPS):
-  """``steps`` HDET steps of N replicas under ``jax.vmap`` (one scan); the params, losses, base and state."""
-  params, x, y = _problem()
+def _trainer(tx, steps=STEPS):
+  """``steps`` HDET steps of N replicas under ``jax.vmap`` (one scan), a function of the stacked params and the
+  data: the params, losses, base and state."""
 
   def step(p, s, xb, yb):
     loss, g = jax.value_and_grad(lambda p: jnp.mean((xb @ p['w'] + p['b'] - yb) ** 2))(p)
@@ -81,13 +81,24 @@ def _train(tx, steps=STEPS):
     p, s, loss = jax.vmap(step, axis_name=AX)(*carry, *batch)
     return (p, s), (loss, s.base[0, 0])
 
-  @jax.jit
-  def train(p):
+  def train(p, x, y):
     (p, s), (losses, bases) = jax.lax.scan(body, (p, jax.vmap(tx.init)(p)), (x[:steps], y[:steps]))
     return p, losses, bases, s
 
-  p, losses, bases, s = train(H.stack_replicas(params, N))
-  return p, np.asarray(losses), np.asarray(bases), s
+  return train
+
+
+def _train_all(runs):
+  """Each ``{key: (tx, steps)}`` trained by _trainer, all in one compiled program: XLA:CPU compiles the kernels
+  that the runs' programs share (hdet's own: the sync, the controller) once per program, so one program of all the
+  runs compiles in about a fifth of the CPU time of one program per run. The runs are independent computations in
+  it: ``{key: (params, losses, bases, state)}``."""
+  params, x, y = _problem()
+  trains = {key: _trainer(tx, steps) for key, (tx, steps) in runs.items()}
+  out = jax.jit(lambda p, x, y: {key: train(p, x, y) for key, train in trains.items()})(
+    H.stack_replicas(params, N), x, y
+  )
+  return {key: (p, np.asarray(losses), np.asarray(bases), s) for key, (p, losses, bases, s) in out.items()}
 
 
 # Without the anneal rule (tests/test_anneal.py has it on both paths): Adafactor's climb rises only at the syncs
@@ -95,13 +106,32 @@ def _train(tx, steps=STEPS):
 AUTO = H.AutoLR(total_steps=STEPS, warmup_steps=12, anneal_fraction=0.0)
 
 
-@pytest.mark.parametrize('name', sorted(LINEAR) + sorted(BUILT_ONLY))
-def test_built_equals_factory_at_the_same_learning_rate(name):
-  build, make = BUILT_ONLY.get(name, (LINEAR.get(name), LINEAR.get(name)))
-  built = H.hdet(build(_schedule()), num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=AUTO)
-  factory = H.hdet(make, _schedule(), num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=AUTO)
-  pb, lb, bb, sb = _train(built)
-  pf, lf, bf, sf = _train(factory)
+CASES = sorted(LINEAR) + sorted(BUILT_ONLY)
+GROUPS = {'kernel': r'^w$', 'bias': r'^b$'}
+
+
+@pytest.fixture(scope='module')
+def trained():
+  """Every case's built and factory runs (test_built_equals_factory_at_the_same_learning_rate), and the param groups'
+  (test_param_groups_scale_each_group, 36 steps), trained in one program (_train_all)."""
+  runs = {}
+  for name in CASES:
+    build, make = BUILT_ONLY.get(name, (LINEAR.get(name), LINEAR.get(name)))
+    runs[name, 'built'] = H.hdet(build(_schedule()), num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=AUTO), STEPS
+    runs[name, 'factory'] = (
+      H.hdet(make, _schedule(), num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=AUTO),
+      STEPS,
+    )
+  kw = dict(num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=AUTO, param_groups=GROUPS)
+  runs['groups', 'built'] = H.hdet(optax.adam(_schedule()), **kw), 36
+  runs['groups', 'factory'] = H.hdet(optax.adam, _schedule(), **kw), 36
+  return _train_all(runs)
+
+
+@pytest.mark.parametrize('name', CASES)
+def test_built_equals_factory_at_the_same_learning_rate(trained, name):
+  pb, lb, bb, sb = trained[name, 'built']
+  pf, lf, bf, sf = trained[name, 'factory']
   assert np.all(np.isfinite(lb))
   for a, b in zip(jax.tree.leaves(pb), jax.tree.leaves(pf)):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * float(np.max(np.abs(b))))
@@ -125,21 +155,18 @@ def test_without_controller_the_factor_is_the_spread():
   def step(p, s):
     return tx.update(g, s, p)[0]
 
-  u = jax.vmap(step, axis_name=AX)(H.stack_replicas(params, N), jax.vmap(tx.init)(H.stack_replicas(params, N)))
+  # (jitted: run op by op the update compiles each of its many small operations on its own)
+  u = jax.jit(lambda p: jax.vmap(step, axis_name=AX)(p, jax.vmap(tx.init)(p)))(H.stack_replicas(params, N))
   np.testing.assert_array_equal(np.asarray(u['w'])[:, 0, 0], np.float32(-0.1) * rho.astype(np.float32))
 
 
-def test_param_groups_scale_each_group():
+def test_param_groups_scale_each_group(trained):
   """Per-group factors around a built optimizer equal the factory's per-group learning rates."""
-  groups = {'kernel': r'^w$', 'bias': r'^b$'}
-  kw = dict(num_replicas=N, sync_every=T, replica_axis=AX, auto_lr=AUTO, param_groups=groups)
-  built = H.hdet(optax.adam(_schedule()), **kw)
-  factory = H.hdet(optax.adam, _schedule(), **kw)
-  pb, *_, sb = _train(built, 36)
-  pf, *_ = _train(factory, 36)
+  pb, *_, sb = trained['groups', 'built']
+  pf, *_ = trained['groups', 'factory']
   for a, b in zip(jax.tree.leaves(pb), jax.tree.leaves(pf)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-  assert set(H.hyperparams(sb, H.hyperparam_names(param_groups=groups, built=True))) == {
+  assert set(H.hyperparams(sb, H.hyperparam_names(param_groups=GROUPS, built=True))) == {
     'lr_scale/kernel',
     'lr_scale/bias',
     'base_lr_scale/kernel',

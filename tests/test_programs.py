@@ -138,7 +138,9 @@ def test_window_end_scores_each_replicas_last_iterate_on_the_common_batch():
   # (each replica's slice read on the host: slicing the sharded arrays eagerly would queue one multi-device program per
   # leaf and replica, the pattern behind XLA:CPU's in-process all-reduce deadlock; CONTRIBUTING.md)
   host = jax.device_get(params)
-  want = [float(task.loss(graphdef, jax.tree.map(lambda x: x[r], host), windows)) for r in range(n)]
+  # (the loss jitted, one program for the replicas' slices: run op by op the model compiles each of its operations)
+  loss = jax.jit(lambda p: task.loss(graphdef, p, windows))
+  want = [float(loss(jax.tree.map(lambda x: x[r], host))) for r in range(n)]
   end = programs_lib.make_window_end(
     tx,
     mesh,
@@ -183,7 +185,10 @@ def test_the_rollback_anchor_is_one_copy_per_device_in_the_groups_layout():
     saved = programs_lib.make_saved_anchor(mesh, mesh_lib.anchor_layout(mesh, params, opt_state.inner_state))(anchor)
     back = programs_lib.make_restored_anchor(mesh, mesh_lib.stacked_anchor_layout(mesh, shapes))(saved)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, back), jax.tree.map(np.asarray, anchor))
-    c = programs_lib.unpack(tx, *jax.tree.map(lambda a: a[0], (params, opt_state))).controller
+    # (jitted: run op by op, the slicing and unpacking compile each of their many small operations)
+    c = jax.jit(lambda p, s: programs_lib.unpack(tx, *jax.tree.map(lambda a: a[0], (p, s))).controller)(
+      params, opt_state
+    )
     assert np.isnan(saved.pop('train_loss')) and np.isnan(saved.pop('train_loss_se'))  # no window yet
     assert np.isnan(c.train_loss)
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, saved), jax.tree.map(lambda a: np.asarray(a)[0], stacked))

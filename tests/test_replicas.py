@@ -84,7 +84,9 @@ def test_packed_state_round_trips_bit_for_bit_and_is_one_vector():
     auto_lr=H.AutoLR.paper(total_steps=100, warmup_steps=0),
   )
   params = {'w': jnp.ones((3, 2)), 'b': jnp.zeros((2,))}
-  state = tx.init(params)
+  # (init, pack and unpack jitted: run op by op they compile each of their many small operations on its own; the
+  # docstring examples of hdet_jax.packing run them so)
+  state = jax.jit(tx.init)(params)
   state = state._replace(
     loss_sum=jnp.float32(-0.0),
     replica_ok=jnp.zeros([], bool),
@@ -92,10 +94,11 @@ def test_packed_state_round_trips_bit_for_bit_and_is_one_vector():
     base=jnp.full_like(state.base, jnp.nan),
     count=jnp.int32(-7),
   )
-  packed = H.packing.pack_state(state)
+  packed = jax.jit(H.packing.pack_state)(state)
   small_leaves = jax.tree.leaves(state._replace(inner_state=None))
   assert packed.small.dtype == jnp.uint32 and packed.small.shape == (sum(x.size for x in small_leaves),)
-  back = H.packing.unpack_state(packed, jax.eval_shape(tx.init, params))
+  like = jax.eval_shape(tx.init, params)
+  back = jax.jit(lambda p: H.packing.unpack_state(p, like))(packed)
   assert jax.tree.structure(back) == jax.tree.structure(state)
   for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
     assert a.dtype == b.dtype and a.shape == b.shape
@@ -103,7 +106,7 @@ def test_packed_state_round_trips_bit_for_bit_and_is_one_vector():
       np.atleast_1d(np.asarray(a)).view(np.uint8), np.atleast_1d(np.asarray(b)).view(np.uint8)
     )
   with pytest.raises(ValueError, match='packed from another hdet'):
-    H.packing.unpack_state(packed._replace(small=packed.small[1:]), jax.eval_shape(tx.init, params))
+    H.packing.unpack_state(packed._replace(small=packed.small[1:]), like)
 
 
 def test_packed_hdet_is_hdet_bit_for_bit_under_vmap():
@@ -124,19 +127,24 @@ def test_packed_hdet_is_hdet_bit_for_bit_under_vmap():
   params = {'w': jnp.asarray(np.random.default_rng(0).normal(size=(N, 4)), jnp.float32)}
   targets = jnp.asarray(np.random.default_rng(1).normal(size=(6, N, 4)), jnp.float32)
 
-  def run(tx, unpack):
+  def stepper(tx):
     def step(p, s, c):
       loss, g = jax.value_and_grad(lambda p: 0.5 * jnp.sum((p['w'] - c) ** 2))(p)
       u, s = tx.update(lax.pmean(g, AX), s, p, value=loss)
       return optax.apply_updates(p, u), s
 
-    p, s = params, jax.vmap(tx.init)(params)
-    for t in range(6):
-      p, s = jax.vmap(step, axis_name=AX)(p, s, targets[t])
-    return p, jax.vmap(unpack)(s)
+    return jax.vmap(step, axis_name=AX)
 
-  p0, s0 = run(plain_tx, lambda s: s)
-  p1, s1 = run(packed_tx, lambda s: H.packing.unpack_state(s, jax.eval_shape(plain_tx.init, {'w': params['w'][0]})))
+  # Both runs' steps in one compiled program (run op by op, the update compiles each of its many small operations
+  # on its own; and one program compiles the kernels the two share once).
+  plain, packed = stepper(plain_tx), stepper(packed_tx)
+  both = jax.jit(lambda runs, c: (plain(*runs[0], c), packed(*runs[1], c)))
+  runs = jax.jit(lambda p: ((p, jax.vmap(plain_tx.init)(p)), (p, jax.vmap(packed_tx.init)(p))))(params)
+  for t in range(6):
+    runs = both(runs, targets[t])
+  (p0, s0), (p1, s1) = runs
+  like = jax.eval_shape(plain_tx.init, {'w': params['w'][0]})
+  s1 = jax.jit(jax.vmap(lambda s: H.packing.unpack_state(s, like)))(s1)
   np.testing.assert_array_equal(np.asarray(p0['w']), np.asarray(p1['w']))
   for a, b in zip(jax.tree.leaves(s0), jax.tree.leaves(s1)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -46,6 +46,35 @@ def plain_fit(total_steps, **kw):
   return H.AutoLR(total_steps=total_steps, **(PLAIN_FIT | kw))
 
 
+def signal_runs(runs):
+  """replica_testing.signal_run of each ``{key: (tx, steps)}``: ``{key: states}``. The runs step in lockstep, all in
+  one compiled program (a run past its own steps steps on, unrecorded): XLA:CPU compiles the kernels that their
+  programs share (hdet's sync and controller) once per program, so one program of several runs compiles in about a
+  third of the CPU time of one program per run, and each run in it is its own computation, as in signal_run."""
+
+  def stepper(tx):
+    def step(p, s):
+      my_lr = s.values[0, lax.axis_index(AX)]
+      u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0 + 3.0 * (my_lr / 1e-2 - 1.0) ** 2)
+      return optax.apply_updates(p, u), s
+
+    return jax.vmap(step, axis_name=AX)
+
+  keys = list(runs)  # (in lists: the keys need not sort, as a dict's must in a pytree)
+  steppers = [stepper(runs[key][0]) for key in keys]
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  carry = jax.jit(lambda sp: [(sp, jax.vmap(runs[key][0].init)(sp)) for key in keys])(sp)
+  step = jax.jit(lambda carry: [f(*c) for f, c in zip(steppers, carry)])
+  host = lambda c: jax.tree.map(lambda x: np.asarray(x)[0], c[1])
+  states = {key: [host(c)] for key, c in zip(keys, carry)}
+  for t in range(max(steps for _, steps in runs.values())):
+    carry = step(carry)
+    for key, c in zip(keys, carry):
+      if t < runs[key][1]:
+        states[key].append(host(c))
+  return states
+
+
 @pytest.mark.parametrize('exact', [False, True])
 def test_window_end_program_equals_the_fused_sync_step(mesh, exact):
   """A step with sync=False followed by update(None, ..., sync=True) does what one sync=True step does."""
@@ -201,13 +230,15 @@ def test_score_replaces_the_window_loss_and_stop_steps_freezes_the_controller(co
     jax.vmap(lambda p, s: tx.update(p, s, p, value=1.0, sync=False, score=1.0), axis_name=AX)(sp, ss)
 
 
-@pytest.mark.parametrize('smooth', [True, False])
-def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
-  """Real signal, non-zero decay, a floor (min_value) and a seed: every sync's velocity and base equal
-  eqs. 4-7 computed in numpy from the window's losses and LRs; between syncs the base follows the
-  smooth geometric path (or holds, smooth_decay=False)."""
-  S, T, gamma, floor = 80, 5, 0.03, 4e-3
-  tx = H.hdet(
+PAPER_S, PAPER_T, PAPER_GAMMA, PAPER_FLOOR = 80, 5, 0.03, 4e-3
+
+
+@pytest.fixture(scope='module')
+def paper_runs():
+  """test_paper_controller_as_wired_matches_numpy_oracle's runs, smooth_decay on and off and another seed's (its
+  first window), in one program (signal_runs)."""
+  S, T = PAPER_S, PAPER_T
+  make = lambda smooth: H.hdet(
     optax.sgd,
     5e-3,
     num_replicas=N,
@@ -221,12 +252,31 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
       temperature=0.05,
       lr_of_lr=0.7,
       momentum=0.6,
-      decay=gamma,
-      min_value=floor,
+      decay=PAPER_GAMMA,
+      min_value=PAPER_FLOOR,
       smooth_decay=smooth,
     ),
   )
-  states = signal_run(tx, S)
+  other = H.hdet(
+    optax.sgd,
+    5e-3,
+    num_replicas=N,
+    spread=0.25,
+    sync_every=T,
+    replica_axis=AX,
+    seed=8,
+    auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=0),
+  )
+  return signal_runs({True: (make(True), S), False: (make(False), S), 'other': (other, T)})
+
+
+@pytest.mark.parametrize('smooth', [True, False])
+def test_paper_controller_as_wired_matches_numpy_oracle(paper_runs, smooth):
+  """Real signal, non-zero decay, a floor (min_value) and a seed: every sync's velocity and base equal
+  eqs. 4-7 computed in numpy from the window's losses and LRs; between syncs the base follows the
+  smooth geometric path (or holds, smooth_decay=False)."""
+  S, T, gamma, floor = PAPER_S, PAPER_T, PAPER_GAMMA, PAPER_FLOOR
+  states = paper_runs[smooth]
   v = np.zeros(1)
   moved = 0
   for k in range(1, S // T + 1):
@@ -256,43 +306,42 @@ def test_paper_controller_as_wired_matches_numpy_oracle(smooth):
   want = b * (1 - gamma) ** (np.arange(T) / T - 1.0) if smooth else np.full(T, b)
   np.testing.assert_allclose(inside, want, rtol=1e-5)
   # The seed sets the permutations: another seed draws others.
-  other = signal_run(
-    H.hdet(
-      optax.sgd,
-      5e-3,
-      num_replicas=N,
-      spread=0.25,
-      sync_every=T,
-      replica_axis=AX,
-      seed=8,
-      auto_lr=H.AutoLR.paper(total_steps=S, warmup_steps=0),
-    ),
-    T,
-  )
+  other = paper_runs['other']
   assert not np.array_equal(other[T].controller.perm, states[T].controller.perm)
 
 
-@pytest.mark.parametrize(
-  'initial_scale,growth,max_gain', [(1.0, 1.0, 3.0), (0.2, 1.0, 3.0), (0.2, 2.0, 3.0), (1.0, 2.0, 1.5)]
-)
-def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth, max_gain):
+FIT_CASES = [(1.0, 1.0, 3.0), (0.2, 1.0, 3.0), (0.2, 2.0, 3.0), (1.0, 2.0, 1.5)]
+FIT_S, FIT_T = 60, 5
+
+
+def _fit_schedule():
+  return optax.linear_schedule(5e-3, 2e-3, FIT_S)
+
+
+@pytest.fixture(scope='module')
+def fit_runs():
+  """test_fit_controller_as_wired_matches_numpy_oracle's runs, one per case, in one program (signal_runs)."""
+  make = lambda initial_scale, growth, max_gain: H.hdet(
+    optax.sgd,
+    _fit_schedule(),
+    num_replicas=N,
+    spread=0.25,
+    sync_every=FIT_T,
+    replica_axis=AX,
+    auto_lr=plain_fit(FIT_S, trust=0.2, memory=0.4, initial_scale=initial_scale, step_growth=growth, max_gain=max_gain),
+  )
+  return signal_runs({case: (make(*case), FIT_S) for case in FIT_CASES})
+
+
+@pytest.mark.parametrize('initial_scale,growth,max_gain', FIT_CASES)
+def test_fit_controller_as_wired_matches_numpy_oracle(fit_runs, initial_scale, growth, max_gain):
   """The 'fit' controller in hdet: at each sync the correction moves by the numpy fit of the window's
   losses on the replicas' offsets (times the Rprop gain, with step_growth, capped at max_gain: the last case's
   gain reaches its cap inside the trust region, so the cap AutoLR is given is the one applied), and the base is
   the schedule times exp(correction); the correction starts at log(initial_scale). The sync after the run's last
   step (t = S) holds the correction the last window trained at."""
-  S, T = 60, 5
-  sched = optax.linear_schedule(5e-3, 2e-3, S)
-  tx = H.hdet(
-    optax.sgd,
-    sched,
-    num_replicas=N,
-    spread=0.25,
-    sync_every=T,
-    replica_axis=AX,
-    auto_lr=plain_fit(S, trust=0.2, memory=0.4, initial_scale=initial_scale, step_growth=growth, max_gain=max_gain),
-  )
-  states = signal_run(tx, S)
+  S, T, sched = FIT_S, FIT_T, _fit_schedule()
+  states = fit_runs[initial_scale, growth, max_gain]
   np.testing.assert_allclose(states[0].base[0], initial_scale * float(sched(0)), rtol=1e-6)
   xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), np.log(initial_scale)
   rho = H.multipliers.spread_multipliers(N, 0.25)
@@ -313,23 +362,30 @@ def test_fit_controller_as_wired_matches_numpy_oracle(initial_scale, growth, max
   assert np.array_equal(states[S].controller.correction, states[S - T].controller.correction)  # held at t = S
 
 
-@pytest.mark.parametrize('start', [0.3, 3.0])
-def test_after_stop_rise_takes_only_steps_up_after_the_stop(start):
-  """after_stop='rise': up to stop_steps the correction follows the numpy fit both ways; after it the fit
-  goes on (its statistics keep updating) and only positive steps are taken. From below the bowl's bottom
-  the LR keeps climbing past the stop; from above it holds, as with 'hold'."""
+@pytest.fixture(scope='module')
+def after_stop_runs():
+  """test_after_stop_rise_takes_only_steps_up_after_the_stop's runs, from each start, in one program
+  (signal_runs)."""
   S, T, stop = 80, 5, 20
-  sched = optax.constant_schedule(1e-2 * start)
-  tx = H.hdet(
+  make = lambda start: H.hdet(
     optax.sgd,
-    sched,
+    optax.constant_schedule(1e-2 * start),
     num_replicas=N,
     spread=0.25,
     sync_every=T,
     replica_axis=AX,
     auto_lr=plain_fit(S, trust=0.1, memory=0.4, stop_steps=stop, after_stop='rise'),
   )
-  states = signal_run(tx, S)
+  return signal_runs({start: (make(start), S) for start in (0.3, 3.0)})
+
+
+@pytest.mark.parametrize('start', [0.3, 3.0])
+def test_after_stop_rise_takes_only_steps_up_after_the_stop(after_stop_runs, start):
+  """after_stop='rise': up to stop_steps the correction follows the numpy fit both ways; after it the fit
+  goes on (its statistics keep updating) and only positive steps are taken. From below the bowl's bottom
+  the LR keeps climbing past the stop; from above it holds, as with 'hold'."""
+  S, T, stop = 80, 5, 20
+  states = after_stop_runs[start]
   xtx, xty, corr = np.zeros((2, 2)), np.zeros(2), 0.0
   rho = H.multipliers.spread_multipliers(N, 0.25)
   for k in range(1, S // T + 1):
@@ -352,7 +408,7 @@ def test_initial_scale_is_the_run_of_a_scaled_schedule():
   sched = optax.linear_schedule(2e-2, 8e-3, S)
 
   def run_with(schedule, scale):
-    return signal_run(
+    return (
       H.hdet(
         optax.sgd,
         schedule,
@@ -365,7 +421,8 @@ def test_initial_scale_is_the_run_of_a_scaled_schedule():
       S,
     )
 
-  cautious, scaled = run_with(sched, c), run_with(lambda t: c * sched(t), 1.0)
+  runs = signal_runs({'cautious': run_with(sched, c), 'scaled': run_with(lambda t: c * sched(t), 1.0)})
+  cautious, scaled = runs['cautious'], runs['scaled']
   np.testing.assert_allclose([s.values for s in cautious], [s.values for s in scaled], rtol=2e-5)
   np.testing.assert_allclose(
     [s.controller.correction - np.log(c) for s in cautious], [s.controller.correction for s in scaled], atol=2e-5
@@ -423,27 +480,40 @@ def test_permutations_identical_on_replicas_and_independent_across_hyperparams(m
 
 
 def _run(mesh, tx, loss_fn, steps, params, guard, inject=None, exact=False):
-  def step(p, s, t):
-    loss, g = jax.value_and_grad(loss_fn)(p)
-    if inject is not None:  # NaN into replica inject[1]'s gradient and loss at step inject[0]
-      bad = jnp.logical_and(t == inject[0], lax.axis_index(AX) == inject[1])
-      g = jax.tree.map(lambda x: jnp.where(bad, jnp.nan, x), g)
-      loss = jnp.where(bad, jnp.nan, loss)
-    g = H.pmean_finite(g, AX) if guard else lax.pmean(g, AX)
-    u, s = tx.update(g, s, p, value=loss)
-    p = H.apply_updates(p, u, s, replica_axis=AX, guard_nonfinite=guard) if exact else optax.apply_updates(p, u)
-    return p, s, loss
+  return _runs(mesh, [(tx, loss_fn, guard, inject, exact)], steps, params)[0]
+
+
+def _runs(mesh, runs, steps, params):
+  """Each run ``(tx, loss_fn, guard, inject, exact)``: per step, the replicas' parameters, losses and state. The runs
+  step in lockstep, in one compiled program (XLA:CPU compiles the kernels their programs share once per program)."""
+
+  def stepper(tx, loss_fn, guard, inject, exact):
+    def step(p, s, t):
+      loss, g = jax.value_and_grad(loss_fn)(p)
+      if inject is not None:  # NaN into replica inject[1]'s gradient and loss at step inject[0]
+        bad = jnp.logical_and(t == inject[0], lax.axis_index(AX) == inject[1])
+        g = jax.tree.map(lambda x: jnp.where(bad, jnp.nan, x), g)
+        loss = jnp.where(bad, jnp.nan, loss)
+      g = H.pmean_finite(g, AX) if guard else lax.pmean(g, AX)
+      u, s = tx.update(g, s, p, value=loss)
+      p = H.apply_updates(p, u, s, replica_axis=AX, guard_nonfinite=guard) if exact else optax.apply_updates(p, u)
+      return p, s, loss
+
+    return H.shard_map_replicas(step, mesh, AX, stacked_argnums=(0, 1))
 
   sp = H.stack_replicas(params, N)
-  ss = jax.jit(jax.vmap(tx.init))(sp)
+  ss = jax.jit(lambda sp: [jax.vmap(run[0].init)(sp) for run in runs])(sp)
   sharding = NamedSharding(mesh, P(AX))
   sp, ss = jax.device_put((sp, ss), sharding)
-  f = one_in_flight(jax.jit(H.shard_map_replicas(step, mesh, AX, stacked_argnums=(0, 1))))
-  history = []
+  steppers = [stepper(*run) for run in runs]
+  f = one_in_flight(jax.jit(lambda carry, t: [g(p, s, t) for g, (p, s) in zip(steppers, carry)]))
+  carry, histories = [(sp, s) for s in ss], [[] for _ in runs]
   for t in range(steps):
-    sp, ss, loss = f(sp, ss, jnp.int32(t))
-    history.append((np.asarray(sp['w']), np.asarray(loss), jax.tree.map(np.asarray, ss)))
-  return history
+    out = f(carry, jnp.int32(t))
+    carry = [(p, s) for p, s, _ in out]
+    for history, (p, s, loss) in zip(histories, out):
+      history.append((np.asarray(p['w']), np.asarray(loss), jax.tree.map(np.asarray, s)))
+  return histories
 
 
 def quad(p):
@@ -464,9 +534,16 @@ def test_injected_nan_is_contained(mesh, exact):
     guard_nonfinite=guard,
     exact_sync=exact,
   )
-  guarded = _run(mesh, mk(True), quad, 12, params, True, inject=(5, 3), exact=exact)
-  clean = _run(mesh, mk(True), quad, 12, params, True, exact=exact)
-  unguarded = _run(mesh, mk(False), quad, 12, params, False, inject=(5, 3), exact=exact)
+  guarded, clean, unguarded = _runs(
+    mesh,
+    [
+      (mk(True), quad, True, (5, 3), exact),
+      (mk(True), quad, True, None, exact),
+      (mk(False), quad, False, (5, 3), exact),
+    ],
+    12,
+    params,
+  )
   # Step 5 (window 4..7): replica 3's loss is NaN; the gradient all-reduce leaves it out.
   w, _, st = guarded[7]  # right after the sync ending that window
   assert np.all(np.isfinite(w)) and np.max(np.abs(w - w[0])) <= 1e-6
@@ -498,8 +575,9 @@ def test_highest_lr_replica_diverges_for_real(mesh):
     auto_lr=H.AutoLR.paper(total_steps=200, warmup_steps=0, temperature=0.05, decay=0.0),
     guard_nonfinite=guard,
   )
-  guarded = _run(mesh, mk(True), barrier, 40, params, True)
-  unguarded = _run(mesh, mk(False), barrier, 40, params, False)
+  guarded, unguarded = _runs(
+    mesh, [(mk(True), barrier, True, None, False), (mk(False), barrier, False, None, False)], 40, params
+  )
   losses = np.stack([h[1] for h in guarded])
   # The top-LR replicas really went out of the domain during fan-out...
   assert np.isnan(losses).any()
@@ -590,12 +668,11 @@ def test_paper_controller_stops_at_min_value():
   assert bases[-1] == np.float32(floor) and min(bases) >= np.float32(floor)
 
 
-@pytest.mark.parametrize('start', [5e-4, 2e-1])
-def test_step_growth_settles_at_the_bowls_bottom(start):
-  """With step_growth the correction still settles: started 20x below or above the bowl's bottom (LR 1e-2),
-  the fit's steps are taken at growing gain, overshoot, reverse (gain back to 1) and end at the bottom."""
+@pytest.fixture(scope='module')
+def step_growth_runs():
+  """test_step_growth_settles_at_the_bowls_bottom's runs, from each start, in one program (signal_runs)."""
   S, T = 120, 5
-  tx = H.hdet(
+  make = lambda start: H.hdet(
     optax.sgd,
     optax.constant_schedule(start),
     num_replicas=N,
@@ -604,7 +681,15 @@ def test_step_growth_settles_at_the_bowls_bottom(start):
     replica_axis=AX,
     auto_lr=plain_fit(S, trust=0.5, memory=0.0, step_growth=2.0, max_gain=4.0),
   )
-  states = signal_run(tx, S)
+  return signal_runs({start: (make(start), S) for start in (5e-4, 2e-1)})
+
+
+@pytest.mark.parametrize('start', [5e-4, 2e-1])
+def test_step_growth_settles_at_the_bowls_bottom(step_growth_runs, start):
+  """With step_growth the correction still settles: started 20x below or above the bowl's bottom (LR 1e-2),
+  the fit's steps are taken at growing gain, overshoot, reverse (gain back to 1) and end at the bottom."""
+  T = 5
+  states = step_growth_runs[start]
   gains = np.array([s.controller.gain[0] for s in states[T::T]])
   assert np.abs(gains).max() >= 2.0 and (gains < 0).any() and (gains > 0).any()  # it accelerated and reversed
   np.testing.assert_allclose(states[-1].base[0], 1e-2, rtol=0.05)
@@ -662,40 +747,53 @@ def test_a_sync_schedule_averages_and_compares_at_each_windows_end(mesh):
   np.testing.assert_allclose(plan.decay[0], 1 - (v1 / v0) ** (1 / syncs), rtol=1e-5)
 
 
-def _two_syncs_correction(growth, ratio, T=5):
-  """The 'fit' correction after each of two syncs whose scores are a bowl in the replicas' offset u,
-  k (u - 0.05)^2 (both ask for a larger LR), the second plus noise orthogonal to 1, u and u^2 scaled so that
-  its fitted slope is ``ratio`` standard errors (numpy_slope_stderr); the first is noiseless."""
-  tx = H.hdet(
-    optax.sgd,
-    1e-2,
-    num_replicas=N,
-    spread=0.25,
-    sync_every=T,
-    replica_axis=AX,
-    auto_lr=plain_fit(100, trust=1.0, memory=0.5, step_growth=growth, max_gain=4.0),
-  )
+def _two_syncs_corrections(growths, ratio, T=5):
+  """For each step_growth of ``growths``, the 'fit' correction after each of two syncs whose scores are a bowl in
+  the replicas' offset u, k (u - 0.05)^2 (both ask for a larger LR), the second plus noise orthogonal to 1, u and u^2
+  scaled so that its fitted slope is ``ratio`` standard errors (numpy_slope_stderr); the first is noiseless. The
+  runs step in lockstep, each step (and each sync) of all of them in one compiled program."""
+  txs = [
+    H.hdet(
+      optax.sgd,
+      1e-2,
+      num_replicas=N,
+      spread=0.25,
+      sync_every=T,
+      replica_axis=AX,
+      auto_lr=plain_fit(100, trust=1.0, memory=0.5, step_growth=growth, max_gain=4.0),
+    )
+    for growth in growths
+  ]
   sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
-  ss = jax.vmap(tx.init)(sp)
-  step = jax.jit(
-    jax.vmap(lambda p, s: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0, sync=False)[1], axis_name=AX)
-  )
-  end = jax.jit(jax.vmap(lambda p, s, y: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX))
-  corrections, rng = [], np.random.default_rng(0)
+  ss = jax.jit(lambda sp: [jax.vmap(tx.init)(sp) for tx in txs])(sp)
+  steps = [
+    jax.vmap(
+      lambda p, s, tx=tx: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0, sync=False)[1], axis_name=AX
+    )
+    for tx in txs
+  ]
+  ends = [jax.vmap(lambda p, s, y, tx=tx: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX) for tx in txs]
+  step = jax.jit(lambda ss: [f(sp, s) for f, s in zip(steps, ss)])
+  end = jax.jit(lambda ss, ys: [f(sp, s, y) for f, s, y in zip(ends, ss, ys)])
+  corrections = [[] for _ in txs]
   for k in range(2):
     for _ in range(T):
-      ss = step(sp, ss)
-    u = np.asarray(ss.values[0, 0], np.float64) / float(ss.base[0, 0]) - 1.0  # each replica's offset
-    y = (u - 0.05) ** 2
-    if k == 1:
-      basis = np.stack([np.ones(N), u, u**2], 1)
-      e = rng.normal(size=N)
-      e -= basis @ np.linalg.lstsq(basis, e, rcond=None)[0]  # orthogonal: the fit's slope stays the bowl's
-      b = -2 * 0.05
-      y = y + e * abs(b) / (ratio * numpy_slope_stderr(e, u[:, None])[0])
-      np.testing.assert_allclose(abs(b) / numpy_slope_stderr(y, u[:, None])[0], ratio, rtol=1e-6)
-    ss = end(sp, ss, jnp.asarray(y, jnp.float32))
-    corrections.append(float(ss.controller.correction[0, 0]))
+      ss = step(ss)
+    ys = []
+    for s in ss:
+      u = np.asarray(s.values[0, 0], np.float64) / float(s.base[0, 0]) - 1.0  # each replica's offset
+      y = (u - 0.05) ** 2
+      if k == 1:
+        basis = np.stack([np.ones(N), u, u**2], 1)
+        e = np.random.default_rng(0).normal(size=N)
+        e -= basis @ np.linalg.lstsq(basis, e, rcond=None)[0]  # orthogonal: the fit's slope stays the bowl's
+        b = -2 * 0.05
+        y = y + e * abs(b) / (ratio * numpy_slope_stderr(e, u[:, None])[0])
+        np.testing.assert_allclose(abs(b) / numpy_slope_stderr(y, u[:, None])[0], ratio, rtol=1e-6)
+      ys.append(jnp.asarray(y, jnp.float32))
+    ss = end(ss, ys)
+    for c, s in zip(corrections, ss):
+      c.append(float(s.controller.correction[0, 0]))
   return corrections
 
 
@@ -704,7 +802,7 @@ def test_the_gain_grows_only_on_a_slope_above_twice_its_standard_error(ratio):
   """Both syncs ask for a larger LR; at the second the fitted slope is `ratio` standard errors. With
   step_growth=2 the second step is taken at gain 2 exactly when ratio > 2, else at gain 1 (the same
   correction as without growth): the confidence threshold is 2 standard errors."""
-  plain, grown = _two_syncs_correction(1.0, ratio), _two_syncs_correction(2.0, ratio)
+  plain, grown = _two_syncs_corrections((1.0, 2.0), ratio)
   assert plain[0] == grown[0] and 0.0 < plain[0] < 0.5  # the first step: gain 1 either way, unclipped
   second = plain[1] - plain[0]
   assert 0.0 < second < 0.4
@@ -721,48 +819,88 @@ def _backoff_corrections(
   training loss is ``window_losses[k] + 0.01 r + noise * d_j`` on replica r at the window's step j
   (d = 1, -1, 1, -1, 0: mean 0; ``noise_by_window[k]`` in place of ``noise`` if given), each sync scored on a bowl in
   the offset u, (u - 0.05)^2 (every fit asks for a larger LR)."""
-  tx = H.hdet(
-    optax.sgd,
-    1e-2,
-    num_replicas=N,
-    spread=0.25,
-    sync_every=T,
-    replica_axis=AX,
-    auto_lr=plain_fit(
-      100,
-      trust=trust,
-      memory=0.5,
-      stop_steps=0 if rise_only else None,
-      after_stop='rise' if rise_only else 'hold',
-      backoff=backoff,
-      backoff_stderrs=stderrs,
-      backoff_fraction=fraction,
-    ),
-  )
-  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
-  ss = jax.vmap(tx.init)(sp)
-  step = jax.jit(
-    jax.vmap(lambda p, s, v: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=v, sync=False)[1], axis_name=AX)
-  )
-  end = jax.jit(jax.vmap(lambda p, s, y: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX))
-  out = []
-  d = [1.0, -1.0, 1.0, -1.0, 0.0]
-  for k, loss in enumerate(window_losses):
-    amp = noise if noise_by_window is None else noise_by_window[k]
-    for j in range(T):
-      ss = step(sp, ss, jnp.asarray(loss + 0.01 * np.arange(N) + amp * d[j], jnp.float32))
-    u = np.asarray(ss.values[0, 0], np.float64) / float(ss.base[0, 0]) - 1.0
-    ss = end(sp, ss, jnp.asarray((u - 0.05) ** 2, jnp.float32))
-    out.append(
-      (
-        float(ss.controller.correction[0, 0]),
-        float(ss.controller.train_loss[0]),
-        float(ss.controller.asked[0, 0]),
-        bool(ss.controller.backed_off[0]),
-        float(ss.controller.train_loss_se[0]),
+  return _backoff_runs(
+    [
+      dict(
+        backoff=backoff,
+        window_losses=window_losses,
+        rise_only=rise_only,
+        T=T,
+        trust=trust,
+        noise=noise,
+        stderrs=stderrs,
+        noise_by_window=noise_by_window,
+        fraction=fraction,
       )
+    ]
+  )[0]
+
+
+def _backoff_runs(cases):
+  """_backoff_corrections of each case (a dict of its arguments, as many windows in each), the cases in lockstep:
+  each step, and each sync, of all of them in one compiled program (XLA:CPU compiles the kernels their programs
+  share once per program; signal_runs)."""
+  full = lambda c: dict(rise_only=False, T=5, trust=0.5, noise=0.0, stderrs=0.0, noise_by_window=None, fraction=0.0) | c
+  cases = [full(c) for c in cases]
+  (T,), (windows,) = {c['T'] for c in cases}, {len(c['window_losses']) for c in cases}
+
+  def make(c):
+    return H.hdet(
+      optax.sgd,
+      1e-2,
+      num_replicas=N,
+      spread=0.25,
+      sync_every=c['T'],
+      replica_axis=AX,
+      auto_lr=plain_fit(
+        100,
+        trust=c['trust'],
+        memory=0.5,
+        stop_steps=0 if c['rise_only'] else None,
+        after_stop='rise' if c['rise_only'] else 'hold',
+        backoff=c['backoff'],
+        backoff_stderrs=c['stderrs'],
+        backoff_fraction=c['fraction'],
+      ),
     )
-  return out
+
+  txs = [make(c) for c in cases]
+  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  ss = jax.jit(lambda sp: [jax.vmap(tx.init)(sp) for tx in txs])(sp)
+  steps = [
+    jax.vmap(
+      lambda p, s, v, tx=tx: tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=v, sync=False)[1], axis_name=AX
+    )
+    for tx in txs
+  ]
+  ends = [jax.vmap(lambda p, s, y, tx=tx: tx.update(None, s, p, sync=True, score=y)[1], axis_name=AX) for tx in txs]
+  step = jax.jit(lambda ss, vs: [f(sp, s, v) for f, s, v in zip(steps, ss, vs)])
+  end = jax.jit(lambda ss, ys: [f(sp, s, y) for f, s, y in zip(ends, ss, ys)])
+  outs = [[] for _ in cases]
+  d = [1.0, -1.0, 1.0, -1.0, 0.0]
+  for k in range(windows):
+    for j in range(T):
+      vs = []
+      for c in cases:
+        amp = c['noise'] if c['noise_by_window'] is None else c['noise_by_window'][k]
+        vs.append(jnp.asarray(c['window_losses'][k] + 0.01 * np.arange(N) + amp * d[j], jnp.float32))
+      ss = step(ss, vs)
+    ys = []
+    for s in ss:
+      u = np.asarray(s.values[0, 0], np.float64) / float(s.base[0, 0]) - 1.0
+      ys.append(jnp.asarray((u - 0.05) ** 2, jnp.float32))
+    ss = end(ss, ys)
+    for out, s in zip(outs, ss):
+      out.append(
+        (
+          float(s.controller.correction[0, 0]),
+          float(s.controller.train_loss[0]),
+          float(s.controller.asked[0, 0]),
+          bool(s.controller.backed_off[0]),
+          float(s.controller.train_loss_se[0]),
+        )
+      )
+  return outs
 
 
 @pytest.mark.parametrize('rise_only', [False, True])
@@ -771,7 +909,7 @@ def test_backoff_steps_down_by_trust_where_the_window_training_loss_rose(rise_on
   correction moves as without it, except at the rise and the NaN, where it steps down by exactly trust
   (rise-only or not); the first sync has nothing to compare with. The recorded loss is the replicas' mean."""
   losses = [2.0, 1.0, 1.5, 1.2, float('nan')]
-  plain, backed = _backoff_corrections(False, losses, rise_only), _backoff_corrections(True, losses, rise_only)
+  plain, backed = _backoff_runs([dict(backoff=b, window_losses=losses, rise_only=rise_only) for b in (False, True)])
   fitted = np.diff([0.0] + [c for c, *_ in plain])
   assert np.all(fitted > 0.01)  # every fit asked up (the NaN window's scores are the bowl too)
   taken = np.diff([0.0] + [c for c, *_ in backed])
@@ -803,8 +941,11 @@ def test_backoff_stderrs_counts_only_a_rise_beyond_k_standard_errors_of_the_wind
   standard errors match the numpy oracle (step-to-step changes, so a trend is not noise), and with k = 2 the
   rise must exceed 2 sqrt(2) times the first window's (0.144): 0.12 does not back off, 0.15 does; with k = 0
   any rise does."""
-  for rise, k, backs in ((0.12, 2.0, False), (0.15, 2.0, True), (0.10, 0.0, True), (0.02, 0.0, True)):
-    out = _backoff_corrections(True, [1.0, 1.0 + rise], noise=0.1, stderrs=k)
+  cases = ((0.12, 2.0, False), (0.15, 2.0, True), (0.10, 0.0, True), (0.02, 0.0, True))
+  outs = _backoff_runs(
+    [dict(backoff=True, window_losses=[1.0, 1.0 + rise], noise=0.1, stderrs=k) for rise, k, _ in cases]
+  )
+  for (rise, k, backs), out in zip(cases, outs):
     se = _window_se_oracle([1.0, 1.0 + rise], 0.1)
     assert 0.12 < 2 * np.sqrt(2) * se[0] < 0.15
     assert [b for *_, b, _ in out] == [False, backs], (rise, k)
@@ -818,15 +959,18 @@ def test_backoff_fraction_counts_only_a_rise_beyond_that_fraction_of_the_window_
   2-se margin (0.144 > 0.052) in charge (0.12 does not back off); alone (no stderrs) a rise of 0.06 backs off and
   0.04 does not; a non-finite window backs off whatever f."""
   mean0 = 1.0 + 0.01 * (N - 1) / 2
-  for rise, k, f, backs in (
+  cases = (
     (0.15, 2.0, 0.2, False),
     (0.25, 2.0, 0.2, True),
     (0.12, 2.0, 0.05, False),
     (0.06, 0.0, 0.05, True),
     (0.04, 0.0, 0.05, False),
     (float('nan'), 2.0, 0.2, True),
-  ):
-    out = _backoff_corrections(True, [1.0, 1.0 + rise], noise=0.1, stderrs=k, fraction=f)
+  )
+  outs = _backoff_runs(
+    [dict(backoff=True, window_losses=[1.0, 1.0 + rise], noise=0.1, stderrs=k, fraction=f) for rise, k, f, _ in cases]
+  )
+  for (rise, k, f, backs), out in zip(cases, outs):
     assert [b for *_, b, _ in out] == [False, backs], (rise, k, f)
     assert (0.04 < f * mean0 < 0.06) or (0.2 < f * mean0 < 0.21)
 
@@ -838,9 +982,9 @@ def test_a_window_that_blows_up_backs_off_however_widely_it_spreads():
   assert [b for *_, b, _ in out] == [False, True]
 
 
-def _settle_run(start, settle, S=100, T=5, stop_steps=0):
-  """signal_run (a bowl at LR 1e-2) from a constant LR ``start``, rise-only after ``stop_steps`` (0: from the
-  first sync), with or without ``settle``."""
+def _settle_tx(start, settle, S=100, T=5, stop_steps=0):
+  """(tx, S) of a signal run (a bowl at LR 1e-2) from a constant LR ``start``, rise-only after ``stop_steps`` (0:
+  from the first sync), with or without ``settle``."""
   tx = H.hdet(
     optax.sgd,
     optax.constant_schedule(start),
@@ -852,10 +996,24 @@ def _settle_run(start, settle, S=100, T=5, stop_steps=0):
       S, trust=0.5, memory=0.5, stop_steps=stop_steps, after_stop='rise', step_growth=2.0, max_gain=4.0, settle=settle
     ),
   )
-  return signal_run(tx, S)
+  return tx, S
 
 
-def test_settle_ends_the_spread_once_two_windows_in_a_row_trained_past_the_bowls_bottom():
+@pytest.fixture(scope='module')
+def settle_runs():
+  """The settle tests' runs, in one program (signal_runs): from below the bottom with settle and without, from
+  above it (40 steps), and from below with the stop after the run's end."""
+  return signal_runs(
+    {
+      'settled': _settle_tx(1e-3, True),
+      'plain': _settle_tx(1e-3, False),
+      'above': _settle_tx(2e-1, True, S=40),
+      'no stop': _settle_tx(1e-3, True, stop_steps=100),
+    }
+  )
+
+
+def test_settle_ends_the_spread_once_two_windows_in_a_row_trained_past_the_bowls_bottom(settle_runs):
   """From 10x below the bowl's bottom the climb rises until a window trains above 1e-2; the loss is exactly
   quadratic in the offset, so that window's fit asks down with confidence, rise-only holds the LR, and the next
   window's fit asks down again: it settles there (closed form: the sync after the first window whose base exceeds
@@ -863,7 +1021,7 @@ def test_settle_ends_the_spread_once_two_windows_in_a_row_trained_past_the_bowls
   and the correction holds, where without settle the replicas keep spreading. A settled hyperparameter adds
   nothing to the regression's statistics (only the forgetting factor acts)."""
   T = 5
-  settled, plain = _settle_run(1e-3, True), _settle_run(1e-3, False)
+  settled, plain = settle_runs['settled'], settle_runs['plain']
   syncs = list(range(T, len(settled), T))
   window_bases = [settled[k - 1].base[0] for k in syncs]  # the base the window ending at sync k trained at
   first_above = next(i for i, b in enumerate(window_bases) if b > 1e-2)
@@ -885,18 +1043,18 @@ def test_settle_ends_the_spread_once_two_windows_in_a_row_trained_past_the_bowls
   assert np.ptp(plain[-1].values[0]) > 0.4 * plain[-1].base[0]  # without settle the replicas still spread
 
 
-def test_settle_needs_a_rise_first():
+def test_settle_needs_a_rise_first(settle_runs):
   """Started 20x above the bowl's bottom every fit asks down with confidence, but the rise-only climb never
   raised the LR above its start: nothing settles and the replicas keep spreading."""
-  states = _settle_run(2e-1, True, S=40)
+  states = settle_runs['above']
   assert not any(bool(s.controller.settled[0]) for s in states)
   assert states[-1].controller.correction[0] == 0.0 and np.ptp(states[-1].values[0]) > 0.4 * states[-1].base[0]
 
 
-def test_settle_waits_for_the_rise_only_climb():
+def test_settle_waits_for_the_rise_only_climb(settle_runs):
   """Before the stop the fit takes its asks both ways, so asks down in a row past the bowl's bottom are taken,
   not a climb's end: nothing settles before the stop (here: the whole run)."""
-  states = _settle_run(1e-3, True, stop_steps=100)
+  states = settle_runs['no stop']
   deltas = np.array([s.controller.delta[0] for s in states[5::5]])
   assert (deltas < -0.01).sum() >= 2 and (deltas > 0.01).any()  # it climbed and took asks down
   assert not any(bool(s.controller.settled[0]) for s in states)
