@@ -42,27 +42,32 @@ else:
   os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {FAST_COMPILE_FLAGS}'.strip()
 
 
-# The slowest test files first, in the order of their summed test times in a 2-process run (2026-11-26, with a
-# bracket training beside it: 259, 224, 210, 133, 105, 101, 77, 62, 57, 57, 55, 51, 50, 48, 47, 43, 41, 41, 39 and
-# 38 s; the suite's sum 1946 s). pytest-xdist's --dist loadfile hands whole files to the processes in collection
-# order, so the long ones first leave only short ones for the end and the two processes finish together
-# (longest-processing-time-first scheduling).
+# The slowest test files first, in the order of their summed test times in a 2-process run (2026-12-08, nothing else
+# running: 189, 131, 94, 69, 65, 57, 44, 40, 34, 34, 32, 32, 31, 31, 30, 30, 29, 27, 25 and 24 s; the suite's sum
+# 1345 s). pytest-xdist's --dist loadfile hands whole files to the processes in collection order, so the long ones
+# first leave only short ones for the end and the two processes finish together (longest-processing-time-first
+# scheduling).
 _SLOWEST_FIRST = (
   'test_trainer.py',
+  'test_benchmarks.py',
   'test_reliability.py',
   'test_trainer_controller.py',
   'test_sync.py',
-  'test_programs.py',
-  'test_bracket.py',
+  'test_second_style.py',
   'test_explore_trainer.py',
+  'test_tasks.py',
+  'test_program_cache.py',
   'test_transform.py',
+  'test_doctests.py',
+  'test_docs.py',
+  'test_pmap_trainer.py',
   'test_mesh2d.py',
   'test_explore.py',
-  'test_program_cache.py',
-  'test_tasks.py',
   'test_trainer_mesh2d.py',
-  'test_examples.py',
-  'test_benchmarks.py',
+  'test_optimizer.py',
+  'test_add_to_trainer.py',
+  'test_programs.py',
+  'test_anneal.py',
 )
 
 
