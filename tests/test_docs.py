@@ -347,6 +347,10 @@ def test_the_stated_jax_range_is_the_pinned_one():
   assert f'`jax>={low},<{cap}`' in (DOCS / 'getting_started.md').read_text()
   assert f'`jax>={low},<{cap}`' in (ROOT / 'README.md').read_text()
   assert os.access(ROOT / '.ci' / 'newest_jax', os.X_OK)
+  # Every core test file it names exists (a renamed file would leave it collecting nothing: exit 5).
+  names = re.search(r'CORE_TESTS=\(([^)]*)\)', (ROOT / '.ci' / 'newest_jax').read_text()).group(1).split()
+  missing = [n for n in names if not (ROOT / 'tests' / f'test_{n}.py').exists()]
+  assert len(names) >= 10 and not missing, missing
 
 
 def test_package_version_is_pyprojects():

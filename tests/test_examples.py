@@ -26,7 +26,7 @@ def test_example_runs_quick(path, tmp_path):
   env = dict(os.environ)
   # The example sets its own 8 simulated devices (jax_num_cpu_devices): not the suite's device count flag. The
   # suite's other XLA flags stay (conftest.py: its cheaper CPU code generation, a third of the examples' time;
-  # .ci/newest_jax runs them at XLA's defaults, as users do).
+  # .ci/run runs this file again at XLA's defaults, as users run the examples).
   flags = [f for f in env.get('XLA_FLAGS', '').split() if not f.startswith('--xla_force_host_platform_device')]
   env['XLA_FLAGS'] = ' '.join(flags)
   env['JAX_PLATFORMS'] = 'cpu'
