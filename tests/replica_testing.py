@@ -74,18 +74,29 @@ def run(mesh, tx, steps, params, data, backend='shard_map', exact=False, record=
   return sp, ss, trace, f
 
 
-def signal_run(tx, steps, lr_index=0):
-  """Zero gradients; each replica's loss is 1 + 3 (lr / 1e-2 - 1)^2 of its LR: a bowl at LR 1e-2.
-  Returns per sync: the state before the sync's window (perm, base, velocity, ...) and after it."""
-  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
-  ss = jax.vmap(tx.init)(sp)
+def signal_step(tx, lr_index=0):
+  """:func:`signal_run`'s step of the N replicas under vmap, ``(params, state) -> (params, state)``: zero gradients,
+  each replica's loss 1 + 3 (lr / 1e-2 - 1)^2 of its LR."""
 
   def step(p, s):
     my_lr = s.values[lr_index, lax.axis_index(AX)]
     u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0 + 3.0 * (my_lr / 1e-2 - 1.0) ** 2)
     return optax.apply_updates(p, u), s
 
-  f = jax.jit(jax.vmap(step, axis_name=AX))
+  return jax.vmap(step, axis_name=AX)
+
+
+def signal_start():
+  """:func:`signal_run`'s stacked parameters (zeros)."""
+  return H.stack_replicas({'w': jnp.zeros(3)}, N)
+
+
+def signal_run(tx, steps, lr_index=0):
+  """Zero gradients; each replica's loss is 1 + 3 (lr / 1e-2 - 1)^2 of its LR: a bowl at LR 1e-2.
+  Returns per sync: the state before the sync's window (perm, base, velocity, ...) and after it."""
+  sp = signal_start()
+  ss = jax.vmap(tx.init)(sp)
+  f = jax.jit(signal_step(tx, lr_index))
   states = [jax.tree.map(lambda x: np.asarray(x[0]), ss)]
   for _ in range(steps):
     sp, ss = f(sp, ss)

@@ -17,6 +17,7 @@ from hdet_jax import sync as sync_lib
 from oracles import numpy_accelerate, numpy_controller, numpy_fit, numpy_slope_stderr
 from jax.sharding import NamedSharding, PartitionSpec as P
 from replica_testing import AX, N, hdet_plan, make_mesh, one_in_flight, put, quad_problem, quad_step, run, signal_run
+import replica_testing
 
 
 @pytest.fixture(scope='module')
@@ -51,18 +52,9 @@ def signal_runs(runs):
   one compiled program (a run past its own steps steps on, unrecorded): XLA:CPU compiles the kernels that their
   programs share (hdet's sync and controller) once per program, so one program of several runs compiles in about a
   third of the CPU time of one program per run, and each run in it is its own computation, as in signal_run."""
-
-  def stepper(tx):
-    def step(p, s):
-      my_lr = s.values[0, lax.axis_index(AX)]
-      u, s = tx.update(jax.tree.map(jnp.zeros_like, p), s, p, value=1.0 + 3.0 * (my_lr / 1e-2 - 1.0) ** 2)
-      return optax.apply_updates(p, u), s
-
-    return jax.vmap(step, axis_name=AX)
-
   keys = list(runs)  # (in lists: the keys need not sort, as a dict's must in a pytree)
-  steppers = [stepper(runs[key][0]) for key in keys]
-  sp = H.stack_replicas({'w': jnp.zeros(3)}, N)
+  steppers = [replica_testing.signal_step(runs[key][0]) for key in keys]
+  sp = replica_testing.signal_start()
   carry = jax.jit(lambda sp: [(sp, jax.vmap(runs[key][0].init)(sp)) for key in keys])(sp)
   step = jax.jit(lambda carry: [f(*c) for f, c in zip(steppers, carry)])
   host = lambda c: jax.tree.map(lambda x: np.asarray(x)[0], c[1])
